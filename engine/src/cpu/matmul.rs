@@ -1,0 +1,488 @@
+//! Matrix products `out[t][r] = dot(W[r], x[t])` for the forward pass.
+//!
+//! 4-bit and 8-bit weights are repacked once at load time into a layout the SIMD kernels
+//! read directly (still quantized, same size as in the file), and activations are quantized
+//! per 32-element block to 8 bits, as llama.cpp does. The integer part of each block's dot
+//! product is exact; the float part accumulates blocks in a fixed order per output element,
+//! whatever the batch size, tile shape or thread split: a row's result never depends on what
+//! else is in the batch (greedy decoding is batch invariant).
+
+use half::f16;
+
+use crate::cpu::pool::{ThreadPool, split_range};
+use crate::quant::{GgmlType, QK, dequantize_row};
+
+/// Rows of weights per kernel tile.
+pub(crate) const TILE_ROWS: usize = 4;
+/// Activation rows (tokens) per kernel tile.
+pub(crate) const TILE_COLS: usize = 4;
+
+/// Instruction set chosen once per process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// Portable code.
+    Scalar,
+    /// x86-64 with AVX-512 VNNI (and BW, VL).
+    Avx512Vnni,
+}
+
+/// The best instruction set this CPU supports.
+pub fn detect_isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::env::var_os("SLUICE_FORCE_SCALAR").is_none()
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("f16c")
+        {
+            return Isa::Avx512Vnni;
+        }
+    }
+    Isa::Scalar
+}
+
+/// How a packed 4/8-bit format's per-block offset enters the dot product:
+/// `dot = sum_b d_w d_a isum_b + sum_b c_b sa_b`, with `sa_b = d_a * sum(q_a)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Offset {
+    /// Q4_1: `c_b = m_b` (the stored minimum).
+    Min,
+    /// Q4_0: nibbles are stored with +8, `c_b = -8 d_b`.
+    Minus8,
+    /// Q8_0: stored as `q ^ 0x80` (unsigned), `c_b = -128 d_b`.
+    Minus128,
+}
+
+/// A weight matrix in its compute layout.
+#[derive(Debug)]
+pub struct PackedWeight {
+    /// Output rows.
+    pub rows: usize,
+    /// Input columns (the dot-product length).
+    pub cols: usize,
+    /// The file's element type.
+    pub ty: GgmlType,
+    data: PackedData,
+}
+
+#[derive(Debug)]
+enum PackedData {
+    /// Q4_0, Q4_1, Q8_0: per row, `pairs` pairs of blocks, then scales.
+    Blocks {
+        /// Bytes per pair of blocks (32 for 4-bit, 64 for 8-bit).
+        pair_bytes: usize,
+        offset: Offset,
+        qs: Vec<u8>,
+        d: Vec<f16>,
+        m: Vec<f16>,
+    },
+    /// Everything else: rows as stored in the file, dequantized on the fly.
+    Raw { bytes: Vec<u8>, row_bytes: usize },
+}
+
+impl PackedWeight {
+    /// Repacks `rows` rows of `cols` elements of type `ty` (validated sizes).
+    pub fn new(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> PackedWeight {
+        let row_bytes = ty.row_bytes(cols).unwrap_or(0);
+        let nb = cols / QK;
+        let pairs = nb.div_ceil(2);
+        let data = match ty {
+            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => {
+                let (pair_bytes, offset) = match ty {
+                    GgmlType::Q4_1 => (32, Offset::Min),
+                    GgmlType::Q4_0 => (32, Offset::Minus8),
+                    _ => (64, Offset::Minus128),
+                };
+                let mut qs = vec![0u8; rows * pairs * pair_bytes];
+                let mut d = vec![f16::ZERO; rows * nb];
+                let mut m = vec![f16::ZERO; if offset == Offset::Min { rows * nb } else { 0 }];
+                let bb = ty.block_bytes();
+                for r in 0..rows {
+                    let src = &bytes[r * row_bytes..(r + 1) * row_bytes];
+                    for b in 0..nb {
+                        let blk = &src[b * bb..(b + 1) * bb];
+                        d[r * nb + b] = f16::from_le_bytes([blk[0], blk[1]]);
+                        let pair = &mut qs[(r * pairs + b / 2) * pair_bytes..][..pair_bytes];
+                        match offset {
+                            Offset::Min | Offset::Minus8 => {
+                                let q = if offset == Offset::Min {
+                                    m[r * nb + b] = f16::from_le_bytes([blk[2], blk[3]]);
+                                    &blk[4..20]
+                                } else {
+                                    &blk[2..18]
+                                };
+                                // Pair layout: byte i of the first 16 holds element i of both
+                                // blocks (block 0 low nibble, block 1 high), the next 16 hold
+                                // elements 16 + i, so unpacking yields both blocks in order.
+                                let shift = 4 * (b % 2);
+                                for i in 0..16 {
+                                    pair[i] |= (q[i] & 0xF) << shift;
+                                    pair[16 + i] |= (q[i] >> 4) << shift;
+                                }
+                            }
+                            Offset::Minus128 => {
+                                let dst = &mut pair[32 * (b % 2)..32 * (b % 2) + 32];
+                                for (o, &q) in dst.iter_mut().zip(&blk[2..34]) {
+                                    *o = q ^ 0x80;
+                                }
+                            }
+                        }
+                    }
+                    // A padding block (odd block count) must contribute nothing: its
+                    // activations are zero, and for Q8_0 the stored 0x80 means q = 0.
+                    if nb % 2 == 1 && offset == Offset::Minus128 {
+                        let pair = &mut qs[(r * pairs + nb / 2) * pair_bytes..][..pair_bytes];
+                        pair[32..].fill(0x80);
+                    }
+                }
+                PackedData::Blocks { pair_bytes, offset, qs, d, m }
+            }
+            _ => PackedData::Raw { bytes: bytes.to_vec(), row_bytes },
+        };
+        PackedWeight { rows, cols, ty, data }
+    }
+
+    /// Bytes held in memory.
+    pub fn memory_bytes(&self) -> usize {
+        match &self.data {
+            PackedData::Blocks { qs, d, m, .. } => qs.len() + 2 * (d.len() + m.len()),
+            PackedData::Raw { bytes, .. } => bytes.len(),
+        }
+    }
+
+    /// Dequantizes row `r` into `out` (embedding lookup).
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
+        match &self.data {
+            PackedData::Raw { bytes, row_bytes } => {
+                dequantize_row(self.ty, &bytes[r * row_bytes..(r + 1) * row_bytes], out)
+            }
+            PackedData::Blocks { pair_bytes, offset, qs, d, m } => {
+                let nb = self.cols / QK;
+                let pairs = nb.div_ceil(2);
+                for b in 0..nb {
+                    let pair = &qs[(r * pairs + b / 2) * pair_bytes..][..*pair_bytes];
+                    let db = d[r * nb + b].to_f32();
+                    let y = &mut out[b * QK..(b + 1) * QK];
+                    for (i, yi) in y.iter_mut().enumerate() {
+                        let q = unpack(pair, *offset, b % 2, i);
+                        *yi = match offset {
+                            Offset::Min => db * q as f32 + m[r * nb + b].to_f32(),
+                            Offset::Minus8 => db * (q - 8) as f32,
+                            Offset::Minus128 => db * (q - 128) as f32,
+                        };
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The stored (unsigned, offset) value of element `i` of block `half` of a pair.
+fn unpack(pair: &[u8], offset: Offset, half: usize, i: usize) -> i32 {
+    match offset {
+        Offset::Minus128 => i32::from(pair[32 * half + i]),
+        _ => i32::from((pair[(i / 16) * 16 + i % 16] >> (4 * half)) & 0xF),
+    }
+}
+
+/// Activations quantized to 8 bits per 32-element block.
+#[derive(Debug, Default)]
+pub struct QuantizedActs {
+    /// Rows (tokens).
+    pub rows: usize,
+    /// Blocks per row (unpadded).
+    pub nb: usize,
+    /// Blocks per row in `qs`, padded to pairs.
+    pub(crate) nb_pad: usize,
+    /// Quantized values, `rows x nb_pad x 32`.
+    pub(crate) qs: Vec<i8>,
+    /// Per-block scales, `rows x nb`.
+    pub(crate) d: Vec<f32>,
+    /// Per-block `d * sum(q)`, `rows x nb`.
+    pub(crate) sa: Vec<f32>,
+}
+
+impl QuantizedActs {
+    /// Quantizes `x` (rows x cols, row-major) in place of the previous contents.
+    pub fn quantize(&mut self, x: &[f32], cols: usize) {
+        let nb = cols / QK;
+        let nb_pad = nb.div_ceil(2) * 2;
+        let rows = x.len() / cols;
+        self.rows = rows;
+        self.nb = nb;
+        self.nb_pad = nb_pad;
+        self.qs.clear();
+        self.qs.resize(rows * nb_pad * QK, 0);
+        self.d.clear();
+        self.d.resize(rows * nb, 0.0);
+        self.sa.clear();
+        self.sa.resize(rows * nb, 0.0);
+        for t in 0..rows {
+            for b in 0..nb {
+                let src = &x[t * cols + b * QK..][..QK];
+                let amax = src.iter().fold(0f32, |a, v| a.max(v.abs()));
+                let d = amax / 127.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                let dst = &mut self.qs[(t * nb_pad + b) * QK..][..QK];
+                let mut sum = 0i32;
+                for (q, &v) in dst.iter_mut().zip(src) {
+                    let qi = (v * id).round() as i32;
+                    *q = qi as i8;
+                    sum += qi;
+                }
+                self.d[t * nb + b] = d;
+                self.sa[t * nb + b] = d * sum as f32;
+            }
+        }
+    }
+}
+
+/// Scratch buffers reused across calls.
+#[derive(Debug, Default)]
+pub struct MatmulScratch {
+    acts: QuantizedActs,
+}
+
+/// `out[t * w.rows + r] = dot(W[r], x[t])` for every token row `t` of `x`.
+pub fn matmul(
+    pool: &ThreadPool,
+    isa: Isa,
+    w: &PackedWeight,
+    x: &[f32],
+    out: &mut [f32],
+    scratch: &mut MatmulScratch,
+) {
+    let t_rows = x.len() / w.cols;
+    debug_assert_eq!(out.len(), t_rows * w.rows);
+    let out_ptr = SharedOut(out.as_mut_ptr());
+    let threads = pool.threads();
+    match &w.data {
+        PackedData::Blocks { pair_bytes, offset, qs, d, m } => {
+            scratch.acts.quantize(x, w.cols);
+            let acts = &scratch.acts;
+            let view = BlockView { rows: w.rows, nb: w.cols / QK, pair_bytes: *pair_bytes, offset: *offset, qs, d, m };
+            pool.run(&|i| {
+                let range = split_range(w.rows, threads, i, TILE_ROWS);
+                // SAFETY: threads write disjoint row ranges of every token's output row.
+                unsafe { block_rows(isa, &view, acts, range, out_ptr) };
+            });
+        }
+        PackedData::Raw { bytes, row_bytes } => {
+            pool.run(&|i| {
+                let range = split_range(w.rows, threads, i, 1);
+                let mut deq = vec![0f32; w.cols];
+                for r in range {
+                    dequantize_row(w.ty, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut deq);
+                    for t in 0..t_rows {
+                        let v = dot_f32(&deq, &x[t * w.cols..(t + 1) * w.cols]);
+                        // SAFETY: element (t, r) belongs to this thread's row range only.
+                        unsafe { *out_ptr.get().add(t * w.rows + r) = v };
+                    }
+                }
+            });
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+// SAFETY: used only for disjoint writes from pool threads while the owning borrow is held.
+unsafe impl Send for SharedOut {}
+// SAFETY: as above.
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+/// Borrowed view of a packed 4/8-bit weight for the kernels.
+pub(crate) struct BlockView<'a> {
+    pub(crate) rows: usize,
+    pub(crate) nb: usize,
+    pub(crate) pair_bytes: usize,
+    pub(crate) offset: Offset,
+    pub(crate) qs: &'a [u8],
+    pub(crate) d: &'a [f16],
+    pub(crate) m: &'a [f16],
+}
+
+/// Fixed-order f32 dot product (16 independent lanes, then a fixed reduction tree).
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let mut ca = a.chunks_exact(16);
+    let mut cb = b.chunks_exact(16);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for l in 0..16 {
+            acc[l] = x[l].mul_add(y[l], acc[l]);
+        }
+    }
+    for (l, (x, y)) in ca.remainder().iter().zip(cb.remainder()).enumerate() {
+        acc[l] = x.mul_add(*y, acc[l]);
+    }
+    let mut w = 16;
+    while w > 1 {
+        w /= 2;
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+    }
+    acc[0]
+}
+
+/// The offset term `sum_b c_b sa_b` of one (weight row, activation row) pair.
+fn offset_term(v: &BlockView<'_>, acts: &QuantizedActs, r: usize, t: usize) -> f32 {
+    let nb = v.nb;
+    let sa = &acts.sa[t * nb..(t + 1) * nb];
+    let d = &v.d[r * nb..(r + 1) * nb];
+    let mut acc = [0f32; 16];
+    for b in 0..nb {
+        let c = match v.offset {
+            Offset::Min => v.m[r * nb + b].to_f32(),
+            Offset::Minus8 => -8.0 * d[b].to_f32(),
+            Offset::Minus128 => -128.0 * d[b].to_f32(),
+        };
+        acc[b % 16] = c.mul_add(sa[b], acc[b % 16]);
+    }
+    let mut w = 16;
+    while w > 1 {
+        w /= 2;
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+    }
+    acc[0]
+}
+
+/// Computes output rows `range` for all tokens.
+///
+/// # Safety
+/// `out` must point to `acts.rows * v.rows` floats, and no other thread may write the
+/// elements of rows in `range`.
+unsafe fn block_rows(
+    isa: Isa,
+    v: &BlockView<'_>,
+    acts: &QuantizedActs,
+    range: std::ops::Range<usize>,
+    out: SharedOut,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512Vnni {
+        // SAFETY: `isa` is only `Avx512Vnni` when detection found every feature used, and
+        // the caller's contract on `out` is passed on unchanged.
+        unsafe { crate::cpu::x86::block_rows_avx512(v, acts, range, out.get()) };
+        return;
+    }
+    let _ = isa;
+    for r in range {
+        for t in 0..acts.rows {
+            let val = scalar_dot(v, acts, r, t);
+            // SAFETY: (t, r) lies inside `out` and row r is ours (caller's contract).
+            unsafe { *out.get().add(t * v.rows + r) = val };
+        }
+    }
+}
+
+/// Portable reference: the same integer sums per block, float accumulation per block.
+fn scalar_dot(v: &BlockView<'_>, acts: &QuantizedActs, r: usize, t: usize) -> f32 {
+    let nb = v.nb;
+    let pairs = nb.div_ceil(2);
+    let mut acc = [0f32; 16];
+    for b in 0..nb {
+        let pair = &v.qs[(r * pairs + b / 2) * v.pair_bytes..][..v.pair_bytes];
+        let a = &acts.qs[(t * acts.nb_pad + b) * QK..][..QK];
+        let isum: i32 =
+            (0..QK).map(|i| unpack(pair, v.offset, b % 2, i) * i32::from(a[i])).sum();
+        let s = v.d[r * nb + b].to_f32() * acts.d[t * nb + b];
+        acc[b % 16] = s.mul_add(isum as f32, acc[b % 16]);
+    }
+    let mut w = 16;
+    while w > 1 {
+        w /= 2;
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+    }
+    acc[0] + offset_term(v, acts, r, t)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::quantize_row;
+
+    fn data(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect()
+    }
+
+    fn reference(w: &PackedWeight, x: &[f32]) -> Vec<f32> {
+        let mut row = vec![0f32; w.cols];
+        let t_rows = x.len() / w.cols;
+        let mut out = vec![0f32; t_rows * w.rows];
+        for r in 0..w.rows {
+            w.dequantize_row(r, &mut row);
+            for t in 0..t_rows {
+                let xs = &x[t * w.cols..(t + 1) * w.cols];
+                out[t * w.rows + r] = row.iter().zip(xs).map(|(a, b)| a * b).sum();
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_type_matches_the_dequantized_reference() {
+        let pool = ThreadPool::new(2);
+        for ty in GgmlType::ALL {
+            for (rows, cols) in [(7, 256), (9, 96), (16, 512)] {
+                if cols % ty.block_elems() != 0 {
+                    continue;
+                }
+                let wf = data(rows * cols, 1);
+                let bytes: Vec<u8> = wf.chunks(cols).flat_map(|r| quantize_row(ty, r)).collect();
+                let w = PackedWeight::new(ty, rows, cols, &bytes);
+                let x = data(5 * cols, 2);
+                let want = reference(&w, &x);
+                for isa in [Isa::Scalar, detect_isa()] {
+                    let mut got = vec![0f32; want.len()];
+                    matmul(&pool, isa, &w, &x, &mut got, &mut MatmulScratch::default());
+                    for (g, e) in got.iter().zip(&want) {
+                        // 8-bit activations: error grows with sqrt(cols).
+                        assert!((g - e).abs() < 0.02 * (cols as f32).sqrt(), "{} {isa:?}: {g} vs {e}", ty.name());
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_is_the_same_alone_and_in_a_batch() {
+        let pool = ThreadPool::new(2);
+        let (rows, cols) = (37, 576);
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::F16] {
+            let wf = data(rows * cols, 3);
+            let bytes: Vec<u8> = wf.chunks(cols).flat_map(|r| quantize_row(ty, r)).collect();
+            let w = PackedWeight::new(ty, rows, cols, &bytes);
+            let x = data(11 * cols, 4);
+            let isa = detect_isa();
+            let mut batch = vec![0f32; 11 * rows];
+            matmul(&pool, isa, &w, &x, &mut batch, &mut MatmulScratch::default());
+            for t in 0..11 {
+                let mut alone = vec![0f32; rows];
+                let xt = &x[t * cols..(t + 1) * cols];
+                matmul(&pool, isa, &w, xt, &mut alone, &mut MatmulScratch::default());
+                assert_eq!(&batch[t * rows..(t + 1) * rows], &alone[..], "{} token {t}", ty.name());
+            }
+        }
+    }
+}

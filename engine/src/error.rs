@@ -1,0 +1,67 @@
+//! The engine's one error type.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong inside the engine crate.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// A file could not be opened or read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file involved.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// A model file is malformed, truncated or hostile.
+    #[error("{path}: {message}")]
+    Format {
+        /// The file involved.
+        path: PathBuf,
+        /// What is wrong, naming the tensor or key.
+        message: String,
+    },
+    /// The model is well formed but uses something this engine does not support.
+    #[error("unsupported model: {0}")]
+    Unsupported(String),
+    /// Tokenizer construction or encoding failed.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// The chat template failed to compile or render, or refused the messages.
+    #[error("chat template: {0}")]
+    Template(String),
+    /// A request is invalid for this model (bad token id, context overflow, ...).
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    /// Obtaining the default model failed.
+    #[error("model fetch: {0}")]
+    Fetch(String),
+}
+
+impl EngineError {
+    /// Builds a [`EngineError::Format`] error for `path`.
+    pub fn format(path: impl Into<PathBuf>, message: impl Into<String>) -> Self {
+        EngineError::Format { path: path.into(), message: message.into() }
+    }
+
+    /// Builds a [`EngineError::Io`] error for `path`.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        EngineError::Io { path: path.into(), source }
+    }
+
+    /// A short label for metrics and logs.
+    pub fn error_type(&self) -> &'static str {
+        match self {
+            EngineError::Io { .. } => "io",
+            EngineError::Format { .. } => "format",
+            EngineError::Unsupported(_) => "unsupported",
+            EngineError::Tokenizer(_) => "tokenizer",
+            EngineError::Template(_) => "template",
+            EngineError::InvalidRequest(_) => "validation",
+            EngineError::Fetch(_) => "fetch",
+        }
+    }
+}
+
+/// Result with [`EngineError`].
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;

@@ -1,0 +1,353 @@
+//! The CPU forward pass over a batch of sequences with a paged KV cache.
+//!
+//! A batch mixes sequences at different stages: each brings its new tokens, the position of
+//! the first, and its block table. New keys and values are written into their blocks, then
+//! each new token attends over every cached position of its own sequence up to its own.
+
+use crate::cpu::matmul::{Isa, MatmulScratch, PackedWeight, detect_isa, dot_f32, matmul};
+use crate::cpu::pool::ThreadPool;
+use crate::error::{EngineError, Result};
+use crate::model::{LlamaWeights, RopeStyle};
+
+/// The KV cache as fixed-size blocks: `[layer][block][slot][kv_dim]` for K and for V.
+#[derive(Debug)]
+pub struct KvCache {
+    layers: usize,
+    block_size: usize,
+    num_blocks: usize,
+    kv_dim: usize,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+impl KvCache {
+    /// Allocates `num_blocks` blocks of `block_size` tokens for `weights`' shape.
+    pub fn new(weights: &LlamaWeights, block_size: usize, num_blocks: usize) -> KvCache {
+        let c = &weights.config;
+        let n = c.layers * num_blocks * block_size * c.kv_dim();
+        KvCache {
+            layers: c.layers,
+            block_size,
+            num_blocks,
+            kv_dim: c.kv_dim(),
+            k: vec![0.0; n],
+            v: vec![0.0; n],
+        }
+    }
+
+    /// Bytes one block takes (K and V, all layers).
+    pub fn bytes_per_block(weights: &LlamaWeights, block_size: usize) -> usize {
+        2 * weights.config.layers * block_size * weights.config.kv_dim() * std::mem::size_of::<f32>()
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Number of blocks.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    fn offset(&self, layer: usize, block: usize, slot: usize) -> usize {
+        ((layer * self.num_blocks + block) * self.block_size + slot) * self.kv_dim
+    }
+}
+
+/// Which logits a sequence wants back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogitsWanted {
+    /// None (a prefill chunk that is not the last).
+    None,
+    /// For the last new token only.
+    Last,
+    /// For every new token (teacher forcing, prompt log-probabilities).
+    All,
+}
+
+/// One sequence's part of a batch.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqInput<'a> {
+    /// New tokens to process.
+    pub tokens: &'a [u32],
+    /// Position of `tokens[0]`; positions `0..start_pos` are already in the cache.
+    pub start_pos: usize,
+    /// Cache blocks holding positions `0..start_pos + tokens.len()`, in order.
+    pub block_table: &'a [u32],
+    /// Logits to return.
+    pub logits: LogitsWanted,
+}
+
+/// Runs forward passes; owns the compute threads and scratch space.
+pub struct Runner {
+    pool: ThreadPool,
+    isa: Isa,
+    scratch: MatmulScratch,
+}
+
+impl std::fmt::Debug for Runner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runner").field("threads", &self.pool.threads()).field("isa", &self.isa).finish()
+    }
+}
+
+struct TokenMeta {
+    seq: usize,
+    pos: usize,
+}
+
+impl Runner {
+    /// A runner with `threads` compute threads (0: all available).
+    pub fn new(threads: usize) -> Runner {
+        let pool = if threads == 0 {
+            ThreadPool::with_available_parallelism()
+        } else {
+            ThreadPool::new(threads)
+        };
+        Runner { pool, isa: detect_isa(), scratch: MatmulScratch::default() }
+    }
+
+    /// Instruction set in use.
+    pub fn isa(&self) -> Isa {
+        self.isa
+    }
+
+    /// Compute threads in use.
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+
+    fn mm(&mut self, w: &PackedWeight, x: &[f32], out: &mut Vec<f32>) {
+        let t = x.len() / w.cols;
+        out.clear();
+        out.resize(t * w.rows, 0.0);
+        matmul(&self.pool, self.isa, w, x, out, &mut self.scratch);
+    }
+
+    /// Runs the batch and returns the wanted logits, `vocab` floats per wanted token, in
+    /// batch order.
+    pub fn forward(
+        &mut self,
+        w: &LlamaWeights,
+        cache: &mut KvCache,
+        batch: &[SeqInput<'_>],
+    ) -> Result<Vec<f32>> {
+        let c = &w.config;
+        let (hidden, q_dim, kv_dim, hd) = (c.hidden, c.q_dim(), c.kv_dim(), c.head_dim);
+        let mut meta = Vec::new();
+        let mut wanted = Vec::new();
+        for (s, seq) in batch.iter().enumerate() {
+            let end = seq.start_pos + seq.tokens.len();
+            if end > c.context_length {
+                return Err(EngineError::InvalidRequest(format!(
+                    "sequence of {end} tokens exceeds the context length {}",
+                    c.context_length
+                )));
+            }
+            if seq.block_table.len() * cache.block_size < end {
+                return Err(EngineError::InvalidRequest(format!(
+                    "block table of {} blocks cannot hold {end} tokens",
+                    seq.block_table.len()
+                )));
+            }
+            if let Some(b) = seq.block_table.iter().find(|&&b| b as usize >= cache.num_blocks) {
+                return Err(EngineError::InvalidRequest(format!("block {b} out of range")));
+            }
+            for (i, &tok) in seq.tokens.iter().enumerate() {
+                if tok as usize >= c.vocab_size {
+                    return Err(EngineError::InvalidRequest(format!(
+                        "token id {tok} is outside the vocabulary ({})",
+                        c.vocab_size
+                    )));
+                }
+                let last = i + 1 == seq.tokens.len();
+                if seq.logits == LogitsWanted::All || (seq.logits == LogitsWanted::Last && last) {
+                    wanted.push(meta.len());
+                }
+                meta.push(TokenMeta { seq: s, pos: seq.start_pos + i });
+            }
+        }
+        let n = meta.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let tokens: Vec<u32> = batch.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let mut x = vec![0f32; n * hidden];
+        for (t, &tok) in tokens.iter().enumerate() {
+            w.embed.dequantize_row(tok as usize, &mut x[t * hidden..(t + 1) * hidden]);
+        }
+        let (cos, sin) = rope_tables(&w.inv_freq, &meta);
+
+        let mut xn = vec![0f32; n * hidden];
+        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        let mut attn = vec![0f32; n * q_dim];
+        let (mut o, mut gate, mut up, mut down) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (li, l) in w.layers.iter().enumerate() {
+            rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn);
+            self.mm(&l.wq, &xn, &mut q);
+            self.mm(&l.wk, &xn, &mut k);
+            self.mm(&l.wv, &xn, &mut v);
+            add_bias(&mut q, l.bq.as_deref());
+            add_bias(&mut k, l.bk.as_deref());
+            add_bias(&mut v, l.bv.as_deref());
+            let half = c.rope_dims / 2;
+            for t in 0..n {
+                let (ct, st) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
+                for h in 0..c.heads {
+                    rope(&mut q[t * q_dim + h * hd..][..hd], ct, st, c.rope_style);
+                }
+                for h in 0..c.kv_heads {
+                    rope(&mut k[t * kv_dim + h * hd..][..hd], ct, st, c.rope_style);
+                }
+                let seq = &batch[meta[t].seq];
+                let pos = meta[t].pos;
+                let block = seq.block_table[pos / cache.block_size] as usize;
+                let off = cache.offset(li, block, pos % cache.block_size);
+                cache.k[off..off + kv_dim].copy_from_slice(&k[t * kv_dim..(t + 1) * kv_dim]);
+                cache.v[off..off + kv_dim].copy_from_slice(&v[t * kv_dim..(t + 1) * kv_dim]);
+            }
+            attention(&self.pool, c, cache, li, batch, &meta, &q, &mut attn);
+            self.mm(&l.wo, &attn, &mut o);
+            for (xi, oi) in x.iter_mut().zip(&o) {
+                *xi += oi;
+            }
+            rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut xn);
+            self.mm(&l.w_gate, &xn, &mut gate);
+            self.mm(&l.w_up, &xn, &mut up);
+            for (g, u) in gate.iter_mut().zip(&up) {
+                *g = *g / (1.0 + (-*g).exp()) * u;
+            }
+            self.mm(&l.w_down, &gate, &mut down);
+            for (xi, di) in x.iter_mut().zip(&down) {
+                *xi += di;
+            }
+        }
+        let mut last = vec![0f32; wanted.len() * hidden];
+        for (j, &t) in wanted.iter().enumerate() {
+            last[j * hidden..(j + 1) * hidden].copy_from_slice(&x[t * hidden..(t + 1) * hidden]);
+        }
+        let mut normed = vec![0f32; last.len()];
+        rms_norm(&last, &w.norm, c.rms_eps, &mut normed);
+        let mut logits = Vec::new();
+        self.mm(w.lm_head(), &normed, &mut logits);
+        Ok(logits)
+    }
+}
+
+fn add_bias(x: &mut [f32], b: Option<&[f32]>) {
+    if let Some(b) = b {
+        for row in x.chunks_exact_mut(b.len()) {
+            for (xi, bi) in row.iter_mut().zip(b) {
+                *xi += bi;
+            }
+        }
+    }
+}
+
+fn rms_norm(x: &[f32], w: &[f32], eps: f32, out: &mut [f32]) {
+    let n = w.len();
+    for (row, o) in x.chunks_exact(n).zip(out.chunks_exact_mut(n)) {
+        let ss = dot_f32(row, row);
+        let scale = 1.0 / (ss / n as f32 + eps).sqrt();
+        for ((oi, xi), wi) in o.iter_mut().zip(row).zip(w) {
+            *oi = xi * scale * wi;
+        }
+    }
+}
+
+fn rope_tables(inv_freq: &[f32], meta: &[TokenMeta]) -> (Vec<f32>, Vec<f32>) {
+    let half = inv_freq.len();
+    let mut cos = vec![0f32; meta.len() * half];
+    let mut sin = vec![0f32; meta.len() * half];
+    for (t, m) in meta.iter().enumerate() {
+        for (i, f) in inv_freq.iter().enumerate() {
+            let theta = m.pos as f32 * f;
+            let (s, c) = theta.sin_cos();
+            cos[t * half + i] = c;
+            sin[t * half + i] = s;
+        }
+    }
+    (cos, sin)
+}
+
+fn rope(x: &mut [f32], cos: &[f32], sin: &[f32], style: RopeStyle) {
+    let half = cos.len();
+    for i in 0..half {
+        let (a, b) = match style {
+            RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+            RopeStyle::Halves => (i, i + x.len() / 2),
+        };
+        let (x0, x1) = (x[a], x[b]);
+        x[a] = x0 * cos[i] - x1 * sin[i];
+        x[b] = x0 * sin[i] + x1 * cos[i];
+    }
+}
+
+#[derive(Clone, Copy)]
+struct SharedMut(*mut f32);
+// SAFETY: pool threads write disjoint (token, head) slices through it.
+unsafe impl Send for SharedMut {}
+// SAFETY: as above.
+unsafe impl Sync for SharedMut {}
+impl SharedMut {
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+#[expect(clippy::too_many_arguments, reason = "one call site; the pieces are distinct")]
+fn attention(
+    pool: &ThreadPool,
+    c: &crate::model::LlamaConfig,
+    cache: &KvCache,
+    layer: usize,
+    batch: &[SeqInput<'_>],
+    meta: &[TokenMeta],
+    q: &[f32],
+    out: &mut [f32],
+) {
+    let (hd, q_dim, group) = (c.head_dim, c.q_dim(), c.heads / c.kv_heads);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let items = meta.len() * c.heads;
+    let threads = pool.threads();
+    let out_ptr = SharedMut(out.as_mut_ptr());
+    pool.run(&|ti| {
+        let mut scores = Vec::new();
+        let mut acc = vec![0f32; hd];
+        // Interleaved assignment balances causal prefill, where later tokens cost more.
+        for item in (ti..items).step_by(threads) {
+            let (t, h) = (item / c.heads, item % c.heads);
+            let TokenMeta { seq, pos } = meta[t];
+            let table = batch[seq].block_table;
+            let kvh = h / group;
+            let qh = &q[t * q_dim + h * hd..][..hd];
+            scores.clear();
+            let mut max = f32::NEG_INFINITY;
+            for j in 0..=pos {
+                let off = cache.offset(layer, table[j / cache.block_size] as usize, j % cache.block_size);
+                let s = dot_f32(qh, &cache.k[off + kvh * hd..][..hd]) * scale;
+                max = max.max(s);
+                scores.push(s);
+            }
+            let mut sum = 0f32;
+            for s in scores.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            acc.fill(0.0);
+            for (j, p) in scores.iter().enumerate() {
+                let off = cache.offset(layer, table[j / cache.block_size] as usize, j % cache.block_size);
+                for (a, vv) in acc.iter_mut().zip(&cache.v[off + kvh * hd..][..hd]) {
+                    *a = p.mul_add(*vv, *a);
+                }
+            }
+            let inv = 1.0 / sum;
+            for (i, a) in acc.iter().enumerate() {
+                // SAFETY: each (t, h) item is handled by exactly one thread and its slice
+                // [t * q_dim + h * hd, +hd) lies inside `out`.
+                unsafe { *out_ptr.get().add(t * q_dim + h * hd + i) = a * inv };
+            }
+        }
+    });
+}

@@ -1,0 +1,413 @@
+//! Llama-family model description and weights (GGUF and safetensors sources).
+
+use crate::cpu::matmul::PackedWeight;
+use crate::error::{EngineError, Result};
+use crate::gguf::GgufFile;
+use crate::quant::{GgmlType, dequantize_row};
+
+/// How rotary embedding pairs dimensions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs `(2i, 2i+1)`: GGUF llama files (the converter permutes Q and K).
+    Interleaved,
+    /// Halves `(i, i + n/2)`: Hugging Face checkpoints and GGUF qwen2 ("NeoX" style).
+    Halves,
+}
+
+/// Llama-3 style frequency scaling (`rope_scaling.rope_type = "llama3"`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Llama3Scaling {
+    /// Overall scale factor.
+    pub factor: f32,
+    /// Wavelengths longer than `original / low_freq_factor` are scaled fully.
+    pub low_freq_factor: f32,
+    /// Wavelengths shorter than `original / high_freq_factor` are left alone.
+    pub high_freq_factor: f32,
+    /// The context length the model was pre-trained with.
+    pub original_max_position: f32,
+}
+
+/// Architecture hyper-parameters.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    /// Architecture name as the file states it (`llama`, `qwen2`, `mistral`).
+    pub arch: String,
+    /// Vocabulary size (rows of the embedding).
+    pub vocab_size: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Feed-forward inner size.
+    pub intermediate: usize,
+    /// Number of transformer blocks.
+    pub layers: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (GQA when fewer than `heads`).
+    pub kv_heads: usize,
+    /// Per-head dimension.
+    pub head_dim: usize,
+    /// Dimensions of each head that are rotated.
+    pub rope_dims: usize,
+    /// RoPE base frequency.
+    pub rope_theta: f32,
+    /// Optional Llama-3 scaling.
+    pub rope_scaling: Option<Llama3Scaling>,
+    /// Pairing of rotated dimensions.
+    pub rope_style: RopeStyle,
+    /// RMSNorm epsilon.
+    pub rms_eps: f32,
+    /// Maximum context length.
+    pub context_length: usize,
+    /// Whether the output projection reuses the embedding.
+    pub tied_embeddings: bool,
+}
+
+impl LlamaConfig {
+    /// Width of the K and V projections.
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Width of the Q projection.
+    pub fn q_dim(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    /// Inverse frequencies for each rotated pair, with scaling applied.
+    pub fn inv_freq(&self, freq_factors: Option<&[f32]>) -> Vec<f32> {
+        let n = self.rope_dims;
+        (0..n / 2)
+            .map(|i| {
+                let base = self.rope_theta.powf(-((2 * i) as f32) / n as f32);
+                match (freq_factors, self.rope_scaling) {
+                    (Some(ff), _) => base / ff.get(i).copied().unwrap_or(1.0),
+                    (None, Some(s)) => llama3_scale(base, s),
+                    (None, None) => base,
+                }
+            })
+            .collect()
+    }
+
+    fn validate(&self, what: &str) -> Result<()> {
+        let bad = |m: String| Err(EngineError::Unsupported(format!("{what}: {m}")));
+        if self.hidden == 0 || self.layers == 0 || self.heads == 0 || self.vocab_size == 0 {
+            return bad("zero-sized dimension in the configuration".into());
+        }
+        if self.kv_heads == 0 || self.heads % self.kv_heads != 0 {
+            return bad(format!("{} heads not a multiple of {} kv heads", self.heads, self.kv_heads));
+        }
+        if self.rope_dims > self.head_dim || self.rope_dims % 2 != 0 {
+            return bad(format!("rope dimension {} vs head dim {}", self.rope_dims, self.head_dim));
+        }
+        if self.hidden % 32 != 0 || self.intermediate % 32 != 0 || self.q_dim() % 32 != 0 {
+            return bad("hidden, intermediate and q sizes must be multiples of 32".into());
+        }
+        Ok(())
+    }
+}
+
+fn llama3_scale(inv_freq: f32, s: Llama3Scaling) -> f32 {
+    let wavelen = 2.0 * std::f32::consts::PI / inv_freq;
+    let low_wavelen = s.original_max_position / s.low_freq_factor;
+    let high_wavelen = s.original_max_position / s.high_freq_factor;
+    if wavelen < high_wavelen {
+        inv_freq
+    } else if wavelen > low_wavelen {
+        inv_freq / s.factor
+    } else {
+        let smooth = (s.original_max_position / wavelen - s.low_freq_factor)
+            / (s.high_freq_factor - s.low_freq_factor);
+        (1.0 - smooth) * inv_freq / s.factor + smooth * inv_freq
+    }
+}
+
+/// One transformer block's weights.
+#[derive(Debug)]
+pub struct LayerWeights {
+    /// Pre-attention RMSNorm scale.
+    pub attn_norm: Vec<f32>,
+    /// Query projection.
+    pub wq: PackedWeight,
+    /// Key projection.
+    pub wk: PackedWeight,
+    /// Value projection.
+    pub wv: PackedWeight,
+    /// Optional Q/K/V biases (Qwen2).
+    pub bq: Option<Vec<f32>>,
+    /// Key bias.
+    pub bk: Option<Vec<f32>>,
+    /// Value bias.
+    pub bv: Option<Vec<f32>>,
+    /// Attention output projection.
+    pub wo: PackedWeight,
+    /// Pre-FFN RMSNorm scale.
+    pub ffn_norm: Vec<f32>,
+    /// Gate projection.
+    pub w_gate: PackedWeight,
+    /// Up projection.
+    pub w_up: PackedWeight,
+    /// Down projection.
+    pub w_down: PackedWeight,
+}
+
+/// All weights of a Llama-family model, in compute layout.
+#[derive(Debug)]
+pub struct LlamaWeights {
+    /// Hyper-parameters.
+    pub config: LlamaConfig,
+    /// Token embedding, `vocab x hidden`.
+    pub embed: PackedWeight,
+    /// Output projection; `None` when tied to the embedding.
+    pub output: Option<PackedWeight>,
+    /// Final RMSNorm scale.
+    pub norm: Vec<f32>,
+    /// Transformer blocks.
+    pub layers: Vec<LayerWeights>,
+    /// Rotary inverse frequencies.
+    pub inv_freq: Vec<f32>,
+}
+
+impl LlamaWeights {
+    /// The output projection (the embedding when tied).
+    pub fn lm_head(&self) -> &PackedWeight {
+        self.output.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// Bytes held by the weights.
+    pub fn memory_bytes(&self) -> usize {
+        let mut n = self.embed.memory_bytes() + self.output.as_ref().map_or(0, |o| o.memory_bytes());
+        for l in &self.layers {
+            for w in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
+                n += w.memory_bytes();
+            }
+        }
+        n
+    }
+}
+
+/// A source of named tensors with shapes (rows, cols), whatever the file format.
+pub trait TensorSource {
+    /// The file, for messages.
+    fn describe(&self) -> String;
+    /// Type, shape (outer-first: rows then cols; 1-D tensors have rows = 1) and bytes.
+    fn tensor(&self, name: &str) -> Option<(GgmlType, Vec<usize>, &[u8])>;
+}
+
+fn get_matrix(
+    src: &dyn TensorSource,
+    name: &str,
+    rows: usize,
+    cols: usize,
+) -> Result<PackedWeight> {
+    let (ty, shape, bytes) = src
+        .tensor(name)
+        .ok_or_else(|| EngineError::format(src.describe(), format!("missing tensor {name}")))?;
+    if shape != [rows, cols] {
+        return Err(EngineError::format(
+            src.describe(),
+            format!("tensor {name}: shape {shape:?}, expected [{rows}, {cols}]"),
+        ));
+    }
+    if ty.row_bytes(cols).map(|b| b * rows) != Some(bytes.len()) {
+        return Err(EngineError::format(src.describe(), format!("tensor {name}: wrong byte size")));
+    }
+    Ok(PackedWeight::new(ty, rows, cols, bytes))
+}
+
+fn get_vector(src: &dyn TensorSource, name: &str, n: usize) -> Result<Option<Vec<f32>>> {
+    let Some((ty, shape, bytes)) = src.tensor(name) else { return Ok(None) };
+    let elems: usize = shape.iter().product();
+    if elems != n || ty.row_bytes(n) != Some(bytes.len()) {
+        return Err(EngineError::format(
+            src.describe(),
+            format!("tensor {name}: shape {shape:?}, expected {n} elements"),
+        ));
+    }
+    let mut v = vec![0f32; n];
+    dequantize_row(ty, bytes, &mut v);
+    Ok(Some(v))
+}
+
+fn require_vector(src: &dyn TensorSource, name: &str, n: usize) -> Result<Vec<f32>> {
+    get_vector(src, name, n)?
+        .ok_or_else(|| EngineError::format(src.describe(), format!("missing tensor {name}")))
+}
+
+/// Tensor names of one architecture family's file format.
+pub struct TensorNames {
+    /// Embedding.
+    pub embed: String,
+    /// Final norm.
+    pub norm: String,
+    /// Output projection.
+    pub output: String,
+    /// Per-layer name for a role such as `q`, `k_bias`, `gate`.
+    pub layer: fn(usize, &str) -> String,
+}
+
+/// GGUF (llama.cpp) tensor names.
+pub fn gguf_names() -> TensorNames {
+    TensorNames {
+        embed: "token_embd.weight".into(),
+        norm: "output_norm.weight".into(),
+        output: "output.weight".into(),
+        layer: |i, role| {
+            let n = match role {
+                "attn_norm" => "attn_norm.weight",
+                "q" => "attn_q.weight",
+                "k" => "attn_k.weight",
+                "v" => "attn_v.weight",
+                "q_bias" => "attn_q.bias",
+                "k_bias" => "attn_k.bias",
+                "v_bias" => "attn_v.bias",
+                "o" => "attn_output.weight",
+                "ffn_norm" => "ffn_norm.weight",
+                "gate" => "ffn_gate.weight",
+                "up" => "ffn_up.weight",
+                _ => "ffn_down.weight",
+            };
+            format!("blk.{i}.{n}")
+        },
+    }
+}
+
+/// Hugging Face tensor names.
+pub fn hf_names() -> TensorNames {
+    TensorNames {
+        embed: "model.embed_tokens.weight".into(),
+        norm: "model.norm.weight".into(),
+        output: "lm_head.weight".into(),
+        layer: |i, role| {
+            let n = match role {
+                "attn_norm" => "input_layernorm.weight",
+                "q" => "self_attn.q_proj.weight",
+                "k" => "self_attn.k_proj.weight",
+                "v" => "self_attn.v_proj.weight",
+                "q_bias" => "self_attn.q_proj.bias",
+                "k_bias" => "self_attn.k_proj.bias",
+                "v_bias" => "self_attn.v_proj.bias",
+                "o" => "self_attn.o_proj.weight",
+                "ffn_norm" => "post_attention_layernorm.weight",
+                "gate" => "mlp.gate_proj.weight",
+                "up" => "mlp.up_proj.weight",
+                _ => "mlp.down_proj.weight",
+            };
+            format!("model.layers.{i}.{n}")
+        },
+    }
+}
+
+/// Loads and repacks all weights.
+pub fn load_weights(
+    src: &dyn TensorSource,
+    names: &TensorNames,
+    mut config: LlamaConfig,
+    freq_factors: Option<Vec<f32>>,
+) -> Result<LlamaWeights> {
+    config.validate(&src.describe())?;
+    let c = &config;
+    let embed = get_matrix(src, &names.embed, c.vocab_size, c.hidden)?;
+    let output = match src.tensor(&names.output) {
+        Some(_) => Some(get_matrix(src, &names.output, c.vocab_size, c.hidden)?),
+        None => None,
+    };
+    config.tied_embeddings = output.is_none();
+    let c = &config;
+    let norm = require_vector(src, &names.norm, c.hidden)?;
+    let mut layers = Vec::with_capacity(c.layers);
+    for i in 0..c.layers {
+        let n = |role: &str| (names.layer)(i, role);
+        layers.push(LayerWeights {
+            attn_norm: require_vector(src, &n("attn_norm"), c.hidden)?,
+            wq: get_matrix(src, &n("q"), c.q_dim(), c.hidden)?,
+            wk: get_matrix(src, &n("k"), c.kv_dim(), c.hidden)?,
+            wv: get_matrix(src, &n("v"), c.kv_dim(), c.hidden)?,
+            bq: get_vector(src, &n("q_bias"), c.q_dim())?,
+            bk: get_vector(src, &n("k_bias"), c.kv_dim())?,
+            bv: get_vector(src, &n("v_bias"), c.kv_dim())?,
+            wo: get_matrix(src, &n("o"), c.hidden, c.q_dim())?,
+            ffn_norm: require_vector(src, &n("ffn_norm"), c.hidden)?,
+            w_gate: get_matrix(src, &n("gate"), c.intermediate, c.hidden)?,
+            w_up: get_matrix(src, &n("up"), c.intermediate, c.hidden)?,
+            w_down: get_matrix(src, &n("down"), c.hidden, c.intermediate)?,
+        });
+    }
+    let inv_freq = config.inv_freq(freq_factors.as_deref());
+    Ok(LlamaWeights { config, embed, output, norm, layers, inv_freq })
+}
+
+impl TensorSource for GgufFile {
+    fn describe(&self) -> String {
+        self.path().display().to_string()
+    }
+
+    fn tensor(&self, name: &str) -> Option<(GgmlType, Vec<usize>, &[u8])> {
+        let t = GgufFile::tensor(self, name)?;
+        // GGUF lists dimensions innermost first; (rows, cols) is the reverse.
+        let shape: Vec<usize> = t.dims.iter().rev().copied().collect();
+        Some((t.ty, shape, self.tensor_bytes(t)))
+    }
+}
+
+/// Reads the configuration of a GGUF model.
+pub fn gguf_config(f: &GgufFile) -> Result<LlamaConfig> {
+    let arch = f.get_str("general.architecture")?.to_string();
+    let rope_style = match arch.as_str() {
+        "llama" | "mistral" => RopeStyle::Interleaved,
+        "qwen2" => RopeStyle::Halves,
+        other => {
+            return Err(EngineError::Unsupported(format!(
+                "architecture {other:?} (supported: llama, mistral, qwen2)"
+            )));
+        }
+    };
+    let prefix = arch.clone();
+    let key = |k: &str| format!("{prefix}.{k}");
+    let u = |k: &str| -> Result<usize> { Ok(f.get_u64(&key(k))? as usize) };
+    let opt_f = |k: &str| f.get(&key(k)).and_then(|v| v.as_f64()).map(|v| v as f32);
+    let hidden = u("embedding_length")?;
+    let heads = u("attention.head_count")?;
+    let kv_heads = f.get(&key("attention.head_count_kv")).and_then(|v| v.as_u64()).map_or(heads, |v| v as usize);
+    let head_dim = f
+        .get(&key("attention.key_length"))
+        .and_then(|v| v.as_u64())
+        .map_or(if heads > 0 { hidden / heads } else { 0 }, |v| v as usize);
+    let rope_dims =
+        f.get(&key("rope.dimension_count")).and_then(|v| v.as_u64()).map_or(head_dim, |v| v as usize);
+    let vocab_size = match f.get(&key("vocab_size")).and_then(|v| v.as_u64()) {
+        Some(v) => v as usize,
+        None => GgufFile::tensor(f, "token_embd.weight")
+            .and_then(|t| t.dims.get(1).copied())
+            .ok_or_else(|| EngineError::format(f.path(), "missing tensor token_embd.weight"))?,
+    };
+    let rope_scaling = match f.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
+        None | Some("none") => None,
+        Some(other) => {
+            return Err(EngineError::Unsupported(format!("rope scaling type {other:?}")));
+        }
+    };
+    Ok(LlamaConfig {
+        arch,
+        vocab_size,
+        hidden,
+        intermediate: u("feed_forward_length")?,
+        layers: u("block_count")?,
+        heads,
+        kv_heads,
+        head_dim,
+        rope_dims,
+        rope_theta: opt_f("rope.freq_base").unwrap_or(10_000.0),
+        rope_scaling,
+        rope_style,
+        rms_eps: opt_f("attention.layer_norm_rms_epsilon").unwrap_or(1e-5),
+        context_length: u("context_length")?,
+        tied_embeddings: true,
+    })
+}
+
+/// Loads GGUF weights (llama.cpp's Llama 3 files carry `rope_freqs.weight` factors).
+pub fn load_gguf_weights(f: &GgufFile) -> Result<LlamaWeights> {
+    let config = gguf_config(f)?;
+    let factors = get_vector(f, "rope_freqs.weight", config.rope_dims / 2)?;
+    load_weights(f, &gguf_names(), config, factors)
+}

@@ -1,0 +1,475 @@
+//! Tensor element types and their block layouts (the GGML formats), with reference
+//! dequantization and quantization.
+//!
+//! Layouts follow ggml's `ggml-common.h`: Q4_0 is 18 bytes per 32 weights, Q4_1 20 bytes,
+//! Q8_0 34 bytes, the K-quants use 256-weight super-blocks. Quantizers here are simple
+//! round-to-nearest ones used to write test models; the engine never re-quantizes weights.
+
+use half::{bf16, f16};
+
+/// Weights per block of the 32-element formats.
+pub const QK: usize = 32;
+/// Weights per super-block of the K-quants.
+pub const QK_K: usize = 256;
+
+/// Element type of a stored tensor, numbered as in GGUF.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GgmlType {
+    /// 32-bit float.
+    F32,
+    /// IEEE half.
+    F16,
+    /// bfloat16.
+    BF16,
+    /// 8-bit symmetric, 32 per block.
+    Q8_0,
+    /// 4-bit symmetric, 32 per block.
+    Q4_0,
+    /// 4-bit with minimum, 32 per block.
+    Q4_1,
+    /// 4-bit K-quant, 256 per super-block.
+    Q4K,
+    /// 6-bit K-quant, 256 per super-block.
+    Q6K,
+}
+
+impl GgmlType {
+    /// All supported types.
+    pub const ALL: [GgmlType; 8] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q4K,
+        GgmlType::Q6K,
+    ];
+
+    /// The type for a GGUF type id, or `None` when unsupported.
+    pub fn from_gguf_id(id: u32) -> Option<GgmlType> {
+        Some(match id {
+            0 => GgmlType::F32,
+            1 => GgmlType::F16,
+            2 => GgmlType::Q4_0,
+            3 => GgmlType::Q4_1,
+            8 => GgmlType::Q8_0,
+            12 => GgmlType::Q4K,
+            14 => GgmlType::Q6K,
+            30 => GgmlType::BF16,
+            _ => return None,
+        })
+    }
+
+    /// The GGUF type id.
+    pub fn gguf_id(self) -> u32 {
+        match self {
+            GgmlType::F32 => 0,
+            GgmlType::F16 => 1,
+            GgmlType::Q4_0 => 2,
+            GgmlType::Q4_1 => 3,
+            GgmlType::Q8_0 => 8,
+            GgmlType::Q4K => 12,
+            GgmlType::Q6K => 14,
+            GgmlType::BF16 => 30,
+        }
+    }
+
+    /// A name for messages, as ggml spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            GgmlType::F32 => "F32",
+            GgmlType::F16 => "F16",
+            GgmlType::BF16 => "BF16",
+            GgmlType::Q8_0 => "Q8_0",
+            GgmlType::Q4_0 => "Q4_0",
+            GgmlType::Q4_1 => "Q4_1",
+            GgmlType::Q4K => "Q4_K",
+            GgmlType::Q6K => "Q6_K",
+        }
+    }
+
+    /// Elements per block.
+    pub fn block_elems(self) -> usize {
+        match self {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
+            GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 => QK,
+            GgmlType::Q4K | GgmlType::Q6K => QK_K,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            GgmlType::F32 => 4,
+            GgmlType::F16 | GgmlType::BF16 => 2,
+            GgmlType::Q8_0 => 34,
+            GgmlType::Q4_0 => 18,
+            GgmlType::Q4_1 => 20,
+            GgmlType::Q4K => 144,
+            GgmlType::Q6K => 210,
+        }
+    }
+
+    /// Bytes taken by a row of `n` elements, or `None` when `n` is not a whole number of
+    /// blocks or the size overflows.
+    pub fn row_bytes(self, n: usize) -> Option<usize> {
+        if n % self.block_elems() != 0 {
+            return None;
+        }
+        (n / self.block_elems()).checked_mul(self.block_bytes())
+    }
+}
+
+fn f16_at(b: &[u8], i: usize) -> f32 {
+    f16::from_le_bytes([b[i], b[i + 1]]).to_f32()
+}
+
+/// Dequantizes one row. `src` holds exactly `dst.len()` elements of type `ty`; callers
+/// validate sizes (see [`GgmlType::row_bytes`]).
+pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
+    match ty {
+        GgmlType::F32 => {
+            for (d, c) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        GgmlType::F16 => {
+            for (d, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *d = f16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        GgmlType::BF16 => {
+            for (d, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *d = bf16::from_le_bytes([c[0], c[1]]).to_f32();
+            }
+        }
+        GgmlType::Q8_0 => {
+            for (y, b) in dst.chunks_exact_mut(QK).zip(src.chunks_exact(34)) {
+                let d = f16_at(b, 0);
+                for (yi, &q) in y.iter_mut().zip(&b[2..34]) {
+                    *yi = f32::from(q as i8) * d;
+                }
+            }
+        }
+        GgmlType::Q4_0 => {
+            for (y, b) in dst.chunks_exact_mut(QK).zip(src.chunks_exact(18)) {
+                let d = f16_at(b, 0);
+                for (j, &q) in b[2..18].iter().enumerate() {
+                    y[j] = (f32::from(q & 0xF) - 8.0) * d;
+                    y[j + 16] = (f32::from(q >> 4) - 8.0) * d;
+                }
+            }
+        }
+        GgmlType::Q4_1 => {
+            for (y, b) in dst.chunks_exact_mut(QK).zip(src.chunks_exact(20)) {
+                let d = f16_at(b, 0);
+                let m = f16_at(b, 2);
+                for (j, &q) in b[4..20].iter().enumerate() {
+                    y[j] = f32::from(q & 0xF) * d + m;
+                    y[j + 16] = f32::from(q >> 4) * d + m;
+                }
+            }
+        }
+        GgmlType::Q4K => {
+            for (y, b) in dst.chunks_exact_mut(QK_K).zip(src.chunks_exact(144)) {
+                dequantize_q4k_block(b, y);
+            }
+        }
+        GgmlType::Q6K => {
+            for (y, b) in dst.chunks_exact_mut(QK_K).zip(src.chunks_exact(210)) {
+                dequantize_q6k_block(b, y);
+            }
+        }
+    }
+}
+
+/// Unpacks the 6-bit scale and minimum of sub-block `j` of a Q4_K super-block.
+fn q4k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    }
+}
+
+fn dequantize_q4k_block(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let dmin = f16_at(b, 2);
+    let scales = &b[4..16];
+    let qs = &b[16..144];
+    for (chunk, (q, out)) in qs.chunks_exact(32).zip(y.chunks_exact_mut(64)).enumerate() {
+        let (sc1, m1) = q4k_scale_min(2 * chunk, scales);
+        let (sc2, m2) = q4k_scale_min(2 * chunk + 1, scales);
+        let (d1, m1) = (d * f32::from(sc1), dmin * f32::from(m1));
+        let (d2, m2) = (d * f32::from(sc2), dmin * f32::from(m2));
+        for l in 0..32 {
+            out[l] = d1 * f32::from(q[l] & 0xF) - m1;
+            out[l + 32] = d2 * f32::from(q[l] >> 4) - m2;
+        }
+    }
+}
+
+fn dequantize_q6k_block(b: &[u8], y: &mut [f32]) {
+    let (ql_all, rest) = b.split_at(128);
+    let (qh_all, rest) = rest.split_at(64);
+    let (sc_all, dbytes) = rest.split_at(16);
+    let d = f16_at(dbytes, 0);
+    for half in 0..2 {
+        let ql = &ql_all[64 * half..];
+        let qh = &qh_all[32 * half..];
+        let sc = &sc_all[8 * half..];
+        let out = &mut y[128 * half..];
+        for l in 0..32 {
+            let is = l / 16;
+            let q1 = i32::from((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32;
+            let q2 = i32::from((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+            let q3 = i32::from((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+            let q4 = i32::from((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+            let s = |k: usize| d * f32::from(sc[is + k] as i8);
+            out[l] = s(0) * q1 as f32;
+            out[l + 32] = s(2) * q2 as f32;
+            out[l + 64] = s(4) * q3 as f32;
+            out[l + 96] = s(6) * q4 as f32;
+        }
+    }
+}
+
+/// Quantizes one row (length a multiple of the block size) with simple round-to-nearest.
+/// Used to write test models and to check the loaders; never on the serving path.
+pub fn quantize_row(ty: GgmlType, src: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(ty.row_bytes(src.len()).unwrap_or(0));
+    match ty {
+        GgmlType::F32 => src.iter().for_each(|x| out.extend_from_slice(&x.to_le_bytes())),
+        GgmlType::F16 => {
+            src.iter().for_each(|x| out.extend_from_slice(&f16::from_f32(*x).to_le_bytes()))
+        }
+        GgmlType::BF16 => {
+            src.iter().for_each(|x| out.extend_from_slice(&bf16::from_f32(*x).to_le_bytes()))
+        }
+        GgmlType::Q8_0 => {
+            for x in src.chunks_exact(QK) {
+                let amax = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+                let d = amax / 127.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+                out.extend(x.iter().map(|v| (v * id).round() as i8 as u8));
+            }
+        }
+        GgmlType::Q4_0 => {
+            for x in src.chunks_exact(QK) {
+                let max = x.iter().fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+                let d = max / -8.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+                let q = |v: f32| ((v * id + 8.5) as i32).clamp(0, 15) as u8;
+                out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
+            }
+        }
+        GgmlType::Q4_1 => {
+            for x in src.chunks_exact(QK) {
+                let min = x.iter().fold(f32::INFINITY, |a, &v| a.min(v));
+                let max = x.iter().fold(f32::NEG_INFINITY, |a, &v| a.max(v));
+                let d = (max - min) / 15.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+                out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
+                let q = |v: f32| (((v - min) * id + 0.5) as i32).clamp(0, 15) as u8;
+                out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
+            }
+        }
+        GgmlType::Q4K => src.chunks_exact(QK_K).for_each(|x| quantize_q4k_block(x, &mut out)),
+        GgmlType::Q6K => src.chunks_exact(QK_K).for_each(|x| quantize_q6k_block(x, &mut out)),
+    }
+    out
+}
+
+fn quantize_q4k_block(x: &[f32], out: &mut Vec<u8>) {
+    let mut scales = [0f32; 8];
+    let mut mins = [0f32; 8];
+    for (j, sub) in x.chunks_exact(32).enumerate() {
+        let min = sub.iter().fold(0f32, |a, &v| a.min(v));
+        let max = sub.iter().fold(0f32, |a, &v| a.max(v));
+        scales[j] = (max - min) / 15.0;
+        mins[j] = -min;
+    }
+    let max_scale = scales.iter().fold(0f32, |a, &v| a.max(v));
+    let max_min = mins.iter().fold(0f32, |a, &v| a.max(v));
+    let d = f16::from_f32(max_scale / 63.0);
+    let dmin = f16::from_f32(max_min / 63.0);
+    let (df, dminf) = (d.to_f32(), dmin.to_f32());
+    let q6 = |v: f32, s: f32| if s > 0.0 { ((v / s).round() as i32).clamp(0, 63) as u8 } else { 0 };
+    let ls: Vec<u8> = scales.iter().map(|&s| q6(s, df)).collect();
+    let lm: Vec<u8> = mins.iter().map(|&m| q6(m, dminf)).collect();
+    let mut packed = [0u8; 12];
+    for j in 0..8 {
+        if j < 4 {
+            packed[j] = ls[j];
+            packed[j + 4] = lm[j];
+        } else {
+            packed[j + 4] = (ls[j] & 0xF) | ((lm[j] & 0xF) << 4);
+            packed[j - 4] |= (ls[j] >> 4) << 6;
+            packed[j] |= (lm[j] >> 4) << 6;
+        }
+    }
+    out.extend_from_slice(&d.to_le_bytes());
+    out.extend_from_slice(&dmin.to_le_bytes());
+    out.extend_from_slice(&packed);
+    let mut q = [0u8; QK_K];
+    for j in 0..8 {
+        let s = df * f32::from(ls[j]);
+        let m = dminf * f32::from(lm[j]);
+        for l in 0..32 {
+            let v = x[32 * j + l];
+            q[32 * j + l] =
+                if s > 0.0 { (((v + m) / s).round() as i32).clamp(0, 15) as u8 } else { 0 };
+        }
+    }
+    for chunk in 0..4 {
+        for l in 0..32 {
+            out.push(q[64 * chunk + l] | (q[64 * chunk + 32 + l] << 4));
+        }
+    }
+}
+
+fn quantize_q6k_block(x: &[f32], out: &mut Vec<u8>) {
+    let mut scales = [0f32; 16];
+    for (j, sub) in x.chunks_exact(16).enumerate() {
+        let amax = sub.iter().fold(0f32, |a, v| a.max(v.abs()));
+        scales[j] = amax / 31.0;
+    }
+    let max_scale = scales.iter().fold(0f32, |a, &v| a.max(v));
+    let d = f16::from_f32(max_scale / 127.0);
+    let df = d.to_f32();
+    let sc: Vec<i8> = scales
+        .iter()
+        .map(|&s| if df > 0.0 { ((s / df).round() as i32).clamp(-128, 127) as i8 } else { 0 })
+        .collect();
+    let mut q = [0u8; QK_K];
+    for (i, v) in x.iter().enumerate() {
+        let s = df * f32::from(sc[i / 16]);
+        q[i] = if s != 0.0 { ((v / s).round() as i32).clamp(-32, 31) + 32 } else { 32 } as u8;
+    }
+    let mut ql = [0u8; 128];
+    let mut qh = [0u8; 64];
+    for half in 0..2 {
+        let qq = &q[128 * half..];
+        for l in 0..32 {
+            let (q1, q2, q3, q4) = (qq[l], qq[l + 32], qq[l + 64], qq[l + 96]);
+            ql[64 * half + l] = (q1 & 0xF) | ((q3 & 0xF) << 4);
+            ql[64 * half + l + 32] = (q2 & 0xF) | ((q4 & 0xF) << 4);
+            qh[32 * half + l] = (q1 >> 4) | ((q2 >> 4) << 2) | ((q3 >> 4) << 4) | ((q4 >> 4) << 6);
+        }
+    }
+    out.extend_from_slice(&ql);
+    out.extend_from_slice(&qh);
+    out.extend(sc.iter().map(|&s| s as u8));
+    out.extend_from_slice(&d.to_le_bytes());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ramp(n: usize) -> Vec<f32> {
+        (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 25.0).collect()
+    }
+
+    #[test]
+    fn round_trip_error_is_bounded_for_every_type() {
+        let x = ramp(512);
+        for ty in GgmlType::ALL {
+            let bytes = quantize_row(ty, &x);
+            assert_eq!(Some(bytes.len()), ty.row_bytes(x.len()), "{}", ty.name());
+            let mut y = vec![0f32; x.len()];
+            dequantize_row(ty, &bytes, &mut y);
+            let max_err = x.iter().zip(&y).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            let bound = match ty {
+                GgmlType::F32 => 0.0,
+                GgmlType::F16 => 1e-3,
+                GgmlType::BF16 => 1e-2,
+                GgmlType::Q8_0 => 0.02,
+                GgmlType::Q6K => 0.08,
+                GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q4K => 0.25,
+            };
+            assert!(max_err <= bound, "{}: max error {max_err} > {bound}", ty.name());
+        }
+    }
+
+    #[test]
+    fn known_q4_1_block() {
+        // d = 0.5, m = -1.0; nibbles: low = j % 16, high = 15 - j % 16.
+        let mut b = Vec::new();
+        b.extend_from_slice(&f16::from_f32(0.5).to_le_bytes());
+        b.extend_from_slice(&f16::from_f32(-1.0).to_le_bytes());
+        b.extend((0u8..16).map(|j| j | ((15 - j) << 4)));
+        let mut y = [0f32; 32];
+        dequantize_row(GgmlType::Q4_1, &b, &mut y);
+        assert_eq!(y[0], -1.0);
+        assert_eq!(y[3], 0.5);
+        assert_eq!(y[16], 6.5);
+        assert_eq!(y[31], -1.0);
+    }
+
+    #[test]
+    fn known_q4_0_and_q8_0_blocks() {
+        let mut b = Vec::new();
+        b.extend_from_slice(&f16::from_f32(2.0).to_le_bytes());
+        b.extend((0u8..16).map(|j| j | (8 << 4)));
+        let mut y = [0f32; 32];
+        dequantize_row(GgmlType::Q4_0, &b, &mut y);
+        assert_eq!(&y[..3], &[-16.0, -14.0, -12.0]);
+        assert!(y[16..].iter().all(|&v| v == 0.0));
+
+        let mut b = Vec::new();
+        b.extend_from_slice(&f16::from_f32(0.25).to_le_bytes());
+        b.extend((0..32).map(|j: i32| (j - 16) as i8 as u8));
+        dequantize_row(GgmlType::Q8_0, &b, &mut y);
+        assert_eq!(y[0], -4.0);
+        assert_eq!(y[31], 3.75);
+    }
+
+    #[test]
+    fn known_q4k_block() {
+        // d = 1, dmin = 0.5; sub-block 0: scale 2, min 4 -> y = 2 q - 2; sub-block 5: scale
+        // 33 (needs the high bits), min 1 -> y = 33 q - 0.5.
+        let mut scales = [0u8; 12];
+        scales[0] = 2;
+        scales[4] = 4;
+        // j = 5: low nibbles in scales[9], high bits in scales[1] (scale) and scales[5] (min).
+        scales[9] = (33 & 0xF) | ((1 & 0xF) << 4);
+        scales[1] |= (33 >> 4) << 6;
+        let mut b = Vec::new();
+        b.extend_from_slice(&f16::from_f32(1.0).to_le_bytes());
+        b.extend_from_slice(&f16::from_f32(0.5).to_le_bytes());
+        b.extend_from_slice(&scales);
+        let mut qs = [0u8; 128];
+        qs[0] = 3; // element 0 (sub-block 0): q = 3
+        qs[64 + 1] = 2 << 4; // element 2*64 + 32 + 1 = 161 (sub-block 5): q = 2
+        b.extend_from_slice(&qs);
+        let mut y = [0f32; 256];
+        dequantize_row(GgmlType::Q4K, &b, &mut y);
+        assert_eq!(y[0], 4.0);
+        assert_eq!(y[1], -2.0);
+        assert_eq!(y[161], 65.5);
+        assert_eq!(y[160], -0.5);
+    }
+
+    #[test]
+    fn known_q6k_block() {
+        // d = 0.5, scale of sub-block 0 = 3, sub-block 9 = -2.
+        let mut b = vec![0u8; 210];
+        b[0] = 0x5; // element 0: low 4 bits 5
+        b[128] = 0x2; // element 0: high 2 bits 2 -> q = 37 - 32 = 5
+        b[192] = 3;
+        b[192 + 9] = (-2i8) as u8;
+        // element 128 + 16 (second half, l = 16 -> is = 1, q1 scale index 8 + 1 = 9)
+        b[64 + 16] = 0x0;
+        b[128 + 32 + 16] = 0x0; // q = 0 - 32
+        b[208..210].copy_from_slice(&f16::from_f32(0.5).to_le_bytes());
+        let mut y = [0f32; 256];
+        dequantize_row(GgmlType::Q6K, &b, &mut y);
+        assert_eq!(y[0], 0.5 * 3.0 * 5.0);
+        assert_eq!(y[144], 0.5 * -2.0 * -32.0);
+    }
+}

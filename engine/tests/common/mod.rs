@@ -1,0 +1,32 @@
+//! Shared helpers for tests that use the real default model and the golden references.
+
+#![allow(dead_code, reason = "each test binary uses a different subset")]
+
+use std::path::PathBuf;
+
+/// File name of the default model.
+pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+/// The default model file; fails with instructions when it is missing.
+pub fn default_model() -> anyhow::Result<PathBuf> {
+    let dir = match std::env::var_os("SLUICE_MODEL_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/sluice-models"),
+    };
+    let p = dir.join(DEFAULT_MODEL_FILE);
+    anyhow::ensure!(p.is_file(), "{} is missing: run `sluice model fetch` first", p.display());
+    Ok(p)
+}
+
+/// The golden llama.cpp reference for the default model.
+pub fn golden() -> anyhow::Result<serde_json::Value> {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../shared/golden/smollm2-135m-q4_1.llamacpp.json");
+    let text = std::fs::read_to_string(&p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
+    Ok(serde_json::from_str(&text)?)
+}
+
+/// Token ids of a JSON array.
+pub fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect()).unwrap_or_default()
+}
