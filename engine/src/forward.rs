@@ -37,7 +37,10 @@ impl KvCache {
 
     /// Bytes one block takes (K and V, all layers).
     pub fn bytes_per_block(weights: &LlamaWeights, block_size: usize) -> usize {
-        2 * weights.config.layers * block_size * weights.config.kv_dim() * std::mem::size_of::<f32>()
+        2 * weights.config.layers
+            * block_size
+            * weights.config.kv_dim()
+            * std::mem::size_of::<f32>()
     }
 
     /// Tokens per block.
@@ -88,7 +91,10 @@ pub struct Runner {
 
 impl std::fmt::Debug for Runner {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Runner").field("threads", &self.pool.threads()).field("isa", &self.isa).finish()
+        f.debug_struct("Runner")
+            .field("threads", &self.pool.threads())
+            .field("isa", &self.isa)
+            .finish()
     }
 }
 
@@ -135,6 +141,11 @@ impl Runner {
     ) -> Result<Vec<f32>> {
         let c = &w.config;
         let (hidden, q_dim, kv_dim, hd) = (c.hidden, c.q_dim(), c.kv_dim(), c.head_dim);
+        if cache.layers != c.layers || cache.kv_dim != kv_dim {
+            return Err(EngineError::InvalidRequest(
+                "KV cache shape does not match the model".into(),
+            ));
+        }
         let mut meta = Vec::new();
         let mut wanted = Vec::new();
         for (s, seq) in batch.iter().enumerate() {
@@ -276,7 +287,7 @@ fn rope(x: &mut [f32], cos: &[f32], sin: &[f32], style: RopeStyle) {
     for i in 0..half {
         let (a, b) = match style {
             RopeStyle::Interleaved => (2 * i, 2 * i + 1),
-            RopeStyle::Halves => (i, i + x.len() / 2),
+            RopeStyle::Halves => (i, i + half),
         };
         let (x0, x1) = (x[a], x[b]);
         x[a] = x0 * cos[i] - x1 * sin[i];
@@ -325,7 +336,8 @@ fn attention(
             scores.clear();
             let mut max = f32::NEG_INFINITY;
             for j in 0..=pos {
-                let off = cache.offset(layer, table[j / cache.block_size] as usize, j % cache.block_size);
+                let off =
+                    cache.offset(layer, table[j / cache.block_size] as usize, j % cache.block_size);
                 let s = dot_f32(qh, &cache.k[off + kvh * hd..][..hd]) * scale;
                 max = max.max(s);
                 scores.push(s);
@@ -337,7 +349,8 @@ fn attention(
             }
             acc.fill(0.0);
             for (j, p) in scores.iter().enumerate() {
-                let off = cache.offset(layer, table[j / cache.block_size] as usize, j % cache.block_size);
+                let off =
+                    cache.offset(layer, table[j / cache.block_size] as usize, j % cache.block_size);
                 for (a, vv) in acc.iter_mut().zip(&cache.v[off + kvh * hd..][..hd]) {
                     *a = p.mul_add(*vv, *a);
                 }

@@ -235,14 +235,19 @@ impl GgufFile {
                 .as_u64()
                 .and_then(|a| usize::try_from(a).ok())
                 .filter(|a| a.is_power_of_two())
-                .ok_or_else(|| EngineError::format(path, "general.alignment is not a power of two"))?,
+                .ok_or_else(|| {
+                    EngineError::format(path, "general.alignment is not a power of two")
+                })?,
         };
         let mut raw = Vec::with_capacity(n_tensors);
         for _ in 0..n_tensors {
             let name = c.string("tensor name")?;
             let n_dims = c.u32(&name)? as usize;
             if n_dims == 0 || n_dims > MAX_DIMS {
-                return Err(EngineError::format(path, format!("tensor {name}: {n_dims} dimensions")));
+                return Err(EngineError::format(
+                    path,
+                    format!("tensor {name}: {n_dims} dimensions"),
+                ));
             }
             let mut dims = Vec::with_capacity(n_dims);
             for _ in 0..n_dims {
@@ -267,12 +272,15 @@ impl GgufFile {
             let row_bytes = ty.row_bytes(row).ok_or_else(|| {
                 fail(format!("row of {row} is not a whole number of {} blocks", ty.name()))
             })?;
-            let size = if row == 0 { Some(0) } else { (elems / row).checked_mul(row_bytes) }
+            let size = elems
+                .checked_div(row)
+                .map_or(Some(0), |rows| rows.checked_mul(row_bytes))
                 .ok_or_else(|| fail("size overflows".into()))?;
             if rel % alignment != 0 {
                 return Err(fail(format!("offset {rel} is not aligned to {alignment}")));
             }
-            let offset = data_start.checked_add(rel).ok_or_else(|| fail("offset overflows".into()))?;
+            let offset =
+                data_start.checked_add(rel).ok_or_else(|| fail("offset overflows".into()))?;
             match offset.checked_add(size) {
                 Some(end) if end <= file_len => {}
                 _ => {
@@ -316,7 +324,9 @@ impl GgufFile {
         self.get(key)
             .ok_or_else(|| EngineError::format(&self.path, format!("missing metadata {key}")))?
             .as_u64()
-            .ok_or_else(|| EngineError::format(&self.path, format!("metadata {key} is not an integer")))
+            .ok_or_else(|| {
+                EngineError::format(&self.path, format!("metadata {key} is not an integer"))
+            })
     }
 
     /// A required string metadata value.
@@ -324,7 +334,9 @@ impl GgufFile {
         self.get(key)
             .ok_or_else(|| EngineError::format(&self.path, format!("missing metadata {key}")))?
             .as_str()
-            .ok_or_else(|| EngineError::format(&self.path, format!("metadata {key} is not a string")))
+            .ok_or_else(|| {
+                EngineError::format(&self.path, format!("metadata {key} is not a string"))
+            })
     }
 }
 

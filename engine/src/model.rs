@@ -93,13 +93,16 @@ impl LlamaConfig {
         if self.hidden == 0 || self.layers == 0 || self.heads == 0 || self.vocab_size == 0 {
             return bad("zero-sized dimension in the configuration".into());
         }
-        if self.kv_heads == 0 || self.heads % self.kv_heads != 0 {
-            return bad(format!("{} heads not a multiple of {} kv heads", self.heads, self.kv_heads));
+        if self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
+            return bad(format!(
+                "{} heads not a multiple of {} kv heads",
+                self.heads, self.kv_heads
+            ));
         }
-        if self.rope_dims > self.head_dim || self.rope_dims % 2 != 0 {
+        if self.rope_dims > self.head_dim || !self.rope_dims.is_multiple_of(2) {
             return bad(format!("rope dimension {} vs head dim {}", self.rope_dims, self.head_dim));
         }
-        if self.hidden % 32 != 0 || self.intermediate % 32 != 0 || self.q_dim() % 32 != 0 {
+        if ![self.hidden, self.intermediate, self.q_dim()].iter().all(|d| d.is_multiple_of(32)) {
             return bad("hidden, intermediate and q sizes must be multiples of 32".into());
         }
         Ok(())
@@ -175,7 +178,8 @@ impl LlamaWeights {
 
     /// Bytes held by the weights.
     pub fn memory_bytes(&self) -> usize {
-        let mut n = self.embed.memory_bytes() + self.output.as_ref().map_or(0, |o| o.memory_bytes());
+        let mut n =
+            self.embed.memory_bytes() + self.output.as_ref().map_or(0, |o| o.memory_bytes());
         for l in &self.layers {
             for w in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
                 n += w.memory_bytes();
@@ -367,13 +371,18 @@ pub fn gguf_config(f: &GgufFile) -> Result<LlamaConfig> {
     let opt_f = |k: &str| f.get(&key(k)).and_then(|v| v.as_f64()).map(|v| v as f32);
     let hidden = u("embedding_length")?;
     let heads = u("attention.head_count")?;
-    let kv_heads = f.get(&key("attention.head_count_kv")).and_then(|v| v.as_u64()).map_or(heads, |v| v as usize);
+    let kv_heads = f
+        .get(&key("attention.head_count_kv"))
+        .and_then(|v| v.as_u64())
+        .map_or(heads, |v| v as usize);
     let head_dim = f
         .get(&key("attention.key_length"))
         .and_then(|v| v.as_u64())
-        .map_or(if heads > 0 { hidden / heads } else { 0 }, |v| v as usize);
-    let rope_dims =
-        f.get(&key("rope.dimension_count")).and_then(|v| v.as_u64()).map_or(head_dim, |v| v as usize);
+        .map_or(hidden.checked_div(heads).unwrap_or(0), |v| v as usize);
+    let rope_dims = f
+        .get(&key("rope.dimension_count"))
+        .and_then(|v| v.as_u64())
+        .map_or(head_dim, |v| v as usize);
     let vocab_size = match f.get(&key("vocab_size")).and_then(|v| v.as_u64()) {
         Some(v) => v as usize,
         None => GgufFile::tensor(f, "token_embd.weight")

@@ -114,7 +114,7 @@ impl GgmlType {
     /// Bytes taken by a row of `n` elements, or `None` when `n` is not a whole number of
     /// blocks or the size overflows.
     pub fn row_bytes(self, n: usize) -> Option<usize> {
-        if n % self.block_elems() != 0 {
+        if !n.is_multiple_of(self.block_elems()) {
             return None;
         }
         (n / self.block_elems()).checked_mul(self.block_bytes())

@@ -262,7 +262,15 @@ pub fn matmul(
         PackedData::Blocks { pair_bytes, offset, qs, d, m } => {
             scratch.acts.quantize(x, w.cols);
             let acts = &scratch.acts;
-            let view = BlockView { rows: w.rows, nb: w.cols / QK, pair_bytes: *pair_bytes, offset: *offset, qs, d, m };
+            let view = BlockView {
+                rows: w.rows,
+                nb: w.cols / QK,
+                pair_bytes: *pair_bytes,
+                offset: *offset,
+                qs,
+                d,
+                m,
+            };
             pool.run(&|i| {
                 let range = split_range(w.rows, threads, i, TILE_ROWS);
                 // SAFETY: threads write disjoint row ranges of every token's output row.
@@ -394,8 +402,7 @@ fn scalar_dot(v: &BlockView<'_>, acts: &QuantizedActs, r: usize, t: usize) -> f3
     for b in 0..nb {
         let pair = &v.qs[(r * pairs + b / 2) * v.pair_bytes..][..v.pair_bytes];
         let a = &acts.qs[(t * acts.nb_pad + b) * QK..][..QK];
-        let isum: i32 =
-            (0..QK).map(|i| unpack(pair, v.offset, b % 2, i) * i32::from(a[i])).sum();
+        let isum: i32 = (0..QK).map(|i| unpack(pair, v.offset, b % 2, i) * i32::from(a[i])).sum();
         let s = v.d[r * nb + b].to_f32() * acts.d[t * nb + b];
         acc[b % 16] = s.mul_add(isum as f32, acc[b % 16]);
     }
@@ -458,7 +465,11 @@ mod tests {
                     matmul(&pool, isa, &w, &x, &mut got, &mut MatmulScratch::default());
                     for (g, e) in got.iter().zip(&want) {
                         // 8-bit activations: error grows with sqrt(cols).
-                        assert!((g - e).abs() < 0.02 * (cols as f32).sqrt(), "{} {isa:?}: {g} vs {e}", ty.name());
+                        assert!(
+                            (g - e).abs() < 0.02 * (cols as f32).sqrt(),
+                            "{} {isa:?}: {g} vs {e}",
+                            ty.name()
+                        );
                     }
                 }
             }

@@ -84,9 +84,8 @@ impl ThreadPool {
         // SAFETY: the lifetime is erased only for the duration of this call: we wait below
         // until `remaining` reaches zero, i.e. until no worker will touch the job again, and
         // clear the slot before returning.
-        let ptr = unsafe {
-            std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), *const Job>(f)
-        };
+        let ptr =
+            unsafe { std::mem::transmute::<*const (dyn Fn(usize) + Sync + '_), *const Job>(f) };
         *self.shared.job.lock().unwrap_or_else(|e| e.into_inner()) = Some(JobPtr(ptr));
         self.shared.remaining.store(self.workers.len(), Ordering::Release);
         self.shared.epoch.fetch_add(1, Ordering::AcqRel);
@@ -116,7 +115,7 @@ fn worker(s: &Shared, index: usize) {
                 break;
             }
             spins = spins.wrapping_add(1);
-            if spins % 64 == 0 && start.elapsed() > SPIN {
+            if spins.is_multiple_of(64) && start.elapsed() > SPIN {
                 thread::park_timeout(Duration::from_millis(50));
             } else {
                 std::hint::spin_loop();

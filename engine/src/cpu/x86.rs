@@ -128,8 +128,22 @@ unsafe fn tile<const R: usize, const C: usize>(
             for p in p_first..p_end {
                 let k = (2 * (p - p_first)) as i32;
                 let idx = _mm512_set_epi32(
-                    k + 1, k + 1, k + 1, k + 1, k + 1, k + 1, k + 1, k + 1,
-                    k, k, k, k, k, k, k, k,
+                    k + 1,
+                    k + 1,
+                    k + 1,
+                    k + 1,
+                    k + 1,
+                    k + 1,
+                    k + 1,
+                    k + 1,
+                    k,
+                    k,
+                    k,
+                    k,
+                    k,
+                    k,
+                    k,
+                    k,
                 );
                 let mut w = [zero; R];
                 let mut sw = [_mm512_setzero_ps(); R];

@@ -11,7 +11,9 @@ pub const DEFAULT_MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
 pub fn default_model() -> anyhow::Result<PathBuf> {
     let dir = match std::env::var_os("SLUICE_MODEL_DIR") {
         Some(d) => PathBuf::from(d),
-        None => PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/sluice-models"),
+        None => {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/sluice-models")
+        }
     };
     let p = dir.join(DEFAULT_MODEL_FILE);
     anyhow::ensure!(p.is_file(), "{} is missing: run `sluice model fetch` first", p.display());
@@ -28,5 +30,7 @@ pub fn golden() -> anyhow::Result<serde_json::Value> {
 
 /// Token ids of a JSON array.
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect()).unwrap_or_default()
+    v.as_array()
+        .map(|a| a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect())
+        .unwrap_or_default()
 }

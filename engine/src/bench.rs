@@ -1,0 +1,133 @@
+//! Model-level benchmark: prefill and decode speed at batch 1, against the memory-bandwidth
+//! floor measured in the same run.
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::error::Result;
+use crate::forward::{KvCache, LogitsWanted, Runner, SeqInput};
+use crate::loader::LoadedModel;
+use crate::sampler::argmax;
+
+/// What to measure.
+#[derive(Clone, Copy, Debug)]
+pub struct ModelBenchConfig {
+    /// Prompt length for the prefill measurement.
+    pub prompt_tokens: usize,
+    /// Tokens generated for the decode measurement.
+    pub decode_tokens: usize,
+    /// Repetitions; the median is reported.
+    pub repetitions: usize,
+}
+
+/// Measured figures.
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelBenchReport {
+    /// Compute threads.
+    pub threads: usize,
+    /// Instruction set of the kernels.
+    pub isa: String,
+    /// Prompt length.
+    pub prompt_tokens: usize,
+    /// Decoded tokens.
+    pub decode_tokens: usize,
+    /// Median prefill speed.
+    pub prefill_tokens_per_second: f64,
+    /// Median decode speed.
+    pub decode_tokens_per_second: f64,
+    /// Median decode step time.
+    pub decode_ms_per_token: f64,
+    /// Bytes of weights read per decode step.
+    pub weight_bytes: usize,
+    /// Measured read bandwidth of this machine, all threads.
+    pub memory_bandwidth_gb_per_s: f64,
+    /// `weight_bytes / bandwidth`: no decode step can be faster.
+    pub decode_floor_ms: f64,
+}
+
+/// Runs the benchmark.
+pub fn bench_model(
+    model: &LoadedModel,
+    runner: &mut Runner,
+    cfg: ModelBenchConfig,
+) -> Result<ModelBenchReport> {
+    let w = &model.weights;
+    let vocab = w.config.vocab_size as u32;
+    // A deterministic prompt of ordinary tokens (ids spread over the vocabulary).
+    let prompt: Vec<u32> =
+        (0..cfg.prompt_tokens as u32).map(|i| 100 + (i * 7919) % (vocab - 200)).collect();
+    let total = cfg.prompt_tokens + cfg.decode_tokens + 1;
+    let blocks = total.div_ceil(16);
+    let mut cache = KvCache::new(w, 16, blocks);
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let mut prefill = Vec::new();
+    let mut decode = Vec::new();
+    for _ in 0..cfg.repetitions.max(1) {
+        let t0 = Instant::now();
+        let seq = SeqInput {
+            tokens: &prompt,
+            start_pos: 0,
+            block_table: &table,
+            logits: LogitsWanted::Last,
+        };
+        let logits = runner.forward(w, &mut cache, &[seq])?;
+        prefill.push(t0.elapsed().as_secs_f64());
+        let mut tok = argmax(&logits);
+        let t1 = Instant::now();
+        for i in 0..cfg.decode_tokens {
+            let input = [tok];
+            let seq = SeqInput {
+                tokens: &input,
+                start_pos: cfg.prompt_tokens + i,
+                block_table: &table,
+                logits: LogitsWanted::Last,
+            };
+            tok = argmax(&runner.forward(w, &mut cache, &[seq])?);
+        }
+        decode.push(t1.elapsed().as_secs_f64());
+    }
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let prefill_s = median(&mut prefill);
+    let decode_s = median(&mut decode);
+    let bandwidth = measure_read_bandwidth(runner);
+    let weight_bytes = w.memory_bytes();
+    Ok(ModelBenchReport {
+        threads: runner.threads(),
+        isa: format!("{:?}", runner.isa()),
+        prompt_tokens: cfg.prompt_tokens,
+        decode_tokens: cfg.decode_tokens,
+        prefill_tokens_per_second: cfg.prompt_tokens as f64 / prefill_s,
+        decode_tokens_per_second: cfg.decode_tokens as f64 / decode_s,
+        decode_ms_per_token: decode_s * 1e3 / cfg.decode_tokens.max(1) as f64,
+        weight_bytes,
+        memory_bandwidth_gb_per_s: bandwidth / 1e9,
+        decode_floor_ms: weight_bytes as f64 / bandwidth * 1e3,
+    })
+}
+
+/// Bytes per second all compute threads together read from a buffer far larger than the
+/// caches (best of a few passes).
+fn measure_read_bandwidth(runner: &Runner) -> f64 {
+    let n: usize = 64 << 20; // 64 Mi u64 = 512 MiB
+    let buf: Vec<u64> = (0..n as u64).collect();
+    let threads = runner.threads();
+    let mut best = 0f64;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        let sums: Vec<u64> = std::thread::scope(|s| {
+            let handles: Vec<_> = buf
+                .chunks(n.div_ceil(threads))
+                .map(|c| s.spawn(move || c.iter().fold(0u64, |a, &b| a.wrapping_add(b))))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap_or(0)).collect()
+        });
+        let secs = t0.elapsed().as_secs_f64();
+        std::hint::black_box(sums);
+        best = best.max((n * 8) as f64 / secs);
+    }
+    best
+}

@@ -1,0 +1,21 @@
+//! Sluice engine: model loading (GGUF, safetensors), tokenizer, chat template, execution
+//! identity and the CPU forward pass of Llama-family models.
+
+pub mod bench;
+pub mod cpu;
+pub mod error;
+pub mod fetch;
+pub mod forward;
+pub mod generate;
+pub mod gguf;
+pub mod identity;
+pub mod loader;
+pub mod model;
+pub mod quant;
+pub mod safetensors;
+pub mod sampler;
+pub mod synth;
+pub mod template;
+pub mod tokenizer;
+
+pub use error::{EngineError, Result};

@@ -1,0 +1,225 @@
+//! Turning logits into the next token: penalties, temperature, top-k, top-p, min-p, seeded.
+
+use rand_chacha::ChaCha8Rng;
+use rand_chacha::rand_core::{Rng, SeedableRng};
+
+/// Sampling parameters of one request (validated by the caller's request layer).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// 0 means no top-k cut.
+    pub top_k: usize,
+    /// 1.0 means no nucleus cut.
+    pub top_p: f32,
+    /// 0.0 means no min-p cut.
+    pub min_p: f32,
+    /// Subtracted once from the logit of every token already generated.
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence from the logit of every token already generated.
+    pub frequency_penalty: f32,
+    /// Seed; the same seed and inputs give the same tokens.
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: 0,
+        }
+    }
+}
+
+/// Per-request sampler state.
+#[derive(Debug)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: ChaCha8Rng,
+    counts: std::collections::HashMap<u32, u32>,
+}
+
+/// A token and its log-probability, with the top alternatives when asked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    /// Chosen token.
+    pub token: u32,
+    /// Its log-probability under the model's raw distribution (before sampling transforms).
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl Sampler {
+    /// A sampler for one request.
+    pub fn new(params: SamplingParams) -> Sampler {
+        let rng = ChaCha8Rng::seed_from_u64(params.seed);
+        Sampler { params, rng, counts: Default::default() }
+    }
+
+    /// Picks the next token from `logits`, returning `top_logprobs` alternatives.
+    pub fn sample(&mut self, logits: &[f32], top_logprobs: usize) -> Sampled {
+        let logprobs = log_softmax(logits);
+        let mut adjusted: Vec<f32> = logits.to_vec();
+        let p = &self.params;
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            for (&tok, &n) in &self.counts {
+                if let Some(l) = adjusted.get_mut(tok as usize) {
+                    *l -= p.presence_penalty + p.frequency_penalty * n as f32;
+                }
+            }
+        }
+        let token = if p.temperature <= 0.0 { argmax(&adjusted) } else { self.draw(&adjusted) };
+        *self.counts.entry(token).or_insert(0) += 1;
+        let top = top_n(&logprobs, top_logprobs);
+        Sampled {
+            token,
+            logprob: logprobs.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY),
+            top,
+        }
+    }
+
+    fn draw(&mut self, logits: &[f32]) -> u32 {
+        let p = &self.params;
+        let mut cand: Vec<(u32, f32)> =
+            logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temperature)).collect();
+        // Ties broken by token id so the order (and so the draw) is deterministic.
+        cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if p.top_k > 0 && p.top_k < cand.len() {
+            cand.truncate(p.top_k);
+        }
+        let max = cand.first().map_or(0.0, |c| c.1);
+        let mut probs: Vec<f32> = cand.iter().map(|c| (c.1 - max).exp()).collect();
+        let sum: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|x| *x /= sum);
+        if p.min_p > 0.0 {
+            let floor = p.min_p * probs.first().copied().unwrap_or(0.0);
+            let keep = probs.iter().take_while(|&&x| x >= floor).count().max(1);
+            probs.truncate(keep);
+        }
+        if p.top_p < 1.0 {
+            let mut acc = 0.0;
+            let mut keep = probs.len();
+            for (i, x) in probs.iter().enumerate() {
+                acc += x;
+                if acc >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            probs.truncate(keep);
+        }
+        let total: f32 = probs.iter().sum();
+        let u = (self.rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
+        let mut target = u as f32 * total;
+        for (i, x) in probs.iter().enumerate() {
+            if target < *x {
+                return cand[i].0;
+            }
+            target -= x;
+        }
+        cand[probs.len().saturating_sub(1)].0
+    }
+}
+
+/// Index of the largest value (the lowest index on ties).
+pub fn argmax(x: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, v) in x.iter().enumerate() {
+        if *v > x[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Log-softmax in f64 accumulation.
+pub fn log_softmax(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    let lse = sum.ln() as f32 + max;
+    logits.iter().map(|&l| l - lse).collect()
+}
+
+/// The `n` largest entries, best first (ties by lower id).
+pub fn top_n(x: &[f32], n: usize) -> Vec<(u32, f32)> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let mut v: Vec<(u32, f32)> = x.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+    let n = n.min(v.len());
+    v.select_nth_unstable_by(n - 1, |a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    v.truncate(n);
+    v.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn logits() -> Vec<f32> {
+        (0..100).map(|i| ((i * 7919) % 97) as f32 / 10.0).collect()
+    }
+
+    #[test]
+    fn greedy_picks_the_argmax() {
+        let l = logits();
+        let s = Sampler::new(SamplingParams::default()).sample(&l, 3);
+        assert_eq!(s.token, argmax(&l));
+        assert_eq!(s.top.len(), 3);
+        assert_eq!(s.top[0].0, s.token);
+        assert!(s.top[0].1 >= s.top[1].1 && s.top[1].1 >= s.top[2].1);
+    }
+
+    #[test]
+    fn same_seed_same_tokens_other_seed_differs() {
+        let l = logits();
+        let run = |seed| {
+            let mut s =
+                Sampler::new(SamplingParams { temperature: 5.0, seed, ..Default::default() });
+            (0..32).map(|_| s.sample(&l, 0).token).collect::<Vec<_>>()
+        };
+        assert_eq!(run(1), run(1));
+        assert_ne!(run(1), run(2));
+    }
+
+    #[test]
+    fn top_k_one_is_greedy_and_top_p_restricts() {
+        let l = logits();
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_k: 1,
+            seed: 3,
+            ..Default::default()
+        });
+        assert!((0..20).all(|_| s.sample(&l, 0).token == argmax(&l)));
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_p: 1e-6,
+            seed: 3,
+            ..Default::default()
+        });
+        assert!((0..20).all(|_| s.sample(&l, 0).token == argmax(&l)));
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            min_p: 0.999,
+            seed: 3,
+            ..Default::default()
+        });
+        assert!((0..20).all(|_| s.sample(&l, 0).token == argmax(&l)));
+    }
+
+    #[test]
+    fn penalties_move_away_from_repeats() {
+        let l = vec![1.0, 0.9, 0.0];
+        let mut s = Sampler::new(SamplingParams { presence_penalty: 0.5, ..Default::default() });
+        assert_eq!(s.sample(&l, 0).token, 0);
+        assert_eq!(s.sample(&l, 0).token, 1);
+    }
+}

@@ -1,0 +1,698 @@
+//! Synthetic random-weight Llama-family models, written through the real file formats.
+//!
+//! One [`SynthSpec`] gives the same model as a GGUF file (any tensor type; Q and K rows
+//! permuted for interleaved RoPE exactly as llama.cpp's converter does) and as a Hugging Face
+//! directory (`config.json`, safetensors, `tokenizer.json`). Tests load both and compare; GPU
+//! parity and benchmark scripts use large specs, so generation and quantization use all cores
+//! and every weight is a pure function of (seed, tensor name, index).
+
+use std::path::Path;
+
+use serde_json::json;
+
+use crate::error::{EngineError, Result};
+use crate::gguf::{GgufWriter, MetaValue};
+use crate::model::{LlamaConfig, RopeStyle, gguf_names, hf_names};
+use crate::quant::{GgmlType, quantize_row};
+use crate::safetensors::{CONFIG_FILE, INDEX_FILE, SINGLE_FILE, write_safetensors};
+
+/// RMSNorm epsilon of every synthetic model.
+pub const RMS_EPS: f32 = 1e-5;
+/// Special tokens, in id order after the byte-level and merged tokens.
+pub const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+/// The ChatML template both formats carry.
+pub const CHAT_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+/// `tokenizer.ggml.pre` of the GGUF file: llama.cpp's fallback pre-tokenizer.
+pub const GGUF_PRE_TOKENIZER: &str = "default";
+
+/// The regexes llama.cpp's `default` pre-tokenizer applies in turn; tokenizer.json repeats
+/// them as `Split` steps so both files tokenize alike.
+const DEFAULT_PRE_REGEXES: [&str; 4] = [
+    r"[\p{P}\$\+<=>\^~\|]+",
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+    r"\p{N}+",
+    "[0-9][0-9][0-9]",
+];
+
+/// BPE merges in priority order, in the byte-level alphabet (`Ġ` is a space, `Ċ` a newline).
+const MERGES: [(&str, &str); 23] = [
+    ("Ġ", "t"),
+    ("h", "e"),
+    ("i", "n"),
+    ("Ġ", "a"),
+    ("e", "r"),
+    ("o", "n"),
+    ("Ġt", "he"),
+    ("r", "e"),
+    ("a", "t"),
+    ("e", "n"),
+    ("l", "l"),
+    ("Ġ", "s"),
+    ("i", "s"),
+    ("o", "r"),
+    ("Ġ", "w"),
+    ("H", "e"),
+    ("He", "ll"),
+    ("Hell", "o"),
+    ("Ġw", "or"),
+    ("Ġwor", "l"),
+    ("Ġworl", "d"),
+    ("Ċ", "Ċ"),
+    ("Ġ", "Ġ"),
+];
+
+/// llama.cpp token types written to `tokenizer.ggml.token_type`.
+const TYPE_NORMAL: u64 = 1;
+const TYPE_CONTROL: u64 = 3;
+const TYPE_UNUSED: u64 = 5;
+
+/// Shape and seed of a synthetic model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SynthSpec {
+    /// Vocabulary size (at least [`tokenizer_token_count`]; the rest are `<unused_N>`).
+    pub vocab: usize,
+    /// Hidden size.
+    pub hidden: usize,
+    /// Feed-forward inner size.
+    pub intermediate: usize,
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Query heads (head dim is `hidden / heads`).
+    pub heads: usize,
+    /// Key/value heads.
+    pub kv_heads: usize,
+    /// Context length.
+    pub context: usize,
+    /// RoPE base frequency.
+    pub rope_theta: f32,
+    /// Whether the output projection reuses the embedding.
+    pub tied: bool,
+    /// Q/K/V biases; makes the model a Qwen2 one.
+    pub qkv_bias: bool,
+    /// Seed of every weight.
+    pub seed: u64,
+}
+
+impl SynthSpec {
+    /// A model small enough for unit tests.
+    pub fn tiny() -> SynthSpec {
+        SynthSpec {
+            vocab: 320,
+            hidden: 64,
+            intermediate: 128,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            context: 256,
+            rope_theta: 10_000.0,
+            tied: false,
+            qkv_bias: false,
+            seed: 1,
+        }
+    }
+
+    /// Per-head dimension.
+    pub fn head_dim(&self) -> usize {
+        self.hidden.checked_div(self.heads).unwrap_or(0)
+    }
+
+    /// Architecture name: `qwen2` with biases, else `llama`.
+    pub fn arch(&self) -> &'static str {
+        if self.qkv_bias { "qwen2" } else { "llama" }
+    }
+
+    /// The configuration as the Hugging Face loader reads it (RoPE in halves).
+    pub fn config(&self) -> LlamaConfig {
+        LlamaConfig {
+            arch: self.arch().into(),
+            vocab_size: self.vocab,
+            hidden: self.hidden,
+            intermediate: self.intermediate,
+            layers: self.layers,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim(),
+            rope_dims: self.head_dim(),
+            rope_theta: self.rope_theta,
+            rope_scaling: None,
+            rope_style: RopeStyle::Halves,
+            rms_eps: RMS_EPS,
+            context_length: self.context,
+            tied_embeddings: self.tied,
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(EngineError::Unsupported(format!("synthetic spec: {m}")));
+        let dims = [self.vocab, self.hidden, self.intermediate, self.layers, self.context];
+        if dims.contains(&0) || self.heads == 0 || self.kv_heads == 0 {
+            return bad(format!("zero-sized dimension in {self:?}"));
+        }
+        if !self.hidden.is_multiple_of(self.heads) || !self.head_dim().is_multiple_of(2) {
+            return bad(format!(
+                "hidden {} is not an even head dim times {} heads",
+                self.hidden, self.heads
+            ));
+        }
+        if !self.heads.is_multiple_of(self.kv_heads) {
+            return bad(format!(
+                "{} heads not a multiple of {} kv heads",
+                self.heads, self.kv_heads
+            ));
+        }
+        if self.vocab < tokenizer_token_count() {
+            return bad(format!(
+                "vocab {} is smaller than the tokenizer's {} tokens",
+                self.vocab,
+                tokenizer_token_count()
+            ));
+        }
+        if !self.rope_theta.is_finite() || self.rope_theta <= 0.0 {
+            return bad(format!("rope_theta {}", self.rope_theta));
+        }
+        Ok(())
+    }
+
+    /// Every tensor, in file order, named both ways.
+    fn tensors(&self) -> Vec<SynthTensor> {
+        let (hf, gguf) = (hf_names(), gguf_names());
+        let (q_dim, kv_dim) = (self.heads * self.head_dim(), self.kv_heads * self.head_dim());
+        let mut out = vec![SynthTensor::new(&hf.embed, &gguf.embed, &[self.vocab, self.hidden])];
+        for i in 0..self.layers {
+            let t = |role: &str, shape: &[usize]| {
+                SynthTensor::new(&(hf.layer)(i, role), &(gguf.layer)(i, role), shape)
+            };
+            let rope = |mut t: SynthTensor, heads: usize| {
+                t.rope_heads = Some(heads);
+                t
+            };
+            out.push(t("attn_norm", &[self.hidden]));
+            out.push(rope(t("q", &[q_dim, self.hidden]), self.heads));
+            out.push(rope(t("k", &[kv_dim, self.hidden]), self.kv_heads));
+            out.push(t("v", &[kv_dim, self.hidden]));
+            if self.qkv_bias {
+                out.push(rope(t("q_bias", &[q_dim]), self.heads));
+                out.push(rope(t("k_bias", &[kv_dim]), self.kv_heads));
+                out.push(t("v_bias", &[kv_dim]));
+            }
+            out.push(t("o", &[self.hidden, q_dim]));
+            out.push(t("ffn_norm", &[self.hidden]));
+            out.push(t("gate", &[self.intermediate, self.hidden]));
+            out.push(t("up", &[self.intermediate, self.hidden]));
+            out.push(t("down", &[self.hidden, self.intermediate]));
+        }
+        out.push(SynthTensor::new(&hf.norm, &gguf.norm, &[self.hidden]));
+        if !self.tied {
+            out.push(SynthTensor::new(&hf.output, &gguf.output, &[self.vocab, self.hidden]));
+        }
+        out
+    }
+
+    /// The values of one tensor in Hugging Face layout.
+    fn values(&self, t: &SynthTensor) -> Vec<f32> {
+        let key = splitmix64(self.seed ^ fnv1a(&t.hf));
+        let n: usize = t.shape.iter().product();
+        let (center, std) = match t.kind() {
+            Kind::Norm => (1.0, 0.1),
+            Kind::Bias => (0.0, 0.2),
+            // Keeps activations of order one at any width (about 0.02 for 2048 columns).
+            Kind::Matrix => (0.0, 1.0 / (t.shape[1] as f32).sqrt()),
+        };
+        let mut out = vec![0f32; n];
+        par_chunks_mut(&mut out, 1 << 16, |chunk, part| {
+            let base = chunk << 16;
+            for (j, v) in part.iter_mut().enumerate() {
+                let h = splitmix64(key.wrapping_add(((base + j) as u64).wrapping_mul(GOLDEN)));
+                *v = center + std * approx_normal(h);
+            }
+        });
+        out
+    }
+}
+
+/// One tensor of a synthetic model.
+struct SynthTensor {
+    hf: String,
+    gguf: String,
+    /// Outer-first.
+    shape: Vec<usize>,
+    /// Heads whose rows are permuted for interleaved RoPE (Q and K and their biases).
+    rope_heads: Option<usize>,
+}
+
+enum Kind {
+    Matrix,
+    Norm,
+    Bias,
+}
+
+impl SynthTensor {
+    fn new(hf: &str, gguf: &str, shape: &[usize]) -> SynthTensor {
+        SynthTensor { hf: hf.into(), gguf: gguf.into(), shape: shape.to_vec(), rope_heads: None }
+    }
+
+    fn kind(&self) -> Kind {
+        match (self.shape.len(), self.hf.ends_with(".bias")) {
+            (2, _) => Kind::Matrix,
+            (_, true) => Kind::Bias,
+            _ => Kind::Norm,
+        }
+    }
+
+    /// Encodes `values` as `ty`, row by row, on all cores.
+    fn encode(&self, ty: GgmlType, values: &[f32]) -> Result<Vec<u8>> {
+        let cols = self.shape.last().copied().unwrap_or(1);
+        let row_bytes = ty.row_bytes(cols).ok_or_else(|| {
+            EngineError::Unsupported(format!(
+                "tensor {}: rows of {cols} are not whole {} blocks of {}",
+                self.hf,
+                ty.name(),
+                ty.block_elems()
+            ))
+        })?;
+        let rows_per_chunk = ((1 << 16) / cols).max(1);
+        let mut out = vec![0u8; values.len() / cols * row_bytes];
+        par_chunks_mut(&mut out, rows_per_chunk * row_bytes, |chunk, part| {
+            let first = chunk * rows_per_chunk;
+            for (r, dst) in part.chunks_exact_mut(row_bytes).enumerate() {
+                let src = &values[(first + r) * cols..(first + r + 1) * cols];
+                dst.copy_from_slice(&quantize_row(ty, src));
+            }
+        });
+        Ok(out)
+    }
+}
+
+/// llama.cpp's HF-to-GGUF reordering of Q/K rows: within each head, Hugging Face row
+/// `half * hd/2 + i` (rotated with its partner in the other half) becomes row `2 i + half`
+/// (rotated with its neighbour), so interleaved RoPE computes the same model.
+fn permute_for_interleaved_rope(values: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+    let hd = values.len() / cols / heads;
+    let mut out = vec![0f32; values.len()];
+    for h in 0..heads {
+        for i in 0..hd / 2 {
+            for half in 0..2 {
+                let src = (h * hd + half * hd / 2 + i) * cols;
+                let dst = (h * hd + 2 * i + half) * cols;
+                out[dst..dst + cols].copy_from_slice(&values[src..src + cols]);
+            }
+        }
+    }
+    out
+}
+
+const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
+
+/// SplitMix64's output function: a well-mixed 64-bit hash of a counter.
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(GOLDEN);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// FNV-1a, a hash that is stable across runs and platforms (unlike `std`'s).
+fn fnv1a(s: &str) -> u64 {
+    s.bytes().fold(0xCBF2_9CE4_8422_2325, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01B3))
+}
+
+/// A roughly standard normal value: the Irwin-Hall sum of the hash's four 16-bit uniforms,
+/// centred and scaled to unit variance (bounded tails, which suits quantizers).
+fn approx_normal(h: u64) -> f32 {
+    let sum: u32 = (0..4).map(|k| ((h >> (16 * k)) & 0xFFFF) as u32).sum();
+    ((sum as f32 + 2.0) / 65_536.0 - 2.0) * 3f32.sqrt()
+}
+
+/// Runs `f(chunk index, chunk)` over `out` split into `chunk`-sized pieces, on all cores
+/// when there is more than one piece.
+fn par_chunks_mut<T: Send>(out: &mut [T], chunk: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+    let chunk = chunk.max(1);
+    let pieces = out.len().div_ceil(chunk);
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(pieces);
+    if threads <= 1 {
+        out.chunks_mut(chunk).enumerate().for_each(|(i, c)| f(i, c));
+        return;
+    }
+    let per_thread = pieces.div_ceil(threads);
+    std::thread::scope(|s| {
+        for (t, run) in out.chunks_mut(per_thread * chunk).enumerate() {
+            let f = &f;
+            s.spawn(move || {
+                for (j, c) in run.chunks_mut(chunk).enumerate() {
+                    f(t * per_thread + j, c);
+                }
+            });
+        }
+    });
+}
+
+/// The GPT-2 byte-level alphabet: the character standing for each byte.
+pub fn byte_level_chars() -> [char; 256] {
+    let mut chars = ['\0'; 256];
+    let mut next = 256u32;
+    for (b, c) in chars.iter_mut().enumerate() {
+        let printable = matches!(b, 0x21..=0x7E | 0xA1..=0xAC | 0xAE..=0xFF);
+        let code = if printable { b as u32 } else { next };
+        next += u32::from(!printable);
+        // Codes are below 0x150, all valid scalar values.
+        *c = char::from_u32(code).unwrap_or(char::REPLACEMENT_CHARACTER);
+    }
+    chars
+}
+
+/// Tokens the synthetic tokenizer defines before `<unused_N>` padding.
+pub fn tokenizer_token_count() -> usize {
+    256 + MERGES.len() + SPECIAL_TOKENS.len()
+}
+
+/// The synthetic tokenizer's vocabulary, padded to `vocab` tokens.
+struct Vocabulary {
+    tokens: Vec<String>,
+    types: Vec<u64>,
+    bos: usize,
+    eos: usize,
+}
+
+fn vocabulary(vocab: usize) -> Vocabulary {
+    let mut tokens: Vec<String> = byte_level_chars().iter().map(|c| c.to_string()).collect();
+    tokens.extend(MERGES.iter().map(|(a, b)| format!("{a}{b}")));
+    let mut types = vec![TYPE_NORMAL; tokens.len()];
+    let first_special = tokens.len();
+    tokens.extend(SPECIAL_TOKENS.iter().map(|s| s.to_string()));
+    types.resize(tokens.len(), TYPE_CONTROL);
+    let n = tokens.len();
+    tokens.extend((0..vocab.saturating_sub(n)).map(|i| format!("<unused_{i}>")));
+    types.resize(tokens.len(), TYPE_UNUSED);
+    Vocabulary { tokens, types, bos: first_special, eos: first_special + 2 }
+}
+
+fn strings<S: AsRef<str>>(items: impl IntoIterator<Item = S>) -> MetaValue {
+    MetaValue::Array(items.into_iter().map(|s| MetaValue::String(s.as_ref().into())).collect())
+}
+
+/// Writes `spec` as a GGUF file with matrices in `ty` (norms and biases stay F32), the
+/// `{arch}.*` hyper-parameters `gguf_config` reads and a byte-level BPE tokenizer.
+pub fn write_gguf(spec: &SynthSpec, ty: GgmlType, path: &Path) -> Result<()> {
+    spec.validate()?;
+    let arch = spec.arch();
+    let mut w = GgufWriter::new();
+    let u = |v: usize| MetaValue::U64(v as u64);
+    let key = |k: &str| format!("{arch}.{k}");
+    w.meta("general.architecture", MetaValue::String(arch.into()))
+        .meta("general.name", MetaValue::String("sluice synthetic".into()))
+        .meta(&key("vocab_size"), u(spec.vocab))
+        .meta(&key("context_length"), u(spec.context))
+        .meta(&key("embedding_length"), u(spec.hidden))
+        .meta(&key("feed_forward_length"), u(spec.intermediate))
+        .meta(&key("block_count"), u(spec.layers))
+        .meta(&key("attention.head_count"), u(spec.heads))
+        .meta(&key("attention.head_count_kv"), u(spec.kv_heads))
+        .meta(&key("attention.key_length"), u(spec.head_dim()))
+        .meta(&key("attention.value_length"), u(spec.head_dim()))
+        .meta(&key("attention.layer_norm_rms_epsilon"), MetaValue::F64(f64::from(RMS_EPS)))
+        .meta(&key("rope.dimension_count"), u(spec.head_dim()))
+        .meta(&key("rope.freq_base"), MetaValue::F64(f64::from(spec.rope_theta)));
+
+    let v = vocabulary(spec.vocab);
+    w.meta("tokenizer.ggml.model", MetaValue::String("gpt2".into()))
+        .meta("tokenizer.ggml.pre", MetaValue::String(GGUF_PRE_TOKENIZER.into()))
+        .meta("tokenizer.ggml.tokens", strings(&v.tokens))
+        .meta(
+            "tokenizer.ggml.token_type",
+            MetaValue::Array(v.types.iter().map(|&t| MetaValue::U64(t)).collect()),
+        )
+        .meta("tokenizer.ggml.merges", strings(MERGES.iter().map(|(a, b)| format!("{a} {b}"))))
+        .meta("tokenizer.ggml.bos_token_id", u(v.bos))
+        .meta("tokenizer.ggml.eos_token_id", u(v.eos))
+        .meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(false))
+        .meta("tokenizer.chat_template", MetaValue::String(CHAT_TEMPLATE.into()));
+
+    // llama.cpp's qwen2 uses NeoX (halves) RoPE and its converter leaves Q and K alone.
+    let permute = arch == "llama";
+    for t in spec.tensors() {
+        let mut values = spec.values(&t);
+        let cols = if t.shape.len() == 2 { t.shape[1] } else { 1 };
+        if let (true, Some(heads)) = (permute, t.rope_heads) {
+            values = permute_for_interleaved_rope(&values, heads, cols);
+        }
+        let (ty, bytes) = match t.kind() {
+            Kind::Matrix => (ty, t.encode(ty, &values)?),
+            Kind::Norm | Kind::Bias => (GgmlType::F32, quantize_row(GgmlType::F32, &values)),
+        };
+        let dims: Vec<usize> = t.shape.iter().rev().copied().collect();
+        w.tensor(&t.gguf, &dims, ty, bytes);
+    }
+    w.write(path)
+}
+
+/// Writes `spec` as a Hugging Face directory: `config.json`, weights in `ty` (F32, F16 or
+/// BF16) as `model.safetensors` or, when `shards > 1`, that many shards and an index,
+/// `tokenizer.json` (the GGUF tokenizer's equivalent) and `tokenizer_config.json`.
+pub fn write_safetensors_dir(
+    spec: &SynthSpec,
+    ty: GgmlType,
+    dir: &Path,
+    shards: usize,
+) -> Result<()> {
+    spec.validate()?;
+    let dtype = match ty {
+        GgmlType::F32 => "float32",
+        GgmlType::F16 => "float16",
+        GgmlType::BF16 => "bfloat16",
+        other => {
+            return Err(EngineError::Unsupported(format!(
+                "safetensors checkpoints hold F32, F16 or BF16, not {}",
+                other.name()
+            )));
+        }
+    };
+    std::fs::create_dir_all(dir).map_err(|e| EngineError::io(dir, e))?;
+    let v = vocabulary(spec.vocab);
+    let (hf_arch, model_type) =
+        if spec.qkv_bias { ("Qwen2ForCausalLM", "qwen2") } else { ("LlamaForCausalLM", "llama") };
+    let config = json!({
+        "architectures": [hf_arch],
+        "model_type": model_type,
+        "hidden_size": spec.hidden,
+        "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers,
+        "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads,
+        "head_dim": spec.head_dim(),
+        "hidden_act": "silu",
+        "attention_bias": spec.qkv_bias,
+        "max_position_embeddings": spec.context,
+        "rms_norm_eps": RMS_EPS,
+        "rope_theta": spec.rope_theta,
+        "rope_scaling": null,
+        "use_sliding_window": false,
+        "tie_word_embeddings": spec.tied,
+        "vocab_size": spec.vocab,
+        "bos_token_id": v.bos,
+        "eos_token_id": v.eos,
+        "torch_dtype": dtype,
+    });
+    write_json(&dir.join(CONFIG_FILE), &config)?;
+    write_json(&dir.join("tokenizer.json"), &tokenizer_json(&v))?;
+    let tokenizer_config = json!({
+        "add_bos_token": false,
+        "add_eos_token": false,
+        "bos_token": SPECIAL_TOKENS[0],
+        "eos_token": SPECIAL_TOKENS[2],
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": spec.context,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "clean_up_tokenization_spaces": false,
+    });
+    write_json(&dir.join("tokenizer_config.json"), &tokenizer_config)?;
+
+    let tensors = spec.tensors();
+    let bytes = |t: &SynthTensor| t.shape.iter().product::<usize>() * ty.block_bytes();
+    let groups = split_into_shards(&tensors.iter().map(bytes).collect::<Vec<_>>(), shards)?;
+    let mut weight_map = serde_json::Map::new();
+    for (k, range) in groups.iter().enumerate() {
+        let file = if groups.len() == 1 {
+            SINGLE_FILE.to_string()
+        } else {
+            format!("model-{:05}-of-{:05}.safetensors", k + 1, groups.len())
+        };
+        // One shard in memory at a time.
+        let mut encoded = Vec::with_capacity(range.len());
+        for t in &tensors[range.clone()] {
+            let values = spec.values(t);
+            encoded.push((t.hf.clone(), ty, t.shape.clone(), t.encode(ty, &values)?));
+            weight_map.insert(t.hf.clone(), json!(file));
+        }
+        write_safetensors(&dir.join(&file), &encoded)?;
+    }
+    if groups.len() > 1 {
+        let total: usize = tensors.iter().map(bytes).sum();
+        let index = json!({ "metadata": { "total_size": total }, "weight_map": weight_map });
+        write_json(&dir.join(INDEX_FILE), &index)?;
+    }
+    Ok(())
+}
+
+/// Splits tensors of the given sizes, in order, into `shards` non-empty runs of roughly
+/// equal bytes.
+fn split_into_shards(sizes: &[usize], shards: usize) -> Result<Vec<std::ops::Range<usize>>> {
+    let shards = shards.max(1);
+    if shards > sizes.len() {
+        return Err(EngineError::Unsupported(format!(
+            "cannot split {} tensors into {shards} shards",
+            sizes.len()
+        )));
+    }
+    let total: usize = sizes.iter().sum();
+    let mut runs = Vec::with_capacity(shards);
+    let (mut start, mut acc) = (0, 0);
+    for k in 0..shards {
+        let target = total / shards * (k + 1);
+        let mut end = start + 1;
+        acc += sizes[start];
+        // Leave at least one tensor for each later shard.
+        while end < sizes.len() - (shards - 1 - k) && (acc < target || k + 1 == shards) {
+            acc += sizes[end];
+            end += 1;
+        }
+        runs.push(start..end);
+        start = end;
+    }
+    Ok(runs)
+}
+
+fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
+    let text = serde_json::to_vec_pretty(value)
+        .map_err(|e| EngineError::format(path, format!("serialize: {e}")))?;
+    std::fs::write(path, text).map_err(|e| EngineError::io(path, e))
+}
+
+/// A Hugging Face byte-level BPE `tokenizer.json` equivalent to the GGUF metadata.
+fn tokenizer_json(v: &Vocabulary) -> serde_json::Value {
+    let mut vocab = serde_json::Map::new();
+    let mut added = Vec::new();
+    for (id, (text, &ty)) in v.tokens.iter().zip(&v.types).enumerate() {
+        // Specials are in the model's vocabulary too: `tokenizers` renumbers added tokens
+        // that would leave holes in it.
+        vocab.insert(text.clone(), json!(id));
+        if ty == TYPE_CONTROL {
+            added.push(json!({
+                "id": id, "content": text, "single_word": false, "lstrip": false,
+                "rstrip": false, "normalized": false, "special": true,
+            }));
+        }
+    }
+    let mut pre: Vec<serde_json::Value> = DEFAULT_PRE_REGEXES
+        .iter()
+        .map(|r| {
+            json!({"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": false})
+        })
+        .collect();
+    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false});
+    pre.push(byte_level.clone());
+    json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": pre},
+        "post_processor": null,
+        "decoder": byte_level,
+        "model": {
+            "type": "BPE",
+            "dropout": null,
+            "unk_token": null,
+            "continuing_subword_prefix": null,
+            "end_of_word_suffix": null,
+            "fuse_unk": false,
+            "byte_fallback": false,
+            "ignore_merges": false,
+            "vocab": vocab,
+            "merges": MERGES.iter().map(|(a, b)| json!([a, b])).collect::<Vec<_>>(),
+        },
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn byte_level_alphabet_is_gpt2s() {
+        let chars = byte_level_chars();
+        assert_eq!((chars[b' ' as usize], chars[b'\n' as usize]), ('Ġ', 'Ċ'));
+        assert_eq!((chars[b'a' as usize], chars[0], chars[0xAD]), ('a', 'Ā', 'Ń'));
+        let mut sorted = chars.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), 256);
+    }
+
+    #[test]
+    fn every_merge_joins_existing_tokens() {
+        let v = vocabulary(SynthSpec::tiny().vocab);
+        for (i, (a, b)) in MERGES.iter().enumerate() {
+            let known = |t: &str| v.tokens[..256 + i].iter().any(|x| x == t);
+            assert!(known(a) && known(b), "merge {i}: {a} {b}");
+        }
+        assert_eq!(v.tokens.len(), 320);
+        assert_eq!(
+            [v.tokens[v.bos].as_str(), v.tokens[v.eos].as_str()],
+            [SPECIAL_TOKENS[0], SPECIAL_TOKENS[2]]
+        );
+        assert_eq!(v.tokens[319], format!("<unused_{}>", 319 - tokenizer_token_count()));
+    }
+
+    #[test]
+    fn permutation_matches_llama_cpp_converter() {
+        // Two heads of dim 4, one column: HF rows (h, half, i) -> GGUF rows (h, i, half).
+        let hf: Vec<f32> = (0..8).map(|r| r as f32).collect();
+        assert_eq!(permute_for_interleaved_rope(&hf, 2, 1), [0., 2., 1., 3., 4., 6., 5., 7.]);
+    }
+
+    #[test]
+    fn values_are_deterministic_and_scaled() {
+        let spec = SynthSpec { hidden: 256, intermediate: 512, ..SynthSpec::tiny() };
+        let tensors = spec.tensors();
+        let t = &tensors[1];
+        assert_eq!(t.hf, "model.layers.0.input_layernorm.weight");
+        let norm = spec.values(t);
+        assert!(norm.iter().all(|x| (0.5..1.5).contains(x)));
+        let gate = tensors.iter().find(|t| t.hf.ends_with("0.mlp.gate_proj.weight"));
+        let gate = gate.map(|t| spec.values(t)).unwrap_or_default();
+        assert_eq!(gate.len(), 512 * 256);
+        let var = gate.iter().map(|x| x * x).sum::<f32>() / gate.len() as f32;
+        assert!((var * 256.0 - 1.0).abs() < 0.05, "variance x cols {}", var * 256.0);
+        let again = SynthSpec { ..spec.clone() };
+        assert_eq!(again.values(t), norm);
+        let other = SynthSpec { seed: 2, ..spec };
+        assert_ne!(other.values(t), norm);
+    }
+
+    #[test]
+    fn shards_are_balanced_and_non_empty() -> Result<()> {
+        assert_eq!(split_into_shards(&[10, 10, 10, 10], 2)?, [0..2, 2..4]);
+        assert_eq!(split_into_shards(&[100, 1, 1], 3)?, [0..1, 1..2, 2..3]);
+        assert_eq!(split_into_shards(&[1, 1, 100], 2)?, [0..2, 2..3]);
+        assert_eq!(split_into_shards(&[5, 6], 1)?.first(), Some(&(0..2)));
+        assert!(split_into_shards(&[5], 2).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn specs_are_validated() {
+        let bad = [
+            SynthSpec { vocab: 100, ..SynthSpec::tiny() },
+            SynthSpec { kv_heads: 3, ..SynthSpec::tiny() },
+            SynthSpec { heads: 0, ..SynthSpec::tiny() },
+        ];
+        for spec in bad {
+            assert!(spec.validate().is_err(), "{spec:?}");
+        }
+        let dir = std::env::temp_dir().join("sluice-never-written.gguf");
+        let q4k = write_gguf(&SynthSpec::tiny(), GgmlType::Q4K, &dir);
+        let msg = q4k.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(msg.contains("Q4_K") && msg.contains("tensor model.embed_tokens.weight"), "{msg}");
+    }
+}

@@ -1,0 +1,96 @@
+//! Tokenizer and chat template agree with llama.cpp on the default model, byte for byte and
+//! token for token (see shared/golden/README.md).
+
+mod common;
+
+use anyhow::Context as _;
+use sluice_engine::gguf::GgufFile;
+use sluice_engine::template::{ChatMessage, ChatTemplate};
+use sluice_engine::tokenizer::Tokenizer;
+
+fn items<'a>(
+    golden: &'a serde_json::Value,
+    kind: &str,
+) -> anyhow::Result<&'a Vec<serde_json::Value>> {
+    golden[kind].as_array().with_context(|| format!("golden file has no `{kind}` array"))
+}
+
+fn text<'a>(item: &'a serde_json::Value, field: &str) -> anyhow::Result<&'a str> {
+    item[field].as_str().with_context(|| format!("golden item has no string `{field}`"))
+}
+
+/// llama.cpp's text leaves out the end-of-generation token that ends a completion, as
+/// `skip_special` does.
+fn check_decode(
+    tok: &Tokenizer,
+    item: &serde_json::Value,
+    prompt: &str,
+    failures: &mut Vec<String>,
+) -> anyhow::Result<()> {
+    let decoded = tok.decode(&common::ids(&item["completion_tokens"]), true)?;
+    let want = text(item, "completion_text")?;
+    if decoded != want {
+        failures.push(format!("decode after {prompt:?}: got {decoded:?}, want {want:?}"));
+    }
+    Ok(())
+}
+
+#[test]
+fn tokenizer_matches_llama_cpp() -> anyhow::Result<()> {
+    let golden = common::golden()?;
+    let file = GgufFile::open(&common::default_model()?)?;
+    let tok = Tokenizer::from_gguf(&file)?;
+    assert_eq!((tok.bos_id(), tok.eos_id(), tok.add_bos()), (Some(1), Some(2), false));
+    assert_eq!(tok.vocab_size(), 49152);
+    assert_eq!(tok.stop_ids(), &[2, 0], "EOS <|im_end|>, then <|endoftext|>");
+
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for item in items(&golden, "completion")? {
+        let prompt = text(item, "prompt")?;
+        let got = tok.encode(prompt, true)?;
+        if got != common::ids(&item["prompt_tokens"]) {
+            failures
+                .push(format!("encode {prompt:?}: got {got:?}, want {:?}", item["prompt_tokens"]));
+        }
+        check_decode(&tok, item, prompt, &mut failures)?;
+        checked += 1;
+    }
+    for item in items(&golden, "chat")? {
+        let rendered = text(item, "rendered")?;
+        let got = tok.encode(rendered, true)?;
+        if got != common::ids(&item["prompt_tokens"]) {
+            failures.push(format!(
+                "encode {rendered:?}: got {got:?}, want {:?}",
+                item["prompt_tokens"]
+            ));
+        }
+        check_decode(&tok, item, rendered, &mut failures)?;
+        checked += 1;
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {checked} golden items differ:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    assert_eq!(checked, 14, "golden items checked");
+    Ok(())
+}
+
+#[test]
+fn chat_template_matches_llama_cpp() -> anyhow::Result<()> {
+    let golden = common::golden()?;
+    let file = GgufFile::open(&common::default_model()?)?;
+    let template =
+        ChatTemplate::from_gguf(&file)?.context("the default model has tokenizer.chat_template")?;
+    assert_eq!(template.version().len(), 64);
+    let chats = items(&golden, "chat")?;
+    assert_eq!(chats.len(), 4);
+    for item in chats {
+        let messages: Vec<ChatMessage> = serde_json::from_value(item["messages"].clone())?;
+        let rendered = template.render(&messages, true)?;
+        assert_eq!(rendered, text(item, "rendered")?);
+    }
+    Ok(())
+}

