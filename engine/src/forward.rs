@@ -9,7 +9,9 @@ use crate::cpu::pool::ThreadPool;
 use crate::error::{EngineError, Result};
 use crate::model::{LlamaWeights, RopeStyle};
 
-/// The KV cache as fixed-size blocks: `[layer][block][slot][kv_dim]` for K and for V.
+/// The KV cache as fixed-size blocks. Per layer and block, K is stored transposed,
+/// `[kv_head][dim][slot]`, so the scores of a whole block are one vector product per
+/// dimension; V is `[kv_head][slot][dim]`, so accumulating a weighted row is contiguous.
 #[derive(Debug)]
 pub struct KvCache {
     layers: usize,
@@ -53,8 +55,21 @@ impl KvCache {
         self.num_blocks
     }
 
-    fn offset(&self, layer: usize, block: usize, slot: usize) -> usize {
-        ((layer * self.num_blocks + block) * self.block_size + slot) * self.kv_dim
+    /// Start of one layer's block (K or V).
+    fn block_offset(&self, layer: usize, block: usize) -> usize {
+        (layer * self.num_blocks + block) * self.block_size * self.kv_dim
+    }
+
+    fn write(&mut self, layer: usize, block: usize, slot: usize, head_dim: usize, k: &[f32], v: &[f32]) {
+        let bs = self.block_size;
+        let base = self.block_offset(layer, block);
+        for (h, (kh, vh)) in k.chunks_exact(head_dim).zip(v.chunks_exact(head_dim)).enumerate() {
+            let kb = &mut self.k[base + h * head_dim * bs..][..head_dim * bs];
+            for (d, &x) in kh.iter().enumerate() {
+                kb[d * bs + slot] = x;
+            }
+            self.v[base + (h * bs + slot) * head_dim..][..head_dim].copy_from_slice(vh);
+        }
     }
 }
 
@@ -214,9 +229,8 @@ impl Runner {
                 let seq = &batch[meta[t].seq];
                 let pos = meta[t].pos;
                 let block = seq.block_table[pos / cache.block_size] as usize;
-                let off = cache.offset(li, block, pos % cache.block_size);
-                cache.k[off..off + kv_dim].copy_from_slice(&k[t * kv_dim..(t + 1) * kv_dim]);
-                cache.v[off..off + kv_dim].copy_from_slice(&v[t * kv_dim..(t + 1) * kv_dim]);
+                let (kt, vt) = (&k[t * kv_dim..(t + 1) * kv_dim], &v[t * kv_dim..(t + 1) * kv_dim]);
+                cache.write(li, block, pos % cache.block_size, hd, kt, vt);
             }
             attention(&self.pool, c, cache, li, batch, &meta, &q, &mut attn);
             self.mm(&l.wo, &attn, &mut o);
@@ -319,48 +333,100 @@ fn attention(
     out: &mut [f32],
 ) {
     let (hd, q_dim, group) = (c.head_dim, c.q_dim(), c.heads / c.kv_heads);
-    let scale = 1.0 / (hd as f32).sqrt();
     let items = meta.len() * c.heads;
     let threads = pool.threads();
     let out_ptr = SharedMut(out.as_mut_ptr());
+    #[cfg(target_arch = "x86_64")]
+    let avx512 = is_x86_feature_detected!("avx512f");
     pool.run(&|ti| {
         let mut scores = Vec::new();
-        let mut acc = vec![0f32; hd];
         // Interleaved assignment balances causal prefill, where later tokens cost more.
         for item in (ti..items).step_by(threads) {
             let (t, h) = (item / c.heads, item % c.heads);
             let TokenMeta { seq, pos } = meta[t];
-            let table = batch[seq].block_table;
-            let kvh = h / group;
-            let qh = &q[t * q_dim + h * hd..][..hd];
-            scores.clear();
-            let mut max = f32::NEG_INFINITY;
-            for j in 0..=pos {
-                let off =
-                    cache.offset(layer, table[j / cache.block_size] as usize, j % cache.block_size);
-                let s = dot_f32(qh, &cache.k[off + kvh * hd..][..hd]) * scale;
-                max = max.max(s);
-                scores.push(s);
+            let job = HeadJob {
+                cache,
+                layer,
+                table: batch[seq].block_table,
+                kv_head: h / group,
+                head_dim: hd,
+                pos,
+                q: &q[t * q_dim + h * hd..][..hd],
+            };
+            // SAFETY: each (t, h) item is handled by exactly one thread, and its slice
+            // [t * q_dim + h * hd, +hd) lies inside `out`.
+            let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(t * q_dim + h * hd), hd) };
+            #[cfg(target_arch = "x86_64")]
+            if avx512 {
+                // SAFETY: the CPU supports AVX-512F (checked above).
+                unsafe { attend_avx512(&job, &mut scores, dst) };
+                continue;
             }
-            let mut sum = 0f32;
-            for s in scores.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            acc.fill(0.0);
-            for (j, p) in scores.iter().enumerate() {
-                let off =
-                    cache.offset(layer, table[j / cache.block_size] as usize, j % cache.block_size);
-                for (a, vv) in acc.iter_mut().zip(&cache.v[off + kvh * hd..][..hd]) {
-                    *a = p.mul_add(*vv, *a);
-                }
-            }
-            let inv = 1.0 / sum;
-            for (i, a) in acc.iter().enumerate() {
-                // SAFETY: each (t, h) item is handled by exactly one thread and its slice
-                // [t * q_dim + h * hd, +hd) lies inside `out`.
-                unsafe { *out_ptr.get().add(t * q_dim + h * hd + i) = a * inv };
-            }
+            attend(&job, &mut scores, dst);
         }
     });
+}
+
+/// One query head of one token attending over its sequence's cache.
+struct HeadJob<'a> {
+    cache: &'a KvCache,
+    layer: usize,
+    table: &'a [u32],
+    kv_head: usize,
+    head_dim: usize,
+    pos: usize,
+    q: &'a [f32],
+}
+
+/// The same code compiled for AVX-512 (Rust never fuses multiply-add on its own, so both
+/// versions compute bit-identical results).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vl,fma")]
+unsafe fn attend_avx512(job: &HeadJob<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    attend(job, scores, out)
+}
+
+#[inline(always)]
+fn attend(job: &HeadJob<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    let cache = job.cache;
+    let (bs, hd) = (cache.block_size, job.head_dim);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let n = job.pos + 1;
+    scores.clear();
+    scores.resize(n.div_ceil(bs) * bs, 0.0);
+    let mut max = f32::NEG_INFINITY;
+    for (bi, chunk) in scores.chunks_exact_mut(bs).enumerate() {
+        let base = cache.block_offset(job.layer, job.table[bi] as usize);
+        let kb = &cache.k[base + job.kv_head * hd * bs..][..hd * bs];
+        for (d, &qd) in job.q.iter().enumerate() {
+            for (s, &k) in chunk.iter_mut().zip(&kb[d * bs..(d + 1) * bs]) {
+                *s += qd * k;
+            }
+        }
+        let valid = (n - bi * bs).min(bs);
+        for s in &mut chunk[..valid] {
+            *s *= scale;
+            max = max.max(*s);
+        }
+    }
+    scores.truncate(n);
+    let mut sum = 0f32;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    out.fill(0.0);
+    for (bi, chunk) in scores.chunks(bs).enumerate() {
+        let base = cache.block_offset(job.layer, job.table[bi] as usize);
+        let vb = &cache.v[base + job.kv_head * bs * hd..][..bs * hd];
+        for (&p, vr) in chunk.iter().zip(vb.chunks_exact(hd)) {
+            for (o, &v) in out.iter_mut().zip(vr) {
+                *o += p * v;
+            }
+        }
+    }
+    let inv = 1.0 / sum;
+    for o in out.iter_mut() {
+        *o *= inv;
+    }
 }

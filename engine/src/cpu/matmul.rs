@@ -325,11 +325,11 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let mut cb = b.chunks_exact(16);
     for (x, y) in (&mut ca).zip(&mut cb) {
         for l in 0..16 {
-            acc[l] = x[l].mul_add(y[l], acc[l]);
+            acc[l] += x[l] * y[l];
         }
     }
     for (l, (x, y)) in ca.remainder().iter().zip(cb.remainder()).enumerate() {
-        acc[l] = x.mul_add(*y, acc[l]);
+        acc[l] += x * y;
     }
     let mut w = 16;
     while w > 1 {
@@ -353,7 +353,7 @@ fn offset_term(v: &BlockView<'_>, acts: &QuantizedActs, r: usize, t: usize) -> f
             Offset::Minus8 => -8.0 * d[b].to_f32(),
             Offset::Minus128 => -128.0 * d[b].to_f32(),
         };
-        acc[b % 16] = c.mul_add(sa[b], acc[b % 16]);
+        acc[b % 16] += c * sa[b];
     }
     let mut w = 16;
     while w > 1 {
@@ -404,7 +404,7 @@ fn scalar_dot(v: &BlockView<'_>, acts: &QuantizedActs, r: usize, t: usize) -> f3
         let a = &acts.qs[(t * acts.nb_pad + b) * QK..][..QK];
         let isum: i32 = (0..QK).map(|i| unpack(pair, v.offset, b % 2, i) * i32::from(a[i])).sum();
         let s = v.d[r * nb + b].to_f32() * acts.d[t * nb + b];
-        acc[b % 16] = s.mul_add(isum as f32, acc[b % 16]);
+        acc[b % 16] += s * isum as f32;
     }
     let mut w = 16;
     while w > 1 {
