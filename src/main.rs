@@ -96,6 +96,9 @@ struct RunArgs {
     /// Treat PROMPT as a user message and render it with the model's chat template.
     #[arg(long)]
     chat: bool,
+    /// Render this JSON `messages` array with the chat template instead of PROMPT.
+    #[arg(long, conflicts_with = "prompt")]
+    messages_file: Option<PathBuf>,
     /// Most tokens to generate.
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
@@ -121,7 +124,8 @@ struct RunArgs {
     #[arg(long)]
     json: bool,
     /// The prompt.
-    prompt: String,
+    #[arg(required_unless_present = "messages_file")]
+    prompt: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -199,14 +203,19 @@ fn run_generate(args: RunArgs) -> anyhow::Result<()> {
         bail!("--top-p must be in (0, 1]");
     }
     let m = args.model.load()?;
-    let prompt = if args.chat {
-        let t = m.template.as_ref().context("the model has no chat template; drop --chat")?;
-        let msgs = [ChatMessage { role: "user".into(), content: args.prompt.clone() }];
-        let text = t.render(&msgs, true)?;
-        // The rendered template carries its own BOS when the model wants one.
-        m.tokenizer.encode(&text, true)?
-    } else {
-        m.encode_prompt(&args.prompt)?
+    let text = args.prompt.clone().unwrap_or_default();
+    let messages = match (&args.messages_file, args.chat) {
+        (Some(f), _) => Some(read_messages(f)?),
+        (None, true) => Some(vec![ChatMessage { role: "user".into(), content: text.clone() }]),
+        (None, false) => None,
+    };
+    let prompt = match messages {
+        Some(msgs) => {
+            let t = m.template.as_ref().context("the model has no chat template")?;
+            // The rendered template carries its own BOS when the model wants one.
+            m.tokenizer.encode(&t.render(&msgs, true)?, true)?
+        }
+        None => m.encode_prompt(&text)?,
     };
     let opts = GenerateOptions {
         max_tokens: args.max_tokens,
@@ -307,6 +316,10 @@ fn run_bench_model(args: BenchModelArgs) -> anyhow::Result<()> {
         report.decode_tokens,
         base.1,
         report.decode_tokens_per_second / base.1
+    );
+    println!(
+        "decode     {:>8.1} tok/s over {} tokens after the {}-token prompt (no baseline)",
+        report.decode_after_prompt_tokens_per_second, report.decode_tokens, report.prompt_tokens
     );
     println!(
         "bandwidth  {:.2} ms/token vs floor {:.2} ms ({:.1} MiB of weights at {:.1} GB/s measured): {:.0}% of the bound",

@@ -34,10 +34,12 @@ pub struct ModelBenchReport {
     pub decode_tokens: usize,
     /// Median prefill speed.
     pub prefill_tokens_per_second: f64,
-    /// Median decode speed.
+    /// Median decode speed from an empty context (what `llama-bench -n` measures).
     pub decode_tokens_per_second: f64,
-    /// Median decode step time.
+    /// Median decode step time from an empty context.
     pub decode_ms_per_token: f64,
+    /// Median decode speed after the prompt (attention over `prompt_tokens` more positions).
+    pub decode_after_prompt_tokens_per_second: f64,
     /// Bytes of weights read per decode step.
     pub weight_bytes: usize,
     /// Measured read bandwidth of this machine, all threads.
@@ -63,6 +65,10 @@ pub fn bench_model(
     let table: Vec<u32> = (0..blocks as u32).collect();
     let mut prefill = Vec::new();
     let mut decode = Vec::new();
+    let mut decode_deep = Vec::new();
+    for _ in 0..cfg.repetitions.max(1) {
+        decode.push(decode_run(runner, w, &mut cache, &table, 0, prompt[0], cfg.decode_tokens)?);
+    }
     for _ in 0..cfg.repetitions.max(1) {
         let t0 = Instant::now();
         let seq = SeqInput {
@@ -73,19 +79,16 @@ pub fn bench_model(
         };
         let logits = runner.forward(w, &mut cache, &[seq])?;
         prefill.push(t0.elapsed().as_secs_f64());
-        let mut tok = argmax(&logits);
-        let t1 = Instant::now();
-        for i in 0..cfg.decode_tokens {
-            let input = [tok];
-            let seq = SeqInput {
-                tokens: &input,
-                start_pos: cfg.prompt_tokens + i,
-                block_table: &table,
-                logits: LogitsWanted::Last,
-            };
-            tok = argmax(&runner.forward(w, &mut cache, &[seq])?);
-        }
-        decode.push(t1.elapsed().as_secs_f64());
+        let first = argmax(&logits);
+        decode_deep.push(decode_run(
+            runner,
+            w,
+            &mut cache,
+            &table,
+            cfg.prompt_tokens,
+            first,
+            cfg.decode_tokens,
+        )?);
     }
     let median = |v: &mut Vec<f64>| {
         v.sort_by(f64::total_cmp);
@@ -93,6 +96,7 @@ pub fn bench_model(
     };
     let prefill_s = median(&mut prefill);
     let decode_s = median(&mut decode);
+    let decode_deep_s = median(&mut decode_deep);
     let bandwidth = measure_read_bandwidth(runner);
     let weight_bytes = w.memory_bytes();
     Ok(ModelBenchReport {
@@ -103,10 +107,36 @@ pub fn bench_model(
         prefill_tokens_per_second: cfg.prompt_tokens as f64 / prefill_s,
         decode_tokens_per_second: cfg.decode_tokens as f64 / decode_s,
         decode_ms_per_token: decode_s * 1e3 / cfg.decode_tokens.max(1) as f64,
+        decode_after_prompt_tokens_per_second: cfg.decode_tokens as f64 / decode_deep_s,
         weight_bytes,
         memory_bandwidth_gb_per_s: bandwidth / 1e9,
         decode_floor_ms: weight_bytes as f64 / bandwidth * 1e3,
     })
+}
+
+/// Seconds to greedily decode `n` tokens one at a time from `start_pos`.
+fn decode_run(
+    runner: &mut Runner,
+    w: &crate::model::LlamaWeights,
+    cache: &mut KvCache,
+    table: &[u32],
+    start_pos: usize,
+    first: u32,
+    n: usize,
+) -> Result<f64> {
+    let mut tok = first;
+    let t = Instant::now();
+    for i in 0..n {
+        let input = [tok];
+        let seq = SeqInput {
+            tokens: &input,
+            start_pos: start_pos + i,
+            block_table: table,
+            logits: LogitsWanted::Last,
+        };
+        tok = argmax(&runner.forward(w, cache, &[seq])?);
+    }
+    Ok(t.elapsed().as_secs_f64())
 }
 
 /// Bytes per second all compute threads together read from a buffer far larger than the

@@ -60,7 +60,15 @@ impl KvCache {
         (layer * self.num_blocks + block) * self.block_size * self.kv_dim
     }
 
-    fn write(&mut self, layer: usize, block: usize, slot: usize, head_dim: usize, k: &[f32], v: &[f32]) {
+    fn write(
+        &mut self,
+        layer: usize,
+        block: usize,
+        slot: usize,
+        head_dim: usize,
+        k: &[f32],
+        v: &[f32],
+    ) {
         let bs = self.block_size;
         let base = self.block_offset(layer, block);
         for (h, (kh, vh)) in k.chunks_exact(head_dim).zip(v.chunks_exact(head_dim)).enumerate() {
@@ -355,7 +363,9 @@ fn attention(
             };
             // SAFETY: each (t, h) item is handled by exactly one thread, and its slice
             // [t * q_dim + h * hd, +hd) lies inside `out`.
-            let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(t * q_dim + h * hd), hd) };
+            let dst = unsafe {
+                std::slice::from_raw_parts_mut(out_ptr.get().add(t * q_dim + h * hd), hd)
+            };
             #[cfg(target_arch = "x86_64")]
             if avx512 {
                 // SAFETY: the CPU supports AVX-512F (checked above).
