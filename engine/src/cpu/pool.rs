@@ -178,7 +178,7 @@ mod tests {
                 for i in 0..parts {
                     let r = split_range(n, parts, i, 4);
                     assert_eq!(r.start, next);
-                    assert!(r.start % 4 == 0 || r.start == n);
+                    assert!(r.start.is_multiple_of(4) || r.start == n);
                     next = r.end;
                 }
                 assert_eq!(next, n);
