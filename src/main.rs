@@ -261,6 +261,8 @@ fn run_generate(args: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+const MIB: f64 = (1 << 20) as f64;
+
 /// llama.cpp's figures for the default model on this machine class (`llama-bench -t 2 -p 512
 /// -n 128`), used as the baseline when no `--llama-bench` binary is given.
 const LLAMA_CPP_REFERENCE: (f64, f64) = (315.0, 101.0);
@@ -325,10 +327,19 @@ fn run_bench_model(args: BenchModelArgs) -> anyhow::Result<()> {
         "bandwidth  {:.2} ms/token vs floor {:.2} ms ({:.1} MiB of weights at {:.1} GB/s measured): {:.0}% of the bound",
         report.decode_ms_per_token,
         report.decode_floor_ms,
-        report.weight_bytes as f64 / (1 << 20) as f64,
+        report.weight_bytes as f64 / MIB,
         report.memory_bandwidth_gb_per_s,
         100.0 * report.decode_floor_ms / report.decode_ms_per_token
     );
+    if let Some(rss) = report.resident_bytes {
+        println!(
+            "memory     {:.1} MiB resident: {:.1} MiB model file, {:.1} MiB weights in memory, {:.1} MiB KV cache",
+            rss as f64 / MIB,
+            std::fs::metadata(&m.path).map_or(0.0, |md| md.len() as f64 / MIB),
+            report.weight_bytes as f64 / MIB,
+            report.kv_cache_bytes as f64 / MIB
+        );
+    }
     Ok(())
 }
 

@@ -46,6 +46,10 @@ pub struct ModelBenchReport {
     pub memory_bandwidth_gb_per_s: f64,
     /// `weight_bytes / bandwidth`: no decode step can be faster.
     pub decode_floor_ms: f64,
+    /// Resident memory of the process after the runs (weights, KV cache, buffers), if known.
+    pub resident_bytes: Option<u64>,
+    /// Bytes of the KV cache used by the benchmark.
+    pub kv_cache_bytes: usize,
 }
 
 /// Runs the benchmark.
@@ -97,6 +101,7 @@ pub fn bench_model(
     let prefill_s = median(&mut prefill);
     let decode_s = median(&mut decode);
     let decode_deep_s = median(&mut decode_deep);
+    let resident_bytes = resident_bytes();
     let bandwidth = measure_read_bandwidth(runner);
     let weight_bytes = w.memory_bytes();
     Ok(ModelBenchReport {
@@ -111,7 +116,17 @@ pub fn bench_model(
         weight_bytes,
         memory_bandwidth_gb_per_s: bandwidth / 1e9,
         decode_floor_ms: weight_bytes as f64 / bandwidth * 1e3,
+        resident_bytes,
+        kv_cache_bytes: KvCache::bytes_per_block(w, 16) * blocks,
     })
+}
+
+/// The process's resident set size (Linux `/proc/self/status`).
+fn resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 /// Seconds to greedily decode `n` tokens one at a time from `start_pos`.

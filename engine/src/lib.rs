@@ -14,6 +14,7 @@ pub mod model;
 pub mod quant;
 pub mod safetensors;
 pub mod sampler;
+pub mod serve;
 pub mod synth;
 pub mod template;
 pub mod tokenizer;

@@ -1,0 +1,443 @@
+//! The engine core: scheduler + forward pass + sampling + stop handling, one step at a time.
+//! Synchronous; owned by one thread (see `handle`).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::error::{EngineError, Result};
+use crate::forward::{KvCache, LogitsWanted, Runner, SeqInput};
+use crate::generate::IncrementalDecoder;
+use crate::loader::LoadedModel;
+use crate::sampler::{Sampler, log_softmax, top_n};
+use crate::serve::block_pool::CacheKey;
+use crate::serve::kv_manager::KvManager;
+use crate::serve::metrics::{EngineMetrics, FinishLabel};
+use crate::serve::scheduler::{Fcfs, Scheduler, SchedulerConfig};
+use crate::serve::stop::{StopOutcome, StopText};
+use crate::serve::{
+    EngineEvent, EngineTimings, FinishReason, PromptLogprob, TokenOutput, Usage, ValidRequest,
+};
+
+/// Engine limits and sizes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Memory for the KV cache, in bytes (blocks are preallocated from it).
+    pub kv_cache_bytes: usize,
+    /// Tokens computed per step, all requests together.
+    pub max_num_batched_tokens: usize,
+    /// Requests in the running batch.
+    pub max_num_seqs: usize,
+    /// Compute threads (0: all cores).
+    pub threads: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            block_size: 16,
+            kv_cache_bytes: 512 << 20,
+            max_num_batched_tokens: 512,
+            max_num_seqs: 64,
+            threads: 0,
+        }
+    }
+}
+
+/// A snapshot of the engine's load.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct EngineStats {
+    /// Requests running.
+    pub running: usize,
+    /// Requests waiting.
+    pub waiting: usize,
+    /// Free KV blocks (cached ones included).
+    pub free_blocks: usize,
+    /// All KV blocks.
+    pub total_blocks: usize,
+}
+
+struct ReqState {
+    req: ValidRequest,
+    tx: UnboundedSender<EngineEvent>,
+    sampler: Sampler,
+    decoder: IncrementalDecoder,
+    stop: StopText,
+    output: usize,
+    first_scheduled: Option<Instant>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    prompt_logprobs: Vec<PromptLogprob>,
+    prompt_logprobs_sent: bool,
+    /// A stop string matched: held-back text is dropped, not released.
+    stop_matched: bool,
+}
+
+/// The engine core.
+pub struct EngineCore {
+    model: Arc<LoadedModel>,
+    runner: Runner,
+    cache: KvCache,
+    sched: Scheduler,
+    reqs: HashMap<String, ReqState>,
+    metrics: Arc<EngineMetrics>,
+}
+
+impl EngineCore {
+    /// Allocates the KV cache and the scheduler.
+    pub fn new(
+        model: Arc<LoadedModel>,
+        config: EngineConfig,
+        metrics: Arc<EngineMetrics>,
+    ) -> Result<EngineCore> {
+        let per_block = KvCache::bytes_per_block(&model.weights, config.block_size.max(1));
+        let num_blocks = config.kv_cache_bytes / per_block;
+        if config.block_size == 0 || num_blocks == 0 {
+            return Err(EngineError::InvalidRequest(format!(
+                "a KV cache of {} bytes holds no block of {} tokens ({per_block} bytes each)",
+                config.kv_cache_bytes, config.block_size
+            )));
+        }
+        if config.max_num_batched_tokens == 0 || config.max_num_seqs == 0 {
+            return Err(EngineError::InvalidRequest(
+                "max_num_batched_tokens and max_num_seqs must be positive".into(),
+            ));
+        }
+        let cache = KvCache::new(&model.weights, config.block_size, num_blocks);
+        let keys = vec![CacheKey::ModelRevision(model.identity.model_revision.clone())];
+        let sched = Scheduler::new(
+            SchedulerConfig {
+                max_num_batched_tokens: config.max_num_batched_tokens,
+                max_num_seqs: config.max_num_seqs,
+            },
+            KvManager::new(num_blocks, config.block_size, keys),
+            Box::new(Fcfs::default()),
+        );
+        Ok(EngineCore {
+            runner: Runner::new(config.threads),
+            model,
+            cache,
+            sched,
+            reqs: HashMap::new(),
+            metrics,
+        })
+    }
+
+    /// Most tokens one request can hold.
+    pub fn capacity_tokens(&self) -> usize {
+        self.cache.num_blocks() * self.cache.block_size()
+    }
+
+    /// Whether any request is waiting or running.
+    pub fn has_work(&self) -> bool {
+        self.sched.has_work()
+    }
+
+    /// Load snapshot.
+    pub fn stats(&self) -> EngineStats {
+        let (free, total) = self.sched.blocks();
+        EngineStats {
+            running: self.sched.num_running(),
+            waiting: self.sched.num_waiting(),
+            free_blocks: free,
+            total_blocks: total,
+        }
+    }
+
+    /// Queues a request; events go to `tx`.
+    pub fn add_request(&mut self, req: ValidRequest, tx: UnboundedSender<EngineEvent>) {
+        if self.reqs.contains_key(&req.request_id) {
+            let _ = tx.send(finished_error(&req, "duplicate request id"));
+            return;
+        }
+        let state = ReqState {
+            sampler: Sampler::new(req.sampling.clone()),
+            decoder: IncrementalDecoder::default(),
+            stop: StopText::new(&req.stop),
+            output: 0,
+            first_scheduled: None,
+            first_token: None,
+            last_token: None,
+            prompt_logprobs: Vec::new(),
+            prompt_logprobs_sent: false,
+            stop_matched: false,
+            tx,
+            req,
+        };
+        let r = &state.req;
+        self.sched.add(r.request_id.clone(), r.prompt.clone(), r.cache_scope.clone(), r.priority);
+        self.reqs.insert(r.request_id.clone(), state);
+        self.update_gauges();
+    }
+
+    /// Aborts a request: its blocks are freed now; tokens so far count.
+    pub fn abort(&mut self, id: &str) {
+        if self.reqs.contains_key(id) {
+            self.finish(id, FinishReason::Abort, None);
+        }
+    }
+
+    fn update_gauges(&self) {
+        self.metrics.running.set(self.sched.num_running() as i64);
+        self.metrics.waiting.set(self.sched.num_waiting() as i64);
+        let (free, total) = self.sched.blocks();
+        self.metrics.kv_usage.set(if total == 0 { 0.0 } else { 1.0 - free as f64 / total as f64 });
+    }
+
+    /// Runs one scheduler step: plan, forward, sample, emit.
+    pub fn step(&mut self) {
+        let plan = self.sched.schedule();
+        let now = Instant::now();
+        self.metrics.preemptions.inc_by(plan.preempted.len() as u64);
+        for id in &plan.newly_admitted {
+            if let (Some(st), Some(seq)) = (self.reqs.get_mut(id), self.sched.seq(id)) {
+                st.first_scheduled.get_or_insert(now);
+                self.metrics.prefix_queries.inc_by(seq.prompt_len as u64);
+                self.metrics.prefix_hits.inc_by(seq.cached_prompt as u64);
+                self.metrics.queue.observe((now - st.req.arrival).as_secs_f64());
+            }
+        }
+        if plan.scheduled.is_empty() {
+            self.update_gauges();
+            return;
+        }
+        // Inputs (owned copies: the scheduler is updated while results are applied).
+        struct Work {
+            id: String,
+            tokens: Vec<u32>,
+            start: usize,
+            table: Vec<u32>,
+            logits: LogitsWanted,
+            reaches_end: bool,
+            prompt_len: usize,
+        }
+        let mut work = Vec::with_capacity(plan.scheduled.len());
+        for w in &plan.scheduled {
+            let (Some(seq), Some(st)) = (self.sched.seq(&w.id), self.reqs.get(&w.id)) else {
+                continue;
+            };
+            let reaches_end = w.start + w.len == seq.tokens.len();
+            let want_prompt_lp = st.req.prompt_logprobs.is_some()
+                && !st.prompt_logprobs_sent
+                && w.start < seq.prompt_len;
+            let logits = if want_prompt_lp {
+                LogitsWanted::All
+            } else if reaches_end {
+                LogitsWanted::Last
+            } else {
+                LogitsWanted::None
+            };
+            work.push(Work {
+                id: w.id.clone(),
+                tokens: seq.tokens[w.start..w.start + w.len].to_vec(),
+                start: w.start,
+                table: self.sched.kv().blocks(&w.id).to_vec(),
+                logits,
+                reaches_end,
+                prompt_len: seq.prompt_len,
+            });
+        }
+        let inputs: Vec<SeqInput<'_>> = work
+            .iter()
+            .map(|w| SeqInput {
+                tokens: &w.tokens,
+                start_pos: w.start,
+                block_table: &w.table,
+                logits: w.logits,
+            })
+            .collect();
+        let result = self.runner.forward(&self.model.weights, &mut self.cache, &inputs);
+        let logits = match result {
+            Ok(l) => l,
+            Err(e) => {
+                for w in &work {
+                    self.finish(&w.id, FinishReason::Error, Some(e.to_string()));
+                }
+                self.update_gauges();
+                return;
+            }
+        };
+        let vocab = self.model.weights.config.vocab_size;
+        let mut row = 0;
+        for w in &work {
+            let rows = match w.logits {
+                LogitsWanted::None => 0,
+                LogitsWanted::Last => 1,
+                LogitsWanted::All => w.tokens.len(),
+            };
+            let chunk = &logits[row * vocab..(row + rows) * vocab];
+            row += rows;
+            self.sched.mark_computed(&w.id, w.tokens.len());
+            if w.logits == LogitsWanted::All {
+                self.collect_prompt_logprobs(w.id.as_str(), w.start, w.prompt_len, chunk, vocab);
+            }
+            if w.reaches_end && rows > 0 {
+                let last = &chunk[(rows - 1) * vocab..rows * vocab];
+                self.emit_token(&w.id, last);
+            }
+        }
+        self.update_gauges();
+    }
+
+    fn collect_prompt_logprobs(
+        &mut self,
+        id: &str,
+        start: usize,
+        prompt_len: usize,
+        chunk: &[f32],
+        vocab: usize,
+    ) {
+        let Some(seq) = self.sched.seq(id) else { return };
+        let prompt: Vec<u32> = seq.tokens[..prompt_len].to_vec();
+        let Some(st) = self.reqs.get_mut(id) else { return };
+        let k = st.req.prompt_logprobs.unwrap_or(0);
+        if start == 0 && st.prompt_logprobs.is_empty() {
+            st.prompt_logprobs.push(PromptLogprob {
+                token: prompt[0],
+                logprob: None,
+                top: Vec::new(),
+            });
+        }
+        for (r, logits) in chunk.chunks_exact(vocab).enumerate() {
+            let next = start + r + 1;
+            if next >= prompt_len || st.prompt_logprobs.len() != next {
+                continue;
+            }
+            let lp = log_softmax(logits);
+            let token = prompt[next];
+            st.prompt_logprobs.push(PromptLogprob {
+                token,
+                logprob: Some(lp[token as usize]),
+                top: top_n(&lp, k),
+            });
+        }
+        if st.prompt_logprobs.len() == prompt_len && !st.prompt_logprobs_sent {
+            st.prompt_logprobs_sent = true;
+            let ev = EngineEvent::PromptLogprobs(std::mem::take(&mut st.prompt_logprobs));
+            if st.tx.send(ev).is_err() {
+                self.finish(id, FinishReason::Abort, None);
+            }
+        }
+    }
+
+    fn emit_token(&mut self, id: &str, logits: &[f32]) {
+        let ctx = self.model.weights.config.context_length;
+        let stops = self.model.tokenizer.stop_ids();
+        let Some(st) = self.reqs.get_mut(id) else { return };
+        let k = st.req.logprobs.unwrap_or(0);
+        let s = st.sampler.sample(logits, k);
+        let now = Instant::now();
+        match st.last_token {
+            Some(prev) => self.metrics.itl.observe((now - prev).as_secs_f64()),
+            None => {
+                st.first_token = Some(now);
+                self.metrics.ttft.observe((now - st.req.arrival).as_secs_f64());
+                if let Some(fs) = st.first_scheduled {
+                    self.metrics.prefill.observe((now - fs).as_secs_f64());
+                }
+            }
+        }
+        st.last_token = Some(now);
+        st.output += 1;
+        self.metrics.generation_tokens.inc();
+        self.sched.append_token(id, s.token);
+        let token_out = TokenOutput {
+            token: s.token,
+            logprob: s.logprob,
+            top: if st.req.logprobs.is_some() { s.top } else { Vec::new() },
+        };
+        let is_stop_token = (!st.req.ignore_eos && stops.contains(&s.token))
+            || st.req.stop_token_ids.contains(&s.token);
+        let (text, mut finish) = if is_stop_token {
+            (String::new(), Some(FinishReason::Stop))
+        } else {
+            let delta = match st.decoder.push(&self.model.tokenizer, s.token) {
+                Ok(d) => d,
+                Err(e) => {
+                    let msg = e.to_string();
+                    self.finish(id, FinishReason::Error, Some(msg));
+                    return;
+                }
+            };
+            match st.stop.push(&delta) {
+                StopOutcome::Continue(t) => (t, None),
+                StopOutcome::Stopped(t) => {
+                    st.stop_matched = true;
+                    (t, Some(FinishReason::Stop))
+                }
+            }
+        };
+        let total = st.req.prompt.len() + st.output;
+        if finish.is_none() && (st.output >= st.req.max_tokens || total >= ctx) {
+            finish = Some(FinishReason::Length);
+        }
+        if st.tx.send(EngineEvent::Tokens { tokens: vec![token_out], text }).is_err() {
+            // The client went away.
+            finish = Some(FinishReason::Abort);
+        }
+        if let Some(reason) = finish {
+            self.finish(id, reason, None);
+        }
+    }
+
+    fn finish(&mut self, id: &str, reason: FinishReason, error: Option<String>) {
+        let seq = self.sched.remove(id);
+        let Some(mut st) = self.reqs.remove(id) else { return };
+        let now = Instant::now();
+        // Text held back for a possible stop string (or a split character) is released,
+        // unless a stop string matched.
+        let mut text = String::new();
+        if !st.stop_matched && reason != FinishReason::Error {
+            if let Ok(rest) = st.decoder.flush(&self.model.tokenizer) {
+                let _ = st.stop.push(&rest);
+            }
+            text = st.stop.finish();
+        }
+        let since = |t: Option<Instant>, from: Instant| t.map_or(0.0, |t| (t - from).as_secs_f64());
+        let arrival = st.req.arrival;
+        let timings = EngineTimings {
+            queue: since(st.first_scheduled, arrival),
+            prefill: match (st.first_scheduled, st.first_token) {
+                (Some(a), Some(b)) => (b - a).as_secs_f64(),
+                _ => 0.0,
+            },
+            decode: match (st.first_token, st.last_token) {
+                (Some(a), Some(b)) => (b - a).as_secs_f64(),
+                _ => 0.0,
+            },
+            ttft: since(st.first_token, arrival),
+            e2e: (now - arrival).as_secs_f64(),
+            preemptions: seq.as_ref().map_or(0, |s| s.preemptions),
+        };
+        let usage = Usage {
+            prompt_tokens: st.req.prompt.len(),
+            cached_tokens: seq.as_ref().map_or(0, |s| s.cached_prompt),
+            completion_tokens: st.output,
+        };
+        if st.first_token.is_some() {
+            self.metrics.decode.observe(timings.decode);
+        }
+        self.metrics.e2e.observe(timings.e2e);
+        self.metrics.prompt_tokens.inc_by(usage.prompt_tokens as u64);
+        self.metrics
+            .finished
+            .get_or_create(&FinishLabel { finished_reason: reason.as_str().into() })
+            .inc();
+        let _ = st.tx.send(EngineEvent::Finished { reason, text, usage, timings, error });
+        self.update_gauges();
+    }
+}
+
+fn finished_error(req: &ValidRequest, msg: &str) -> EngineEvent {
+    EngineEvent::Finished {
+        reason: FinishReason::Error,
+        text: String::new(),
+        usage: Usage { prompt_tokens: req.prompt.len(), ..Default::default() },
+        timings: EngineTimings::default(),
+        error: Some(msg.to_string()),
+    }
+}

@@ -1,0 +1,162 @@
+//! The serving engine: validated requests in, token events out.
+//!
+//! The synchronous core (`block_pool`, `kv_manager`, `scheduler`, `core`) is plain code
+//! tested without threads or HTTP; `handle` runs it on one thread that owns all state and
+//! gives out cloneable handles; the HTTP layer (`server`) only ever talks to a handle.
+
+pub mod block_pool;
+pub mod core;
+pub mod handle;
+pub mod kv_manager;
+pub mod metrics;
+pub mod scheduler;
+pub mod stop;
+
+use std::time::Instant;
+
+use serde::Serialize;
+
+use crate::sampler::SamplingParams;
+
+/// Where a request's cached prefix blocks may be shared. It comes from the gateway's
+/// authenticated tenant (`x-sluice-tenant`), never from the client.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum CacheScope {
+    /// Shared by every request of this tenant.
+    Tenant(String),
+    /// A scope of its own: this request shares with nobody.
+    Private(String),
+}
+
+/// A request the engine can run: every field checked by the request layer.
+#[derive(Clone, Debug)]
+pub struct ValidRequest {
+    /// Unique id (also the key for aborts and billing).
+    pub request_id: String,
+    /// Prompt token ids (non-empty, all inside the vocabulary).
+    pub prompt: Vec<u32>,
+    /// Most tokens to generate (at least 1; prompt + max_tokens fits the context).
+    pub max_tokens: usize,
+    /// Sampling parameters.
+    pub sampling: SamplingParams,
+    /// Stop strings (at most 4, non-empty).
+    pub stop: Vec<String>,
+    /// Extra stop token ids.
+    pub stop_token_ids: Vec<u32>,
+    /// Keep generating past end-of-sequence tokens.
+    pub ignore_eos: bool,
+    /// Return the chosen token's log-probability and this many alternatives.
+    pub logprobs: Option<usize>,
+    /// Return log-probabilities of the prompt tokens with this many alternatives (echo).
+    pub prompt_logprobs: Option<usize>,
+    /// Prefix-cache scope.
+    pub cache_scope: CacheScope,
+    /// Larger runs first among waiting requests; the lowest is preempted first.
+    pub priority: i32,
+    /// When the request arrived at the engine.
+    pub arrival: Instant,
+}
+
+/// Why a request ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// End-of-sequence, a stop token or a stop string.
+    Stop,
+    /// `max_tokens` or the context length.
+    Length,
+    /// The client went away (or the request was cancelled); tokens so far still count.
+    Abort,
+    /// The engine failed while running it.
+    Error,
+}
+
+impl FinishReason {
+    /// The OpenAI `finish_reason` string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Abort => "abort",
+            FinishReason::Error => "error",
+        }
+    }
+}
+
+/// One generated token.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct TokenOutput {
+    /// Token id.
+    pub token: u32,
+    /// Its log-probability.
+    pub logprob: f32,
+    /// Alternatives, best first (empty unless asked).
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Log-probability of one prompt token (the first has none).
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct PromptLogprob {
+    /// Token id.
+    pub token: u32,
+    /// Its log-probability given the previous tokens; `None` for the first token.
+    pub logprob: Option<f32>,
+    /// Alternatives at that position.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Token counts of a request.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+}
+
+/// Engine-side intervals of one request, in seconds, measured from the engine's arrival.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct EngineTimings {
+    /// Arrival to first scheduled.
+    pub queue: f64,
+    /// First scheduled to first token.
+    pub prefill: f64,
+    /// First token to last token.
+    pub decode: f64,
+    /// Arrival to first token.
+    pub ttft: f64,
+    /// Arrival to the end.
+    pub e2e: f64,
+    /// Times the request was preempted and recomputed.
+    pub preemptions: u32,
+}
+
+/// What the engine sends back for a request, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum EngineEvent {
+    /// Prompt log-probabilities (only when asked), before any token.
+    PromptLogprobs(Vec<PromptLogprob>),
+    /// New tokens and the text that became final with them (may be empty while a possible
+    /// stop string or an incomplete character is held back).
+    Tokens {
+        /// The tokens of this step.
+        tokens: Vec<TokenOutput>,
+        /// Final text.
+        text: String,
+    },
+    /// The request ended; always the last event.
+    Finished {
+        /// Why.
+        reason: FinishReason,
+        /// Held-back text released at the end.
+        text: String,
+        /// Counts.
+        usage: Usage,
+        /// Engine-side timings.
+        timings: EngineTimings,
+        /// Error message when `reason` is `Error`.
+        error: Option<String>,
+    },
+}
