@@ -93,8 +93,15 @@ impl ThreadPool {
             t.unpark();
         }
         f(0);
+        let mut spins = 0u32;
         while self.shared.remaining.load(Ordering::Acquire) != 0 {
-            std::hint::spin_loop();
+            // On an oversubscribed machine a waiting thread must let the one it waits for run.
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(256) {
+                thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
         }
         *self.shared.job.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
@@ -117,6 +124,8 @@ fn worker(s: &Shared, index: usize) {
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(64) && start.elapsed() > SPIN {
                 thread::park_timeout(Duration::from_millis(50));
+            } else if spins.is_multiple_of(256) {
+                thread::yield_now();
             } else {
                 std::hint::spin_loop();
             }
