@@ -176,3 +176,109 @@ fn measure_read_bandwidth(runner: &Runner) -> f64 {
     }
     best
 }
+
+/// One concurrency level of [`bench_engine`].
+#[derive(Clone, Debug, Serialize)]
+pub struct EngineBenchPoint {
+    /// Concurrent streams (closed loop: a new request starts when one ends).
+    pub concurrency: usize,
+    /// Requests completed.
+    pub requests: usize,
+    /// Generated tokens over the wall time of the level.
+    pub output_tokens_per_second: f64,
+    /// Engine-side time to first token, median, seconds.
+    pub ttft_p50: f64,
+    /// Engine-side time to first token, 99th percentile, seconds.
+    pub ttft_p99: f64,
+    /// Per-request decode time per token (TPOT), median, seconds.
+    pub tpot_p50: f64,
+    /// Wall time of the level, seconds.
+    pub seconds: f64,
+}
+
+/// Aggregate throughput and TTFT of the serving engine in process, with `concurrency`
+/// streams of unique `prompt_tokens`-token prompts generating `output_tokens` each
+/// (`ignore_eos`), `rounds` requests per stream.
+pub fn bench_engine(
+    handle: &crate::serve::handle::EngineHandle,
+    concurrency: usize,
+    prompt_tokens: usize,
+    output_tokens: usize,
+    rounds: usize,
+) -> Result<EngineBenchPoint> {
+    use crate::serve::{CacheScope, EngineEvent, ValidRequest};
+    let vocab = handle.model().weights.config.vocab_size as u32;
+    let start = Instant::now();
+    let results: Vec<Result<Vec<(f64, f64, usize)>>> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..concurrency)
+            .map(|c| {
+                s.spawn(move || -> Result<Vec<(f64, f64, usize)>> {
+                    let mut out = Vec::new();
+                    for r in 0..rounds {
+                        let salt = (c * 1000 + r) as u32;
+                        let prompt: Vec<u32> = (0..prompt_tokens as u32)
+                            .map(|i| {
+                                100 + (i.wrapping_mul(7919) ^ salt.wrapping_mul(104_729))
+                                    % (vocab - 200)
+                            })
+                            .collect();
+                        let id = format!("bench-{c}-{r}");
+                        let req = ValidRequest {
+                            request_id: id.clone(),
+                            prompt,
+                            max_tokens: output_tokens,
+                            sampling: Default::default(),
+                            stop: Vec::new(),
+                            stop_token_ids: Vec::new(),
+                            ignore_eos: true,
+                            logprobs: None,
+                            prompt_logprobs: None,
+                            cache_scope: CacheScope::Private(id),
+                            priority: 0,
+                            arrival: Instant::now(),
+                        };
+                        let mut stream = handle.submit(req)?;
+                        while let Some(ev) = stream.blocking_next() {
+                            if let EngineEvent::Finished { timings, usage, .. } = ev {
+                                let tpot = if usage.completion_tokens > 1 {
+                                    timings.decode / (usage.completion_tokens - 1) as f64
+                                } else {
+                                    0.0
+                                };
+                                out.push((timings.ttft, tpot, usage.completion_tokens));
+                            }
+                        }
+                    }
+                    Ok(out)
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| {
+                w.join().unwrap_or_else(|_| {
+                    Err(crate::EngineError::InvalidRequest("bench worker panicked".into()))
+                })
+            })
+            .collect()
+    });
+    let seconds = start.elapsed().as_secs_f64();
+    let mut all = Vec::new();
+    for r in results {
+        all.extend(r?);
+    }
+    let pct = |mut v: Vec<f64>, p: f64| {
+        v.sort_by(f64::total_cmp);
+        v.get(((v.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0)
+    };
+    let tokens: usize = all.iter().map(|x| x.2).sum();
+    Ok(EngineBenchPoint {
+        concurrency,
+        requests: all.len(),
+        output_tokens_per_second: tokens as f64 / seconds,
+        ttft_p50: pct(all.iter().map(|x| x.0).collect(), 0.5),
+        ttft_p99: pct(all.iter().map(|x| x.0).collect(), 0.99),
+        tpot_p50: pct(all.iter().map(|x| x.1).collect(), 0.5),
+        seconds,
+    })
+}

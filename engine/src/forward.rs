@@ -398,6 +398,11 @@ unsafe fn attend_avx512(job: &HeadJob<'_>, scores: &mut Vec<f32>, out: &mut [f32
 
 #[inline(always)]
 fn attend(job: &HeadJob<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    // Accumulators live in registers: scores 16 slots at a time, the output 64 dimensions at
+    // a time. The order of every sum is fixed (dimension by dimension, position by
+    // position), whatever the sequence or batch.
+    const SLOTS: usize = 16;
+    const DIMS: usize = 64;
     let cache = job.cache;
     let (bs, hd) = (cache.block_size, job.head_dim);
     let scale = 1.0 / (hd as f32).sqrt();
@@ -408,10 +413,24 @@ fn attend(job: &HeadJob<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
     for (bi, chunk) in scores.chunks_exact_mut(bs).enumerate() {
         let base = cache.block_offset(job.layer, job.table[bi] as usize);
         let kb = &cache.k[base + job.kv_head * hd * bs..][..hd * bs];
-        for (d, &qd) in job.q.iter().enumerate() {
-            for (s, &k) in chunk.iter_mut().zip(&kb[d * bs..(d + 1) * bs]) {
-                *s += qd * k;
+        let mut g = 0;
+        while g < bs {
+            let w = (bs - g).min(SLOTS);
+            let mut acc = [0f32; SLOTS];
+            for (d, &qd) in job.q.iter().enumerate() {
+                let kr = &kb[d * bs + g..d * bs + g + w];
+                if let Ok(kr) = <&[f32; SLOTS]>::try_from(kr) {
+                    for i in 0..SLOTS {
+                        acc[i] += qd * kr[i];
+                    }
+                } else {
+                    for (a, k) in acc.iter_mut().zip(kr) {
+                        *a += qd * k;
+                    }
+                }
             }
+            chunk[g..g + w].copy_from_slice(&acc[..w]);
+            g += w;
         }
         let valid = (n - bi * bs).min(bs);
         for s in &mut chunk[..valid] {
@@ -425,18 +444,30 @@ fn attend(job: &HeadJob<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
         *s = (*s - max).exp();
         sum += *s;
     }
-    out.fill(0.0);
-    for (bi, chunk) in scores.chunks(bs).enumerate() {
-        let base = cache.block_offset(job.layer, job.table[bi] as usize);
-        let vb = &cache.v[base + job.kv_head * bs * hd..][..bs * hd];
-        for (&p, vr) in chunk.iter().zip(vb.chunks_exact(hd)) {
-            for (o, &v) in out.iter_mut().zip(vr) {
-                *o += p * v;
+    let inv = 1.0 / sum;
+    let mut dc = 0;
+    while dc < hd {
+        let w = (hd - dc).min(DIMS);
+        let mut acc = [0f32; DIMS];
+        for (bi, chunk) in scores.chunks(bs).enumerate() {
+            let base = cache.block_offset(job.layer, job.table[bi] as usize);
+            let vb = &cache.v[base + job.kv_head * bs * hd..][..bs * hd];
+            for (&p, vr) in chunk.iter().zip(vb.chunks_exact(hd)) {
+                let vr = &vr[dc..dc + w];
+                if let Ok(vr) = <&[f32; DIMS]>::try_from(vr) {
+                    for i in 0..DIMS {
+                        acc[i] += p * vr[i];
+                    }
+                } else {
+                    for (a, v) in acc.iter_mut().zip(vr) {
+                        *a += p * v;
+                    }
+                }
             }
         }
-    }
-    let inv = 1.0 / sum;
-    for o in out.iter_mut() {
-        *o *= inv;
+        for (o, a) in out[dc..dc + w].iter_mut().zip(&acc) {
+            *o = a * inv;
+        }
+        dc += w;
     }
 }

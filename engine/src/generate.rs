@@ -139,7 +139,7 @@ pub fn generate(
         };
         let logits = runner.forward(&model.weights, &mut cache, &[seq])?;
         pos += input.len();
-        let tok = sampler.sample(&logits, 0).token;
+        let tok = sampler.sample(&logits, None).token;
         first_token_at.get_or_insert_with(Instant::now);
         out.push(tok);
         if !opts.ignore_eos && stops.contains(&tok) {

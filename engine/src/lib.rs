@@ -15,6 +15,7 @@ pub mod quant;
 pub mod safetensors;
 pub mod sampler;
 pub mod serve;
+pub mod server;
 pub mod synth;
 pub mod template;
 pub mod tokenizer;

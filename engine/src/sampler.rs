@@ -49,7 +49,8 @@ pub struct Sampler {
 pub struct Sampled {
     /// Chosen token.
     pub token: u32,
-    /// Its log-probability under the model's raw distribution (before sampling transforms).
+    /// Its log-probability under the model's raw distribution (before sampling transforms);
+    /// NaN unless log-probabilities were asked for (computing them costs a softmax).
     pub logprob: f32,
     /// The most likely tokens and their log-probabilities, best first.
     pub top: Vec<(u32, f32)>,
@@ -62,9 +63,29 @@ impl Sampler {
         Sampler { params, rng, counts: Default::default() }
     }
 
-    /// Picks the next token from `logits`, returning `top_logprobs` alternatives.
-    pub fn sample(&mut self, logits: &[f32], top_logprobs: usize) -> Sampled {
-        let logprobs = log_softmax(logits);
+    /// Picks the next token from `logits`; with `logprobs = Some(k)` also its log-probability
+    /// and `k` alternatives.
+    pub fn sample(&mut self, logits: &[f32], logprobs: Option<usize>) -> Sampled {
+        let p = &self.params;
+        let token =
+            if p.temperature <= 0.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 {
+                argmax(logits)
+            } else {
+                self.pick(logits)
+            };
+        *self.counts.entry(token).or_insert(0) += 1;
+        let Some(k) = logprobs else {
+            return Sampled { token, logprob: f32::NAN, top: Vec::new() };
+        };
+        let lp = log_softmax(logits);
+        Sampled {
+            token,
+            logprob: lp.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY),
+            top: top_n(&lp, k),
+        }
+    }
+
+    fn pick(&mut self, logits: &[f32]) -> u32 {
         let mut adjusted: Vec<f32> = logits.to_vec();
         let p = &self.params;
         if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
@@ -74,25 +95,27 @@ impl Sampler {
                 }
             }
         }
-        let token = if p.temperature <= 0.0 { argmax(&adjusted) } else { self.draw(&adjusted) };
-        *self.counts.entry(token).or_insert(0) += 1;
-        let top = top_n(&logprobs, top_logprobs);
-        Sampled {
-            token,
-            logprob: logprobs.get(token as usize).copied().unwrap_or(f32::NEG_INFINITY),
-            top,
-        }
+        if p.temperature <= 0.0 { argmax(&adjusted) } else { self.draw(&adjusted) }
     }
 
     fn draw(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
-        let mut cand: Vec<(u32, f32)> =
-            logits.iter().enumerate().map(|(i, &l)| (i as u32, l / p.temperature)).collect();
-        // Ties broken by token id so the order (and so the draw) is deterministic.
-        cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let top = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) / p.temperature;
+        // Tokens less likely than e^-30 of the best cannot matter; leaving them out spares
+        // sorting the whole vocabulary at every step.
+        let mut cand: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, l / p.temperature))
+            .filter(|c| c.1 >= top - 30.0)
+            .collect();
+        let by_prob = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
         if p.top_k > 0 && p.top_k < cand.len() {
+            cand.select_nth_unstable_by(p.top_k - 1, by_prob);
             cand.truncate(p.top_k);
         }
+        // Ties broken by token id so the order (and so the draw) is deterministic.
+        cand.sort_unstable_by(by_prob);
         let max = cand.first().map_or(0.0, |c| c.1);
         let mut probs: Vec<f32> = cand.iter().map(|c| (c.1 - max).exp()).collect();
         let sum: f32 = probs.iter().sum();
@@ -170,7 +193,7 @@ mod tests {
     #[test]
     fn greedy_picks_the_argmax() {
         let l = logits();
-        let s = Sampler::new(SamplingParams::default()).sample(&l, 3);
+        let s = Sampler::new(SamplingParams::default()).sample(&l, Some(3));
         assert_eq!(s.token, argmax(&l));
         assert_eq!(s.top.len(), 3);
         assert_eq!(s.top[0].0, s.token);
@@ -183,7 +206,7 @@ mod tests {
         let run = |seed| {
             let mut s =
                 Sampler::new(SamplingParams { temperature: 5.0, seed, ..Default::default() });
-            (0..32).map(|_| s.sample(&l, 0).token).collect::<Vec<_>>()
+            (0..32).map(|_| s.sample(&l, None).token).collect::<Vec<_>>()
         };
         assert_eq!(run(1), run(1));
         assert_ne!(run(1), run(2));
@@ -198,28 +221,28 @@ mod tests {
             seed: 3,
             ..Default::default()
         });
-        assert!((0..20).all(|_| s.sample(&l, 0).token == argmax(&l)));
+        assert!((0..20).all(|_| s.sample(&l, None).token == argmax(&l)));
         let mut s = Sampler::new(SamplingParams {
             temperature: 1.0,
             top_p: 1e-6,
             seed: 3,
             ..Default::default()
         });
-        assert!((0..20).all(|_| s.sample(&l, 0).token == argmax(&l)));
+        assert!((0..20).all(|_| s.sample(&l, None).token == argmax(&l)));
         let mut s = Sampler::new(SamplingParams {
             temperature: 1.0,
             min_p: 0.999,
             seed: 3,
             ..Default::default()
         });
-        assert!((0..20).all(|_| s.sample(&l, 0).token == argmax(&l)));
+        assert!((0..20).all(|_| s.sample(&l, None).token == argmax(&l)));
     }
 
     #[test]
     fn penalties_move_away_from_repeats() {
         let l = vec![1.0, 0.9, 0.0];
         let mut s = Sampler::new(SamplingParams { presence_penalty: 0.5, ..Default::default() });
-        assert_eq!(s.sample(&l, 0).token, 0);
-        assert_eq!(s.sample(&l, 0).token, 1);
+        assert_eq!(s.sample(&l, None).token, 0);
+        assert_eq!(s.sample(&l, None).token, 1);
     }
 }

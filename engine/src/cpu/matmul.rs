@@ -205,8 +205,9 @@ pub struct QuantizedActs {
 }
 
 impl QuantizedActs {
-    /// Quantizes `x` (rows x cols, row-major) in place of the previous contents.
-    pub fn quantize(&mut self, x: &[f32], cols: usize) {
+    /// Quantizes `x` (rows x cols, row-major) in place of the previous contents, spreading
+    /// rows over the pool's threads.
+    pub fn quantize(&mut self, pool: &ThreadPool, isa: Isa, x: &[f32], cols: usize) {
         let nb = cols / QK;
         let nb_pad = nb.div_ceil(2) * 2;
         let rows = x.len() / cols;
@@ -219,23 +220,67 @@ impl QuantizedActs {
         self.d.resize(rows * nb, 0.0);
         self.sa.clear();
         self.sa.resize(rows * nb, 0.0);
-        for t in 0..rows {
-            for b in 0..nb {
-                let src = &x[t * cols + b * QK..][..QK];
-                let amax = src.iter().fold(0f32, |a, v| a.max(v.abs()));
-                let d = amax / 127.0;
-                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
-                let dst = &mut self.qs[(t * nb_pad + b) * QK..][..QK];
-                let mut sum = 0i32;
-                for (q, &v) in dst.iter_mut().zip(src) {
-                    let qi = (v * id).round() as i32;
-                    *q = qi as i8;
-                    sum += qi;
-                }
-                self.d[t * nb + b] = d;
-                self.sa[t * nb + b] = d * sum as f32;
+        let qs = SharedOut(self.qs.as_mut_ptr().cast());
+        let d = SharedOut(self.d.as_mut_ptr());
+        let sa = SharedOut(self.sa.as_mut_ptr());
+        let rows_of = |range: std::ops::Range<usize>| {
+            for t in range {
+                // SAFETY: row t's slices of the three buffers (sized above) are written by
+                // exactly one thread.
+                let (q, dd, s) = unsafe {
+                    (
+                        std::slice::from_raw_parts_mut(
+                            qs.get().cast::<i8>().add(t * nb_pad * QK),
+                            nb * QK,
+                        ),
+                        std::slice::from_raw_parts_mut(d.get().add(t * nb), nb),
+                        std::slice::from_raw_parts_mut(sa.get().add(t * nb), nb),
+                    )
+                };
+                quantize_row_q8(isa, &x[t * cols..(t + 1) * cols], q, dd, s);
             }
+        };
+        if rows < 8 {
+            rows_of(0..rows);
+        } else {
+            let threads = pool.threads();
+            pool.run(&|i| rows_of(split_range(rows, threads, i, 1)));
         }
+    }
+}
+
+fn quantize_row_q8(isa: Isa, x: &[f32], qs: &mut [i8], d: &mut [f32], sa: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512Vnni {
+        // SAFETY: AVX-512 was detected; the function only enables codegen for it.
+        unsafe { quantize_row_q8_avx512(x, qs, d, sa) };
+        return;
+    }
+    let _ = isa;
+    quantize_row_q8_generic(x, qs, d, sa);
+}
+
+/// The generic code compiled with AVX-512 enabled (same arithmetic, vector instructions).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
+unsafe fn quantize_row_q8_avx512(x: &[f32], qs: &mut [i8], d: &mut [f32], sa: &mut [f32]) {
+    quantize_row_q8_generic(x, qs, d, sa)
+}
+
+#[inline(always)]
+fn quantize_row_q8_generic(x: &[f32], qs: &mut [i8], d: &mut [f32], sa: &mut [f32]) {
+    for (b, (src, dst)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
+        let amax = src.iter().fold(0f32, |a, v| a.max(v.abs()));
+        let db = amax / 127.0;
+        let id = if db != 0.0 { 1.0 / db } else { 0.0 };
+        let mut sum = 0i32;
+        for (q, &v) in dst.iter_mut().zip(src) {
+            let qi = (v * id).round() as i32;
+            *q = qi as i8;
+            sum += qi;
+        }
+        d[b] = db;
+        sa[b] = db * sum as f32;
     }
 }
 
@@ -260,7 +305,7 @@ pub fn matmul(
     let threads = pool.threads();
     match &w.data {
         PackedData::Blocks { pair_bytes, offset, qs, d, m } => {
-            scratch.acts.quantize(x, w.cols);
+            scratch.acts.quantize(pool, isa, x, w.cols);
             let acts = &scratch.acts;
             let view = BlockView {
                 rows: w.rows,

@@ -328,8 +328,7 @@ impl EngineCore {
         let ctx = self.model.weights.config.context_length;
         let stops = self.model.tokenizer.stop_ids();
         let Some(st) = self.reqs.get_mut(id) else { return };
-        let k = st.req.logprobs.unwrap_or(0);
-        let s = st.sampler.sample(logits, k);
+        let s = st.sampler.sample(logits, st.req.logprobs);
         let now = Instant::now();
         match st.last_token {
             Some(prev) => self.metrics.itl.observe((now - prev).as_secs_f64()),
