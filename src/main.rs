@@ -2,6 +2,7 @@
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
@@ -11,6 +12,9 @@ use sluice_engine::forward::Runner;
 use sluice_engine::generate::{GenerateOptions, generate};
 use sluice_engine::loader::LoadedModel;
 use sluice_engine::sampler::SamplingParams;
+use sluice_engine::serve::core::EngineConfig;
+use sluice_engine::serve::handle::EngineHandle;
+use sluice_engine::server::{ServerConfig, router, serve};
 use sluice_engine::template::ChatMessage;
 
 /// Sluice: a multi-tenant LLM inference platform.
@@ -49,6 +53,8 @@ enum Command {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCommand),
+    /// Run an engine worker: the OpenAI-compatible HTTP server over one model.
+    Engine(EngineArgs),
 }
 
 #[derive(Subcommand, Debug)]
@@ -64,6 +70,38 @@ enum ModelCommand {
 enum BenchCommand {
     /// Prefill and decode speed of one model at batch 1.
     Model(BenchModelArgs),
+    /// Serving-engine throughput and TTFT at several concurrency levels, in process.
+    Engine(BenchEngineArgs),
+}
+
+#[derive(Args, Debug)]
+struct BenchEngineArgs {
+    #[command(flatten)]
+    model: ModelArg,
+    /// Concurrent streams, one level after another.
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32")]
+    concurrency: Vec<usize>,
+    /// Prompt length (unique random prompts, no prefix sharing).
+    #[arg(long, default_value_t = 128)]
+    prompt_tokens: usize,
+    /// Tokens generated per request (end-of-sequence ignored).
+    #[arg(long, default_value_t = 128)]
+    output_tokens: usize,
+    /// Requests per stream.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
+    /// Memory for the KV cache, in MiB.
+    #[arg(long, default_value_t = 512)]
+    kv_cache_mb: usize,
+    /// Tokens computed per scheduler step.
+    #[arg(long, default_value_t = 512)]
+    max_num_batched_tokens: usize,
+    /// Compute threads (0: all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Print JSON lines instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -129,6 +167,36 @@ struct RunArgs {
 }
 
 #[derive(Args, Debug)]
+struct EngineArgs {
+    #[command(flatten)]
+    model: ModelArg,
+    /// Address to listen on (port 0: any free port; the bound address is printed).
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    listen: String,
+    /// Require `Authorization: Bearer TOKEN` on /v1 requests (the gateway's shared secret).
+    #[arg(long, env = "SLUICE_INTERNAL_TOKEN", hide_env_values = true)]
+    internal_token: Option<String>,
+    /// Memory for the KV cache, in MiB.
+    #[arg(long, default_value_t = 512)]
+    kv_cache_mb: usize,
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Tokens computed per scheduler step, all requests together.
+    #[arg(long, default_value_t = 512)]
+    max_num_batched_tokens: usize,
+    /// Requests in the running batch.
+    #[arg(long, default_value_t = 64)]
+    max_num_seqs: usize,
+    /// Compute threads (0: all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Name to serve the model under (default: its model id).
+    #[arg(long)]
+    served_model_name: Option<String>,
+}
+
+#[derive(Args, Debug)]
 struct BenchModelArgs {
     #[command(flatten)]
     model: ModelArg,
@@ -184,6 +252,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Run(args) => run_generate(args)?,
         Command::Bench(BenchCommand::Model(args)) => run_bench_model(args)?,
+        Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args)?,
+        Command::Engine(args) => run_engine(args)?,
     }
     Ok(())
 }
@@ -259,6 +329,71 @@ fn run_generate(args: RunArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
+    let model = Arc::new(args.model.load()?);
+    let config = EngineConfig {
+        block_size: args.block_size,
+        kv_cache_bytes: args
+            .kv_cache_mb
+            .checked_mul(1 << 20)
+            .context("--kv-cache-mb is too large")?,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        max_num_seqs: args.max_num_seqs,
+        threads: args.threads,
+    };
+    let handle = EngineHandle::start(model, config).context("starting the engine")?;
+    let app = router(
+        handle,
+        ServerConfig {
+            served_model_name: args.served_model_name,
+            internal_token: args.internal_token,
+            ..ServerConfig::default()
+        },
+    );
+    // The engine computes on its own threads; two I/O threads are plenty for HTTP.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("sluice-http")
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(&args.listen)
+            .await
+            .with_context(|| format!("binding {}", args.listen))?;
+        let addr = listener.local_addr()?;
+        println!("listening on http://{addr}");
+        std::io::stdout().flush()?;
+        serve(listener, app, shutdown_signal()).await.context("serving")?;
+        eprintln!("shut down");
+        anyhow::Ok(())
+    })
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {}
+        () = term => {}
+    }
 }
 
 const MIB: f64 = (1 << 20) as f64;
@@ -338,6 +473,65 @@ fn run_bench_model(args: BenchModelArgs) -> anyhow::Result<()> {
             std::fs::metadata(&m.path).map_or(0.0, |md| md.len() as f64 / MIB),
             report.weight_bytes as f64 / MIB,
             report.kv_cache_bytes as f64 / MIB
+        );
+    }
+    Ok(())
+}
+
+/// llama.cpp's `llama-server -np 32 -t 2` on the default model, this machine class, for
+/// 128-token prompts and 128 output tokens: (streams, output tok/s, TTFT p50 seconds).
+const LLAMA_SERVER_REFERENCE: [(usize, f64, f64); 3] =
+    [(1, 70.0, 0.46), (8, 104.0, 3.6), (32, 120.0, 6.3)];
+
+fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
+    let m = std::sync::Arc::new(args.model.load()?);
+    let max_seqs = args.concurrency.iter().copied().max().unwrap_or(1).max(1);
+    let handle = sluice_engine::serve::handle::EngineHandle::start(
+        std::sync::Arc::clone(&m),
+        EngineConfig {
+            kv_cache_bytes: args.kv_cache_mb << 20,
+            max_num_batched_tokens: args.max_num_batched_tokens,
+            max_num_seqs: max_seqs,
+            threads: args.threads,
+            ..EngineConfig::default()
+        },
+    )?;
+    if !args.json {
+        println!(
+            "model {} ({}), {} prompt + {} output tokens, ignore_eos, closed loop",
+            m.identity.model_id, m.identity.model_revision, args.prompt_tokens, args.output_tokens
+        );
+        println!(
+            "baseline: llama.cpp llama-server -np 32 -t 2 reference figures (same workload, this machine class)"
+        );
+        println!("streams  output tok/s  ratio   TTFT p50   (baseline)   TTFT p99   TPOT p50");
+    }
+    for &c in &args.concurrency {
+        let p = sluice_engine::bench::bench_engine(
+            &handle,
+            c,
+            args.prompt_tokens,
+            args.output_tokens,
+            args.rounds,
+        )?;
+        let base = LLAMA_SERVER_REFERENCE.iter().find(|b| b.0 == c);
+        if args.json {
+            let out = serde_json::json!({"point": p, "baseline": base.map(|b| serde_json::json!({"output_tokens_per_second": b.1, "ttft_p50": b.2}))});
+            println!("{out}");
+            continue;
+        }
+        let ratio = base
+            .map_or("    -".to_string(), |b| format!("{:.2}x", p.output_tokens_per_second / b.1));
+        let base_ttft = base.map_or("      -".to_string(), |b| format!("{:.2} s", b.2));
+        println!(
+            "{:>7}  {:>12.1}  {:>5}  {:>7.2} s   ({:>7})   {:>6.2} s   {:>5.1} ms",
+            c,
+            p.output_tokens_per_second,
+            ratio,
+            p.ttft_p50,
+            base_ttft,
+            p.ttft_p99,
+            p.tpot_p50 * 1e3
         );
     }
     Ok(())

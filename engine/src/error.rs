@@ -33,6 +33,9 @@ pub enum EngineError {
     /// A request is invalid for this model (bad token id, context overflow, ...).
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// The engine cannot take work (its thread has stopped).
+    #[error("engine unavailable: {0}")]
+    Unavailable(String),
     /// Obtaining the default model failed.
     #[error("model fetch: {0}")]
     Fetch(String),
@@ -59,6 +62,7 @@ impl EngineError {
             EngineError::Template(_) => "template",
             EngineError::InvalidRequest(_) => "validation",
             EngineError::Fetch(_) => "fetch",
+            EngineError::Unavailable(_) => "unavailable",
         }
     }
 }

@@ -150,10 +150,10 @@ impl BlockPool {
         for _ in 0..n {
             let b = self.head;
             self.unlink(b);
-            if let Some(h) = self.hash[b as usize].take() {
-                if self.cached.get(&h) == Some(&b) {
-                    self.cached.remove(&h);
-                }
+            if let Some(h) = self.hash[b as usize].take()
+                && self.cached.get(&h) == Some(&b)
+            {
+                self.cached.remove(&h);
             }
             self.ref_count[b as usize] = 1;
             out.push(b);

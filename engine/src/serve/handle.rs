@@ -110,7 +110,7 @@ impl EngineHandle {
         let thread = std::thread::Builder::new()
             .name("sluice-engine".into())
             .spawn(move || run(core, rx))
-            .map_err(|e| EngineError::InvalidRequest(format!("starting the engine thread: {e}")))?;
+            .map_err(|e| EngineError::Unavailable(format!("starting the engine thread: {e}")))?;
         Ok(EngineHandle {
             inner: Arc::new(Inner {
                 tx,
@@ -168,7 +168,7 @@ impl EngineHandle {
         self.inner
             .tx
             .send(Command::Add(Box::new(req), etx))
-            .map_err(|_| EngineError::InvalidRequest("the engine has stopped".into()))?;
+            .map_err(|_| EngineError::Unavailable("the engine has stopped".into()))?;
         Ok(RequestStream { rx: erx, request_id, tx: self.inner.tx.clone(), finished: false })
     }
 

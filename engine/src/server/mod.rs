@@ -1,0 +1,320 @@
+//! The OpenAI-compatible HTTP server of an engine worker (`sluice engine`).
+//!
+//! Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models[/{id}]`,
+//! `GET /health`, `GET /metrics`. Every `/v1` request passes one middleware that checks the
+//! internal token, reads the trusted internal headers into a [`RequestContext`] and stamps
+//! the execution identity and request id on the response. Handlers turn the body into a
+//! checked [`validate::Plan`], submit one engine request per choice and answer with one body
+//! or an SSE stream that owns the engine streams (dropping it aborts the work).
+//!
+//! The server knows nothing about tenants' keys or billing: the gateway authenticates and
+//! sends the tenant as a header; without `x-sluice-tenant` a request shares cache with nobody.
+
+pub mod context;
+pub mod error;
+pub mod openai;
+pub mod respond;
+pub mod validate;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::Json;
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Extension, Path, Request, State};
+use axum::http::{HeaderName, HeaderValue, Method, Uri, header};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::serve::core::EngineStats;
+use crate::serve::handle::EngineHandle;
+use crate::server::context::{
+    IDENTITY_HEADER, InternalToken, MODEL_REVISION_HEADER, REQUEST_ID_HEADER, RequestContext,
+};
+use crate::server::error::ApiError;
+use crate::server::openai::{ModelCard, ModelCardExt};
+use crate::server::respond::{Endpoint, Shaper};
+use crate::server::validate::Limits;
+
+/// How long shutdown waits for open requests before dropping them (which aborts them).
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Server settings (engine sizes are the engine's own config).
+#[derive(Clone)]
+pub struct ServerConfig {
+    /// Name the model is served under (default: the execution identity's model id).
+    pub served_model_name: Option<String>,
+    /// When set, `/v1` requests must carry `Authorization: Bearer <token>`.
+    pub internal_token: Option<String>,
+    /// Most choices (`n`) per request.
+    pub max_n: usize,
+    /// Most log-probability alternatives per token.
+    pub max_logprobs: usize,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig { served_model_name: None, internal_token: None, max_n: 8, max_logprobs: 20 }
+    }
+}
+
+impl std::fmt::Debug for ServerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerConfig")
+            .field("served_model_name", &self.served_model_name)
+            .field("internal_token", &self.internal_token.as_ref().map(|_| "<redacted>"))
+            .field("max_n", &self.max_n)
+            .field("max_logprobs", &self.max_logprobs)
+            .finish()
+    }
+}
+
+struct App {
+    handle: EngineHandle,
+    served_name: String,
+    token: Option<InternalToken>,
+    limits: Limits,
+    identity_header: Option<HeaderValue>,
+    revision_header: Option<HeaderValue>,
+    started: u64,
+}
+
+/// The server's routes over a running engine.
+pub fn router(handle: EngineHandle, cfg: ServerConfig) -> Router {
+    let model = Arc::clone(handle.model());
+    let identity = &model.identity;
+    let app = Arc::new(App {
+        served_name: cfg.served_model_name.clone().unwrap_or_else(|| identity.model_id.clone()),
+        token: cfg.internal_token.as_deref().map(InternalToken::new),
+        limits: Limits {
+            context_length: model.weights.config.context_length,
+            capacity_tokens: handle.capacity_tokens(),
+            vocab_size: model.tokenizer.vocab_size().min(model.weights.config.vocab_size),
+            max_n: cfg.max_n,
+            max_logprobs: cfg.max_logprobs,
+        },
+        identity_header: HeaderValue::from_str(&identity.header_value()).ok(),
+        revision_header: HeaderValue::from_str(&identity.model_revision).ok(),
+        started: unix_now(),
+        handle,
+    });
+    let v1 = Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{id}", get(model_card))
+        .layer(middleware::from_fn_with_state(Arc::clone(&app), api_layer));
+    Router::new()
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .merge(v1)
+        .fallback(no_route)
+        .method_not_allowed_fallback(wrong_method)
+        .with_state(app)
+}
+
+/// Serves `router` on `listener` until `shutdown` resolves; then stops accepting, waits up
+/// to [`SHUTDOWN_GRACE`] for open requests and drops the rest.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    let stopping = Arc::new(tokio::sync::Notify::new());
+    let notify = Arc::clone(&stopping);
+    let server = axum::serve(listener, router).with_graceful_shutdown(async move {
+        shutdown.await;
+        notify.notify_one();
+    });
+    tokio::select! {
+        r = server => r,
+        () = async {
+            stopping.notified().await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        } => {
+            eprintln!("requests still open {SHUTDOWN_GRACE:?} after shutdown began; dropping them");
+            Ok(())
+        }
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+/// Token check, internal headers, and the identity headers on every `/v1` response.
+async fn api_layer(State(app): State<Arc<App>>, mut req: Request, next: Next) -> Response {
+    let arrival = Instant::now();
+    let mut resp = if app.token.as_ref().is_some_and(|t| !t.accepts(req.headers())) {
+        ApiError::unauthorized().into_response()
+    } else {
+        match RequestContext::from_headers(req.headers(), arrival) {
+            Err(e) => e.into_response(),
+            Ok(ctx) => {
+                let id = HeaderValue::from_str(&ctx.request_id).ok();
+                req.extensions_mut().insert(ctx);
+                let mut resp = next.run(req).await;
+                if let Some(id) = id {
+                    resp.headers_mut().insert(HeaderName::from_static(REQUEST_ID_HEADER), id);
+                }
+                resp
+            }
+        }
+    };
+    let headers = resp.headers_mut();
+    if let Some(v) = &app.identity_header {
+        headers.insert(HeaderName::from_static(IDENTITY_HEADER), v.clone());
+    }
+    if let Some(v) = &app.revision_header {
+        headers.insert(HeaderName::from_static(MODEL_REVISION_HEADER), v.clone());
+    }
+    resp
+}
+
+async fn completions(
+    State(app): State<Arc<App>>,
+    Extension(ctx): Extension<RequestContext>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(app, ctx, Endpoint::Completions, body)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn chat_completions(
+    State(app): State<Arc<App>>,
+    Extension(ctx): Extension<RequestContext>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(app, ctx, Endpoint::Chat, body).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn generate(
+    app: Arc<App>,
+    ctx: RequestContext,
+    endpoint: Endpoint,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    let body = body.map_err(|e| ApiError::from_body_rejection(&e))?;
+    let model = Arc::clone(app.handle.model());
+    // Parsing, rendering and tokenizing are CPU work: keep them off the I/O threads.
+    let plan = {
+        let app = Arc::clone(&app);
+        let model = Arc::clone(&model);
+        tokio::task::spawn_blocking(move || {
+            let value = validate::parse_body(&body)?;
+            match value.get("model") {
+                None | Some(Value::Null) => {}
+                Some(Value::String(m)) => validate::check_model(
+                    Some(m),
+                    &[app.served_name.as_str(), model.identity.model_id.as_str()],
+                )?,
+                Some(_) => return Err(ApiError::invalid("model", "model must be a string")),
+            }
+            match endpoint {
+                Endpoint::Completions => validate::completion_plan(&value, &model, &app.limits),
+                Endpoint::Chat => validate::chat_plan(&value, &model, &app.limits),
+            }
+        })
+        .await
+        .map_err(|e| ApiError::internal(format!("request validation failed: {e}")))??
+    };
+    let mut streams = Vec::with_capacity(plan.params.n);
+    for r in plan.requests(&ctx) {
+        // Sizes were checked above, so a refusal here means the engine is gone or full.
+        let s = app.handle.submit(r).map_err(|e| ApiError::from_engine(&e, Some("max_tokens")))?;
+        streams.push(s);
+    }
+    let stream = plan.params.stream;
+    let shaper = Shaper {
+        endpoint,
+        model_name: app.served_name.clone(),
+        request_id: ctx.request_id.clone(),
+        tenant: ctx.tenant.clone(),
+        trace_id: ctx.trace_id().map(str::to_string),
+        created: ctx.created,
+        identity: model.identity.clone(),
+        model,
+        plan,
+    };
+    let events = respond::merge(streams);
+    if stream {
+        Ok(respond::stream(shaper, events))
+    } else {
+        respond::collect(shaper, events).await
+    }
+}
+
+#[derive(Serialize)]
+struct ModelList {
+    object: &'static str,
+    data: Vec<ModelCard>,
+}
+
+fn card(app: &App) -> ModelCard {
+    let model = app.handle.model();
+    ModelCard {
+        id: app.served_name.clone(),
+        object: "model",
+        created: app.started,
+        owned_by: "sluice",
+        max_model_len: model.weights.config.context_length,
+        sluice: ModelCardExt {
+            execution_identity: model.identity.clone(),
+            capacity_tokens: app.handle.capacity_tokens(),
+        },
+    }
+}
+
+async fn models(State(app): State<Arc<App>>) -> Response {
+    Json(ModelList { object: "list", data: vec![card(&app)] }).into_response()
+}
+
+async fn model_card(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+    if id == app.served_name {
+        Json(card(&app)).into_response()
+    } else {
+        ApiError::model_not_found(&id).into_response()
+    }
+}
+
+#[derive(Serialize)]
+struct Health {
+    status: &'static str,
+    model: String,
+    #[serde(flatten)]
+    stats: EngineStats,
+}
+
+async fn health(State(app): State<Arc<App>>) -> Response {
+    let handle = app.handle.clone();
+    // `stats` waits for the engine thread to finish its current step.
+    match tokio::task::spawn_blocking(move || handle.stats()).await {
+        Ok(Some(stats)) => {
+            Json(Health { status: "ok", model: app.served_name.clone(), stats }).into_response()
+        }
+        _ => ApiError::unavailable().into_response(),
+    }
+}
+
+async fn metrics(State(app): State<Arc<App>>) -> Response {
+    (
+        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        app.handle.metrics().encode(),
+    )
+        .into_response()
+}
+
+async fn no_route(method: Method, uri: Uri) -> Response {
+    ApiError::no_route(method.as_str(), uri.path()).into_response()
+}
+
+async fn wrong_method(method: Method, uri: Uri) -> Response {
+    ApiError::method_not_allowed(method.as_str(), uri.path()).into_response()
+}

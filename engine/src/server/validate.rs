@@ -1,0 +1,552 @@
+//! Parse, don't validate: a request body becomes a [`Plan`] (and from it the engine's
+//! [`ValidRequest`]s) or a 400 naming the parameter at fault.
+
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use crate::loader::LoadedModel;
+use crate::sampler::SamplingParams;
+use crate::serve::{CacheScope, ValidRequest};
+use crate::server::context::RequestContext;
+use crate::server::error::ApiError;
+use crate::server::openai::{ChatFields, CompletionFields, GenerationParams, SamplingFields};
+
+/// Most stop strings per request (OpenAI's cap).
+pub const MAX_STOP: usize = 4;
+/// Roles a chat message may have; which orders are legal is the template's call.
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+/// OpenAI's default `max_tokens` for legacy completions.
+const DEFAULT_COMPLETION_MAX_TOKENS: usize = 16;
+
+/// Server-side caps and model sizes every request is checked against.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// The model's context length.
+    pub context_length: usize,
+    /// Most tokens one request can hold in the KV cache.
+    pub capacity_tokens: usize,
+    /// Token ids must be below this.
+    pub vocab_size: usize,
+    /// Most choices per request.
+    pub max_n: usize,
+    /// Most alternatives per token.
+    pub max_logprobs: usize,
+}
+
+/// A checked request, ready to become `n` engine requests.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    /// Prompt token ids (non-empty, inside the vocabulary, shorter than the context).
+    pub prompt: Vec<u32>,
+    /// Text to put before the completion (`echo`).
+    pub echo: Option<String>,
+    /// Characters of the prompt text (where completion text offsets start without echo).
+    pub prompt_chars: usize,
+    /// Return per-token log-probabilities.
+    pub logprobs: Option<usize>,
+    /// Return prompt log-probabilities (echo with logprobs).
+    pub prompt_logprobs: Option<usize>,
+    /// Extra stop token ids.
+    pub stop_token_ids: Vec<u32>,
+    /// Include a usage chunk when streaming.
+    pub include_usage: bool,
+    /// Everything else, as it will be reported back.
+    pub params: GenerationParams,
+}
+
+impl Plan {
+    /// The engine requests: one per choice, seeds `seed`, `seed + 1`, ...; choice ids
+    /// `REQ-i` when there are several. All choices share one cache scope: the tenant's, or a
+    /// fresh private one (never derived from anything the client sent).
+    pub fn requests(&self, ctx: &RequestContext) -> Vec<ValidRequest> {
+        let scope = match &ctx.tenant {
+            Some(t) => CacheScope::Tenant(t.clone()),
+            None => CacheScope::Private(uuid::Uuid::new_v4().simple().to_string()),
+        };
+        let p = &self.params;
+        (0..p.n)
+            .map(|i| ValidRequest {
+                request_id: choice_id(&ctx.request_id, i, p.n),
+                prompt: self.prompt.clone(),
+                max_tokens: p.max_tokens,
+                sampling: SamplingParams {
+                    temperature: p.temperature,
+                    top_k: p.top_k,
+                    top_p: p.top_p,
+                    min_p: p.min_p,
+                    presence_penalty: p.presence_penalty,
+                    frequency_penalty: p.frequency_penalty,
+                    seed: p.seed.wrapping_add(i as u64),
+                },
+                stop: p.stop.clone(),
+                stop_token_ids: self.stop_token_ids.clone(),
+                ignore_eos: p.ignore_eos,
+                logprobs: self.logprobs,
+                prompt_logprobs: self.prompt_logprobs,
+                cache_scope: scope.clone(),
+                priority: ctx.priority,
+                arrival: ctx.arrival,
+            })
+            .collect()
+    }
+}
+
+/// The engine id of choice `i`.
+pub fn choice_id(request_id: &str, i: usize, n: usize) -> String {
+    if n == 1 { request_id.to_string() } else { format!("{request_id}-{i}") }
+}
+
+/// The body as a JSON object, or a 400.
+pub fn parse_body(bytes: &[u8]) -> Result<Value, ApiError> {
+    let v: Value = serde_json::from_slice(bytes)
+        .map_err(|e| ApiError::invalid_body(format!("the body is not valid JSON: {e}")))?;
+    if !v.is_object() {
+        return Err(ApiError::invalid_body("the body must be a JSON object"));
+    }
+    Ok(v)
+}
+
+/// Reads typed fields out of the body; a wrong type is a 400 naming its path.
+pub fn fields<T: DeserializeOwned>(body: &Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(body).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner().to_string();
+        // A missing field is reported at its parent; name the field itself.
+        let param = match inner.strip_prefix("missing field `").and_then(|r| r.split_once('`')) {
+            Some((field, _)) if path == "." => field.to_string(),
+            Some((field, _)) => format!("{path}.{field}"),
+            None => path,
+        };
+        ApiError::invalid(param.clone(), format!("{param}: {inner}"))
+    })
+}
+
+/// Checks the `model` field against the names this engine answers to.
+pub fn check_model(requested: Option<&str>, names: &[&str]) -> Result<(), ApiError> {
+    match requested {
+        Some(m) if !names.contains(&m) => Err(ApiError::model_not_found(m)),
+        _ => Ok(()),
+    }
+}
+
+/// A `/v1/completions` body.
+pub fn completion_plan(
+    body: &Value,
+    model: &LoadedModel,
+    limits: &Limits,
+) -> Result<Plan, ApiError> {
+    let f: CompletionFields = fields(body)?;
+    let s: SamplingFields = fields(body)?;
+    let (prompt, text) = completion_prompt(f.prompt.as_ref(), model, limits)?;
+    let logprobs = match f.logprobs {
+        None => None,
+        Some(k) => Some(in_range("logprobs", k, 0, limits.max_logprobs)?),
+    };
+    let echo = f.echo.unwrap_or(false);
+    let prompt_chars = text.chars().count();
+    let mut plan = sampling_plan(s, prompt, None, Some(DEFAULT_COMPLETION_MAX_TOKENS), limits)?;
+    plan.logprobs = logprobs;
+    plan.prompt_chars = prompt_chars;
+    if echo {
+        plan.prompt_logprobs = logprobs;
+        plan.echo = Some(text);
+    }
+    Ok(plan)
+}
+
+/// A `/v1/chat/completions` body.
+pub fn chat_plan(body: &Value, model: &LoadedModel, limits: &Limits) -> Result<Plan, ApiError> {
+    let f: ChatFields = fields(body)?;
+    let s: SamplingFields = fields(body)?;
+    let messages =
+        f.messages.ok_or_else(|| ApiError::invalid("messages", "messages is required"))?;
+    if messages.is_empty() {
+        return Err(ApiError::invalid("messages", "messages must not be empty"));
+    }
+    for (i, m) in messages.iter().enumerate() {
+        if !ROLES.contains(&m.role.as_str()) {
+            return Err(ApiError::invalid(
+                format!("messages[{i}].role"),
+                format!("messages[{i}].role must be one of {}", ROLES.join(", ")),
+            ));
+        }
+    }
+    let template = model.template.as_ref().ok_or_else(|| {
+        ApiError::invalid("messages", "this model has no chat template; use /v1/completions")
+    })?;
+    let rendered = template
+        .render(&messages, true)
+        .map_err(|e| ApiError::from_engine(&e, Some("messages")))?;
+    // The rendered template carries its own BOS when the model wants one.
+    let prompt = model
+        .tokenizer
+        .encode(&rendered, true)
+        .map_err(|e| ApiError::from_engine(&e, Some("messages")))?;
+    check_prompt_len(prompt.len(), "messages", limits)?;
+    let top = match (f.logprobs, f.top_logprobs) {
+        (Some(true), k) => Some(match k {
+            Some(k) => in_range("top_logprobs", k, 0, limits.max_logprobs)?,
+            None => 0,
+        }),
+        (_, Some(_)) => {
+            return Err(ApiError::invalid(
+                "top_logprobs",
+                "top_logprobs needs logprobs set to true",
+            ));
+        }
+        (_, None) => None,
+    };
+    let max = match f.max_completion_tokens {
+        Some(m) => Some(("max_completion_tokens", m)),
+        None => s.max_tokens.map(|m| ("max_tokens", m)),
+    };
+    let mut plan = sampling_plan(s, prompt, max, None, limits)?;
+    plan.logprobs = top;
+    Ok(plan)
+}
+
+fn completion_prompt(
+    prompt: Option<&Value>,
+    model: &LoadedModel,
+    limits: &Limits,
+) -> Result<(Vec<u32>, String), ApiError> {
+    let shape = "prompt must be a string or an array of token ids";
+    let one = |p: &Value, param: &str| -> Result<(Vec<u32>, String), ApiError> {
+        match p {
+            Value::String(s) if s.is_empty() => {
+                Err(ApiError::invalid(param, "prompt must not be empty"))
+            }
+            Value::String(s) => {
+                let ids =
+                    model.encode_prompt(s).map_err(|e| ApiError::from_engine(&e, Some(param)))?;
+                Ok((ids, s.clone()))
+            }
+            Value::Array(items) if items.is_empty() => {
+                Err(ApiError::invalid(param, "prompt must not be empty"))
+            }
+            Value::Array(items) => {
+                let ids = token_ids(items, param, limits.vocab_size)?;
+                let text = model
+                    .tokenizer
+                    .decode(&ids, false)
+                    .map_err(|e| ApiError::from_engine(&e, Some(param)))?;
+                Ok((ids, text))
+            }
+            _ => Err(ApiError::invalid(param, shape)),
+        }
+    };
+    let (ids, text) = match prompt {
+        None | Some(Value::Null) => return Err(ApiError::invalid("prompt", "prompt is required")),
+        Some(Value::Array(items)) if items.iter().all(|v| v.is_string() || v.is_array()) => {
+            match items.as_slice() {
+                [] => return Err(ApiError::invalid("prompt", "prompt must not be empty")),
+                [single] => one(single, "prompt[0]")?,
+                _ => {
+                    return Err(ApiError::invalid(
+                        "prompt",
+                        format!(
+                            "only one prompt per request is supported (got {}); send one request per prompt",
+                            items.len()
+                        ),
+                    ));
+                }
+            }
+        }
+        Some(p) => one(p, "prompt")?,
+    };
+    check_prompt_len(ids.len(), "prompt", limits)?;
+    Ok((ids, text))
+}
+
+fn token_ids(items: &[Value], param: &str, vocab: usize) -> Result<Vec<u32>, ApiError> {
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, v)| match v.as_u64() {
+            Some(id) if (id as usize) < vocab => Ok(id as u32),
+            Some(id) => Err(ApiError::invalid(
+                format!("{param}[{i}]"),
+                format!("token id {id} is outside the vocabulary of {vocab} tokens"),
+            )),
+            None => Err(ApiError::invalid(
+                format!("{param}[{i}]"),
+                "token ids must be non-negative integers",
+            )),
+        })
+        .collect()
+}
+
+fn check_prompt_len(len: usize, param: &str, limits: &Limits) -> Result<(), ApiError> {
+    if len == 0 {
+        return Err(ApiError::invalid(param, "the prompt has no tokens"));
+    }
+    let room = limits.context_length.min(limits.capacity_tokens);
+    if len >= room {
+        let what = if limits.context_length <= limits.capacity_tokens {
+            format!("the model's context length of {}", limits.context_length)
+        } else {
+            format!("this engine's KV cache, which holds {} tokens", limits.capacity_tokens)
+        };
+        return Err(ApiError::invalid(
+            param,
+            format!("the prompt has {len} tokens, which leaves no room to generate within {what}"),
+        )
+        .with_code("context_length_exceeded"));
+    }
+    Ok(())
+}
+
+fn in_range(param: &str, v: i64, lo: usize, hi: usize) -> Result<usize, ApiError> {
+    match usize::try_from(v) {
+        Ok(u) if (lo..=hi).contains(&u) => Ok(u),
+        _ => Err(ApiError::invalid(param, format!("{param} must be between {lo} and {hi}"))),
+    }
+}
+
+fn in_f32(
+    param: &str,
+    v: Option<f64>,
+    default: f32,
+    ok: impl Fn(f64) -> bool,
+    rule: &str,
+) -> Result<f32, ApiError> {
+    match v {
+        None => Ok(default),
+        Some(x) if x.is_finite() && ok(x) => Ok(x as f32),
+        Some(_) => Err(ApiError::invalid(param, format!("{param} must be {rule}"))),
+    }
+}
+
+/// Checks the shared fields. `max` is the explicit output limit and the name it came under
+/// (`max_tokens` when `None`); without one, `default_max` cut to what the context leaves, or
+/// all it leaves.
+fn sampling_plan(
+    s: SamplingFields,
+    prompt: Vec<u32>,
+    max: Option<(&'static str, i64)>,
+    default_max: Option<usize>,
+    limits: &Limits,
+) -> Result<Plan, ApiError> {
+    let max = max.or(s.max_tokens.map(|m| ("max_tokens", m)));
+    let room = limits.context_length.min(limits.capacity_tokens).saturating_sub(prompt.len());
+    let max_tokens = match max {
+        None => default_max.map_or(room, |d| d.min(room)),
+        Some((param, m)) => {
+            let m = usize::try_from(m)
+                .ok()
+                .filter(|&m| m >= 1)
+                .ok_or_else(|| ApiError::invalid(param, format!("{param} must be at least 1")))?;
+            let need = prompt.len() + m;
+            if need > limits.context_length {
+                return Err(ApiError::invalid(
+                    param,
+                    format!(
+                        "the prompt ({} tokens) plus {param} ({m}) is {need} tokens, more than the context length of {}; at most {} can be generated",
+                        prompt.len(),
+                        limits.context_length,
+                        limits.context_length.saturating_sub(prompt.len())
+                    ),
+                )
+                .with_code("context_length_exceeded"));
+            }
+            if need > limits.capacity_tokens {
+                return Err(ApiError::invalid(
+                    param,
+                    format!(
+                        "the prompt ({} tokens) plus {param} ({m}) is {need} tokens, more than this engine's KV cache holds ({}); at most {room} can be generated",
+                        prompt.len(),
+                        limits.capacity_tokens
+                    ),
+                ));
+            }
+            m
+        }
+    };
+    let temperature = in_f32("temperature", s.temperature, 1.0, |x| x >= 0.0, "a number >= 0")?;
+    let top_p = in_f32("top_p", s.top_p, 1.0, |x| x > 0.0 && x <= 1.0, "in (0, 1]")?;
+    let min_p = in_f32("min_p", s.min_p, 0.0, |x| (0.0..=1.0).contains(&x), "in [0, 1]")?;
+    let penalty = |x: f64| (-2.0..=2.0).contains(&x);
+    let presence_penalty =
+        in_f32("presence_penalty", s.presence_penalty, 0.0, penalty, "in [-2, 2]")?;
+    let frequency_penalty =
+        in_f32("frequency_penalty", s.frequency_penalty, 0.0, penalty, "in [-2, 2]")?;
+    let top_k = match s.top_k {
+        None | Some(-1) => 0,
+        Some(k) => usize::try_from(k).map_err(|_| {
+            ApiError::invalid("top_k", "top_k must be >= 0 (0 or -1: no top-k cut)")
+        })?,
+    };
+    let n = match s.n {
+        None => 1,
+        Some(n) => in_range("n", n, 1, limits.max_n)?,
+    };
+    let stop = stop_strings(s.stop.as_ref())?;
+    let stop_token_ids = match &s.stop_token_ids {
+        None => Vec::new(),
+        Some(ids) => {
+            let vals: Vec<Value> = ids.iter().map(|&i| Value::from(i)).collect();
+            token_ids(&vals, "stop_token_ids", limits.vocab_size)?
+        }
+    };
+    // Without a seed each request draws one, so sampled outputs differ between requests;
+    // the seed used is reported back, so any output can be reproduced.
+    let seed = match s.seed {
+        Some(seed) => seed as u64,
+        None => uuid::Uuid::new_v4().as_u64_pair().0,
+    };
+    let stream = s.stream.unwrap_or(false);
+    let include_usage =
+        stream && s.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+    Ok(Plan {
+        prompt,
+        echo: None,
+        prompt_chars: 0,
+        logprobs: None,
+        prompt_logprobs: None,
+        stop_token_ids,
+        include_usage,
+        params: GenerationParams {
+            max_tokens,
+            temperature,
+            top_p,
+            top_k,
+            min_p,
+            presence_penalty,
+            frequency_penalty,
+            seed,
+            stop,
+            stream,
+            n,
+            ignore_eos: s.ignore_eos.unwrap_or(false),
+        },
+    })
+}
+
+fn stop_strings(stop: Option<&Value>) -> Result<Vec<String>, ApiError> {
+    let shape = || ApiError::invalid("stop", "stop must be a string or an array of strings");
+    let list = match stop {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::String(s)) => vec![s.clone()],
+        Some(Value::Array(items)) => items
+            .iter()
+            .map(|v| v.as_str().map(str::to_string).ok_or_else(shape))
+            .collect::<Result<Vec<_>, _>>()?,
+        Some(_) => return Err(shape()),
+    };
+    if list.len() > MAX_STOP {
+        return Err(ApiError::invalid(
+            "stop",
+            format!("at most {MAX_STOP} stop strings are allowed (got {})", list.len()),
+        ));
+    }
+    if list.iter().any(String::is_empty) {
+        return Err(ApiError::invalid("stop", "stop strings must not be empty"));
+    }
+    Ok(list)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn limits() -> Limits {
+        Limits {
+            context_length: 100,
+            capacity_tokens: 80,
+            vocab_size: 1000,
+            max_n: 8,
+            max_logprobs: 20,
+        }
+    }
+
+    fn plan(body: Value, prompt_len: usize) -> Result<Plan, ApiError> {
+        let s: SamplingFields = fields(&body)?;
+        sampling_plan(s, vec![1; prompt_len], None, Some(DEFAULT_COMPLETION_MAX_TOKENS), &limits())
+    }
+
+    fn param_of(r: Result<Plan, ApiError>) -> Option<String> {
+        r.err().and_then(|e| e.param)
+    }
+
+    #[test]
+    fn bad_fields_name_their_parameter() {
+        let cases = [
+            (json!({"temperature": -0.5}), "temperature"),
+            (json!({"temperature": "hot"}), "temperature"),
+            (json!({"top_p": 0}), "top_p"),
+            (json!({"top_p": 1.5}), "top_p"),
+            (json!({"top_k": -2}), "top_k"),
+            (json!({"min_p": 2}), "min_p"),
+            (json!({"presence_penalty": 3}), "presence_penalty"),
+            (json!({"frequency_penalty": -3}), "frequency_penalty"),
+            (json!({"n": 0}), "n"),
+            (json!({"n": 9}), "n"),
+            (json!({"stop": ["a", "b", "c", "d", "e"]}), "stop"),
+            (json!({"stop": [""]}), "stop"),
+            (json!({"stop": 3}), "stop"),
+            (json!({"stop": ["a", 3]}), "stop"),
+            (json!({"max_tokens": 0}), "max_tokens"),
+            (json!({"max_tokens": -1}), "max_tokens"),
+            (json!({"max_tokens": 91}), "max_tokens"),
+            (json!({"max_tokens": 71}), "max_tokens"),
+            (json!({"stream": "yes"}), "stream"),
+            (json!({"stream_options": {"include_usage": 1}}), "stream_options.include_usage"),
+            (json!({"stop_token_ids": [5000]}), "stop_token_ids[0]"),
+        ];
+        for (body, param) in cases {
+            assert_eq!(param_of(plan(body.clone(), 10)), Some(param.to_string()), "{body}");
+        }
+    }
+
+    #[test]
+    fn defaults_and_limits() -> Result<(), ApiError> {
+        let p = plan(json!({"unknown_field": [1, 2], "user": "u", "cache_salt": "x"}), 10)?;
+        assert_eq!(p.params.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS);
+        assert_eq!((p.params.temperature, p.params.top_p, p.params.n), (1.0, 1.0, 1));
+        assert!(!p.include_usage);
+        // The default is cut to what the KV cache leaves (80 - 70).
+        assert_eq!(plan(json!({}), 70)?.params.max_tokens, 10);
+        assert_eq!(plan(json!({"max_tokens": 70}), 10)?.params.max_tokens, 70);
+        let p = plan(
+            json!({"seed": 7, "n": 3, "stop": "x", "top_k": -1, "stream": true,
+                   "stream_options": {"include_usage": true}}),
+            5,
+        )?;
+        assert_eq!((p.params.seed, p.params.n, p.params.top_k), (7, 3, 0));
+        assert_eq!(p.params.stop, vec!["x".to_string()]);
+        assert!(p.include_usage);
+        Ok(())
+    }
+
+    #[test]
+    fn prompt_length_and_token_ids() {
+        let l = limits();
+        assert_eq!(
+            check_prompt_len(80, "prompt", &l).err().map(|e| e.code),
+            Some(Some("context_length_exceeded"))
+        );
+        assert!(check_prompt_len(79, "prompt", &l).is_ok());
+        assert!(check_prompt_len(0, "prompt", &l).is_err());
+        let ids = token_ids(&[json!(1), json!(999)], "prompt", 1000);
+        assert_eq!(ids.ok(), Some(vec![1, 999]));
+        let bad = token_ids(&[json!(1), json!(1000)], "prompt", 1000);
+        assert_eq!(bad.err().and_then(|e| e.param), Some("prompt[1]".into()));
+        let bad = token_ids(&[json!(-1)], "prompt", 1000);
+        assert_eq!(bad.err().and_then(|e| e.param), Some("prompt[0]".into()));
+    }
+
+    #[test]
+    fn body_shape() {
+        assert!(parse_body(b"{").is_err());
+        assert!(parse_body(b"[1]").is_err());
+        assert!(parse_body(b"{}").is_ok());
+        let e: Result<ChatFields, _> = fields(&json!({"messages": [{"role": "user"}]}));
+        assert_eq!(e.err().and_then(|e| e.param), Some("messages[0].content".into()));
+        let e: Result<ChatFields, _> = fields(&json!({"messages": "hi"}));
+        assert_eq!(e.err().and_then(|e| e.param), Some("messages".into()));
+        assert!(check_model(Some("other"), &["m"]).is_err());
+        assert!(check_model(Some("m"), &["m"]).is_ok());
+        assert!(check_model(None, &["m"]).is_ok());
+    }
+}
