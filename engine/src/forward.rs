@@ -4,7 +4,9 @@
 //! the first, and its block table. New keys and values are written into their blocks, then
 //! each new token attends over every cached position of its own sequence up to its own.
 
-use crate::cpu::matmul::{Isa, MatmulScratch, PackedWeight, detect_isa, dot_f32, matmul};
+use crate::cpu::matmul::{
+    Isa, MatmulScratch, PackedWeight, detect_isa, dot_f32, matmul, matmul_many,
+};
 use crate::cpu::pool::ThreadPool;
 use crate::error::{EngineError, Result};
 use crate::model::{LlamaWeights, RopeStyle};
@@ -154,6 +156,22 @@ impl Runner {
         matmul(&self.pool, self.isa, w, x, out, &mut self.scratch);
     }
 
+    fn mm_many<const N: usize>(
+        &mut self,
+        ws: &[&PackedWeight; N],
+        x: &[f32],
+        outs: [&mut Vec<f32>; N],
+    ) {
+        let t = x.len() / ws[0].cols;
+        let mut slices: Vec<&mut [f32]> = Vec::with_capacity(N);
+        for (w, o) in ws.iter().zip(outs) {
+            o.clear();
+            o.resize(t * w.rows, 0.0);
+            slices.push(o.as_mut_slice());
+        }
+        matmul_many(&self.pool, self.isa, ws, x, &mut slices, &mut self.scratch);
+    }
+
     /// Runs the batch and returns the wanted logits, `vocab` floats per wanted token, in
     /// batch order.
     pub fn forward(
@@ -219,9 +237,7 @@ impl Runner {
         let (mut o, mut gate, mut up, mut down) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (li, l) in w.layers.iter().enumerate() {
             rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn);
-            self.mm(&l.wq, &xn, &mut q);
-            self.mm(&l.wk, &xn, &mut k);
-            self.mm(&l.wv, &xn, &mut v);
+            self.mm_many(&[&l.wq, &l.wk, &l.wv], &xn, [&mut q, &mut k, &mut v]);
             add_bias(&mut q, l.bq.as_deref());
             add_bias(&mut k, l.bk.as_deref());
             add_bias(&mut v, l.bv.as_deref());
@@ -246,8 +262,7 @@ impl Runner {
                 *xi += oi;
             }
             rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut xn);
-            self.mm(&l.w_gate, &xn, &mut gate);
-            self.mm(&l.w_up, &xn, &mut up);
+            self.mm_many(&[&l.w_gate, &l.w_up], &xn, [&mut gate, &mut up]);
             for (g, u) in gate.iter_mut().zip(&up) {
                 *g = *g / (1.0 + (-*g).exp()) * u;
             }

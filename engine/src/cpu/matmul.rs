@@ -299,42 +299,75 @@ pub fn matmul(
     out: &mut [f32],
     scratch: &mut MatmulScratch,
 ) {
-    let t_rows = x.len() / w.cols;
-    debug_assert_eq!(out.len(), t_rows * w.rows);
-    let out_ptr = SharedOut(out.as_mut_ptr());
+    matmul_many(pool, isa, &[w], x, &mut [out], scratch);
+}
+
+/// Several products of the same input (Q, K and V; gate and up): the activations are
+/// quantized once and every matrix is computed in one parallel region.
+pub fn matmul_many(
+    pool: &ThreadPool,
+    isa: Isa,
+    ws: &[&PackedWeight],
+    x: &[f32],
+    outs: &mut [&mut [f32]],
+    scratch: &mut MatmulScratch,
+) {
+    let Some(cols) = ws.first().map(|w| w.cols) else { return };
+    let t_rows = x.len() / cols;
     let threads = pool.threads();
-    match &w.data {
-        PackedData::Blocks { pair_bytes, offset, qs, d, m } => {
-            scratch.acts.quantize(pool, isa, x, w.cols);
-            let acts = &scratch.acts;
-            let view = BlockView {
-                rows: w.rows,
-                nb: w.cols / QK,
-                pair_bytes: *pair_bytes,
-                offset: *offset,
-                qs,
-                d,
-                m,
-            };
-            pool.run(&|i| {
-                let range = split_range(w.rows, threads, i, TILE_ROWS);
-                // SAFETY: threads write disjoint row ranges of every token's output row.
-                unsafe { block_rows(isa, &view, acts, range, out_ptr) };
-            });
-        }
-        PackedData::Raw { bytes, row_bytes } => {
-            pool.run(&|i| {
-                let range = split_range(w.rows, threads, i, 1);
-                let mut deq = vec![0f32; w.cols];
-                for r in range {
-                    dequantize_row(w.ty, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut deq);
-                    for t in 0..t_rows {
-                        let v = dot_f32(&deq, &x[t * w.cols..(t + 1) * w.cols]);
-                        // SAFETY: element (t, r) belongs to this thread's row range only.
-                        unsafe { *out_ptr.get().add(t * w.rows + r) = v };
+    let ptrs: Vec<SharedOut> = outs.iter_mut().map(|o| SharedOut(o.as_mut_ptr())).collect();
+    let all_blocks =
+        ws.iter().all(|w| w.cols == cols && matches!(w.data, PackedData::Blocks { .. }));
+    if all_blocks {
+        scratch.acts.quantize(pool, isa, x, cols);
+        let acts = &scratch.acts;
+        let views: Vec<BlockView<'_>> = ws
+            .iter()
+            .filter_map(|w| match &w.data {
+                PackedData::Blocks { pair_bytes, offset, qs, d, m } => Some(BlockView {
+                    rows: w.rows,
+                    nb: w.cols / QK,
+                    pair_bytes: *pair_bytes,
+                    offset: *offset,
+                    qs,
+                    d,
+                    m,
+                }),
+                PackedData::Raw { .. } => None,
+            })
+            .collect();
+        pool.run(&|i| {
+            for (view, out) in views.iter().zip(&ptrs) {
+                let range = split_range(view.rows, threads, i, TILE_ROWS);
+                // SAFETY: threads write disjoint row ranges of every token's output row, and
+                // each output holds t_rows * rows floats (checked by the caller's sizing).
+                unsafe { block_rows(isa, view, acts, range, *out) };
+            }
+        });
+        return;
+    }
+    for (w, out) in ws.iter().zip(&ptrs) {
+        let out = *out;
+        match &w.data {
+            PackedData::Blocks { .. } => {
+                // SAFETY: `out` came from a distinct `&mut [f32]` of t_rows * w.rows floats.
+                let o = unsafe { std::slice::from_raw_parts_mut(out.get(), t_rows * w.rows) };
+                matmul_many(pool, isa, &[*w], x, &mut [o], scratch);
+            }
+            PackedData::Raw { bytes, row_bytes } => {
+                pool.run(&|i| {
+                    let range = split_range(w.rows, threads, i, 1);
+                    let mut deq = vec![0f32; w.cols];
+                    for r in range {
+                        dequantize_row(w.ty, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut deq);
+                        for t in 0..t_rows {
+                            let v = dot_f32(&deq, &x[t * w.cols..(t + 1) * w.cols]);
+                            // SAFETY: element (t, r) belongs to this thread's row range only.
+                            unsafe { *out.get().add(t * w.rows + r) = v };
+                        }
                     }
-                }
-            });
+                });
+            }
         }
     }
 }
