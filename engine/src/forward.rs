@@ -375,6 +375,10 @@ fn attention(
                 head_dim: hd,
                 pos,
                 q: &q[t * q_dim + h * hd..][..hd],
+                #[cfg(target_arch = "x86_64")]
+                avx512,
+                #[cfg(not(target_arch = "x86_64"))]
+                avx512: false,
             };
             // SAFETY: each (t, h) item is handled by exactly one thread, and its slice
             // [t * q_dim + h * hd, +hd) lies inside `out`.
@@ -392,6 +396,48 @@ fn attention(
     });
 }
 
+#[cfg(target_arch = "x86_64")]
+mod x86_attention {
+    use std::arch::x86_64::*;
+
+    /// Scores of 16 consecutive slots: `s[i] = sum_d q[d] * k[d * stride + i]`, with four
+    /// independent accumulators over interleaved dimensions (combined in a fixed order).
+    ///
+    /// # Safety
+    /// AVX-512F must be available; `k` must be valid for `q.len()` rows of 16 floats at
+    /// `stride`, and `q.len()` a multiple of 4.
+    #[target_feature(enable = "avx512f,fma")]
+    pub(super) unsafe fn scores16(q: &[f32], k: *const f32, stride: usize) -> [f32; 16] {
+        let mut a = [_mm512_setzero_ps(); 4];
+        for d in (0..q.len()).step_by(4) {
+            for (u, acc) in a.iter_mut().enumerate() {
+                // SAFETY: row d + u < q.len() lies inside `k` (caller's contract).
+                let kv = unsafe { _mm512_loadu_ps(k.add((d + u) * stride)) };
+                *acc = _mm512_fmadd_ps(_mm512_set1_ps(q[d + u]), kv, *acc);
+            }
+        }
+        let s = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
+        let mut out = [0f32; 16];
+        // SAFETY: `out` holds 16 floats.
+        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), s) };
+        out
+    }
+}
+
+/// `a[..v.len()] += p * v`, vectorized when `v` is a full 64-wide chunk.
+#[inline(always)]
+fn axpy_dims(a: &mut [f32; 64], p: f32, v: &[f32]) {
+    if let Ok(v) = <&[f32; 64]>::try_from(v) {
+        for i in 0..64 {
+            a[i] += p * v[i];
+        }
+    } else {
+        for (a, x) in a.iter_mut().zip(v) {
+            *a += p * x;
+        }
+    }
+}
+
 /// One query head of one token attending over its sequence's cache.
 struct HeadJob<'a> {
     cache: &'a KvCache,
@@ -401,6 +447,8 @@ struct HeadJob<'a> {
     head_dim: usize,
     pos: usize,
     q: &'a [f32],
+    /// Whether the AVX-512 score kernel may be used.
+    avx512: bool,
 }
 
 /// The same code compiled for AVX-512 (Rust never fuses multiply-add on its own, so both
@@ -431,17 +479,19 @@ fn attend(job: &HeadJob<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
         let mut g = 0;
         while g < bs {
             let w = (bs - g).min(SLOTS);
+            #[cfg(target_arch = "x86_64")]
+            if job.avx512 && w == SLOTS && hd % 4 == 0 {
+                // SAFETY: AVX-512F was detected (`job.avx512`); the kernel reads hd rows of
+                // 16 floats at stride bs starting at kb[g], all inside `kb`.
+                let s16 = unsafe { x86_attention::scores16(job.q, kb[g..].as_ptr(), bs) };
+                chunk[g..g + w].copy_from_slice(&s16);
+                g += w;
+                continue;
+            }
             let mut acc = [0f32; SLOTS];
             for (d, &qd) in job.q.iter().enumerate() {
-                let kr = &kb[d * bs + g..d * bs + g + w];
-                if let Ok(kr) = <&[f32; SLOTS]>::try_from(kr) {
-                    for i in 0..SLOTS {
-                        acc[i] += qd * kr[i];
-                    }
-                } else {
-                    for (a, k) in acc.iter_mut().zip(kr) {
-                        *a += qd * k;
-                    }
+                for (a, k) in acc.iter_mut().zip(&kb[d * bs + g..d * bs + g + w]) {
+                    *a += qd * k;
                 }
             }
             chunk[g..g + w].copy_from_slice(&acc[..w]);
@@ -463,23 +513,21 @@ fn attend(job: &HeadJob<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
     let mut dc = 0;
     while dc < hd {
         let w = (hd - dc).min(DIMS);
-        let mut acc = [0f32; DIMS];
+        // Two partial sums (even and odd positions) for the same reason.
+        let mut even = [0f32; DIMS];
+        let mut odd = [0f32; DIMS];
         for (bi, chunk) in scores.chunks(bs).enumerate() {
             let base = cache.block_offset(job.layer, job.table[bi] as usize);
             let vb = &cache.v[base + job.kv_head * bs * hd..][..bs * hd];
-            for (&p, vr) in chunk.iter().zip(vb.chunks_exact(hd)) {
-                let vr = &vr[dc..dc + w];
-                if let Ok(vr) = <&[f32; DIMS]>::try_from(vr) {
-                    for i in 0..DIMS {
-                        acc[i] += p * vr[i];
-                    }
-                } else {
-                    for (a, v) in acc.iter_mut().zip(vr) {
-                        *a += p * v;
-                    }
+            let mut rows = chunk.iter().zip(vb.chunks_exact(hd));
+            while let Some((&p0, v0)) = rows.next() {
+                axpy_dims(&mut even, p0, &v0[dc..dc + w]);
+                if let Some((&p1, v1)) = rows.next() {
+                    axpy_dims(&mut odd, p1, &v1[dc..dc + w]);
                 }
             }
         }
+        let acc: [f32; DIMS] = std::array::from_fn(|i| even[i] + odd[i]);
         for (o, a) in out[dc..dc + w].iter_mut().zip(&acc) {
             *o = a * inv;
         }

@@ -36,13 +36,15 @@ impl IncrementalDecoder {
         }
     }
 
-    /// Text still held back (an incomplete character at the very end), decoded lossily.
+    /// Text still held back at the end of generation. The bytes of a character that the
+    /// last token left incomplete are dropped: broken UTF-8 is never emitted.
     pub fn flush(&mut self, tok: &Tokenizer) -> Result<String> {
         let prefix = tok.decode(&self.ids[self.prefix_offset..self.read_offset], false)?;
         let full = tok.decode(&self.ids[self.prefix_offset..], false)?;
         self.prefix_offset = self.ids.len();
         self.read_offset = self.ids.len();
-        Ok(full.get(prefix.len()..).unwrap_or_default().to_string())
+        let rest = full.get(prefix.len()..).unwrap_or_default();
+        Ok(rest.trim_end_matches('\u{FFFD}').to_string())
     }
 }
 

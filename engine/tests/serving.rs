@@ -188,7 +188,10 @@ fn stop_strings_across_tokens_and_split_characters() -> anyhow::Result<()> {
     ensure!(!all.contains('\u{FFFD}'), "replacement character in {all:?}");
     let ids: Vec<u32> =
         out.tokens.iter().copied().filter(|t| !m.tokenizer.stop_ids().contains(t)).collect();
-    ensure!(all == m.tokenizer.decode(&ids, false)?, "{all:?}");
+    // A character the last token leaves incomplete is dropped, never emitted broken.
+    let decoded = m.tokenizer.decode(&ids, false)?;
+    let whole = decoded.trim_end_matches('\u{FFFD}');
+    ensure!(all == whole, "incremental {all:?} vs whole {whole:?} ({:?})", out.texts);
     ensure!(
         out.texts.iter().any(String::is_empty),
         "expected held-back text somewhere in {:?}",
