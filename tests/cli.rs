@@ -1,30 +1,12 @@
 //! The `sluice` command line against the real default model and llama.cpp's golden outputs.
 
-use std::path::PathBuf;
+#[path = "../engine/tests/common/mod.rs"]
+mod common;
+
 use std::process::{Command, Output};
 
 use anyhow::{Context, ensure};
 use serde_json::Value;
-
-fn model() -> anyhow::Result<PathBuf> {
-    let dir = match std::env::var_os("SLUICE_MODEL_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => {
-            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/sluice-models")
-        }
-    };
-    let p = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    ensure!(p.is_file(), "{} is missing: run `sluice model fetch` first", p.display());
-    Ok(p)
-}
-
-fn golden() -> anyhow::Result<Value> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../shared/golden/smollm2-135m-q4_1.llamacpp.json");
-    Ok(serde_json::from_str(
-        &std::fs::read_to_string(&p).with_context(|| p.display().to_string())?,
-    )?)
-}
 
 fn sluice(args: &[&str]) -> anyhow::Result<Output> {
     Ok(Command::new(env!("CARGO_BIN_EXE_sluice")).args(args).output()?)
@@ -61,8 +43,8 @@ fn first_near_tie(item: &Value) -> usize {
 
 #[test]
 fn tokenize_prints_llama_cpp_ids() -> anyhow::Result<()> {
-    let m = model()?;
-    let g = golden()?;
+    let m = common::default_model()?;
+    let g = common::golden()?;
     for item in g["completion"].as_array().into_iter().flatten() {
         let prompt = item["prompt"].as_str().context("prompt")?;
         let out = ok_stdout(&["tokenize", "--model", m.to_str().context("path")?, prompt])?;
@@ -74,9 +56,9 @@ fn tokenize_prints_llama_cpp_ids() -> anyhow::Result<()> {
 
 #[test]
 fn template_prints_the_golden_rendering() -> anyhow::Result<()> {
-    let m = model()?;
+    let m = common::default_model()?;
     let dir = tempfile::tempdir()?;
-    for (i, item) in golden()?["chat"].as_array().into_iter().flatten().enumerate() {
+    for (i, item) in common::golden()?["chat"].as_array().into_iter().flatten().enumerate() {
         let f = dir.path().join(format!("m{i}.json"));
         std::fs::write(&f, serde_json::to_string(&item["messages"])?)?;
         let out = ok_stdout(&[
@@ -93,9 +75,9 @@ fn template_prints_the_golden_rendering() -> anyhow::Result<()> {
 
 #[test]
 fn greedy_run_matches_llama_cpp_up_to_the_first_near_tie() -> anyhow::Result<()> {
-    let m = model()?;
+    let m = common::default_model()?;
     let m = m.to_str().context("path")?;
-    let g = golden()?;
+    let g = common::golden()?;
     let dir = tempfile::tempdir()?;
     let mut full = 0;
     let mut compared = 0;
@@ -171,7 +153,7 @@ fn bad_input_is_a_clear_error() -> anyhow::Result<()> {
         "{err}"
     );
 
-    let m = model()?;
+    let m = common::default_model()?;
     let msgs = dir.path().join("bad.json");
     std::fs::write(&msgs, r#"[{"role": 3, "content": "x"}]"#)?;
     let out = sluice(&[

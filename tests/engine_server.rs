@@ -1,6 +1,9 @@
 //! `sluice engine` end to end: a real server process on the default model, driven over HTTP
 //! (and by the official OpenAI Python SDK, unmodified).
 
+#[path = "../engine/tests/common/mod.rs"]
+mod common;
+
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -12,18 +15,6 @@ use futures_util::StreamExt;
 use serde_json::{Value, json};
 
 const GOLDEN_PROMPT: &str = "The capital of France is";
-
-fn model() -> anyhow::Result<PathBuf> {
-    let dir = match std::env::var_os("SLUICE_MODEL_DIR") {
-        Some(d) => PathBuf::from(d),
-        None => {
-            PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache/sluice-models")
-        }
-    };
-    let p = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
-    ensure!(p.is_file(), "{} is missing: run `sluice model fetch` first", p.display());
-    Ok(p)
-}
 
 /// A running `sluice engine`; killed when dropped, also when a test fails.
 struct Server {
@@ -41,7 +32,7 @@ impl Drop for Server {
 
 impl Server {
     fn start(extra: &[&str]) -> anyhow::Result<Server> {
-        let model = model()?;
+        let model = common::default_model()?;
         let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
             .arg("engine")
             .arg("--model")
@@ -147,7 +138,7 @@ async fn stream(c: &reqwest::Client, url: &str, body: &Value) -> anyhow::Result<
 }
 
 fn sluice_run(args: &[&str]) -> anyhow::Result<Value> {
-    let m = model()?;
+    let m = common::default_model()?;
     let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
         .arg("run")
         .arg("--model")
@@ -286,7 +277,7 @@ async fn completions_chat_streaming_and_identity() -> anyhow::Result<()> {
     ensure!(lp["text_offset"][0] == 0 && lp["tokens"][5] == " Paris", "{lp}");
 
     // The prompt as token ids, n choices: each greedy choice is the same golden text.
-    let m = model()?;
+    let m = common::default_model()?;
     let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
         .arg("tokenize")
         .arg("--model")

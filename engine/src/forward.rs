@@ -7,7 +7,7 @@
 use crate::cpu::matmul::{
     Isa, MatmulScratch, PackedWeight, detect_isa, dot_f32, matmul, matmul_many,
 };
-use crate::cpu::pool::ThreadPool;
+use crate::cpu::pool::{SharedOut, ThreadPool};
 use crate::error::{EngineError, Result};
 use crate::model::{LlamaWeights, RopeStyle};
 
@@ -332,18 +332,6 @@ fn rope(x: &mut [f32], cos: &[f32], sin: &[f32], style: RopeStyle) {
     }
 }
 
-#[derive(Clone, Copy)]
-struct SharedMut(*mut f32);
-// SAFETY: pool threads write disjoint (token, head) slices through it.
-unsafe impl Send for SharedMut {}
-// SAFETY: as above.
-unsafe impl Sync for SharedMut {}
-impl SharedMut {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
 #[expect(clippy::too_many_arguments, reason = "one call site; the pieces are distinct")]
 fn attention(
     pool: &ThreadPool,
@@ -358,7 +346,7 @@ fn attention(
     let (hd, q_dim, group) = (c.head_dim, c.q_dim(), c.heads / c.kv_heads);
     let items = meta.len() * c.heads;
     let threads = pool.threads();
-    let out_ptr = SharedMut(out.as_mut_ptr());
+    let out_ptr = SharedOut(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
     let avx512 = is_x86_feature_detected!("avx512f");
     pool.run(&|ti| {

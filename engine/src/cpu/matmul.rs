@@ -9,7 +9,7 @@
 
 use half::f16;
 
-use crate::cpu::pool::{ThreadPool, split_range};
+use crate::cpu::pool::{SharedOut, ThreadPool, split_range};
 use crate::quant::{GgmlType, QK, dequantize_row};
 
 /// Rows of weights per kernel tile.
@@ -372,19 +372,6 @@ pub fn matmul_many(
     }
 }
 
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-// SAFETY: used only for disjoint writes from pool threads while the owning borrow is held.
-unsafe impl Send for SharedOut {}
-// SAFETY: as above.
-unsafe impl Sync for SharedOut {}
-
-impl SharedOut {
-    fn get(self) -> *mut f32 {
-        self.0
-    }
-}
-
 /// Borrowed view of a packed 4/8-bit weight for the kernels.
 pub(crate) struct BlockView<'a> {
     pub(crate) rows: usize,
@@ -394,6 +381,18 @@ pub(crate) struct BlockView<'a> {
     pub(crate) qs: &'a [u8],
     pub(crate) d: &'a [f16],
     pub(crate) m: &'a [f16],
+}
+
+/// Sums 16 lanes with a fixed reduction tree.
+fn reduce16(mut acc: [f32; 16]) -> f32 {
+    let mut w = 16;
+    while w > 1 {
+        w /= 2;
+        for l in 0..w {
+            acc[l] += acc[l + w];
+        }
+    }
+    acc[0]
 }
 
 /// Fixed-order f32 dot product (16 independent lanes, then a fixed reduction tree).
@@ -409,14 +408,7 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     for (l, (x, y)) in ca.remainder().iter().zip(cb.remainder()).enumerate() {
         acc[l] += x * y;
     }
-    let mut w = 16;
-    while w > 1 {
-        w /= 2;
-        for l in 0..w {
-            acc[l] += acc[l + w];
-        }
-    }
-    acc[0]
+    reduce16(acc)
 }
 
 /// The offset term `sum_b c_b sa_b` of one (weight row, activation row) pair.
@@ -433,14 +425,7 @@ fn offset_term(v: &BlockView<'_>, acts: &QuantizedActs, r: usize, t: usize) -> f
         };
         acc[b % 16] += c * sa[b];
     }
-    let mut w = 16;
-    while w > 1 {
-        w /= 2;
-        for l in 0..w {
-            acc[l] += acc[l + w];
-        }
-    }
-    acc[0]
+    reduce16(acc)
 }
 
 /// Computes output rows `range` for all tokens.
@@ -484,14 +469,7 @@ fn scalar_dot(v: &BlockView<'_>, acts: &QuantizedActs, r: usize, t: usize) -> f3
         let s = v.d[r * nb + b].to_f32() * acts.d[t * nb + b];
         acc[b % 16] += s * isum as f32;
     }
-    let mut w = 16;
-    while w > 1 {
-        w /= 2;
-        for l in 0..w {
-            acc[l] += acc[l + w];
-        }
-    }
-    acc[0] + offset_term(v, acts, r, t)
+    reduce16(acc) + offset_term(v, acts, r, t)
 }
 
 #[cfg(test)]

@@ -150,6 +150,22 @@ impl Drop for ThreadPool {
     }
 }
 
+/// A raw output pointer shared with pool threads, each of which writes a disjoint part.
+#[derive(Clone, Copy, Debug)]
+pub struct SharedOut(pub *mut f32);
+// SAFETY: only used for disjoint writes from pool threads while the owning `&mut` borrow is
+// held by the caller of `ThreadPool::run`.
+unsafe impl Send for SharedOut {}
+// SAFETY: as above.
+unsafe impl Sync for SharedOut {}
+
+impl SharedOut {
+    /// The pointer.
+    pub fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 /// Splits `0..n` into `parts` contiguous ranges whose starts are multiples of `align`;
 /// returns part `i`.
 pub fn split_range(n: usize, parts: usize, i: usize, align: usize) -> std::ops::Range<usize> {
