@@ -20,10 +20,16 @@ pub fn default_model() -> anyhow::Result<PathBuf> {
     Ok(p)
 }
 
-/// The golden llama.cpp reference for the default model.
+/// The golden llama.cpp reference for the default model, from the `shared/` folder that sits
+/// beside the repository (found from whichever crate's tests are running).
 pub fn golden() -> anyhow::Result<serde_json::Value> {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../shared/golden/smollm2-135m-q4_1.llamacpp.json");
+    let rel = "shared/golden/smollm2-135m-q4_1.llamacpp.json";
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let p = manifest
+        .ancestors()
+        .map(|a| a.join(rel))
+        .find(|p| p.is_file())
+        .ok_or_else(|| anyhow::anyhow!("{rel} not found above {}", manifest.display()))?;
     let text = std::fs::read_to_string(&p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
     Ok(serde_json::from_str(&text)?)
 }
