@@ -72,6 +72,34 @@ enum BenchCommand {
     Model(BenchModelArgs),
     /// Serving-engine throughput and TTFT at several concurrency levels, in process.
     Engine(BenchEngineArgs),
+    /// Ledger insert rate into Postgres and Redis-to-ledger ingestion lag, in a scratch database.
+    Billing(BenchBillingArgs),
+}
+
+#[derive(Args, Debug)]
+struct BenchBillingArgs {
+    /// Postgres server to measure, as any database URL on it; the benchmark creates its own
+    /// `sluice_bench_<random>` database there and drops it at the end.
+    #[arg(long)]
+    database_url: String,
+    /// Redis for the ingestion-lag run (skipped when absent).
+    #[arg(long)]
+    redis_url: Option<String>,
+    /// Events inserted in the insert-rate run.
+    #[arg(long, default_value_t = 100_000)]
+    records: usize,
+    /// Events per transaction in the insert-rate run.
+    #[arg(long, default_value_t = 500)]
+    batch: usize,
+    /// Events per second the producer offers in the ingestion-lag run.
+    #[arg(long, default_value_t = 10_000.0)]
+    rate: f64,
+    /// Length of the ingestion-lag run, seconds.
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Args, Debug)]
@@ -253,6 +281,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Run(args) => run_generate(args)?,
         Command::Bench(BenchCommand::Model(args)) => run_bench_model(args)?,
         Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args)?,
+        Command::Bench(BenchCommand::Billing(args)) => run_bench_billing(args)?,
         Command::Engine(args) => run_engine(args)?,
     }
     Ok(())
@@ -533,6 +562,121 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
             p.ttft_p99,
             p.tpot_p50 * 1e3
         );
+    }
+    Ok(())
+}
+
+fn run_bench_billing(args: BenchBillingArgs) -> anyhow::Result<()> {
+    if !(args.rate.is_finite() && args.rate > 0.0 && args.seconds.is_finite() && args.seconds > 0.0)
+    {
+        bail!("--rate and --seconds must be positive");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async {
+        let scratch = sluice_billing::bench::ScratchDatabase::create(&args.database_url)
+            .await
+            .context("creating the scratch database (the role needs CREATEDB)")?;
+        let name = scratch.name.clone();
+        let result = bench_billing_in(&args, &scratch.url).await;
+        let dropped = scratch.drop_database().await;
+        let report = result?;
+        dropped.context("dropping the scratch database")?;
+        print_bench_billing(&args, &name, &report)
+    })
+}
+
+struct BillingBenchReport {
+    insert: sluice_billing::bench::InsertReport,
+    ingest: Option<sluice_billing::bench::IngestReport>,
+}
+
+async fn bench_billing_in(
+    args: &BenchBillingArgs,
+    url: &str,
+) -> anyhow::Result<BillingBenchReport> {
+    let ledger = sluice_billing::Ledger::connect(url).await.context("connecting to the ledger")?;
+    let insert = sluice_billing::bench::bench_insert(&ledger, args.records, args.batch)
+        .await
+        .context("insert-rate run")?;
+    let ingest = match &args.redis_url {
+        Some(redis_url) => {
+            let client = redis::Client::open(redis_url.as_str()).context("parsing --redis-url")?;
+            let stream = format!("{{sluice-bench-{}}}:usage", std::process::id());
+            let total = (args.rate * args.seconds).round().max(1.0) as usize;
+            Some(
+                sluice_billing::bench::bench_ingest(
+                    client,
+                    ledger.clone(),
+                    &stream,
+                    args.rate,
+                    total,
+                )
+                .await
+                .context("ingestion-lag run")?,
+            )
+        }
+        None => None,
+    };
+    ledger.close().await;
+    Ok(BillingBenchReport { insert, ingest })
+}
+
+fn print_bench_billing(
+    args: &BenchBillingArgs,
+    scratch: &str,
+    r: &BillingBenchReport,
+) -> anyhow::Result<()> {
+    let target = sluice_billing::bench::TARGET_RECORDS_PER_SECOND;
+    if args.json {
+        let out = serde_json::json!({
+            "scratch_database": scratch,
+            "baseline": {"source": "billing issue target", "records_per_second": target},
+            "insert": r.insert,
+            "insert_ratio": r.insert.records_per_second / target,
+            "ingest": r.ingest,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+        return Ok(());
+    }
+    let i = &r.insert;
+    println!("database   {scratch} (scratch, dropped)");
+    println!("baseline   {target:.0} records/s into Postgres (billing issue target)");
+    println!(
+        "insert     {:>9.0} records/s   ratio {:.2}x   {} records in batches of {} ({} new rows, {:.2} s, one writer)",
+        i.records_per_second,
+        i.records_per_second / target,
+        i.records,
+        i.batch,
+        i.inserted,
+        i.elapsed_s
+    );
+    println!(
+        "commit     p50 {:.1} ms   p99 {:.1} ms   max {:.1} ms per batch of {}",
+        i.commit_latency.p50_ms, i.commit_latency.p99_ms, i.commit_latency.max_ms, i.batch
+    );
+    match &r.ingest {
+        Some(g) => {
+            println!(
+                "ingest     offered {:.0}/s for {} events; achieved publish {:.0}/s, commit {:.0}/s ({} committed, {} new, {} duplicates, {} dead-lettered, {} batches)",
+                g.offered_rate_per_s,
+                g.records,
+                g.achieved_publish_rate_per_s,
+                g.achieved_commit_rate_per_s,
+                g.committed,
+                g.inserted,
+                g.duplicates,
+                g.dead_lettered,
+                g.batches
+            );
+            println!(
+                "lag        p50 {:.1} ms   p99 {:.1} ms   max {:.1} ms (scheduled send -> commit and ack, {} samples)",
+                g.lag.p50_ms, g.lag.p99_ms, g.lag.max_ms, g.lag.samples
+            );
+        }
+        None => println!("ingest     skipped (no --redis-url)"),
     }
     Ok(())
 }

@@ -6,6 +6,7 @@
 //! idempotent on request id and per-tenant idempotency key, so the ledger counts each request
 //! exactly once.
 
+pub mod bench;
 mod error;
 pub mod event;
 pub mod ingest;

@@ -1,0 +1,480 @@
+//! Ledger benchmarks: sustained batched insert rate into the ledger, and ingestion lag through a
+//! Redis Stream under an open-loop load.
+//!
+//! Both write synthetic but complete gateway events (every column filled, a mix of tenants,
+//! models, finish reasons and error cases) with request ids unique to the run, so they can run
+//! against a database that already holds rows. They are measurements, not tests: nothing here
+//! asserts a speed. `sluice bench billing` prints them against the issue's target.
+
+use std::collections::HashMap;
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::time::{Duration, Instant};
+
+use chrono::{TimeDelta, Utc};
+use redis::AsyncCommands;
+use serde::Serialize;
+use sqlx::{Connection, Executor, PgConnection};
+use tokio::sync::watch;
+
+use crate::ingest::{EVENT_FIELD, IngestConfig, UsageConsumer};
+use crate::{BillingError, FinishReason, Ledger, UsageEvent};
+
+/// Insert rate the billing issue asks the Postgres ledger to sustain, records per second.
+pub const TARGET_RECORDS_PER_SECOND: f64 = 20_000.0;
+
+/// How often the open-loop producer wakes to publish the events that have fallen due.
+const PRODUCER_TICK: Duration = Duration::from_millis(1);
+/// How long the consumer keeps waiting for stragglers after the last scheduled send.
+const DRAIN_GRACE: Duration = Duration::from_secs(30);
+
+const TENANTS: u64 = 64;
+const MODELS: [(&str, &str); 3] = [
+    (
+        "smollm2-135m-instruct",
+        "sha256:9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+    ),
+    (
+        "qwen2.5-0.5b-instruct",
+        "sha256:60303ae22b998861bce3b28f33eec1be758a213c86c93c076dbe9f558c11c752",
+    ),
+    (
+        "llama-3.2-1b-instruct",
+        "sha256:fd61a03af4f77d870fc21e05e7e80678095c92d808cfb3b5c279ee04c74aca13",
+    ),
+];
+
+/// Percentiles of a latency sample, milliseconds (nearest rank).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct LatencySummary {
+    /// Number of samples.
+    pub samples: usize,
+    /// Median.
+    pub p50_ms: f64,
+    /// 99th percentile.
+    pub p99_ms: f64,
+    /// Largest sample.
+    pub max_ms: f64,
+}
+
+impl LatencySummary {
+    /// Summarizes durations (any order).
+    pub fn from_durations(durations: &[Duration]) -> Self {
+        let mut ms: Vec<f64> = durations.iter().map(|d| d.as_secs_f64() * 1e3).collect();
+        ms.sort_by(f64::total_cmp);
+        Self {
+            samples: ms.len(),
+            p50_ms: nearest_rank(&ms, 0.50),
+            p99_ms: nearest_rank(&ms, 0.99),
+            max_ms: ms.last().copied().unwrap_or(0.0),
+        }
+    }
+}
+
+/// Nearest-rank percentile of sorted values; 0 for an empty sample.
+fn nearest_rank(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+/// Result of [`bench_insert`].
+#[derive(Debug, Clone, Serialize)]
+pub struct InsertReport {
+    /// Events offered to the ledger.
+    pub records: usize,
+    /// Events per transaction.
+    pub batch: usize,
+    /// Transactions committed.
+    pub batches: usize,
+    /// New rows the ledger reported (equals `records` when every id is unique).
+    pub inserted: usize,
+    /// Wall time of the whole run, seconds.
+    pub elapsed_s: f64,
+    /// `records / elapsed_s`.
+    pub records_per_second: f64,
+    /// Time from starting one `insert_batch` to its commit returning.
+    pub commit_latency: LatencySummary,
+}
+
+/// Result of [`bench_ingest`].
+#[derive(Debug, Clone, Serialize)]
+pub struct IngestReport {
+    /// Events the producer was asked to publish.
+    pub records: usize,
+    /// Publish rate offered, events per second.
+    pub offered_rate_per_s: f64,
+    /// Events published divided by the time from the first scheduled send to the last publish.
+    pub achieved_publish_rate_per_s: f64,
+    /// Events committed divided by the time from the first scheduled send to the last commit.
+    pub achieved_commit_rate_per_s: f64,
+    /// Stream entries the consumer committed and acknowledged.
+    pub committed: usize,
+    /// New ledger rows the consumer reported.
+    pub inserted: usize,
+    /// Committed entries the ledger already held (redeliveries).
+    pub duplicates: usize,
+    /// Entries moved to the dead-letter stream.
+    pub dead_lettered: usize,
+    /// Batches committed.
+    pub batches: usize,
+    /// Per event: commit (after XACK) minus its scheduled send time.
+    pub lag: LatencySummary,
+}
+
+/// Inserts `total` unique events in transactions of `batch` (one writer, back to back) and
+/// reports the sustained rate and the per-transaction commit latency.
+pub async fn bench_insert(
+    ledger: &Ledger,
+    total: usize,
+    batch: usize,
+) -> Result<InsertReport, BillingError> {
+    let batch = batch.max(1);
+    let mut events = EventFactory::new();
+    let mut latencies = Vec::with_capacity(total.div_ceil(batch));
+    let mut inserted = 0;
+    let start = Instant::now();
+    let mut done = 0;
+    while done < total {
+        let n = batch.min(total - done);
+        let chunk: Vec<UsageEvent> = (0..n).map(|_| events.next_event()).collect();
+        let t = Instant::now();
+        inserted += ledger.insert_batch(&chunk).await?;
+        latencies.push(t.elapsed());
+        done += n;
+    }
+    let elapsed_s = start.elapsed().as_secs_f64();
+    Ok(InsertReport {
+        records: total,
+        batch,
+        batches: latencies.len(),
+        inserted,
+        elapsed_s,
+        records_per_second: rate(total, elapsed_s),
+        commit_latency: LatencySummary::from_durations(&latencies),
+    })
+}
+
+/// Publishes `total` events to `stream` at `rate_per_s` (open loop: send times fixed up front,
+/// a late send does not delay the ones after it) while one [`UsageConsumer`] ingests them into
+/// `ledger`, and reports the lag from each event's scheduled send to its commit.
+///
+/// `stream` must be a scratch key: the consumer group `bench` is created on it, and the stream
+/// and `{stream}:dead` are deleted afterwards. Give it a hash tag (`{bench-x}:usage`) when
+/// running against Redis Cluster.
+pub async fn bench_ingest(
+    redis_client: redis::Client,
+    ledger: Ledger,
+    stream: &str,
+    rate_per_s: f64,
+    total: usize,
+) -> Result<IngestReport, BillingError> {
+    let rate_per_s = if rate_per_s.is_finite() && rate_per_s > 0.0 { rate_per_s } else { 1.0 };
+    let dead = format!("{stream}:dead");
+    let config = IngestConfig {
+        stream: stream.to_owned(),
+        dead_letter_stream: dead.clone(),
+        group: "bench".to_owned(),
+        batch_size: 500,
+        block: Duration::from_millis(100),
+        ..IngestConfig::new("bench-0")
+    };
+    let mut producer = redis_client.get_multiplexed_async_connection().await?;
+    let mut consumer = UsageConsumer::new(redis_client, ledger, config).await?;
+    let result = run_ingest(&mut producer, &mut consumer, stream, rate_per_s, total).await;
+    let _deleted: usize = producer.del(&[stream, dead.as_str()]).await?;
+    result
+}
+
+async fn run_ingest(
+    producer: &mut redis::aio::MultiplexedConnection,
+    consumer: &mut UsageConsumer,
+    stream: &str,
+    rate_per_s: f64,
+    total: usize,
+) -> Result<IngestReport, BillingError> {
+    let stats = consumer.stats();
+    let mut events = EventFactory::new();
+    // Encoded before the clock starts so the producer's pace is not JSON-bound.
+    let payloads = (0..total)
+        .map(|_| {
+            let event = events.next_event();
+            event.validate()?;
+            serde_json::to_string(&event).map_err(BillingError::Encode)
+        })
+        .collect::<Result<Vec<String>, BillingError>>()?;
+    let start = Instant::now();
+    let scheduled = |i: usize| start + Duration::from_secs_f64(i as f64 / rate_per_s);
+    let schedule_end = scheduled(total);
+
+    let produce = async {
+        let mut published: Vec<(String, Instant)> = Vec::with_capacity(total);
+        let mut next = 0;
+        while next < total {
+            let now = Instant::now();
+            let mut pipe = redis::pipe();
+            let first = next;
+            while next < total && scheduled(next) <= now {
+                pipe.xadd(stream, "*", &[(EVENT_FIELD, payloads[next].as_str())]);
+                next += 1;
+            }
+            if next > first {
+                let ids: Vec<String> = pipe.query_async(producer).await?;
+                published.extend(ids.into_iter().zip((first..next).map(scheduled)));
+            }
+            if next < total {
+                tokio::time::sleep_until(scheduled(next).max(now + PRODUCER_TICK).into()).await;
+            }
+        }
+        Ok::<_, BillingError>((published, start.elapsed()))
+    };
+
+    let consume = async {
+        // Never fired: the bench stops the consumer by not calling it any more.
+        let (_keep, mut shutdown) = watch::channel(false);
+        let mut committed: Vec<(String, Instant)> = Vec::with_capacity(total);
+        while committed.len() < total && Instant::now() < schedule_end + DRAIN_GRACE {
+            let Some(batch) = consumer.next_batch().await? else { continue };
+            let ids: Vec<String> = batch.ids().map(str::to_owned).collect();
+            if consumer.commit(batch, &mut shutdown).await?.is_some() {
+                let at = Instant::now();
+                committed.extend(ids.into_iter().map(|id| (id, at)));
+            }
+        }
+        Ok::<_, BillingError>((committed, start.elapsed()))
+    };
+
+    let ((published, publish_elapsed), (committed, commit_elapsed)) =
+        tokio::try_join!(produce, consume)?;
+    let sent: HashMap<String, Instant> = published.into_iter().collect();
+    let lags: Vec<Duration> = committed
+        .iter()
+        .filter_map(|(id, at)| sent.get(id).map(|s| at.saturating_duration_since(*s)))
+        .collect();
+    Ok(IngestReport {
+        records: total,
+        offered_rate_per_s: rate_per_s,
+        achieved_publish_rate_per_s: rate(sent.len(), publish_elapsed.as_secs_f64()),
+        achieved_commit_rate_per_s: rate(committed.len(), commit_elapsed.as_secs_f64()),
+        committed: committed.len(),
+        inserted: usize::try_from(stats.inserted()).unwrap_or(usize::MAX),
+        duplicates: usize::try_from(stats.duplicates()).unwrap_or(usize::MAX),
+        dead_lettered: usize::try_from(stats.dead_lettered()).unwrap_or(usize::MAX),
+        batches: usize::try_from(stats.committed_batches()).unwrap_or(usize::MAX),
+        lag: LatencySummary::from_durations(&lags),
+    })
+}
+
+fn rate(n: usize, seconds: f64) -> f64 {
+    if seconds > 0.0 { n as f64 / seconds } else { 0.0 }
+}
+
+/// A fresh random 64-bit value (std's per-instance hasher keys are drawn from the OS).
+fn random_u64() -> u64 {
+    let mut hasher = RandomState::new().build_hasher();
+    hasher.write_u128(Utc::now().timestamp_nanos_opt().unwrap_or_default().unsigned_abs().into());
+    hasher.finish()
+}
+
+/// SplitMix64: a fast, well-mixed sequence for synthetic field values.
+fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    let mut z = *state;
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Produces complete, valid usage events with ids unique to this factory's run.
+#[derive(Debug)]
+pub struct EventFactory {
+    run: u64,
+    seq: u64,
+    rng: u64,
+}
+
+impl Default for EventFactory {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl EventFactory {
+    /// A factory with a random run id.
+    pub fn new() -> Self {
+        let run = random_u64();
+        Self { run, seq: 0, rng: run }
+    }
+
+    /// The next event: what a gateway emits for one finished (or failed) request.
+    pub fn next_event(&mut self) -> UsageEvent {
+        let seq = self.seq;
+        self.seq += 1;
+        let r = splitmix64(&mut self.rng);
+        let tenant = r % TENANTS;
+        let (model_id, model_revision) = MODELS[(r >> 8) as usize % MODELS.len()];
+        let prompt_tokens = 16 + (r >> 16) as u32 % 2_000;
+        let cached_prompt_tokens = prompt_tokens * ((r >> 28) as u32 % 4) / 4;
+        // Mostly successes, with the failure shapes the ledger must bill too.
+        let (finish_reason, http_status, error_type, disconnected) = match (r >> 32) % 100 {
+            0..=79 => (FinishReason::Stop, 200, None, false),
+            80..=91 => (FinishReason::Length, 200, None, false),
+            92..=94 => (FinishReason::ClientDisconnected, 499, None, true),
+            95..=96 => (FinishReason::Rejected, 429, Some("rate_limit_exceeded"), false),
+            97..=98 => (FinishReason::Timeout, 504, Some("timeout"), false),
+            _ => (FinishReason::Error, 500, Some("engine_error"), false),
+        };
+        let rejected = finish_reason == FinishReason::Rejected;
+        let completion_tokens = if rejected { 0 } else { 1 + (r >> 40) as u32 % 512 };
+        let queue_ms = ((r >> 48) % 50) as f64 / 2.0;
+        let prefill_ms = f64::from(prompt_tokens - cached_prompt_tokens) * 0.3;
+        let tpot_ms = 8.0 + ((r >> 52) % 40) as f64 / 4.0;
+        let decode_ms = f64::from(completion_tokens.saturating_sub(1)) * tpot_ms;
+        let ttft_ms = 2.0 + queue_ms + prefill_ms;
+        let e2e_ms = if rejected { 1.5 } else { ttft_ms + decode_ms + 1.0 };
+        let last_token_at = Utc::now();
+        let arrival_at = last_token_at - TimeDelta::microseconds((e2e_ms * 1e3) as i64);
+        let hash: String = (0..4).map(|_| format!("{:016x}", splitmix64(&mut self.rng))).collect();
+        let trace = format!("{:016x}{:016x}", self.run, seq);
+        UsageEvent {
+            request_id: format!("req-{:016x}-{seq:010}", self.run),
+            idempotency_key: r.is_multiple_of(5).then(|| format!("idem-{:016x}-{seq}", self.run)),
+            tenant_id: format!("tenant-{tenant:03}"),
+            key_id: format!("key-{tenant:03}-{}", (r >> 4) % 3),
+            model_id: model_id.to_owned(),
+            model_revision: model_revision.to_owned(),
+            tokenizer_revision:
+                "sha256:3f39d4a2c1e0b9f8a7c6d5e4f3a2b1c0d9e8f7a6b5c4d3e2f1a0b9c8d7e6f5a4".to_owned(),
+            chat_template_version:
+                "sha256:e3b98a4da31a127d4bde6e43033f66ba274cab0eb7eb1c70ec41402bf6273dd8".to_owned(),
+            adapter: r.is_multiple_of(7).then(|| format!("support-bot@rev{}", (r >> 12) % 4)),
+            engine_version: (!rejected).then(|| "0.1.0+bench".to_owned()),
+            engine_worker: (!rejected).then(|| format!("worker-{}", (r >> 20) % 8)),
+            prompt_tokens,
+            cached_prompt_tokens,
+            completion_tokens,
+            finish_reason,
+            http_status,
+            error_type: error_type.map(str::to_owned),
+            client_disconnected: disconnected,
+            arrival_at,
+            first_token_at: (!rejected)
+                .then(|| arrival_at + TimeDelta::microseconds((ttft_ms * 1e3) as i64)),
+            last_token_at: (!rejected).then_some(last_token_at),
+            ttft_ms: (!rejected).then_some(ttft_ms),
+            tpot_ms: (completion_tokens > 1).then_some(tpot_ms),
+            itl_max_ms: (completion_tokens > 1).then_some(tpot_ms * 3.5),
+            itl_p99_ms: (completion_tokens > 1).then_some(tpot_ms * 2.0),
+            e2e_ms: Some(e2e_ms),
+            engine_queue_ms: (!rejected).then_some(queue_ms),
+            engine_prefill_ms: (!rejected).then_some(prefill_ms),
+            engine_decode_ms: (!rejected).then_some(decode_ms),
+            trace_id: Some(trace),
+            prompt_sha256: hash,
+            prompt_chars: prompt_tokens * 4 + (r >> 36) as u32 % 4,
+            cost_micros: u64::from(prompt_tokens - cached_prompt_tokens) * 2
+                + u64::from(cached_prompt_tokens)
+                + u64::from(completion_tokens) * 8,
+        }
+    }
+}
+
+/// A throwaway Postgres database on the server a base URL points at, so a benchmark never
+/// writes into real data. Call [`ScratchDatabase::drop_database`] when done.
+#[derive(Debug)]
+pub struct ScratchDatabase {
+    /// URL of the scratch database.
+    pub url: String,
+    /// Its name (`sluice_bench_<random hex>`).
+    pub name: String,
+    admin_url: String,
+}
+
+impl ScratchDatabase {
+    /// Creates `sluice_bench_<random>` through `admin_url` (any database on the server the
+    /// connecting role may create databases from, e.g. `postgres://postgres@host/postgres`).
+    pub async fn create(admin_url: &str) -> Result<Self, BillingError> {
+        let name = format!("sluice_bench_{:016x}", random_u64());
+        let url = with_database(admin_url, &name).ok_or(BillingError::UnsupportedUrl)?;
+        let mut admin = PgConnection::connect(admin_url).await?;
+        // The name is generated above from hex digits; CREATE DATABASE takes no binds.
+        admin.execute(format!("CREATE DATABASE {name}").as_str()).await?;
+        admin.close().await?;
+        Ok(Self { url, name, admin_url: admin_url.to_owned() })
+    }
+
+    /// Drops the database, disconnecting anything still attached.
+    pub async fn drop_database(self) -> Result<(), BillingError> {
+        let mut admin = PgConnection::connect(&self.admin_url).await?;
+        admin
+            .execute(format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name).as_str())
+            .await?;
+        admin.close().await?;
+        Ok(())
+    }
+}
+
+/// `postgres://user@host:port/db?params` with the database replaced by `name`.
+fn with_database(url: &str, name: &str) -> Option<String> {
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (url, None),
+    };
+    let scheme_end = base.find("://")? + 3;
+    if !base.starts_with("postgres://") && !base.starts_with("postgresql://") {
+        return None;
+    }
+    let authority_end = base[scheme_end..].find('/').map_or(base.len(), |i| scheme_end + i);
+    let mut out = format!("{}/{name}", &base[..authority_end]);
+    if let Some(query) = query {
+        out.push('?');
+        out.push_str(query);
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replaces_the_database_in_a_url() {
+        let cases = [
+            (
+                "postgres://postgres@127.0.0.1:5432/test",
+                Some("postgres://postgres@127.0.0.1:5432/x"),
+            ),
+            ("postgresql://u:p@h/db?sslmode=disable", Some("postgresql://u:p@h/x?sslmode=disable")),
+            ("postgres://h", Some("postgres://h/x")),
+            ("sqlite://ledger.db", None),
+        ];
+        for (url, want) in cases {
+            assert_eq!(with_database(url, "x").as_deref(), want, "{url}");
+        }
+    }
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let d: Vec<Duration> = (1..=100).rev().map(Duration::from_millis).collect();
+        let s = LatencySummary::from_durations(&d);
+        assert_eq!((s.samples, s.p50_ms, s.p99_ms, s.max_ms), (100, 50.0, 99.0, 100.0));
+        assert_eq!(LatencySummary::from_durations(&[]), LatencySummary::default());
+    }
+
+    #[test]
+    fn synthetic_events_are_valid_and_unique() -> Result<(), BillingError> {
+        let mut factory = EventFactory::new();
+        let events: Vec<UsageEvent> = (0..2_000).map(|_| factory.next_event()).collect();
+        for e in &events {
+            e.validate()?;
+        }
+        let ids: std::collections::HashSet<&str> =
+            events.iter().map(|e| e.request_id.as_str()).collect();
+        assert_eq!(ids.len(), events.len());
+        assert!(events.iter().any(|e| e.finish_reason == FinishReason::ClientDisconnected));
+        assert!(events.iter().any(|e| e.idempotency_key.is_some()));
+        Ok(())
+    }
+}
