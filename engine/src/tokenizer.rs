@@ -177,44 +177,32 @@ impl<'a> Meta<'a> {
         }
     }
 
-    fn strings(&self, key: &str) -> Result<Option<Vec<&'a str>>> {
+    /// Every item of an array converted by `f`; an item of another type names its index.
+    fn items<T>(
+        &self,
+        key: &str,
+        what: &str,
+        f: impl Fn(&'a MetaValue) -> Option<T>,
+    ) -> Result<Option<Vec<T>>> {
         let Some(items) = self.array(key)? else { return Ok(None) };
         items
             .iter()
             .enumerate()
-            .map(|(i, v)| {
-                v.as_str().ok_or_else(|| self.bad(key, &format!("item {i} is not a string")))
-            })
+            .map(|(i, v)| f(v).ok_or_else(|| self.bad(key, &format!("item {i} is not {what}"))))
             .collect::<Result<Vec<_>>>()
             .map(Some)
+    }
+
+    fn strings(&self, key: &str) -> Result<Option<Vec<&'a str>>> {
+        self.items(key, "a string", MetaValue::as_str)
     }
 
     fn u64s(&self, key: &str) -> Result<Option<Vec<u64>>> {
-        let Some(items) = self.array(key)? else { return Ok(None) };
-        items
-            .iter()
-            .enumerate()
-            .map(|(i, v)| {
-                v.as_u64().ok_or_else(|| {
-                    self.bad(key, &format!("item {i} is not a non-negative integer"))
-                })
-            })
-            .collect::<Result<Vec<_>>>()
-            .map(Some)
+        self.items(key, "a non-negative integer", MetaValue::as_u64)
     }
 
     fn f32s(&self, key: &str) -> Result<Option<Vec<f32>>> {
-        let Some(items) = self.array(key)? else { return Ok(None) };
-        items
-            .iter()
-            .enumerate()
-            .map(|(i, v)| {
-                v.as_f64()
-                    .map(|x| x as f32)
-                    .ok_or_else(|| self.bad(key, &format!("item {i} is not a number")))
-            })
-            .collect::<Result<Vec<_>>>()
-            .map(Some)
+        self.items(key, "a number", |v| v.as_f64().map(|x| x as f32))
     }
 
     /// A token id that must lie inside the vocabulary.
