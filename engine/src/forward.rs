@@ -349,6 +349,8 @@ fn attention(
     let out_ptr = SharedOut(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
     let avx512 = is_x86_feature_detected!("avx512f");
+    #[cfg(target_arch = "x86_64")]
+    let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
     pool.run(&|ti| {
         let mut scores = Vec::new();
         // Interleaved assignment balances causal prefill, where later tokens cost more.
@@ -377,6 +379,12 @@ fn attention(
             if avx512 {
                 // SAFETY: the CPU supports AVX-512F (checked above).
                 unsafe { attend_avx512(&job, &mut scores, dst) };
+                continue;
+            }
+            #[cfg(target_arch = "x86_64")]
+            if avx2 {
+                // SAFETY: the CPU supports AVX2 and FMA (checked above).
+                unsafe { attend_avx2(&job, &mut scores, dst) };
                 continue;
             }
             attend(&job, &mut scores, dst);
@@ -444,6 +452,13 @@ struct HeadJob<'a> {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512vl,fma")]
 unsafe fn attend_avx512(job: &HeadJob<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+    attend(job, scores, out)
+}
+
+/// The same code compiled for AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_avx2(job: &HeadJob<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
     attend(job, scores, out)
 }
 

@@ -22,15 +22,19 @@ pub(crate) const TILE_COLS: usize = 4;
 pub enum Isa {
     /// Portable code.
     Scalar,
+    /// x86-64 with AVX2, FMA and F16C.
+    Avx2,
     /// x86-64 with AVX-512 VNNI (and BW, VL).
     Avx512Vnni,
 }
 
-/// The best instruction set this CPU supports.
+/// The best instruction set this CPU supports, capped by `SLUICE_ISA` (`scalar`, `avx2`)
+/// when set: a diagnostic override to measure or test the other kernels on one machine.
 pub fn detect_isa() -> Isa {
+    let cap = std::env::var("SLUICE_ISA").unwrap_or_default();
     #[cfg(target_arch = "x86_64")]
     {
-        if std::env::var_os("SLUICE_FORCE_SCALAR").is_none()
+        if cap.is_empty()
             && is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vl")
@@ -39,7 +43,15 @@ pub fn detect_isa() -> Isa {
         {
             return Isa::Avx512Vnni;
         }
+        if cap != "scalar"
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
+            return Isa::Avx2;
+        }
     }
+    let _ = cap;
     Isa::Scalar
 }
 
@@ -256,6 +268,12 @@ fn quantize_row_q8(isa: Isa, x: &[f32], qs: &mut [i8], d: &mut [f32], sa: &mut [
         unsafe { quantize_row_q8_avx512(x, qs, d, sa) };
         return;
     }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: AVX2 and FMA were detected; the function only enables codegen for them.
+        unsafe { quantize_row_q8_avx2(x, qs, d, sa) };
+        return;
+    }
     let _ = isa;
     quantize_row_q8_generic(x, qs, d, sa);
 }
@@ -264,6 +282,13 @@ fn quantize_row_q8(isa: Isa, x: &[f32], qs: &mut [i8], d: &mut [f32], sa: &mut [
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 unsafe fn quantize_row_q8_avx512(x: &[f32], qs: &mut [i8], d: &mut [f32], sa: &mut [f32]) {
+    quantize_row_q8_generic(x, qs, d, sa)
+}
+
+/// The generic code compiled with AVX2 enabled.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn quantize_row_q8_avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], sa: &mut [f32]) {
     quantize_row_q8_generic(x, qs, d, sa)
 }
 
@@ -412,7 +437,7 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// The offset term `sum_b c_b sa_b` of one (weight row, activation row) pair.
-fn offset_term(v: &BlockView<'_>, acts: &QuantizedActs, r: usize, t: usize) -> f32 {
+pub(crate) fn offset_term(v: &BlockView<'_>, acts: &QuantizedActs, r: usize, t: usize) -> f32 {
     let nb = v.nb;
     let sa = &acts.sa[t * nb..(t + 1) * nb];
     let d = &v.d[r * nb..(r + 1) * nb];
@@ -445,6 +470,12 @@ unsafe fn block_rows(
         // SAFETY: `isa` is only `Avx512Vnni` when detection found every feature used, and
         // the caller's contract on `out` is passed on unchanged.
         unsafe { crate::cpu::x86::block_rows_avx512(v, acts, range, out.get()) };
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 {
+        // SAFETY: `isa` is only `Avx2` when AVX2, FMA and F16C were detected.
+        unsafe { crate::cpu::x86::block_rows_avx2(v, acts, range, out.get()) };
         return;
     }
     let _ = isa;
@@ -489,6 +520,24 @@ mod tests {
             .collect()
     }
 
+    /// Every kernel this CPU can run (the portable one always).
+    fn available_isas() -> Vec<Isa> {
+        let mut v = vec![Isa::Scalar];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+            {
+                v.push(Isa::Avx2);
+            }
+        }
+        if detect_isa() == Isa::Avx512Vnni {
+            v.push(Isa::Avx512Vnni);
+        }
+        v
+    }
+
     fn reference(w: &PackedWeight, x: &[f32]) -> Vec<f32> {
         let mut row = vec![0f32; w.cols];
         let t_rows = x.len() / w.cols;
@@ -516,7 +565,7 @@ mod tests {
                 let w = PackedWeight::new(ty, rows, cols, &bytes);
                 let x = data(5 * cols, 2);
                 let want = reference(&w, &x);
-                for isa in [Isa::Scalar, detect_isa()] {
+                for isa in available_isas() {
                     let mut got = vec![0f32; want.len()];
                     matmul(&pool, isa, &w, &x, &mut got, &mut MatmulScratch::default());
                     for (g, e) in got.iter().zip(&want) {
@@ -541,14 +590,16 @@ mod tests {
             let bytes: Vec<u8> = wf.chunks(cols).flat_map(|r| quantize_row(ty, r)).collect();
             let w = PackedWeight::new(ty, rows, cols, &bytes);
             let x = data(11 * cols, 4);
-            let isa = detect_isa();
-            let mut batch = vec![0f32; 11 * rows];
-            matmul(&pool, isa, &w, &x, &mut batch, &mut MatmulScratch::default());
-            for t in 0..11 {
-                let mut alone = vec![0f32; rows];
-                let xt = &x[t * cols..(t + 1) * cols];
-                matmul(&pool, isa, &w, xt, &mut alone, &mut MatmulScratch::default());
-                assert_eq!(&batch[t * rows..(t + 1) * rows], &alone[..], "{} token {t}", ty.name());
+            for isa in available_isas() {
+                let mut batch = vec![0f32; 11 * rows];
+                matmul(&pool, isa, &w, &x, &mut batch, &mut MatmulScratch::default());
+                for t in 0..11 {
+                    let mut alone = vec![0f32; rows];
+                    let xt = &x[t * cols..(t + 1) * cols];
+                    matmul(&pool, isa, &w, xt, &mut alone, &mut MatmulScratch::default());
+                    let (b, n) = (&batch[t * rows..(t + 1) * rows], ty.name());
+                    assert_eq!(b, &alone[..], "{n} {isa:?} token {t}");
+                }
             }
         }
     }

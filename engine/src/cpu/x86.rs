@@ -9,7 +9,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use crate::cpu::matmul::{BlockView, Offset, QuantizedActs, TILE_COLS, TILE_ROWS};
+use crate::cpu::matmul::{BlockView, Offset, QuantizedActs, TILE_COLS, TILE_ROWS, offset_term};
 use crate::quant::QK;
 
 /// Computes output rows `range` for every token.
@@ -176,4 +176,73 @@ unsafe fn tile<const R: usize, const C: usize>(
             unsafe { *out.add((t0 + j) * v.rows + r0 + i) = val };
         }
     }
+}
+
+/// Computes output rows `range` for every token with AVX2 (machines without AVX-512 VNNI):
+/// one (row, token) dot product at a time, blocks accumulated in order.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `out` as for [`block_rows_avx512`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn block_rows_avx2(
+    v: &BlockView<'_>,
+    acts: &QuantizedActs,
+    range: Range<usize>,
+    out: *mut f32,
+) {
+    for r in range {
+        for t in 0..acts.rows {
+            // SAFETY: forwarded contract; (t, r) is inside `out`.
+            unsafe { *out.add(t * v.rows + r) = dot_avx2(v, acts, r, t) };
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_avx2(v: &BlockView<'_>, acts: &QuantizedActs, r: usize, t: usize) -> f32 {
+    let nb = v.nb;
+    let pairs = nb.div_ceil(2);
+    let ones = _mm256_set1_epi16(1);
+    let nibble = _mm_set1_epi8(0x0F);
+    let mut acc = _mm256_setzero_ps();
+    for b in 0..nb {
+        // SAFETY: block b of row r and of token t lie inside their packed buffers.
+        let (prod, dw) = unsafe {
+            let pair = v.qs.as_ptr().add((r * pairs + b / 2) * v.pair_bytes);
+            let a = _mm256_loadu_si256(acts.qs.as_ptr().add((t * acts.nb_pad + b) * QK).cast());
+            let prod = if v.offset == Offset::Minus128 {
+                // Stored as q ^ 0x80: recover the signed value and use |q| * sign(a, q),
+                // which `maddubs` cannot overflow (unlike the unsigned form).
+                let q = _mm256_xor_si256(
+                    _mm256_loadu_si256(pair.add(32 * (b % 2)).cast()),
+                    _mm256_set1_epi8(-128),
+                );
+                _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(a, q))
+            } else {
+                let lo = _mm_loadu_si128(pair.cast());
+                let hi = _mm_loadu_si128(pair.add(16).cast());
+                let (lo, hi) = if b % 2 == 0 {
+                    (_mm_and_si128(lo, nibble), _mm_and_si128(hi, nibble))
+                } else {
+                    (
+                        _mm_and_si128(_mm_srli_epi16::<4>(lo), nibble),
+                        _mm_and_si128(_mm_srli_epi16::<4>(hi), nibble),
+                    )
+                };
+                _mm256_maddubs_epi16(_mm256_set_m128i(hi, lo), a)
+            };
+            let bits = v.d[r * nb + b].to_bits();
+            let dw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))));
+            (prod, dw)
+        };
+        let s32 = _mm256_madd_epi16(prod, ones);
+        let scale = _mm256_set1_ps(dw * acts.d[t * nb + b]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), scale, acc);
+    }
+    let h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
+    let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    let h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    let offset = if v.offset == Offset::Minus128 { 0.0 } else { offset_term(v, acts, r, t) };
+    _mm_cvtss_f32(h) + offset
 }
