@@ -304,8 +304,12 @@ fn quantize_row_q8_generic(x: &[f32], qs: &mut [i8], d: &mut [f32], sa: &mut [f3
             *q = qi as i8;
             sum += qi;
         }
-        d[b] = db;
-        sa[b] = db * sum as f32;
+        // The scale is kept at f16 precision, as llama.cpp's Q8 blocks store it, so products
+        // match the reference implementation closely. `sa` stays exact for that scale: the
+        // Q8_0 kernels subtract 128 * d_w * sa, which must cancel exactly.
+        let dh = f16::from_f32(db).to_f32();
+        d[b] = dh;
+        sa[b] = dh * sum as f32;
     }
 }
 
@@ -576,6 +580,31 @@ mod tests {
                             ty.name()
                         );
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn simd_kernels_agree_with_the_portable_one() {
+        let pool = ThreadPool::new(2);
+        let (rows, cols) = (24, 576);
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0] {
+            let wf = data(rows * cols, 5);
+            let bytes: Vec<u8> = wf.chunks(cols).flat_map(|r| quantize_row(ty, r)).collect();
+            let w = PackedWeight::new(ty, rows, cols, &bytes);
+            let x = data(3 * cols, 6);
+            let mut want = vec![0f32; 3 * rows];
+            matmul(&pool, Isa::Scalar, &w, &x, &mut want, &mut MatmulScratch::default());
+            for isa in available_isas() {
+                let mut got = vec![0f32; want.len()];
+                matmul(&pool, isa, &w, &x, &mut got, &mut MatmulScratch::default());
+                for (g, e) in got.iter().zip(&want) {
+                    assert!(
+                        (g - e).abs() <= 1e-4 * (1.0 + e.abs()),
+                        "{} {isa:?}: {g} vs {e}",
+                        ty.name()
+                    );
                 }
             }
         }
