@@ -2,18 +2,25 @@
 //!
 //! 4-bit and 8-bit weights are repacked once at load time into a layout the SIMD kernels
 //! read directly (still quantized, same size as in the file), and activations are quantized
-//! per 32-element block to 8 bits, as llama.cpp does. The integer part of each block's dot
-//! product is exact; the float part accumulates blocks in a fixed order per output element,
-//! whatever the batch size, tile shape or thread split: a row's result never depends on what
-//! else is in the batch (greedy decoding is batch invariant).
+//! per 32-element block to 8 bits, as llama.cpp does.
+//!
+//! The layout interleaves groups of 16 rows: for each group and block, the 32 elements of
+//! the 16 rows are stored as 8 "quads" of 4 consecutive elements, each quad as 16 rows x 4
+//! bytes, so one 512-bit register holds one quad of all 16 rows. Multiplying it by the
+//! token's 4 activation bytes broadcast to every lane (`vpdpbusd`) gives 16 rows' partial
+//! sums at once; 8 such products make a block's exact integer sums, which need only one
+//! conversion and scaling per block for 16 outputs. The lanes are the output rows, so no
+//! horizontal sums are needed, and each output element accumulates its blocks in order
+//! with the same operations whatever the batch size, tile shape or thread split: a row's
+//! result never depends on what else is in the batch (greedy decoding is batch invariant).
 
 use half::f16;
 
 use crate::cpu::pool::{SharedOut, ThreadPool, split_range};
 use crate::quant::{GgmlType, QK, dequantize_row};
 
-/// Rows of weights per kernel tile.
-pub(crate) const TILE_ROWS: usize = 4;
+/// Rows per interleaved group (the lanes of one 512-bit register of int32).
+pub(crate) const GROUP: usize = 16;
 /// Activation rows (tokens) per kernel tile.
 pub(crate) const TILE_COLS: usize = 4;
 
@@ -56,7 +63,7 @@ pub fn detect_isa() -> Isa {
 }
 
 /// How a packed 4/8-bit format's per-block offset enters the dot product:
-/// `dot = sum_b d_w d_a isum_b + sum_b c_b sa_b`, with `sa_b = d_a * sum(q_a)`.
+/// `dot = sum_b (d_w d_a isum_b + c_b sa_b)`, with `sa_b = d_a * sum(q_a)`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Offset {
     /// Q4_1: `c_b = m_b` (the stored minimum).
@@ -81,17 +88,25 @@ pub struct PackedWeight {
 
 #[derive(Debug)]
 enum PackedData {
-    /// Q4_0, Q4_1, Q8_0: per row, `pairs` pairs of blocks, then scales.
-    Blocks {
-        /// Bytes per pair of blocks (32 for 4-bit, 64 for 8-bit).
-        pair_bytes: usize,
-        offset: Offset,
-        qs: Vec<u8>,
-        d: Vec<f16>,
-        m: Vec<f16>,
-    },
+    /// Q4_0, Q4_1, Q8_0: groups of 16 rows, per group and block `group_block_bytes` of
+    /// interleaved values (see the module docs), then 16 scales (and minima) per group and
+    /// block. Rows past the end of the matrix are zero with zero scales.
+    Blocks { offset: Offset, qs: Vec<u8>, d: Vec<f16>, m: Vec<f16> },
     /// Everything else: rows as stored in the file, dequantized on the fly.
     Raw { bytes: Vec<u8>, row_bytes: usize },
+}
+
+/// Bytes of one (group, block): 16 rows x 32 elements at 4 or 8 bits.
+pub(crate) fn group_block_bytes(offset: Offset) -> usize {
+    if offset == Offset::Minus128 { GROUP * QK } else { GROUP * QK / 2 }
+}
+
+/// Where element `i` of row lane `l` sits in a (group, block) and, for 4-bit values,
+/// whether it is the high nibble. Quads 0-3 are the low nibbles of the four 64-byte chunks
+/// and quads 4-7 the high nibbles, so one shift and one mask unpack two quads.
+fn slot(offset: Offset, l: usize, i: usize) -> (usize, bool) {
+    let (k, e) = (i / 4, i % 4);
+    if offset == Offset::Minus128 { (k * 64 + l * 4 + e, false) } else { ((k % 4) * 64 + l * 4 + e, k >= 4) }
 }
 
 impl PackedWeight {
@@ -99,57 +114,43 @@ impl PackedWeight {
     pub fn new(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> PackedWeight {
         let row_bytes = ty.row_bytes(cols).unwrap_or(0);
         let nb = cols / QK;
-        let pairs = nb.div_ceil(2);
+        let groups = rows.div_ceil(GROUP);
         let data = match ty {
             GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => {
-                let (pair_bytes, offset) = match ty {
-                    GgmlType::Q4_1 => (32, Offset::Min),
-                    GgmlType::Q4_0 => (32, Offset::Minus8),
-                    _ => (64, Offset::Minus128),
+                let offset = match ty {
+                    GgmlType::Q4_1 => Offset::Min,
+                    GgmlType::Q4_0 => Offset::Minus8,
+                    _ => Offset::Minus128,
                 };
-                let mut qs = vec![0u8; rows * pairs * pair_bytes];
-                let mut d = vec![f16::ZERO; rows * nb];
-                let mut m = vec![f16::ZERO; if offset == Offset::Min { rows * nb } else { 0 }];
+                let gbb = group_block_bytes(offset);
+                let mut qs = vec![0u8; groups * nb * gbb];
+                let mut d = vec![f16::ZERO; groups * nb * GROUP];
+                let mut m =
+                    vec![f16::ZERO; if offset == Offset::Min { groups * nb * GROUP } else { 0 }];
                 let bb = ty.block_bytes();
                 for r in 0..rows {
+                    let (g, l) = (r / GROUP, r % GROUP);
                     let src = &bytes[r * row_bytes..(r + 1) * row_bytes];
                     for b in 0..nb {
                         let blk = &src[b * bb..(b + 1) * bb];
-                        d[r * nb + b] = f16::from_le_bytes([blk[0], blk[1]]);
-                        let pair = &mut qs[(r * pairs + b / 2) * pair_bytes..][..pair_bytes];
-                        match offset {
-                            Offset::Min | Offset::Minus8 => {
-                                let q = if offset == Offset::Min {
-                                    m[r * nb + b] = f16::from_le_bytes([blk[2], blk[3]]);
-                                    &blk[4..20]
-                                } else {
-                                    &blk[2..18]
-                                };
-                                // Pair layout: byte i of the first 16 holds element i of both
-                                // blocks (block 0 low nibble, block 1 high), the next 16 hold
-                                // elements 16 + i, so unpacking yields both blocks in order.
-                                let shift = 4 * (b % 2);
-                                for i in 0..16 {
-                                    pair[i] |= (q[i] & 0xF) << shift;
-                                    pair[16 + i] |= (q[i] >> 4) << shift;
+                        let gb = g * nb + b;
+                        d[gb * GROUP + l] = f16::from_le_bytes([blk[0], blk[1]]);
+                        let dst = &mut qs[gb * gbb..(gb + 1) * gbb];
+                        for i in 0..QK {
+                            let q = match offset {
+                                Offset::Min => {
+                                    m[gb * GROUP + l] = f16::from_le_bytes([blk[2], blk[3]]);
+                                    (blk[4 + i % 16] >> (4 * (i / 16))) & 0xF
                                 }
-                            }
-                            Offset::Minus128 => {
-                                let dst = &mut pair[32 * (b % 2)..32 * (b % 2) + 32];
-                                for (o, &q) in dst.iter_mut().zip(&blk[2..34]) {
-                                    *o = q ^ 0x80;
-                                }
-                            }
+                                Offset::Minus8 => (blk[2 + i % 16] >> (4 * (i / 16))) & 0xF,
+                                Offset::Minus128 => blk[2 + i] ^ 0x80,
+                            };
+                            let (at, high) = slot(offset, l, i);
+                            dst[at] |= if high { q << 4 } else { q };
                         }
                     }
-                    // A padding block (odd block count) must contribute nothing: its
-                    // activations are zero, and for Q8_0 the stored 0x80 means q = 0.
-                    if nb % 2 == 1 && offset == Offset::Minus128 {
-                        let pair = &mut qs[(r * pairs + nb / 2) * pair_bytes..][..pair_bytes];
-                        pair[32..].fill(0x80);
-                    }
                 }
-                PackedData::Blocks { pair_bytes, offset, qs, d, m }
+                PackedData::Blocks { offset, qs, d, m }
             }
             _ => PackedData::Raw { bytes: bytes.to_vec(), row_bytes },
         };
@@ -170,17 +171,16 @@ impl PackedWeight {
             PackedData::Raw { bytes, row_bytes } => {
                 dequantize_row(self.ty, &bytes[r * row_bytes..(r + 1) * row_bytes], out)
             }
-            PackedData::Blocks { pair_bytes, offset, qs, d, m } => {
-                let nb = self.cols / QK;
-                let pairs = nb.div_ceil(2);
-                for b in 0..nb {
-                    let pair = &qs[(r * pairs + b / 2) * pair_bytes..][..*pair_bytes];
-                    let db = d[r * nb + b].to_f32();
-                    let y = &mut out[b * QK..(b + 1) * QK];
-                    for (i, yi) in y.iter_mut().enumerate() {
-                        let q = unpack(pair, *offset, b % 2, i);
+            PackedData::Blocks { offset, qs, d, m } => {
+                let v = BlockView { rows: self.rows, nb: self.cols / QK, offset: *offset, qs, d, m };
+                let l = r % GROUP;
+                for b in 0..v.nb {
+                    let gb = (r / GROUP) * v.nb + b;
+                    let db = v.d[gb * GROUP + l].to_f32();
+                    for (i, yi) in out[b * QK..(b + 1) * QK].iter_mut().enumerate() {
+                        let q = v.stored(r, b, i);
                         *yi = match offset {
-                            Offset::Min => db * q as f32 + m[r * nb + b].to_f32(),
+                            Offset::Min => db * q as f32 + v.m[gb * GROUP + l].to_f32(),
                             Offset::Minus8 => db * (q - 8) as f32,
                             Offset::Minus128 => db * (q - 128) as f32,
                         };
@@ -188,14 +188,6 @@ impl PackedWeight {
                 }
             }
         }
-    }
-}
-
-/// The stored (unsigned, offset) value of element `i` of block `half` of a pair.
-fn unpack(pair: &[u8], offset: Offset, half: usize, i: usize) -> i32 {
-    match offset {
-        Offset::Minus128 => i32::from(pair[32 * half + i]),
-        _ => i32::from((pair[(i / 16) * 16 + i % 16] >> (4 * half)) & 0xF),
     }
 }
 
@@ -353,23 +345,18 @@ pub fn matmul_many(
         let views: Vec<BlockView<'_>> = ws
             .iter()
             .filter_map(|w| match &w.data {
-                PackedData::Blocks { pair_bytes, offset, qs, d, m } => Some(BlockView {
-                    rows: w.rows,
-                    nb: w.cols / QK,
-                    pair_bytes: *pair_bytes,
-                    offset: *offset,
-                    qs,
-                    d,
-                    m,
-                }),
+                PackedData::Blocks { offset, qs, d, m } => {
+                    Some(BlockView { rows: w.rows, nb: w.cols / QK, offset: *offset, qs, d, m })
+                }
                 PackedData::Raw { .. } => None,
             })
             .collect();
         pool.run(&|i| {
             for (view, out) in views.iter().zip(&ptrs) {
-                let range = split_range(view.rows, threads, i, TILE_ROWS);
-                // SAFETY: threads write disjoint row ranges of every token's output row, and
-                // each output holds t_rows * rows floats (checked by the caller's sizing).
+                let range = split_range(view.rows, threads, i, GROUP);
+                // SAFETY: threads write disjoint row ranges (whole groups) of every token's
+                // output row, and each output holds t_rows * rows floats (checked by the
+                // caller's sizing).
                 unsafe { block_rows(isa, view, acts, range, *out) };
             }
         });
@@ -405,11 +392,26 @@ pub fn matmul_many(
 pub(crate) struct BlockView<'a> {
     pub(crate) rows: usize,
     pub(crate) nb: usize,
-    pub(crate) pair_bytes: usize,
     pub(crate) offset: Offset,
     pub(crate) qs: &'a [u8],
     pub(crate) d: &'a [f16],
     pub(crate) m: &'a [f16],
+}
+
+impl BlockView<'_> {
+    /// The stored (unsigned, offset) value of element `i` of block `b` of row `r`.
+    fn stored(&self, r: usize, b: usize, i: usize) -> i32 {
+        let gbb = group_block_bytes(self.offset);
+        let (at, high) = slot(self.offset, r % GROUP, i);
+        let byte = self.qs[((r / GROUP) * self.nb + b) * gbb + at];
+        i32::from(if self.offset == Offset::Minus128 {
+            byte
+        } else if high {
+            byte >> 4
+        } else {
+            byte & 0xF
+        })
+    }
 }
 
 /// Sums 16 lanes with a fixed reduction tree.
@@ -436,23 +438,6 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     }
     for (l, (x, y)) in ca.remainder().iter().zip(cb.remainder()).enumerate() {
         acc[l] += x * y;
-    }
-    reduce16(acc)
-}
-
-/// The offset term `sum_b c_b sa_b` of one (weight row, activation row) pair.
-pub(crate) fn offset_term(v: &BlockView<'_>, acts: &QuantizedActs, r: usize, t: usize) -> f32 {
-    let nb = v.nb;
-    let sa = &acts.sa[t * nb..(t + 1) * nb];
-    let d = &v.d[r * nb..(r + 1) * nb];
-    let mut acc = [0f32; 16];
-    for b in 0..nb {
-        let c = match v.offset {
-            Offset::Min => v.m[r * nb + b].to_f32(),
-            Offset::Minus8 => -8.0 * d[b].to_f32(),
-            Offset::Minus128 => -128.0 * d[b].to_f32(),
-        };
-        acc[b % 16] += c * sa[b];
     }
     reduce16(acc)
 }
@@ -492,19 +477,26 @@ unsafe fn block_rows(
     }
 }
 
-/// Portable reference: the same integer sums per block, float accumulation per block.
+/// Portable reference: the same integer sums per block and the same float operations per
+/// block as the SIMD kernels (which fuse the multiply-adds).
 fn scalar_dot(v: &BlockView<'_>, acts: &QuantizedActs, r: usize, t: usize) -> f32 {
     let nb = v.nb;
-    let pairs = nb.div_ceil(2);
-    let mut acc = [0f32; 16];
+    let l = r % GROUP;
+    let mut acc = 0f32;
     for b in 0..nb {
-        let pair = &v.qs[(r * pairs + b / 2) * v.pair_bytes..][..v.pair_bytes];
+        let gb = (r / GROUP) * nb + b;
         let a = &acts.qs[(t * acts.nb_pad + b) * QK..][..QK];
-        let isum: i32 = (0..QK).map(|i| unpack(pair, v.offset, b % 2, i) * i32::from(a[i])).sum();
-        let s = v.d[r * nb + b].to_f32() * acts.d[t * nb + b];
-        acc[b % 16] += s * isum as f32;
+        let isum: i32 = (0..QK).map(|i| v.stored(r, b, i) * i32::from(a[i])).sum();
+        let dw = v.d[gb * GROUP + l].to_f32();
+        let c = match v.offset {
+            Offset::Min => v.m[gb * GROUP + l].to_f32(),
+            Offset::Minus8 => -8.0 * dw,
+            Offset::Minus128 => -128.0 * dw,
+        };
+        acc += isum as f32 * (dw * acts.d[t * nb + b]);
+        acc += c * acts.sa[t * nb + b];
     }
-    reduce16(acc) + offset_term(v, acts, r, t)
+    acc
 }
 
 #[cfg(test)]
@@ -581,6 +573,23 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn repacking_keeps_every_value() {
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0] {
+            let (rows, cols) = (21, 96);
+            let wf = data(rows * cols, 9);
+            let bytes: Vec<u8> = wf.chunks(cols).flat_map(|r| quantize_row(ty, r)).collect();
+            let w = PackedWeight::new(ty, rows, cols, &bytes);
+            let row_bytes = bytes.len() / rows;
+            let (mut got, mut want) = (vec![0f32; cols], vec![0f32; cols]);
+            for r in 0..rows {
+                w.dequantize_row(r, &mut got);
+                dequantize_row(ty, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut want);
+                assert_eq!(got, want, "{} row {r}", ty.name());
             }
         }
     }

@@ -1,18 +1,20 @@
-//! AVX-512 VNNI kernels for packed 4/8-bit weights times 8-bit activations.
+//! x86-64 kernels for packed 4/8-bit weights times 8-bit activations, over the
+//! 16-row interleaved layout described in [`crate::cpu::matmul`].
 //!
-//! One 512-bit register holds a pair of 32-element blocks. `vpdpbusd` multiplies the
-//! unsigned weight bytes by the signed activation bytes and sums groups of four into 16
-//! int32 lanes (lanes 0-7 belong to the first block, 8-15 to the second); those are scaled
-//! by `d_w * d_a` of their block and accumulated in float, in block order, per output
-//! element. Tiles of up to 4 weight rows x 4 tokens reuse each unpacked weight register.
+//! Per (group of 16 rows, block, token): eight integer products of a quad of all 16 rows
+//! with the token's 4 activation bytes broadcast give the block's exact sums in 16 int32
+//! lanes, one lane per row; one conversion and two multiply-adds fold them, with the
+//! block's scales and offset term, into 16 float accumulators. Tiles of up to 4 tokens
+//! reuse each unpacked weight register.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use crate::cpu::matmul::{BlockView, Offset, QuantizedActs, TILE_COLS, TILE_ROWS, offset_term};
+use crate::cpu::matmul::{BlockView, GROUP, Offset, QuantizedActs, TILE_COLS, group_block_bytes};
 use crate::quant::QK;
 
-/// Computes output rows `range` for every token.
+/// Computes output rows `range` (whole groups, except at the end of the matrix) for every
+/// token.
 ///
 /// # Safety
 /// The CPU must support AVX-512 F/BW/VL/VNNI and F16C; `out` must point to
@@ -24,162 +26,114 @@ pub(crate) unsafe fn block_rows_avx512(
     range: Range<usize>,
     out: *mut f32,
 ) {
-    let mut r = range.start;
-    while r < range.end {
-        let rn = (range.end - r).min(TILE_ROWS);
+    for g in range.start / GROUP..range.end.div_ceil(GROUP) {
         let mut t = 0;
         while t < acts.rows {
             let tn = (acts.rows - t).min(TILE_COLS);
-            // SAFETY: forwarded contract; r..r+rn and t..t+tn are in bounds.
+            // SAFETY: forwarded contract; group g and tokens t..t+tn are in bounds.
             unsafe {
-                match (rn, tn) {
-                    (4, 4) => tile::<4, 4>(v, acts, r, t, out),
-                    (4, 3) => tile::<4, 3>(v, acts, r, t, out),
-                    (4, 2) => tile::<4, 2>(v, acts, r, t, out),
-                    (4, 1) => tile::<4, 1>(v, acts, r, t, out),
-                    (3, 4) => tile::<3, 4>(v, acts, r, t, out),
-                    (3, 3) => tile::<3, 3>(v, acts, r, t, out),
-                    (3, 2) => tile::<3, 2>(v, acts, r, t, out),
-                    (3, 1) => tile::<3, 1>(v, acts, r, t, out),
-                    (2, 4) => tile::<2, 4>(v, acts, r, t, out),
-                    (2, 3) => tile::<2, 3>(v, acts, r, t, out),
-                    (2, 2) => tile::<2, 2>(v, acts, r, t, out),
-                    (2, 1) => tile::<2, 1>(v, acts, r, t, out),
-                    (1, 4) => tile::<1, 4>(v, acts, r, t, out),
-                    (1, 3) => tile::<1, 3>(v, acts, r, t, out),
-                    (1, 2) => tile::<1, 2>(v, acts, r, t, out),
-                    _ => tile::<1, 1>(v, acts, r, t, out),
+                match tn {
+                    4 => tile512::<4>(v, acts, g, t, out),
+                    3 => tile512::<3>(v, acts, g, t, out),
+                    2 => tile512::<2>(v, acts, g, t, out),
+                    _ => tile512::<1>(v, acts, g, t, out),
                 }
             }
             t += tn;
         }
-        r += rn;
     }
 }
 
-/// Loads a pair of weight blocks as 64 unsigned bytes in element order.
-#[inline]
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
-unsafe fn load_pair(p: *const u8, eight_bit: bool) -> __m512i {
-    // SAFETY: the caller passes a pointer to a whole pair (32 or 64 bytes).
+/// Mask of the group's lanes that are real rows.
+fn lane_mask(rows: usize, g: usize) -> u16 {
+    let n = (rows - g * GROUP).min(GROUP);
+    if n == GROUP { u16::MAX } else { (1u16 << n) - 1 }
+}
+
+/// The four activation bytes of quad `k` of token `t`'s block `b`, as one int32.
+///
+/// # Safety
+/// Token `t` and block `b` must exist in `acts`.
+#[inline(always)]
+unsafe fn quad(acts: &QuantizedActs, t: usize, b: usize, k: usize) -> i32 {
+    // SAFETY: the block's 32 bytes lie inside `acts.qs` (caller's contract).
     unsafe {
-        if eight_bit {
-            _mm512_loadu_si512(p.cast())
-        } else {
-            let q = _mm256_loadu_si256(p.cast());
-            let m = _mm256_set1_epi8(0x0F);
-            let lo = _mm256_and_si256(q, m);
-            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m);
-            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
-        }
+        acts.qs.as_ptr().add((t * acts.nb_pad + b) * QK + 4 * k).cast::<i32>().read_unaligned()
     }
 }
 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
-unsafe fn tile<const R: usize, const C: usize>(
+unsafe fn tile512<const C: usize>(
     v: &BlockView<'_>,
     acts: &QuantizedActs,
-    r0: usize,
+    g: usize,
     t0: usize,
     out: *mut f32,
 ) {
     let nb = v.nb;
-    let pairs = nb.div_ceil(2);
-    let eight_bit = v.offset == Offset::Minus128;
-    let pb = v.pair_bytes;
-    let mut acc = [[_mm512_setzero_ps(); C]; R];
+    let gbb = group_block_bytes(v.offset);
+    let mut acc = [_mm512_setzero_ps(); C];
     let zero = _mm512_setzero_si512();
-    let mut b0 = 0;
-    while b0 < nb {
-        let nblk = (nb - b0).min(16);
-        let mask: __mmask16 = if nblk == 16 { 0xFFFF } else { (1u16 << nblk) - 1 };
-        // SAFETY: every pointer below stays inside its row: rows r0..r0+R and tokens
-        // t0..t0+C exist (caller), masked loads touch only the nblk valid scales, and pair
-        // p < pairs lies inside the packed row.
+    let nibble = _mm512_set1_epi8(0x0F);
+    for b in 0..nb {
+        let gb = g * nb + b;
+        // SAFETY: group g and block b exist, so their bytes, scales and minima lie inside
+        // the packed buffers; tokens t0..t0+C exist (caller).
         unsafe {
-            let mut dw = [_mm512_setzero_ps(); R];
-            for (i, d) in dw.iter_mut().enumerate() {
-                let p = v.d.as_ptr().add((r0 + i) * nb + b0).cast::<i16>();
-                *d = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
-            }
-            let mut da = [_mm512_setzero_ps(); C];
-            for (j, d) in da.iter_mut().enumerate() {
-                *d = _mm512_maskz_loadu_ps(mask, acts.d.as_ptr().add((t0 + j) * nb + b0));
-            }
-            // The offset term sum_b c_b sa_b, one lane per block, joins the same accumulator
-            // (everything is summed at the end).
-            for (i, row) in acc.iter_mut().enumerate() {
-                let c = match v.offset {
-                    Offset::Min => {
-                        let p = v.m.as_ptr().add((r0 + i) * nb + b0).cast::<i16>();
-                        _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p))
-                    }
-                    Offset::Minus8 => _mm512_mul_ps(dw[i], _mm512_set1_ps(-8.0)),
-                    Offset::Minus128 => _mm512_mul_ps(dw[i], _mm512_set1_ps(-128.0)),
-                };
-                for (j, a) in row.iter_mut().enumerate() {
-                    let sa = _mm512_maskz_loadu_ps(mask, acts.sa.as_ptr().add((t0 + j) * nb + b0));
-                    *a = _mm512_fmadd_ps(c, sa, *a);
+            let base = v.qs.as_ptr().add(gb * gbb);
+            // The next group-blocks stream in while this one is computed.
+            _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(4 * gbb).cast());
+            let mut w = [zero; 8];
+            if v.offset == Offset::Minus128 {
+                for (k, wk) in w.iter_mut().enumerate() {
+                    *wk = _mm512_loadu_si512(base.add(64 * k).cast());
+                }
+            } else {
+                for c in 0..4 {
+                    let x = _mm512_loadu_si512(base.add(64 * c).cast());
+                    w[c] = _mm512_and_si512(x, nibble);
+                    w[c + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(x), nibble);
                 }
             }
-            let p_first = b0 / 2;
-            let p_end = (p_first + 8).min(pairs);
-            for p in p_first..p_end {
-                let k = (2 * (p - p_first)) as i32;
-                let idx = _mm512_set_epi32(
-                    k + 1,
-                    k + 1,
-                    k + 1,
-                    k + 1,
-                    k + 1,
-                    k + 1,
-                    k + 1,
-                    k + 1,
-                    k,
-                    k,
-                    k,
-                    k,
-                    k,
-                    k,
-                    k,
-                    k,
-                );
-                let mut w = [zero; R];
-                let mut sw = [_mm512_setzero_ps(); R];
-                for i in 0..R {
-                    let wp = v.qs.as_ptr().add(((r0 + i) * pairs + p) * pb);
-                    // The next row group streams in while this one is computed (the
-                    // hardware prefetcher alone leaves decode well short of bandwidth).
-                    _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(2 * R * pairs * pb).cast());
-                    w[i] = load_pair(wp, eight_bit);
-                    sw[i] = _mm512_permutexvar_ps(idx, dw[i]);
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(v.d.as_ptr().add(gb * GROUP).cast()));
+            let cw = match v.offset {
+                Offset::Min => {
+                    _mm512_cvtph_ps(_mm256_loadu_si256(v.m.as_ptr().add(gb * GROUP).cast()))
                 }
-                for j in 0..C {
-                    let ap = acts.qs.as_ptr().add(((t0 + j) * acts.nb_pad + 2 * p) * QK);
-                    let a = _mm512_loadu_si512(ap.cast());
-                    let sa = _mm512_permutexvar_ps(idx, da[j]);
-                    for i in 0..R {
-                        let isum = _mm512_dpbusd_epi32(zero, w[i], a);
-                        let s = _mm512_mul_ps(sw[i], sa);
-                        acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[i][j]);
-                    }
+                Offset::Minus8 => _mm512_mul_ps(dw, _mm512_set1_ps(-8.0)),
+                Offset::Minus128 => _mm512_mul_ps(dw, _mm512_set1_ps(-128.0)),
+            };
+            for (j, a) in acc.iter_mut().enumerate() {
+                let t = t0 + j;
+                // Two chains of four products (integer sums are exact in any order).
+                let mut s0 = zero;
+                let mut s1 = zero;
+                for k in 0..4 {
+                    s0 = _mm512_dpbusd_epi32(s0, w[k], _mm512_set1_epi32(quad(acts, t, b, k)));
+                    s1 = _mm512_dpbusd_epi32(
+                        s1,
+                        w[k + 4],
+                        _mm512_set1_epi32(quad(acts, t, b, k + 4)),
+                    );
                 }
+                let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                let s = _mm512_mul_ps(dw, _mm512_set1_ps(*acts.d.get_unchecked(t * nb + b)));
+                *a = _mm512_fmadd_ps(isum, s, *a);
+                *a = _mm512_fmadd_ps(cw, _mm512_set1_ps(*acts.sa.get_unchecked(t * nb + b)), *a);
             }
         }
-        b0 += 16;
     }
-    for (i, row) in acc.iter().enumerate() {
-        for (j, a) in row.iter().enumerate() {
-            let val = _mm512_reduce_add_ps(*a);
-            // SAFETY: (t0 + j, r0 + i) is inside `out` and row r0 + i is this thread's.
-            unsafe { *out.add((t0 + j) * v.rows + r0 + i) = val };
-        }
+    let mask = lane_mask(v.rows, g);
+    for (j, a) in acc.iter().enumerate() {
+        // SAFETY: the masked lanes are rows g*16.. of token t0 + j, inside `out`, and this
+        // thread's.
+        unsafe { _mm512_mask_storeu_ps(out.add((t0 + j) * v.rows + g * GROUP), mask, *a) };
     }
 }
 
-/// Computes output rows `range` for every token with AVX2 (machines without AVX-512 VNNI):
-/// one (row, token) dot product at a time, blocks accumulated in order.
+/// Computes output rows `range` for every token with AVX2 (machines without AVX-512
+/// VNNI): the same scheme with two 8-row halves per group and `maddubs` products.
 ///
 /// # Safety
 /// The CPU must support AVX2, FMA and F16C; `out` as for [`block_rows_avx512`].
@@ -190,59 +144,106 @@ pub(crate) unsafe fn block_rows_avx2(
     range: Range<usize>,
     out: *mut f32,
 ) {
-    for r in range {
-        for t in 0..acts.rows {
-            // SAFETY: forwarded contract; (t, r) is inside `out`.
-            unsafe { *out.add(t * v.rows + r) = dot_avx2(v, acts, r, t) };
+    for g in range.start / GROUP..range.end.div_ceil(GROUP) {
+        for half in 0..2 {
+            let mut t = 0;
+            while t < acts.rows {
+                let tn = (acts.rows - t).min(TILE_COLS);
+                // SAFETY: forwarded contract; group g and tokens t..t+tn are in bounds.
+                unsafe {
+                    match tn {
+                        4 => tile256::<4>(v, acts, g, half, t, out),
+                        3 => tile256::<3>(v, acts, g, half, t, out),
+                        2 => tile256::<2>(v, acts, g, half, t, out),
+                        _ => tile256::<1>(v, acts, g, half, t, out),
+                    }
+                }
+                t += tn;
+            }
         }
     }
 }
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot_avx2(v: &BlockView<'_>, acts: &QuantizedActs, r: usize, t: usize) -> f32 {
+unsafe fn tile256<const C: usize>(
+    v: &BlockView<'_>,
+    acts: &QuantizedActs,
+    g: usize,
+    half: usize,
+    t0: usize,
+    out: *mut f32,
+) {
     let nb = v.nb;
-    let pairs = nb.div_ceil(2);
+    let gbb = group_block_bytes(v.offset);
+    let eight_bit = v.offset == Offset::Minus128;
+    let mut acc = [_mm256_setzero_ps(); C];
+    let zero = _mm256_setzero_si256();
     let ones = _mm256_set1_epi16(1);
-    let nibble = _mm_set1_epi8(0x0F);
-    let mut acc = _mm256_setzero_ps();
+    let nibble = _mm256_set1_epi8(0x0F);
     for b in 0..nb {
-        // SAFETY: block b of row r and of token t lie inside their packed buffers.
-        let (prod, dw) = unsafe {
-            let pair = v.qs.as_ptr().add((r * pairs + b / 2) * v.pair_bytes);
-            let a = _mm256_loadu_si256(acts.qs.as_ptr().add((t * acts.nb_pad + b) * QK).cast());
-            let prod = if v.offset == Offset::Minus128 {
+        let gb = g * nb + b;
+        // SAFETY: as in `tile512`; this half's 32 bytes of each 64-byte chunk, and its 8
+        // scales, lie inside the group-block.
+        unsafe {
+            let base = v.qs.as_ptr().add(gb * gbb + 32 * half);
+            let mut w = [zero; 8];
+            if eight_bit {
                 // Stored as q ^ 0x80: recover the signed value and use |q| * sign(a, q),
                 // which `maddubs` cannot overflow (unlike the unsigned form).
-                let q = _mm256_xor_si256(
-                    _mm256_loadu_si256(pair.add(32 * (b % 2)).cast()),
-                    _mm256_set1_epi8(-128),
-                );
-                _mm256_maddubs_epi16(_mm256_abs_epi8(q), _mm256_sign_epi8(a, q))
+                for (k, wk) in w.iter_mut().enumerate() {
+                    let x = _mm256_loadu_si256(base.add(64 * k).cast());
+                    *wk = _mm256_xor_si256(x, _mm256_set1_epi8(-128));
+                }
             } else {
-                let lo = _mm_loadu_si128(pair.cast());
-                let hi = _mm_loadu_si128(pair.add(16).cast());
-                let (lo, hi) = if b % 2 == 0 {
-                    (_mm_and_si128(lo, nibble), _mm_and_si128(hi, nibble))
-                } else {
-                    (
-                        _mm_and_si128(_mm_srli_epi16::<4>(lo), nibble),
-                        _mm_and_si128(_mm_srli_epi16::<4>(hi), nibble),
-                    )
-                };
-                _mm256_maddubs_epi16(_mm256_set_m128i(hi, lo), a)
+                for c in 0..4 {
+                    let x = _mm256_loadu_si256(base.add(64 * c).cast());
+                    w[c] = _mm256_and_si256(x, nibble);
+                    w[c + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(x), nibble);
+                }
+            }
+            let sp = v.d.as_ptr().add(gb * GROUP + 8 * half);
+            let dw = _mm256_cvtph_ps(_mm_loadu_si128(sp.cast()));
+            let cw = match v.offset {
+                Offset::Min => {
+                    let mp = v.m.as_ptr().add(gb * GROUP + 8 * half);
+                    _mm256_cvtph_ps(_mm_loadu_si128(mp.cast()))
+                }
+                Offset::Minus8 => _mm256_mul_ps(dw, _mm256_set1_ps(-8.0)),
+                // The signed products need no offset term.
+                Offset::Minus128 => _mm256_setzero_ps(),
             };
-            let bits = v.d[r * nb + b].to_bits();
-            let dw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))));
-            (prod, dw)
-        };
-        let s32 = _mm256_madd_epi16(prod, ones);
-        let scale = _mm256_set1_ps(dw * acts.d[t * nb + b]);
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s32), scale, acc);
+            for (j, a) in acc.iter_mut().enumerate() {
+                let t = t0 + j;
+                let mut isum = zero;
+                for (k, wk) in w.iter().enumerate() {
+                    let x = _mm256_set1_epi32(quad(acts, t, b, k));
+                    let p = if eight_bit {
+                        _mm256_maddubs_epi16(_mm256_abs_epi8(*wk), _mm256_sign_epi8(x, *wk))
+                    } else {
+                        _mm256_maddubs_epi16(*wk, x)
+                    };
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, ones));
+                }
+                let s = _mm256_mul_ps(dw, _mm256_set1_ps(*acts.d.get_unchecked(t * nb + b)));
+                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, *a);
+                if !eight_bit {
+                    let sa = _mm256_set1_ps(*acts.sa.get_unchecked(t * nb + b));
+                    *a = _mm256_fmadd_ps(cw, sa, *a);
+                }
+            }
+        }
     }
-    let h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps::<1>(acc));
-    let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    let h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    let offset = if v.offset == Offset::Minus128 { 0.0 } else { offset_term(v, acts, r, t) };
-    _mm_cvtss_f32(h) + offset
+    let rows = (v.rows - g * GROUP).min(GROUP);
+    let n = rows.saturating_sub(8 * half).min(8);
+    for (j, a) in acc.iter().enumerate() {
+        let mut lanes = [0f32; 8];
+        // SAFETY: `lanes` holds 8 floats.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
+        for (l, &x) in lanes[..n].iter().enumerate() {
+            // SAFETY: row g*16 + 8*half + l < v.rows of token t0 + j is inside `out` and
+            // this thread's.
+            unsafe { *out.add((t0 + j) * v.rows + g * GROUP + 8 * half + l) = x };
+        }
+    }
 }
