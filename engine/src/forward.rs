@@ -344,50 +344,55 @@ fn attention(
     out: &mut [f32],
 ) {
     let (hd, q_dim, group) = (c.head_dim, c.q_dim(), c.heads / c.kv_heads);
-    let items = meta.len() * c.heads;
+    // One item per (token, KV head): the query heads sharing that KV head are computed
+    // together, so each block of keys and values is read once for all of them. With too few
+    // items to keep every thread busy (small decode batches), one item per query head.
     let threads = pool.threads();
+    let per = if meta.len() * c.kv_heads >= 4 * threads { group } else { 1 };
+    let items_per_token = c.heads / per;
+    let items = meta.len() * items_per_token;
     let out_ptr = SharedOut(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
     let avx512 = is_x86_feature_detected!("avx512f");
     #[cfg(target_arch = "x86_64")]
     let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
     pool.run(&|ti| {
-        let mut scores = Vec::new();
+        let mut scratch = AttendScratch::default();
         // Interleaved assignment balances causal prefill, where later tokens cost more.
         for item in (ti..items).step_by(threads) {
-            let (t, h) = (item / c.heads, item % c.heads);
+            let (t, head) = (item / items_per_token, item % items_per_token * per);
             let TokenMeta { seq, pos } = meta[t];
+            let first = t * q_dim + head * hd;
             let job = HeadJob {
                 cache,
                 layer,
                 table: batch[seq].block_table,
-                kv_head: h / group,
+                kv_head: head / group,
                 head_dim: hd,
                 pos,
-                q: &q[t * q_dim + h * hd..][..hd],
+                q: &q[first..first + per * hd],
                 #[cfg(target_arch = "x86_64")]
                 avx512,
                 #[cfg(not(target_arch = "x86_64"))]
                 avx512: false,
             };
-            // SAFETY: each (t, h) item is handled by exactly one thread, and its slice
-            // [t * q_dim + h * hd, +hd) lies inside `out`.
-            let dst = unsafe {
-                std::slice::from_raw_parts_mut(out_ptr.get().add(t * q_dim + h * hd), hd)
-            };
+            // SAFETY: each item is handled by exactly one thread, and its slice
+            // [first, first + per * hd) lies inside `out`.
+            let dst =
+                unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(first), per * hd) };
             #[cfg(target_arch = "x86_64")]
             if avx512 {
                 // SAFETY: the CPU supports AVX-512F (checked above).
-                unsafe { attend_avx512(&job, &mut scores, dst) };
+                unsafe { attend_avx512(&job, &mut scratch, dst) };
                 continue;
             }
             #[cfg(target_arch = "x86_64")]
             if avx2 {
                 // SAFETY: the CPU supports AVX2 and FMA (checked above).
-                unsafe { attend_avx2(&job, &mut scores, dst) };
+                unsafe { attend_avx2(&job, &mut scratch, dst) };
                 continue;
             }
-            attend(&job, &mut scores, dst);
+            attend(&job, &mut scratch, dst);
         }
     });
 }
@@ -434,7 +439,7 @@ fn axpy_dims(a: &mut [f32; 64], p: f32, v: &[f32]) {
     }
 }
 
-/// One query head of one token attending over its sequence's cache.
+/// The query heads of one token that share a KV head, attending over its sequence's cache.
 struct HeadJob<'a> {
     cache: &'a KvCache,
     layer: usize,
@@ -442,97 +447,134 @@ struct HeadJob<'a> {
     kv_head: usize,
     head_dim: usize,
     pos: usize,
+    /// The group's queries, `head_dim` floats each.
     q: &'a [f32],
     /// Whether the AVX-512 score kernel may be used.
     avx512: bool,
+}
+
+/// Per-thread buffers for [`attend`].
+#[derive(Default)]
+struct AttendScratch {
+    /// Scores, one padded row per query head.
+    scores: Vec<f32>,
+    /// Output partial sums, even and odd positions, per query head.
+    acc: Vec<[f32; 64]>,
+    /// Per query head: the largest score, then the softmax normalizer.
+    max: Vec<f32>,
+    inv: Vec<f32>,
 }
 
 /// The same code compiled for AVX-512 (Rust never fuses multiply-add on its own, so both
 /// versions compute bit-identical results).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512vl,fma")]
-unsafe fn attend_avx512(job: &HeadJob<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
-    attend(job, scores, out)
+unsafe fn attend_avx512(job: &HeadJob<'_>, scratch: &mut AttendScratch, out: &mut [f32]) {
+    attend(job, scratch, out)
 }
 
 /// The same code compiled for AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn attend_avx2(job: &HeadJob<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
-    attend(job, scores, out)
+unsafe fn attend_avx2(job: &HeadJob<'_>, scratch: &mut AttendScratch, out: &mut [f32]) {
+    attend(job, scratch, out)
 }
 
 #[inline(always)]
-fn attend(job: &HeadJob<'_>, scores: &mut Vec<f32>, out: &mut [f32]) {
+fn attend(job: &HeadJob<'_>, scratch: &mut AttendScratch, out: &mut [f32]) {
     // Accumulators live in registers: scores 16 slots at a time, the output 64 dimensions at
     // a time. The order of every sum is fixed (dimension by dimension, position by
-    // position), whatever the sequence or batch.
+    // position), whatever the sequence, batch or grouping. Blocks are the outer loop, so a
+    // block of keys or values is loaded once and reused from L1 by every head of the group.
     const SLOTS: usize = 16;
     const DIMS: usize = 64;
     let cache = job.cache;
     let (bs, hd) = (cache.block_size, job.head_dim);
+    let heads = job.q.len() / hd;
     let scale = 1.0 / (hd as f32).sqrt();
     let n = job.pos + 1;
+    let padded = n.div_ceil(bs) * bs;
+    let scores = &mut scratch.scores;
     scores.clear();
-    scores.resize(n.div_ceil(bs) * bs, 0.0);
-    let mut max = f32::NEG_INFINITY;
-    for (bi, chunk) in scores.chunks_exact_mut(bs).enumerate() {
+    scores.resize(heads * padded, 0.0);
+    let max = &mut scratch.max;
+    max.clear();
+    max.resize(heads, f32::NEG_INFINITY);
+    for bi in 0..padded / bs {
         let base = cache.block_offset(job.layer, job.table[bi] as usize);
         let kb = &cache.k[base + job.kv_head * hd * bs..][..hd * bs];
-        let mut g = 0;
-        while g < bs {
-            let w = (bs - g).min(SLOTS);
-            #[cfg(target_arch = "x86_64")]
-            if job.avx512 && w == SLOTS && hd % 4 == 0 {
-                // SAFETY: AVX-512F was detected (`job.avx512`); the kernel reads hd rows of
-                // 16 floats at stride bs starting at kb[g], all inside `kb`.
-                let s16 = unsafe { x86_attention::scores16(job.q, kb[g..].as_ptr(), bs) };
-                chunk[g..g + w].copy_from_slice(&s16);
-                g += w;
-                continue;
-            }
-            let mut acc = [0f32; SLOTS];
-            for (d, &qd) in job.q.iter().enumerate() {
-                for (a, k) in acc.iter_mut().zip(&kb[d * bs + g..d * bs + g + w]) {
-                    *a += qd * k;
-                }
-            }
-            chunk[g..g + w].copy_from_slice(&acc[..w]);
-            g += w;
-        }
         let valid = (n - bi * bs).min(bs);
-        for s in &mut chunk[..valid] {
-            *s *= scale;
-            max = max.max(*s);
+        for h in 0..heads {
+            let q = &job.q[h * hd..(h + 1) * hd];
+            let chunk = &mut scores[h * padded + bi * bs..][..bs];
+            let mut g = 0;
+            while g < bs {
+                let w = (bs - g).min(SLOTS);
+                #[cfg(target_arch = "x86_64")]
+                if job.avx512 && w == SLOTS && hd % 4 == 0 {
+                    // SAFETY: AVX-512F was detected (`job.avx512`); the kernel reads hd rows
+                    // of 16 floats at stride bs starting at kb[g], all inside `kb`.
+                    let s16 = unsafe { x86_attention::scores16(q, kb[g..].as_ptr(), bs) };
+                    chunk[g..g + w].copy_from_slice(&s16);
+                    g += w;
+                    continue;
+                }
+                let mut acc = [0f32; SLOTS];
+                for (d, &qd) in q.iter().enumerate() {
+                    for (a, k) in acc.iter_mut().zip(&kb[d * bs + g..d * bs + g + w]) {
+                        *a += qd * k;
+                    }
+                }
+                chunk[g..g + w].copy_from_slice(&acc[..w]);
+                g += w;
+            }
+            let m = &mut max[h];
+            for s in &mut chunk[..valid] {
+                *s *= scale;
+                *m = m.max(*s);
+            }
         }
     }
-    scores.truncate(n);
-    let mut sum = 0f32;
-    for s in scores.iter_mut() {
-        *s = (*s - max).exp();
-        sum += *s;
+    let inv = &mut scratch.inv;
+    inv.clear();
+    for (h, &m) in max.iter().enumerate() {
+        let mut sum = 0f32;
+        for s in &mut scores[h * padded..h * padded + n] {
+            *s = (*s - m).exp();
+            sum += *s;
+        }
+        scores[h * padded + n..(h + 1) * padded].fill(0.0);
+        inv.push(1.0 / sum);
     }
-    let inv = 1.0 / sum;
+    let acc = &mut scratch.acc;
     let mut dc = 0;
     while dc < hd {
         let w = (hd - dc).min(DIMS);
-        // Two partial sums (even and odd positions) for the same reason.
-        let mut even = [0f32; DIMS];
-        let mut odd = [0f32; DIMS];
-        for (bi, chunk) in scores.chunks(bs).enumerate() {
+        // Two partial sums per head (even and odd positions) for the same reason.
+        acc.clear();
+        acc.resize(2 * heads, [0f32; DIMS]);
+        for bi in 0..padded / bs {
             let base = cache.block_offset(job.layer, job.table[bi] as usize);
             let vb = &cache.v[base + job.kv_head * bs * hd..][..bs * hd];
-            let mut rows = chunk.iter().zip(vb.chunks_exact(hd));
-            while let Some((&p0, v0)) = rows.next() {
-                axpy_dims(&mut even, p0, &v0[dc..dc + w]);
-                if let Some((&p1, v1)) = rows.next() {
-                    axpy_dims(&mut odd, p1, &v1[dc..dc + w]);
+            let rows_here = (n - bi * bs).min(bs);
+            for (h, pair) in acc.chunks_exact_mut(2).enumerate() {
+                let [even, odd] = pair else { continue };
+                let chunk = &scores[h * padded + bi * bs..][..rows_here];
+                let mut rows = chunk.iter().zip(vb.chunks_exact(hd));
+                while let Some((&p0, v0)) = rows.next() {
+                    axpy_dims(even, p0, &v0[dc..dc + w]);
+                    if let Some((&p1, v1)) = rows.next() {
+                        axpy_dims(odd, p1, &v1[dc..dc + w]);
+                    }
                 }
             }
         }
-        let acc: [f32; DIMS] = std::array::from_fn(|i| even[i] + odd[i]);
-        for (o, a) in out[dc..dc + w].iter_mut().zip(&acc) {
-            *o = a * inv;
+        for (h, pair) in acc.chunks_exact(2).enumerate() {
+            let i = inv[h];
+            let o = &mut out[h * hd + dc..h * hd + dc + w];
+            for (l, o) in o.iter_mut().enumerate() {
+                *o = (pair[0][l] + pair[1][l]) * i;
+            }
         }
         dc += w;
     }

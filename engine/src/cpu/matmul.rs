@@ -292,7 +292,7 @@ fn quantize_row_q8_generic(x: &[f32], qs: &mut [i8], d: &mut [f32], sa: &mut [f3
         let id = if db != 0.0 { 1.0 / db } else { 0.0 };
         let mut sum = 0i32;
         for (q, &v) in dst.iter_mut().zip(src) {
-            let qi = (v * id).round() as i32;
+            let qi = (v * id).round_ties_even() as i32;
             *q = qi as i8;
             sum += qi;
         }
