@@ -1,5 +1,7 @@
 //! The `sluice` command: parses arguments and wires the library crates together.
 
+mod admin_cli;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -30,6 +32,22 @@ enum Command {
     /// Manage model files.
     #[command(subcommand)]
     Model(ModelCommand),
+    /// Run the billing service: admin, audit and usage API, dashboard, usage ingestion.
+    Billing(admin_cli::BillingArgs),
+    /// Administer tenants, keys and quotas through the billing service.
+    Admin {
+        #[command(flatten)]
+        client: admin_cli::ClientArgs,
+        #[command(subcommand)]
+        command: admin_cli::AdminCommand,
+    },
+    /// Query request records, the admin audit log and usage through the billing service.
+    Audit {
+        #[command(flatten)]
+        client: admin_cli::ClientArgs,
+        #[command(subcommand)]
+        command: admin_cli::AuditCommand,
+    },
     /// Print the token ids of TEXT as a JSON array.
     Tokenize {
         #[command(flatten)]
@@ -283,6 +301,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args)?,
         Command::Bench(BenchCommand::Billing(args)) => run_bench_billing(args)?,
         Command::Engine(args) => run_engine(args)?,
+        Command::Billing(args) => admin_cli::run_billing(args)?,
+        Command::Admin { client, command } => admin_cli::run_admin(command, &client)?,
+        Command::Audit { client, command } => admin_cli::run_audit(command, &client)?,
     }
     Ok(())
 }
@@ -402,7 +423,7 @@ fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
 }
 
 /// Resolves on Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     let ctrl_c = async {
         if tokio::signal::ctrl_c().await.is_err() {
             std::future::pending::<()>().await;

@@ -6,7 +6,10 @@
 //! idempotent on request id and per-tenant idempotency key, so the ledger counts each request
 //! exactly once.
 
+pub mod api;
+pub mod auth;
 pub mod bench;
+pub mod control;
 mod error;
 pub mod event;
 pub mod ingest;

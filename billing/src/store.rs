@@ -120,7 +120,7 @@ impl Default for LedgerOptions {
 }
 
 #[derive(Debug, Clone)]
-enum Pool {
+pub(crate) enum Pool {
     Postgres(PgPool),
     Sqlite(SqlitePool),
 }
@@ -313,6 +313,11 @@ impl Ledger {
             return Err(BillingError::UnsupportedUrl);
         };
         Ok(Self { pool })
+    }
+
+    /// The connection pool, for the control-plane queries.
+    pub(crate) fn pool(&self) -> &Pool {
+        &self.pool
     }
 
     /// Which database this ledger writes to.

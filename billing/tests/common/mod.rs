@@ -138,7 +138,7 @@ impl Inspect {
     }
 }
 
-/// 2026-11-29T10:15:30Z, a fixed arrival time.
+/// 2026-11-30T10:15:30Z, a fixed arrival time.
 pub fn base_time() -> DateTime<Utc> {
     DateTime::from_timestamp(1_796_033_730, 0).unwrap_or_default()
 }

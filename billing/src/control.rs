@@ -1,0 +1,1149 @@
+//! The control plane over the ledger database: tenants, API keys, quotas, the admin audit log,
+//! and the read side for auditors and dashboards (records, usage, dashboard aggregates).
+//!
+//! Every change and its audit-log row are written in one transaction: a change is never
+//! recorded without happening, nor happens without being recorded. The same SQL runs on
+//! Postgres and SQLite (sqlx numbers the `$n` placeholders for both); [`on_pool!`] expands a
+//! body once per backend so each is type-checked against its own driver.
+
+use std::collections::BTreeMap;
+use std::sync::LazyLock;
+
+use chrono::{DateTime, SecondsFormat, TimeDelta, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value, json};
+use sha2::{Digest, Sha256};
+use sqlx::types::Json;
+use sqlx::{QueryBuilder, Row};
+
+use crate::auth::Principal;
+use crate::store::Pool;
+use crate::{BillingError, Ledger};
+
+/// Runs `$body` with `$pool` bound to the ledger's concrete pool, once per backend.
+macro_rules! on_pool {
+    ($ledger:expr, $pool:ident => $body:expr) => {
+        match $ledger.pool() {
+            Pool::Postgres($pool) => $body,
+            Pool::Sqlite($pool) => $body,
+        }
+    };
+}
+
+/// What an admin or audit call can fail with; each maps to one HTTP status.
+#[derive(Debug, thiserror::Error)]
+pub enum AdminError {
+    /// A parameter is malformed or out of range (400); `param` names it.
+    #[error("{message}")]
+    Invalid {
+        /// The offending parameter or field.
+        param: String,
+        /// What is wrong, without echoing secrets.
+        message: String,
+    },
+    /// No credentials, or credentials that do not verify (401).
+    #[error("{0}")]
+    Unauthorized(String),
+    /// The role may not do this (403).
+    #[error("{0}")]
+    Forbidden(String),
+    /// The target does not exist (404).
+    #[error("{0}")]
+    NotFound(String),
+    /// The target exists already or is in a conflicting state (409).
+    #[error("{0}")]
+    Conflict(String),
+    /// The database failed (500, or 503 when retrying may help).
+    #[error(transparent)]
+    Billing(#[from] BillingError),
+}
+
+impl From<sqlx::Error> for AdminError {
+    fn from(e: sqlx::Error) -> Self {
+        Self::Billing(BillingError::Database(e))
+    }
+}
+
+impl AdminError {
+    /// A 400 naming `param`.
+    pub fn invalid(param: &str, message: impl Into<String>) -> Self {
+        Self::Invalid { param: param.to_owned(), message: message.into() }
+    }
+}
+
+/// Quota limits. In a tenant's quota row `None` means "the tier's value"; in a tier or an
+/// effective quota it means "unlimited".
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaSettings {
+    /// Requests per minute.
+    #[serde(default)]
+    pub rpm: Option<i64>,
+    /// Tokens (prompt + completion) per minute.
+    #[serde(default)]
+    pub tpm: Option<i64>,
+    /// Tokens per UTC day.
+    #[serde(default)]
+    pub daily_tokens: Option<i64>,
+    /// Tokens per UTC calendar month.
+    #[serde(default)]
+    pub monthly_tokens: Option<i64>,
+    /// Requests in flight at once.
+    #[serde(default)]
+    pub concurrency: Option<i64>,
+    /// Longest prompt accepted, in tokens.
+    #[serde(default)]
+    pub max_prompt_tokens: Option<i64>,
+    /// Largest `max_tokens` accepted.
+    #[serde(default)]
+    pub max_output_tokens: Option<i64>,
+    /// Largest `n` accepted.
+    #[serde(default)]
+    pub max_n: Option<i64>,
+    /// Models the tenant may call; empty = every served model.
+    #[serde(default)]
+    pub allowed_models: Vec<String>,
+    /// Scheduling priority (higher first), -100..=100.
+    #[serde(default)]
+    pub priority: Option<i64>,
+}
+
+/// Largest limit accepted for any quota number.
+const MAX_LIMIT: i64 = 1_000_000_000_000;
+
+impl QuotaSettings {
+    /// Checks every field, naming the first bad one.
+    pub fn validate(&self) -> Result<(), AdminError> {
+        for (name, v) in [
+            ("rpm", self.rpm),
+            ("tpm", self.tpm),
+            ("daily_tokens", self.daily_tokens),
+            ("monthly_tokens", self.monthly_tokens),
+            ("concurrency", self.concurrency),
+            ("max_prompt_tokens", self.max_prompt_tokens),
+            ("max_output_tokens", self.max_output_tokens),
+            ("max_n", self.max_n),
+        ] {
+            if let Some(v) = v
+                && !(0..=MAX_LIMIT).contains(&v)
+            {
+                return Err(AdminError::invalid(name, format!("{name} must be 0..={MAX_LIMIT}")));
+            }
+        }
+        if let Some(p) = self.priority
+            && !(-100..=100).contains(&p)
+        {
+            return Err(AdminError::invalid("priority", "priority must be -100..=100"));
+        }
+        if self.allowed_models.len() > 64 {
+            return Err(AdminError::invalid("allowed_models", "at most 64 models"));
+        }
+        if self.allowed_models.iter().any(|m| m.is_empty() || m.len() > 256) {
+            return Err(AdminError::invalid("allowed_models", "model ids must be 1-256 characters"));
+        }
+        Ok(())
+    }
+
+    /// This override set applied over `tier`.
+    pub fn over(&self, tier: &QuotaSettings) -> QuotaSettings {
+        QuotaSettings {
+            rpm: self.rpm.or(tier.rpm),
+            tpm: self.tpm.or(tier.tpm),
+            daily_tokens: self.daily_tokens.or(tier.daily_tokens),
+            monthly_tokens: self.monthly_tokens.or(tier.monthly_tokens),
+            concurrency: self.concurrency.or(tier.concurrency),
+            max_prompt_tokens: self.max_prompt_tokens.or(tier.max_prompt_tokens),
+            max_output_tokens: self.max_output_tokens.or(tier.max_output_tokens),
+            max_n: self.max_n.or(tier.max_n),
+            allowed_models: if self.allowed_models.is_empty() {
+                tier.allowed_models.clone()
+            } else {
+                self.allowed_models.clone()
+            },
+            priority: self.priority.or(tier.priority),
+        }
+    }
+}
+
+/// The quota tiers of `policies/tiers.json`, compiled in.
+pub static TIERS: LazyLock<BTreeMap<String, QuotaSettings>> = LazyLock::new(|| {
+    let raw: BTreeMap<String, Value> =
+        serde_json::from_str(include_str!("../../policies/tiers.json")).unwrap_or_default();
+    raw.into_iter()
+        .filter(|(k, _)| !k.starts_with('_'))
+        .filter_map(|(k, v)| serde_json::from_value(v).ok().map(|q| (k, q)))
+        .collect()
+});
+
+/// A tenant as listed.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Tenant {
+    /// Stable id (`[a-z0-9_-]`, 1-64).
+    pub id: String,
+    /// Display name.
+    pub name: String,
+    /// `active` or `suspended`.
+    pub status: String,
+    /// Quota tier from `policies/tiers.json`.
+    pub tier: String,
+    /// Per-tenant policy overrides.
+    pub overrides: Value,
+    /// Creation time.
+    pub created_at: DateTime<Utc>,
+}
+
+/// An API key as listed: never the secret, only its public prefix.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ApiKey {
+    /// Key id.
+    pub id: String,
+    /// Owning tenant.
+    pub tenant_id: String,
+    /// The public start of the secret, shown in listings.
+    pub prefix: String,
+    /// What the key may call.
+    pub scopes: Vec<String>,
+    /// Issue time.
+    pub created_at: DateTime<Utc>,
+    /// Expiry, if any.
+    pub expires_at: Option<DateTime<Utc>>,
+    /// Revocation time, if revoked.
+    pub revoked_at: Option<DateTime<Utc>>,
+}
+
+/// A tenant's quota: its overrides and the effective limits over its tier.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct Quota {
+    /// The tenant.
+    pub tenant_id: String,
+    /// Its tier.
+    pub tier: String,
+    /// The tenant's own settings (`None` = the tier's value).
+    pub overrides: QuotaSettings,
+    /// What gateways enforce.
+    pub effective: QuotaSettings,
+    /// Last change, if the tenant has its own row.
+    pub updated_at: Option<DateTime<Utc>>,
+}
+
+/// One admin audit-log row.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct AuditEntry {
+    /// Sequence number (keyset cursor).
+    pub id: i64,
+    /// When.
+    pub at: DateTime<Utc>,
+    /// Who (`sub` of the token).
+    pub actor: String,
+    /// With which role.
+    pub role: String,
+    /// What (`tenant.create`, `key.revoke`, ...).
+    pub action: String,
+    /// On what (`tenant:ID`, `key:ID`).
+    pub target: String,
+    /// State before, if any.
+    pub before: Option<Value>,
+    /// State after, if any.
+    pub after: Option<Value>,
+}
+
+/// Scopes a key may carry.
+pub const KEY_SCOPES: &[&str] = &["completions", "chat", "models"];
+
+fn valid_id(param: &str, id: &str) -> Result<(), AdminError> {
+    let ok = !id.is_empty()
+        && id.len() <= 64
+        && id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
+    if ok {
+        Ok(())
+    } else {
+        Err(AdminError::invalid(param, format!("{param} must be 1-64 characters of a-z 0-9 - _")))
+    }
+}
+
+fn rfc3339(t: &DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::Micros, true)
+}
+
+fn random_hex(bytes: usize) -> String {
+    let mut out = String::new();
+    while out.len() < 2 * bytes {
+        out.push_str(&uuid::Uuid::new_v4().simple().to_string());
+    }
+    out.truncate(2 * bytes);
+    out
+}
+
+/// SHA-256 of an API key secret, hex: what the database stores and gateways compare.
+pub fn hash_secret(secret: &str) -> String {
+    hex::encode(Sha256::digest(secret.as_bytes()))
+}
+
+fn is_unique_violation(e: &sqlx::Error) -> bool {
+    matches!(e, sqlx::Error::Database(db) if db.kind() == sqlx::error::ErrorKind::UniqueViolation)
+}
+
+macro_rules! tenant_from_row {
+    ($row:expr) => {
+        Tenant {
+            id: $row.try_get("id")?,
+            name: $row.try_get("name")?,
+            status: $row.try_get("status")?,
+            tier: $row.try_get("tier")?,
+            overrides: $row.try_get::<Json<Value>, _>("overrides")?.0,
+            created_at: $row.try_get("created_at")?,
+        }
+    };
+}
+
+macro_rules! key_from_row {
+    ($row:expr) => {
+        ApiKey {
+            id: $row.try_get("id")?,
+            tenant_id: $row.try_get("tenant_id")?,
+            prefix: $row.try_get("prefix")?,
+            scopes: $row.try_get::<Json<Vec<String>>, _>("scopes")?.0,
+            created_at: $row.try_get("created_at")?,
+            expires_at: $row.try_get("expires_at")?,
+            revoked_at: $row.try_get("revoked_at")?,
+        }
+    };
+}
+
+macro_rules! quota_from_row {
+    ($row:expr) => {
+        QuotaSettings {
+            rpm: $row.try_get("rpm")?,
+            tpm: $row.try_get("tpm")?,
+            daily_tokens: $row.try_get("daily_tokens")?,
+            monthly_tokens: $row.try_get("monthly_tokens")?,
+            concurrency: $row.try_get("concurrency")?,
+            max_prompt_tokens: $row.try_get("max_prompt_tokens")?,
+            max_output_tokens: $row.try_get("max_output_tokens")?,
+            max_n: $row.try_get("max_n")?,
+            allowed_models: $row.try_get::<Json<Vec<String>>, _>("allowed_models")?.0,
+            priority: Some($row.try_get("priority")?),
+        }
+    };
+}
+
+const TENANT_COLUMNS: &str = "id, name, status, tier, overrides, created_at";
+const KEY_COLUMNS: &str = "id, tenant_id, prefix, scopes, created_at, expires_at, revoked_at";
+const QUOTA_COLUMNS: &str = "rpm, tpm, daily_tokens, monthly_tokens, concurrency, \
+    max_prompt_tokens, max_output_tokens, max_n, allowed_models, priority, updated_at";
+
+/// Inserts the audit row for a change, inside the change's transaction.
+macro_rules! audit {
+    ($tx:expr, $who:expr, $action:expr, $target:expr, $before:expr, $after:expr) => {
+        sqlx::query(
+            "INSERT INTO admin_audit_log (at, actor, role, action, target, before, after) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        )
+        .bind(Utc::now())
+        .bind($who.actor.as_str())
+        .bind($who.role.as_str())
+        .bind($action)
+        .bind($target)
+        .bind($before.map(Json))
+        .bind($after.map(Json))
+        .execute(&mut *$tx)
+        .await?
+    };
+}
+
+fn to_value<T: Serialize>(v: &T) -> Option<Value> {
+    serde_json::to_value(v).ok()
+}
+
+/// A new tenant.
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NewTenant {
+    /// Stable id.
+    pub id: String,
+    /// Display name (defaults to the id).
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Tier (defaults to `standard`).
+    #[serde(default)]
+    pub tier: Option<String>,
+    /// Per-tenant policy overrides (a JSON object).
+    #[serde(default)]
+    pub overrides: Option<Value>,
+}
+
+impl Ledger {
+    /// Creates a tenant (409 if the id exists).
+    pub async fn create_tenant(&self, who: &Principal, new: &NewTenant) -> Result<Tenant, AdminError> {
+        valid_id("id", &new.id)?;
+        let name = new.name.clone().unwrap_or_else(|| new.id.clone());
+        if name.is_empty() || name.chars().count() > 200 {
+            return Err(AdminError::invalid("name", "name must be 1-200 characters"));
+        }
+        let tier = new.tier.clone().unwrap_or_else(|| "standard".into());
+        if !TIERS.contains_key(&tier) {
+            let known: Vec<&str> = TIERS.keys().map(String::as_str).collect();
+            return Err(AdminError::invalid("tier", format!("unknown tier (one of {})", known.join(", "))));
+        }
+        let overrides = new.overrides.clone().unwrap_or_else(|| json!({}));
+        if !overrides.is_object() {
+            return Err(AdminError::invalid("overrides", "overrides must be a JSON object"));
+        }
+        let tenant = Tenant {
+            id: new.id.clone(),
+            name,
+            status: "active".into(),
+            tier,
+            overrides,
+            created_at: Utc::now(),
+        };
+        on_pool!(self, pool => {
+            let mut tx = pool.begin().await?;
+            let res = sqlx::query(
+                "INSERT INTO tenants (id, name, status, tier, overrides, created_at) \
+                 VALUES ($1, $2, $3, $4, $5, $6)",
+            )
+            .bind(&tenant.id)
+            .bind(&tenant.name)
+            .bind(&tenant.status)
+            .bind(&tenant.tier)
+            .bind(Json(&tenant.overrides))
+            .bind(tenant.created_at)
+            .execute(&mut *tx)
+            .await;
+            if let Err(e) = res {
+                return Err(if is_unique_violation(&e) {
+                    AdminError::Conflict(format!("tenant {} exists already", tenant.id))
+                } else {
+                    e.into()
+                });
+            }
+            audit!(tx, who, "tenant.create", format!("tenant:{}", tenant.id), None::<Value>, to_value(&tenant));
+            tx.commit().await?;
+        });
+        Ok(tenant)
+    }
+
+    /// Every tenant, by id.
+    pub async fn list_tenants(&self) -> Result<Vec<Tenant>, AdminError> {
+        on_pool!(self, pool => {
+            let rows = sqlx::query(&format!("SELECT {TENANT_COLUMNS} FROM tenants ORDER BY id"))
+                .fetch_all(pool)
+                .await?;
+            let mut out = Vec::with_capacity(rows.len());
+            for row in &rows {
+                out.push(tenant_from_row!(row));
+            }
+            Ok(out)
+        })
+    }
+
+    /// One tenant (404 if unknown).
+    pub async fn tenant(&self, id: &str) -> Result<Tenant, AdminError> {
+        valid_id("tenant", id)?;
+        on_pool!(self, pool => {
+            let row = sqlx::query(&format!("SELECT {TENANT_COLUMNS} FROM tenants WHERE id = $1"))
+                .bind(id)
+                .fetch_optional(pool)
+                .await?
+                .ok_or_else(|| AdminError::NotFound(format!("tenant {id} not found")))?;
+            Ok(tenant_from_row!(row))
+        })
+    }
+
+    /// Sets a tenant's status to `active` or `suspended`.
+    pub async fn set_tenant_status(
+        &self,
+        who: &Principal,
+        id: &str,
+        status: &str,
+    ) -> Result<Tenant, AdminError> {
+        valid_id("tenant", id)?;
+        if status != "active" && status != "suspended" {
+            return Err(AdminError::invalid("status", "status must be active or suspended"));
+        }
+        let action = if status == "active" { "tenant.activate" } else { "tenant.suspend" };
+        on_pool!(self, pool => {
+            let mut tx = pool.begin().await?;
+            let row = sqlx::query(&format!("SELECT {TENANT_COLUMNS} FROM tenants WHERE id = $1"))
+                .bind(id)
+                .fetch_optional(&mut *tx)
+                .await?
+                .ok_or_else(|| AdminError::NotFound(format!("tenant {id} not found")))?;
+            let before = tenant_from_row!(row);
+            sqlx::query("UPDATE tenants SET status = $1 WHERE id = $2")
+                .bind(status)
+                .bind(id)
+                .execute(&mut *tx)
+                .await?;
+            let after = Tenant { status: status.to_owned(), ..before.clone() };
+            audit!(tx, who, action, format!("tenant:{id}"), to_value(&before), to_value(&after));
+            tx.commit().await?;
+            Ok(after)
+        })
+    }
+
+    /// Issues a key for an existing tenant. The secret is returned here once and only its
+    /// hash is stored.
+    pub async fn issue_key(
+        &self,
+        who: &Principal,
+        tenant_id: &str,
+        scopes: Option<Vec<String>>,
+        expires_at: Option<DateTime<Utc>>,
+    ) -> Result<(ApiKey, String), AdminError> {
+        valid_id("tenant", tenant_id)?;
+        let scopes = scopes.unwrap_or_else(|| KEY_SCOPES.iter().map(|s| (*s).to_owned()).collect());
+        if scopes.is_empty() || scopes.iter().any(|s| !KEY_SCOPES.contains(&s.as_str())) {
+            return Err(AdminError::invalid(
+                "scopes",
+                format!("scopes must be a non-empty subset of {}", KEY_SCOPES.join(", ")),
+            ));
+        }
+        if expires_at.is_some_and(|t| t <= Utc::now()) {
+            return Err(AdminError::invalid("expires_at", "expires_at must be in the future"));
+        }
+        let prefix = format!("sk-sluice-{}", random_hex(4));
+        let secret = format!("{prefix}-{}", random_hex(24));
+        let key = ApiKey {
+            id: format!("key_{}", random_hex(8)),
+            tenant_id: tenant_id.to_owned(),
+            prefix,
+            scopes,
+            created_at: Utc::now(),
+            expires_at,
+            revoked_at: None,
+        };
+        on_pool!(self, pool => {
+            let mut tx = pool.begin().await?;
+            let exists = sqlx::query("SELECT id FROM tenants WHERE id = $1")
+                .bind(tenant_id)
+                .fetch_optional(&mut *tx)
+                .await?;
+            if exists.is_none() {
+                return Err(AdminError::NotFound(format!("tenant {tenant_id} not found")));
+            }
+            sqlx::query(
+                "INSERT INTO api_keys (id, tenant_id, prefix, secret_hash, scopes, created_at, \
+                 expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+            )
+            .bind(&key.id)
+            .bind(&key.tenant_id)
+            .bind(&key.prefix)
+            .bind(hash_secret(&secret))
+            .bind(Json(&key.scopes))
+            .bind(key.created_at)
+            .bind(key.expires_at)
+            .execute(&mut *tx)
+            .await?;
+            audit!(tx, who, "key.issue", format!("key:{}", key.id), None::<Value>, to_value(&key));
+            tx.commit().await?;
+        });
+        Ok((key, secret))
+    }
+
+    /// A tenant's keys, newest first (404 if the tenant is unknown).
+    pub async fn list_keys(&self, tenant_id: &str) -> Result<Vec<ApiKey>, AdminError> {
+        self.tenant(tenant_id).await?;
+        on_pool!(self, pool => {
+            let rows = sqlx::query(&format!(
+                "SELECT {KEY_COLUMNS} FROM api_keys WHERE tenant_id = $1 ORDER BY created_at DESC, id"
+            ))
+            .bind(tenant_id)
+            .fetch_all(pool)
+            .await?;
+            let mut out = Vec::with_capacity(rows.len());
+            for row in &rows {
+                out.push(key_from_row!(row));
+            }
+            Ok(out)
+        })
+    }
+
+    /// Revokes one of a tenant's keys (404 if it is not that tenant's; idempotent).
+    pub async fn revoke_key(
+        &self,
+        who: &Principal,
+        tenant_id: &str,
+        key_id: &str,
+    ) -> Result<ApiKey, AdminError> {
+        valid_id("tenant", tenant_id)?;
+        on_pool!(self, pool => {
+            let mut tx = pool.begin().await?;
+            let row = sqlx::query(&format!(
+                "SELECT {KEY_COLUMNS} FROM api_keys WHERE id = $1 AND tenant_id = $2"
+            ))
+            .bind(key_id)
+            .bind(tenant_id)
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or_else(|| AdminError::NotFound(format!("key {key_id} not found for tenant {tenant_id}")))?;
+            let before = key_from_row!(row);
+            if before.revoked_at.is_some() {
+                return Ok(before);
+            }
+            let after = ApiKey { revoked_at: Some(Utc::now()), ..before.clone() };
+            sqlx::query("UPDATE api_keys SET revoked_at = $1 WHERE id = $2")
+                .bind(after.revoked_at)
+                .bind(key_id)
+                .execute(&mut *tx)
+                .await?;
+            audit!(tx, who, "key.revoke", format!("key:{key_id}"), to_value(&before), to_value(&after));
+            tx.commit().await?;
+            Ok(after)
+        })
+    }
+
+    /// A tenant's quota: its overrides and the effective limits.
+    pub async fn quota(&self, tenant_id: &str) -> Result<Quota, AdminError> {
+        let tenant = self.tenant(tenant_id).await?;
+        let tier = TIERS.get(&tenant.tier).cloned().unwrap_or_default();
+        on_pool!(self, pool => {
+            let row = sqlx::query(&format!("SELECT {QUOTA_COLUMNS} FROM quotas WHERE tenant_id = $1"))
+                .bind(tenant_id)
+                .fetch_optional(pool)
+                .await?;
+            let (overrides, updated_at) = match row {
+                Some(row) => (quota_from_row!(row), Some(row.try_get("updated_at")?)),
+                None => (QuotaSettings::default(), None),
+            };
+            let effective = overrides.over(&tier);
+            Ok(Quota { tenant_id: tenant.id, tier: tenant.tier, overrides, effective, updated_at })
+        })
+    }
+
+    /// Replaces a tenant's quota overrides (fields left out fall back to the tier).
+    pub async fn set_quota(
+        &self,
+        who: &Principal,
+        tenant_id: &str,
+        settings: &QuotaSettings,
+    ) -> Result<Quota, AdminError> {
+        settings.validate()?;
+        let before = self.quota(tenant_id).await?;
+        let tier = TIERS.get(&before.tier).cloned().unwrap_or_default();
+        let priority = settings.priority.or(tier.priority).unwrap_or(0);
+        let now = Utc::now();
+        on_pool!(self, pool => {
+            let mut tx = pool.begin().await?;
+            sqlx::query(
+                "INSERT INTO quotas (tenant_id, rpm, tpm, daily_tokens, monthly_tokens, \
+                 concurrency, max_prompt_tokens, max_output_tokens, max_n, allowed_models, \
+                 priority, updated_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) \
+                 ON CONFLICT (tenant_id) DO UPDATE SET rpm = excluded.rpm, tpm = excluded.tpm, \
+                 daily_tokens = excluded.daily_tokens, monthly_tokens = excluded.monthly_tokens, \
+                 concurrency = excluded.concurrency, max_prompt_tokens = excluded.max_prompt_tokens, \
+                 max_output_tokens = excluded.max_output_tokens, max_n = excluded.max_n, \
+                 allowed_models = excluded.allowed_models, priority = excluded.priority, \
+                 updated_at = excluded.updated_at",
+            )
+            .bind(tenant_id)
+            .bind(settings.rpm)
+            .bind(settings.tpm)
+            .bind(settings.daily_tokens)
+            .bind(settings.monthly_tokens)
+            .bind(settings.concurrency)
+            .bind(settings.max_prompt_tokens)
+            .bind(settings.max_output_tokens)
+            .bind(settings.max_n)
+            .bind(Json(&settings.allowed_models))
+            .bind(priority)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+            let overrides = QuotaSettings { priority: Some(priority), ..settings.clone() };
+            let after = Quota {
+                tenant_id: tenant_id.to_owned(),
+                tier: before.tier.clone(),
+                effective: overrides.over(&tier),
+                overrides,
+                updated_at: Some(now),
+            };
+            audit!(tx, who, "quota.set", format!("tenant:{tenant_id}"), to_value(&before), to_value(&after));
+            tx.commit().await?;
+            Ok(after)
+        })
+    }
+
+    /// Audit-log rows with `id > after`, oldest first, optionally filtered.
+    pub async fn audit_log(&self, filter: &AuditFilter) -> Result<Vec<AuditEntry>, AdminError> {
+        on_pool!(self, pool => {
+            let mut q = QueryBuilder::new(
+                "SELECT id, at, actor, role, action, target, before, after FROM admin_audit_log WHERE id > ",
+            );
+            q.push_bind(filter.after.unwrap_or(0));
+            if let Some(since) = filter.since {
+                q.push(" AND at >= ").push_bind(since);
+            }
+            if let Some(until) = filter.until {
+                q.push(" AND at < ").push_bind(until);
+            }
+            if let Some(actor) = &filter.actor {
+                q.push(" AND actor = ").push_bind(actor.clone());
+            }
+            if let Some(target) = &filter.target {
+                q.push(" AND target = ").push_bind(target.clone());
+            }
+            q.push(" ORDER BY id LIMIT ").push_bind(filter.limit);
+            let rows = q.build().fetch_all(pool).await?;
+            let mut out = Vec::with_capacity(rows.len());
+            for row in &rows {
+                out.push(AuditEntry {
+                    id: row.try_get("id")?,
+                    at: row.try_get("at")?,
+                    actor: row.try_get("actor")?,
+                    role: row.try_get("role")?,
+                    action: row.try_get("action")?,
+                    target: row.try_get("target")?,
+                    before: row.try_get::<Option<Json<Value>>, _>("before")?.map(|j| j.0),
+                    after: row.try_get::<Option<Json<Value>>, _>("after")?.map(|j| j.0),
+                });
+            }
+            Ok(out)
+        })
+    }
+
+    /// Request records matching `filter`, in (arrival, request id) order after the cursor.
+    pub async fn records(&self, filter: &RecordFilter) -> Result<RecordPage, AdminError> {
+        let cols: Vec<&str> = RECORD_COLUMNS.iter().map(|(n, _)| *n).collect();
+        on_pool!(self, pool => {
+            let mut q = QueryBuilder::new(format!("SELECT {} FROM request_records WHERE 1 = 1", cols.join(", ")));
+            for (col, val) in [
+                ("tenant_id", &filter.tenant),
+                ("key_id", &filter.key),
+                ("model_id", &filter.model),
+                ("model_revision", &filter.model_revision),
+                ("finish_reason", &filter.finish_reason),
+            ] {
+                if let Some(v) = val {
+                    q.push(format!(" AND {col} = ")).push_bind(v.clone());
+                }
+            }
+            if let Some(status) = filter.status {
+                q.push(" AND http_status = ").push_bind(i32::from(status));
+            }
+            if let Some(since) = filter.since {
+                q.push(" AND arrival_at >= ").push_bind(since);
+            }
+            if let Some(until) = filter.until {
+                q.push(" AND arrival_at < ").push_bind(until);
+            }
+            if let Some((at, id)) = &filter.after {
+                q.push(" AND (arrival_at > ").push_bind(*at);
+                q.push(" OR (arrival_at = ").push_bind(*at);
+                q.push(" AND request_id > ").push_bind(id.clone());
+                q.push("))");
+            }
+            q.push(" ORDER BY arrival_at, request_id LIMIT ").push_bind(i64::from(filter.limit));
+            let rows = q.build().fetch_all(pool).await?;
+            let mut records = Vec::with_capacity(rows.len());
+            for row in &rows {
+                let mut m = Map::new();
+                for (name, col) in RECORD_COLUMNS {
+                    let v = match col {
+                        Col::Text => Value::from(row.try_get::<String, _>(*name)?),
+                        Col::OptText => row.try_get::<Option<String>, _>(*name)?.map_or(Value::Null, Value::from),
+                        Col::Int => Value::from(row.try_get::<i64, _>(*name)?),
+                        Col::Int32 => Value::from(row.try_get::<i32, _>(*name)?),
+                        Col::Bool => Value::from(row.try_get::<bool, _>(*name)?),
+                        Col::Time => Value::from(rfc3339(&row.try_get::<DateTime<Utc>, _>(*name)?)),
+                        Col::OptTime => row
+                            .try_get::<Option<DateTime<Utc>>, _>(*name)?
+                            .map_or(Value::Null, |t| Value::from(rfc3339(&t))),
+                        Col::OptFloat => row.try_get::<Option<f64>, _>(*name)?.map_or(Value::Null, Value::from),
+                    };
+                    m.insert((*name).to_owned(), v);
+                }
+                records.push(m);
+            }
+            let next_cursor = if records.len() == filter.limit as usize {
+                let last = rows.last();
+                match last {
+                    Some(row) => Some(encode_cursor(&row.try_get("arrival_at")?, &row.try_get::<String, _>("request_id")?)),
+                    None => None,
+                }
+            } else {
+                None
+            };
+            Ok(RecordPage { records, next_cursor })
+        })
+    }
+
+    /// Usage rollup rows for a period, filtered.
+    pub async fn usage(&self, filter: &UsageFilter) -> Result<Vec<UsageRow>, AdminError> {
+        on_pool!(self, pool => {
+            let mut q = QueryBuilder::new(
+                "SELECT bucket_start, tenant_id, model_id, requests, prompt_tokens, \
+                 cached_prompt_tokens, completion_tokens, cost_micros FROM usage_rollups WHERE period = ",
+            );
+            q.push_bind(filter.period.clone());
+            if let Some(t) = &filter.tenant {
+                q.push(" AND tenant_id = ").push_bind(t.clone());
+            }
+            if let Some(m) = &filter.model {
+                q.push(" AND model_id = ").push_bind(m.clone());
+            }
+            if let Some(since) = filter.since {
+                q.push(" AND bucket_start >= ").push_bind(since);
+            }
+            if let Some(until) = filter.until {
+                q.push(" AND bucket_start < ").push_bind(until);
+            }
+            q.push(" ORDER BY bucket_start, tenant_id, model_id LIMIT 100000");
+            let rows = q.build().fetch_all(pool).await?;
+            let mut out = Vec::with_capacity(rows.len());
+            for row in &rows {
+                out.push(UsageRow {
+                    bucket_start: row.try_get("bucket_start")?,
+                    tenant_id: row.try_get("tenant_id")?,
+                    model_id: row.try_get("model_id")?,
+                    requests: row.try_get("requests")?,
+                    prompt_tokens: row.try_get("prompt_tokens")?,
+                    cached_prompt_tokens: row.try_get("cached_prompt_tokens")?,
+                    completion_tokens: row.try_get("completion_tokens")?,
+                    cost_micros: row.try_get("cost_micros")?,
+                });
+            }
+            Ok(out)
+        })
+    }
+
+    /// Everything the dashboard draws for `[since, until)`.
+    pub async fn dashboard(
+        &self,
+        since: DateTime<Utc>,
+        until: DateTime<Utc>,
+    ) -> Result<Dashboard, AdminError> {
+        let period = if until - since <= TimeDelta::hours(48) { "hour" } else { "day" };
+        // Buckets that overlap the window: the first may start before `since`.
+        let first_bucket = match period {
+            "hour" => since - TimeDelta::hours(1),
+            _ => since - TimeDelta::days(1),
+        };
+        let series = self
+            .usage(&UsageFilter {
+                period: period.into(),
+                tenant: None,
+                model: None,
+                since: Some(first_bucket),
+                until: Some(until),
+            })
+            .await?;
+        let (finish_reasons, samples) = on_pool!(self, pool => {
+            let rows = sqlx::query(
+                "SELECT tenant_id, finish_reason, COUNT(*) AS n FROM request_records \
+                 WHERE arrival_at >= $1 AND arrival_at < $2 GROUP BY tenant_id, finish_reason \
+                 ORDER BY tenant_id, finish_reason",
+            )
+            .bind(since)
+            .bind(until)
+            .fetch_all(pool)
+            .await?;
+            let mut finish = Vec::with_capacity(rows.len());
+            for row in &rows {
+                finish.push(FinishCount {
+                    tenant_id: row.try_get("tenant_id")?,
+                    finish_reason: row.try_get("finish_reason")?,
+                    requests: row.try_get("n")?,
+                });
+            }
+            let rows = sqlx::query(
+                "SELECT tenant_id, ttft_ms, tpot_ms FROM request_records \
+                 WHERE arrival_at >= $1 AND arrival_at < $2 ORDER BY arrival_at DESC LIMIT 200000",
+            )
+            .bind(since)
+            .bind(until)
+            .fetch_all(pool)
+            .await?;
+            let mut samples: BTreeMap<String, (u64, Vec<f64>, Vec<f64>)> = BTreeMap::new();
+            for row in &rows {
+                let e = samples.entry(row.try_get("tenant_id")?).or_default();
+                e.0 += 1;
+                if let Some(v) = row.try_get::<Option<f64>, _>("ttft_ms")? {
+                    e.1.push(v);
+                }
+                if let Some(v) = row.try_get::<Option<f64>, _>("tpot_ms")? {
+                    e.2.push(v);
+                }
+            }
+            (finish, samples)
+        });
+        let latency = samples
+            .into_iter()
+            .map(|(tenant_id, (requests, ttft, tpot))| LatencyRow {
+                tenant_id,
+                requests,
+                ttft_ms: Percentiles::of(ttft),
+                tpot_ms: Percentiles::of(tpot),
+            })
+            .collect();
+        let mut top: BTreeMap<String, TenantTotal> = BTreeMap::new();
+        for row in &series {
+            let t = top.entry(row.tenant_id.clone()).or_insert_with(|| TenantTotal {
+                tenant_id: row.tenant_id.clone(),
+                ..TenantTotal::default()
+            });
+            t.requests += row.requests;
+            t.prompt_tokens += row.prompt_tokens;
+            t.cached_prompt_tokens += row.cached_prompt_tokens;
+            t.completion_tokens += row.completion_tokens;
+            t.cost_micros = t.cost_micros.saturating_add(row.cost_micros);
+        }
+        let mut top_tenants: Vec<TenantTotal> = top.into_values().collect();
+        top_tenants.sort_by(|a, b| {
+            (b.cost_micros, b.prompt_tokens + b.completion_tokens, &a.tenant_id).cmp(&(
+                a.cost_micros,
+                a.prompt_tokens + a.completion_tokens,
+                &b.tenant_id,
+            ))
+        });
+        Ok(Dashboard { since, until, period: period.into(), series, finish_reasons, latency, top_tenants })
+    }
+}
+
+/// Filters for [`Ledger::audit_log`].
+#[derive(Clone, Debug, Default)]
+pub struct AuditFilter {
+    /// Rows after this id (keyset cursor).
+    pub after: Option<i64>,
+    /// From this time.
+    pub since: Option<DateTime<Utc>>,
+    /// Before this time.
+    pub until: Option<DateTime<Utc>>,
+    /// By this actor.
+    pub actor: Option<String>,
+    /// On this target.
+    pub target: Option<String>,
+    /// At most this many rows.
+    pub limit: i64,
+}
+
+/// How a `request_records` column is read.
+#[derive(Clone, Copy, Debug)]
+pub enum Col {
+    /// NOT NULL text.
+    Text,
+    /// Nullable text.
+    OptText,
+    /// BIGINT.
+    Int,
+    /// INTEGER.
+    Int32,
+    /// BOOLEAN.
+    Bool,
+    /// NOT NULL timestamp.
+    Time,
+    /// Nullable timestamp.
+    OptTime,
+    /// Nullable double.
+    OptFloat,
+}
+
+/// The columns of `request_records`, in schema order, as exported.
+pub const RECORD_COLUMNS: &[(&str, Col)] = &[
+    ("request_id", Col::Text),
+    ("idempotency_key", Col::OptText),
+    ("tenant_id", Col::Text),
+    ("key_id", Col::Text),
+    ("model_id", Col::Text),
+    ("model_revision", Col::Text),
+    ("tokenizer_revision", Col::Text),
+    ("chat_template_version", Col::Text),
+    ("adapter", Col::OptText),
+    ("engine_version", Col::OptText),
+    ("engine_worker", Col::OptText),
+    ("prompt_tokens", Col::Int),
+    ("cached_prompt_tokens", Col::Int),
+    ("completion_tokens", Col::Int),
+    ("finish_reason", Col::Text),
+    ("http_status", Col::Int32),
+    ("error_type", Col::OptText),
+    ("client_disconnected", Col::Bool),
+    ("arrival_at", Col::Time),
+    ("first_token_at", Col::OptTime),
+    ("last_token_at", Col::OptTime),
+    ("ttft_ms", Col::OptFloat),
+    ("tpot_ms", Col::OptFloat),
+    ("itl_max_ms", Col::OptFloat),
+    ("itl_p99_ms", Col::OptFloat),
+    ("e2e_ms", Col::OptFloat),
+    ("engine_queue_ms", Col::OptFloat),
+    ("engine_prefill_ms", Col::OptFloat),
+    ("engine_decode_ms", Col::OptFloat),
+    ("trace_id", Col::OptText),
+    ("prompt_sha256", Col::Text),
+    ("prompt_chars", Col::Int),
+    ("cost_micros", Col::Int),
+    ("ingested_at", Col::Time),
+];
+
+/// Filters for [`Ledger::records`].
+#[derive(Clone, Debug, Default)]
+pub struct RecordFilter {
+    /// Tenant id.
+    pub tenant: Option<String>,
+    /// API key id.
+    pub key: Option<String>,
+    /// Model id.
+    pub model: Option<String>,
+    /// Model revision.
+    pub model_revision: Option<String>,
+    /// Finish reason.
+    pub finish_reason: Option<String>,
+    /// HTTP status.
+    pub status: Option<u16>,
+    /// Arrival at or after.
+    pub since: Option<DateTime<Utc>>,
+    /// Arrival before.
+    pub until: Option<DateTime<Utc>>,
+    /// Keyset position: records strictly after this (arrival, request id).
+    pub after: Option<(DateTime<Utc>, String)>,
+    /// Page size.
+    pub limit: u32,
+}
+
+/// One page of records.
+#[derive(Clone, Debug, Serialize)]
+pub struct RecordPage {
+    /// Rows as column name -> value.
+    pub records: Vec<Map<String, Value>>,
+    /// Cursor for the next page, when this one was full.
+    pub next_cursor: Option<String>,
+}
+
+/// Opaque keyset cursor: hex of `arrival\nrequest_id`.
+pub fn encode_cursor(at: &DateTime<Utc>, request_id: &str) -> String {
+    hex::encode(format!("{}\n{request_id}", at.to_rfc3339_opts(SecondsFormat::AutoSi, true)))
+}
+
+/// Decodes [`encode_cursor`]'s output.
+pub fn decode_cursor(cursor: &str) -> Result<(DateTime<Utc>, String), AdminError> {
+    let bad = || AdminError::invalid("cursor", "cursor is not one this API returned");
+    let raw = hex::decode(cursor).map_err(|_| bad())?;
+    let text = String::from_utf8(raw).map_err(|_| bad())?;
+    let (at, id) = text.split_once('\n').ok_or_else(bad)?;
+    let at = DateTime::parse_from_rfc3339(at).map_err(|_| bad())?.with_timezone(&Utc);
+    Ok((at, id.to_owned()))
+}
+
+/// Filters for [`Ledger::usage`].
+#[derive(Clone, Debug)]
+pub struct UsageFilter {
+    /// `hour` or `day`.
+    pub period: String,
+    /// Tenant id.
+    pub tenant: Option<String>,
+    /// Model id.
+    pub model: Option<String>,
+    /// Buckets starting at or after.
+    pub since: Option<DateTime<Utc>>,
+    /// Buckets starting before.
+    pub until: Option<DateTime<Utc>>,
+}
+
+/// One rollup row.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct UsageRow {
+    /// Bucket start (UTC hour or day).
+    pub bucket_start: DateTime<Utc>,
+    /// Tenant.
+    pub tenant_id: String,
+    /// Model.
+    pub model_id: String,
+    /// Requests.
+    pub requests: i64,
+    /// Prompt tokens.
+    pub prompt_tokens: i64,
+    /// Of which served from the prefix cache.
+    pub cached_prompt_tokens: i64,
+    /// Completion tokens.
+    pub completion_tokens: i64,
+    /// Cost, micro-units.
+    pub cost_micros: i64,
+}
+
+/// Requests per tenant and finish reason.
+#[derive(Clone, Debug, Serialize)]
+pub struct FinishCount {
+    /// Tenant.
+    pub tenant_id: String,
+    /// Finish reason.
+    pub finish_reason: String,
+    /// Requests.
+    pub requests: i64,
+}
+
+/// Nearest-rank percentiles of a sample.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct Percentiles {
+    /// Median.
+    pub p50: f64,
+    /// 90th.
+    pub p90: f64,
+    /// 99th.
+    pub p99: f64,
+}
+
+impl Percentiles {
+    /// `None` for an empty sample; else value at index `ceil(p/100 * n) - 1` of the sorted sample.
+    pub fn of(mut v: Vec<f64>) -> Option<Self> {
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        let at = |p: f64| {
+            let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
+            v[rank.clamp(1, v.len()) - 1]
+        };
+        Some(Self { p50: at(50.0), p90: at(90.0), p99: at(99.0) })
+    }
+}
+
+/// TTFT and TPOT percentiles of one tenant.
+#[derive(Clone, Debug, Serialize)]
+pub struct LatencyRow {
+    /// Tenant.
+    pub tenant_id: String,
+    /// Requests in the window.
+    pub requests: u64,
+    /// Time to first token.
+    pub ttft_ms: Option<Percentiles>,
+    /// Time per output token.
+    pub tpot_ms: Option<Percentiles>,
+}
+
+/// Totals of one tenant over the window.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct TenantTotal {
+    /// Tenant.
+    pub tenant_id: String,
+    /// Requests.
+    pub requests: i64,
+    /// Prompt tokens.
+    pub prompt_tokens: i64,
+    /// Cached prompt tokens.
+    pub cached_prompt_tokens: i64,
+    /// Completion tokens.
+    pub completion_tokens: i64,
+    /// Cost, micro-units.
+    pub cost_micros: i64,
+}
+
+/// What the dashboard page draws.
+#[derive(Clone, Debug, Serialize)]
+pub struct Dashboard {
+    /// Window start.
+    pub since: DateTime<Utc>,
+    /// Window end.
+    pub until: DateTime<Utc>,
+    /// Bucket width of `series`.
+    pub period: String,
+    /// Usage per bucket x tenant x model.
+    pub series: Vec<UsageRow>,
+    /// Requests per tenant x finish reason.
+    pub finish_reasons: Vec<FinishCount>,
+    /// Latency percentiles per tenant.
+    pub latency: Vec<LatencyRow>,
+    /// Tenants by cost, then tokens.
+    pub top_tenants: Vec<TenantTotal>,
+}
