@@ -16,7 +16,12 @@ use sluice_billing::{Ledger, LedgerOptions};
 #[derive(Args, Debug)]
 pub struct JwtArgs {
     /// HS256 shared secret (at least 32 bytes); read from the environment only.
-    #[arg(long = "jwt-secret-from-env", hide = true, env = "SLUICE_JWT_SECRET", hide_env_values = true)]
+    #[arg(
+        long = "jwt-secret-from-env",
+        hide = true,
+        env = "SLUICE_JWT_SECRET",
+        hide_env_values = true
+    )]
     secret: Option<String>,
     /// PEM public key verifying RS256 or EdDSA tokens, instead of a shared secret.
     #[arg(long)]
@@ -41,8 +46,9 @@ impl JwtArgs {
                     .with_context(|| format!("reading --jwt-public-key {}", path.display()))?;
                 Verifier::public_key(&self.jwt_alg, &pem, iss, aud)?
             }
-            (None, Some(secret)) => Verifier::hs256(secret.as_bytes(), iss, aud)
-                .context("SLUICE_JWT_SECRET")?,
+            (None, Some(secret)) => {
+                Verifier::hs256(secret.as_bytes(), iss, aud).context("SLUICE_JWT_SECRET")?
+            }
             (None, None) => bail!(
                 "no JWT key: set SLUICE_JWT_SECRET (HS256, 32+ bytes) or pass --jwt-public-key"
             ),
@@ -65,6 +71,12 @@ pub struct BillingArgs {
     /// This replica's consumer name in the usage stream's group.
     #[arg(long, default_value = "billing-1")]
     consumer: String,
+    /// Usage stream to consume (tests isolate themselves with their own).
+    #[arg(long, hide = true, default_value = sluice_billing::ingest::USAGE_STREAM)]
+    usage_stream: String,
+    /// Consumer group on the usage stream.
+    #[arg(long, hide = true, default_value = sluice_billing::ingest::CONSUMER_GROUP)]
+    consumer_group: String,
     #[command(flatten)]
     jwt: JwtArgs,
 }
@@ -91,10 +103,14 @@ pub fn run_billing(args: BillingArgs) -> anyhow::Result<()> {
                     .await
                     .context("connecting to --redis-url")?,
             );
-            let consumer =
-                UsageConsumer::new(client, ledger.clone(), IngestConfig::new(&args.consumer))
-                    .await
-                    .context("joining the usage stream's consumer group")?;
+            let mut config = IngestConfig::new(&args.consumer);
+            // The dead-letter stream shares the usage stream's hash tag (same cluster slot).
+            config.dead_letter_stream = format!("{}:dead", args.usage_stream);
+            config.stream = args.usage_stream.clone();
+            config.group = args.consumer_group.clone();
+            let consumer = UsageConsumer::new(client, ledger.clone(), config)
+                .await
+                .context("joining the usage stream's consumer group")?;
             consumer_task = Some(tokio::spawn(consumer.run(stop_rx)));
         }
         let state = Arc::new(ApiState { ledger: ledger.clone(), verifier, redis });
@@ -403,8 +419,8 @@ fn block_on<F: std::future::Future<Output = anyhow::Result<()>>>(f: F) -> anyhow
 pub fn run_admin(cmd: AdminCommand, client: &ClientArgs) -> anyhow::Result<()> {
     use reqwest::Method;
     if let AdminCommand::Token { role, sub, tenant, ttl, jwt } = &cmd {
-        let role = Role::parse(role)
-            .context("--role must be ops, billing, auditor or tenant-admin")?;
+        let role =
+            Role::parse(role).context("--role must be ops, billing, auditor or tenant-admin")?;
         let secret = jwt.secret.as_deref().context("set SLUICE_JWT_SECRET to mint a token")?;
         let who = Principal { actor: sub.clone(), role, tenant: tenant.clone() };
         let token = mint_hs256(
@@ -452,8 +468,7 @@ pub fn run_admin(cmd: AdminCommand, client: &ClientArgs) -> anyhow::Result<()> {
                 if let Some(e) = expires_at {
                     body["expires_at"] = json!(e);
                 }
-                c.json(Method::POST, &format!("/v1/tenants/{tenant}/keys"), &[], Some(body))
-                    .await?
+                c.json(Method::POST, &format!("/v1/tenants/{tenant}/keys"), &[], Some(body)).await?
             }
             AdminCommand::Keys(KeyCommand::List { tenant }) => {
                 c.json(Method::GET, &format!("/v1/tenants/{tenant}/keys"), &[], None).await?
@@ -484,8 +499,7 @@ pub fn run_admin(cmd: AdminCommand, client: &ClientArgs) -> anyhow::Result<()> {
                     "max_prompt_tokens": max_prompt_tokens, "max_output_tokens": max_output_tokens,
                     "max_n": max_n, "allowed_models": allowed_models, "priority": priority,
                 });
-                c.json(Method::PUT, &format!("/v1/tenants/{tenant}/quota"), &[], Some(body))
-                    .await?
+                c.json(Method::PUT, &format!("/v1/tenants/{tenant}/quota"), &[], Some(body)).await?
             }
         };
         print_json(&v)

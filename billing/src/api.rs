@@ -100,7 +100,8 @@ impl IntoResponse for ApiError {
             other => other.to_string(),
         };
         let code = status.as_u16().to_string();
-        let body = json!({"error": {"message": message, "type": kind, "param": param, "code": code}});
+        let body =
+            json!({"error": {"message": message, "type": kind, "param": param, "code": code}});
         (status, axum::Json(body)).into_response()
     }
 }
@@ -116,8 +117,7 @@ fn authorize(state: &ApiState, headers: &HeaderMap, allowed: &[Role]) -> ApiResu
         .map(str::trim)
         .filter(|t| !t.is_empty())
         .ok_or_else(|| AdminError::Unauthorized(AuthError::Missing.to_string()))?;
-    let who =
-        state.verifier.verify(token).map_err(|e| AdminError::Unauthorized(e.to_string()))?;
+    let who = state.verifier.verify(token).map_err(|e| AdminError::Unauthorized(e.to_string()))?;
     if !allowed.contains(&who.role) {
         return Err(AdminError::Forbidden(format!(
             "role {} may not do this (allowed: {})",
@@ -132,7 +132,10 @@ fn authorize(state: &ApiState, headers: &HeaderMap, allowed: &[Role]) -> ApiResu
 /// A `tenant-admin` may only touch its own tenant.
 fn check_tenant(who: &Principal, tenant: &str) -> ApiResult<()> {
     if who.role == Role::TenantAdmin && who.tenant.as_deref() != Some(tenant) {
-        return Err(AdminError::Forbidden("a tenant-admin token reaches only its own tenant".into()).into());
+        return Err(AdminError::Forbidden(
+            "a tenant-admin token reaches only its own tenant".into(),
+        )
+        .into());
     }
     Ok(())
 }
@@ -151,7 +154,11 @@ fn body<T: DeserializeOwned>(bytes: &Bytes) -> ApiResult<T> {
 /// Query parameters, refusing names the route does not know.
 fn query(params: HashMap<String, String>, known: &[&str]) -> ApiResult<HashMap<String, String>> {
     if let Some(k) = params.keys().find(|k| !known.contains(&k.as_str())) {
-        return Err(AdminError::invalid(k, format!("unknown query parameter {k:?} (known: {})", known.join(", "))).into());
+        return Err(AdminError::invalid(
+            k,
+            format!("unknown query parameter {k:?} (known: {})", known.join(", ")),
+        )
+        .into());
     }
     Ok(params)
 }
@@ -183,7 +190,10 @@ pub fn parse_time(param: &str, s: &str) -> Result<DateTime<Utc>, AdminError> {
 }
 
 fn bad_time(param: &str) -> AdminError {
-    AdminError::invalid(param, format!("{param} must be RFC 3339, YYYY-MM-DD, or an age like 24h or 7d"))
+    AdminError::invalid(
+        param,
+        format!("{param} must be RFC 3339, YYYY-MM-DD, or an age like 24h or 7d"),
+    )
 }
 
 fn time_param(q: &HashMap<String, String>, name: &str) -> ApiResult<Option<DateTime<Utc>>> {
@@ -195,7 +205,10 @@ fn limit_param(q: &HashMap<String, String>, default: u32, max: u32) -> ApiResult
         None => Ok(default),
         Some(s) => match s.parse::<u32>() {
             Ok(n) if (1..=max).contains(&n) => Ok(n),
-            _ => Err(AdminError::invalid("limit", format!("limit must be an integer 1..={max}")).into()),
+            _ => {
+                Err(AdminError::invalid("limit", format!("limit must be an integer 1..={max}"))
+                    .into())
+            }
         },
     }
 }
@@ -214,11 +227,17 @@ fn text_param(q: &HashMap<String, String>, name: &str) -> ApiResult<Option<Strin
 async fn announce(state: &ApiState, kind: &str, tenant: &str) {
     let Some(redis) = &state.redis else { return };
     let mut conn = redis.clone();
-    let version: Result<i64, _> = redis::cmd("INCR").arg(CONTROL_VERSION_KEY).query_async(&mut conn).await;
+    let version: Result<i64, _> =
+        redis::cmd("INCR").arg(CONTROL_VERSION_KEY).query_async(&mut conn).await;
     let result = match version {
         Ok(v) => {
             let msg = json!({"version": v, "kind": kind, "tenant_id": tenant}).to_string();
-            redis::cmd("PUBLISH").arg(CONTROL_CHANNEL).arg(msg).query_async::<i64>(&mut conn).await.map(|_| ())
+            redis::cmd("PUBLISH")
+                .arg(CONTROL_CHANNEL)
+                .arg(msg)
+                .query_async::<i64>(&mut conn)
+                .await
+                .map(|_| ())
         }
         Err(e) => Err(e),
     };
@@ -244,7 +263,11 @@ async fn dashboard_data(
     let until = time_param(&q, "until")?.unwrap_or_else(Utc::now);
     let since = time_param(&q, "since")?.unwrap_or(until - TimeDelta::days(7));
     if since >= until || until - since > TimeDelta::days(400) {
-        return Err(AdminError::invalid("since", "the window must be non-empty and at most 400 days").into());
+        return Err(AdminError::invalid(
+            "since",
+            "the window must be non-empty and at most 400 days",
+        )
+        .into());
     }
     Ok(axum::Json(s.ledger.dashboard(since, until).await?).into_response())
 }
@@ -276,7 +299,12 @@ async fn create_tenant(
     Ok((StatusCode::CREATED, axum::Json(tenant)).into_response())
 }
 
-async fn set_status(s: &ApiState, headers: &HeaderMap, tenant: &str, status: &str) -> ApiResult<Response> {
+async fn set_status(
+    s: &ApiState,
+    headers: &HeaderMap,
+    tenant: &str,
+    status: &str,
+) -> ApiResult<Response> {
     let who = authorize(s, headers, &[Role::Ops])?;
     let t = s.ledger.set_tenant_status(&who, tenant, status).await?;
     announce(s, "tenant", tenant).await;
@@ -323,7 +351,11 @@ async fn issue_key(
     if let Value::Object(m) = &mut v {
         m.insert("secret".into(), Value::from(secret));
     }
-    Ok((StatusCode::CREATED, [(header::CACHE_CONTROL, HeaderValue::from_static("no-store"))], axum::Json(v))
+    Ok((
+        StatusCode::CREATED,
+        [(header::CACHE_CONTROL, HeaderValue::from_static("no-store"))],
+        axum::Json(v),
+    )
         .into_response())
 }
 
@@ -388,14 +420,27 @@ async fn records(
     authorize(&s, &headers, &[Role::Auditor])?;
     let q = query(
         q,
-        &["tenant", "key", "model", "model_revision", "finish_reason", "status", "since", "until", "limit", "cursor", "format"],
+        &[
+            "tenant",
+            "key",
+            "model",
+            "model_revision",
+            "finish_reason",
+            "status",
+            "since",
+            "until",
+            "limit",
+            "cursor",
+            "format",
+        ],
     )?;
-    let status = match q.get("status") {
-        None => None,
-        Some(v) => Some(v.parse::<u16>().ok().filter(|s| (100..=599).contains(s)).ok_or_else(|| {
-            AdminError::invalid("status", "status must be an HTTP status code 100-599")
-        })?),
-    };
+    let status =
+        match q.get("status") {
+            None => None,
+            Some(v) => Some(v.parse::<u16>().ok().filter(|s| (100..=599).contains(s)).ok_or_else(
+                || AdminError::invalid("status", "status must be an HTTP status code 100-599"),
+            )?),
+        };
     let filter = RecordFilter {
         tenant: text_param(&q, "tenant")?,
         key: text_param(&q, "key")?,
@@ -426,7 +471,8 @@ async fn records(
             let mut out = names.join(",");
             out.push('\n');
             for r in &page.records {
-                let row: Vec<String> = names.iter().map(|n| csv_field(r.get(*n).unwrap_or(&Value::Null))).collect();
+                let row: Vec<String> =
+                    names.iter().map(|n| csv_field(r.get(*n).unwrap_or(&Value::Null))).collect();
                 out.push_str(&row.join(","));
                 out.push('\n');
             }
@@ -447,12 +493,13 @@ async fn audit_log(
 ) -> ApiResult<Response> {
     authorize(&s, &headers, &[Role::Auditor])?;
     let q = query(q, &["since", "until", "actor", "target", "limit", "cursor"])?;
-    let after = match q.get("cursor") {
-        None => None,
-        Some(c) => Some(c.parse::<i64>().ok().filter(|n| *n >= 0).ok_or_else(|| {
-            AdminError::invalid("cursor", "cursor is not one this API returned")
-        })?),
-    };
+    let after =
+        match q.get("cursor") {
+            None => None,
+            Some(c) => Some(c.parse::<i64>().ok().filter(|n| *n >= 0).ok_or_else(|| {
+                AdminError::invalid("cursor", "cursor is not one this API returned")
+            })?),
+        };
     let limit = limit_param(&q, 100, 10_000)?;
     let entries = s
         .ledger
@@ -465,7 +512,9 @@ async fn audit_log(
             limit: i64::from(limit),
         })
         .await?;
-    let next = (entries.len() == limit as usize).then(|| entries.last().map(|e| e.id.to_string())).flatten();
+    let next = (entries.len() == limit as usize)
+        .then(|| entries.last().map(|e| e.id.to_string()))
+        .flatten();
     Ok(axum::Json(json!({"data": entries, "next_cursor": next})).into_response())
 }
 

@@ -259,7 +259,12 @@ mod tests {
         let v = Verifier::hs256(SECRET, Some("sluice"), Some("admin"))?;
         let good = mint_hs256(SECRET, &ops(), 60, Some("sluice"), Some("admin"))?;
         assert!(v.verify(&good).is_ok());
-        for (iss, aud) in [(None, Some("admin")), (Some("evil"), Some("admin")), (Some("sluice"), None), (Some("sluice"), Some("x"))] {
+        for (iss, aud) in [
+            (None, Some("admin")),
+            (Some("evil"), Some("admin")),
+            (Some("sluice"), None),
+            (Some("sluice"), Some("x")),
+        ] {
             let t = mint_hs256(SECRET, &ops(), 60, iss, aud)?;
             assert!(v.verify(&t).is_err(), "{iss:?} {aud:?}");
         }

@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 use std::sync::LazyLock;
 
-use chrono::{DateTime, SecondsFormat, TimeDelta, Utc};
+use chrono::{DateTime, DurationRound, SecondsFormat, TimeDelta, Utc};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 use sha2::{Digest, Sha256};
@@ -139,7 +139,10 @@ impl QuotaSettings {
             return Err(AdminError::invalid("allowed_models", "at most 64 models"));
         }
         if self.allowed_models.iter().any(|m| m.is_empty() || m.len() > 256) {
-            return Err(AdminError::invalid("allowed_models", "model ids must be 1-256 characters"));
+            return Err(AdminError::invalid(
+                "allowed_models",
+                "model ids must be 1-256 characters",
+            ));
         }
         Ok(())
     }
@@ -253,7 +256,9 @@ pub const KEY_SCOPES: &[&str] = &["completions", "chat", "models"];
 fn valid_id(param: &str, id: &str) -> Result<(), AdminError> {
     let ok = !id.is_empty()
         && id.len() <= 64
-        && id.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'_');
     if ok {
         Ok(())
     } else {
@@ -374,7 +379,11 @@ pub struct NewTenant {
 
 impl Ledger {
     /// Creates a tenant (409 if the id exists).
-    pub async fn create_tenant(&self, who: &Principal, new: &NewTenant) -> Result<Tenant, AdminError> {
+    pub async fn create_tenant(
+        &self,
+        who: &Principal,
+        new: &NewTenant,
+    ) -> Result<Tenant, AdminError> {
         valid_id("id", &new.id)?;
         let name = new.name.clone().unwrap_or_else(|| new.id.clone());
         if name.is_empty() || name.chars().count() > 200 {
@@ -383,7 +392,10 @@ impl Ledger {
         let tier = new.tier.clone().unwrap_or_else(|| "standard".into());
         if !TIERS.contains_key(&tier) {
             let known: Vec<&str> = TIERS.keys().map(String::as_str).collect();
-            return Err(AdminError::invalid("tier", format!("unknown tier (one of {})", known.join(", "))));
+            return Err(AdminError::invalid(
+                "tier",
+                format!("unknown tier (one of {})", known.join(", ")),
+            ));
         }
         let overrides = new.overrides.clone().unwrap_or_else(|| json!({}));
         if !overrides.is_object() {
@@ -815,17 +827,22 @@ impl Ledger {
         until: DateTime<Utc>,
     ) -> Result<Dashboard, AdminError> {
         let period = if until - since <= TimeDelta::hours(48) { "hour" } else { "day" };
-        // Buckets that overlap the window: the first may start before `since`.
-        let first_bucket = match period {
-            "hour" => since - TimeDelta::hours(1),
-            _ => since - TimeDelta::days(1),
-        };
+        // The window starts and ends at bucket boundaries, so the rollup series and the
+        // counts read from the records cover the same requests.
+        let width = if period == "hour" { TimeDelta::hours(1) } else { TimeDelta::days(1) };
+        let since = since
+            .duration_trunc(width)
+            .map_err(|_| AdminError::invalid("since", "since is out of range"))?;
+        let until_start = until
+            .duration_trunc(width)
+            .map_err(|_| AdminError::invalid("until", "until is out of range"))?;
+        let until = if until_start == until { until } else { until_start + width };
         let series = self
             .usage(&UsageFilter {
                 period: period.into(),
                 tenant: None,
                 model: None,
-                since: Some(first_bucket),
+                since: Some(since),
                 until: Some(until),
             })
             .await?;
@@ -897,7 +914,15 @@ impl Ledger {
                 &b.tenant_id,
             ))
         });
-        Ok(Dashboard { since, until, period: period.into(), series, finish_reasons, latency, top_tenants })
+        Ok(Dashboard {
+            since,
+            until,
+            period: period.into(),
+            series,
+            finish_reasons,
+            latency,
+            top_tenants,
+        })
     }
 }
 
@@ -1132,9 +1157,9 @@ pub struct TenantTotal {
 /// What the dashboard page draws.
 #[derive(Clone, Debug, Serialize)]
 pub struct Dashboard {
-    /// Window start.
+    /// Window start (the caller's, moved back to the start of its bucket).
     pub since: DateTime<Utc>,
-    /// Window end.
+    /// Window end (moved forward to the end of its bucket).
     pub until: DateTime<Utc>,
     /// Bucket width of `series`.
     pub period: String,

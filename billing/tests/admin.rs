@@ -42,7 +42,12 @@ async fn start(url: &str, redis: bool) -> anyhow::Result<Api> {
     let server = tokio::spawn(async move {
         let _ = axum::serve(listener, app).await;
     });
-    Ok(Api { base: format!("http://{addr}"), http: reqwest::Client::new(), ledger, _server: server })
+    Ok(Api {
+        base: format!("http://{addr}"),
+        http: reqwest::Client::new(),
+        ledger,
+        _server: server,
+    })
 }
 
 fn token(role: Role, tenant: Option<&str>) -> anyhow::Result<String> {
@@ -73,7 +78,13 @@ impl Api {
         Ok((resp.status(), resp.text().await?))
     }
 
-    async fn ok(&self, method: Method, path: &str, token: &str, body: Option<Value>) -> anyhow::Result<Value> {
+    async fn ok(
+        &self,
+        method: Method,
+        path: &str,
+        token: &str,
+        body: Option<Value>,
+    ) -> anyhow::Result<Value> {
         let (status, text) = self.call(method.clone(), path, Some(token), body).await?;
         ensure!(status.is_success(), "{method} {path}: {status} {text}");
         Ok(serde_json::from_str(&text)?)
@@ -126,8 +137,15 @@ async fn role_matrix(url: &str) -> anyhow::Result<()> {
     api.ok(Method::POST, "/v1/tenants", &ops, Some(json!({"id": "globex"}))).await?;
     for (method, path, body, allowed) in routes() {
         api.err(method.clone(), path, None, body.clone(), StatusCode::UNAUTHORIZED, None).await?;
-        api.err(method.clone(), path, Some("not.a.jwt"), body.clone(), StatusCode::UNAUTHORIZED, None)
-            .await?;
+        api.err(
+            method.clone(),
+            path,
+            Some("not.a.jwt"),
+            body.clone(),
+            StatusCode::UNAUTHORIZED,
+            None,
+        )
+        .await?;
         for role in [Role::Ops, Role::Billing, Role::Auditor, Role::TenantAdmin] {
             let t = token(role, (role == Role::TenantAdmin).then_some("acme"))?;
             let (status, text) = api.call(method.clone(), path, Some(&t), body.clone()).await?;
@@ -159,8 +177,12 @@ async fn role_matrix(url: &str) -> anyhow::Result<()> {
     // Its usage is its own even when it asks for everything.
     ingest_usage(&api.ledger).await?;
     let mine = api.ok(Method::GET, "/v1/usage?since=2026-11-01", &acme_admin, None).await?;
-    let tenants: BTreeSet<&str> =
-        mine["data"].as_array().into_iter().flatten().filter_map(|r| r["tenant_id"].as_str()).collect();
+    let tenants: BTreeSet<&str> = mine["data"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|r| r["tenant_id"].as_str())
+        .collect();
     ensure!(tenants == BTreeSet::from(["acme"]), "tenant-admin usage leaked: {mine}");
     Ok(())
 }
@@ -196,13 +218,27 @@ async fn lifecycle_and_audit(url: &str) -> anyhow::Result<()> {
     let ops = token(Role::Ops, None)?;
     let auditor = token(Role::Auditor, None)?;
     let t = api
-        .ok(Method::POST, "/v1/tenants", &ops, Some(json!({"id": "acme", "name": "Acme", "tier": "free"})))
+        .ok(
+            Method::POST,
+            "/v1/tenants",
+            &ops,
+            Some(json!({"id": "acme", "name": "Acme", "tier": "free"})),
+        )
         .await?;
     ensure!(t["status"] == "active" && t["tier"] == "free", "{t}");
-    api.err(Method::POST, "/v1/tenants", Some(&ops), Some(json!({"id": "acme"})), StatusCode::CONFLICT, None)
-        .await?;
+    api.err(
+        Method::POST,
+        "/v1/tenants",
+        Some(&ops),
+        Some(json!({"id": "acme"})),
+        StatusCode::CONFLICT,
+        None,
+    )
+    .await?;
     // Keys: the secret comes back once, is stored only as a hash, and never listed.
-    let issued = api.ok(Method::POST, "/v1/tenants/acme/keys", &ops, Some(json!({"scopes": ["chat"]}))).await?;
+    let issued = api
+        .ok(Method::POST, "/v1/tenants/acme/keys", &ops, Some(json!({"scopes": ["chat"]})))
+        .await?;
     let secret = issued["secret"].as_str().context("no secret")?.to_owned();
     let key_id = issued["id"].as_str().context("no id")?.to_owned();
     ensure!(secret.starts_with(issued["prefix"].as_str().unwrap_or("?")), "{issued}");
@@ -212,15 +248,32 @@ async fn lifecycle_and_audit(url: &str) -> anyhow::Result<()> {
     let db = Inspect::open(url).await?;
     let hash = sluice_billing::control::hash_secret(&secret);
     ensure!(
-        db.scalar(&format!("SELECT CAST(COUNT(*) AS BIGINT) FROM api_keys WHERE secret_hash = '{hash}'")).await? == 1
+        db.scalar(&format!(
+            "SELECT CAST(COUNT(*) AS BIGINT) FROM api_keys WHERE secret_hash = '{hash}'"
+        ))
+        .await?
+            == 1
     );
-    let revoked = api.ok(Method::POST, &format!("/v1/tenants/acme/keys/{key_id}/revoke"), &ops, None).await?;
+    let revoked =
+        api.ok(Method::POST, &format!("/v1/tenants/acme/keys/{key_id}/revoke"), &ops, None).await?;
     ensure!(revoked["revoked_at"].is_string(), "{revoked}");
-    api.err(Method::POST, "/v1/tenants/globex/keys/nokey/revoke", Some(&ops), None, StatusCode::NOT_FOUND, None)
-        .await?;
+    api.err(
+        Method::POST,
+        "/v1/tenants/globex/keys/nokey/revoke",
+        Some(&ops),
+        None,
+        StatusCode::NOT_FOUND,
+        None,
+    )
+    .await?;
     // Quotas: overrides over the tier.
     let q = api
-        .ok(Method::PUT, "/v1/tenants/acme/quota", &ops, Some(json!({"rpm": 7, "allowed_models": ["m1"]})))
+        .ok(
+            Method::PUT,
+            "/v1/tenants/acme/quota",
+            &ops,
+            Some(json!({"rpm": 7, "allowed_models": ["m1"]})),
+        )
         .await?;
     ensure!(q["effective"]["rpm"] == 7 && q["effective"]["tpm"] == 20000, "{q}");
     ensure!(q["effective"]["allowed_models"] == json!(["m1"]), "{q}");
@@ -240,17 +293,28 @@ async fn lifecycle_and_audit(url: &str) -> anyhow::Result<()> {
     for e in entries {
         ensure!(e["actor"] == "ops-tester" && e["role"] == "ops", "{e}");
     }
-    ensure!(entries[4]["before"]["status"] == "active" && entries[4]["after"]["status"] == "suspended");
+    ensure!(
+        entries[4]["before"]["status"] == "active" && entries[4]["after"]["status"] == "suspended"
+    );
     ensure!(entries[3]["after"]["overrides"]["rpm"] == 7);
     ensure!(!log.to_string().contains(&secret), "the audit log holds the secret");
     // Keyset pagination of the audit log.
     let page = api.ok(Method::GET, "/v1/audit-log?limit=2", &auditor, None).await?;
     let cursor = page["next_cursor"].as_str().context("no cursor")?;
-    let next = api.ok(Method::GET, &format!("/v1/audit-log?limit=2&cursor={cursor}"), &auditor, None).await?;
+    let next = api
+        .ok(Method::GET, &format!("/v1/audit-log?limit=2&cursor={cursor}"), &auditor, None)
+        .await?;
     ensure!(next["data"][0]["action"] == "key.revoke", "{next}");
     // A failed change writes no audit row (same transaction).
-    api.err(Method::PUT, "/v1/tenants/nobody/quota", Some(&ops), Some(json!({})), StatusCode::NOT_FOUND, None)
-        .await?;
+    api.err(
+        Method::PUT,
+        "/v1/tenants/nobody/quota",
+        Some(&ops),
+        Some(json!({})),
+        StatusCode::NOT_FOUND,
+        None,
+    )
+    .await?;
     ensure!(db.scalar("SELECT CAST(COUNT(*) AS BIGINT) FROM admin_audit_log").await? == 5);
     db.close().await;
     Ok(())
@@ -261,20 +325,72 @@ async fn validation(url: &str) -> anyhow::Result<()> {
     let ops = token(Role::Ops, None)?;
     let auditor = token(Role::Auditor, None)?;
     let bad = StatusCode::BAD_REQUEST;
-    api.err(Method::POST, "/v1/tenants", Some(&ops), Some(json!({"id": "Bad Id!"})), bad, Some("id")).await?;
-    api.err(Method::POST, "/v1/tenants", Some(&ops), Some(json!({"id": "x", "tier": "gold"})), bad, Some("tier"))
+    api.err(
+        Method::POST,
+        "/v1/tenants",
+        Some(&ops),
+        Some(json!({"id": "Bad Id!"})),
+        bad,
+        Some("id"),
+    )
+    .await?;
+    api.err(
+        Method::POST,
+        "/v1/tenants",
+        Some(&ops),
+        Some(json!({"id": "x", "tier": "gold"})),
+        bad,
+        Some("tier"),
+    )
+    .await?;
+    api.err(
+        Method::POST,
+        "/v1/tenants",
+        Some(&ops),
+        Some(json!({"id": "x", "colour": 1})),
+        bad,
+        None,
+    )
+    .await?;
+    api.err(Method::POST, "/v1/tenants", Some(&ops), Some(json!({"id": 5})), bad, Some("id"))
         .await?;
-    api.err(Method::POST, "/v1/tenants", Some(&ops), Some(json!({"id": "x", "colour": 1})), bad, None).await?;
-    api.err(Method::POST, "/v1/tenants", Some(&ops), Some(json!({"id": 5})), bad, Some("id")).await?;
     api.ok(Method::POST, "/v1/tenants", &ops, Some(json!({"id": "acme"}))).await?;
-    api.err(Method::PUT, "/v1/tenants/acme/quota", Some(&ops), Some(json!({"rpm": -1})), bad, Some("rpm"))
-        .await?;
-    api.err(Method::PUT, "/v1/tenants/acme/quota", Some(&ops), Some(json!({"rpm": "many"})), bad, Some("rpm"))
-        .await?;
-    api.err(Method::PUT, "/v1/tenants/acme/quota", Some(&ops), Some(json!({"priority": 1000})), bad, Some("priority"))
-        .await?;
-    api.err(Method::POST, "/v1/tenants/acme/keys", Some(&ops), Some(json!({"scopes": ["root"]})), bad, Some("scopes"))
-        .await?;
+    api.err(
+        Method::PUT,
+        "/v1/tenants/acme/quota",
+        Some(&ops),
+        Some(json!({"rpm": -1})),
+        bad,
+        Some("rpm"),
+    )
+    .await?;
+    api.err(
+        Method::PUT,
+        "/v1/tenants/acme/quota",
+        Some(&ops),
+        Some(json!({"rpm": "many"})),
+        bad,
+        Some("rpm"),
+    )
+    .await?;
+    api.err(
+        Method::PUT,
+        "/v1/tenants/acme/quota",
+        Some(&ops),
+        Some(json!({"priority": 1000})),
+        bad,
+        Some("priority"),
+    )
+    .await?;
+    api.err(
+        Method::POST,
+        "/v1/tenants/acme/keys",
+        Some(&ops),
+        Some(json!({"scopes": ["root"]})),
+        bad,
+        Some("scopes"),
+    )
+    .await?;
     api.err(
         Method::POST,
         "/v1/tenants/acme/keys",
@@ -300,7 +416,8 @@ async fn validation(url: &str) -> anyhow::Result<()> {
             ensure!(v["records"].as_array().is_some_and(Vec::is_empty), "{v}");
             continue;
         }
-        api.err(Method::GET, &format!("/v1/records?{q}"), Some(&auditor), None, bad, Some(param)).await?;
+        api.err(Method::GET, &format!("/v1/records?{q}"), Some(&auditor), None, bad, Some(param))
+            .await?;
     }
     api.err(Method::GET, "/v1/nothing", Some(&ops), None, StatusCode::NOT_FOUND, None).await?;
     Ok(())
@@ -333,20 +450,26 @@ async fn records_and_exports(url: &str) -> anyhow::Result<()> {
     let count = |v: &Value| v["records"].as_array().map_or(0, Vec::len);
     let v = api.ok(Method::GET, "/v1/records?tenant=acme&limit=100", &auditor, None).await?;
     ensure!(count(&v) == 15);
-    let v = api.ok(Method::GET, "/v1/records?tenant=acme&finish_reason=length", &auditor, None).await?;
+    let v =
+        api.ok(Method::GET, "/v1/records?tenant=acme&finish_reason=length", &auditor, None).await?;
     ensure!(count(&v) == 5, "{v}");
     let v = api.ok(Method::GET, "/v1/records?status=429", &auditor, None).await?;
     ensure!(count(&v) == 2);
-    let v = api.ok(Method::GET, "/v1/records?model_revision=sha256:aaaa&key=key-globex", &auditor, None).await?;
+    let v = api
+        .ok(Method::GET, "/v1/records?model_revision=sha256:aaaa&key=key-globex", &auditor, None)
+        .await?;
     ensure!(count(&v) == 10);
     let since = (base_time() + TimeDelta::seconds(6)).to_rfc3339();
     let until = (base_time() + TimeDelta::seconds(7)).to_rfc3339();
     let path = format!("/v1/records?since={}&until={}", urlenc(&since), urlenc(&until));
     let v = api.ok(Method::GET, &path, &auditor, None).await?;
     ensure!(count(&v) == 3, "time window: {v}");
-    ensure!(v["records"][0]["prompt_tokens"] == 100 && v["records"][0]["client_disconnected"] == false);
+    ensure!(
+        v["records"][0]["prompt_tokens"] == 100 && v["records"][0]["client_disconnected"] == false
+    );
     // CSV: the column names of request_records, one line per record, quoting where needed.
-    let (status, csv) = api.call(Method::GET, "/v1/records?format=csv&tenant=globex", Some(&auditor), None).await?;
+    let (status, csv) =
+        api.call(Method::GET, "/v1/records?format=csv&tenant=globex", Some(&auditor), None).await?;
     ensure!(status.is_success(), "{csv}");
     let mut lines = csv.lines();
     let header: Vec<&str> = lines.next().context("no header")?.split(',').collect();
@@ -358,7 +481,9 @@ async fn records_and_exports(url: &str) -> anyhow::Result<()> {
     let rows: Vec<&str> = lines.collect();
     ensure!(rows.len() == 10 && rows.iter().all(|r| r.starts_with("req-0")), "{csv}");
     // JSON Lines.
-    let (_, jsonl) = api.call(Method::GET, "/v1/records?format=jsonl&tenant=acme&limit=5", Some(&auditor), None).await?;
+    let (_, jsonl) = api
+        .call(Method::GET, "/v1/records?format=jsonl&tenant=acme&limit=5", Some(&auditor), None)
+        .await?;
     let parsed: Vec<Value> = jsonl.lines().map(serde_json::from_str).collect::<Result<_, _>>()?;
     ensure!(parsed.len() == 5 && parsed.iter().all(|r| r["tenant_id"] == "acme"));
     // Usage aggregates (billing role) from the rollups written with the records.
@@ -366,10 +491,17 @@ async fn records_and_exports(url: &str) -> anyhow::Result<()> {
     let u = api.ok(Method::GET, "/v1/usage?period=hour&since=2026-11-29", &billing, None).await?;
     ensure!(u["totals"]["requests"] == 25 && u["totals"]["cost_micros"] == 25 * 1234, "{u}");
     // The dashboard's aggregates.
-    let path = format!("/v1/dashboard/data?since={}&until={}", urlenc("2026-11-29T12:00:00Z"), urlenc("2026-12-01T00:00:00Z"));
+    let path = format!(
+        "/v1/dashboard/data?since={}&until={}",
+        urlenc("2026-11-29T12:00:00Z"),
+        urlenc("2026-12-01T00:00:00Z")
+    );
     let d = api.ok(Method::GET, &path, &billing, None).await?;
     ensure!(d["period"] == "hour" && d["top_tenants"][0]["tenant_id"] == "acme", "{d}");
-    let acme = d["latency"].as_array().and_then(|l| l.iter().find(|r| r["tenant_id"] == "acme")).context("latency")?;
+    let acme = d["latency"]
+        .as_array()
+        .and_then(|l| l.iter().find(|r| r["tenant_id"] == "acme"))
+        .context("latency")?;
     // ttft 100..=114: nearest-rank p50 of 15 = 8th smallest = 107.
     ensure!(acme["ttft_ms"]["p50"] == 107.0 && acme["ttft_ms"]["p99"] == 114.0, "{acme}");
     Ok(())

@@ -378,8 +378,7 @@ fn attention(
             };
             // SAFETY: each item is handled by exactly one thread, and its slice
             // [first, first + per * hd) lies inside `out`.
-            let dst =
-                unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(first), per * hd) };
+            let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(first), per * hd) };
             #[cfg(target_arch = "x86_64")]
             if avx512 {
                 // SAFETY: the CPU supports AVX-512F (checked above).

@@ -106,7 +106,11 @@ pub(crate) fn group_block_bytes(offset: Offset) -> usize {
 /// and quads 4-7 the high nibbles, so one shift and one mask unpack two quads.
 fn slot(offset: Offset, l: usize, i: usize) -> (usize, bool) {
     let (k, e) = (i / 4, i % 4);
-    if offset == Offset::Minus128 { (k * 64 + l * 4 + e, false) } else { ((k % 4) * 64 + l * 4 + e, k >= 4) }
+    if offset == Offset::Minus128 {
+        (k * 64 + l * 4 + e, false)
+    } else {
+        ((k % 4) * 64 + l * 4 + e, k >= 4)
+    }
 }
 
 impl PackedWeight {
@@ -172,7 +176,8 @@ impl PackedWeight {
                 dequantize_row(self.ty, &bytes[r * row_bytes..(r + 1) * row_bytes], out)
             }
             PackedData::Blocks { offset, qs, d, m } => {
-                let v = BlockView { rows: self.rows, nb: self.cols / QK, offset: *offset, qs, d, m };
+                let v =
+                    BlockView { rows: self.rows, nb: self.cols / QK, offset: *offset, qs, d, m };
                 let l = r % GROUP;
                 for b in 0..v.nb {
                     let gb = (r / GROUP) * v.nb + b;

@@ -1,0 +1,195 @@
+//! `sluice admin` and `sluice audit` against a real `sluice billing` process on the embedded
+//! SQLite ledger: the commands, their output shapes and their errors.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+
+use anyhow::{Context, ensure};
+use serde_json::{Value, json};
+use sluice_billing::{Ledger, UsageEvent};
+
+const SECRET: &str = "cli-test-secret-cli-test-secret-0123";
+
+struct Billing {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Billing {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn start(database_url: &str) -> anyhow::Result<Billing> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["billing", "--database-url", database_url, "--listen", "127.0.0.1:0"])
+        .env("SLUICE_JWT_SECRET", SECRET)
+        .env_remove("SLUICE_REDIS_URL")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let stdout = child.stdout.take().context("no stdout")?;
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line)?;
+    let url = line.trim().strip_prefix("listening on ").context("no listening line")?.to_owned();
+    Ok(Billing { child, url })
+}
+
+fn sluice(args: &[&str], url: &str, token: &str) -> anyhow::Result<Output> {
+    Ok(Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args)
+        .env("SLUICE_ADMIN_URL", url)
+        .env("SLUICE_ADMIN_TOKEN", token)
+        .env("SLUICE_JWT_SECRET", SECRET)
+        .output()?)
+}
+
+fn ok(args: &[&str], url: &str, token: &str) -> anyhow::Result<String> {
+    let out = sluice(args, url, token)?;
+    ensure!(out.status.success(), "sluice {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+/// Runs a command that must fail and returns its stderr.
+fn fails(args: &[&str], url: &str, token: &str) -> anyhow::Result<String> {
+    let out = sluice(args, url, token)?;
+    ensure!(!out.status.success(), "sluice {args:?} should fail");
+    Ok(String::from_utf8(out.stderr)?)
+}
+
+fn mint(role: &str) -> anyhow::Result<String> {
+    Ok(ok(&["admin", "token", "--role", role, "--sub", "cli-test"], "", "")?.trim().to_owned())
+}
+
+fn usage_event(i: usize) -> anyhow::Result<UsageEvent> {
+    let arrival = format!("2026-11-29T08:00:{i:02}Z");
+    Ok(serde_json::from_value(json!({
+        "request_id": format!("cli-{i}"), "tenant_id": if i < 4 { "acme" } else { "globex" },
+        "key_id": "key_1", "model_id": "smollm2", "model_revision": "sha256:rev",
+        "tokenizer_revision": "sha256:tok", "chat_template_version": "sha256:tpl",
+        "prompt_tokens": 10 + i, "cached_prompt_tokens": 0, "completion_tokens": 5,
+        "finish_reason": if i == 2 { "length" } else { "stop" }, "http_status": 200,
+        "client_disconnected": false, "arrival_at": arrival,
+        "prompt_sha256": "cd".repeat(32), "prompt_chars": 40, "cost_micros": 7,
+    }))?)
+}
+
+#[test]
+fn admin_and_audit_commands_over_the_billing_api() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let db = format!("sqlite://{}", dir.path().join("ledger.db").to_str().context("utf-8")?);
+    let billing = start(&db)?;
+    let url = billing.url.as_str();
+    let ops = mint("ops")?;
+    let auditor = mint("auditor")?;
+
+    let t: Value = serde_json::from_str(&ok(
+        &["admin", "tenants", "create", "acme", "--tier", "free"],
+        url,
+        &ops,
+    )?)?;
+    ensure!(t["id"] == "acme" && t["status"] == "active", "{t}");
+    let list = ok(&["admin", "tenants", "list"], url, &ops)?;
+    ensure!(list.lines().any(|l| l == "acme\tactive\tfree\tacme"), "{list}");
+    let key: Value = serde_json::from_str(&ok(
+        &["admin", "keys", "issue", "acme", "--scope", "chat"],
+        url,
+        &ops,
+    )?)?;
+    let secret = key["secret"].as_str().context("secret")?;
+    let keys = ok(&["admin", "keys", "list", "acme"], url, &ops)?;
+    ensure!(keys.contains(key["prefix"].as_str().context("prefix")?) && !keys.contains(secret));
+    let q: Value = serde_json::from_str(&ok(
+        &[
+            "admin",
+            "quotas",
+            "set",
+            "acme",
+            "--rpm",
+            "5",
+            "--priority",
+            "-3",
+            "--allowed-model",
+            "smollm2",
+        ],
+        url,
+        &ops,
+    )?)?;
+    ensure!(q["effective"]["rpm"] == 5 && q["effective"]["priority"] == -3, "{q}");
+    ensure!(q["effective"]["tpm"] == 20000, "tier default: {q}");
+    let suspended: Value =
+        serde_json::from_str(&ok(&["admin", "tenants", "suspend", "acme"], url, &ops)?)?;
+    ensure!(suspended["status"] == "suspended");
+
+    // Records arrive through the ledger (the same insert the usage consumer makes).
+    let events: Vec<UsageEvent> = (0..6).map(usage_event).collect::<anyhow::Result<_>>()?;
+    tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+        let ledger = Ledger::connect(&db).await?;
+        ledger.insert_batch(&events).await?;
+        ledger.close().await;
+        anyhow::Ok(())
+    })?;
+    let jsonl = ok(
+        &["audit", "records", "--tenant", "acme", "--since", "2026-11-29", "--limit", "3"],
+        url,
+        &auditor,
+    )?;
+    let rows: Vec<Value> = jsonl.lines().map(serde_json::from_str).collect::<Result<_, _>>()?;
+    ensure!(rows.len() == 3, "{jsonl}");
+    for (i, r) in rows.iter().enumerate() {
+        ensure!(r["request_id"] == format!("cli-{i}") && r["tenant_id"] == "acme", "{r}");
+        for col in ["prompt_tokens", "completion_tokens", "finish_reason", "model_revision"] {
+            ensure!(!r[col].is_null(), "{col} missing: {r}");
+        }
+    }
+    let csv =
+        ok(&["audit", "records", "--format", "csv", "--finish-reason", "length"], url, &auditor)?;
+    let mut lines = csv.lines();
+    let header = lines.next().context("no header")?;
+    ensure!(
+        header.starts_with("request_id,idempotency_key,tenant_id,key_id,model_id,model_revision"),
+        "{header}"
+    );
+    let cols: Vec<&str> = header.split(',').collect();
+    let row: Vec<&str> = lines.next().context("no row")?.split(',').collect();
+    let at = |name: &str| cols.iter().position(|c| *c == name).and_then(|i| row.get(i).copied());
+    ensure!(at("request_id") == Some("cli-2") && at("prompt_tokens") == Some("12"), "{csv}");
+    ensure!(lines.next().is_none(), "{csv}");
+    let log = ok(&["audit", "log"], url, &auditor)?;
+    let actions: Vec<String> = log
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).map(|v| v["action"].as_str().unwrap_or("").to_owned())
+        })
+        .collect::<Result<_, _>>()?;
+    ensure!(
+        actions == ["tenant.create", "key.issue", "quota.set", "tenant.suspend"],
+        "{actions:?}"
+    );
+
+    // Clear errors.
+    let err = fails(&["admin", "tenants", "create", "x"], url, &auditor)?;
+    ensure!(err.contains("403") && err.contains("role auditor may not"), "{err}");
+    let err = fails(&["audit", "records", "--since", "yesterday"], url, &auditor)?;
+    ensure!(err.contains("400") && err.contains("parameter since"), "{err}");
+    let err = fails(&["admin", "tenants", "list"], url, "forged.token.value")?;
+    ensure!(err.contains("401"), "{err}");
+    let err = fails(&["admin", "tenants", "list"], "http://127.0.0.1:9", &ops)?;
+    ensure!(err.contains("cannot reach the billing service"), "{err}");
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["audit", "records"])
+        .env_remove("SLUICE_ADMIN_URL")
+        .env("SLUICE_ADMIN_TOKEN", &auditor)
+        .output()?;
+    ensure!(
+        !out.status.success() && String::from_utf8_lossy(&out.stderr).contains("SLUICE_ADMIN_URL")
+    );
+    let err = fails(&["admin", "token", "--role", "root", "--sub", "x"], url, &ops)?;
+    ensure!(err.contains("--role"), "{err}");
+    // The token never appears in what the commands print on failure.
+    ensure!(!err.contains(&ops));
+    Ok(())
+}
