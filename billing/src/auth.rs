@@ -100,16 +100,20 @@ impl std::fmt::Debug for Verifier {
 
 fn validation(alg: Algorithm, issuer: Option<&str>, audience: Option<&str>) -> Validation {
     let mut v = Validation::new(alg);
-    v.set_required_spec_claims(&["exp", "sub"]);
     v.leeway = 5;
+    let mut required = vec!["exp", "sub"];
     if let Some(iss) = issuer {
         v.set_issuer(&[iss]);
-        v.set_required_spec_claims(&["exp", "sub", "iss"]);
+        required.push("iss");
     }
     match audience {
-        Some(aud) => v.set_audience(&[aud]),
+        Some(aud) => {
+            v.set_audience(&[aud]);
+            required.push("aud");
+        }
         None => v.validate_aud = false,
     }
+    v.set_required_spec_claims(&required);
     v
 }
 
@@ -287,6 +291,43 @@ mod tests {
         let t = mint_hs256(SECRET, &unbound, 60, Some("sluice"), Some("admin"))?;
         assert!(v.verify(&t).is_err());
         assert!(Verifier::hs256(b"short", None, None).is_err());
+        Ok(())
+    }
+
+    // Test-only key pairs (generated with openssl for these tests; never used elsewhere).
+    const ED_PRIVATE: &str = "-----BEGIN PRIVATE KEY-----\nMC4CAQAwBQYDK2VwBCIEIKJ0vn0UySOK4PU98BEW+cEhZOBPS2GKZN/o0Cuvw2WR\n-----END PRIVATE KEY-----\n";
+    const ED_PUBLIC: &str = "-----BEGIN PUBLIC KEY-----\nMCowBQYDK2VwAyEACOlzD7O33HCHEo3yQsmmz130GnJGbxsR3lHTfTimqyM=\n-----END PUBLIC KEY-----\n";
+    const RSA_PRIVATE: &str = "-----BEGIN PRIVATE KEY-----\nMIIEvgIBADANBgkqhkiG9w0BAQEFAASCBKgwggSkAgEAAoIBAQC1FrhyhoMYuf3d\n+t8dWlXJpyB2r3UncjAwgzbdabWldAtmjlPuzFHOTAExcUnKUVbdiBJodVqfELvt\ngSw7FY2JhOc3xGcupQ8jGzQ7XIBow8jsPO14PNQm++jBSBc5BnUI/DRp+cfswFGO\nEiVd7DGFBQGDpirYPrOf3b2ayKV3xx03m0AuLJCEALfgqCDjHlrrHnzyy6FinzO4\nd5bL2+1Z+iN32flrjdc+jMBWg2l7qbR1npZsJ+WT7qeXzuYvc1qpIzn60LkYEpwf\nh7avj5aYAc/s1CeCxPSL+fKTy49hzDm4RnyNCUwAOhYv3LBJTv0XB9SlWam/GCZN\nrP6nMzaXAgMBAAECggEAL5dWhyapumxa9yUw0M6GYDYvdnGbOPAuEPnTB/J5ng92\n1Y+PKGGDGFPqNlu/GFAzI4pYyCIbXFVyBjOd87Mw3NTUTVgtA9m2NjQ2kGk5iA74\nNXm3sRNPcCVhILa4/7AePuvFPJq7+5D5ffxv3JSv2PUdVkNr3CPyYg/M/ipALk9w\nxG7Oc14vO8arYQnFW8Az2P2BEsl1X2gYZtVxg1Z+LGd0WCbU1Y5tGwiR7l5PjlK3\npcFWQjwsK3xDK6R6yR9LHIsgzy3iX3BvPg0fct4wblOw2QP7le8LB7COXjatRv/Z\nw159CLVs8TWVMem1x9AQtFOaYDACt+bLK9iKt+PRsQKBgQDsu8SorySjQ16Jpn8L\nfIi+I70jDPJmFV84ORlD5fWdwfAS6kG/xk2IiTQY0WD4UyWb4fUxh09CIjnYC7IS\niZ4T92kCtO5WMEzeoB5x0WR4CkZjVboZBzy/qfDjtsQb0zlbzkfqvRz9kreeRCzD\nDvyLY3tiSo7NeJoE/w1h50oNhwKBgQDD057XQfZuV4CYKb/BbA+JGMguyD17pcEt\nlLMjAQKrjizwHptedr9EsOgu9r1MMOMxS4mG2SwLwNUqg0gQw76bINe8oWFwIuya\n+F8lo9PWQfyCKznEIxIOzo47vzR68QE3Y3ZAUCwxyplM0Rr8Jn02nvNnDdxwFfxb\nR6CIauJScQKBgEyIK3ypGnwZdH+lrt7ExORLY4LoVZkBAcaIVw2nUy9MGlPTHaxk\n7H3edVQspF/DaZ4qf30ilFH6BJ8+sLPjf5JO4sj4OzDr7n3uX8lF+2f/UmAcv8wF\nlfMUeobzeBTSxXFTj9Zoiu3DN89XlOz+dFCPuby+A8qTWZ+R4P6sqjkTAoGBAIiX\nhrcdEpg6vr7keBWhm2CEgbVoBMLHhmyVyTIEVWl2nU/L+ZG1gIqYXwvLHZUUkJRk\n3QPLXdbA5a9mrRDMiJpKGVFAu+ds5N7fmfZ2RJ+xnUDqh7uQvtrHJxzzrNaIXtHU\ntbn8cic06yNSw+DXtAUycBMU7wrbuw+scYRWEZFxAoGBANAhik+AScSm4WaxtUsg\nkc9TGBR+578Aa5/NPHIkJqK4MgDFwxvQ3J3/u6PhRuk6cQEZUcVL3jiZer1fIMPW\nQcos1fn36wTYJHJrj7OqaWgnmoUeKhOQbXKsfMU9TOy46u3e54ZCggedBNnYiCuZ\nElBJJuCWnaXwTO4FGSajA/gC\n-----END PRIVATE KEY-----\n";
+    const RSA_PUBLIC: &str = "-----BEGIN PUBLIC KEY-----\nMIIBIjANBgkqhkiG9w0BAQEFAAOCAQ8AMIIBCgKCAQEAtRa4coaDGLn93frfHVpV\nyacgdq91J3IwMIM23Wm1pXQLZo5T7sxRzkwBMXFJylFW3YgSaHVanxC77YEsOxWN\niYTnN8RnLqUPIxs0O1yAaMPI7DzteDzUJvvowUgXOQZ1CPw0afnH7MBRjhIlXewx\nhQUBg6Yq2D6zn929msild8cdN5tALiyQhAC34Kgg4x5a6x588suhYp8zuHeWy9vt\nWfojd9n5a43XPozAVoNpe6m0dZ6WbCflk+6nl87mL3NaqSM5+tC5GBKcH4e2r4+W\nmAHP7NQngsT0i/nyk8uPYcw5uEZ8jQlMADoWL9ywSU79FwfUpVmpvxgmTaz+pzM2\nlwIDAQAB\n-----END PUBLIC KEY-----\n";
+
+    fn signed(alg: Algorithm, key: &EncodingKey) -> Result<String, AuthError> {
+        let exp = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        jsonwebtoken::encode(
+            &Header::new(alg),
+            &serde_json::json!({"sub": "kms", "role": "auditor", "exp": exp + 600}),
+            key,
+        )
+        .map_err(|e| AuthError::Config(e.to_string()))
+    }
+
+    #[test]
+    fn public_key_algorithms_verify_and_refuse_algorithm_confusion() -> Result<(), AuthError> {
+        let cfg = |e: jsonwebtoken::errors::Error| AuthError::Config(e.to_string());
+        let ed = Verifier::public_key("EdDSA", ED_PUBLIC.as_bytes(), None, None)?;
+        let ed_key = EncodingKey::from_ed_pem(ED_PRIVATE.as_bytes()).map_err(cfg)?;
+        assert_eq!(ed.verify(&signed(Algorithm::EdDSA, &ed_key)?)?.role, Role::Auditor);
+        let rsa = Verifier::public_key("RS256", RSA_PUBLIC.as_bytes(), None, None)?;
+        let rsa_key = EncodingKey::from_rsa_pem(RSA_PRIVATE.as_bytes()).map_err(cfg)?;
+        assert_eq!(rsa.verify(&signed(Algorithm::RS256, &rsa_key)?)?.actor, "kms");
+        // A token "signed" with HS256 using the public key as the HMAC secret is refused.
+        for (v, public) in [(&ed, ED_PUBLIC), (&rsa, RSA_PUBLIC)] {
+            let forged = signed(Algorithm::HS256, &EncodingKey::from_secret(public.as_bytes()))?;
+            assert!(matches!(v.verify(&forged), Err(AuthError::Invalid(_))));
+        }
+        // Each verifier accepts only its own algorithm.
+        assert!(ed.verify(&signed(Algorithm::RS256, &rsa_key)?).is_err());
+        assert!(rsa.verify(&signed(Algorithm::EdDSA, &ed_key)?).is_err());
+        assert!(Verifier::public_key("ES256", ED_PUBLIC.as_bytes(), None, None).is_err());
         Ok(())
     }
 }
