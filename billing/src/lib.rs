@@ -13,6 +13,7 @@ pub mod control;
 mod error;
 pub mod event;
 pub mod ingest;
+pub mod local;
 pub mod store;
 
 pub use error::BillingError;

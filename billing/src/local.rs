@@ -1,0 +1,149 @@
+//! In-process usage ingestion for the single-machine `sluice up`: the gateway hands events to
+//! a [`LocalIngest`], whose writer task batches them into the (SQLite or Postgres) ledger.
+//!
+//! The same guarantees as the Redis path, within one process: an event accepted by
+//! [`LocalIngest::emit`] is inserted exactly once (idempotent on request id) unless the
+//! process dies before the writer commits it; a database that is locked or down is waited
+//! out with capped exponential backoff, never by dropping events; a full queue makes `emit`
+//! wait (backpressure) instead of growing without bound; [`LocalIngest::shutdown`] drains the
+//! queue before returning.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use crate::{BillingError, Ledger, UsageEvent};
+
+/// Settings of a [`LocalIngest`].
+#[derive(Clone, Debug)]
+pub struct LocalIngestConfig {
+    /// Events queued before `emit` waits.
+    pub queue: usize,
+    /// Most events per transaction.
+    pub batch_size: usize,
+    /// How long the writer waits to fill a batch after its first event.
+    pub linger: Duration,
+    /// First wait before retrying a failed write.
+    pub retry_initial: Duration,
+    /// Cap of the backoff.
+    pub retry_max: Duration,
+}
+
+impl Default for LocalIngestConfig {
+    fn default() -> Self {
+        Self {
+            queue: 10_000,
+            batch_size: 500,
+            linger: Duration::from_millis(20),
+            retry_initial: Duration::from_millis(50),
+            retry_max: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Counters of a [`LocalIngest`].
+#[derive(Debug, Default)]
+pub struct LocalIngestStats {
+    inserted: AtomicU64,
+    duplicates: AtomicU64,
+    failures: AtomicU64,
+}
+
+impl LocalIngestStats {
+    /// New rows committed.
+    pub fn inserted(&self) -> u64 {
+        self.inserted.load(Ordering::Relaxed)
+    }
+    /// Events whose request id was already in the ledger.
+    pub fn duplicates(&self) -> u64 {
+        self.duplicates.load(Ordering::Relaxed)
+    }
+    /// Failed write attempts (each retried).
+    pub fn failures(&self) -> u64 {
+        self.failures.load(Ordering::Relaxed)
+    }
+}
+
+/// A queue and a writer task moving usage events into a ledger.
+#[derive(Debug)]
+pub struct LocalIngest {
+    tx: mpsc::Sender<UsageEvent>,
+    writer: JoinHandle<()>,
+    stats: Arc<LocalIngestStats>,
+}
+
+impl LocalIngest {
+    /// Starts the writer task on the current Tokio runtime.
+    pub fn start(ledger: Ledger, config: LocalIngestConfig) -> Self {
+        let (tx, rx) = mpsc::channel(config.queue.max(1));
+        let stats = Arc::new(LocalIngestStats::default());
+        let writer = tokio::spawn(write_loop(ledger, config, rx, stats.clone()));
+        Self { tx, writer, stats }
+    }
+
+    /// Queues one event (validated now, so the writer never meets a bad one); waits while
+    /// the queue is full.
+    pub async fn emit(&self, event: UsageEvent) -> Result<(), BillingError> {
+        event.validate()?;
+        self.tx.send(event).await.map_err(|_| BillingError::InvalidEvent("usage writer stopped"))
+    }
+
+    /// The writer's counters.
+    pub fn stats(&self) -> Arc<LocalIngestStats> {
+        self.stats.clone()
+    }
+
+    /// Stops accepting events and returns once every queued event is committed.
+    pub async fn shutdown(self) {
+        drop(self.tx);
+        if let Err(e) = self.writer.await {
+            tracing::error!(error = %e, "usage writer task failed");
+        }
+    }
+}
+
+async fn write_loop(
+    ledger: Ledger,
+    config: LocalIngestConfig,
+    mut rx: mpsc::Receiver<UsageEvent>,
+    stats: Arc<LocalIngestStats>,
+) {
+    let mut batch = Vec::with_capacity(config.batch_size);
+    while let Some(first) = rx.recv().await {
+        batch.push(first);
+        let deadline = tokio::time::Instant::now() + config.linger;
+        while batch.len() < config.batch_size {
+            match tokio::time::timeout_at(deadline, rx.recv()).await {
+                Ok(Some(e)) => batch.push(e),
+                Ok(None) | Err(_) => break,
+            }
+        }
+        let mut delay = config.retry_initial;
+        loop {
+            match ledger.insert_batch(&batch).await {
+                Ok(n) => {
+                    stats.inserted.fetch_add(n as u64, Ordering::Relaxed);
+                    stats.duplicates.fetch_add((batch.len() - n) as u64, Ordering::Relaxed);
+                    break;
+                }
+                Err(e) => {
+                    // Events were validated on entry, so a failure is the database's state
+                    // (locked, down, full disk): wait it out rather than lose a billed request.
+                    stats.failures.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        error = %e,
+                        retry_in_ms = delay.as_millis() as u64,
+                        events = batch.len(),
+                        "usage write failed; retrying"
+                    );
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(config.retry_max);
+                }
+            }
+        }
+        batch.clear();
+    }
+}
