@@ -926,6 +926,76 @@ impl Ledger {
     }
 }
 
+/// What a valid API key grants: who it is and what the gateway must enforce.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct KeyGrant {
+    /// The key's id (billed as `key_id`).
+    pub key_id: String,
+    /// The tenant.
+    pub tenant_id: String,
+    /// `active` or `suspended`.
+    pub tenant_status: String,
+    /// The tenant's tier.
+    pub tier: String,
+    /// What the key may call.
+    pub scopes: Vec<String>,
+    /// The limits to enforce.
+    pub quota: QuotaSettings,
+}
+
+/// Byte strings equal, in time independent of where they differ.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+impl Ledger {
+    /// Resolves an API key secret: `None` when it is unknown, wrong, revoked or expired
+    /// (callers answer all of these the same way, so a failure never says whether a key
+    /// exists). The row is found by the public prefix and the stored hash compared in
+    /// constant time.
+    pub async fn key_grant(&self, secret: &str) -> Result<Option<KeyGrant>, AdminError> {
+        // sk-sluice-XXXXXXXX-<secret part>
+        let Some(prefix) = secret.get(..18).filter(|p| p.starts_with("sk-sluice-")) else {
+            return Ok(None);
+        };
+        let row = on_pool!(self, pool => {
+            let row = sqlx::query(
+                "SELECT k.id, k.tenant_id, k.secret_hash, k.scopes, k.expires_at, k.revoked_at, \
+                 t.status, t.tier FROM api_keys k JOIN tenants t ON t.id = k.tenant_id \
+                 WHERE k.prefix = $1",
+            )
+            .bind(prefix)
+            .fetch_optional(pool)
+            .await?;
+            match row {
+                None => None,
+                Some(row) => Some((
+                    row.try_get::<String, _>("id")?,
+                    row.try_get::<String, _>("tenant_id")?,
+                    row.try_get::<String, _>("secret_hash")?,
+                    row.try_get::<Json<Vec<String>>, _>("scopes")?.0,
+                    row.try_get::<Option<DateTime<Utc>>, _>("expires_at")?,
+                    row.try_get::<Option<DateTime<Utc>>, _>("revoked_at")?,
+                    row.try_get::<String, _>("status")?,
+                    row.try_get::<String, _>("tier")?,
+                )),
+            }
+        });
+        let Some((key_id, tenant_id, stored, scopes, expires_at, revoked_at, status, tier)) = row
+        else {
+            return Ok(None);
+        };
+        if !constant_time_eq(hash_secret(secret).as_bytes(), stored.as_bytes())
+            || revoked_at.is_some()
+            || expires_at.is_some_and(|t| t <= Utc::now())
+        {
+            return Ok(None);
+        }
+        let quota = self.quota(&tenant_id).await?.effective;
+        Ok(Some(KeyGrant { key_id, tenant_id, tenant_status: status, tier, scopes, quota }))
+    }
+}
+
 /// Filters for [`Ledger::audit_log`].
 #[derive(Clone, Debug, Default)]
 pub struct AuditFilter {

@@ -254,9 +254,18 @@ async fn lifecycle_and_audit(url: &str) -> anyhow::Result<()> {
         .await?
             == 1
     );
+    let grant = api.ledger.key_grant(&secret).await?.context("a fresh key grants nothing")?;
+    ensure!(grant.tenant_id == "acme" && grant.key_id == key_id && grant.scopes == ["chat"]);
+    ensure!(grant.quota.rpm == Some(20) && grant.tenant_status == "active", "{grant:?}");
+    let mut wrong = secret.clone();
+    wrong.pop();
+    wrong.push('x');
+    ensure!(api.ledger.key_grant(&wrong).await?.is_none(), "a wrong secret with a real prefix");
+    ensure!(api.ledger.key_grant("sk-sluice-nope").await?.is_none());
     let revoked =
         api.ok(Method::POST, &format!("/v1/tenants/acme/keys/{key_id}/revoke"), &ops, None).await?;
     ensure!(revoked["revoked_at"].is_string(), "{revoked}");
+    ensure!(api.ledger.key_grant(&secret).await?.is_none(), "a revoked key still grants");
     api.err(
         Method::POST,
         "/v1/tenants/globex/keys/nokey/revoke",

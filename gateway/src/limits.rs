@@ -1,0 +1,248 @@
+//! Per-tenant admission across gateway replicas: requests per minute, tokens per minute, daily
+//! and monthly tokens, and concurrent requests, decided by one atomic Redis script per
+//! admission.
+//!
+//! At admission a request reserves its prompt tokens plus its largest possible output; when it
+//! ends, [`Limiter::settle`] returns what it did not use. Reservations carry an expiry, so
+//! the slots and tokens of a gateway that died come back on their own. Windows follow
+//! Redis's clock (UTC minutes, days and calendar months), so replicas agree. The tenant's
+//! keys share one hash tag, which keeps the scripts valid on Redis Cluster.
+
+use std::time::Duration;
+
+use redis::aio::ConnectionManager;
+use serde::{Deserialize, Serialize};
+
+/// The limits one tenant is held to (`None` = unlimited): the effective quota.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenantLimits {
+    /// Requests per minute.
+    pub rpm: Option<u64>,
+    /// Tokens per minute (reserved at admission, settled at the end).
+    pub tpm: Option<u64>,
+    /// Tokens per UTC day.
+    pub daily_tokens: Option<u64>,
+    /// Tokens per UTC calendar month.
+    pub monthly_tokens: Option<u64>,
+    /// Requests in flight.
+    pub concurrency: Option<u64>,
+}
+
+/// Why a request was refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Refusal {
+    /// Requests per minute used up.
+    Rpm,
+    /// Tokens per minute used up.
+    Tpm,
+    /// The request alone needs more than the tokens-per-minute limit.
+    TpmExceedsLimit,
+    /// Daily tokens used up.
+    DailyTokens,
+    /// Monthly tokens used up.
+    MonthlyTokens,
+    /// Too many requests in flight.
+    Concurrency,
+}
+
+impl Refusal {
+    /// Label for metrics and error messages.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Rpm => "rpm",
+            Self::Tpm => "tpm",
+            Self::TpmExceedsLimit => "tpm_exceeds_limit",
+            Self::DailyTokens => "daily_tokens",
+            Self::MonthlyTokens => "monthly_tokens",
+            Self::Concurrency => "concurrency",
+        }
+    }
+}
+
+/// The `x-ratelimit-*` figures of a decision (`None` = unlimited).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RateState {
+    /// `x-ratelimit-limit-requests`.
+    pub limit_requests: Option<u64>,
+    /// `x-ratelimit-remaining-requests`.
+    pub remaining_requests: Option<u64>,
+    /// `x-ratelimit-limit-tokens`.
+    pub limit_tokens: Option<u64>,
+    /// `x-ratelimit-remaining-tokens`.
+    pub remaining_tokens: Option<u64>,
+    /// Until the request window resets.
+    pub reset_requests: Duration,
+    /// Until the token window resets.
+    pub reset_tokens: Duration,
+}
+
+/// The outcome of an admission.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Admitted; the reservation holds until settled or expired.
+    Admitted(RateState),
+    /// Refused: why, and when trying again can succeed (`None`: never, as configured).
+    Refused {
+        /// The limit that refused.
+        reason: Refusal,
+        /// `Retry-After`.
+        retry_after: Option<Duration>,
+        /// Header figures.
+        state: RateState,
+    },
+}
+
+/// Admission failed to reach a decision (Redis unreachable or misbehaving).
+#[derive(Debug, thiserror::Error)]
+pub enum LimitError {
+    /// A Redis command failed.
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    /// The script answered something unexpected.
+    #[error("unexpected reply from the admission script: {0}")]
+    Reply(String),
+}
+
+/// Atomic admissions and settlements for every tenant, over one Redis connection manager.
+#[derive(Clone)]
+pub struct Limiter {
+    conn: ConnectionManager,
+    admit: redis::Script,
+    settle: redis::Script,
+    /// How long a reservation lives without being settled.
+    pub reservation_ttl: Duration,
+    prefix: String,
+}
+
+impl std::fmt::Debug for Limiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Limiter").field("prefix", &self.prefix).finish()
+    }
+}
+
+/// Idle tenants' counters disappear after this long (longer than any window).
+const KEY_TTL: Duration = Duration::from_secs(35 * 24 * 3600);
+
+fn lim(v: Option<u64>) -> i64 {
+    v.map_or(-1, |n| i64::try_from(n).unwrap_or(i64::MAX))
+}
+
+fn unlim(v: i64) -> Option<u64> {
+    u64::try_from(v).ok()
+}
+
+impl Limiter {
+    /// A limiter whose keys start with `prefix` (`sluice` in production; tests isolate
+    /// themselves with their own), reservations living `reservation_ttl`.
+    pub fn new(conn: ConnectionManager, prefix: &str, reservation_ttl: Duration) -> Self {
+        Self {
+            conn,
+            admit: redis::Script::new(include_str!("admit.lua")),
+            settle: redis::Script::new(include_str!("settle.lua")),
+            reservation_ttl,
+            prefix: prefix.to_owned(),
+        }
+    }
+
+    fn keys(&self, tenant: &str) -> [String; 3] {
+        // One hash tag per tenant: all three keys live in one Cluster slot.
+        let tag = format!("{{{}:t:{tenant}}}", self.prefix);
+        [format!("{tag}:windows"), format!("{tag}:inflight"), format!("{tag}:reservations")]
+    }
+
+    /// Reserves `tokens` (prompt + largest output) for `request_id` if every limit allows.
+    pub async fn admit(
+        &self,
+        tenant: &str,
+        request_id: &str,
+        tokens: u64,
+        limits: &TenantLimits,
+    ) -> Result<Decision, LimitError> {
+        let [win, inflight, res] = self.keys(tenant);
+        let mut conn = self.conn.clone();
+        let reply: Vec<redis::Value> = self
+            .admit
+            .key(win)
+            .key(inflight)
+            .key(res)
+            .arg(request_id)
+            .arg(tokens)
+            .arg(lim(limits.rpm))
+            .arg(lim(limits.tpm))
+            .arg(lim(limits.daily_tokens))
+            .arg(lim(limits.monthly_tokens))
+            .arg(lim(limits.concurrency))
+            .arg(self.reservation_ttl.as_millis() as u64)
+            .arg(KEY_TTL.as_millis() as u64)
+            .invoke_async(&mut conn)
+            .await?;
+        parse_decision(&reply)
+    }
+
+    /// Ends a request: `used` tokens are kept, the rest of its reservation is returned, its
+    /// concurrency slot is freed. Returns false when it held no reservation (settled already
+    /// or expired).
+    pub async fn settle(
+        &self,
+        tenant: &str,
+        request_id: &str,
+        used: u64,
+    ) -> Result<bool, LimitError> {
+        let [win, inflight, res] = self.keys(tenant);
+        let mut conn = self.conn.clone();
+        let n: i64 = self
+            .settle
+            .key(win)
+            .key(inflight)
+            .key(res)
+            .arg(request_id)
+            .arg(used)
+            .invoke_async(&mut conn)
+            .await?;
+        Ok(n == 1)
+    }
+}
+
+fn int(v: &redis::Value) -> Result<i64, LimitError> {
+    match v {
+        redis::Value::Int(n) => Ok(*n),
+        other => Err(LimitError::Reply(format!("{other:?}"))),
+    }
+}
+
+fn parse_decision(reply: &[redis::Value]) -> Result<Decision, LimitError> {
+    let [admitted, reason, retry, lr, rr, lt, rt, reset_r, reset_t] = reply else {
+        return Err(LimitError::Reply(format!("{} fields", reply.len())));
+    };
+    let reason = match reason {
+        redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        redis::Value::SimpleString(s) => s.clone(),
+        other => return Err(LimitError::Reply(format!("{other:?}"))),
+    };
+    let ms =
+        |v: &redis::Value| int(v).map(|n| Duration::from_millis(u64::try_from(n).unwrap_or(0)));
+    let state = RateState {
+        limit_requests: unlim(int(lr)?),
+        remaining_requests: unlim(int(rr)?),
+        limit_tokens: unlim(int(lt)?),
+        remaining_tokens: unlim(int(rt)?),
+        reset_requests: ms(reset_r)?,
+        reset_tokens: ms(reset_t)?,
+    };
+    if int(admitted)? == 1 {
+        return Ok(Decision::Admitted(state));
+    }
+    let reason = match reason.as_str() {
+        "rpm" => Refusal::Rpm,
+        "tpm" => Refusal::Tpm,
+        "tpm_exceeds_limit" => Refusal::TpmExceedsLimit,
+        "daily_tokens" => Refusal::DailyTokens,
+        "monthly_tokens" => Refusal::MonthlyTokens,
+        "concurrency" => Refusal::Concurrency,
+        other => return Err(LimitError::Reply(other.to_owned())),
+    };
+    let retry = ms(retry)?;
+    let retry_after = (reason != Refusal::TpmExceedsLimit).then_some(retry);
+    Ok(Decision::Refused { reason, retry_after, state })
+}

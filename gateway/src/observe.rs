@@ -1,0 +1,258 @@
+//! Watches an OpenAI-style server-sent event stream as it is written to the client and
+//! derives the client-side timings the ledger records (MISSION.md's definitions): TTFT from
+//! the gateway's arrival to the first event carrying a token, each gap between token-carrying
+//! events with its token count, TPOT over the tokens after the first, E2E to the end.
+//!
+//! Events may be split across reads in any way; the parser keeps the incomplete tail. A chunk
+//! carrying k tokens (Sluice engines say so in `sluice.tokens`; otherwise one per choice that
+//! carries text) counts k tokens, and its gap is a chunk gap, not k token gaps.
+
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// Incremental SSE parser: feed bytes, get complete events' `data` fields.
+#[derive(Debug, Default)]
+pub struct SseParser {
+    buf: Vec<u8>,
+}
+
+impl SseParser {
+    /// Appends `bytes` and returns the data of every event completed by them.
+    pub fn feed(&mut self, bytes: &[u8]) -> Vec<String> {
+        self.buf.extend_from_slice(bytes);
+        let mut out = Vec::new();
+        while let Some((end, sep)) = find_event_end(&self.buf) {
+            let event: Vec<u8> = self.buf.drain(..end + sep).take(end).collect();
+            let text = String::from_utf8_lossy(&event);
+            let mut data: Vec<&str> = Vec::new();
+            for line in text.split('\n') {
+                let line = line.strip_suffix('\r').unwrap_or(line);
+                if let Some(v) = line.strip_prefix("data:") {
+                    data.push(v.strip_prefix(' ').unwrap_or(v));
+                }
+            }
+            if !data.is_empty() {
+                out.push(data.join("\n"));
+            }
+        }
+        out
+    }
+}
+
+/// Position and length of the first blank-line separator (`\n\n`, `\r\n\r\n`, `\r\r`).
+fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
+    let mut i = 0;
+    while i < buf.len() {
+        if buf[i..].starts_with(b"\r\n\r\n") {
+            return Some((i, 4));
+        }
+        if buf[i..].starts_with(b"\n\n") || buf[i..].starts_with(b"\r\r") {
+            return Some((i, 2));
+        }
+        i += 1;
+    }
+    None
+}
+
+/// What the gateway measured for one request.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Timings {
+    /// Arrival to the first token-carrying event (absent when nothing was streamed).
+    pub ttft_ms: Option<f64>,
+    /// Mean time per output token after the first (absent with fewer than 2 tokens).
+    pub tpot_ms: Option<f64>,
+    /// Largest gap between token-carrying events.
+    pub itl_max_ms: Option<f64>,
+    /// 99th percentile (nearest rank) of those gaps.
+    pub itl_p99_ms: Option<f64>,
+    /// Arrival to the end of the response.
+    pub e2e_ms: f64,
+    /// Tokens the client received, by the stream's own counts.
+    pub streamed_tokens: u64,
+    /// The final usage object, when the stream carried one.
+    pub usage: Option<Value>,
+    /// The engine's own timings from its final chunk.
+    pub engine_timings: Option<Value>,
+    /// The last finish reason seen.
+    pub finish_reason: Option<String>,
+    /// The engine's execution identity.
+    pub execution_identity: Option<Value>,
+    /// Whether `[DONE]` arrived (a complete stream).
+    pub done: bool,
+}
+
+/// Observes one response stream.
+#[derive(Debug)]
+pub struct StreamObserver {
+    arrival: Instant,
+    parser: SseParser,
+    first: Option<Instant>,
+    last: Option<Instant>,
+    gaps: Vec<(Duration, u64)>,
+    out: Timings,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+impl StreamObserver {
+    /// Starts observing a request that arrived at `arrival`.
+    pub fn new(arrival: Instant) -> Self {
+        Self {
+            arrival,
+            parser: SseParser::default(),
+            first: None,
+            last: None,
+            gaps: Vec::new(),
+            out: Timings::default(),
+        }
+    }
+
+    /// Bytes written to the client at `now`.
+    pub fn on_bytes(&mut self, bytes: &[u8], now: Instant) {
+        for data in self.parser.feed(bytes) {
+            if data.trim() == "[DONE]" {
+                self.out.done = true;
+                continue;
+            }
+            let Ok(v) = serde_json::from_str::<Value>(&data) else { continue };
+            self.on_event(&v, now);
+        }
+    }
+
+    fn on_event(&mut self, v: &Value, now: Instant) {
+        let choices = v["choices"].as_array();
+        let carried = match v["sluice"]["tokens"].as_u64() {
+            Some(k) => k,
+            None => choices.map_or(0, |cs| {
+                cs.iter()
+                    .filter(|c| {
+                        let text = c["text"].as_str().or_else(|| c["delta"]["content"].as_str());
+                        text.is_some_and(|t| !t.is_empty())
+                    })
+                    .count() as u64
+            }),
+        };
+        for c in choices.into_iter().flatten() {
+            if let Some(r) = c["finish_reason"].as_str() {
+                self.out.finish_reason = Some(r.to_owned());
+            }
+        }
+        if v["usage"].is_object() {
+            self.out.usage = Some(v["usage"].clone());
+        }
+        if v["sluice"]["timings"].is_object() {
+            self.out.engine_timings = Some(v["sluice"]["timings"].clone());
+        }
+        if v["sluice"]["execution_identity"].is_object() {
+            self.out.execution_identity = Some(v["sluice"]["execution_identity"].clone());
+        }
+        if carried == 0 {
+            return;
+        }
+        match self.last {
+            None => self.first = Some(now),
+            Some(prev) => self.gaps.push((now.saturating_duration_since(prev), carried)),
+        }
+        self.last = Some(now);
+        self.out.streamed_tokens += carried;
+    }
+
+    /// The timings, with the response ending at `end`.
+    pub fn finish(mut self, end: Instant) -> Timings {
+        self.out.e2e_ms = ms(end.saturating_duration_since(self.arrival));
+        if let Some(first) = self.first {
+            self.out.ttft_ms = Some(ms(first.saturating_duration_since(self.arrival)));
+            let n = self.out.streamed_tokens;
+            if let (Some(last), true) = (self.last, n > 1) {
+                // Tokens after the first one carried by the first event count too: a first
+                // chunk of k tokens contributes k - 1 to the denominator at zero time.
+                self.out.tpot_ms = Some(ms(last.saturating_duration_since(first)) / (n - 1) as f64);
+            }
+        }
+        if !self.gaps.is_empty() {
+            let mut g: Vec<f64> = self.gaps.iter().map(|(d, _)| ms(*d)).collect();
+            g.sort_by(f64::total_cmp);
+            let rank = ((0.99 * g.len() as f64).ceil() as usize).clamp(1, g.len());
+            self.out.itl_p99_ms = Some(g[rank - 1]);
+            self.out.itl_max_ms = g.last().copied();
+        }
+        self.out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(text: &str, tokens: Option<u64>) -> String {
+        let mut v = serde_json::json!({"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": null}]});
+        if let Some(k) = tokens {
+            v["sluice"] = serde_json::json!({"tokens": k});
+        }
+        format!("data: {v}\n\n")
+    }
+
+    #[test]
+    fn events_split_anywhere_parse_the_same() {
+        let stream = format!(
+            "{}{}: keep-alive comment\n\ndata: [DONE]\r\n\r\n",
+            chunk("Hel", None),
+            chunk("lo", None)
+        );
+        let whole = SseParser::default().feed(stream.as_bytes());
+        assert_eq!(whole.len(), 3);
+        for cut in 0..stream.len() {
+            let mut p = SseParser::default();
+            let mut got = p.feed(&stream.as_bytes()[..cut]);
+            got.extend(p.feed(&stream.as_bytes()[cut..]));
+            assert_eq!(got, whole, "cut at {cut}");
+        }
+        let mut p = SseParser::default();
+        let mut got = Vec::new();
+        for b in stream.as_bytes() {
+            got.extend(p.feed(&[*b]));
+        }
+        assert_eq!(got, whole);
+    }
+
+    #[test]
+    fn timings_follow_the_definitions() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut o = StreamObserver::new(t0);
+        // Role chunk with no text, then tokens at 100 ms (1), 120 ms (1), 180 ms (a chunk of 3).
+        o.on_bytes(b"data: {\"choices\":[{\"delta\":{\"role\":\"assistant\"}}]}\n\n", at(50));
+        o.on_bytes(chunk("a", Some(1)).as_bytes(), at(100));
+        o.on_bytes(chunk("b", Some(1)).as_bytes(), at(120));
+        o.on_bytes(chunk("cde", Some(3)).as_bytes(), at(180));
+        let fin = serde_json::json!({"choices": [{"delta": {}, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 7, "completion_tokens": 5},
+            "sluice": {"tokens": 0, "timings": {"ttft": 0.09}}});
+        o.on_bytes(format!("data: {fin}\n\ndata: [DONE]\n\n").as_bytes(), at(181));
+        let t = o.finish(at(200));
+        assert_eq!(t.ttft_ms, Some(100.0));
+        assert_eq!(t.streamed_tokens, 5);
+        // (180 - 100) / (5 - 1)
+        assert_eq!(t.tpot_ms, Some(20.0));
+        assert_eq!(t.itl_max_ms, Some(60.0));
+        assert_eq!(t.itl_p99_ms, Some(60.0));
+        assert_eq!(t.e2e_ms, 200.0);
+        assert_eq!(t.finish_reason.as_deref(), Some("length"));
+        assert_eq!(t.usage.as_ref().map(|u| u["completion_tokens"].clone()), Some(5.into()));
+        assert!(t.done && t.engine_timings.is_some());
+    }
+
+    #[test]
+    fn one_token_has_no_tpot_and_nothing_streamed_has_no_ttft() {
+        let t0 = Instant::now();
+        let mut o = StreamObserver::new(t0);
+        o.on_bytes(chunk("x", None).as_bytes(), t0 + Duration::from_millis(30));
+        let t = o.finish(t0 + Duration::from_millis(40));
+        assert_eq!((t.ttft_ms, t.tpot_ms, t.itl_max_ms), (Some(30.0), None, None));
+        let t = StreamObserver::new(t0).finish(t0 + Duration::from_millis(40));
+        assert_eq!((t.ttft_ms, t.e2e_ms, t.done), (None, 40.0, false));
+    }
+}
