@@ -1,6 +1,7 @@
 //! The `sluice` command: parses arguments and wires the library crates together.
 
 mod admin_cli;
+mod up;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -32,6 +33,10 @@ enum Command {
     /// Manage model files.
     #[command(subcommand)]
     Model(ModelCommand),
+    /// Start the whole platform on this machine: engine, billing (SQLite), gateway (HTTPS).
+    Up(up::UpArgs),
+    /// Run the gateway (pingora): auth, quotas and limits, routing to engine workers.
+    Gateway(up::GatewayArgs),
     /// Run the billing service: admin, audit and usage API, dashboard, usage ingestion.
     Billing(admin_cli::BillingArgs),
     /// Administer tenants, keys and quotas through the billing service.
@@ -302,6 +307,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Billing(args)) => run_bench_billing(args)?,
         Command::Engine(args) => run_engine(args)?,
         Command::Billing(args) => admin_cli::run_billing(args)?,
+        Command::Up(args) => up::run_up(args)?,
+        Command::Gateway(args) => up::run_gateway(args)?,
         Command::Admin { client, command } => admin_cli::run_admin(command, &client)?,
         Command::Audit { client, command } => admin_cli::run_audit(command, &client)?,
     }

@@ -1,8 +1,11 @@
-//! Sluice gateway: the modules the data plane's phases call. Today: admission by tokens with
-//! per-tenant quotas and rate limits shared by every replica through Redis ([`limits`]), the
-//! local fallback when Redis is unreachable ([`local`]), and the observer of the engine's
-//! event stream that times what the client receives ([`observe`]).
+//! Sluice gateway: the pingora data plane ([`proxy`]) and the modules its phases call:
+//! admission by tokens with per-tenant quotas and rate limits shared by every replica through
+//! Redis ([`limits`]), the local fallback when Redis is unreachable ([`local`]), the observer
+//! of the engine's event stream that times what the client receives ([`observe`]), and the
+//! usage-event sink ([`sink`]).
 
 pub mod limits;
 pub mod local;
 pub mod observe;
+pub mod proxy;
+pub mod sink;

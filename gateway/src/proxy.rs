@@ -1,0 +1,990 @@
+//! The gateway's pingora `ProxyHttp`: each phase calls the small modules of this crate.
+//!
+//! - `request_filter`: authenticate the key (cached [`KeyGrant`]s), read and check the body,
+//!   count prompt tokens with the model's own template and tokenizer, enforce the tenant's
+//!   caps, admit by tokens ([`Limiter`], or the local fallback), rewrite the body (defaults,
+//!   usage in streams, no client `cache_salt`). Refusals are answered here, in OpenAI's
+//!   shapes, and billed as refused requests.
+//! - `upstream_peer`: prefix affinity over the engine workers.
+//! - `upstream_request_filter` / `request_body_filter`: the trusted headers and the rewritten
+//!   body; client-sent `x-sluice-*` headers never pass.
+//! - `response_filter` / `response_body_filter`: rate-limit headers, the gateway's own
+//!   overhead, and the stream observer timing what the client receives.
+//! - `logging`: settle the reservation to the tokens used and emit exactly one usage event.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use chrono::{DateTime, Utc};
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::prelude::{HttpPeer, Session};
+use pingora::proxy::ProxyHttp;
+use pingora::{Error, ErrorSource, ErrorType, Result};
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use sluice_billing::control::{KeyGrant, QuotaSettings};
+use sluice_billing::{FinishReason, Ledger, UsageEvent};
+use sluice_engine::template::{ChatMessage, ChatTemplate};
+use sluice_engine::tokenizer::Tokenizer;
+
+use crate::limits::{Decision, Limiter, RateState, Refusal, TenantLimits};
+use crate::local::{LocalLimiter, RedisDownPolicy};
+use crate::observe::{StreamObserver, Timings};
+use crate::sink::UsageSink;
+
+/// Largest request body accepted (pingora keeps the body it forwards in a 64 KiB buffer).
+pub const MAX_BODY_BYTES: usize = 64 * 1024;
+
+/// Counts prompt tokens exactly as the engine will: the model's chat template and tokenizer.
+pub struct TokenCounter {
+    tokenizer: Tokenizer,
+    template: Option<ChatTemplate>,
+}
+
+impl TokenCounter {
+    /// From a GGUF file's metadata (the weights are not read).
+    pub fn from_gguf(path: &std::path::Path) -> sluice_engine::error::Result<Self> {
+        let f = sluice_engine::gguf::GgufFile::open(path)?;
+        Ok(Self { tokenizer: Tokenizer::from_gguf(&f)?, template: ChatTemplate::from_gguf(&f)? })
+    }
+
+    fn encode(&self, text: &str) -> std::result::Result<usize, String> {
+        let ids = self.tokenizer.encode(text, true).map_err(|e| e.to_string())?;
+        Ok(ids.len() + usize::from(self.tokenizer.add_bos() && self.tokenizer.bos_id().is_some()))
+    }
+
+    /// Prompt tokens of a chat request, and the rendered prompt.
+    fn chat(&self, messages: &[ChatMessage]) -> std::result::Result<(usize, String), String> {
+        let t = self.template.as_ref().ok_or("the model has no chat template")?;
+        let text = t.render(messages, true).map_err(|e| e.to_string())?;
+        Ok((self.encode(&text)?, text))
+    }
+}
+
+/// One engine worker.
+#[derive(Clone, Debug)]
+pub struct Worker {
+    /// `host:port` of its HTTP API.
+    pub addr: String,
+}
+
+/// Prices in micro-units per million tokens.
+#[derive(Clone, Copy, Debug)]
+pub struct Prices {
+    /// Uncached prompt tokens.
+    pub input: u64,
+    /// Prompt tokens served from the prefix cache.
+    pub cached_input: u64,
+    /// Completion tokens.
+    pub output: u64,
+}
+
+impl Prices {
+    fn cost(&self, prompt: u64, cached: u64, completion: u64) -> u64 {
+        let p = u128::from(prompt.saturating_sub(cached)) * u128::from(self.input)
+            + u128::from(cached) * u128::from(self.cached_input)
+            + u128::from(completion) * u128::from(self.output);
+        u64::try_from(p / 1_000_000).unwrap_or(u64::MAX)
+    }
+}
+
+/// Gateway settings.
+pub struct GatewayConfig {
+    /// Engine workers.
+    pub workers: Vec<Worker>,
+    /// Bearer token the engines require.
+    pub internal_token: Option<String>,
+    /// The model id clients name, and the identity the engine reports for it.
+    pub model_id: String,
+    /// `max_tokens` when a request gives none and the tenant sets no cap.
+    pub default_max_tokens: u64,
+    /// How long a key lookup is trusted (revocation takes effect within this).
+    pub key_cache_ttl: Duration,
+    /// What to do when Redis cannot be reached.
+    pub redis_down: RedisDownPolicy,
+    /// Pricing.
+    pub prices: Prices,
+    /// This gateway's name in usage events.
+    pub name: String,
+}
+
+/// Key lookups by SHA-256 of the secret (never the secret itself), with when they were made.
+type KeyCache = HashMap<[u8; 32], (Instant, Option<KeyGrant>)>;
+
+/// The gateway.
+pub struct Gateway {
+    cfg: GatewayConfig,
+    ledger: Ledger,
+    limiter: Option<Limiter>,
+    local: LocalLimiter,
+    tokens: TokenCounter,
+    usage: UsageSink,
+    keys: Mutex<KeyCache>,
+    /// The async runtime that owns the database and Redis connections.
+    io: tokio::runtime::Handle,
+}
+
+impl Gateway {
+    /// Assembles a gateway; `io` is the runtime on which `ledger`, `limiter` and `usage`
+    /// were created (their I/O is driven there).
+    pub fn new(
+        cfg: GatewayConfig,
+        ledger: Ledger,
+        limiter: Option<Limiter>,
+        tokens: TokenCounter,
+        usage: UsageSink,
+        io: tokio::runtime::Handle,
+    ) -> Self {
+        Self {
+            cfg,
+            ledger,
+            limiter,
+            local: LocalLimiter::new(1),
+            tokens,
+            usage,
+            keys: Mutex::new(HashMap::new()),
+            io,
+        }
+    }
+
+    /// Runs `f` on the I/O runtime and waits for it.
+    async fn on_io<F, T>(&self, f: F) -> std::result::Result<T, String>
+    where
+        F: std::future::Future<Output = T> + Send + 'static,
+        T: Send + 'static,
+    {
+        self.io.spawn(f).await.map_err(|e| e.to_string())
+    }
+
+    async fn grant(&self, secret: &str) -> std::result::Result<Option<KeyGrant>, String> {
+        let digest: [u8; 32] = Sha256::digest(secret.as_bytes()).into();
+        {
+            let cache = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((at, g)) = cache.get(&digest)
+                && at.elapsed() < self.cfg.key_cache_ttl
+            {
+                return Ok(g.clone());
+            }
+        }
+        let ledger = self.ledger.clone();
+        let secret = secret.to_owned();
+        let g = self
+            .on_io(async move { ledger.key_grant(&secret).await })
+            .await?
+            .map_err(|e| e.to_string())?;
+        let mut cache = self.keys.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.len() > 100_000 {
+            cache.clear();
+        }
+        cache.insert(digest, (Instant::now(), g.clone()));
+        Ok(g)
+    }
+
+    fn limits(q: &QuotaSettings) -> TenantLimits {
+        let u = |v: Option<i64>| v.and_then(|n| u64::try_from(n).ok());
+        TenantLimits {
+            rpm: u(q.rpm),
+            tpm: u(q.tpm),
+            daily_tokens: u(q.daily_tokens),
+            monthly_tokens: u(q.monthly_tokens),
+            concurrency: u(q.concurrency),
+        }
+    }
+}
+
+/// Per-request state.
+pub struct Ctx {
+    arrival: Instant,
+    arrival_at: DateTime<Utc>,
+    request_id: String,
+    grant: Option<KeyGrant>,
+    body: Option<Bytes>,
+    affinity: String,
+    prompt_tokens: u64,
+    reserved: u64,
+    admitted: Option<AdmitVia>,
+    rate: RateState,
+    stream: bool,
+    observer: Option<StreamObserver>,
+    response_body: Vec<u8>,
+    status: u16,
+    refused: Option<(u16, String)>,
+    overhead: Duration,
+    prompt_sha256: String,
+    prompt_chars: u64,
+    idempotency_key: Option<String>,
+    trace_id: Option<String>,
+    worker: Option<String>,
+    settled: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum AdmitVia {
+    Redis,
+    Local,
+}
+
+fn header<'a>(req: &'a RequestHeader, name: &str) -> Option<&'a str> {
+    req.headers.get(name).and_then(|v| v.to_str().ok())
+}
+
+fn error_json(message: &str, kind: &str, param: Option<&str>, code: Option<&str>) -> Bytes {
+    Bytes::from(
+        json!({"error": {"message": message, "type": kind, "param": param, "code": code}})
+            .to_string(),
+    )
+}
+
+async fn respond(
+    session: &mut Session,
+    status: u16,
+    body: Bytes,
+    extra: &[(String, String)],
+) -> Result<()> {
+    let mut h = ResponseHeader::build(status, Some(4))?;
+    h.insert_header("content-type", "application/json")?;
+    h.insert_header("content-length", body.len().to_string())?;
+    for (k, v) in extra {
+        h.insert_header(k.clone(), v.as_str())?;
+    }
+    session.write_response_header(Box::new(h), false).await?;
+    session.write_response_body(Some(body), true).await
+}
+
+fn rate_headers(r: &RateState) -> Vec<(String, String)> {
+    let mut v = Vec::new();
+    let secs = |d: Duration| format!("{:.3}s", d.as_secs_f64());
+    // The local fallback knows the limits but not the fleet's remaining counts.
+    if let Some(l) = r.limit_requests {
+        v.push(("x-ratelimit-limit-requests".into(), l.to_string()));
+        if let Some(rem) = r.remaining_requests {
+            v.push(("x-ratelimit-remaining-requests".into(), rem.to_string()));
+            v.push(("x-ratelimit-reset-requests".into(), secs(r.reset_requests)));
+        }
+    }
+    if let Some(l) = r.limit_tokens {
+        v.push(("x-ratelimit-limit-tokens".into(), l.to_string()));
+        if let Some(rem) = r.remaining_tokens {
+            v.push(("x-ratelimit-remaining-tokens".into(), rem.to_string()));
+            v.push(("x-ratelimit-reset-tokens".into(), secs(r.reset_tokens)));
+        }
+    }
+    v
+}
+
+/// A refusal the client hears about; billed as a refused request once authenticated.
+struct Refuse {
+    status: u16,
+    message: String,
+    kind: &'static str,
+    param: Option<&'static str>,
+    code: Option<&'static str>,
+    headers: Vec<(String, String)>,
+}
+
+impl Refuse {
+    fn new(status: u16, kind: &'static str, message: impl Into<String>) -> Self {
+        Self { status, message: message.into(), kind, param: None, code: None, headers: Vec::new() }
+    }
+    fn param(mut self, p: &'static str) -> Self {
+        self.param = Some(p);
+        self
+    }
+    fn code(mut self, c: &'static str) -> Self {
+        self.code = Some(c);
+        self
+    }
+}
+
+impl Gateway {
+    /// Everything before the request may go upstream; `Err` is answered to the client.
+    async fn admit(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+    ) -> std::result::Result<bool, Refuse> {
+        let req = session.req_header().clone();
+        let path = req.uri.path().to_owned();
+        let method = req.method.as_str().to_owned();
+        ctx.trace_id = header(&req, "traceparent")
+            .and_then(|t| t.split('-').nth(1))
+            .filter(|id| id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()))
+            .map(str::to_owned);
+        ctx.idempotency_key =
+            header(&req, "idempotency-key").map(|k| k.chars().take(256).collect());
+        let scope = match (method.as_str(), path.as_str()) {
+            ("POST", "/v1/chat/completions") => "chat",
+            ("POST", "/v1/completions") => "completions",
+            ("GET", "/v1/models") => "models",
+            _ => {
+                return Err(Refuse::new(
+                    404,
+                    "invalid_request_error",
+                    format!("unknown route {method} {path}"),
+                )
+                .code("unknown_route"));
+            }
+        };
+        let bad_key = || {
+            Refuse::new(401, "invalid_request_error", "Incorrect API key provided.")
+                .code("invalid_api_key")
+        };
+        let secret = header(&req, "authorization")
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(str::trim)
+            .ok_or_else(bad_key)?
+            .to_owned();
+        let grant = self
+            .grant(&secret)
+            .await
+            .map_err(|e| {
+                tracing::error!(error = %e, "key lookup failed");
+                Refuse::new(503, "server_error", "authentication is unavailable; retry shortly")
+            })?
+            .ok_or_else(bad_key)?;
+        if grant.tenant_status != "active" {
+            ctx.grant = Some(grant);
+            return Err(Refuse::new(403, "permission_error", "this tenant is suspended")
+                .code("tenant_suspended"));
+        }
+        if !grant.scopes.iter().any(|s| s == scope) {
+            ctx.grant = Some(grant);
+            return Err(Refuse::new(
+                403,
+                "permission_error",
+                format!("this key may not call {path}"),
+            )
+            .code("insufficient_scope"));
+        }
+        let allowed = |m: &str| {
+            grant.quota.allowed_models.is_empty()
+                || grant.quota.allowed_models.iter().any(|a| a == m)
+        };
+        if scope == "models" {
+            let data: Vec<Value> = [self.cfg.model_id.as_str()]
+                .into_iter()
+                .filter(|m| allowed(m))
+                .map(|m| json!({"id": m, "object": "model", "created": 0, "owned_by": "sluice"}))
+                .collect();
+            let body = Bytes::from(json!({"object": "list", "data": data}).to_string());
+            respond(session, 200, body, &[])
+                .await
+                .map_err(|_| Refuse::new(500, "server_error", "write failed"))?;
+            return Ok(true);
+        }
+        ctx.grant = Some(grant.clone());
+
+        // The body, whole (pingora forwards it from its retry buffer).
+        session.enable_retry_buffering();
+        let mut body = Vec::new();
+        loop {
+            match session.read_request_body().await {
+                Ok(Some(chunk)) => {
+                    body.extend_from_slice(&chunk);
+                    if body.len() > MAX_BODY_BYTES {
+                        return Err(Refuse::new(
+                            413,
+                            "invalid_request_error",
+                            format!("request body over {MAX_BODY_BYTES} bytes"),
+                        ));
+                    }
+                }
+                Ok(None) => break,
+                Err(_) => {
+                    return Err(Refuse::new(
+                        400,
+                        "invalid_request_error",
+                        "could not read the request body",
+                    ));
+                }
+            }
+        }
+        if session.retry_buffer_truncated() {
+            return Err(Refuse::new(
+                413,
+                "invalid_request_error",
+                format!("request body over {MAX_BODY_BYTES} bytes"),
+            ));
+        }
+        let mut v: Value = serde_json::from_slice(&body).map_err(|e| {
+            Refuse::new(
+                400,
+                "invalid_request_error",
+                format!("We could not parse the JSON body of your request: {e}"),
+            )
+        })?;
+        let Some(obj) = v.as_object_mut() else {
+            return Err(Refuse::new(
+                400,
+                "invalid_request_error",
+                "the body must be a JSON object",
+            ));
+        };
+        // The cache scope comes from the tenant, never from the client.
+        obj.remove("cache_salt");
+        let model = obj.get("model").and_then(Value::as_str).unwrap_or_default().to_owned();
+        if model.is_empty() {
+            return Err(Refuse::new(
+                400,
+                "invalid_request_error",
+                "you must provide a model parameter",
+            )
+            .param("model"));
+        }
+        if model != self.cfg.model_id {
+            return Err(Refuse::new(
+                404,
+                "invalid_request_error",
+                format!("The model `{model}` does not exist"),
+            )
+            .param("model")
+            .code("model_not_found"));
+        }
+        if !allowed(&model) {
+            return Err(Refuse::new(
+                403,
+                "permission_error",
+                format!("this tenant may not use `{model}`"),
+            )
+            .param("model")
+            .code("model_not_allowed"));
+        }
+        let q = &grant.quota;
+        let n = match obj.get("n") {
+            None | Some(Value::Null) => 1,
+            Some(x) => x.as_u64().filter(|n| *n >= 1).ok_or_else(|| {
+                Refuse::new(400, "invalid_request_error", "n must be a positive integer").param("n")
+            })?,
+        };
+        if let Some(max_n) = q.max_n.and_then(|m| u64::try_from(m).ok())
+            && n > max_n
+        {
+            return Err(Refuse::new(
+                400,
+                "invalid_request_error",
+                format!("n is over this tenant's cap of {max_n}"),
+            )
+            .param("n"));
+        }
+        let max_field = if scope == "chat" && obj.contains_key("max_completion_tokens") {
+            "max_completion_tokens"
+        } else {
+            "max_tokens"
+        };
+        let cap = q.max_output_tokens.and_then(|m| u64::try_from(m).ok());
+        let max_tokens = match obj.get(max_field) {
+            None | Some(Value::Null) => {
+                cap.unwrap_or(self.cfg.default_max_tokens).min(self.cfg.default_max_tokens)
+            }
+            Some(x) => x.as_u64().ok_or_else(|| {
+                Refuse::new(
+                    400,
+                    "invalid_request_error",
+                    format!("{max_field} must be a non-negative integer"),
+                )
+                .param("max_tokens")
+            })?,
+        };
+        if let Some(c) = cap
+            && max_tokens > c
+        {
+            return Err(Refuse::new(
+                400,
+                "invalid_request_error",
+                format!("{max_field} is over this tenant's cap of {c}"),
+            )
+            .param("max_tokens"));
+        }
+        obj.insert(max_field.into(), Value::from(max_tokens));
+        // Prompt tokens, as the engine will count them.
+        let (prompt_tokens, prompt_text) = if scope == "chat" {
+            let messages: Vec<ChatMessage> =
+                serde_json::from_value(obj.get("messages").cloned().unwrap_or(Value::Null))
+                    .map_err(|e| {
+                        Refuse::new(400, "invalid_request_error", format!("invalid messages: {e}"))
+                            .param("messages")
+                    })?;
+            if messages.is_empty() {
+                return Err(Refuse::new(
+                    400,
+                    "invalid_request_error",
+                    "messages must not be empty",
+                )
+                .param("messages"));
+            }
+            self.tokens
+                .chat(&messages)
+                .map_err(|e| Refuse::new(400, "invalid_request_error", e).param("messages"))?
+        } else {
+            match obj.get("prompt") {
+                Some(Value::String(s)) => (
+                    self.tokens.encode(s).map_err(|e| {
+                        Refuse::new(400, "invalid_request_error", e).param("prompt")
+                    })?,
+                    s.clone(),
+                ),
+                Some(Value::Array(a)) if a.iter().all(Value::is_u64) && !a.is_empty() => {
+                    (a.len(), Value::Array(a.clone()).to_string())
+                }
+                _ => {
+                    return Err(Refuse::new(
+                        400,
+                        "invalid_request_error",
+                        "prompt must be a string or an array of token ids",
+                    )
+                    .param("prompt"));
+                }
+            }
+        };
+        ctx.prompt_tokens = prompt_tokens as u64;
+        ctx.prompt_sha256 = hex_digest(prompt_text.as_bytes());
+        ctx.prompt_chars = prompt_text.chars().count() as u64;
+        ctx.affinity = prompt_text.chars().take(512).collect();
+        if let Some(m) = q.max_prompt_tokens.and_then(|m| u64::try_from(m).ok())
+            && ctx.prompt_tokens > m
+        {
+            return Err(Refuse::new(
+                413,
+                "invalid_request_error",
+                format!(
+                    "the prompt has {} tokens, over this tenant's limit of {m}",
+                    ctx.prompt_tokens
+                ),
+            )
+            .param(if scope == "chat" { "messages" } else { "prompt" })
+            .code("context_length_exceeded"));
+        }
+        ctx.stream = obj.get("stream").and_then(Value::as_bool).unwrap_or(false);
+        if ctx.stream {
+            // Usage in the final chunk, so the tokens produced are known even for streams.
+            obj.insert("stream_options".into(), json!({"include_usage": true}));
+        }
+        ctx.body = Some(Bytes::from(v.to_string()));
+
+        // Admission by tokens: the prompt and the largest possible output of every choice.
+        ctx.reserved = ctx.prompt_tokens + max_tokens * n;
+        let limits = Self::limits(q);
+        let tenant = grant.tenant_id.clone();
+        let decision = match &self.limiter {
+            Some(l) => {
+                let (l, id, t, reserve) =
+                    (l.clone(), ctx.request_id.clone(), tenant.clone(), ctx.reserved);
+                match self.on_io(async move { l.admit(&t, &id, reserve, &limits).await }).await {
+                    Ok(Ok(d)) => Some((d, AdmitVia::Redis)),
+                    Ok(Err(e)) => {
+                        tracing::warn!(error = %e, "shared limiter unreachable");
+                        None
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "shared limiter task failed");
+                        None
+                    }
+                }
+            }
+            None => Some((self.local.admit(&tenant, ctx.reserved, &limits), AdmitVia::Local)),
+        };
+        let (decision, via) = match decision {
+            Some(d) => d,
+            None if self.cfg.redis_down == RedisDownPolicy::Local => {
+                (self.local.admit(&tenant, ctx.reserved, &limits), AdmitVia::Local)
+            }
+            None => {
+                let mut r =
+                    Refuse::new(503, "server_error", "rate limiting is unavailable; retry shortly");
+                r.headers.push(("retry-after".into(), "1".into()));
+                return Err(r);
+            }
+        };
+        match decision {
+            Decision::Admitted(state) => {
+                ctx.rate = state;
+                ctx.admitted = Some(via);
+                Ok(false)
+            }
+            Decision::Refused { reason, retry_after, state } => {
+                ctx.rate = state;
+                let (status, kind, code) = match reason {
+                    Refusal::TpmExceedsLimit => (429, "tokens", "rate_limit_exceeded"),
+                    Refusal::DailyTokens | Refusal::MonthlyTokens => {
+                        (429, "insufficient_quota", "insufficient_quota")
+                    }
+                    Refusal::Rpm => (429, "requests", "rate_limit_exceeded"),
+                    Refusal::Tpm => (429, "tokens", "rate_limit_exceeded"),
+                    Refusal::Concurrency => (429, "requests", "rate_limit_exceeded"),
+                };
+                let mut r = Refuse::new(
+                    status,
+                    if code == "insufficient_quota" {
+                        "insufficient_quota"
+                    } else {
+                        "rate_limit_error"
+                    },
+                    format!(
+                        "Rate limit reached for {kind} ({}); this request needs {} tokens.",
+                        reason.as_str(),
+                        ctx.reserved
+                    ),
+                )
+                .code(code);
+                r.headers = rate_headers(&state);
+                if let Some(after) = retry_after {
+                    r.headers.push(("retry-after".into(), after.as_secs().max(1).to_string()));
+                }
+                Err(r)
+            }
+        }
+    }
+
+    fn event(
+        &self,
+        ctx: &Ctx,
+        timings: Option<&Timings>,
+        completion: u64,
+        cached: u64,
+        finish: FinishReason,
+        error: Option<String>,
+    ) -> Option<UsageEvent> {
+        let grant = ctx.grant.as_ref()?;
+        let t = timings.cloned().unwrap_or_default();
+        let identity = t.execution_identity.clone().unwrap_or(Value::Null);
+        let s = |k: &str| identity[k].as_str().map(str::to_owned);
+        let engine = t.engine_timings.clone().unwrap_or(Value::Null);
+        let ems = |k: &str| engine[k].as_f64().map(|x| x * 1000.0);
+        let since =
+            |ms: f64| ctx.arrival_at + chrono::TimeDelta::microseconds((ms * 1000.0) as i64);
+        let prompt = u32::try_from(ctx.prompt_tokens).unwrap_or(u32::MAX);
+        let first = t.ttft_ms.map(since);
+        let last = t.ttft_ms.map(|ttft| {
+            since(ttft + t.tpot_ms.unwrap_or(0.0) * completion.saturating_sub(1) as f64)
+        });
+        Some(UsageEvent {
+            request_id: ctx.request_id.clone(),
+            idempotency_key: ctx.idempotency_key.clone(),
+            tenant_id: grant.tenant_id.clone(),
+            key_id: grant.key_id.clone(),
+            model_id: self.cfg.model_id.clone(),
+            model_revision: s("model_revision").unwrap_or_else(|| "unknown".into()),
+            tokenizer_revision: s("tokenizer_revision").unwrap_or_else(|| "unknown".into()),
+            chat_template_version: s("chat_template_version").unwrap_or_else(|| "unknown".into()),
+            adapter: s("adapter"),
+            engine_version: s("engine_version"),
+            engine_worker: ctx.worker.clone(),
+            prompt_tokens: prompt,
+            cached_prompt_tokens: u32::try_from(cached.min(ctx.prompt_tokens)).unwrap_or(0),
+            completion_tokens: u32::try_from(completion).unwrap_or(u32::MAX),
+            finish_reason: finish,
+            http_status: ctx.status,
+            error_type: error,
+            client_disconnected: finish == FinishReason::ClientDisconnected,
+            arrival_at: ctx.arrival_at,
+            first_token_at: first,
+            last_token_at: last.filter(|l| first.is_some_and(|f| *l >= f)),
+            ttft_ms: t.ttft_ms,
+            tpot_ms: t.tpot_ms,
+            itl_max_ms: t.itl_max_ms,
+            itl_p99_ms: t.itl_p99_ms,
+            e2e_ms: Some(t.e2e_ms),
+            engine_queue_ms: ems("queue"),
+            engine_prefill_ms: ems("prefill"),
+            engine_decode_ms: ems("decode"),
+            trace_id: ctx.trace_id.clone(),
+            prompt_sha256: if ctx.prompt_sha256.is_empty() {
+                hex_digest(b"")
+            } else {
+                ctx.prompt_sha256.clone()
+            },
+            prompt_chars: u32::try_from(ctx.prompt_chars).unwrap_or(u32::MAX),
+            cost_micros: self.cfg.prices.cost(ctx.prompt_tokens, cached, completion),
+        })
+    }
+
+    async fn emit(&self, event: UsageEvent) {
+        let sink = self.usage.clone();
+        let id = event.request_id.clone();
+        match self.on_io(async move { sink.emit(event).await }).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::error!(error = %e, request_id = %id, "usage event not delivered")
+            }
+            Err(e) => tracing::error!(error = %e, request_id = %id, "usage task failed"),
+        }
+    }
+
+    async fn settle(&self, ctx: &mut Ctx, used: u64) {
+        if ctx.settled {
+            return;
+        }
+        ctx.settled = true;
+        let Some(grant) = &ctx.grant else { return };
+        match ctx.admitted {
+            Some(AdmitVia::Redis) => {
+                if let Some(l) = &self.limiter {
+                    let (l, t, id) = (l.clone(), grant.tenant_id.clone(), ctx.request_id.clone());
+                    if let Ok(Err(e)) =
+                        self.on_io(async move { l.settle(&t, &id, used).await }).await
+                    {
+                        tracing::warn!(error = %e, "settlement failed; the reservation expires instead");
+                    }
+                }
+            }
+            Some(AdmitVia::Local) => self.local.release(&grant.tenant_id),
+            None => {}
+        }
+    }
+}
+
+fn hex_digest(b: &[u8]) -> String {
+    Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn affinity_score(worker: &str, key: &str) -> u64 {
+    let d = Sha256::digest(format!("{worker}\n{key}").as_bytes());
+    u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]])
+}
+
+#[async_trait]
+impl ProxyHttp for Gateway {
+    type CTX = Ctx;
+
+    fn new_ctx(&self) -> Ctx {
+        Ctx {
+            arrival: Instant::now(),
+            arrival_at: Utc::now(),
+            request_id: format!("req_{}", uuid::Uuid::new_v4().simple()),
+            grant: None,
+            body: None,
+            affinity: String::new(),
+            prompt_tokens: 0,
+            reserved: 0,
+            admitted: None,
+            rate: RateState::default(),
+            stream: false,
+            observer: None,
+            response_body: Vec::new(),
+            status: 0,
+            refused: None,
+            overhead: Duration::ZERO,
+            prompt_sha256: String::new(),
+            prompt_chars: 0,
+            idempotency_key: None,
+            trace_id: None,
+            worker: None,
+            settled: false,
+        }
+    }
+
+    async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
+        ctx.arrival = Instant::now();
+        ctx.arrival_at = Utc::now();
+        let path = session.req_header().uri.path().to_owned();
+        if path == "/health" {
+            respond(session, 200, Bytes::from_static(b"{\"status\":\"ok\"}"), &[]).await?;
+            return Ok(true);
+        }
+        match self.admit(session, ctx).await {
+            Ok(done) => {
+                ctx.overhead = ctx.arrival.elapsed();
+                Ok(done)
+            }
+            Err(r) => {
+                ctx.status = r.status;
+                ctx.refused = Some((r.status, r.message.clone()));
+                let mut headers = r.headers.clone();
+                headers.push(("x-sluice-request-id".into(), ctx.request_id.clone()));
+                let body = error_json(&r.message, r.kind, r.param, r.code);
+                respond(session, r.status, body, &headers).await?;
+                Ok(true)
+            }
+        }
+    }
+
+    async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
+        let tenant = ctx.grant.as_ref().map(|g| g.tenant_id.as_str()).unwrap_or("");
+        // Rendezvous hashing on (tenant, prompt start): one tenant's shared prefixes meet the
+        // same worker's prefix cache; different prefixes spread over the workers.
+        let key = format!("{tenant}\n{}", ctx.affinity);
+        let w = self
+            .cfg
+            .workers
+            .iter()
+            .max_by_key(|w| affinity_score(&w.addr, &key))
+            .ok_or_else(|| Error::explain(ErrorType::ConnectNoRoute, "no engine workers"))?;
+        ctx.worker = Some(w.addr.clone());
+        Ok(Box::new(HttpPeer::new(w.addr.as_str(), false, String::new())))
+    }
+
+    async fn upstream_request_filter(
+        &self,
+        _session: &mut Session,
+        req: &mut RequestHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        let names: Vec<String> = req
+            .headers
+            .keys()
+            .map(|k| k.as_str().to_owned())
+            .filter(|k| k.starts_with("x-sluice-") || k == "authorization" || k == "traceparent")
+            .collect();
+        for n in names {
+            req.remove_header(&n);
+        }
+        if let Some(g) = &ctx.grant {
+            req.insert_header("x-sluice-tenant", g.tenant_id.as_str())?;
+            let priority = g.quota.priority.unwrap_or(0);
+            req.insert_header("x-sluice-priority", priority.to_string())?;
+        }
+        req.insert_header("x-sluice-request-id", ctx.request_id.as_str())?;
+        let trace =
+            ctx.trace_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+        let span = &uuid::Uuid::new_v4().simple().to_string()[..16];
+        req.insert_header("traceparent", format!("00-{trace}-{span}-01"))?;
+        ctx.trace_id = Some(trace);
+        if let Some(t) = &self.cfg.internal_token {
+            req.insert_header("authorization", format!("Bearer {t}"))?;
+        }
+        if let Some(b) = &ctx.body {
+            req.remove_header("transfer-encoding");
+            req.insert_header("content-length", b.len().to_string())?;
+            req.insert_header("content-type", "application/json")?;
+        }
+        Ok(())
+    }
+
+    async fn request_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        // The client's body was read (and checked) in request_filter; what goes upstream is
+        // the rewritten one, whole, in place of the buffered original.
+        if end_of_stream {
+            *body = ctx.body.clone();
+        } else {
+            *body = None;
+        }
+        Ok(())
+    }
+
+    async fn response_filter(
+        &self,
+        _session: &mut Session,
+        resp: &mut ResponseHeader,
+        ctx: &mut Ctx,
+    ) -> Result<()> {
+        ctx.status = resp.status.as_u16();
+        for (k, v) in rate_headers(&ctx.rate) {
+            resp.insert_header(k, v)?;
+        }
+        resp.insert_header("x-sluice-request-id", ctx.request_id.as_str())?;
+        resp.insert_header(
+            "x-sluice-gateway-overhead-ms",
+            format!("{:.3}", ctx.overhead.as_secs_f64() * 1000.0),
+        )?;
+        if ctx.stream && ctx.status == 200 {
+            ctx.observer = Some(StreamObserver::new(ctx.arrival));
+        }
+        Ok(())
+    }
+
+    fn response_body_filter(
+        &self,
+        _session: &mut Session,
+        body: &mut Option<Bytes>,
+        _end_of_stream: bool,
+        ctx: &mut Ctx,
+    ) -> Result<Option<Duration>> {
+        if let Some(b) = body {
+            let now = Instant::now();
+            match &mut ctx.observer {
+                Some(o) => o.on_bytes(b, now),
+                None if ctx.response_body.len() < 16 << 20 => {
+                    ctx.response_body.extend_from_slice(b)
+                }
+                None => {}
+            }
+        }
+        Ok(None)
+    }
+
+    async fn logging(&self, _session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
+        let end = Instant::now();
+        if ctx.grant.is_none() {
+            return;
+        }
+        if let Some((status, _)) = ctx.refused.clone() {
+            self.settle(ctx, 0).await;
+            let reason = if status == 429
+                || status == 503
+                || status == 413
+                || status == 400
+                || status == 403
+                || status == 404
+            {
+                FinishReason::Rejected
+            } else {
+                FinishReason::Error
+            };
+            let t = Timings {
+                e2e_ms: end.saturating_duration_since(ctx.arrival).as_secs_f64() * 1000.0,
+                ..Timings::default()
+            };
+            if let Some(ev) =
+                self.event(ctx, Some(&t), 0, 0, reason, Some(format!("http_{status}")))
+            {
+                self.emit(ev).await;
+            }
+            return;
+        }
+        if ctx.admitted.is_none() {
+            return;
+        }
+        let timings = match ctx.observer.take() {
+            Some(o) => o.finish(end),
+            None => {
+                // Non-streamed: no observable first token (recorded as absent, not as E2E).
+                let body: Value = serde_json::from_slice(&ctx.response_body).unwrap_or(Value::Null);
+                let mut t = Timings {
+                    e2e_ms: end.saturating_duration_since(ctx.arrival).as_secs_f64() * 1000.0,
+                    usage: body.get("usage").cloned(),
+                    engine_timings: body["sluice"].get("timings").cloned(),
+                    execution_identity: body["sluice"].get("execution_identity").cloned(),
+                    done: true,
+                    ..Timings::default()
+                };
+                t.finish_reason = body["choices"][0]["finish_reason"].as_str().map(str::to_owned);
+                t
+            }
+        };
+        let usage = timings.usage.clone().unwrap_or(Value::Null);
+        let downstream_gone = e.is_some_and(|e| matches!(e.esource(), ErrorSource::Downstream))
+            || (ctx.stream && !timings.done && ctx.status == 200);
+        let completion = usage["completion_tokens"].as_u64().unwrap_or(timings.streamed_tokens);
+        let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+        let (finish, error) = if downstream_gone {
+            (FinishReason::ClientDisconnected, None)
+        } else if let Some(e) = e {
+            (FinishReason::Error, Some(format!("{:?}", e.etype())))
+        } else if ctx.status >= 400 {
+            (FinishReason::Error, Some(format!("http_{}", ctx.status)))
+        } else {
+            match timings.finish_reason.as_deref() {
+                Some("length") => (FinishReason::Length, None),
+                Some("stop") | None => (FinishReason::Stop, None),
+                Some("abort") => (FinishReason::ClientDisconnected, None),
+                Some(_) => (FinishReason::Error, None),
+            }
+        };
+        if ctx.status == 0 {
+            ctx.status = 499;
+        }
+        self.settle(ctx, ctx.prompt_tokens + completion).await;
+        if let Some(ev) = self.event(ctx, Some(&timings), completion, cached, finish, error) {
+            self.emit(ev).await;
+        }
+    }
+}

@@ -1,0 +1,417 @@
+//! `sluice gateway` (the pingora data plane on its own) and `sluice up` (the whole platform in
+//! one process: an engine worker, billing on SQLite with its admin API, the gateway over
+//! HTTPS, a demo tenant and key).
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::Args;
+use sluice_billing::api::{ApiState, router as billing_router};
+use sluice_billing::auth::{Principal, Role, Verifier, mint_hs256};
+use sluice_billing::control::NewTenant;
+use sluice_billing::local::{LocalIngest, LocalIngestConfig};
+use sluice_billing::{Ledger, LedgerOptions};
+use sluice_engine::fetch::{DEFAULT_MODEL, fetch, model_dir};
+use sluice_engine::loader::LoadedModel;
+use sluice_engine::serve::core::EngineConfig;
+use sluice_engine::serve::handle::EngineHandle;
+use sluice_engine::server::{ServerConfig, router as engine_router};
+use sluice_gateway::limits::Limiter;
+use sluice_gateway::local::RedisDownPolicy;
+use sluice_gateway::proxy::{Gateway, GatewayConfig, Prices, TokenCounter, Worker};
+use sluice_gateway::sink::UsageSink;
+
+/// The model id clients name when the platform serves the default model.
+const DEFAULT_MODEL_ID: &str = "smollm2-135m-instruct";
+
+/// `sluice gateway`.
+#[derive(Args, Debug)]
+pub struct GatewayArgs {
+    /// Address for tenants.
+    #[arg(long, default_value = "0.0.0.0:8443")]
+    listen: String,
+    /// TLS certificate chain (PEM).
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM).
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Serve plain HTTP (only behind something that terminates TLS).
+    #[arg(long, conflicts_with = "tls_cert")]
+    plain_http: bool,
+    /// Engine worker `host:port` (repeat for several).
+    #[arg(long = "engine", required = true)]
+    engines: Vec<String>,
+    /// Ledger with tenants and keys (postgres://... or sqlite://...).
+    #[arg(long, env = "SLUICE_DATABASE_URL")]
+    database_url: String,
+    /// Redis: shared limits across gateway replicas, and the usage stream to billing. Without
+    /// it, limits are per process and usage is written to the ledger directly.
+    #[arg(long, env = "SLUICE_REDIS_URL")]
+    redis_url: Option<String>,
+    /// Bearer token the engines require.
+    #[arg(long, env = "SLUICE_INTERNAL_TOKEN", hide_env_values = true)]
+    internal_token: Option<String>,
+    /// GGUF file whose tokenizer and chat template count prompt tokens (default: the fetched
+    /// default model).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Model id clients name.
+    #[arg(long, default_value = DEFAULT_MODEL_ID)]
+    model_id: String,
+    /// When Redis is unreachable: `local` limits or `refuse` (503).
+    #[arg(long, default_value = "local")]
+    redis_down: String,
+}
+
+/// Keeps an I/O runtime running on its own thread for as long as it lives.
+struct IoRuntime {
+    handle: tokio::runtime::Handle,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl IoRuntime {
+    fn start() -> anyhow::Result<Self> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("sluice-io")
+            .enable_all()
+            .build()
+            .context("starting the async runtime")?;
+        let handle = rt.handle().clone();
+        let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("sluice-io-main".into())
+            .spawn(move || {
+                let _ = rt.block_on(rx);
+            })
+            .context("starting the I/O thread")?;
+        Ok(Self { handle, stop: Some(stop), thread: Some(thread) })
+    }
+}
+
+impl Drop for IoRuntime {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn server_conf() -> pingora::server::configuration::ServerConf {
+    pingora::server::configuration::ServerConf {
+        threads: 2,
+        grace_period_seconds: Some(0),
+        graceful_shutdown_timeout_seconds: Some(2),
+        ..Default::default()
+    }
+}
+
+/// Runs pingora until SIGINT/SIGTERM.
+fn run_proxy(gateway: Gateway, listen: &str, tls: Option<(&Path, &Path)>) -> anyhow::Result<()> {
+    let mut server = pingora::server::Server::new_with_opt_and_conf(None, server_conf());
+    server.bootstrap();
+    let mut service = pingora::proxy::http_proxy_service(&server.configuration, gateway);
+    match tls {
+        Some((cert, key)) => service
+            .add_tls(
+                listen,
+                cert.to_str().context("certificate path is not UTF-8")?,
+                key.to_str().context("key path is not UTF-8")?,
+            )
+            .context("configuring TLS")?,
+        None => service.add_tcp(listen),
+    }
+    server.add_service(service);
+    server.run(pingora::server::RunArgs::default());
+    Ok(())
+}
+
+fn default_model_path(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    Ok(match model {
+        Some(p) => p,
+        None => fetch(&DEFAULT_MODEL, &model_dir(), &|s| eprintln!("{s}"))?,
+    })
+}
+
+fn prices() -> Prices {
+    // Micro-dollars per million tokens: $0.10 in, $0.05 cached in, $0.20 out.
+    Prices { input: 100_000, cached_input: 50_000, output: 200_000 }
+}
+
+/// Runs `sluice gateway`.
+pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
+    let redis_down = match args.redis_down.as_str() {
+        "local" => RedisDownPolicy::Local,
+        "refuse" => RedisDownPolicy::Refuse,
+        _ => bail!("--redis-down must be local or refuse"),
+    };
+    let tls = match (&args.tls_cert, &args.tls_key, args.plain_http) {
+        (Some(c), Some(k), _) => Some((c.clone(), k.clone())),
+        (None, None, true) => None,
+        _ => bail!("give --tls-cert and --tls-key, or --plain-http"),
+    };
+    let tokens = TokenCounter::from_gguf(&default_model_path(args.model)?)
+        .context("reading the model's tokenizer and chat template")?;
+    let io = IoRuntime::start()?;
+    let (ledger, limiter, usage, ingest) = io.handle.block_on(async {
+        let ledger = Ledger::connect_with(&args.database_url, &LedgerOptions::default())
+            .await
+            .context("connecting to --database-url")?;
+        Ok::<_, anyhow::Error>(match &args.redis_url {
+            Some(url) => {
+                let client = redis::Client::open(url.as_str()).context("--redis-url")?;
+                let conn = redis::aio::ConnectionManager::new(client)
+                    .await
+                    .context("connecting to --redis-url")?;
+                let limiter = Limiter::new(conn.clone(), "sluice", Duration::from_secs(600));
+                let sink = UsageSink::Redis {
+                    conn,
+                    stream: sluice_billing::ingest::USAGE_STREAM.to_owned(),
+                };
+                (ledger, Some(limiter), sink, None)
+            }
+            None => {
+                let ingest =
+                    Arc::new(LocalIngest::start(ledger.clone(), LocalIngestConfig::default()));
+                (ledger, None, UsageSink::Local(ingest.clone()), Some(ingest))
+            }
+        })
+    })?;
+    let cfg = GatewayConfig {
+        workers: args.engines.iter().map(|a| Worker { addr: a.clone() }).collect(),
+        internal_token: args.internal_token,
+        model_id: args.model_id,
+        default_max_tokens: 512,
+        key_cache_ttl: Duration::from_secs(2),
+        redis_down,
+        prices: prices(),
+        name: "gateway".into(),
+    };
+    let gateway = Gateway::new(cfg, ledger.clone(), limiter, tokens, usage, io.handle.clone());
+    println!("listening on {}://{}", if tls.is_some() { "https" } else { "http" }, args.listen);
+    std::io::stdout().flush()?;
+    let tls_ref = tls.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
+    run_proxy(gateway, &args.listen, tls_ref)?;
+    io.handle.block_on(async {
+        if let Some(ingest) = ingest.and_then(|i| Arc::try_unwrap(i).ok()) {
+            ingest.shutdown().await;
+        }
+        ledger.close().await;
+    });
+    eprintln!("shut down");
+    Ok(())
+}
+
+/// `sluice up`.
+#[derive(Args, Debug)]
+pub struct UpArgs {
+    /// Where state lives: the ledger, TLS files, secrets and the env files.
+    #[arg(long, default_value = ".sluice")]
+    dir: PathBuf,
+    /// The gateway's address (HTTPS).
+    #[arg(long, default_value = "127.0.0.1:8443")]
+    listen: String,
+    /// The billing admin API and dashboard.
+    #[arg(long, default_value = "127.0.0.1:8090")]
+    admin_listen: String,
+    /// Serve the gateway over plain HTTP instead of HTTPS.
+    #[arg(long)]
+    plain_http: bool,
+    /// Model file (default: the default model, fetched if missing).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// KV cache memory, MiB.
+    #[arg(long, default_value_t = 512)]
+    kv_cache_mb: usize,
+}
+
+fn write_private(path: &Path, content: &str) -> anyhow::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(true)
+        .write(true)
+        .mode(0o600)
+        .open(path)
+        .with_context(|| format!("writing {}", path.display()))?;
+    f.write_all(content.as_bytes())?;
+    Ok(())
+}
+
+/// A local CA and a certificate for localhost signed by it (created once).
+fn tls_files(dir: &Path) -> anyhow::Result<(PathBuf, PathBuf, PathBuf)> {
+    let (ca_path, cert_path, key_path) =
+        (dir.join("tls/ca.pem"), dir.join("tls/cert.pem"), dir.join("tls/key.pem"));
+    if ca_path.exists() && cert_path.exists() && key_path.exists() {
+        return Ok((ca_path, cert_path, key_path));
+    }
+    std::fs::create_dir_all(dir.join("tls"))?;
+    let ca_key = rcgen::KeyPair::generate()?;
+    let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new())?;
+    ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    ca_params.distinguished_name.push(rcgen::DnType::CommonName, "Sluice local CA");
+    let ca = ca_params.self_signed(&ca_key)?;
+    let key = rcgen::KeyPair::generate()?;
+    let mut params =
+        rcgen::CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])?;
+    params.distinguished_name.push(rcgen::DnType::CommonName, "localhost");
+    let cert = params.signed_by(&key, &ca, &ca_key)?;
+    std::fs::write(&ca_path, ca.pem())?;
+    std::fs::write(&cert_path, cert.pem())?;
+    write_private(&key_path, &key.serialize_pem())?;
+    Ok((ca_path, cert_path, key_path))
+}
+
+fn random_secret() -> String {
+    format!("{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple())
+}
+
+/// Runs `sluice up`.
+pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&args.dir)
+        .with_context(|| format!("creating {}", args.dir.display()))?;
+    let dir = std::fs::canonicalize(&args.dir)?;
+    let model_path = default_model_path(args.model)?;
+    let model = Arc::new(LoadedModel::load(&model_path).context("loading the model")?);
+    let tokens = TokenCounter::from_gguf(&model_path)?;
+    let secret_path = dir.join("jwt-secret");
+    let jwt_secret = match std::fs::read_to_string(&secret_path) {
+        Ok(s) if s.trim().len() >= 32 => s.trim().to_owned(),
+        _ => {
+            let s = random_secret();
+            write_private(&secret_path, &s)?;
+            s
+        }
+    };
+    let internal_token = random_secret();
+    let io = IoRuntime::start()?;
+    let handle = EngineHandle::start(
+        Arc::clone(&model),
+        EngineConfig { kv_cache_bytes: args.kv_cache_mb << 20, ..EngineConfig::default() },
+    )
+    .context("starting the engine")?;
+    let engine_app = engine_router(
+        handle,
+        ServerConfig {
+            served_model_name: Some(DEFAULT_MODEL_ID.into()),
+            internal_token: Some(internal_token.clone()),
+            ..ServerConfig::default()
+        },
+    );
+    let db_url = format!("sqlite://{}", dir.join("ledger.db").display());
+    let (engine_addr, ledger, ingest) = io.handle.block_on(async {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let engine_addr = listener.local_addr()?;
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, engine_app).await;
+        });
+        let ledger = Ledger::connect(&db_url).await.context("opening the ledger")?;
+        let admin = tokio::net::TcpListener::bind(&args.admin_listen)
+            .await
+            .with_context(|| format!("binding {}", args.admin_listen))?;
+        let state = Arc::new(ApiState {
+            ledger: ledger.clone(),
+            verifier: Verifier::hs256(jwt_secret.as_bytes(), None, None)?,
+            redis: None,
+        });
+        tokio::spawn(async move {
+            let _ = axum::serve(admin, billing_router(state)).await;
+        });
+        let ingest = Arc::new(LocalIngest::start(ledger.clone(), LocalIngestConfig::default()));
+        anyhow::Ok((engine_addr, ledger, ingest))
+    })?;
+    // The demo tenant and key: created once; the key is shown only when issued.
+    let system = Principal { actor: "sluice-up".into(), role: Role::Ops, tenant: None };
+    let demo_env = dir.join("demo.env");
+    let scheme = if args.plain_http { "http" } else { "https" };
+    let mut lines = vec![format!("OPENAI_BASE_URL={scheme}://{}/v1", args.listen)];
+    let tls = if args.plain_http { None } else { Some(tls_files(&dir)?) };
+    if let Some((ca, _, _)) = &tls {
+        lines.push(format!("SSL_CERT_FILE={}", ca.display()));
+    }
+    let existing_key = std::fs::read_to_string(&demo_env)
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("OPENAI_API_KEY=").map(str::to_owned)));
+    let key = io.handle.block_on(async {
+        if let Some(k) = existing_key
+            && ledger.key_grant(&k).await?.is_some()
+        {
+            return anyhow::Ok((k, false));
+        }
+        if ledger.tenant("demo").await.is_err() {
+            let new = NewTenant {
+                id: "demo".into(),
+                name: Some("Demo tenant".into()),
+                tier: Some("standard".into()),
+                overrides: None,
+            };
+            ledger.create_tenant(&system, &new).await?;
+        }
+        let (_, secret) = ledger.issue_key(&system, "demo", None, None).await?;
+        anyhow::Ok((secret, true))
+    })?;
+    let (key, fresh) = key;
+    lines.push(format!("OPENAI_API_KEY={key}"));
+    write_private(&demo_env, &(lines.join("\n") + "\n"))?;
+    let ops = Principal { actor: "sluice-up-ops".into(), role: Role::Ops, tenant: None };
+    let auditor =
+        Principal { actor: "sluice-up-auditor".into(), role: Role::Auditor, tenant: None };
+    let billing =
+        Principal { actor: "sluice-up-billing".into(), role: Role::Billing, tenant: None };
+    let day = 24 * 3600;
+    let admin_env = format!(
+        "SLUICE_ADMIN_URL=http://{}\nSLUICE_ADMIN_TOKEN={}\nSLUICE_AUDITOR_TOKEN={}\nSLUICE_BILLING_TOKEN={}\n",
+        args.admin_listen,
+        mint_hs256(jwt_secret.as_bytes(), &ops, day, None, None)?,
+        mint_hs256(jwt_secret.as_bytes(), &auditor, day, None, None)?,
+        mint_hs256(jwt_secret.as_bytes(), &billing, day, None, None)?,
+    );
+    write_private(&dir.join("admin.env"), &admin_env)?;
+    let cfg = GatewayConfig {
+        workers: vec![Worker { addr: engine_addr.to_string() }],
+        internal_token: Some(internal_token),
+        model_id: DEFAULT_MODEL_ID.into(),
+        default_max_tokens: 512,
+        key_cache_ttl: Duration::from_secs(2),
+        redis_down: RedisDownPolicy::Local,
+        prices: prices(),
+        name: "gateway".into(),
+    };
+    let gateway = Gateway::new(
+        cfg,
+        ledger.clone(),
+        None,
+        tokens,
+        UsageSink::Local(ingest.clone()),
+        io.handle.clone(),
+    );
+    println!("sluice is up");
+    println!("  gateway    {scheme}://{}/v1  (model {DEFAULT_MODEL_ID})", args.listen);
+    println!("  admin API  http://{}  (dashboard: /dashboard)", args.admin_listen);
+    if fresh {
+        println!("  demo key   {key}  (shown once)");
+    }
+    println!("  env files  {} and {}", demo_env.display(), dir.join("admin.env").display());
+    println!("  use it     source {} && python3 your_openai_app.py", demo_env.display());
+    println!("ready");
+    std::io::stdout().flush()?;
+    let tls_ref = tls.as_ref().map(|(_, c, k)| (c.as_path(), k.as_path()));
+    run_proxy(gateway, &args.listen, tls_ref)?;
+    // Everything billed so far reaches the ledger before the process ends.
+    io.handle.block_on(async {
+        if let Ok(ingest) = Arc::try_unwrap(ingest) {
+            ingest.shutdown().await;
+        }
+        ledger.close().await;
+    });
+    eprintln!("shut down");
+    Ok(())
+}
