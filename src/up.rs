@@ -393,6 +393,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         UsageSink::Local(ingest.clone()),
         io.handle.clone(),
     );
+    gateway.seed_identity(serde_json::to_value(&model.identity)?);
     println!("sluice is up");
     println!("  gateway    {scheme}://{}/v1  (model {DEFAULT_MODEL_ID})", args.listen);
     println!("  admin API  http://{}  (dashboard: /dashboard)", args.admin_listen);

@@ -123,6 +123,9 @@ pub struct Gateway {
     tokens: TokenCounter,
     usage: UsageSink,
     keys: Mutex<KeyCache>,
+    /// Full execution identities by model revision, from complete responses (a stream cut
+    /// short never carries its own).
+    identities: Mutex<HashMap<String, Value>>,
     /// The async runtime that owns the database and Redis connections.
     io: tokio::runtime::Handle,
 }
@@ -146,7 +149,29 @@ impl Gateway {
             tokens,
             usage,
             keys: Mutex::new(HashMap::new()),
+            identities: Mutex::new(HashMap::new()),
             io,
+        }
+    }
+
+    /// Records an engine's execution identity (the `sluice` object's `execution_identity`),
+    /// so requests cut short are billed with it too.
+    pub fn seed_identity(&self, identity: Value) {
+        if let Some(rev) = identity["model_revision"].as_str() {
+            let mut ids = self.identities.lock().unwrap_or_else(|e| e.into_inner());
+            ids.insert(rev.to_owned(), identity);
+        }
+    }
+
+    fn identity_for(&self, revision: Option<&str>, seen: Option<&Value>) -> Value {
+        if let Some(v) = seen {
+            self.seed_identity(v.clone());
+            return v.clone();
+        }
+        let ids = self.identities.lock().unwrap_or_else(|e| e.into_inner());
+        match revision {
+            Some(r) => ids.get(r).cloned().unwrap_or_else(|| json!({"model_revision": r})),
+            None => Value::Null,
         }
     }
 
@@ -218,6 +243,7 @@ pub struct Ctx {
     idempotency_key: Option<String>,
     trace_id: Option<String>,
     worker: Option<String>,
+    model_revision: Option<String>,
     settled: bool,
 }
 
@@ -649,7 +675,8 @@ impl Gateway {
     ) -> Option<UsageEvent> {
         let grant = ctx.grant.as_ref()?;
         let t = timings.cloned().unwrap_or_default();
-        let identity = t.execution_identity.clone().unwrap_or(Value::Null);
+        let identity =
+            self.identity_for(ctx.model_revision.as_deref(), t.execution_identity.as_ref());
         let s = |k: &str| identity[k].as_str().map(str::to_owned);
         let engine = t.engine_timings.clone().unwrap_or(Value::Null);
         let ems = |k: &str| engine[k].as_f64().map(|x| x * 1000.0);
@@ -772,6 +799,7 @@ impl ProxyHttp for Gateway {
             idempotency_key: None,
             trace_id: None,
             worker: None,
+            model_revision: None,
             settled: false,
         }
     }
@@ -877,6 +905,11 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
     ) -> Result<()> {
         ctx.status = resp.status.as_u16();
+        ctx.model_revision = resp
+            .headers
+            .get("x-sluice-model-revision")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
         for (k, v) in rate_headers(&ctx.rate) {
             resp.insert_header(k, v)?;
         }

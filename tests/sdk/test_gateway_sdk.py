@@ -1,0 +1,147 @@
+"""The official OpenAI Python SDK against `sluice up`'s gateway over HTTPS, unmodified.
+
+Reads OPENAI_BASE_URL, OPENAI_API_KEY and SSL_CERT_FILE from the environment (demo.env), runs
+one phase (argv[1]) and prints one JSON line per request it made: the request id from the
+`x-sluice-request-id` header, the HTTP status, and the completion tokens the client received.
+"""
+
+import json
+import sys
+import time
+
+import openai
+from openai import OpenAI
+
+MODEL = "smollm2-135m-instruct"
+client = OpenAI(max_retries=0, timeout=120)
+results = []
+
+
+def record(kind, status, request_id, tokens=0, **extra):
+    results.append(dict(kind=kind, status=status, request_id=request_id, tokens=tokens, **extra))
+
+
+def check(cond, msg):
+    if not cond:
+        raise AssertionError(msg)
+
+
+def basic():
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=12)
+    chat = raw.parse()
+    check(chat.choices[0].message.content, "empty chat reply")
+    check(chat.usage.completion_tokens >= 1 and chat.usage.prompt_tokens > 5, chat.usage)
+    check(float(raw.headers["x-sluice-gateway-overhead-ms"]) >= 0, raw.headers)
+    check("x-ratelimit-limit-requests" in raw.headers, dict(raw.headers))
+    record("chat", 200, raw.headers["x-sluice-request-id"], chat.usage.completion_tokens,
+           prompt=chat.usage.prompt_tokens)
+
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to five."}], max_tokens=16,
+        stream=True, stream_options={"include_usage": True})
+    tokens, usage = 0, None
+    for chunk in raw.parse():
+        extra = chunk.model_extra or {}
+        tokens += (extra.get("sluice") or {}).get("tokens", 0)
+        if chunk.usage:
+            usage = chunk.usage
+    check(usage is not None and usage.completion_tokens == tokens, (usage, tokens))
+    record("chat_stream", 200, raw.headers["x-sluice-request-id"], tokens)
+
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=6)
+    comp = raw.parse()
+    check(comp.usage.completion_tokens >= 1, comp.usage)
+    record("completion", 200, raw.headers["x-sluice-request-id"], comp.usage.completion_tokens)
+
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="One, two,", max_tokens=8, stream=True)
+    tokens = 0
+    for chunk in raw.parse():
+        tokens += ((chunk.model_extra or {}).get("sluice") or {}).get("tokens", 0)
+    record("completion_stream", 200, raw.headers["x-sluice-request-id"], tokens)
+
+    try:
+        OpenAI(api_key="sk-sluice-00000000-wrong", max_retries=0).models.list()
+        check(False, "a wrong key was accepted")
+    except openai.AuthenticationError as e:
+        check(e.status_code == 401 and "key" in e.message, e.message)
+        record("bad_key", 401, None)
+
+    try:
+        client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
+        check(False, "an unknown model was accepted")
+    except openai.NotFoundError as e:
+        check(e.code == "model_not_found", e)
+        record("unknown_model", 404, e.response.headers.get("x-sluice-request-id"))
+
+    try:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                       max_tokens=100000)
+        check(False, "max_tokens over the cap was accepted")
+    except openai.BadRequestError as e:
+        check(e.param == "max_tokens", e)
+        record("max_tokens_cap", 400, e.response.headers.get("x-sluice-request-id"))
+
+    models = [m.id for m in client.models.list()]
+    check(models == [MODEL], models)
+
+
+def limits():
+    try:
+        client.completions.create(model=MODEL, prompt="word " * 200, max_tokens=4)
+        check(False, "a prompt over the tenant's limit was accepted")
+    except openai.APIStatusError as e:
+        check(e.status_code == 413, e)
+        record("prompt_too_long", 413, e.response.headers.get("x-sluice-request-id"))
+    refused = 0
+    for i in range(5):
+        try:
+            raw = client.completions.with_raw_response.create(model=MODEL, prompt="Hi", max_tokens=2)
+            record("limited_ok", 200, raw.headers["x-sluice-request-id"], raw.parse().usage.completion_tokens)
+        except openai.RateLimitError as e:
+            h = e.response.headers
+            check(int(h["retry-after"]) >= 1, dict(h))
+            check(h["x-ratelimit-limit-requests"] == "3", dict(h))
+            refused += 1
+            record("rate_limited", 429, h.get("x-sluice-request-id"))
+    check(refused == 2, f"{refused} of 5 refused with rpm 3")
+
+
+def idempotency():
+    for _ in range(2):
+        raw = client.completions.with_raw_response.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=5,
+            extra_headers={"Idempotency-Key": "retry-me-1"})
+        record("idempotent", 200, raw.headers["x-sluice-request-id"], raw.parse().usage.completion_tokens)
+
+
+def disconnect():
+    raw = client.completions.with_raw_response.create(
+        model=MODEL, prompt="Tell a very long story.", max_tokens=400, stream=True,
+        extra_body={"ignore_eos": True})
+    stream = raw.parse()
+    tokens = 0
+    for chunk in stream:
+        tokens += ((chunk.model_extra or {}).get("sluice") or {}).get("tokens", 0)
+        if tokens >= 5:
+            break
+    # Closing the stream mid-way closes the connection: the client went away.
+    stream.close()
+    record("disconnect", 200, raw.headers["x-sluice-request-id"], tokens)
+
+
+def revoked():
+    try:
+        client.models.list()
+        check(False, "a revoked key still works")
+    except openai.AuthenticationError as e:
+        record("revoked", 401, None)
+
+
+PHASES = {"basic": basic, "limits": limits, "idempotency": idempotency,
+          "disconnect": disconnect, "revoked": revoked}
+PHASES[sys.argv[1]]()
+for r in results:
+    print(json.dumps(r))

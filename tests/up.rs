@@ -1,0 +1,234 @@
+//! `sluice up` end to end: the whole platform in one process, driven by the official OpenAI
+//! Python SDK over HTTPS (trusting the generated CA through demo.env), administered with
+//! `sluice admin`, and checked against the ledger it wrote: every admitted or refused request
+//! billed exactly once with the tokens the client received.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use serde_json::Value;
+use sluice_billing::Ledger;
+use sluice_billing::control::RecordFilter;
+
+struct Up {
+    child: Child,
+    dir: PathBuf,
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn start(dir: &Path) -> anyhow::Result<Up> {
+    let (gw, admin) = (free_port()?, free_port()?);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["up", "--dir", dir.to_str().context("utf-8")?, "--kv-cache-mb", "128"])
+        .args([
+            "--listen",
+            &format!("127.0.0.1:{gw}"),
+            "--admin-listen",
+            &format!("127.0.0.1:{admin}"),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let stdout = child.stdout.take().context("stdout")?;
+    let mut up = Up { child, dir: dir.to_owned() };
+    let mut lines = BufReader::new(stdout).lines();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        match lines.next() {
+            Some(Ok(l)) if l == "ready" => break,
+            Some(Ok(_)) => {}
+            _ => bail!("sluice up exited before it was ready: {:?}", up.child.try_wait()),
+        }
+        ensure!(Instant::now() < deadline, "sluice up not ready in 120 s");
+    }
+    std::thread::spawn(move || for _ in lines {});
+    Ok(up)
+}
+
+fn env_file(path: &Path) -> anyhow::Result<HashMap<String, String>> {
+    Ok(std::fs::read_to_string(path)?
+        .lines()
+        .filter_map(|l| l.split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned())))
+        .collect())
+}
+
+impl Up {
+    fn envs(&self) -> anyhow::Result<HashMap<String, String>> {
+        let mut e = env_file(&self.dir.join("demo.env"))?;
+        e.extend(env_file(&self.dir.join("admin.env"))?);
+        Ok(e)
+    }
+
+    /// One phase of the SDK script; its JSON lines.
+    fn sdk(&self, phase: &str) -> anyhow::Result<Vec<Value>> {
+        let script =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/test_gateway_sdk.py");
+        let out = Command::new("python3").arg(&script).arg(phase).envs(self.envs()?).output()?;
+        ensure!(
+            out.status.success(),
+            "SDK phase {phase} failed:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout)?.lines().map(|l| Ok(serde_json::from_str(l)?)).collect()
+    }
+
+    fn admin(&self, args: &[&str]) -> anyhow::Result<String> {
+        let out =
+            Command::new(env!("CARGO_BIN_EXE_sluice")).args(args).envs(self.envs()?).output()?;
+        ensure!(out.status.success(), "sluice {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        Ok(String::from_utf8(out.stdout)?)
+    }
+}
+
+fn ensure_sdk() -> anyhow::Result<()> {
+    let ok = Command::new("python3")
+        .args(["-c", "import openai"])
+        .stderr(Stdio::null())
+        .status()?
+        .success();
+    if !ok {
+        let out = Command::new("python3")
+            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "openai"])
+            .output()?;
+        ensure!(
+            out.status.success(),
+            "pip install openai: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
+}
+
+/// Key grants are cached for 2 s: changes are visible after that.
+fn wait_for_cache() {
+    std::thread::sleep(Duration::from_millis(2_500));
+}
+
+#[test]
+fn sluice_up_serves_bills_and_administers_through_the_gateway() -> anyhow::Result<()> {
+    ensure_sdk()?;
+    let tmp = tempfile::tempdir()?;
+    let up = start(tmp.path())?;
+    let demo = env_file(&up.dir.join("demo.env"))?;
+    ensure!(demo["OPENAI_BASE_URL"].starts_with("https://127.0.0.1:"), "{demo:?}");
+    ensure!(
+        Path::new(&demo["SSL_CERT_FILE"]).exists()
+            && demo["OPENAI_API_KEY"].starts_with("sk-sluice-")
+    );
+
+    let mut seen = up.sdk("basic")?;
+    up.admin(&["admin", "quotas", "set", "demo", "--rpm", "3", "--max-prompt-tokens", "50"])?;
+    wait_for_cache();
+    seen.extend(up.sdk("limits")?);
+    up.admin(&["admin", "quotas", "set", "demo"])?;
+    wait_for_cache();
+    seen.extend(up.sdk("idempotency")?);
+    seen.extend(up.sdk("disconnect")?);
+    let keys: Value = serde_json::from_str(&up.admin(&["admin", "keys", "list", "demo"])?)?;
+    for k in keys["data"].as_array().context("keys")? {
+        up.admin(&["admin", "keys", "revoke", "demo", k["id"].as_str().context("id")?])?;
+    }
+    wait_for_cache();
+    seen.extend(up.sdk("revoked")?);
+
+    // Ctrl-C: everything billed reaches the ledger, then the process exits cleanly.
+    let pid = up.child.id().to_string();
+    ensure!(Command::new("kill").args(["-INT", &pid]).status()?.success());
+    let mut up = up;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = up.child.try_wait()? {
+            break s;
+        }
+        ensure!(Instant::now() < deadline, "sluice up did not stop on SIGINT");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    ensure!(status.success(), "sluice up exited with {status}");
+
+    let db = format!("sqlite://{}", up.dir.join("ledger.db").display());
+    let records =
+        tokio::runtime::Builder::new_current_thread().enable_all().build()?.block_on(async {
+            let ledger = Ledger::connect(&db).await?;
+            let page = ledger.records(&RecordFilter { limit: 1000, ..Default::default() }).await?;
+            ledger.close().await;
+            anyhow::Ok(page.records)
+        })?;
+    let by_id: HashMap<&str, &serde_json::Map<String, Value>> =
+        records.iter().filter_map(|r| Some((r["request_id"].as_str()?, r))).collect();
+    ensure!(by_id.len() == records.len(), "a request id billed twice");
+    let mut idempotent = 0;
+    for s in &seen {
+        let kind = s["kind"].as_str().unwrap_or("");
+        let Some(id) = s["request_id"].as_str() else {
+            // 401s are not tied to a tenant and are not billed.
+            ensure!(s["status"] == 401, "{s}");
+            continue;
+        };
+        if kind == "idempotent" {
+            idempotent += usize::from(by_id.contains_key(id));
+            continue;
+        }
+        let r = by_id.get(id).with_context(|| format!("{kind} {id} was not billed"))?;
+        ensure!(r["http_status"] == s["status"], "{kind}: {r:?}");
+        ensure!(
+            r["tenant_id"] == "demo"
+                && r["model_revision"].as_str().is_some_and(|m| m.starts_with("sha256:"))
+                || s["status"] != 200,
+            "{r:?}"
+        );
+        match s["status"].as_u64() {
+            Some(200) => ensure!(
+                r["completion_tokens"] == s["tokens"],
+                "{kind}: billed {} received {}",
+                r["completion_tokens"],
+                s["tokens"]
+            ),
+            _ => ensure!(
+                r["finish_reason"] == "rejected" && r["completion_tokens"] == 0,
+                "{kind}: {r:?}"
+            ),
+        }
+        if kind == "disconnect" {
+            ensure!(
+                r["finish_reason"] == "client_disconnected" && r["client_disconnected"] == true,
+                "{r:?}"
+            );
+        }
+        if kind.ends_with("stream") {
+            ensure!(r["ttft_ms"].as_f64().is_some_and(|t| t > 0.0), "streamed without TTFT: {r:?}");
+        } else if s["status"] == 200 && kind != "disconnect" {
+            ensure!(r["ttft_ms"].is_null(), "non-streamed request with a TTFT: {r:?}");
+        }
+    }
+    ensure!(idempotent == 1, "the idempotent retry was billed {idempotent} times");
+    let kinds: Vec<&str> = seen.iter().filter_map(|s| s["kind"].as_str()).collect();
+    for k in [
+        "chat",
+        "chat_stream",
+        "completion_stream",
+        "bad_key",
+        "rate_limited",
+        "prompt_too_long",
+        "disconnect",
+        "revoked",
+    ] {
+        ensure!(kinds.contains(&k), "phase result {k} missing: {kinds:?}");
+    }
+    Ok(())
+}
