@@ -65,6 +65,9 @@ pub struct GatewayArgs {
     /// When Redis is unreachable: `local` limits or `refuse` (503).
     #[arg(long, default_value = "local")]
     redis_down: String,
+    /// Usage stream (tests isolate themselves with their own).
+    #[arg(long, hide = true, default_value = sluice_billing::ingest::USAGE_STREAM)]
+    usage_stream: String,
 }
 
 /// Keeps an I/O runtime running on its own thread for as long as it lives.
@@ -172,10 +175,7 @@ pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
                     .await
                     .context("connecting to --redis-url")?;
                 let limiter = Limiter::new(conn.clone(), "sluice", Duration::from_secs(600));
-                let sink = UsageSink::Redis {
-                    conn,
-                    stream: sluice_billing::ingest::USAGE_STREAM.to_owned(),
-                };
+                let sink = UsageSink::Redis { conn, stream: args.usage_stream.clone() };
                 (ledger, Some(limiter), sink, None)
             }
             None => {

@@ -1,0 +1,192 @@
+//! Two gateway processes sharing Redis in front of one engine: many concurrent requests
+//! against a small exact quota; exactly the affordable number succeed, the rest get 429 with
+//! OpenAI's rate-limit headers, and every request is one usage event on the stream.
+
+#[path = "../engine/tests/common/mod.rs"]
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use serde_json::{Value, json};
+use sluice_billing::Ledger;
+use sluice_billing::auth::{Principal, Role};
+use sluice_billing::control::{NewTenant, QuotaSettings};
+
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn spawn(args: &[&str]) -> anyhow::Result<(Proc, String)> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let out = child.stdout.take().context("stdout")?;
+    let mut line = String::new();
+    BufReader::new(out).read_line(&mut line)?;
+    let addr = line.trim().rsplit("://").next().unwrap_or_default().to_owned();
+    ensure!(!addr.is_empty(), "no listening line from sluice {args:?}");
+    Ok((Proc(child), addr))
+}
+
+async fn wait_healthy(c: &reqwest::Client, url: &str) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Ok(r) = c.get(url).send().await
+            && r.status().is_success()
+        {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("{url} never became healthy");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
+    let model = common::default_model()?;
+    let model = model.to_str().context("utf-8")?;
+    let dir = tempfile::tempdir()?;
+    let db = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let tag = uuid::Uuid::new_v4().simple().to_string();
+    let tenant = format!("race-{}", &tag[..12]);
+    let stream = format!("{{gwtest-{tag}}}:usage");
+
+    // Tenant, key and an exact quota: each request reserves 3 prompt + 2 output tokens and
+    // uses all of them (ignore_eos), so 50 daily tokens afford exactly 10 requests.
+    let ledger = Ledger::connect(&db).await?;
+    let ops = Principal { actor: "test".into(), role: Role::Ops, tenant: None };
+    let new = NewTenant {
+        id: tenant.clone(),
+        name: None,
+        tier: Some("enterprise".into()),
+        overrides: None,
+    };
+    ledger.create_tenant(&ops, &new).await?;
+    let quota = QuotaSettings { daily_tokens: Some(50), ..Default::default() };
+    ledger.set_quota(&ops, &tenant, &quota).await?;
+    let (_, key) = ledger.issue_key(&ops, &tenant, None, None).await?;
+    ledger.close().await;
+
+    let token = "race-internal-token";
+    let engine_port = free_port()?.to_string();
+    let (_engine, engine_addr) = spawn(&[
+        "engine",
+        "--model",
+        model,
+        "--listen",
+        &format!("127.0.0.1:{engine_port}"),
+        "--internal-token",
+        token,
+        "--served-model-name",
+        "smollm2-135m-instruct",
+        "--kv-cache-mb",
+        "64",
+    ])?;
+    let mut gateways = Vec::new();
+    let mut urls = Vec::new();
+    for _ in 0..2 {
+        let port = free_port()?;
+        let (p, addr) = spawn(&[
+            "gateway",
+            "--plain-http",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--engine",
+            &engine_addr,
+            "--database-url",
+            &db,
+            "--redis-url",
+            common_redis(),
+            "--internal-token",
+            token,
+            "--model",
+            model,
+            "--usage-stream",
+            &stream,
+        ])?;
+        gateways.push(p);
+        urls.push(format!("http://{addr}"));
+    }
+    let c = reqwest::Client::builder().timeout(Duration::from_secs(120)).build()?;
+    wait_healthy(&c, &format!("http://{engine_addr}/health")).await?;
+    for u in &urls {
+        wait_healthy(&c, &format!("{u}/health")).await?;
+    }
+
+    let body = json!({"model": "smollm2-135m-instruct", "prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": true});
+    let mut tasks = Vec::new();
+    for i in 0..40 {
+        let (c, url, key, body) = (c.clone(), urls[i % 2].clone(), key.clone(), body.clone());
+        tasks.push(tokio::spawn(async move {
+            let r = c
+                .post(format!("{url}/v1/completions"))
+                .bearer_auth(&key)
+                .json(&body)
+                .send()
+                .await?;
+            let status = r.status().as_u16();
+            let headers = r.headers().clone();
+            let v: Value = r.json().await?;
+            anyhow::Ok((status, headers, v))
+        }));
+    }
+    let (mut ok, mut limited) = (0, 0);
+    for t in tasks {
+        let (status, headers, v) = t.await??;
+        match status {
+            200 => {
+                ensure!(
+                    v["usage"]["completion_tokens"] == 2 && v["usage"]["prompt_tokens"] == 3,
+                    "{v}"
+                );
+                ok += 1;
+            }
+            429 => {
+                ensure!(v["error"]["code"] == "insufficient_quota", "{v}");
+                ensure!(headers.get("retry-after").is_some(), "{headers:?}");
+                limited += 1;
+            }
+            other => bail!("unexpected {other}: {v}"),
+        }
+    }
+    ensure!(
+        ok == 10 && limited == 30,
+        "{ok} succeeded, {limited} refused; the quota affords exactly 10"
+    );
+
+    // One usage event per request, refused ones included, on the stream billing consumes.
+    let client = redis::Client::open(common_redis())?;
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let n: usize = redis::AsyncCommands::xlen(&mut conn, &stream).await?;
+        if n == 40 {
+            break;
+        }
+        ensure!(Instant::now() < deadline, "{n} usage events for 40 requests");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _: usize = redis::AsyncCommands::del(&mut conn, &stream).await?;
+    Ok(())
+}
+
+fn common_redis() -> &'static str {
+    "redis://127.0.0.1:6379"
+}
