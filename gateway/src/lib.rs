@@ -6,6 +6,7 @@
 
 pub mod limits;
 pub mod local;
+pub mod metrics;
 pub mod observe;
 pub mod proxy;
 pub mod sink;

@@ -80,6 +80,8 @@ pub struct Timings {
     pub execution_identity: Option<Value>,
     /// Whether `[DONE]` arrived (a complete stream).
     pub done: bool,
+    /// Every gap between token-carrying events, with the tokens the later event carried.
+    pub gaps_ms: Vec<(f64, u64)>,
 }
 
 /// Observes one response stream.
@@ -172,6 +174,7 @@ impl StreamObserver {
                 self.out.tpot_ms = Some(ms(last.saturating_duration_since(first)) / (n - 1) as f64);
             }
         }
+        self.out.gaps_ms = self.gaps.iter().map(|(d, k)| (ms(*d), *k)).collect();
         if !self.gaps.is_empty() {
             let mut g: Vec<f64> = self.gaps.iter().map(|(d, _)| ms(*d)).collect();
             g.sort_by(f64::total_cmp);

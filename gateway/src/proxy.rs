@@ -32,6 +32,7 @@ use sluice_engine::tokenizer::Tokenizer;
 
 use crate::limits::{Decision, Limiter, RateState, Refusal, TenantLimits};
 use crate::local::{LocalLimiter, RedisDownPolicy};
+use crate::metrics::{GatewayMetrics, RefusalLabels, RequestLabels};
 use crate::observe::{StreamObserver, Timings};
 use crate::sink::UsageSink;
 
@@ -126,6 +127,7 @@ pub struct Gateway {
     /// Full execution identities by model revision, from complete responses (a stream cut
     /// short never carries its own).
     identities: Mutex<HashMap<String, Value>>,
+    metrics: GatewayMetrics,
     /// The async runtime that owns the database and Redis connections.
     io: tokio::runtime::Handle,
 }
@@ -150,6 +152,7 @@ impl Gateway {
             usage,
             keys: Mutex::new(HashMap::new()),
             identities: Mutex::new(HashMap::new()),
+            metrics: GatewayMetrics::default(),
             io,
         }
     }
@@ -632,6 +635,10 @@ impl Gateway {
             }
             Decision::Refused { reason, retry_after, state } => {
                 ctx.rate = state;
+                self.metrics
+                    .refusals
+                    .get_or_create(&RefusalLabels { reason: reason.as_str().into() })
+                    .inc();
                 let (status, kind, code) = match reason {
                     Refusal::TpmExceedsLimit => (429, "tokens", "rate_limit_exceeded"),
                     Refusal::DailyTokens | Refusal::MonthlyTokens => {
@@ -812,6 +819,15 @@ impl ProxyHttp for Gateway {
             respond(session, 200, Bytes::from_static(b"{\"status\":\"ok\"}"), &[]).await?;
             return Ok(true);
         }
+        if path == "/metrics" {
+            let body = Bytes::from(self.metrics.encode());
+            let mut h = ResponseHeader::build(200, Some(2))?;
+            h.insert_header("content-type", "text/plain; version=0.0.4")?;
+            h.insert_header("content-length", body.len().to_string())?;
+            session.write_response_header(Box::new(h), false).await?;
+            session.write_response_body(Some(body), true).await?;
+            return Ok(true);
+        }
         match self.admit(session, ctx).await {
             Ok(done) => {
                 ctx.overhead = ctx.arrival.elapsed();
@@ -946,6 +962,15 @@ impl ProxyHttp for Gateway {
 
     async fn logging(&self, _session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
         let end = Instant::now();
+        let tier = ctx.grant.as_ref().map_or("none", |g| g.tier.as_str()).to_owned();
+        let status = if ctx.status == 0 { 499 } else { ctx.status };
+        self.metrics
+            .requests
+            .get_or_create(&RequestLabels { status: status.to_string(), tier })
+            .inc();
+        if ctx.admitted.is_some() && ctx.refused.is_none() {
+            self.metrics.overhead.observe(ctx.overhead.as_secs_f64());
+        }
         if ctx.grant.is_none() {
             return;
         }
@@ -993,6 +1018,17 @@ impl ProxyHttp for Gateway {
                 t
             }
         };
+        let secs = |ms: f64| ms / 1000.0;
+        if let Some(t) = timings.ttft_ms {
+            self.metrics.ttft.observe(secs(t));
+        }
+        if let Some(t) = timings.tpot_ms {
+            self.metrics.tpot.observe(secs(t));
+        }
+        for (gap, _) in &timings.gaps_ms {
+            self.metrics.itl.observe(secs(*gap));
+        }
+        self.metrics.e2e.observe(secs(timings.e2e_ms));
         let usage = timings.usage.clone().unwrap_or(Value::Null);
         let downstream_gone = e.is_some_and(|e| matches!(e.esource(), ErrorSource::Downstream))
             || (ctx.stream && !timings.done && ctx.status == 200);

@@ -132,6 +132,21 @@ def disconnect():
     record("disconnect", 200, raw.headers["x-sluice-request-id"], tokens)
 
 
+def metrics():
+    import os
+    import ssl
+    import urllib.request
+    ctx = ssl.create_default_context(cafile=os.environ["SSL_CERT_FILE"])
+    url = str(client.base_url).rstrip("/").removesuffix("/v1") + "/metrics"
+    text = urllib.request.urlopen(url, context=ctx).read().decode()
+    for needle in ['sluice_gateway_requests_total{status="200",tier="standard"}',
+                   'sluice_gateway_requests_total{status="429",tier="standard"}',
+                   'sluice_gateway_admission_refusals_total{reason="rpm"}',
+                   "sluice_gateway_overhead_seconds_count", "sluice_gateway_time_to_first_token_seconds_count"]:
+        check(needle in text, f"{needle} missing from /metrics")
+    record("metrics", 200, None)
+
+
 def revoked():
     try:
         client.models.list()
@@ -141,7 +156,7 @@ def revoked():
 
 
 PHASES = {"basic": basic, "limits": limits, "idempotency": idempotency,
-          "disconnect": disconnect, "revoked": revoked}
+          "disconnect": disconnect, "metrics": metrics, "revoked": revoked}
 PHASES[sys.argv[1]]()
 for r in results:
     print(json.dumps(r))
