@@ -1,6 +1,7 @@
 //! The `sluice` command: parses arguments and wires the library crates together.
 
 mod admin_cli;
+mod bench_gateway;
 mod up;
 
 use std::io::Write;
@@ -97,6 +98,8 @@ enum BenchCommand {
     Engine(BenchEngineArgs),
     /// Ledger insert rate into Postgres and Redis-to-ledger ingestion lag, in a scratch database.
     Billing(BenchBillingArgs),
+    /// The gateway's own added time and its end-to-end cost, at several request rates.
+    Gateway(bench_gateway::BenchGatewayArgs),
 }
 
 #[derive(Args, Debug)]
@@ -305,6 +308,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Model(args)) => run_bench_model(args)?,
         Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args)?,
         Command::Bench(BenchCommand::Billing(args)) => run_bench_billing(args)?,
+        Command::Bench(BenchCommand::Gateway(args)) => bench_gateway::run_bench_gateway(args)?,
         Command::Engine(args) => run_engine(args)?,
         Command::Billing(args) => admin_cli::run_billing(args)?,
         Command::Up(args) => up::run_up(args)?,

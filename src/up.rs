@@ -71,14 +71,14 @@ pub struct GatewayArgs {
 }
 
 /// Keeps an I/O runtime running on its own thread for as long as it lives.
-struct IoRuntime {
-    handle: tokio::runtime::Handle,
+pub(crate) struct IoRuntime {
+    pub(crate) handle: tokio::runtime::Handle,
     stop: Option<tokio::sync::oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl IoRuntime {
-    fn start() -> anyhow::Result<Self> {
+    pub(crate) fn start() -> anyhow::Result<Self> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("sluice-io")
@@ -108,7 +108,7 @@ impl Drop for IoRuntime {
     }
 }
 
-fn server_conf() -> pingora::server::configuration::ServerConf {
+pub(crate) fn server_conf() -> pingora::server::configuration::ServerConf {
     pingora::server::configuration::ServerConf {
         threads: 2,
         grace_period_seconds: Some(0),
@@ -144,7 +144,7 @@ fn default_model_path(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     })
 }
 
-fn prices() -> Prices {
+pub(crate) fn prices() -> Prices {
     // Micro-dollars per million tokens: $0.10 in, $0.05 cached in, $0.20 out.
     Prices { input: 100_000, cached_input: 50_000, output: 200_000 }
 }
@@ -187,6 +187,7 @@ pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
     })?;
     let cfg = GatewayConfig {
         workers: args.engines.iter().map(|a| Worker { addr: a.clone() }).collect(),
+        max_waiting: 256,
         internal_token: args.internal_token,
         model_id: args.model_id,
         default_max_tokens: 512,
@@ -377,6 +378,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     write_private(&dir.join("admin.env"), &admin_env)?;
     let cfg = GatewayConfig {
         workers: vec![Worker { addr: engine_addr.to_string() }],
+        max_waiting: 256,
         internal_token: Some(internal_token),
         model_id: DEFAULT_MODEL_ID.into(),
         default_max_tokens: 512,

@@ -1,4 +1,5 @@
-//! Two gateway processes sharing Redis in front of one engine: many concurrent requests
+//! Two gateway processes sharing Redis in front of one engine (one of them also configured
+//! with a worker that is down): many concurrent requests
 //! against a small exact quota; exactly the affordable number succeed, the rest get 429 with
 //! OpenAI's rate-limit headers, and every request is one usage event on the stream.
 
@@ -101,26 +102,19 @@ async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
     ])?;
     let mut gateways = Vec::new();
     let mut urls = Vec::new();
-    for _ in 0..2 {
-        let port = free_port()?;
-        let (p, addr) = spawn(&[
-            "gateway",
-            "--plain-http",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--engine",
-            &engine_addr,
-            "--database-url",
-            &db,
-            "--redis-url",
-            common_redis(),
-            "--internal-token",
-            token,
-            "--model",
-            model,
-            "--usage-stream",
-            &stream,
-        ])?;
+    // The first gateway also lists a worker that is down: requests that land there (before
+    // the health check notices) are retried on the live one, since nothing reached the client.
+    let dead = format!("127.0.0.1:{}", free_port()?);
+    for g in 0..2 {
+        let listen = format!("127.0.0.1:{}", free_port()?);
+        let mut args = vec!["gateway", "--plain-http", "--listen", &listen];
+        if g == 0 {
+            args.extend(["--engine", &dead]);
+        }
+        args.extend(["--engine", &engine_addr, "--database-url", &db]);
+        args.extend(["--redis-url", common_redis(), "--internal-token", token]);
+        args.extend(["--model", model, "--usage-stream", &stream]);
+        let (p, addr) = spawn(&args)?;
         gateways.push(p);
         urls.push(format!("http://{addr}"));
     }

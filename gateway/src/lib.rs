@@ -10,3 +10,4 @@ pub mod metrics;
 pub mod observe;
 pub mod proxy;
 pub mod sink;
+pub mod workers;

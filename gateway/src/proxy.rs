@@ -13,7 +13,7 @@
 //! - `logging`: settle the reservation to the tokens used and emit exactly one usage event.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
@@ -35,6 +35,7 @@ use crate::local::{LocalLimiter, RedisDownPolicy};
 use crate::metrics::{GatewayMetrics, RefusalLabels, RequestLabels};
 use crate::observe::{StreamObserver, Timings};
 use crate::sink::UsageSink;
+use crate::workers::Workers;
 
 /// Largest request body accepted (pingora keeps the body it forwards in a 64 KiB buffer).
 pub const MAX_BODY_BYTES: usize = 64 * 1024;
@@ -96,6 +97,8 @@ impl Prices {
 pub struct GatewayConfig {
     /// Engine workers.
     pub workers: Vec<Worker>,
+    /// Requests queued on every healthy worker beyond which new ones get 503.
+    pub max_waiting: u64,
     /// Bearer token the engines require.
     pub internal_token: Option<String>,
     /// The model id clients name, and the identity the engine reports for it.
@@ -128,6 +131,7 @@ pub struct Gateway {
     /// short never carries its own).
     identities: Mutex<HashMap<String, Value>>,
     metrics: GatewayMetrics,
+    workers: Arc<Workers>,
     /// The async runtime that owns the database and Redis connections.
     io: tokio::runtime::Handle,
 }
@@ -143,8 +147,12 @@ impl Gateway {
         usage: UsageSink,
         io: tokio::runtime::Handle,
     ) -> Self {
+        let addrs: Vec<String> = cfg.workers.iter().map(|w| w.addr.clone()).collect();
+        let workers = Workers::new(&addrs);
+        workers.spawn_health_checks(&io, Duration::from_millis(500));
         Self {
             cfg,
+            workers,
             ledger,
             limiter,
             local: LocalLimiter::new(1),
@@ -247,6 +255,7 @@ pub struct Ctx {
     trace_id: Option<String>,
     worker: Option<String>,
     model_revision: Option<String>,
+    tried: Vec<String>,
     settled: bool,
 }
 
@@ -593,6 +602,13 @@ impl Gateway {
         }
         ctx.body = Some(Bytes::from(v.to_string()));
 
+        if self.workers.overloaded(self.cfg.max_waiting) {
+            let mut r =
+                Refuse::new(503, "server_error", "the engines are at capacity; retry shortly")
+                    .code("overloaded");
+            r.headers.push(("retry-after".into(), "1".into()));
+            return Err(r);
+        }
         // Admission by tokens: the prompt and the largest possible output of every choice.
         ctx.reserved = ctx.prompt_tokens + max_tokens * n;
         let limits = Self::limits(q);
@@ -774,11 +790,6 @@ fn hex_digest(b: &[u8]) -> String {
     Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
 }
 
-fn affinity_score(worker: &str, key: &str) -> u64 {
-    let d = Sha256::digest(format!("{worker}\n{key}").as_bytes());
-    u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]])
-}
-
 #[async_trait]
 impl ProxyHttp for Gateway {
     type CTX = Ctx;
@@ -807,6 +818,7 @@ impl ProxyHttp for Gateway {
             trace_id: None,
             worker: None,
             model_revision: None,
+            tried: Vec::new(),
             settled: false,
         }
     }
@@ -847,17 +859,42 @@ impl ProxyHttp for Gateway {
 
     async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
         let tenant = ctx.grant.as_ref().map(|g| g.tenant_id.as_str()).unwrap_or("");
-        // Rendezvous hashing on (tenant, prompt start): one tenant's shared prefixes meet the
-        // same worker's prefix cache; different prefixes spread over the workers.
         let key = format!("{tenant}\n{}", ctx.affinity);
-        let w = self
-            .cfg
-            .workers
-            .iter()
-            .max_by_key(|w| affinity_score(&w.addr, &key))
-            .ok_or_else(|| Error::explain(ErrorType::ConnectNoRoute, "no engine workers"))?;
+        let w = self.workers.choose(&key, &ctx.tried).ok_or_else(|| {
+            Error::explain(ErrorType::ConnectNoRoute, "no engine worker left to try")
+        })?;
+        ctx.tried.push(w.addr.clone());
         ctx.worker = Some(w.addr.clone());
         Ok(Box::new(HttpPeer::new(w.addr.as_str(), false, String::new())))
+    }
+
+    fn fail_to_connect(
+        &self,
+        _session: &mut Session,
+        _peer: &HttpPeer,
+        ctx: &mut Ctx,
+        mut e: Box<Error>,
+    ) -> Box<Error> {
+        // Nothing reached the client yet: another worker may take it.
+        if ctx.tried.len() < self.workers.len() {
+            e.set_retry(true);
+        }
+        e
+    }
+
+    fn error_while_proxy(
+        &self,
+        _peer: &HttpPeer,
+        _session: &mut Session,
+        mut e: Box<Error>,
+        ctx: &mut Ctx,
+        _client_reused: bool,
+    ) -> Box<Error> {
+        // Retry elsewhere only if no byte of the response was sent to the client.
+        if ctx.status == 0 && ctx.tried.len() < self.workers.len() {
+            e.set_retry(true);
+        }
+        e
     }
 
     async fn upstream_request_filter(
