@@ -152,6 +152,8 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
         args.seconds > 0.0 && args.rates.iter().all(|r| *r > 0.0),
         "--rates and --seconds must be positive"
     );
+    // One stderr line per request would dominate a 2-core machine at these rates.
+    sluice_engine::server::REQUEST_LOG.store(false, std::sync::atomic::Ordering::Relaxed);
     let dir = tempfile_dir()?;
     let model_path = dir.join("bench-tiny.gguf");
     write_gguf(&SynthSpec::tiny(), GgmlType::Q8_0, &model_path)

@@ -75,6 +75,10 @@ impl std::fmt::Debug for ServerConfig {
     }
 }
 
+/// Whether each finished request is logged on stderr (one line of ids, counts and outcome;
+/// never prompt text). Benchmarks turn it off.
+pub static REQUEST_LOG: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
 struct App {
     handle: EngineHandle,
     served_name: String,

@@ -169,6 +169,9 @@ impl Shaper {
     }
 
     fn log(&self, outcome: &str, usage: Usage, timings: Option<EngineTimings>) {
+        if !super::REQUEST_LOG.load(std::sync::atomic::Ordering::Relaxed) {
+            return;
+        }
         // Lengths and counts only: prompt text is never logged.
         eprintln!(
             "request {} {} tenant={} trace={} n={} prompt_tokens={} cached_tokens={} completion_tokens={} outcome={} e2e={:.3}s",
