@@ -83,6 +83,15 @@ async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
     let quota = QuotaSettings { daily_tokens: Some(50), ..Default::default() };
     ledger.set_quota(&ops, &tenant, &quota).await?;
     let (_, key) = ledger.issue_key(&ops, &tenant, None, None).await?;
+    let other = format!("{tenant}-b");
+    let new = NewTenant {
+        id: other.clone(),
+        name: None,
+        tier: Some("enterprise".into()),
+        overrides: None,
+    };
+    ledger.create_tenant(&ops, &new).await?;
+    let (_, other_key) = ledger.issue_key(&ops, &other, None, None).await?;
     ledger.close().await;
 
     let token = "race-internal-token";
@@ -165,18 +174,83 @@ async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
         "{ok} succeeded, {limited} refused; the quota affords exactly 10"
     );
 
+    // A client that goes away mid-stream: the engine aborts (its running requests and KV
+    // blocks return to zero) and the request is billed with the tokens it received.
+    let body = json!({"model": "smollm2-135m-instruct", "prompt": "Once upon a time", "max_tokens": 300,
+        "ignore_eos": true, "stream": true});
+    let mut resp = c
+        .post(format!("{}/v1/completions", urls[1]))
+        .bearer_auth(&other_key)
+        .json(&body)
+        .send()
+        .await?;
+    ensure!(resp.status() == 200, "{}", resp.status());
+    let mut received = 0u64;
+    let mut buf = String::new();
+    while received < 3 {
+        let Some(chunk) = resp.chunk().await? else { bail!("the stream ended early") };
+        buf.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = buf.find("\n\n") {
+            let event: String = buf.drain(..end + 2).collect();
+            if let Some(data) = event.trim().strip_prefix("data: ")
+                && let Ok(v) = serde_json::from_str::<Value>(data)
+            {
+                received += v["sluice"]["tokens"].as_u64().unwrap_or(0);
+            }
+        }
+    }
+    drop(resp);
+    let metrics = format!("http://{engine_addr}/metrics");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = c.get(&metrics).send().await?.text().await?;
+        let value = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name)?.split_whitespace().last()?.parse::<f64>().ok())
+        };
+        if value("sluice_engine_num_requests_running ") == Some(0.0)
+            && value("sluice_engine_kv_cache_usage_perc ") == Some(0.0)
+        {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the engine kept working for a client that left:\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
     // One usage event per request, refused ones included, on the stream billing consumes.
     let client = redis::Client::open(common_redis())?;
     let mut conn = client.get_multiplexed_async_connection().await?;
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let n: usize = redis::AsyncCommands::xlen(&mut conn, &stream).await?;
-        if n == 40 {
+        if n == 41 {
             break;
         }
-        ensure!(Instant::now() < deadline, "{n} usage events for 40 requests");
+        ensure!(Instant::now() < deadline, "{n} usage events for 41 requests");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    let entries: redis::streams::StreamRangeReply =
+        redis::AsyncCommands::xrange_all(&mut conn, &stream).await?;
+    let events: Vec<Value> = entries
+        .ids
+        .iter()
+        .filter_map(|e| e.get::<String>("event"))
+        .filter_map(|j| serde_json::from_str(&j).ok())
+        .collect();
+    ensure!(events.iter().filter(|e| e["tenant_id"] == tenant.as_str()).count() == 40);
+    let gone = events
+        .iter()
+        .find(|e| e["tenant_id"] == other.as_str())
+        .context("no event for the disconnect")?;
+    ensure!(
+        gone["finish_reason"] == "client_disconnected" && gone["client_disconnected"] == true,
+        "{gone}"
+    );
+    let billed = gone["completion_tokens"].as_u64().unwrap_or(0);
+    ensure!(billed >= received && billed < 300, "billed {billed}, the client received {received}");
     let _: usize = redis::AsyncCommands::del(&mut conn, &stream).await?;
     Ok(())
 }

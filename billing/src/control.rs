@@ -941,6 +941,8 @@ pub struct KeyGrant {
     pub scopes: Vec<String>,
     /// The limits to enforce.
     pub quota: QuotaSettings,
+    /// The tenant's per-tenant policy overrides (e.g. `on_limiter_down`).
+    pub overrides: Value,
 }
 
 /// Byte strings equal, in time independent of where they differ.
@@ -961,7 +963,7 @@ impl Ledger {
         let row = on_pool!(self, pool => {
             let row = sqlx::query(
                 "SELECT k.id, k.tenant_id, k.secret_hash, k.scopes, k.expires_at, k.revoked_at, \
-                 t.status, t.tier FROM api_keys k JOIN tenants t ON t.id = k.tenant_id \
+                 t.status, t.tier, t.overrides FROM api_keys k JOIN tenants t ON t.id = k.tenant_id \
                  WHERE k.prefix = $1",
             )
             .bind(prefix)
@@ -978,10 +980,21 @@ impl Ledger {
                     row.try_get::<Option<DateTime<Utc>>, _>("revoked_at")?,
                     row.try_get::<String, _>("status")?,
                     row.try_get::<String, _>("tier")?,
+                    row.try_get::<Json<Value>, _>("overrides")?.0,
                 )),
             }
         });
-        let Some((key_id, tenant_id, stored, scopes, expires_at, revoked_at, status, tier)) = row
+        let Some((
+            key_id,
+            tenant_id,
+            stored,
+            scopes,
+            expires_at,
+            revoked_at,
+            status,
+            tier,
+            overrides,
+        )) = row
         else {
             return Ok(None);
         };
@@ -992,7 +1005,15 @@ impl Ledger {
             return Ok(None);
         }
         let quota = self.quota(&tenant_id).await?.effective;
-        Ok(Some(KeyGrant { key_id, tenant_id, tenant_status: status, tier, scopes, quota }))
+        Ok(Some(KeyGrant {
+            key_id,
+            tenant_id,
+            tenant_status: status,
+            tier,
+            scopes,
+            quota,
+            overrides,
+        }))
     }
 }
 

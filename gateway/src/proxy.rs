@@ -631,9 +631,15 @@ impl Gateway {
             }
             None => Some((self.local.admit(&tenant, ctx.reserved, &limits), AdmitVia::Local)),
         };
+        // The tenant's policy (`overrides.on_limiter_down`), else the gateway's default.
+        let policy = match grant.overrides["on_limiter_down"].as_str() {
+            Some("refuse") => RedisDownPolicy::Refuse,
+            Some("local") => RedisDownPolicy::Local,
+            _ => self.cfg.redis_down,
+        };
         let (decision, via) = match decision {
             Some(d) => d,
-            None if self.cfg.redis_down == RedisDownPolicy::Local => {
+            None if policy == RedisDownPolicy::Local => {
                 (self.local.admit(&tenant, ctx.reserved, &limits), AdmitVia::Local)
             }
             None => {
