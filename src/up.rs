@@ -175,7 +175,11 @@ pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
                     .await
                     .context("connecting to --redis-url")?;
                 let limiter = Limiter::new(conn.clone(), "sluice", Duration::from_secs(600));
-                let sink = UsageSink::Redis { conn, stream: args.usage_stream.clone() };
+                let sink = UsageSink::Redis {
+                    conn,
+                    stream: args.usage_stream.clone(),
+                    fallback: ledger.clone(),
+                };
                 (ledger, Some(limiter), sink, None)
             }
             None => {

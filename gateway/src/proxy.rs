@@ -761,7 +761,7 @@ impl Gateway {
         let sink = self.usage.clone();
         let id = event.request_id.clone();
         match self.on_io(async move { sink.emit(event).await }).await {
-            Ok(Ok(())) => {}
+            Ok(Ok(_)) => {}
             Ok(Err(e)) => {
                 tracing::error!(error = %e, request_id = %id, "usage event not delivered")
             }

@@ -1,0 +1,121 @@
+//! Usage events survive a Redis outage: with the stream's Redis gone, events go straight into
+//! the ledger (exactly once, even when the stream delivered a copy before), and nothing is lost.
+
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use chrono::Utc;
+use sluice_billing::{FinishReason, Ledger, UsageEvent};
+use sluice_gateway::sink::{Delivered, UsageSink};
+
+struct RedisServer(Child);
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn event(id: &str) -> UsageEvent {
+    UsageEvent {
+        request_id: id.into(),
+        idempotency_key: None,
+        tenant_id: "t".into(),
+        key_id: "k".into(),
+        model_id: "m".into(),
+        model_revision: "sha256:r".into(),
+        tokenizer_revision: "sha256:t".into(),
+        chat_template_version: "sha256:c".into(),
+        adapter: None,
+        engine_version: None,
+        engine_worker: None,
+        prompt_tokens: 3,
+        cached_prompt_tokens: 0,
+        completion_tokens: 2,
+        finish_reason: FinishReason::Stop,
+        http_status: 200,
+        error_type: None,
+        client_disconnected: false,
+        arrival_at: Utc::now(),
+        first_token_at: None,
+        last_token_at: None,
+        ttft_ms: None,
+        tpot_ms: None,
+        itl_max_ms: None,
+        itl_p99_ms: None,
+        e2e_ms: Some(5.0),
+        engine_queue_ms: None,
+        engine_prefill_ms: None,
+        engine_decode_ms: None,
+        trace_id: None,
+        prompt_sha256: "ab".repeat(32),
+        prompt_chars: 10,
+        cost_micros: 1,
+    }
+}
+
+#[tokio::test]
+async fn events_reach_the_ledger_when_redis_is_gone() -> anyhow::Result<()> {
+    // A Redis of this test's own, so stopping it disturbs nothing else.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+    let dir = tempfile_dir()?;
+    let server = RedisServer(
+        Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .arg("--dir")
+            .arg(&dir)
+            .stdout(Stdio::null())
+            .spawn()
+            .context("redis-server is needed for this test")?,
+    );
+    let url = format!("redis://127.0.0.1:{port}");
+    let client = redis::Client::open(url.as_str())?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let conn = loop {
+        match redis::aio::ConnectionManager::new(client.clone()).await {
+            Ok(c) => break c,
+            Err(e) => {
+                ensure!(Instant::now() < deadline, "redis-server did not start: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    let ledger = Ledger::connect(&format!("sqlite://{}", dir.join("ledger.db").display())).await?;
+    let sink = UsageSink::Redis { conn, stream: "{t}:usage".into(), fallback: ledger.clone() };
+    ensure!(sink.emit(event("a")).await? == Delivered::Primary);
+    drop(server);
+    for id in ["b", "c"] {
+        ensure!(
+            sink.emit(event(id)).await? == Delivered::Fallback,
+            "{id} not written to the ledger"
+        );
+    }
+    // A request already delivered through the stream and written again is billed once.
+    ensure!(ledger.insert_batch(&[event("a")]).await? == 1);
+    ensure!(ledger.insert_batch(&[event("a")]).await? == 0);
+    let page = ledger
+        .records(&sluice_billing::control::RecordFilter { limit: 10, ..Default::default() })
+        .await?;
+    let ids: Vec<&str> = page.records.iter().filter_map(|r| r["request_id"].as_str()).collect();
+    ensure!(ids.len() == 3 && ["a", "b", "c"].iter().all(|i| ids.contains(i)), "{ids:?}");
+    ledger.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+fn tempfile_dir() -> anyhow::Result<std::path::PathBuf> {
+    let d = std::env::temp_dir().join(format!("sluice-sink-{}", std::process::id()));
+    std::fs::create_dir_all(&d)?;
+    Ok(d)
+}
