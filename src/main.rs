@@ -2,6 +2,7 @@
 
 mod admin_cli;
 mod bench_gateway;
+mod telemetry;
 mod up;
 
 use std::io::Write;
@@ -393,6 +394,7 @@ fn run_generate(args: RunArgs) -> anyhow::Result<()> {
 }
 
 fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
+    let _telemetry = telemetry::init("sluice-engine")?;
     let model = Arc::new(args.model.load()?);
     let config = EngineConfig {
         block_size: args.block_size,

@@ -151,6 +151,7 @@ pub(crate) fn prices() -> Prices {
 
 /// Runs `sluice gateway`.
 pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
+    let _telemetry = crate::telemetry::init("sluice-gateway")?;
     let redis_down = match args.redis_down.as_str() {
         "local" => RedisDownPolicy::Local,
         "refuse" => RedisDownPolicy::Refuse,
@@ -281,6 +282,7 @@ fn random_secret() -> String {
 
 /// Runs `sluice up`.
 pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
+    let _telemetry = crate::telemetry::init("sluice")?;
     std::fs::create_dir_all(&args.dir)
         .with_context(|| format!("creating {}", args.dir.display()))?;
     let dir = std::fs::canonicalize(&args.dir)?;

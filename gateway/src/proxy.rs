@@ -257,6 +257,8 @@ pub struct Ctx {
     model_revision: Option<String>,
     tried: Vec<String>,
     settled: bool,
+    /// The request's span: child of the client's trace context, parent of the engine's.
+    span: tracing::Span,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -826,12 +828,28 @@ impl ProxyHttp for Gateway {
             model_revision: None,
             tried: Vec::new(),
             settled: false,
+            span: tracing::Span::none(),
         }
     }
 
     async fn request_filter(&self, session: &mut Session, ctx: &mut Ctx) -> Result<bool> {
         ctx.arrival = Instant::now();
         ctx.arrival_at = Utc::now();
+        ctx.span = tracing::info_span!(
+            "gateway.request",
+            otel.kind = "server",
+            request_id = %ctx.request_id,
+            path = %session.req_header().uri.path(),
+            tenant = tracing::field::Empty,
+            status = tracing::field::Empty,
+        );
+        let parent = opentelemetry::global::get_text_map_propagator(|p| {
+            p.extract(&opentelemetry_http::HeaderExtractor(&session.req_header().headers))
+        });
+        let _ = tracing_opentelemetry::OpenTelemetrySpanExt::set_parent(&ctx.span, parent);
+        // Entering once starts the exported span, fixing the id the engine's span will name
+        // as its parent.
+        ctx.span.in_scope(|| ());
         let path = session.req_header().uri.path().to_owned();
         if path == "/health" {
             respond(session, 200, Bytes::from_static(b"{\"status\":\"ok\"}"), &[]).await?;
@@ -924,11 +942,28 @@ impl ProxyHttp for Gateway {
             req.insert_header("x-sluice-priority", priority.to_string())?;
         }
         req.insert_header("x-sluice-request-id", ctx.request_id.as_str())?;
-        let trace =
-            ctx.trace_id.clone().unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
-        let span = &uuid::Uuid::new_v4().simple().to_string()[..16];
-        req.insert_header("traceparent", format!("00-{trace}-{span}-01"))?;
-        ctx.trace_id = Some(trace);
+        // The gateway span's context when traces are exported; otherwise the client's trace
+        // id (or a new one) under a fresh span id.
+        let mut injected = http::HeaderMap::new();
+        let cx = tracing_opentelemetry::OpenTelemetrySpanExt::context(&ctx.span);
+        opentelemetry::global::get_text_map_propagator(|p| {
+            p.inject_context(&cx, &mut opentelemetry_http::HeaderInjector(&mut injected))
+        });
+        let propagated =
+            injected.get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_owned);
+        let traceparent = match propagated {
+            Some(tp) => tp,
+            None => {
+                let trace = ctx
+                    .trace_id
+                    .clone()
+                    .unwrap_or_else(|| uuid::Uuid::new_v4().simple().to_string());
+                let span_id = &uuid::Uuid::new_v4().simple().to_string()[..16];
+                format!("00-{trace}-{span_id}-01")
+            }
+        };
+        ctx.trace_id = traceparent.split('-').nth(1).map(str::to_owned);
+        req.insert_header("traceparent", traceparent)?;
         if let Some(t) = &self.cfg.internal_token {
             req.insert_header("authorization", format!("Bearer {t}"))?;
         }
@@ -1005,6 +1040,10 @@ impl ProxyHttp for Gateway {
 
     async fn logging(&self, _session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
         let end = Instant::now();
+        ctx.span.record("status", ctx.status);
+        if let Some(g) = &ctx.grant {
+            ctx.span.record("tenant", g.tenant_id.as_str());
+        }
         let tier = ctx.grant.as_ref().map_or("none", |g| g.tier.as_str()).to_owned();
         let status = if ctx.status == 0 { 499 } else { ctx.status };
         self.metrics

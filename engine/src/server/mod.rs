@@ -162,8 +162,21 @@ async fn api_layer(State(app): State<Arc<App>>, mut req: Request, next: Next) ->
             Err(e) => e.into_response(),
             Ok(ctx) => {
                 let id = HeaderValue::from_str(&ctx.request_id).ok();
+                // A span under the caller's trace (W3C trace context), exported when the
+                // process has an OpenTelemetry exporter; a no-op otherwise.
+                let span = tracing::info_span!(
+                    "engine.request",
+                    otel.kind = "server",
+                    request_id = %ctx.request_id,
+                    tenant = ctx.tenant.as_deref().unwrap_or("-"),
+                    path = %req.uri().path(),
+                );
+                let parent = opentelemetry::global::get_text_map_propagator(|p| {
+                    p.extract(&opentelemetry_http::HeaderExtractor(req.headers()))
+                });
+                let _ = tracing_opentelemetry::OpenTelemetrySpanExt::set_parent(&span, parent);
                 req.extensions_mut().insert(ctx);
-                let mut resp = next.run(req).await;
+                let mut resp = tracing::Instrument::instrument(next.run(req), span).await;
                 if let Some(id) = id {
                     resp.headers_mut().insert(HeaderName::from_static(REQUEST_ID_HEADER), id);
                 }
