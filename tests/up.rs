@@ -141,6 +141,14 @@ fn sluice_up_serves_bills_and_administers_through_the_gateway() -> anyhow::Resul
     seen.extend(up.sdk("idempotency")?);
     seen.extend(up.sdk("disconnect")?);
     seen.extend(up.sdk("metrics")?);
+    up.admin(&["admin", "quotas", "set", "demo", "--allowed-model", "some-other-model"])?;
+    wait_for_cache();
+    seen.extend(up.sdk("forbidden_model")?);
+    up.admin(&["admin", "quotas", "set", "demo"])?;
+    up.admin(&["admin", "tenants", "suspend", "demo"])?;
+    wait_for_cache();
+    seen.extend(up.sdk("suspended")?);
+    up.admin(&["admin", "tenants", "activate", "demo"])?;
     let keys: Value = serde_json::from_str(&up.admin(&["admin", "keys", "list", "demo"])?)?;
     for k in keys["data"].as_array().context("keys")? {
         up.admin(&["admin", "keys", "revoke", "demo", k["id"].as_str().context("id")?])?;
@@ -227,6 +235,8 @@ fn sluice_up_serves_bills_and_administers_through_the_gateway() -> anyhow::Resul
         "rate_limited",
         "prompt_too_long",
         "disconnect",
+        "model_not_allowed",
+        "suspended",
         "revoked",
     ] {
         ensure!(kinds.contains(&k), "phase result {k} missing: {kinds:?}");

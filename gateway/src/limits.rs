@@ -102,7 +102,13 @@ pub enum LimitError {
     /// The script answered something unexpected.
     #[error("unexpected reply from the admission script: {0}")]
     Reply(String),
+    /// Redis did not answer in time (down, or reconnecting).
+    #[error("redis did not answer within {0:?}")]
+    Timeout(Duration),
 }
+
+/// How long an admission or settlement waits for Redis before the caller falls back.
+const REDIS_TIMEOUT: Duration = Duration::from_millis(300);
 
 /// Atomic admissions and settlements for every tenant, over one Redis connection manager.
 #[derive(Clone)]
@@ -161,9 +167,8 @@ impl Limiter {
     ) -> Result<Decision, LimitError> {
         let [win, inflight, res] = self.keys(tenant);
         let mut conn = self.conn.clone();
-        let reply: Vec<redis::Value> = self
-            .admit
-            .key(win)
+        let mut inv = self.admit.key(win);
+        let invocation = inv
             .key(inflight)
             .key(res)
             .arg(request_id)
@@ -175,8 +180,10 @@ impl Limiter {
             .arg(lim(limits.concurrency))
             .arg(self.reservation_ttl.as_millis() as u64)
             .arg(KEY_TTL.as_millis() as u64)
-            .invoke_async(&mut conn)
-            .await?;
+            .invoke_async::<Vec<redis::Value>>(&mut conn);
+        let reply = tokio::time::timeout(REDIS_TIMEOUT, invocation)
+            .await
+            .map_err(|_| LimitError::Timeout(REDIS_TIMEOUT))??;
         parse_decision(&reply)
     }
 
@@ -191,15 +198,12 @@ impl Limiter {
     ) -> Result<bool, LimitError> {
         let [win, inflight, res] = self.keys(tenant);
         let mut conn = self.conn.clone();
-        let n: i64 = self
-            .settle
-            .key(win)
-            .key(inflight)
-            .key(res)
-            .arg(request_id)
-            .arg(used)
-            .invoke_async(&mut conn)
-            .await?;
+        let mut inv = self.settle.key(win);
+        let invocation =
+            inv.key(inflight).key(res).arg(request_id).arg(used).invoke_async::<i64>(&mut conn);
+        let n = tokio::time::timeout(REDIS_TIMEOUT, invocation)
+            .await
+            .map_err(|_| LimitError::Timeout(REDIS_TIMEOUT))??;
         Ok(n == 1)
     }
 }

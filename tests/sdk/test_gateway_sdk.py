@@ -132,6 +132,25 @@ def disconnect():
     record("disconnect", 200, raw.headers["x-sluice-request-id"], tokens)
 
 
+def forbidden_model():
+    try:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+        check(False, "a model outside the tenant's allowed list was served")
+    except openai.PermissionDeniedError as e:
+        check(e.code == "model_not_allowed", e)
+        record("model_not_allowed", 403, e.response.headers.get("x-sluice-request-id"))
+    check([m.id for m in client.models.list()] == [], "listed a model the tenant may not use")
+
+
+def suspended():
+    try:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+        check(False, "a suspended tenant was served")
+    except openai.PermissionDeniedError as e:
+        check(e.code == "tenant_suspended", e)
+        record("suspended", 403, e.response.headers.get("x-sluice-request-id"))
+
+
 def metrics():
     import os
     import ssl
@@ -156,7 +175,8 @@ def revoked():
 
 
 PHASES = {"basic": basic, "limits": limits, "idempotency": idempotency,
-          "disconnect": disconnect, "metrics": metrics, "revoked": revoked}
+          "disconnect": disconnect, "metrics": metrics, "revoked": revoked,
+          "forbidden_model": forbidden_model, "suspended": suspended}
 PHASES[sys.argv[1]]()
 for r in results:
     print(json.dumps(r))
