@@ -5,59 +5,17 @@
 
 #[path = "../engine/tests/common/mod.rs"]
 mod common;
+mod support;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use support::{free_port, spawn_sluice, wait_healthy};
 
 use anyhow::{Context, bail, ensure};
 use serde_json::{Value, json};
 use sluice_billing::Ledger;
 use sluice_billing::auth::{Principal, Role};
 use sluice_billing::control::{NewTenant, QuotaSettings};
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-fn spawn(args: &[&str]) -> anyhow::Result<(Proc, String)> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let out = child.stdout.take().context("stdout")?;
-    let mut line = String::new();
-    BufReader::new(out).read_line(&mut line)?;
-    let addr = line.trim().rsplit("://").next().unwrap_or_default().to_owned();
-    ensure!(!addr.is_empty(), "no listening line from sluice {args:?}");
-    Ok((Proc(child), addr))
-}
-
-async fn wait_healthy(c: &reqwest::Client, url: &str) -> anyhow::Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if let Ok(r) = c.get(url).send().await
-            && r.status().is_success()
-        {
-            return Ok(());
-        }
-        if Instant::now() > deadline {
-            bail!("{url} never became healthy");
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
@@ -96,19 +54,22 @@ async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
 
     let token = "race-internal-token";
     let engine_port = free_port()?.to_string();
-    let (_engine, engine_addr) = spawn(&[
-        "engine",
-        "--model",
-        model,
-        "--listen",
-        &format!("127.0.0.1:{engine_port}"),
-        "--internal-token",
-        token,
-        "--served-model-name",
-        "smollm2-135m-instruct",
-        "--kv-cache-mb",
-        "64",
-    ])?;
+    let (_engine, engine_addr) = spawn_sluice(
+        &[
+            "engine",
+            "--model",
+            model,
+            "--listen",
+            &format!("127.0.0.1:{engine_port}"),
+            "--internal-token",
+            token,
+            "--served-model-name",
+            "smollm2-135m-instruct",
+            "--kv-cache-mb",
+            "64",
+        ],
+        &[],
+    )?;
     let mut gateways = Vec::new();
     let mut urls = Vec::new();
     // The first gateway also lists a worker that is down: requests that land there (before
@@ -123,7 +84,7 @@ async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
         args.extend(["--engine", &engine_addr, "--database-url", &db]);
         args.extend(["--redis-url", common_redis(), "--internal-token", token]);
         args.extend(["--model", model, "--usage-stream", &stream]);
-        let (p, addr) = spawn(&args)?;
+        let (p, addr) = spawn_sluice(&args, &[])?;
         gateways.push(p);
         urls.push(format!("http://{addr}"));
     }

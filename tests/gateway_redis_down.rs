@@ -4,9 +4,8 @@
 
 #[path = "../engine/tests/common/mod.rs"]
 mod common;
+mod support;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
@@ -14,56 +13,13 @@ use serde_json::json;
 use sluice_billing::Ledger;
 use sluice_billing::auth::{Principal, Role};
 use sluice_billing::control::{NewTenant, RecordFilter};
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-fn spawn(args: &[&str]) -> anyhow::Result<(Proc, String)> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let out = child.stdout.take().context("stdout")?;
-    let mut line = String::new();
-    BufReader::new(out).read_line(&mut line)?;
-    let addr = line.trim().rsplit("://").next().unwrap_or_default().to_owned();
-    ensure!(!addr.is_empty(), "no listening line from sluice {args:?}");
-    Ok((Proc(child), addr))
-}
+use support::{free_port, private_redis, spawn_sluice, wait_healthy};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_tenant_gets_its_policy_when_redis_is_gone() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     // A Redis of this test's own, stopped half-way; the machine's Redis is not touched.
-    let redis_port = free_port()?;
-    let mut redis = Proc(
-        Command::new("redis-server")
-            .args(["--port", &redis_port.to_string(), "--bind", "127.0.0.1", "--save", ""])
-            .args(["--appendonly", "no", "--dir"])
-            .arg(dir.path())
-            .stdout(Stdio::null())
-            .spawn()
-            .context("redis-server is needed for this test")?,
-    );
-    let redis_url = format!("redis://127.0.0.1:{redis_port}");
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while redis::Client::open(redis_url.as_str())?.get_multiplexed_async_connection().await.is_err()
-    {
-        ensure!(Instant::now() < deadline, "redis-server did not start");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (mut redis, redis_url) = private_redis(dir.path()).await?;
 
     let db = format!("sqlite://{}", dir.path().join("ledger.db").display());
     let ledger = Ledger::connect(&db).await?;
@@ -80,47 +36,44 @@ async fn each_tenant_gets_its_policy_when_redis_is_gone() -> anyhow::Result<()> 
     let model = common::default_model()?;
     let model = model.to_str().context("utf-8")?;
     let engine_listen = format!("127.0.0.1:{}", free_port()?);
-    let (_engine, engine_addr) = spawn(&[
-        "engine",
-        "--model",
-        model,
-        "--listen",
-        &engine_listen,
-        "--internal-token",
-        "tok",
-        "--served-model-name",
-        "smollm2-135m-instruct",
-        "--kv-cache-mb",
-        "32",
-    ])?;
+    let (_engine, engine_addr) = spawn_sluice(
+        &[
+            "engine",
+            "--model",
+            model,
+            "--listen",
+            &engine_listen,
+            "--internal-token",
+            "tok",
+            "--served-model-name",
+            "smollm2-135m-instruct",
+            "--kv-cache-mb",
+            "32",
+        ],
+        &[],
+    )?;
     let gw_listen = format!("127.0.0.1:{}", free_port()?);
-    let (_gateway, gw_addr) = spawn(&[
-        "gateway",
-        "--plain-http",
-        "--listen",
-        &gw_listen,
-        "--engine",
-        &engine_addr,
-        "--database-url",
-        &db,
-        "--redis-url",
-        &redis_url,
-        "--internal-token",
-        "tok",
-        "--model",
-        model,
-    ])?;
+    let (_gateway, gw_addr) = spawn_sluice(
+        &[
+            "gateway",
+            "--plain-http",
+            "--listen",
+            &gw_listen,
+            "--engine",
+            &engine_addr,
+            "--database-url",
+            &db,
+            "--redis-url",
+            &redis_url,
+            "--internal-token",
+            "tok",
+            "--model",
+            model,
+        ],
+        &[],
+    )?;
     let c = reqwest::Client::builder().timeout(Duration::from_secs(60)).build()?;
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !c
-        .get(format!("http://{gw_addr}/health"))
-        .send()
-        .await
-        .is_ok_and(|r| r.status().is_success())
-    {
-        ensure!(Instant::now() < deadline, "gateway not healthy");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_healthy(&c, &format!("http://{gw_addr}/health")).await?;
     let body = json!({"model": "smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 2});
     let call = |key: String| {
         let (c, url, body) = (c.clone(), format!("http://{gw_addr}/v1/completions"), body.clone());

@@ -4,9 +4,8 @@
 
 #[path = "../engine/tests/common/mod.rs"]
 mod common;
+mod support;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,48 +14,7 @@ use serde_json::{Value, json};
 use sluice_billing::Ledger;
 use sluice_billing::auth::{Principal, Role};
 use sluice_billing::control::NewTenant;
-
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-impl Proc {
-    /// SIGTERM, then wait: a clean exit flushes the span exporter.
-    fn stop(&mut self) -> anyhow::Result<()> {
-        ensure!(Command::new("kill").args(["-TERM", &self.0.id().to_string()]).status()?.success());
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while self.0.try_wait()?.is_none() {
-            ensure!(Instant::now() < deadline, "did not exit on SIGTERM");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Ok(())
-    }
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-fn spawn(args: &[&str], otlp: &str) -> anyhow::Result<(Proc, String)> {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(args)
-        .env("OTEL_EXPORTER_OTLP_ENDPOINT", otlp)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()?;
-    let out = child.stdout.take().context("stdout")?;
-    let mut line = String::new();
-    BufReader::new(out).read_line(&mut line)?;
-    let addr = line.trim().rsplit("://").next().unwrap_or_default().to_owned();
-    ensure!(!addr.is_empty(), "no listening line from sluice {args:?}");
-    Ok((Proc(child), addr))
-}
+use support::{free_port, spawn_sluice, wait_healthy};
 
 /// Every span received: (service name, span object).
 fn spans(bodies: &[Value]) -> Vec<(String, Value)> {
@@ -115,32 +73,23 @@ async fn one_trace_spans_gateway_and_engine() -> anyhow::Result<()> {
     ledger.close().await;
 
     let engine_listen = format!("127.0.0.1:{}", free_port()?);
-    let (mut engine, engine_addr) = spawn(
+    let (mut engine, engine_addr) = spawn_sluice(
         &["engine", "--model", model, "--listen", &engine_listen, "--internal-token", "t0ken"]
             .into_iter()
             .chain(["--served-model-name", "smollm2-135m-instruct", "--kv-cache-mb", "32"])
             .collect::<Vec<_>>(),
-        &otlp,
+        &[("OTEL_EXPORTER_OTLP_ENDPOINT", otlp.as_str())],
     )?;
     let gw_listen = format!("127.0.0.1:{}", free_port()?);
-    let (mut gateway, gw_addr) = spawn(
+    let (mut gateway, gw_addr) = spawn_sluice(
         &["gateway", "--plain-http", "--listen", &gw_listen, "--engine", &engine_addr]
             .into_iter()
             .chain(["--database-url", &db, "--internal-token", "t0ken", "--model", model])
             .collect::<Vec<_>>(),
-        &otlp,
+        &[("OTEL_EXPORTER_OTLP_ENDPOINT", otlp.as_str())],
     )?;
     let c = reqwest::Client::new();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !c
-        .get(format!("http://{gw_addr}/health"))
-        .send()
-        .await
-        .is_ok_and(|r| r.status().is_success())
-    {
-        ensure!(Instant::now() < deadline, "gateway not healthy");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_healthy(&c, &format!("http://{gw_addr}/health")).await?;
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
     let r = c
         .post(format!("http://{gw_addr}/v1/completions"))

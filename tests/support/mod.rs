@@ -1,0 +1,91 @@
+//! Helpers shared by the tests that run `sluice` processes (engine, gateway, billing).
+
+#![expect(dead_code, reason = "each test binary uses a different subset of the helpers")]
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+
+/// A child process, killed when dropped (also when a test fails half-way).
+pub struct Proc(pub Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Proc {
+    /// SIGTERM, then waits for a clean exit (which flushes what the process buffers).
+    pub fn stop(&mut self) -> anyhow::Result<()> {
+        ensure!(Command::new("kill").args(["-TERM", &self.0.id().to_string()]).status()?.success());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.0.try_wait()?.is_none() {
+            ensure!(Instant::now() < deadline, "did not exit on SIGTERM");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(())
+    }
+}
+
+/// A port that was free a moment ago.
+pub fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Starts `sluice ARGS` with extra environment variables and returns it with the address of
+/// its first `listening on SCHEME://ADDR` line.
+pub fn spawn_sluice(args: &[&str], envs: &[(&str, &str)]) -> anyhow::Result<(Proc, String)> {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args)
+        .envs(envs.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let out = child.stdout.take().context("stdout")?;
+    let proc = Proc(child);
+    let mut line = String::new();
+    BufReader::new(out).read_line(&mut line)?;
+    let addr = line.trim().strip_prefix("listening on ").and_then(|l| l.split("://").nth(1));
+    let Some(addr) = addr else { bail!("no listening line from sluice {args:?}: {line:?}") };
+    Ok((proc, addr.to_owned()))
+}
+
+/// Polls `url` until it answers 2xx.
+pub async fn wait_healthy(c: &reqwest::Client, url: &str) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if c.get(url).send().await.is_ok_and(|r| r.status().is_success()) {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("{url} never became healthy");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// A `redis-server` of the test's own on a free port (stopping it disturbs nothing else).
+pub async fn private_redis(dir: &std::path::Path) -> anyhow::Result<(Proc, String)> {
+    let port = free_port()?;
+    let proc = Proc(
+        Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+            .args(["--appendonly", "no", "--dir"])
+            .arg(dir)
+            .stdout(Stdio::null())
+            .spawn()
+            .context("redis-server is needed for this test")?,
+    );
+    let url = format!("redis://127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while redis::Client::open(url.as_str())?.get_multiplexed_async_connection().await.is_err() {
+        ensure!(Instant::now() < deadline, "redis-server did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok((proc, url))
+}
