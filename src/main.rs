@@ -2,6 +2,7 @@
 
 mod admin_cli;
 mod bench_gateway;
+mod bench_serve;
 mod telemetry;
 mod up;
 
@@ -101,6 +102,8 @@ enum BenchCommand {
     Billing(BenchBillingArgs),
     /// The gateway's own added time and its end-to-end cost, at several request rates.
     Gateway(bench_gateway::BenchGatewayArgs),
+    /// Open-loop load against any OpenAI-compatible endpoint, with the serving metrics.
+    Serve(bench_serve::BenchServeArgs),
 }
 
 #[derive(Args, Debug)]
@@ -310,6 +313,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args)?,
         Command::Bench(BenchCommand::Billing(args)) => run_bench_billing(args)?,
         Command::Bench(BenchCommand::Gateway(args)) => bench_gateway::run_bench_gateway(args)?,
+        Command::Bench(BenchCommand::Serve(args)) => bench_serve::run_bench_serve(args)?,
         Command::Engine(args) => run_engine(args)?,
         Command::Billing(args) => admin_cli::run_billing(args)?,
         Command::Up(args) => up::run_up(args)?,

@@ -139,6 +139,18 @@ fn sluice_up_serves_bills_and_administers_through_the_gateway() -> anyhow::Resul
     up.admin(&["admin", "quotas", "set", "demo"])?;
     wait_for_cache();
     seen.extend(up.sdk("idempotency")?);
+    // `sluice bench serve` through the gateway over HTTPS (SSL_CERT_FILE from demo.env).
+    let envs = up.envs()?;
+    let result = up.dir.join("bench.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["bench", "serve", "--base-url", &envs["OPENAI_BASE_URL"], "--num-prompts", "4"])
+        .args(["--request-rate", "8", "--input-len", "8", "--output-len", "3", "--save-result"])
+        .arg(&result)
+        .envs(&envs)
+        .output()?;
+    ensure!(out.status.success(), "bench serve: {}", String::from_utf8_lossy(&out.stderr));
+    let bench: Value = serde_json::from_str(&std::fs::read_to_string(&result)?)?;
+    ensure!(bench["completed"] == 4 && bench["failed"] == 0, "{bench}");
     seen.extend(up.sdk("disconnect")?);
     seen.extend(up.sdk("metrics")?);
     up.admin(&["admin", "quotas", "set", "demo", "--allowed-model", "some-other-model"])?;
