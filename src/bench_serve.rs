@@ -187,6 +187,31 @@ async fn one(
     o
 }
 
+/// Counters and gauges of the server's Prometheus endpoint worth putting beside the client's
+/// numbers (Sluice's `sluice_engine_*`/`sluice_gateway_*` and vLLM's `vllm:*` names).
+async fn scrape(c: &reqwest::Client, url: &str) -> Option<std::collections::BTreeMap<String, f64>> {
+    let text = c.get(url).send().await.ok()?.text().await.ok()?;
+    let wanted = [
+        "preemptions",
+        "prefix_cache",
+        "prompt_tokens",
+        "generation_tokens",
+        "num_requests",
+        "kv_cache_usage",
+    ];
+    let mut out = std::collections::BTreeMap::new();
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((name, value)) = line.rsplit_once(' ') else { continue };
+        if wanted.iter().any(|w| name.contains(w))
+            && !name.contains("_bucket")
+            && let Ok(v) = value.parse::<f64>()
+        {
+            *out.entry(name.to_owned()).or_default() += v;
+        }
+    }
+    Some(out)
+}
+
 /// Runs `sluice bench serve`.
 pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
     if args.endpoint != "chat" && args.endpoint != "completions" {
@@ -213,7 +238,7 @@ pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
         builder = builder.add_root_certificate(reqwest::Certificate::from_pem(&pem)?);
     }
     let client = builder.build()?;
-    let (outcomes, model) = rt.block_on(async {
+    let (outcomes, model, server) = rt.block_on(async {
         let model = match &args.model {
             Some(m) => m.clone(),
             None => {
@@ -228,6 +253,8 @@ pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
                     .to_owned()
             }
         };
+        let metrics_url = format!("{}/metrics", base.trim_end_matches("/v1"));
+        let before = scrape(&client, &metrics_url).await;
         let mut rng = Rng::new(args.seed ^ 0x5eed);
         let bodies: Vec<Value> =
             (0..args.num_prompts).map(|_| body(&args, &mut rng, &model)).collect();
@@ -262,11 +289,31 @@ pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
             eprint!("\r{}/{total} requests done", i + 1);
         }
         eprintln!();
-        anyhow::Ok((outcomes, model))
+        // Counters as deltas over the run; gauges (running, waiting, KV usage) as at the end.
+        let after = scrape(&client, &metrics_url).await;
+        let server = match (before, after) {
+            (Some(b), Some(a)) => a
+                .iter()
+                .map(|(k, v)| {
+                    let counter =
+                        k.ends_with("_total") || k.contains("_count") || k.contains("_sum");
+                    (k.clone(), if counter { v - b.get(k).copied().unwrap_or(0.0) } else { *v })
+                })
+                .collect(),
+            _ => std::collections::BTreeMap::new(),
+        };
+        anyhow::Ok((outcomes, model, server))
     })?;
     let summary = summarize(&outcomes, args.request_rate, slo);
-    let result = result_json(&args, &model, &summary, &outcomes, &times);
+    let mut result = result_json(&args, &model, &summary, &outcomes, &times);
+    result["server_metrics"] = json!(server);
     print_summary(&summary);
+    if !server.is_empty() {
+        println!("server-side (deltas over the run; gauges at the end):");
+        for (k, v) in &server {
+            println!("  {k} {v}");
+        }
+    }
     if let Some(path) = &args.save_result {
         std::fs::write(path, serde_json::to_string_pretty(&result)?)
             .with_context(|| format!("writing {}", path.display()))?;

@@ -87,6 +87,11 @@ async fn bench_serve_measures_an_engine() -> anyhow::Result<()> {
         ensure!(v[k].as_f64().is_some_and(|x| x >= 0.0), "{k} missing: {v}");
     }
     ensure!(v["slo_attainment"] == 1.0, "generous thresholds: every request is good");
+    // The server's own counters over the run agree with what the client received.
+    let m = &v["server_metrics"];
+    ensure!(m["sluice_engine_generation_tokens_total"] == 30.0, "{m}");
+    ensure!(m["sluice_engine_prompt_tokens_total"] == 72.0, "{m}");
+    ensure!(m["sluice_engine_num_requests_running"] == 0.0, "{m}");
     let arr = |k: &str| v[k].as_array().cloned().unwrap_or_default();
     ensure!(arr("output_lens").iter().all(|x| x == 5), "{:?}", arr("output_lens"));
     ensure!(arr("input_lens").iter().all(|x| x == 12), "{:?}", arr("input_lens"));
