@@ -26,10 +26,10 @@ use sluice_engine::serve::handle::EngineHandle;
 use sluice_engine::server::{ServerConfig, router as engine_router};
 use sluice_engine::synth::{SynthSpec, write_gguf};
 use sluice_gateway::local::RedisDownPolicy;
-use sluice_gateway::proxy::{Gateway, GatewayConfig, TokenCounter, Worker};
+use sluice_gateway::proxy::{Gateway, GatewayConfig, TokenCounter};
 use sluice_gateway::sink::UsageSink;
 
-use crate::up::{IoRuntime, prices, server_conf};
+use crate::up::{IoRuntime, gateway_config, server_conf};
 
 /// `sluice bench gateway`.
 #[derive(Args, Debug)]
@@ -196,15 +196,14 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
     let gw_port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let gw_addr = format!("127.0.0.1:{gw_port}");
     let cfg = GatewayConfig {
-        workers: vec![Worker { addr: engine_addr.to_string() }],
-        max_waiting: 256,
-        internal_token: Some("bench-token".into()),
-        model_id: "bench".into(),
         default_max_tokens: 16,
-        key_cache_ttl: Duration::from_secs(2),
-        redis_down: RedisDownPolicy::Local,
-        prices: prices(),
         name: "bench".into(),
+        ..gateway_config(
+            &[engine_addr.to_string()],
+            Some("bench-token".into()),
+            "bench",
+            RedisDownPolicy::Local,
+        )
     };
     let gateway = Gateway::new(
         cfg,

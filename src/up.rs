@@ -149,6 +149,27 @@ pub(crate) fn prices() -> Prices {
     Prices { input: 100_000, cached_input: 50_000, output: 200_000 }
 }
 
+/// The gateway settings every entry point shares: 2 s key cache, 512 default output tokens,
+/// 256 queued requests per worker before 503, the fixed price table.
+pub(crate) fn gateway_config(
+    workers: &[String],
+    internal_token: Option<String>,
+    model_id: &str,
+    redis_down: RedisDownPolicy,
+) -> GatewayConfig {
+    GatewayConfig {
+        workers: workers.iter().map(|a| Worker { addr: a.clone() }).collect(),
+        max_waiting: 256,
+        internal_token,
+        model_id: model_id.to_owned(),
+        default_max_tokens: 512,
+        key_cache_ttl: Duration::from_secs(2),
+        redis_down,
+        prices: prices(),
+        name: "gateway".into(),
+    }
+}
+
 /// Runs `sluice gateway`.
 pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
     let _telemetry = crate::telemetry::init("sluice-gateway")?;
@@ -190,17 +211,7 @@ pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
             }
         })
     })?;
-    let cfg = GatewayConfig {
-        workers: args.engines.iter().map(|a| Worker { addr: a.clone() }).collect(),
-        max_waiting: 256,
-        internal_token: args.internal_token,
-        model_id: args.model_id,
-        default_max_tokens: 512,
-        key_cache_ttl: Duration::from_secs(2),
-        redis_down,
-        prices: prices(),
-        name: "gateway".into(),
-    };
+    let cfg = gateway_config(&args.engines, args.internal_token, &args.model_id, redis_down);
     let gateway = Gateway::new(cfg, ledger.clone(), limiter, tokens, usage, io.handle.clone());
     println!("listening on {}://{}", if tls.is_some() { "https" } else { "http" }, args.listen);
     std::io::stdout().flush()?;
@@ -382,17 +393,12 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         mint_hs256(jwt_secret.as_bytes(), &billing, day, None, None)?,
     );
     write_private(&dir.join("admin.env"), &admin_env)?;
-    let cfg = GatewayConfig {
-        workers: vec![Worker { addr: engine_addr.to_string() }],
-        max_waiting: 256,
-        internal_token: Some(internal_token),
-        model_id: DEFAULT_MODEL_ID.into(),
-        default_max_tokens: 512,
-        key_cache_ttl: Duration::from_secs(2),
-        redis_down: RedisDownPolicy::Local,
-        prices: prices(),
-        name: "gateway".into(),
-    };
+    let cfg = gateway_config(
+        &[engine_addr.to_string()],
+        Some(internal_token),
+        DEFAULT_MODEL_ID,
+        RedisDownPolicy::Local,
+    );
     let gateway = Gateway::new(
         cfg,
         ledger.clone(),
