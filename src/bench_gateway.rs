@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Args;
 use pingora::server::{ShutdownSignal, ShutdownSignalWatch};
+use sluice_bench::metrics::Dist;
 use sluice_billing::Ledger;
 use sluice_billing::auth::{Principal, Role};
 use sluice_billing::control::NewTenant;
@@ -29,7 +30,7 @@ use sluice_gateway::local::RedisDownPolicy;
 use sluice_gateway::proxy::{Gateway, GatewayConfig, TokenCounter};
 use sluice_gateway::sink::UsageSink;
 
-use crate::up::{IoRuntime, gateway_config, server_conf};
+use crate::up::{IoRuntime, finish, gateway_config, server_conf};
 
 /// `sluice bench gateway`.
 #[derive(Args, Debug)]
@@ -72,15 +73,6 @@ struct Point {
     overhead_p50_ms: Option<f64>,
     overhead_p99_ms: Option<f64>,
     send_lateness_p99_ms: f64,
-}
-
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    v.sort_by(f64::total_cmp);
-    let rank = ((p / 100.0) * v.len() as f64).ceil() as usize;
-    v[rank.clamp(1, v.len()) - 1]
 }
 
 async fn offer(
@@ -126,23 +118,23 @@ async fn offer(
         if let Ok((ok, d, o, l)) = t.await {
             if ok {
                 p.ok += 1;
-                e2e.push(d.as_secs_f64() * 1000.0);
-                over.extend(o);
+                e2e.push(d.as_secs_f64());
+                over.extend(o.map(|ms| ms / 1000.0));
             } else {
                 p.errors += 1;
             }
-            late.push(l.as_secs_f64() * 1000.0);
+            late.push(l.as_secs_f64());
         }
         last = last.max(tokio::time::Instant::now());
     }
     p.achieved_rps = p.ok as f64 / last.saturating_duration_since(start).as_secs_f64().max(1e-9);
-    p.e2e_p50_ms = pct(&mut e2e, 50.0);
-    p.e2e_p99_ms = pct(&mut e2e, 99.0);
+    let e2e = Dist::of_seconds(e2e);
+    (p.e2e_p50_ms, p.e2e_p99_ms) = (e2e.median, e2e.p99);
     if !over.is_empty() {
-        p.overhead_p50_ms = Some(pct(&mut over, 50.0));
-        p.overhead_p99_ms = Some(pct(&mut over, 99.0));
+        let over = Dist::of_seconds(over);
+        (p.overhead_p50_ms, p.overhead_p99_ms) = (Some(over.median), Some(over.p99));
     }
-    p.send_lateness_p99_ms = pct(&mut late, 99.0);
+    p.send_lateness_p99_ms = Dist::of_seconds(late).p99;
     p
 }
 
@@ -251,12 +243,7 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
     })?;
     let _ = stop_tx.send(true);
     let _ = proxy.join();
-    io.handle.block_on(async {
-        if let Ok(ingest) = Arc::try_unwrap(ingest) {
-            ingest.shutdown().await;
-        }
-        ledger.close().await;
-    });
+    finish(&io, Some(&ingest), &ledger);
     let _ = std::fs::remove_dir_all(&dir);
     if args.json {
         for (d, g) in &points {

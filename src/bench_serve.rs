@@ -12,7 +12,7 @@ use clap::Args;
 use serde_json::{Value, json};
 use sluice_bench::arrivals::{Arrival, Rng, schedule};
 use sluice_bench::metrics::{Outcome, Slo, Summary, summarize};
-use sluice_gateway::observe::SseParser;
+use sluice_gateway::observe::{SseParser, tokens_carried};
 
 /// `sluice bench serve`.
 #[derive(Args, Debug)]
@@ -150,20 +150,7 @@ async fn one(
                         o.input_len = u["prompt_tokens"].as_u64().unwrap_or(0);
                         o.output_len = u["completion_tokens"].as_u64().unwrap_or(0);
                     }
-                    // A server that says how many tokens a chunk carries is believed;
-                    // otherwise a chunk with text carries one per choice.
-                    let k = v["sluice"]["tokens"].as_u64().unwrap_or_else(|| {
-                        v["choices"].as_array().map_or(0, |cs| {
-                            cs.iter()
-                                .filter(|c| {
-                                    c["text"]
-                                        .as_str()
-                                        .or_else(|| c["delta"]["content"].as_str())
-                                        .is_some_and(|t| !t.is_empty())
-                                })
-                                .count() as u64
-                        })
-                    });
+                    let k = tokens_carried(&v);
                     if k > 0 {
                         o.events.push((now, k));
                     }

@@ -149,6 +149,16 @@ pub(crate) fn prices() -> Prices {
     Prices { input: 100_000, cached_input: 50_000, output: 200_000 }
 }
 
+/// After the proxy stopped: everything billed so far reaches the ledger, then it closes.
+pub(crate) fn finish(io: &IoRuntime, ingest: Option<&LocalIngest>, ledger: &Ledger) {
+    io.handle.block_on(async {
+        if let Some(ingest) = ingest {
+            ingest.flush().await;
+        }
+        ledger.close().await;
+    });
+}
+
 /// The gateway settings every entry point shares: 2 s key cache, 512 default output tokens,
 /// 256 queued requests per worker before 503, the fixed price table.
 pub(crate) fn gateway_config(
@@ -217,12 +227,7 @@ pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
     std::io::stdout().flush()?;
     let tls_ref = tls.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
     run_proxy(gateway, &args.listen, tls_ref)?;
-    io.handle.block_on(async {
-        if let Some(ingest) = ingest.and_then(|i| Arc::try_unwrap(i).ok()) {
-            ingest.shutdown().await;
-        }
-        ledger.close().await;
-    });
+    finish(&io, ingest.as_deref(), &ledger);
     eprintln!("shut down");
     Ok(())
 }
@@ -420,13 +425,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     std::io::stdout().flush()?;
     let tls_ref = tls.as_ref().map(|(_, c, k)| (c.as_path(), k.as_path()));
     run_proxy(gateway, &args.listen, tls_ref)?;
-    // Everything billed so far reaches the ledger before the process ends.
-    io.handle.block_on(async {
-        if let Ok(ingest) = Arc::try_unwrap(ingest) {
-            ingest.shutdown().await;
-        }
-        ledger.close().await;
-    });
+    finish(&io, Some(&ingest), &ledger);
     eprintln!("shut down");
     Ok(())
 }

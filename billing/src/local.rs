@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
 use crate::{BillingError, Ledger, UsageEvent};
@@ -67,10 +67,18 @@ impl LocalIngestStats {
     }
 }
 
+/// What the writer task receives.
+#[derive(Debug)]
+enum Msg {
+    Event(Box<UsageEvent>),
+    /// Commit everything queued before this, then answer.
+    Flush(oneshot::Sender<()>),
+}
+
 /// A queue and a writer task moving usage events into a ledger.
 #[derive(Debug)]
 pub struct LocalIngest {
-    tx: mpsc::Sender<UsageEvent>,
+    tx: mpsc::Sender<Msg>,
     writer: JoinHandle<()>,
     stats: Arc<LocalIngestStats>,
 }
@@ -88,7 +96,19 @@ impl LocalIngest {
     /// the queue is full.
     pub async fn emit(&self, event: UsageEvent) -> Result<(), BillingError> {
         event.validate()?;
-        self.tx.send(event).await.map_err(|_| BillingError::InvalidEvent("usage writer stopped"))
+        self.tx
+            .send(Msg::Event(Box::new(event)))
+            .await
+            .map_err(|_| BillingError::InvalidEvent("usage writer stopped"))
+    }
+
+    /// Returns once every event emitted before the call is committed, however many handles
+    /// share this writer (the gateway keeps one until its last request is logged).
+    pub async fn flush(&self) {
+        let (tx, rx) = oneshot::channel();
+        if self.tx.send(Msg::Flush(tx)).await.is_ok() {
+            let _ = rx.await;
+        }
     }
 
     /// The writer's counters.
@@ -108,42 +128,63 @@ impl LocalIngest {
 async fn write_loop(
     ledger: Ledger,
     config: LocalIngestConfig,
-    mut rx: mpsc::Receiver<UsageEvent>,
+    mut rx: mpsc::Receiver<Msg>,
     stats: Arc<LocalIngestStats>,
 ) {
     let mut batch = Vec::with_capacity(config.batch_size);
     while let Some(first) = rx.recv().await {
-        batch.push(first);
+        let mut flushes = Vec::new();
+        match first {
+            Msg::Event(e) => batch.push(*e),
+            Msg::Flush(done) => flushes.push(done),
+        }
         let deadline = tokio::time::Instant::now() + config.linger;
-        while batch.len() < config.batch_size {
+        while batch.len() < config.batch_size && flushes.is_empty() {
             match tokio::time::timeout_at(deadline, rx.recv()).await {
-                Ok(Some(e)) => batch.push(e),
+                Ok(Some(Msg::Event(e))) => batch.push(*e),
+                Ok(Some(Msg::Flush(done))) => flushes.push(done),
                 Ok(None) | Err(_) => break,
             }
         }
-        let mut delay = config.retry_initial;
-        loop {
-            match ledger.insert_batch(&batch).await {
-                Ok(n) => {
-                    stats.inserted.fetch_add(n as u64, Ordering::Relaxed);
-                    stats.duplicates.fetch_add((batch.len() - n) as u64, Ordering::Relaxed);
-                    break;
-                }
-                Err(e) => {
-                    // Events were validated on entry, so a failure is the database's state
-                    // (locked, down, full disk): wait it out rather than lose a billed request.
-                    stats.failures.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(
-                        error = %e,
-                        retry_in_ms = delay.as_millis() as u64,
-                        events = batch.len(),
-                        "usage write failed; retrying"
-                    );
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(config.retry_max);
-                }
+        write(&ledger, &config, &batch, &stats).await;
+        batch.clear();
+        for done in flushes {
+            let _ = done.send(());
+        }
+    }
+}
+
+/// Commits `batch`, waiting out database failures.
+async fn write(
+    ledger: &Ledger,
+    config: &LocalIngestConfig,
+    batch: &[UsageEvent],
+    stats: &LocalIngestStats,
+) {
+    if batch.is_empty() {
+        return;
+    }
+    let mut delay = config.retry_initial;
+    loop {
+        match ledger.insert_batch(batch).await {
+            Ok(n) => {
+                stats.inserted.fetch_add(n as u64, Ordering::Relaxed);
+                stats.duplicates.fetch_add((batch.len() - n) as u64, Ordering::Relaxed);
+                return;
+            }
+            Err(e) => {
+                // Events were validated on entry, so a failure is the database's state
+                // (locked, down, full disk): wait it out rather than lose a billed request.
+                stats.failures.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    error = %e,
+                    retry_in_ms = delay.as_millis() as u64,
+                    events = batch.len(),
+                    "usage write failed; retrying"
+                );
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(config.retry_max);
             }
         }
-        batch.clear();
     }
 }

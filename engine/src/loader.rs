@@ -66,12 +66,7 @@ impl LoadedModel {
     /// Token ids of `text` as a raw completion prompt: BOS when the model adds one, special
     /// tokens in the text parsed as special.
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
-        let mut ids = Vec::new();
-        if self.tokenizer.add_bos() {
-            ids.extend(self.tokenizer.bos_id());
-        }
-        ids.extend(self.tokenizer.encode(text, true)?);
-        Ok(ids)
+        self.tokenizer.encode_prompt(text)
     }
 }
 

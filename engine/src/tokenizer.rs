@@ -499,6 +499,17 @@ impl Tokenizer {
         self.token_bytes(id).map(|b| String::from_utf8_lossy(b).into_owned())
     }
 
+    /// Token ids of `text` as a raw prompt: BOS when the model adds one, special tokens in the
+    /// text parsed as special (what the engine computes and the gateway counts).
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        if self.add_bos() {
+            ids.extend(self.bos_id());
+        }
+        ids.extend(self.encode(text, true)?);
+        Ok(ids)
+    }
+
     /// Tokenizes `text` without adding BOS; with `parse_special`, text such as `<|im_start|>`
     /// becomes its special token instead of being tokenized as characters.
     pub fn encode(&self, text: &str, parse_special: bool) -> Result<Vec<u32>> {

@@ -55,6 +55,21 @@ fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
     None
 }
 
+/// Tokens one stream event carries: the server's own count when it gives one (Sluice's
+/// `sluice.tokens`), otherwise one per choice that carries text.
+pub fn tokens_carried(event: &Value) -> u64 {
+    event["sluice"]["tokens"].as_u64().unwrap_or_else(|| {
+        event["choices"].as_array().map_or(0, |cs| {
+            cs.iter()
+                .filter(|c| {
+                    let text = c["text"].as_str().or_else(|| c["delta"]["content"].as_str());
+                    text.is_some_and(|t| !t.is_empty())
+                })
+                .count() as u64
+        })
+    })
+}
+
 /// What the gateway measured for one request.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Timings {
@@ -125,19 +140,8 @@ impl StreamObserver {
     }
 
     fn on_event(&mut self, v: &Value, now: Instant) {
-        let choices = v["choices"].as_array();
-        let carried = match v["sluice"]["tokens"].as_u64() {
-            Some(k) => k,
-            None => choices.map_or(0, |cs| {
-                cs.iter()
-                    .filter(|c| {
-                        let text = c["text"].as_str().or_else(|| c["delta"]["content"].as_str());
-                        text.is_some_and(|t| !t.is_empty())
-                    })
-                    .count() as u64
-            }),
-        };
-        for c in choices.into_iter().flatten() {
+        let carried = tokens_carried(v);
+        for c in v["choices"].as_array().into_iter().flatten() {
             if let Some(r) = c["finish_reason"].as_str() {
                 self.out.finish_reason = Some(r.to_owned());
             }

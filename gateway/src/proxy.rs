@@ -54,8 +54,7 @@ impl TokenCounter {
     }
 
     fn encode(&self, text: &str) -> std::result::Result<usize, String> {
-        let ids = self.tokenizer.encode(text, true).map_err(|e| e.to_string())?;
-        Ok(ids.len() + usize::from(self.tokenizer.add_bos() && self.tokenizer.bos_id().is_some()))
+        Ok(self.tokenizer.encode_prompt(text).map_err(|e| e.to_string())?.len())
     }
 
     /// Prompt tokens of a chat request, and the rendered prompt.
@@ -247,7 +246,8 @@ pub struct Ctx {
     observer: Option<StreamObserver>,
     response_body: Vec<u8>,
     status: u16,
-    refused: Option<(u16, String)>,
+    /// Answered in `request_filter` (refused or unknown route); `status` says how.
+    refused: bool,
     overhead: Duration,
     prompt_sha256: String,
     prompt_chars: u64,
@@ -818,7 +818,7 @@ impl ProxyHttp for Gateway {
             observer: None,
             response_body: Vec::new(),
             status: 0,
-            refused: None,
+            refused: false,
             overhead: Duration::ZERO,
             prompt_sha256: String::new(),
             prompt_chars: 0,
@@ -871,7 +871,7 @@ impl ProxyHttp for Gateway {
             }
             Err(r) => {
                 ctx.status = r.status;
-                ctx.refused = Some((r.status, r.message.clone()));
+                ctx.refused = true;
                 let mut headers = r.headers.clone();
                 headers.push(("x-sluice-request-id".into(), ctx.request_id.clone()));
                 let body = error_json(&r.message, r.kind, r.param, r.code);
@@ -1050,13 +1050,14 @@ impl ProxyHttp for Gateway {
             .requests
             .get_or_create(&RequestLabels { status: status.to_string(), tier })
             .inc();
-        if ctx.admitted.is_some() && ctx.refused.is_none() {
+        if ctx.admitted.is_some() && !ctx.refused {
             self.metrics.overhead.observe(ctx.overhead.as_secs_f64());
         }
         if ctx.grant.is_none() {
             return;
         }
-        if let Some((status, _)) = ctx.refused.clone() {
+        if ctx.refused {
+            let status = ctx.status;
             self.settle(ctx, 0).await;
             let reason = if status == 429
                 || status == 503
