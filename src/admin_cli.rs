@@ -230,6 +230,24 @@ pub enum KeyCommand {
         /// Key id.
         key: String,
     },
+    /// Replace a key's own limits, enforced beside its tenant's quota (limits left out: only
+    /// the tenant's applies).
+    Limits {
+        /// Tenant id.
+        tenant: String,
+        /// Key id.
+        key: String,
+        #[arg(long)]
+        rpm: Option<i64>,
+        #[arg(long)]
+        tpm: Option<i64>,
+        #[arg(long)]
+        daily_tokens: Option<i64>,
+        #[arg(long)]
+        monthly_tokens: Option<i64>,
+        #[arg(long)]
+        concurrency: Option<i64>,
+    },
 }
 
 /// `sluice admin quotas`.
@@ -476,6 +494,22 @@ pub fn run_admin(cmd: AdminCommand, client: &ClientArgs) -> anyhow::Result<()> {
             AdminCommand::Keys(KeyCommand::Revoke { tenant, key }) => {
                 let path = format!("/v1/tenants/{tenant}/keys/{key}/revoke");
                 c.json(Method::POST, &path, &[], None).await?
+            }
+            AdminCommand::Keys(KeyCommand::Limits {
+                tenant,
+                key,
+                rpm,
+                tpm,
+                daily_tokens,
+                monthly_tokens,
+                concurrency,
+            }) => {
+                let body = json!({
+                    "rpm": rpm, "tpm": tpm, "daily_tokens": daily_tokens,
+                    "monthly_tokens": monthly_tokens, "concurrency": concurrency,
+                });
+                let path = format!("/v1/tenants/{tenant}/keys/{key}/limits");
+                c.json(Method::PUT, &path, &[], Some(body)).await?
             }
             AdminCommand::Quotas(QuotaCommand::Get { tenant }) => {
                 c.json(Method::GET, &format!("/v1/tenants/{tenant}/quota"), &[], None).await?

@@ -181,7 +181,7 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
             overrides: None,
         };
         ledger.create_tenant(&ops, &new).await?;
-        let (_, key) = ledger.issue_key(&ops, "bench", None, None).await?;
+        let (_, key) = ledger.issue_key(&ops, "bench", None, None, Default::default()).await?;
         let ingest = Arc::new(LocalIngest::start(ledger.clone(), LocalIngestConfig::default()));
         anyhow::Ok((addr, ledger, ingest, key))
     })?;

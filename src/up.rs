@@ -378,7 +378,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             };
             ledger.create_tenant(&system, &new).await?;
         }
-        let (_, secret) = ledger.issue_key(&system, "demo", None, None).await?;
+        let (_, secret) = ledger.issue_key(&system, "demo", None, None, Default::default()).await?;
         anyhow::Ok((secret, true))
     })?;
     let (key, fresh) = key;

@@ -102,6 +102,13 @@ fn admin_and_audit_commands_over_the_billing_api() -> anyhow::Result<()> {
     let secret = key["secret"].as_str().context("secret")?;
     let keys = ok(&["admin", "keys", "list", "acme"], url, &ops)?;
     ensure!(keys.contains(key["prefix"].as_str().context("prefix")?) && !keys.contains(secret));
+    let key_id = key["id"].as_str().context("key id")?;
+    let limited: Value = serde_json::from_str(&ok(
+        &["admin", "keys", "limits", "acme", key_id, "--rpm", "2", "--concurrency", "1"],
+        url,
+        &ops,
+    )?)?;
+    ensure!(limited["limits"] == serde_json::json!({"rpm": 2, "concurrency": 1}), "{limited}");
     let q: Value = serde_json::from_str(&ok(
         &[
             "admin",
@@ -166,7 +173,7 @@ fn admin_and_audit_commands_over_the_billing_api() -> anyhow::Result<()> {
         })
         .collect::<Result<_, _>>()?;
     ensure!(
-        actions == ["tenant.create", "key.issue", "quota.set", "tenant.suspend"],
+        actions == ["tenant.create", "key.issue", "key.limits.set", "quota.set", "tenant.suspend"],
         "{actions:?}"
     );
 

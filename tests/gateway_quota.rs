@@ -15,7 +15,7 @@ use anyhow::{Context, bail, ensure};
 use serde_json::{Value, json};
 use sluice_billing::Ledger;
 use sluice_billing::auth::{Principal, Role};
-use sluice_billing::control::{NewTenant, QuotaSettings};
+use sluice_billing::control::{KeyLimits, NewTenant, QuotaSettings};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
@@ -40,7 +40,7 @@ async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
     ledger.create_tenant(&ops, &new).await?;
     let quota = QuotaSettings { daily_tokens: Some(50), ..Default::default() };
     ledger.set_quota(&ops, &tenant, &quota).await?;
-    let (_, key) = ledger.issue_key(&ops, &tenant, None, None).await?;
+    let (_, key) = ledger.issue_key(&ops, &tenant, None, None, Default::default()).await?;
     let other = format!("{tenant}-b");
     let new = NewTenant {
         id: other.clone(),
@@ -49,7 +49,10 @@ async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
         overrides: None,
     };
     ledger.create_tenant(&ops, &new).await?;
-    let (_, other_key) = ledger.issue_key(&ops, &other, None, None).await?;
+    let (_, other_key) = ledger.issue_key(&ops, &other, None, None, Default::default()).await?;
+    // A key held to less than its (unlimited) tenant: 15 daily tokens, exactly 3 requests.
+    let limits = KeyLimits { daily_tokens: Some(15), ..Default::default() };
+    let (_, limited_key) = ledger.issue_key(&ops, &other, None, None, limits).await?;
     ledger.close().await;
 
     let token = "race-internal-token";
@@ -135,6 +138,62 @@ async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
         "{ok} succeeded, {limited} refused; the quota affords exactly 10"
     );
 
+    // The key's own limit holds across both gateways, beside its tenant's quota.
+    let mut tasks = Vec::new();
+    for i in 0..20 {
+        let (c, url, key, body) =
+            (c.clone(), urls[i % 2].clone(), limited_key.clone(), body.clone());
+        tasks.push(tokio::spawn(async move {
+            let r = c
+                .post(format!("{url}/v1/completions"))
+                .bearer_auth(&key)
+                .json(&body)
+                .send()
+                .await?;
+            let status = r.status().as_u16();
+            let v: Value = r.json().await?;
+            anyhow::Ok((status, v))
+        }));
+    }
+    let (mut ok, mut limited) = (0, 0);
+    for t in tasks {
+        match t.await?? {
+            (200, _) => ok += 1,
+            (429, v) => {
+                ensure!(v["error"]["code"] == "insufficient_quota", "{v}");
+                let msg = v["error"]["message"].as_str().unwrap_or_default();
+                ensure!(msg.contains("this API key's"), "{msg}");
+                limited += 1;
+            }
+            (other, v) => bail!("unexpected {other}: {v}"),
+        }
+    }
+    ensure!(ok == 3 && limited == 17, "{ok} succeeded, {limited} refused; the key affords 3");
+
+    // A body well over pingora's 64 KiB retry buffer goes through whole (a long field the
+    // engine ignores); one over the 2 MiB cap is refused before it is read.
+    let mut big = body.clone();
+    big["user"] = Value::from("x".repeat(300_000));
+    let r = c
+        .post(format!("{}/v1/completions", urls[0]))
+        .bearer_auth(&other_key)
+        .json(&big)
+        .send()
+        .await?;
+    let status = r.status();
+    let v: Value = r.json().await?;
+    ensure!(status == 200 && v["usage"]["completion_tokens"] == 2, "{status}: {v}");
+    big["user"] = Value::from("x".repeat(3 << 20));
+    let r = c
+        .post(format!("{}/v1/completions", urls[1]))
+        .bearer_auth(&other_key)
+        .json(&big)
+        .send()
+        .await?;
+    let status = r.status();
+    let v: Value = r.json().await?;
+    ensure!(status == 413 && v["error"]["type"] == "invalid_request_error", "{status}: {v}");
+
     // A client that goes away mid-stream: the engine aborts (its running requests and KV
     // blocks return to zero) and the request is billed with the tokens it received.
     let body = json!({"model": "smollm2-135m-instruct", "prompt": "Once upon a time", "max_tokens": 300,
@@ -187,10 +246,10 @@ async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let n: usize = redis::AsyncCommands::xlen(&mut conn, &stream).await?;
-        if n == 41 {
+        if n == 63 {
             break;
         }
-        ensure!(Instant::now() < deadline, "{n} usage events for 41 requests");
+        ensure!(Instant::now() < deadline, "{n} usage events for 63 requests");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let entries: redis::streams::StreamRangeReply =
@@ -204,7 +263,7 @@ async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
     ensure!(events.iter().filter(|e| e["tenant_id"] == tenant.as_str()).count() == 40);
     let gone = events
         .iter()
-        .find(|e| e["tenant_id"] == other.as_str())
+        .find(|e| e["tenant_id"] == other.as_str() && e["finish_reason"] == "client_disconnected")
         .context("no event for the disconnect")?;
     ensure!(
         gone["finish_reason"] == "client_disconnected" && gone["client_disconnected"] == true,

@@ -30,7 +30,7 @@ async fn each_tenant_gets_its_policy_when_redis_is_gone() -> anyhow::Result<()> 
     {
         let new = NewTenant { id: id.into(), name: None, tier: None, overrides };
         ledger.create_tenant(&ops, &new).await?;
-        keys.push(ledger.issue_key(&ops, id, None, None).await?.1);
+        keys.push(ledger.issue_key(&ops, id, None, None, Default::default()).await?.1);
     }
 
     let model = common::default_model()?;

@@ -69,7 +69,7 @@ async fn one_trace_spans_gateway_and_engine() -> anyhow::Result<()> {
     let ops = Principal { actor: "test".into(), role: Role::Ops, tenant: None };
     let new = NewTenant { id: "traced".into(), name: None, tier: None, overrides: None };
     ledger.create_tenant(&ops, &new).await?;
-    let (_, key) = ledger.issue_key(&ops, "traced", None, None).await?;
+    let (_, key) = ledger.issue_key(&ops, "traced", None, None, Default::default()).await?;
     ledger.close().await;
 
     let engine_listen = format!("127.0.0.1:{}", free_port()?);

@@ -201,9 +201,8 @@ fn sluice_up_serves_bills_and_administers_through_the_gateway() -> anyhow::Resul
             ensure!(s["status"] == 401 || kind == "metrics", "{s}");
             continue;
         };
-        if kind == "idempotent" {
-            idempotent += usize::from(by_id.contains_key(id));
-            continue;
+        if kind.starts_with("idempotent") {
+            idempotent += 1;
         }
         let r = by_id.get(id).with_context(|| format!("{kind} {id} was not billed"))?;
         ensure!(r["http_status"] == s["status"], "{kind}: {r:?}");
@@ -237,7 +236,11 @@ fn sluice_up_serves_bills_and_administers_through_the_gateway() -> anyhow::Resul
             ensure!(r["ttft_ms"].is_null(), "non-streamed request with a TTFT: {r:?}");
         }
     }
-    ensure!(idempotent == 1, "the idempotent retry was billed {idempotent} times");
+    // Each idempotent pair (a request and its replayed retry) is one record.
+    ensure!(idempotent == 2, "{idempotent} idempotent requests billed, expected 2");
+    let idempotent_records =
+        records.iter().filter(|r| r["idempotency_key"].as_str().is_some()).count();
+    ensure!(idempotent_records == 2, "{idempotent_records} records with an idempotency key");
     let kinds: Vec<&str> = seen.iter().filter_map(|s| s["kind"].as_str()).collect();
     for k in [
         "chat",
@@ -250,6 +253,7 @@ fn sluice_up_serves_bills_and_administers_through_the_gateway() -> anyhow::Resul
         "model_not_allowed",
         "suspended",
         "revoked",
+        "idempotency_mismatch",
     ] {
         ensure!(kinds.contains(&k), "phase result {k} missing: {kinds:?}");
     }

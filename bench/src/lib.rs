@@ -4,3 +4,4 @@
 
 pub mod arrivals;
 pub mod metrics;
+pub mod workload;

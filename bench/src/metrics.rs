@@ -26,6 +26,11 @@ pub struct Outcome {
     pub events: Vec<(f64, u64)>,
     /// End of the response, seconds since the scheduled send.
     pub end_s: f64,
+    /// How late the client sent it, seconds after the scheduled send (a client that could
+    /// not keep up shows here).
+    pub lateness_s: f64,
+    /// Ended by the client's timeout.
+    pub timed_out: bool,
 }
 
 impl Outcome {
@@ -94,6 +99,35 @@ pub struct Dist {
     pub p99: f64,
     /// p99.9.
     pub p999: f64,
+    /// 95% bootstrap confidence interval of the median.
+    pub median_ci95: [f64; 2],
+    /// 95% bootstrap confidence interval of p99.
+    pub p99_ci95: [f64; 2],
+}
+
+/// Bootstrap resamples for the confidence intervals.
+const RESAMPLES: usize = 400;
+
+/// 95% percentile-bootstrap interval of the `p`th percentile of `v` (fixed seed: the same
+/// samples give the same interval).
+fn bootstrap(v: &[f64], p: f64) -> [f64; 2] {
+    if v.len() < 2 {
+        let x = v.first().copied().unwrap_or(0.0);
+        return [x, x];
+    }
+    let mut rng = crate::arrivals::Rng::new(0xB007);
+    let mut stats = Vec::with_capacity(RESAMPLES);
+    let mut sample = vec![0.0; v.len()];
+    let rank = (((p / 100.0) * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1;
+    for _ in 0..RESAMPLES {
+        for x in &mut sample {
+            *x = v[(rng.next_u64() % v.len() as u64) as usize];
+        }
+        let (_, nth, _) = sample.select_nth_unstable_by(rank, f64::total_cmp);
+        stats.push(*nth);
+    }
+    stats.sort_by(f64::total_cmp);
+    [pct(&stats, 2.5), pct(&stats, 97.5)]
 }
 
 /// Nearest-rank percentile of sorted values.
@@ -121,6 +155,8 @@ impl Dist {
             p95: pct(&v, 95.0),
             p99: pct(&v, 99.0),
             p999: pct(&v, 99.9),
+            median_ci95: bootstrap(&v, 50.0),
+            p99_ci95: bootstrap(&v, 99.0),
         }
     }
 }
@@ -152,8 +188,18 @@ pub struct Summary {
     pub itl_ms: Dist,
     /// End to end.
     pub e2el_ms: Dist,
+    /// How late sends were against the schedule.
+    pub send_lateness_ms: Dist,
+    /// Failed requests / all requests.
+    pub error_rate: f64,
+    /// Rejected requests / all requests.
+    pub rejection_rate: f64,
+    /// Requests the client gave up on (timeout) / all requests.
+    pub timeout_rate: f64,
     /// Good requests per second.
     pub request_goodput: f64,
+    /// Output tokens of good requests per second.
+    pub output_goodput: f64,
     /// Good requests / all requests (failed and rejected included).
     pub slo_attainment: f64,
     /// The thresholds used.
@@ -174,11 +220,14 @@ pub fn summarize(outcomes: &[Outcome], offered_rate: f64, slo: Slo) -> Summary {
     let input: u64 = done.iter().map(|o| o.input_len).sum();
     let output: u64 = done.iter().map(|o| o.output_len).sum();
     let good = outcomes.iter().filter(|o| slo.good(o)).count();
+    let good_tokens: u64 = outcomes.iter().filter(|o| slo.good(o)).map(|o| o.output_len).sum();
+    let share = |n: usize| if outcomes.is_empty() { 0.0 } else { n as f64 / outcomes.len() as f64 };
+    let failed = outcomes.iter().filter(|o| !o.ok && !o.rejected).count();
     let busy: f64 = outcomes.iter().map(|o| o.end_s).sum();
     let mean_e2e = if outcomes.is_empty() { 0.0 } else { busy / outcomes.len() as f64 };
     Summary {
         completed: done.len(),
-        failed: outcomes.iter().filter(|o| !o.ok && !o.rejected).count(),
+        failed,
         rejected: outcomes.iter().filter(|o| o.rejected).count(),
         duration,
         request_throughput: per_s(done.len() as f64),
@@ -189,8 +238,13 @@ pub fn summarize(outcomes: &[Outcome], offered_rate: f64, slo: Slo) -> Summary {
         tpot_ms: Dist::of_seconds(done.iter().filter_map(|o| o.tpot()).collect()),
         itl_ms: Dist::of_seconds(done.iter().flat_map(|o| o.itls()).map(|g| g.0).collect()),
         e2el_ms: Dist::of_seconds(done.iter().map(|o| o.end_s).collect()),
+        send_lateness_ms: Dist::of_seconds(outcomes.iter().map(|o| o.lateness_s).collect()),
+        error_rate: share(failed),
+        rejection_rate: share(outcomes.iter().filter(|o| o.rejected).count()),
+        timeout_rate: share(outcomes.iter().filter(|o| o.timed_out).count()),
         request_goodput: per_s(good as f64),
-        slo_attainment: if outcomes.is_empty() { 0.0 } else { good as f64 / outcomes.len() as f64 },
+        output_goodput: per_s(good_tokens as f64),
+        slo_attainment: share(good),
         slo,
         mean_in_flight: per_s(busy),
         littles_law_estimate: offered_rate * mean_e2e,
@@ -260,6 +314,22 @@ mod tests {
         assert!((s.duration - 5.1).abs() < 1e-9, "{}", s.duration);
         assert!((s.request_goodput - 3.0 / 5.1).abs() < 1e-9);
         assert!((s.output_throughput - 8.0 / 5.1).abs() < 1e-9);
+    }
+
+    #[test]
+    fn bootstrap_intervals_bracket_the_estimate_and_narrow_with_samples() {
+        let mut rng = crate::arrivals::Rng::new(3);
+        let small: Vec<f64> = (0..100).map(|_| rng.uniform()).collect();
+        let large: Vec<f64> = (0..10_000).map(|_| rng.uniform()).collect();
+        let (a, b) = (Dist::of_seconds(small), Dist::of_seconds(large));
+        for d in [&a, &b] {
+            assert!(d.median_ci95[0] <= d.median && d.median <= d.median_ci95[1], "{d:?}");
+            assert!(d.p99_ci95[0] <= d.p99 && d.p99 <= d.p99_ci95[1], "{d:?}");
+        }
+        let width = |d: &Dist| d.median_ci95[1] - d.median_ci95[0];
+        assert!(width(&b) < width(&a) / 4.0, "{} vs {}", width(&b), width(&a));
+        // Uniform(0, 1 s): the true median 500 ms lies in the large sample's interval.
+        assert!(b.median_ci95[0] < 500.0 && 500.0 < b.median_ci95[1], "{b:?}");
     }
 
     #[test]

@@ -12,7 +12,7 @@ use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, put};
 use chrono::{DateTime, NaiveDate, TimeDelta, Utc};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
@@ -21,8 +21,8 @@ use serde_json::{Value, json};
 use crate::Ledger;
 use crate::auth::{AuthError, Principal, Role, Verifier};
 use crate::control::{
-    AdminError, AuditFilter, NewTenant, QuotaSettings, RECORD_COLUMNS, RecordFilter, UsageFilter,
-    decode_cursor,
+    AdminError, AuditFilter, KeyLimits, NewTenant, QuotaSettings, RECORD_COLUMNS, RecordFilter,
+    UsageFilter, decode_cursor,
 };
 
 /// Redis pub/sub channel announcing control-plane changes to gateways.
@@ -58,6 +58,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/v1/tenants/{tenant}/activate", post(activate_tenant))
         .route("/v1/tenants/{tenant}/keys", get(list_keys).post(issue_key))
         .route("/v1/tenants/{tenant}/keys/{key}/revoke", post(revoke_key))
+        .route("/v1/tenants/{tenant}/keys/{key}/limits", put(set_key_limits))
         .route("/v1/tenants/{tenant}/quota", get(get_quota).put(set_quota))
         .route("/v1/records", get(records))
         .route("/v1/audit-log", get(audit_log))
@@ -334,6 +335,8 @@ struct IssueKey {
     scopes: Option<Vec<String>>,
     #[serde(default)]
     expires_at: Option<DateTime<Utc>>,
+    #[serde(default)]
+    limits: KeyLimits,
 }
 
 async fn issue_key(
@@ -345,7 +348,8 @@ async fn issue_key(
     let who = authorize(&s, &headers, &[Role::Ops, Role::TenantAdmin])?;
     check_tenant(&who, &tenant)?;
     let req: IssueKey = body(&bytes)?;
-    let (key, secret) = s.ledger.issue_key(&who, &tenant, req.scopes, req.expires_at).await?;
+    let (key, secret) =
+        s.ledger.issue_key(&who, &tenant, req.scopes, req.expires_at, req.limits).await?;
     announce(&s, "key", &tenant).await;
     let mut v = serde_json::to_value(&key).unwrap_or_else(|_| json!({}));
     if let Value::Object(m) = &mut v {
@@ -377,6 +381,21 @@ async fn revoke_key(
     let who = authorize(&s, &headers, &[Role::Ops, Role::TenantAdmin])?;
     check_tenant(&who, &tenant)?;
     let k = s.ledger.revoke_key(&who, &tenant, &key).await?;
+    announce(&s, "key", &tenant).await;
+    Ok(axum::Json(k).into_response())
+}
+
+async fn set_key_limits(
+    State(s): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    Path((tenant, key)): Path<(String, String)>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    // A tenant admin may hold its own keys to less; a key never gets more than its tenant.
+    let who = authorize(&s, &headers, &[Role::Ops, Role::TenantAdmin])?;
+    check_tenant(&who, &tenant)?;
+    let limits: KeyLimits = body(&bytes)?;
+    let k = s.ledger.set_key_limits(&who, &tenant, &key, limits).await?;
     announce(&s, "key", &tenant).await;
     Ok(axum::Json(k).into_response())
 }

@@ -30,6 +30,32 @@ macro_rules! on_pool {
     };
 }
 
+/// The statement beginning a write transaction. SQLite's takes the write lock up front
+/// (`BEGIN IMMEDIATE`): a deferred one that reads first and then writes can fail at once with
+/// SQLITE_BUSY when another writer holds the lock, instead of waiting out the busy timeout.
+trait BeginWrite {
+    const BEGIN: &'static str;
+}
+
+impl BeginWrite for sqlx::PgPool {
+    const BEGIN: &'static str = "BEGIN";
+}
+
+impl BeginWrite for sqlx::SqlitePool {
+    const BEGIN: &'static str = "BEGIN IMMEDIATE";
+}
+
+fn begin_statement<P: BeginWrite>(_: &P) -> &'static str {
+    P::BEGIN
+}
+
+/// Begins a write transaction on either pool.
+macro_rules! begin_write {
+    ($pool:expr) => {
+        $pool.begin_with(begin_statement($pool))
+    };
+}
+
 /// What an admin or audit call can fail with; each maps to one HTTP status.
 #[derive(Debug, thiserror::Error)]
 pub enum AdminError {
@@ -168,6 +194,53 @@ impl QuotaSettings {
     }
 }
 
+/// Limits of one API key, enforced beside its tenant's quota (`None` = only the tenant's
+/// limit applies): a key can be held to less than its tenant, never given more.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeyLimits {
+    /// Requests per minute.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rpm: Option<i64>,
+    /// Tokens (prompt + completion) per minute.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpm: Option<i64>,
+    /// Tokens per UTC day.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub daily_tokens: Option<i64>,
+    /// Tokens per UTC calendar month.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub monthly_tokens: Option<i64>,
+    /// Requests in flight at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub concurrency: Option<i64>,
+}
+
+impl KeyLimits {
+    /// Checks every field, naming the first bad one.
+    pub fn validate(&self) -> Result<(), AdminError> {
+        for (name, v) in [
+            ("limits.rpm", self.rpm),
+            ("limits.tpm", self.tpm),
+            ("limits.daily_tokens", self.daily_tokens),
+            ("limits.monthly_tokens", self.monthly_tokens),
+            ("limits.concurrency", self.concurrency),
+        ] {
+            if let Some(v) = v
+                && !(0..=MAX_LIMIT).contains(&v)
+            {
+                return Err(AdminError::invalid(name, format!("{name} must be 0..={MAX_LIMIT}")));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether any limit is set.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
 /// The quota tiers of `policies/tiers.json`, compiled in.
 pub static TIERS: LazyLock<BTreeMap<String, QuotaSettings>> = LazyLock::new(|| {
     let raw: BTreeMap<String, Value> =
@@ -212,6 +285,9 @@ pub struct ApiKey {
     pub expires_at: Option<DateTime<Utc>>,
     /// Revocation time, if revoked.
     pub revoked_at: Option<DateTime<Utc>>,
+    /// The key's own limits, beside the tenant's quota.
+    #[serde(default)]
+    pub limits: KeyLimits,
 }
 
 /// A tenant's quota: its overrides and the effective limits over its tier.
@@ -311,6 +387,7 @@ macro_rules! key_from_row {
             created_at: $row.try_get("created_at")?,
             expires_at: $row.try_get("expires_at")?,
             revoked_at: $row.try_get("revoked_at")?,
+            limits: $row.try_get::<Json<KeyLimits>, _>("limits")?.0,
         }
     };
 }
@@ -333,7 +410,8 @@ macro_rules! quota_from_row {
 }
 
 const TENANT_COLUMNS: &str = "id, name, status, tier, overrides, created_at";
-const KEY_COLUMNS: &str = "id, tenant_id, prefix, scopes, created_at, expires_at, revoked_at";
+const KEY_COLUMNS: &str =
+    "id, tenant_id, prefix, scopes, created_at, expires_at, revoked_at, limits";
 const QUOTA_COLUMNS: &str = "rpm, tpm, daily_tokens, monthly_tokens, concurrency, \
     max_prompt_tokens, max_output_tokens, max_n, allowed_models, priority, updated_at";
 
@@ -410,7 +488,7 @@ impl Ledger {
             created_at: Utc::now(),
         };
         on_pool!(self, pool => {
-            let mut tx = pool.begin().await?;
+            let mut tx = begin_write!(pool).await?;
             let res = sqlx::query(
                 "INSERT INTO tenants (id, name, status, tier, overrides, created_at) \
                  VALUES ($1, $2, $3, $4, $5, $6)",
@@ -476,7 +554,7 @@ impl Ledger {
         }
         let action = if status == "active" { "tenant.activate" } else { "tenant.suspend" };
         on_pool!(self, pool => {
-            let mut tx = pool.begin().await?;
+            let mut tx = begin_write!(pool).await?;
             let row = sqlx::query(&format!("SELECT {TENANT_COLUMNS} FROM tenants WHERE id = $1"))
                 .bind(id)
                 .fetch_optional(&mut *tx)
@@ -503,8 +581,10 @@ impl Ledger {
         tenant_id: &str,
         scopes: Option<Vec<String>>,
         expires_at: Option<DateTime<Utc>>,
+        limits: KeyLimits,
     ) -> Result<(ApiKey, String), AdminError> {
         valid_id("tenant", tenant_id)?;
+        limits.validate()?;
         let scopes = scopes.unwrap_or_else(|| KEY_SCOPES.iter().map(|s| (*s).to_owned()).collect());
         if scopes.is_empty() || scopes.iter().any(|s| !KEY_SCOPES.contains(&s.as_str())) {
             return Err(AdminError::invalid(
@@ -525,9 +605,10 @@ impl Ledger {
             created_at: Utc::now(),
             expires_at,
             revoked_at: None,
+            limits,
         };
         on_pool!(self, pool => {
-            let mut tx = pool.begin().await?;
+            let mut tx = begin_write!(pool).await?;
             let exists = sqlx::query("SELECT id FROM tenants WHERE id = $1")
                 .bind(tenant_id)
                 .fetch_optional(&mut *tx)
@@ -537,7 +618,7 @@ impl Ledger {
             }
             sqlx::query(
                 "INSERT INTO api_keys (id, tenant_id, prefix, secret_hash, scopes, created_at, \
-                 expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7)",
+                 expires_at, limits) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
             )
             .bind(&key.id)
             .bind(&key.tenant_id)
@@ -546,6 +627,7 @@ impl Ledger {
             .bind(Json(&key.scopes))
             .bind(key.created_at)
             .bind(key.expires_at)
+            .bind(Json(&key.limits))
             .execute(&mut *tx)
             .await?;
             audit!(tx, who, "key.issue", format!("key:{}", key.id), None::<Value>, to_value(&key));
@@ -581,7 +663,7 @@ impl Ledger {
     ) -> Result<ApiKey, AdminError> {
         valid_id("tenant", tenant_id)?;
         on_pool!(self, pool => {
-            let mut tx = pool.begin().await?;
+            let mut tx = begin_write!(pool).await?;
             let row = sqlx::query(&format!(
                 "SELECT {KEY_COLUMNS} FROM api_keys WHERE id = $1 AND tenant_id = $2"
             ))
@@ -601,6 +683,39 @@ impl Ledger {
                 .execute(&mut *tx)
                 .await?;
             audit!(tx, who, "key.revoke", format!("key:{key_id}"), to_value(&before), to_value(&after));
+            tx.commit().await?;
+            Ok(after)
+        })
+    }
+
+    /// Replaces one key's own limits (404 if it is not that tenant's).
+    pub async fn set_key_limits(
+        &self,
+        who: &Principal,
+        tenant_id: &str,
+        key_id: &str,
+        limits: KeyLimits,
+    ) -> Result<ApiKey, AdminError> {
+        valid_id("tenant", tenant_id)?;
+        limits.validate()?;
+        on_pool!(self, pool => {
+            let mut tx = begin_write!(pool).await?;
+            let row = sqlx::query(&format!(
+                "SELECT {KEY_COLUMNS} FROM api_keys WHERE id = $1 AND tenant_id = $2"
+            ))
+            .bind(key_id)
+            .bind(tenant_id)
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or_else(|| AdminError::NotFound(format!("key {key_id} not found for tenant {tenant_id}")))?;
+            let before = key_from_row!(row);
+            let after = ApiKey { limits, ..before.clone() };
+            sqlx::query("UPDATE api_keys SET limits = $1 WHERE id = $2")
+                .bind(Json(&limits))
+                .bind(key_id)
+                .execute(&mut *tx)
+                .await?;
+            audit!(tx, who, "key.limits.set", format!("key:{key_id}"), to_value(&before), to_value(&after));
             tx.commit().await?;
             Ok(after)
         })
@@ -637,7 +752,7 @@ impl Ledger {
         let priority = settings.priority.or(tier.priority).unwrap_or(0);
         let now = Utc::now();
         on_pool!(self, pool => {
-            let mut tx = pool.begin().await?;
+            let mut tx = begin_write!(pool).await?;
             sqlx::query(
                 "INSERT INTO quotas (tenant_id, rpm, tpm, daily_tokens, monthly_tokens, \
                  concurrency, max_prompt_tokens, max_output_tokens, max_n, allowed_models, \
@@ -941,6 +1056,9 @@ pub struct KeyGrant {
     pub scopes: Vec<String>,
     /// The limits to enforce.
     pub quota: QuotaSettings,
+    /// The key's own limits, enforced beside the tenant's.
+    #[serde(default)]
+    pub key_limits: KeyLimits,
     /// The tenant's per-tenant policy overrides (e.g. `on_limiter_down`).
     pub overrides: Value,
 }
@@ -963,7 +1081,7 @@ impl Ledger {
         let row = on_pool!(self, pool => {
             let row = sqlx::query(
                 "SELECT k.id, k.tenant_id, k.secret_hash, k.scopes, k.expires_at, k.revoked_at, \
-                 t.status, t.tier, t.overrides FROM api_keys k JOIN tenants t ON t.id = k.tenant_id \
+                 k.limits, t.status, t.tier, t.overrides FROM api_keys k JOIN tenants t ON t.id = k.tenant_id \
                  WHERE k.prefix = $1",
             )
             .bind(prefix)
@@ -978,6 +1096,7 @@ impl Ledger {
                     row.try_get::<Json<Vec<String>>, _>("scopes")?.0,
                     row.try_get::<Option<DateTime<Utc>>, _>("expires_at")?,
                     row.try_get::<Option<DateTime<Utc>>, _>("revoked_at")?,
+                    row.try_get::<Json<KeyLimits>, _>("limits")?.0,
                     row.try_get::<String, _>("status")?,
                     row.try_get::<String, _>("tier")?,
                     row.try_get::<Json<Value>, _>("overrides")?.0,
@@ -991,6 +1110,7 @@ impl Ledger {
             scopes,
             expires_at,
             revoked_at,
+            key_limits,
             status,
             tier,
             overrides,
@@ -1012,6 +1132,7 @@ impl Ledger {
             tier,
             scopes,
             quota,
+            key_limits,
             overrides,
         }))
     }

@@ -29,17 +29,31 @@ struct EmbeddedMigration {
     sql: &'static str,
 }
 
-const POSTGRES_MIGRATIONS: &[EmbeddedMigration] = &[EmbeddedMigration {
-    version: 1,
-    description: "ledger",
-    sql: include_str!("../../migrations/postgres/0001_ledger.sql"),
-}];
+const POSTGRES_MIGRATIONS: &[EmbeddedMigration] = &[
+    EmbeddedMigration {
+        version: 1,
+        description: "ledger",
+        sql: include_str!("../../migrations/postgres/0001_ledger.sql"),
+    },
+    EmbeddedMigration {
+        version: 2,
+        description: "key limits",
+        sql: include_str!("../../migrations/postgres/0002_key_limits.sql"),
+    },
+];
 
-const SQLITE_MIGRATIONS: &[EmbeddedMigration] = &[EmbeddedMigration {
-    version: 1,
-    description: "ledger",
-    sql: include_str!("../../migrations/sqlite/0001_ledger.sql"),
-}];
+const SQLITE_MIGRATIONS: &[EmbeddedMigration] = &[
+    EmbeddedMigration {
+        version: 1,
+        description: "ledger",
+        sql: include_str!("../../migrations/sqlite/0001_ledger.sql"),
+    },
+    EmbeddedMigration {
+        version: 2,
+        description: "key limits",
+        sql: include_str!("../../migrations/sqlite/0002_key_limits.sql"),
+    },
+];
 
 #[derive(Debug, Clone, Copy)]
 struct EmbeddedMigrations(&'static [EmbeddedMigration]);

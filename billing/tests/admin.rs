@@ -170,6 +170,7 @@ async fn role_matrix(url: &str) -> anyhow::Result<()> {
         (Method::GET, "/v1/tenants/globex"),
         (Method::GET, "/v1/tenants/globex/keys"),
         (Method::POST, "/v1/tenants/globex/keys"),
+        (Method::PUT, "/v1/tenants/globex/keys/nokey/limits"),
         (Method::GET, "/v1/usage?tenant=globex"),
     ] {
         api.err(method, path, Some(&acme_admin), None, StatusCode::FORBIDDEN, None).await?;
@@ -262,6 +263,29 @@ async fn lifecycle_and_audit(url: &str) -> anyhow::Result<()> {
     wrong.push('x');
     ensure!(api.ledger.key_grant(&wrong).await?.is_none(), "a wrong secret with a real prefix");
     ensure!(api.ledger.key_grant("sk-sluice-nope").await?.is_none());
+    // A key's own limits, beside the tenant's quota: set, shown, granted, checked.
+    let limits_path = format!("/v1/tenants/acme/keys/{key_id}/limits");
+    let limited = api
+        .ok(Method::PUT, &limits_path, &ops, Some(json!({"rpm": 3, "daily_tokens": 100})))
+        .await?;
+    ensure!(limited["limits"] == json!({"rpm": 3, "daily_tokens": 100}), "{limited}");
+    let grant = api.ledger.key_grant(&secret).await?.context("the limited key grants nothing")?;
+    ensure!(grant.key_limits.rpm == Some(3) && grant.key_limits.daily_tokens == Some(100));
+    ensure!(grant.quota.rpm == Some(20), "the tenant's quota changed: {grant:?}");
+    for (bad, param) in [(json!({"rpm": -1}), "limits.rpm"), (json!({"burst": 1}), "body")] {
+        api.err(Method::PUT, &limits_path, Some(&ops), Some(bad), StatusCode::BAD_REQUEST, None)
+            .await
+            .with_context(|| param.to_owned())?;
+    }
+    api.err(
+        Method::PUT,
+        "/v1/tenants/acme/keys/nokey/limits",
+        Some(&ops),
+        Some(json!({})),
+        StatusCode::NOT_FOUND,
+        None,
+    )
+    .await?;
     let revoked =
         api.ok(Method::POST, &format!("/v1/tenants/acme/keys/{key_id}/revoke"), &ops, None).await?;
     ensure!(revoked["revoked_at"].is_string(), "{revoked}");
@@ -296,16 +320,27 @@ async fn lifecycle_and_audit(url: &str) -> anyhow::Result<()> {
     let entries = log["data"].as_array().context("no data")?;
     let actions: Vec<&str> = entries.iter().filter_map(|e| e["action"].as_str()).collect();
     ensure!(
-        actions == ["tenant.create", "key.issue", "key.revoke", "quota.set", "tenant.suspend"],
+        actions
+            == [
+                "tenant.create",
+                "key.issue",
+                "key.limits.set",
+                "key.revoke",
+                "quota.set",
+                "tenant.suspend"
+            ],
         "{actions:?}"
     );
     for e in entries {
         ensure!(e["actor"] == "ops-tester" && e["role"] == "ops", "{e}");
     }
     ensure!(
-        entries[4]["before"]["status"] == "active" && entries[4]["after"]["status"] == "suspended"
+        entries[5]["before"]["status"] == "active" && entries[5]["after"]["status"] == "suspended"
     );
-    ensure!(entries[3]["after"]["overrides"]["rpm"] == 7);
+    ensure!(entries[4]["after"]["overrides"]["rpm"] == 7);
+    ensure!(
+        entries[2]["before"]["limits"] == json!({}) && entries[2]["after"]["limits"]["rpm"] == 3
+    );
     ensure!(!log.to_string().contains(&secret), "the audit log holds the secret");
     // Keyset pagination of the audit log.
     let page = api.ok(Method::GET, "/v1/audit-log?limit=2", &auditor, None).await?;
@@ -313,7 +348,7 @@ async fn lifecycle_and_audit(url: &str) -> anyhow::Result<()> {
     let next = api
         .ok(Method::GET, &format!("/v1/audit-log?limit=2&cursor={cursor}"), &auditor, None)
         .await?;
-    ensure!(next["data"][0]["action"] == "key.revoke", "{next}");
+    ensure!(next["data"][0]["action"] == "key.limits.set", "{next}");
     // A failed change writes no audit row (same transaction).
     api.err(
         Method::PUT,
@@ -324,7 +359,7 @@ async fn lifecycle_and_audit(url: &str) -> anyhow::Result<()> {
         None,
     )
     .await?;
-    ensure!(db.scalar("SELECT CAST(COUNT(*) AS BIGINT) FROM admin_audit_log").await? == 5);
+    ensure!(db.scalar("SELECT CAST(COUNT(*) AS BIGINT) FROM admin_audit_log").await? == 6);
     db.close().await;
     Ok(())
 }

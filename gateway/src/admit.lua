@@ -1,15 +1,21 @@
--- Atomic admission for one tenant (all keys share the tenant's hash tag: Redis Cluster safe).
--- KEYS[1] windows HASH, KEYS[2] in-flight ZSET (member request id, score expiry ms),
--- KEYS[3] reservations HASH (request id -> "tokens minute day month").
--- ARGV: request id, tokens to reserve, rpm, tpm, daily, monthly, concurrency limits
--- (-1 = unlimited), reservation ttl ms, key ttl ms.
--- Returns {admitted, reason, retry_after_ms, rpm_limit, rpm_remaining, tpm_limit,
---          tpm_remaining, reset_requests_ms, reset_tokens_ms}.
-local win, inflight, res = KEYS[1], KEYS[2], KEYS[3]
+-- Atomic admission for one tenant, and for its API key when the key has limits of its own.
+-- Every key shares the tenant's hash tag: Redis Cluster safe.
+-- KEYS: one triple per scope (the tenant's first, then the key's): windows HASH, in-flight
+-- ZSET (member request id, score expiry ms), reservations HASH (request id ->
+-- "tokens minute day month").
+-- ARGV: request id, tokens to reserve, reservation ttl ms, key ttl ms, then per scope its rpm,
+-- tpm, daily, monthly and concurrency limits (-1 = unlimited).
+-- Returns {admitted, reason, retry_after_ms, refusing scope (1-based, 0 = none),
+--          reset_ms, then per scope: rpm_limit, rpm_remaining, tpm_limit, tpm_remaining}.
 local id, tokens = ARGV[1], tonumber(ARGV[2])
-local lim_rpm, lim_tpm = tonumber(ARGV[3]), tonumber(ARGV[4])
-local lim_day, lim_month, lim_conc = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-local ttl, key_ttl = tonumber(ARGV[8]), tonumber(ARGV[9])
+local ttl, key_ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
+local scopes = {}
+for i = 1, #KEYS / 3 do
+  local a = 4 + (i - 1) * 5
+  scopes[i] = {win = KEYS[3 * i - 2], inflight = KEYS[3 * i - 1], res = KEYS[3 * i],
+    rpm = tonumber(ARGV[a + 1]), tpm = tonumber(ARGV[a + 2]), day = tonumber(ARGV[a + 3]),
+    month = tonumber(ARGV[a + 4]), conc = tonumber(ARGV[a + 5])}
+end
 
 -- Redis's clock, so every gateway replica agrees on the windows.
 local t = redis.call('TIME')
@@ -38,12 +44,12 @@ local ndoy = math.floor((153 * nmp + 2) / 5)
 local ndoe = nyoe * 365 + math.floor(nyoe / 4) - math.floor(nyoe / 100) + ndoy
 local next_month_day = nera * 146097 + ndoe - 719468
 
-local function counter(name, window)
+local function counter(win, name, window)
   local w = tonumber(redis.call('HGET', win, name .. '_w') or '-1')
   if w ~= window then return 0 end
   return tonumber(redis.call('HGET', win, name .. '_n') or '0')
 end
-local function add(name, window, n)
+local function add(win, name, window, n)
   local w = tonumber(redis.call('HGET', win, name .. '_w') or '-1')
   if w ~= window then
     if n < 0 then return end
@@ -55,55 +61,69 @@ local function add(name, window, n)
   end
 end
 
--- Reservations of a gateway that died are returned when they expire.
-local expired = redis.call('ZRANGEBYSCORE', inflight, '-inf', now_ms)
-for _, old in ipairs(expired) do
-  local r = redis.call('HGET', res, old)
-  if r then
-    local rt, rm, rd, rmo = string.match(r, '(%d+) (%d+) (%d+) (%d+)')
-    rt = tonumber(rt)
-    if tonumber(rm) == minute then add('tpm', minute, -rt) end
-    if tonumber(rd) == day then add('day', day, -rt) end
-    if tonumber(rmo) == month then add('month', month, -rt) end
-    redis.call('HDEL', res, old)
+local minute_reset = (minute + 1) * 60000 - now_ms
+local function remaining(limit, used) if limit < 0 then return -1 end return math.max(limit - used, 0) end
+for _, s in ipairs(scopes) do
+  -- Reservations of a gateway that died are returned when they expire.
+  local expired = redis.call('ZRANGEBYSCORE', s.inflight, '-inf', now_ms)
+  for _, old in ipairs(expired) do
+    local r = redis.call('HGET', s.res, old)
+    if r then
+      local rt, rm, rd, rmo = string.match(r, '(%d+) (%d+) (%d+) (%d+)')
+      rt = tonumber(rt)
+      if tonumber(rm) == minute then add(s.win, 'tpm', minute, -rt) end
+      if tonumber(rd) == day then add(s.win, 'day', day, -rt) end
+      if tonumber(rmo) == month then add(s.win, 'month', month, -rt) end
+      redis.call('HDEL', s.res, old)
+    end
+    redis.call('ZREM', s.inflight, old)
   end
-  redis.call('ZREM', inflight, old)
+  s.rpm_used, s.tpm_used = counter(s.win, 'rpm', minute), counter(s.win, 'tpm', minute)
 end
 
-local minute_reset = (minute + 1) * 60000 - now_ms
-local rpm_used, tpm_used = counter('rpm', minute), counter('tpm', minute)
-local function remaining(limit, used) if limit < 0 then return -1 end return math.max(limit - used, 0) end
+local function reply(admitted, reason, retry, refusing, extra_requests, extra_tokens)
+  local out = {admitted, reason, retry, refusing, minute_reset}
+  for _, s in ipairs(scopes) do
+    table.insert(out, s.rpm)
+    table.insert(out, remaining(s.rpm, s.rpm_used + extra_requests))
+    table.insert(out, s.tpm)
+    table.insert(out, remaining(s.tpm, s.tpm_used + extra_tokens))
+  end
+  return out
+end
 
 -- The same request admitted twice (a retried admission call) holds one reservation.
-if redis.call('HEXISTS', res, id) == 1 then
-  return {1, 'duplicate', 0, lim_rpm, remaining(lim_rpm, rpm_used), lim_tpm, remaining(lim_tpm, tpm_used), minute_reset, minute_reset}
+if redis.call('HEXISTS', scopes[1].res, id) == 1 then
+  return reply(1, 'duplicate', 0, 0, 0, 0)
 end
 
-local function refuse(reason, retry)
-  return {0, reason, retry, lim_rpm, remaining(lim_rpm, rpm_used), lim_tpm, remaining(lim_tpm, tpm_used), minute_reset, minute_reset}
-end
-if lim_conc >= 0 and redis.call('ZCARD', inflight) >= lim_conc then
-  -- The earliest reservation expiry bounds the wait; requests usually finish sooner.
-  return refuse('concurrency', 1000)
-end
-if lim_rpm >= 0 and rpm_used + 1 > lim_rpm then return refuse('rpm', minute_reset) end
-if lim_tpm >= 0 and tpm_used + tokens > lim_tpm then
-  if tokens > lim_tpm then return refuse('tpm_exceeds_limit', 0) end
-  return refuse('tpm', minute_reset)
-end
-local day_used, month_used = counter('day', day), counter('month', month)
-if lim_day >= 0 and day_used + tokens > lim_day then
-  return refuse('daily_tokens', (day + 1) * 86400000 - now_ms)
-end
-if lim_month >= 0 and month_used + tokens > lim_month then
-  return refuse('monthly_tokens', next_month_day * 86400000 - now_ms)
+for i, s in ipairs(scopes) do
+  local function refuse(reason, retry) return reply(0, reason, retry, i, 0, 0) end
+  if s.conc >= 0 and redis.call('ZCARD', s.inflight) >= s.conc then
+    -- The earliest reservation expiry bounds the wait; requests usually finish sooner.
+    return refuse('concurrency', 1000)
+  end
+  if s.rpm >= 0 and s.rpm_used + 1 > s.rpm then return refuse('rpm', minute_reset) end
+  if s.tpm >= 0 and s.tpm_used + tokens > s.tpm then
+    if tokens > s.tpm then return refuse('tpm_exceeds_limit', 0) end
+    return refuse('tpm', minute_reset)
+  end
+  local day_used, month_used = counter(s.win, 'day', day), counter(s.win, 'month', month)
+  if s.day >= 0 and day_used + tokens > s.day then
+    return refuse('daily_tokens', (day + 1) * 86400000 - now_ms)
+  end
+  if s.month >= 0 and month_used + tokens > s.month then
+    return refuse('monthly_tokens', next_month_day * 86400000 - now_ms)
+  end
 end
 
-add('rpm', minute, 1)
-add('tpm', minute, tokens)
-add('day', day, tokens)
-add('month', month, tokens)
-redis.call('ZADD', inflight, now_ms + ttl, id)
-redis.call('HSET', res, id, tokens .. ' ' .. minute .. ' ' .. day .. ' ' .. month)
+for _, s in ipairs(scopes) do
+  add(s.win, 'rpm', minute, 1)
+  add(s.win, 'tpm', minute, tokens)
+  add(s.win, 'day', day, tokens)
+  add(s.win, 'month', month, tokens)
+  redis.call('ZADD', s.inflight, now_ms + ttl, id)
+  redis.call('HSET', s.res, id, tokens .. ' ' .. minute .. ' ' .. day .. ' ' .. month)
+end
 for _, k in ipairs(KEYS) do redis.call('PEXPIRE', k, key_ttl) end
-return {1, 'admitted', 0, lim_rpm, remaining(lim_rpm, rpm_used + 1), lim_tpm, remaining(lim_tpm, tpm_used + tokens), minute_reset, minute_reset}
+return reply(1, 'admitted', 0, 0, 1, tokens)

@@ -1,6 +1,7 @@
-//! Per-tenant admission across gateway replicas: requests per minute, tokens per minute, daily
-//! and monthly tokens, and concurrent requests, decided by one atomic Redis script per
-//! admission.
+//! Per-tenant (and per-key, where a key has limits of its own) admission across gateway
+//! replicas: requests per minute, tokens per minute, daily and monthly tokens, and concurrent
+//! requests, decided by one atomic Redis script per admission that checks and charges both
+//! scopes together.
 //!
 //! At admission a request reserves its prompt tokens plus its largest possible output; when it
 //! ends, [`Limiter::settle`] returns what it did not use. Reservations carry an expiry, so
@@ -77,6 +78,15 @@ pub struct RateState {
     pub reset_tokens: Duration,
 }
 
+/// Which limits refused a request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scope {
+    /// The tenant's quota.
+    Tenant,
+    /// The API key's own limits.
+    Key,
+}
+
 /// The outcome of an admission.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Decision {
@@ -86,6 +96,8 @@ pub enum Decision {
     Refused {
         /// The limit that refused.
         reason: Refusal,
+        /// Whose limit it was.
+        scope: Scope,
         /// `Retry-After`.
         retry_after: Option<Duration>,
         /// Header figures.
@@ -108,7 +120,7 @@ pub enum LimitError {
 }
 
 /// How long an admission or settlement waits for Redis before the caller falls back.
-const REDIS_TIMEOUT: Duration = Duration::from_millis(300);
+pub(crate) const REDIS_TIMEOUT: Duration = Duration::from_millis(300);
 
 /// Atomic admissions and settlements for every tenant, over one Redis connection manager.
 #[derive(Clone)]
@@ -151,13 +163,28 @@ impl Limiter {
         }
     }
 
-    fn keys(&self, tenant: &str) -> [String; 3] {
-        // One hash tag per tenant: all three keys live in one Cluster slot.
-        let tag = format!("{{{}:t:{tenant}}}", self.prefix);
-        [format!("{tag}:windows"), format!("{tag}:inflight"), format!("{tag}:reservations")]
+    /// The Redis connection and key prefix, for other per-tenant state kept beside the
+    /// limits (idempotency keys).
+    pub fn shared(&self) -> (ConnectionManager, String) {
+        (self.conn.clone(), self.prefix.clone())
     }
 
-    /// Reserves `tokens` (prompt + largest output) for `request_id` if every limit allows.
+    /// The Redis keys of the tenant's scope, then of the key's when it is limited. One hash
+    /// tag per tenant: every key lives in one Cluster slot.
+    fn keys(&self, tenant: &str, key: Option<&str>) -> Vec<String> {
+        let tag = format!("{{{}:t:{tenant}}}", self.prefix);
+        let mut scopes = vec![tag.clone()];
+        scopes.extend(key.map(|k| format!("{tag}:k:{k}")));
+        scopes
+            .iter()
+            .flat_map(|s| {
+                [format!("{s}:windows"), format!("{s}:inflight"), format!("{s}:reservations")]
+            })
+            .collect()
+    }
+
+    /// Reserves `tokens` (prompt + largest output) for `request_id` if every limit of the
+    /// tenant allows.
     pub async fn admit(
         &self,
         tenant: &str,
@@ -165,22 +192,37 @@ impl Limiter {
         tokens: u64,
         limits: &TenantLimits,
     ) -> Result<Decision, LimitError> {
-        let [win, inflight, res] = self.keys(tenant);
+        self.admit_key(tenant, None, request_id, tokens, limits).await
+    }
+
+    /// As [`Limiter::admit`], also holding the request to its API key's own limits
+    /// (`key`: the key id and its limits) in the same atomic step: both scopes are charged,
+    /// or neither.
+    pub async fn admit_key(
+        &self,
+        tenant: &str,
+        key: Option<(&str, &TenantLimits)>,
+        request_id: &str,
+        tokens: u64,
+        limits: &TenantLimits,
+    ) -> Result<Decision, LimitError> {
         let mut conn = self.conn.clone();
-        let mut inv = self.admit.key(win);
-        let invocation = inv
-            .key(inflight)
-            .key(res)
-            .arg(request_id)
+        let mut inv = self.admit.prepare_invoke();
+        for k in self.keys(tenant, key.map(|k| k.0)) {
+            inv.key(k);
+        }
+        inv.arg(request_id)
             .arg(tokens)
-            .arg(lim(limits.rpm))
-            .arg(lim(limits.tpm))
-            .arg(lim(limits.daily_tokens))
-            .arg(lim(limits.monthly_tokens))
-            .arg(lim(limits.concurrency))
             .arg(self.reservation_ttl.as_millis() as u64)
-            .arg(KEY_TTL.as_millis() as u64)
-            .invoke_async::<Vec<redis::Value>>(&mut conn);
+            .arg(KEY_TTL.as_millis() as u64);
+        for l in std::iter::once(limits).chain(key.map(|k| k.1)) {
+            inv.arg(lim(l.rpm))
+                .arg(lim(l.tpm))
+                .arg(lim(l.daily_tokens))
+                .arg(lim(l.monthly_tokens))
+                .arg(lim(l.concurrency));
+        }
+        let invocation = inv.invoke_async::<Vec<redis::Value>>(&mut conn);
         let reply = tokio::time::timeout(REDIS_TIMEOUT, invocation)
             .await
             .map_err(|_| LimitError::Timeout(REDIS_TIMEOUT))??;
@@ -188,19 +230,22 @@ impl Limiter {
     }
 
     /// Ends a request: `used` tokens are kept, the rest of its reservation is returned, its
-    /// concurrency slot is freed. Returns false when it held no reservation (settled already
+    /// concurrency slot is freed, in the tenant's scope and in `key`'s when the request was
+    /// admitted with key limits. Returns false when it held no reservation (settled already
     /// or expired).
     pub async fn settle(
         &self,
         tenant: &str,
+        key: Option<&str>,
         request_id: &str,
         used: u64,
     ) -> Result<bool, LimitError> {
-        let [win, inflight, res] = self.keys(tenant);
         let mut conn = self.conn.clone();
-        let mut inv = self.settle.key(win);
-        let invocation =
-            inv.key(inflight).key(res).arg(request_id).arg(used).invoke_async::<i64>(&mut conn);
+        let mut inv = self.settle.prepare_invoke();
+        for k in self.keys(tenant, key) {
+            inv.key(k);
+        }
+        let invocation = inv.arg(request_id).arg(used).invoke_async::<i64>(&mut conn);
         let n = tokio::time::timeout(REDIS_TIMEOUT, invocation)
             .await
             .map_err(|_| LimitError::Timeout(REDIS_TIMEOUT))??;
@@ -215,10 +260,31 @@ fn int(v: &redis::Value) -> Result<i64, LimitError> {
     }
 }
 
+/// Whichever of two (limit, remaining) pairs has less left; unlimited (`None`) has most.
+fn tighter(
+    a: (Option<u64>, Option<u64>),
+    b: (Option<u64>, Option<u64>),
+) -> (Option<u64>, Option<u64>) {
+    match (a.1, b.1) {
+        (_, None) => a,
+        (None, Some(_)) => b,
+        (Some(x), Some(y)) => {
+            if y < x {
+                b
+            } else {
+                a
+            }
+        }
+    }
+}
+
 fn parse_decision(reply: &[redis::Value]) -> Result<Decision, LimitError> {
-    let [admitted, reason, retry, lr, rr, lt, rt, reset_r, reset_t] = reply else {
+    let [admitted, reason, retry, refusing, reset, per_scope @ ..] = reply else {
         return Err(LimitError::Reply(format!("{} fields", reply.len())));
     };
+    if per_scope.is_empty() || per_scope.len() % 4 != 0 {
+        return Err(LimitError::Reply(format!("{} fields", reply.len())));
+    }
     let reason = match reason {
         redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
         redis::Value::SimpleString(s) => s.clone(),
@@ -226,13 +292,21 @@ fn parse_decision(reply: &[redis::Value]) -> Result<Decision, LimitError> {
     };
     let ms =
         |v: &redis::Value| int(v).map(|n| Duration::from_millis(u64::try_from(n).unwrap_or(0)));
+    // The headers show whichever scope has less left, for requests and for tokens.
+    let (mut requests, mut tokens) = ((None, None), (None, None));
+    for (i, s) in per_scope.chunks(4).enumerate() {
+        let r = (unlim(int(&s[0])?), unlim(int(&s[1])?));
+        let t = (unlim(int(&s[2])?), unlim(int(&s[3])?));
+        requests = if i == 0 { r } else { tighter(requests, r) };
+        tokens = if i == 0 { t } else { tighter(tokens, t) };
+    }
     let state = RateState {
-        limit_requests: unlim(int(lr)?),
-        remaining_requests: unlim(int(rr)?),
-        limit_tokens: unlim(int(lt)?),
-        remaining_tokens: unlim(int(rt)?),
-        reset_requests: ms(reset_r)?,
-        reset_tokens: ms(reset_t)?,
+        limit_requests: requests.0,
+        remaining_requests: requests.1,
+        limit_tokens: tokens.0,
+        remaining_tokens: tokens.1,
+        reset_requests: ms(reset)?,
+        reset_tokens: ms(reset)?,
     };
     if int(admitted)? == 1 {
         return Ok(Decision::Admitted(state));
@@ -248,5 +322,6 @@ fn parse_decision(reply: &[redis::Value]) -> Result<Decision, LimitError> {
     };
     let retry = ms(retry)?;
     let retry_after = (reason != Refusal::TpmExceedsLimit).then_some(retry);
-    Ok(Decision::Refused { reason, retry_after, state })
+    let scope = if int(refusing)? >= 2 { Scope::Key } else { Scope::Tenant };
+    Ok(Decision::Refused { reason, scope, retry_after, state })
 }

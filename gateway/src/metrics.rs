@@ -42,6 +42,8 @@ pub struct GatewayMetrics {
     pub e2e: Histogram,
     /// The gateway's own time before the request goes upstream.
     pub overhead: Histogram,
+    /// Idempotent retries answered with the stored response.
+    pub idempotent_replays: Counter,
 }
 
 fn seconds() -> impl Iterator<Item = f64> {
@@ -67,6 +69,12 @@ impl Default for GatewayMetrics {
         ]);
         registry.register("requests", "Requests by HTTP status and tenant tier", requests.clone());
         registry.register("admission_refusals", "Admission refusals by reason", refusals.clone());
+        let idempotent_replays = Counter::default();
+        registry.register(
+            "idempotent_replays",
+            "Idempotent retries answered with the stored response",
+            idempotent_replays.clone(),
+        );
         registry.register(
             "time_to_first_token_seconds",
             "Client-side time to first token",
@@ -92,7 +100,7 @@ impl Default for GatewayMetrics {
             "The gateway's own time before going upstream",
             overhead.clone(),
         );
-        Self { registry, requests, refusals, ttft, tpot, itl, e2e, overhead }
+        Self { registry, requests, refusals, ttft, tpot, itl, e2e, overhead, idempotent_replays }
     }
 }
 

@@ -30,15 +30,19 @@ use sluice_billing::{FinishReason, Ledger, UsageEvent};
 use sluice_engine::template::{ChatMessage, ChatTemplate};
 use sluice_engine::tokenizer::Tokenizer;
 
-use crate::limits::{Decision, Limiter, RateState, Refusal, TenantLimits};
+use crate::idempotency::{self, Claim, Idempotency, RUNNING_TTL, Stored};
+use crate::limits::{Decision, Limiter, RateState, Refusal, Scope, TenantLimits};
 use crate::local::{LocalLimiter, RedisDownPolicy};
 use crate::metrics::{GatewayMetrics, RefusalLabels, RequestLabels};
 use crate::observe::{StreamObserver, Timings};
 use crate::sink::UsageSink;
 use crate::workers::Workers;
 
-/// Largest request body accepted (pingora keeps the body it forwards in a 64 KiB buffer).
-pub const MAX_BODY_BYTES: usize = 64 * 1024;
+/// Largest request body accepted (long-context prompts; the engine takes up to 4 MiB).
+pub const MAX_BODY_BYTES: usize = 2 << 20;
+
+/// pingora's retry buffer: the part of the body it keeps to forward again.
+const RETRY_BUFFER: usize = 64 * 1024;
 
 /// Counts prompt tokens exactly as the engine will: the model's chat template and tokenizer.
 pub struct TokenCounter {
@@ -125,6 +129,7 @@ pub struct Gateway {
     local: LocalLimiter,
     tokens: TokenCounter,
     usage: UsageSink,
+    idempotency: Arc<Idempotency>,
     keys: Mutex<KeyCache>,
     /// Full execution identities by model revision, from complete responses (a stream cut
     /// short never carries its own).
@@ -149,7 +154,13 @@ impl Gateway {
         let addrs: Vec<String> = cfg.workers.iter().map(|w| w.addr.clone()).collect();
         let workers = Workers::new(&addrs);
         workers.spawn_health_checks(&io, Duration::from_millis(500));
+        let idempotency = Idempotency::new(
+            limiter.as_ref().map(Limiter::shared),
+            idempotency::WINDOW,
+            RUNNING_TTL,
+        );
         Self {
+            idempotency: Arc::new(idempotency),
             cfg,
             workers,
             ledger,
@@ -236,6 +247,8 @@ pub struct Ctx {
     arrival_at: DateTime<Utc>,
     request_id: String,
     grant: Option<KeyGrant>,
+    /// The key id and its limits, when the key has limits of its own.
+    key_scope: Option<(String, TenantLimits)>,
     body: Option<Bytes>,
     affinity: String,
     prompt_tokens: u64,
@@ -248,10 +261,18 @@ pub struct Ctx {
     status: u16,
     /// Answered in `request_filter` (refused or unknown route); `status` says how.
     refused: bool,
+    /// Answered from an idempotency claim's stored response (nothing ran, nothing billed).
+    replayed: bool,
     overhead: Duration,
     prompt_sha256: String,
     prompt_chars: u64,
+    /// The client's `Idempotency-Key`.
     idempotency_key: Option<String>,
+    /// The claim this request made with it: the ledger idempotency key it is billed under.
+    idempotency_claim: Option<String>,
+    /// The response as sent, kept for idempotent replay (`None` once over the limit).
+    replay_body: Option<Vec<u8>>,
+    content_type: String,
     trace_id: Option<String>,
     worker: Option<String>,
     model_revision: Option<String>,
@@ -353,8 +374,7 @@ impl Gateway {
             .and_then(|t| t.split('-').nth(1))
             .filter(|id| id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()))
             .map(str::to_owned);
-        ctx.idempotency_key =
-            header(&req, "idempotency-key").map(|k| k.chars().take(256).collect());
+        ctx.idempotency_key = header(&req, "idempotency-key").map(str::to_owned);
         let scope = match (method.as_str(), path.as_str()) {
             ("POST", "/v1/chat/completions") => "chat",
             ("POST", "/v1/completions") => "completions",
@@ -416,20 +436,40 @@ impl Gateway {
             return Ok(true);
         }
         ctx.grant = Some(grant.clone());
+        if ctx.idempotency_key.as_deref().is_some_and(|k| !idempotency::valid_key(k)) {
+            ctx.idempotency_key = None;
+            return Err(Refuse::new(
+                400,
+                "invalid_request_error",
+                "Idempotency-Key must be 1-200 visible ASCII characters",
+            )
+            .code("invalid_idempotency_key"));
+        }
 
-        // The body, whole (pingora forwards it from its retry buffer).
-        session.enable_retry_buffering();
-        let mut body = Vec::new();
+        // The body, whole. What goes upstream is the rewritten body, handed over in
+        // request_body_filter, which pingora calls only with a retry buffer to forward: it is
+        // enabled for the last 64 KiB (a chunked body of unknown length must fit in it).
+        let length = header(&req, "content-length").and_then(|v| v.parse::<usize>().ok());
+        let too_big = || {
+            Refuse::new(
+                413,
+                "invalid_request_error",
+                format!("request body over {MAX_BODY_BYTES} bytes"),
+            )
+        };
+        if length.is_some_and(|n| n > MAX_BODY_BYTES) {
+            return Err(too_big());
+        }
+        let mut body = Vec::with_capacity(length.unwrap_or(0).min(MAX_BODY_BYTES));
         loop {
+            if length.is_none_or(|n| n.saturating_sub(body.len()) <= RETRY_BUFFER) {
+                session.enable_retry_buffering();
+            }
             match session.read_request_body().await {
                 Ok(Some(chunk)) => {
                     body.extend_from_slice(&chunk);
                     if body.len() > MAX_BODY_BYTES {
-                        return Err(Refuse::new(
-                            413,
-                            "invalid_request_error",
-                            format!("request body over {MAX_BODY_BYTES} bytes"),
-                        ));
+                        return Err(too_big());
                     }
                 }
                 Ok(None) => break,
@@ -444,9 +484,9 @@ impl Gateway {
         }
         if session.retry_buffer_truncated() {
             return Err(Refuse::new(
-                413,
+                411,
                 "invalid_request_error",
-                format!("request body over {MAX_BODY_BYTES} bytes"),
+                format!("a body over {RETRY_BUFFER} bytes needs a Content-Length header"),
             ));
         }
         let mut v: Value = serde_json::from_slice(&body).map_err(|e| {
@@ -611,15 +651,39 @@ impl Gateway {
             r.headers.push(("retry-after".into(), "1".into()));
             return Err(r);
         }
+        if let Some(key) = ctx.idempotency_key.clone()
+            && self.idempotent(session, ctx, &key, &method, &path, &body).await?
+        {
+            return Ok(true);
+        }
         // Admission by tokens: the prompt and the largest possible output of every choice.
         ctx.reserved = ctx.prompt_tokens + max_tokens * n;
         let limits = Self::limits(q);
         let tenant = grant.tenant_id.clone();
+        // A key with limits of its own is held to them too, in the same atomic admission.
+        let key_limits = (!grant.key_limits.is_empty()).then(|| {
+            let k = &grant.key_limits;
+            Self::limits(&QuotaSettings {
+                rpm: k.rpm,
+                tpm: k.tpm,
+                daily_tokens: k.daily_tokens,
+                monthly_tokens: k.monthly_tokens,
+                concurrency: k.concurrency,
+                ..QuotaSettings::default()
+            })
+        });
+        ctx.key_scope = key_limits.map(|l| (grant.key_id.clone(), l));
+        let key = ctx.key_scope.as_ref().map(|(k, l)| (k.as_str(), l));
         let decision = match &self.limiter {
             Some(l) => {
                 let (l, id, t, reserve) =
                     (l.clone(), ctx.request_id.clone(), tenant.clone(), ctx.reserved);
-                match self.on_io(async move { l.admit(&t, &id, reserve, &limits).await }).await {
+                let k = ctx.key_scope.clone();
+                let admit = async move {
+                    let key = k.as_ref().map(|(k, l)| (k.as_str(), l));
+                    l.admit_key(&t, key, &id, reserve, &limits).await
+                };
+                match self.on_io(admit).await {
                     Ok(Ok(d)) => Some((d, AdmitVia::Redis)),
                     Ok(Err(e)) => {
                         tracing::warn!(error = %e, "shared limiter unreachable");
@@ -631,7 +695,7 @@ impl Gateway {
                     }
                 }
             }
-            None => Some((self.local.admit(&tenant, ctx.reserved, &limits), AdmitVia::Local)),
+            None => Some((self.local.admit(&tenant, key, ctx.reserved, &limits), AdmitVia::Local)),
         };
         // The tenant's policy (`overrides.on_limiter_down`), else the gateway's default.
         let policy = match grant.overrides["on_limiter_down"].as_str() {
@@ -642,9 +706,10 @@ impl Gateway {
         let (decision, via) = match decision {
             Some(d) => d,
             None if policy == RedisDownPolicy::Local => {
-                (self.local.admit(&tenant, ctx.reserved, &limits), AdmitVia::Local)
+                (self.local.admit(&tenant, key, ctx.reserved, &limits), AdmitVia::Local)
             }
             None => {
+                self.release_claim(ctx).await;
                 let mut r =
                     Refuse::new(503, "server_error", "rate limiting is unavailable; retry shortly");
                 r.headers.push(("retry-after".into(), "1".into()));
@@ -657,12 +722,14 @@ impl Gateway {
                 ctx.admitted = Some(via);
                 Ok(false)
             }
-            Decision::Refused { reason, retry_after, state } => {
+            Decision::Refused { reason, scope, retry_after, state } => {
                 ctx.rate = state;
-                self.metrics
-                    .refusals
-                    .get_or_create(&RefusalLabels { reason: reason.as_str().into() })
-                    .inc();
+                self.release_claim(ctx).await;
+                let (label, whose) = match scope {
+                    Scope::Tenant => (reason.as_str().to_owned(), ""),
+                    Scope::Key => (format!("key_{}", reason.as_str()), "this API key's "),
+                };
+                self.metrics.refusals.get_or_create(&RefusalLabels { reason: label }).inc();
                 let (status, kind, code) = match reason {
                     Refusal::TpmExceedsLimit => (429, "tokens", "rate_limit_exceeded"),
                     Refusal::DailyTokens | Refusal::MonthlyTokens => {
@@ -680,7 +747,7 @@ impl Gateway {
                         "rate_limit_error"
                     },
                     format!(
-                        "Rate limit reached for {kind} ({}); this request needs {} tokens.",
+                        "Rate limit reached for {whose}{kind} ({}); this request needs {} tokens.",
                         reason.as_str(),
                         ctx.reserved
                     ),
@@ -693,6 +760,106 @@ impl Gateway {
                 Err(r)
             }
         }
+    }
+
+    /// Resolves the request's `Idempotency-Key`: `Ok(true)` when a retry was answered with
+    /// the stored response; `Ok(false)` to run it (the first with this key, billed under its
+    /// claim's ledger key).
+    async fn idempotent(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+        key: &str,
+        method: &str,
+        path: &str,
+        body: &[u8],
+    ) -> std::result::Result<bool, Refuse> {
+        let Some(grant) = &ctx.grant else { return Ok(false) };
+        let mut fingerprint = format!("{method} {path}\n").into_bytes();
+        fingerprint.extend_from_slice(body);
+        let (store, tenant, key_owned, id) = (
+            self.idempotency.clone(),
+            grant.tenant_id.clone(),
+            key.to_owned(),
+            ctx.request_id.clone(),
+        );
+        let claim = self
+            .on_io(async move { store.claim(&tenant, &key_owned, &fingerprint, &id).await })
+            .await
+            .map_err(|_| Refuse::new(500, "server_error", "idempotency check failed"))?;
+        match claim {
+            Claim::First { ledger_key } => {
+                ctx.idempotency_claim = Some(ledger_key);
+                Ok(false)
+            }
+            Claim::InProgress => {
+                let mut r = Refuse::new(
+                    409,
+                    "invalid_request_error",
+                    "a request with this Idempotency-Key is still in progress; retry later",
+                )
+                .code("idempotency_key_in_use");
+                r.headers.push(("retry-after".into(), "1".into()));
+                Err(r)
+            }
+            Claim::Mismatch => Err(Refuse::new(
+                422,
+                "invalid_request_error",
+                "this Idempotency-Key was used with a different request body",
+            )
+            .code("idempotency_key_reused")),
+            Claim::Replay { first_request_id, response } => {
+                self.metrics.idempotent_replays.inc();
+                ctx.status = response.status;
+                ctx.replayed = true;
+                let headers = [
+                    ("content-type".to_owned(), response.content_type.clone()),
+                    ("idempotent-replayed".to_owned(), "true".to_owned()),
+                    ("x-sluice-request-id".to_owned(), first_request_id),
+                ];
+                respond(session, response.status, response.body, &headers)
+                    .await
+                    .map_err(|_| Refuse::new(500, "server_error", "write failed"))?;
+                Ok(true)
+            }
+        }
+    }
+
+    /// Drops this request's idempotency claim (it did not complete): a retry runs anew.
+    async fn release_claim(&self, ctx: &mut Ctx) {
+        let (Some(_), Some(grant), Some(key)) =
+            (&ctx.idempotency_claim, &ctx.grant, &ctx.idempotency_key)
+        else {
+            return;
+        };
+        let (store, t, k, id) = (
+            self.idempotency.clone(),
+            grant.tenant_id.clone(),
+            key.clone(),
+            ctx.request_id.clone(),
+        );
+        let _ = self.on_io(async move { store.release(&t, &k, &id).await }).await;
+    }
+
+    /// Keeps a completed response for the retries of this request's idempotency claim.
+    async fn complete_claim(&self, ctx: &mut Ctx) {
+        let (Some(_), Some(grant), Some(key), Some(body)) =
+            (&ctx.idempotency_claim, &ctx.grant, &ctx.idempotency_key, ctx.replay_body.take())
+        else {
+            return;
+        };
+        let stored = Stored {
+            status: ctx.status,
+            content_type: ctx.content_type.clone(),
+            body: Bytes::from(body),
+        };
+        let (store, t, k, id) = (
+            self.idempotency.clone(),
+            grant.tenant_id.clone(),
+            key.clone(),
+            ctx.request_id.clone(),
+        );
+        let _ = self.on_io(async move { store.complete(&t, &k, &id, stored).await }).await;
     }
 
     fn event(
@@ -720,7 +887,7 @@ impl Gateway {
         });
         Some(UsageEvent {
             request_id: ctx.request_id.clone(),
-            idempotency_key: ctx.idempotency_key.clone(),
+            idempotency_key: ctx.idempotency_claim.clone(),
             tenant_id: grant.tenant_id.clone(),
             key_id: grant.key_id.clone(),
             model_id: self.cfg.model_id.clone(),
@@ -781,14 +948,18 @@ impl Gateway {
             Some(AdmitVia::Redis) => {
                 if let Some(l) = &self.limiter {
                     let (l, t, id) = (l.clone(), grant.tenant_id.clone(), ctx.request_id.clone());
-                    if let Ok(Err(e)) =
-                        self.on_io(async move { l.settle(&t, &id, used).await }).await
+                    let key = ctx.key_scope.as_ref().map(|(k, _)| k.clone());
+                    if let Ok(Err(e)) = self
+                        .on_io(async move { l.settle(&t, key.as_deref(), &id, used).await })
+                        .await
                     {
                         tracing::warn!(error = %e, "settlement failed; the reservation expires instead");
                     }
                 }
             }
-            Some(AdmitVia::Local) => self.local.release(&grant.tenant_id),
+            Some(AdmitVia::Local) => self
+                .local
+                .release(&grant.tenant_id, ctx.key_scope.as_ref().map(|(k, _)| k.as_str())),
             None => {}
         }
     }
@@ -808,6 +979,7 @@ impl ProxyHttp for Gateway {
             arrival_at: Utc::now(),
             request_id: format!("req_{}", uuid::Uuid::new_v4().simple()),
             grant: None,
+            key_scope: None,
             body: None,
             affinity: String::new(),
             prompt_tokens: 0,
@@ -819,10 +991,14 @@ impl ProxyHttp for Gateway {
             response_body: Vec::new(),
             status: 0,
             refused: false,
+            replayed: false,
             overhead: Duration::ZERO,
             prompt_sha256: String::new(),
             prompt_chars: 0,
             idempotency_key: None,
+            idempotency_claim: None,
+            replay_body: Some(Vec::new()),
+            content_type: String::new(),
             trace_id: None,
             worker: None,
             model_revision: None,
@@ -999,6 +1175,12 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
     ) -> Result<()> {
         ctx.status = resp.status.as_u16();
+        ctx.content_type = resp
+            .headers
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("application/json")
+            .to_owned();
         ctx.model_revision = resp
             .headers
             .get("x-sluice-model-revision")
@@ -1026,6 +1208,16 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
     ) -> Result<Option<Duration>> {
         if let Some(b) = body {
+            // Kept for idempotent retries only while a claim is held and it stays small.
+            if ctx.idempotency_claim.is_some()
+                && let Some(keep) = &mut ctx.replay_body
+            {
+                if keep.len() + b.len() <= idempotency::MAX_STORED {
+                    keep.extend_from_slice(b);
+                } else {
+                    ctx.replay_body = None;
+                }
+            }
             let now = Instant::now();
             match &mut ctx.observer {
                 Some(o) => o.on_bytes(b, now),
@@ -1053,13 +1245,16 @@ impl ProxyHttp for Gateway {
         if ctx.admitted.is_some() && !ctx.refused {
             self.metrics.overhead.observe(ctx.overhead.as_secs_f64());
         }
-        if ctx.grant.is_none() {
+        if ctx.grant.is_none() || ctx.replayed {
             return;
         }
         if ctx.refused {
             let status = ctx.status;
+            self.release_claim(ctx).await;
             self.settle(ctx, 0).await;
             let reason = if status == 429
+                || status == 409
+                || status == 422
                 || status == 503
                 || status == 413
                 || status == 400
@@ -1135,6 +1330,12 @@ impl ProxyHttp for Gateway {
             ctx.status = 499;
         }
         self.settle(ctx, ctx.prompt_tokens + completion).await;
+        // Only a whole answer is replayed to retries; anything else lets a retry run anew.
+        if ctx.status == 200 && matches!(finish, FinishReason::Stop | FinishReason::Length) {
+            self.complete_claim(ctx).await;
+        } else {
+            self.release_claim(ctx).await;
+        }
         if let Some(ev) = self.event(ctx, Some(&timings), completion, cached, finish, error) {
             self.emit(ev).await;
         }

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use anyhow::ensure;
-use sluice_gateway::limits::{Decision, Limiter, Refusal, TenantLimits};
+use sluice_gateway::limits::{Decision, Limiter, Refusal, Scope, TenantLimits};
 
 const REDIS_URL: &str = "redis://127.0.0.1:6379";
 
@@ -17,6 +17,13 @@ async fn limiter(prefix: &str, ttl: Duration) -> anyhow::Result<Limiter> {
 
 fn prefix() -> String {
     format!("test-{}", uuid::Uuid::new_v4().simple())
+}
+
+fn refused_by(d: &Decision) -> Option<(Refusal, Scope)> {
+    match d {
+        Decision::Refused { reason, scope, .. } => Some((*reason, *scope)),
+        Decision::Admitted(_) => None,
+    }
 }
 
 fn admitted(d: &Decision) -> bool {
@@ -71,13 +78,13 @@ async fn settlement_refunds_what_was_not_used_and_frees_the_slot() -> anyhow::Re
         );
     }
     // Only 100 of the 600 were used: 900 are free again.
-    ensure!(l.settle("t", "a", 100).await?);
-    ensure!(!l.settle("t", "a", 100).await?, "settled twice");
+    ensure!(l.settle("t", None, "a", 100).await?);
+    ensure!(!l.settle("t", None, "a", 100).await?, "settled twice");
     ensure!(admitted(&l.admit("t", "b", 600, &limits).await?));
     ensure!(admitted(&l.admit("t", "c", 200, &limits).await?));
     let d = l.admit("t", "d", 1, &limits).await?;
     ensure!(refused_for(&d) == Some(Refusal::Concurrency), "{d:?}");
-    ensure!(l.settle("t", "b", 600).await?);
+    ensure!(l.settle("t", None, "b", 600).await?);
     ensure!(admitted(&l.admit("t", "d", 1, &limits).await?));
     // The same request admitted twice holds one slot.
     ensure!(admitted(&l.admit("t", "d", 1, &limits).await?));
@@ -95,7 +102,7 @@ async fn a_dead_gateways_reservations_expire() -> anyhow::Result<()> {
     tokio::time::sleep(Duration::from_millis(400)).await;
     // Slot and tokens are back (unless the minute rolled over in between, which resets too).
     ensure!(admitted(&l.admit("t", "next", 400, &limits).await?));
-    ensure!(!l.settle("t", "lost", 400).await?, "an expired reservation settled");
+    ensure!(!l.settle("t", None, "lost", 400).await?, "an expired reservation settled");
     Ok(())
 }
 
@@ -130,5 +137,74 @@ async fn each_limit_refuses_with_its_reason() -> anyhow::Result<()> {
     ensure!(
         matches!(d, Decision::Admitted(s) if s.limit_requests.is_none() && s.remaining_tokens.is_none())
     );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keys_own_limits_hold_beside_its_tenants_across_replicas() -> anyhow::Result<()> {
+    let p = prefix();
+    let (a, b) =
+        (limiter(&p, Duration::from_secs(60)).await?, limiter(&p, Duration::from_secs(60)).await?);
+    let tenant = TenantLimits { daily_tokens: Some(1_000), ..Default::default() };
+    let key = TenantLimits { daily_tokens: Some(300), ..Default::default() };
+    // 60 concurrent admissions of 100 tokens on one key: exactly 3 fit the key's 300.
+    let mut tasks = Vec::new();
+    for i in 0..60 {
+        let l = if i % 2 == 0 { a.clone() } else { b.clone() };
+        tasks.push(tokio::spawn(async move {
+            l.admit_key("acme", Some(("k1", &key)), &format!("r{i}"), 100, &tenant).await
+        }));
+    }
+    let mut ok = 0;
+    for t in tasks {
+        let d = t.await??;
+        if admitted(&d) {
+            ok += 1;
+        } else {
+            ensure!(refused_by(&d) == Some((Refusal::DailyTokens, Scope::Key)), "{d:?}");
+        }
+    }
+    ensure!(ok == 3, "{ok} admitted against a key quota for exactly 3");
+    // The tenant was charged for the key's requests too: 700 left, another key gets 7.
+    let mut other = 0;
+    for i in 0..10 {
+        let d = a.admit_key("acme", Some(("k2", &key)), &format!("s{i}"), 100, &tenant).await?;
+        if admitted(&d) {
+            other += 1;
+        }
+    }
+    ensure!(other == 3, "key k2 admitted {other}, its own limit is 3");
+    for i in 0..10 {
+        let d = a.admit("acme", &format!("u{i}"), 100, &tenant).await?;
+        if !admitted(&d) {
+            ensure!(refused_by(&d) == Some((Refusal::DailyTokens, Scope::Tenant)), "{d:?}");
+            ensure!(i == 4, "the tenant refused after {i} more, expected 4");
+            break;
+        }
+    }
+    // Settling a key-scoped request refunds both scopes.
+    ensure!(
+        a.settle("acme", Some("k1"), "r0", 0).await?
+            || a.settle("acme", Some("k1"), "r1", 0).await?
+    );
+    let d = b.admit_key("acme", Some(("k1", &key)), "again", 100, &tenant).await?;
+    ensure!(admitted(&d), "the key's refund did not come back: {d:?}");
+    Ok(())
+}
+
+#[tokio::test]
+async fn headers_show_the_tighter_of_tenant_and_key() -> anyhow::Result<()> {
+    let l = limiter(&prefix(), Duration::from_secs(60)).await?;
+    let tenant = TenantLimits { rpm: Some(100), tpm: Some(10_000), ..Default::default() };
+    let key = TenantLimits { rpm: Some(2), ..Default::default() };
+    let d = l.admit_key("h", Some(("k", &key)), "a", 10, &tenant).await?;
+    let Decision::Admitted(s) = d else { anyhow::bail!("refused: {d:?}") };
+    ensure!(s.limit_requests == Some(2) && s.remaining_requests == Some(1), "{s:?}");
+    ensure!(s.limit_tokens == Some(10_000) && s.remaining_tokens == Some(9_990), "{s:?}");
+    ensure!(admitted(&l.admit_key("h", Some(("k", &key)), "b", 10, &tenant).await?));
+    let d = l.admit_key("h", Some(("k", &key)), "c", 10, &tenant).await?;
+    ensure!(refused_by(&d) == Some((Refusal::Rpm, Scope::Key)), "{d:?}");
+    // The tenant's own requests are not held to the key's limit.
+    ensure!(admitted(&l.admit("h", "d", 10, &tenant).await?));
     Ok(())
 }

@@ -110,11 +110,37 @@ def limits():
 
 
 def idempotency():
-    for _ in range(2):
-        raw = client.completions.with_raw_response.create(
-            model=MODEL, prompt="Once upon a time", max_tokens=5,
-            extra_headers={"Idempotency-Key": "retry-me-1"})
-        record("idempotent", 200, raw.headers["x-sluice-request-id"], raw.parse().usage.completion_tokens)
+    # A retry with the same key and body gets the first response again: nothing runs, nothing
+    # is billed again. Non-streamed and streamed.
+    for stream, key in ((False, "retry-me-1"), (True, "retry-me-2")):
+        runs = []
+        for _ in range(2):
+            raw = client.completions.with_raw_response.create(
+                model=MODEL, prompt="Once upon a time", max_tokens=5, stream=stream,
+                extra_body={"ignore_eos": True}, extra_headers={"Idempotency-Key": key})
+            if stream:
+                text, tokens = "", 0
+                for chunk in raw.parse():
+                    text += "".join(c.text for c in chunk.choices)
+                    tokens += ((chunk.model_extra or {}).get("sluice") or {}).get("tokens", 0)
+            else:
+                comp = raw.parse()
+                text, tokens = comp.choices[0].text, comp.usage.completion_tokens
+            runs.append((raw.headers, text, tokens))
+        (first, text1, tokens1), (again, text2, tokens2) = runs
+        check(again.get("idempotent-replayed") == "true", dict(again))
+        check(first.get("idempotent-replayed") is None, dict(first))
+        check(again["x-sluice-request-id"] == first["x-sluice-request-id"], (dict(first), dict(again)))
+        check((text1, tokens1) == (text2, tokens2) and tokens1 == 5, (text1, text2, tokens1, tokens2))
+        record("idempotent_stream" if stream else "idempotent", 200, first["x-sluice-request-id"], tokens1)
+    # The same key with another body is refused, and billed as a refusal.
+    try:
+        client.completions.create(model=MODEL, prompt="Something else", max_tokens=5,
+                                  extra_headers={"Idempotency-Key": "retry-me-1"})
+        check(False, "a reused Idempotency-Key with another body was accepted")
+    except openai.UnprocessableEntityError as e:
+        check(e.code == "idempotency_key_reused", e.body)
+        record("idempotency_mismatch", 422, e.response.headers.get("x-sluice-request-id"))
 
 
 def disconnect():

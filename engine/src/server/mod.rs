@@ -42,6 +42,9 @@ use crate::server::openai::{ModelCard, ModelCardExt};
 use crate::server::respond::{Endpoint, Shaper};
 use crate::server::validate::Limits;
 
+/// Largest request body accepted.
+pub const MAX_BODY_BYTES: usize = 4 << 20;
+
 /// How long shutdown waits for open requests before dropping them (which aborts them).
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
@@ -113,6 +116,8 @@ pub fn router(handle: EngineHandle, cfg: ServerConfig) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model_card))
+        // Long-context prompts: above the gateway's 2 MiB cap, so the gateway's is the one hit.
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(Arc::clone(&app), api_layer));
     Router::new()
         .route("/health", get(health))
