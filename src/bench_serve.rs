@@ -10,8 +10,9 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::Args;
 use serde_json::{Value, json};
-use sluice_bench::arrivals::{Arrival, Rng, schedule};
-use sluice_bench::metrics::{Outcome, Slo, Summary, summarize};
+use sluice_bench::arrivals::{Arrival, schedule};
+use sluice_bench::metrics::{Dist, Outcome, Slo, Summary, summarize};
+use sluice_bench::workload::{Content, Lengths, Request, Workload, generate, parse_sharegpt};
 use sluice_gateway::observe::{SseParser, tokens_carried};
 
 /// `sluice bench serve`.
@@ -29,7 +30,7 @@ pub struct BenchServeArgs {
     /// `chat` or `completions`.
     #[arg(long, default_value = "completions")]
     endpoint: String,
-    /// Requests to send.
+    /// Requests to send (in the measured window, warm-up excluded).
     #[arg(long, default_value_t = 100)]
     num_prompts: usize,
     /// Offered requests per second (`inf`: all at once).
@@ -41,12 +42,49 @@ pub struct BenchServeArgs {
     /// Most requests in flight (sends wait for a slot; the wait counts as latency).
     #[arg(long)]
     max_concurrency: Option<usize>,
-    /// Prompt length in tokens (completions send token ids; chat sends that many words).
-    #[arg(long, default_value_t = 128)]
-    input_len: usize,
-    /// Output tokens per request (end-of-sequence ignored).
-    #[arg(long, default_value_t = 128)]
-    output_len: usize,
+    /// Prompt length in tokens: `N`, `uniform:LO:HI`, `normal:MEAN:SD`,
+    /// `lognormal:MEDIAN:SIGMA` or `file:PATH` (lengths, whitespace-separated). Completions
+    /// send token ids; chat sends that many words.
+    #[arg(long, default_value = "128")]
+    input_len: String,
+    /// Output tokens per request (end-of-sequence ignored), same forms as --input-len.
+    #[arg(long, default_value = "128")]
+    output_len: String,
+    /// `random`, `shared-prefix`, `multi-turn` or `sharegpt` (with --dataset).
+    #[arg(long, default_value = "random")]
+    workload: String,
+    /// shared-prefix: distinct prefixes.
+    #[arg(long, default_value_t = 8)]
+    prefixes: usize,
+    /// shared-prefix: tokens per prefix.
+    #[arg(long, default_value_t = 256)]
+    prefix_len: usize,
+    /// multi-turn: conversations.
+    #[arg(long, default_value_t = 8)]
+    sessions: usize,
+    /// multi-turn: turns per conversation.
+    #[arg(long, default_value_t = 4)]
+    turns: usize,
+    /// sharegpt: the ShareGPT-format JSON file.
+    #[arg(long)]
+    dataset: Option<std::path::PathBuf>,
+    /// Several tenants at once: a JSON array of `{"name", "api_key" | "api_key_env",
+    /// "request_rate", "burstiness", "num_prompts", "input_len", "output_len", "workload"}`
+    /// (fields left out take the command line's values); each gets its own schedule.
+    #[arg(long)]
+    mix: Option<std::path::PathBuf>,
+    /// Requests sent one at a time before the window, and left out of every figure.
+    #[arg(long, default_value_t = 0)]
+    warmup: usize,
+    /// Seconds of load: sets --num-prompts to rate x duration (per tenant).
+    #[arg(long)]
+    duration: Option<f64>,
+    /// Seconds over which the rate rises linearly from 0 to --request-rate.
+    #[arg(long, default_value_t = 0.0)]
+    ramp_up: f64,
+    /// Ask for whole responses instead of streams (no TTFT: recorded as absent).
+    #[arg(long)]
+    no_stream: bool,
     /// SLO thresholds for goodput, e.g. `ttft:500,tpot:50,e2el:10000` (milliseconds).
     #[arg(long)]
     goodput: Option<String>,
@@ -59,9 +97,19 @@ pub struct BenchServeArgs {
     /// Include per-request arrays in the JSON result.
     #[arg(long)]
     save_detailed: bool,
+    /// Write a Markdown report with the experiment's identity here.
+    #[arg(long)]
+    report: Option<std::path::PathBuf>,
     /// Per-request timeout, seconds.
     #[arg(long, default_value_t = 600.0)]
     timeout: f64,
+    /// Sluice's admin API: the gateway's own records of the same requests are fetched from
+    /// it and their TTFT put beside the client's.
+    #[arg(long, env = "SLUICE_ADMIN_URL")]
+    records_url: Option<String>,
+    /// Token with the auditor role for --records-url.
+    #[arg(long, env = "SLUICE_AUDITOR_TOKEN", hide_env_values = true)]
+    records_token: Option<String>,
 }
 
 fn parse_slo(s: Option<&str>) -> anyhow::Result<Slo> {
@@ -79,28 +127,231 @@ fn parse_slo(s: Option<&str>) -> anyhow::Result<Slo> {
     Ok(slo)
 }
 
-/// One request's body: random token ids (completions) or random words (chat).
-fn body(args: &BenchServeArgs, rng: &mut Rng, model: &str) -> Value {
-    let mut b = if args.endpoint == "chat" {
-        const WORDS: &[&str] = &[
-            "river", "stone", "light", "paper", "window", "garden", "cloud", "number", "signal",
-            "forest",
+/// A length distribution from the command line or a mix file (`file:PATH` read here).
+fn lengths(flag: &str, spec: &str) -> anyhow::Result<Lengths> {
+    if let Some(path) = spec.strip_prefix("file:") {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("{flag}: reading {path}"))?;
+        let v: Vec<usize> = text
+            .split_whitespace()
+            .map(|w| w.parse::<usize>().ok().filter(|n| *n >= 1))
+            .collect::<Option<_>>()
+            .with_context(|| format!("{flag}: {path} must hold whole numbers >= 1"))?;
+        if v.is_empty() {
+            bail!("{flag}: {path} holds no lengths");
+        }
+        return Ok(Lengths::Sample(v));
+    }
+    Lengths::parse(spec).map_err(|e| anyhow::anyhow!("{flag}: {e}"))
+}
+
+/// One tenant of the load: its key, schedule and workload.
+#[derive(Clone, Debug)]
+struct Tenant {
+    name: String,
+    key: Option<String>,
+    rate: f64,
+    burstiness: f64,
+    num: usize,
+    workload: Workload,
+    workload_name: String,
+    input: Lengths,
+    output: Lengths,
+    input_spec: String,
+    output_spec: String,
+}
+
+fn workload(args: &BenchServeArgs, name: &str) -> anyhow::Result<Workload> {
+    Ok(match name {
+        "random" => Workload::Random,
+        "shared-prefix" => {
+            Workload::SharedPrefix { prefixes: args.prefixes, prefix_len: args.prefix_len }
+        }
+        "multi-turn" => Workload::MultiTurn { sessions: args.sessions, turns: args.turns },
+        "sharegpt" => {
+            let path = args.dataset.as_ref().context("--workload sharegpt needs --dataset FILE")?;
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("--dataset: reading {}", path.display()))?;
+            Workload::ShareGpt(
+                parse_sharegpt(&text)
+                    .map_err(|e| anyhow::anyhow!("--dataset {}: {e}", path.display()))?,
+            )
+        }
+        other => {
+            bail!("--workload: {other:?} is not random, shared-prefix, multi-turn or sharegpt")
+        }
+    })
+}
+
+/// The tenants of the run: the command line's one, or the mix file's.
+fn tenants(args: &BenchServeArgs) -> anyhow::Result<Vec<Tenant>> {
+    let count = |rate: f64, num: usize| -> anyhow::Result<usize> {
+        match args.duration {
+            Some(d) if rate.is_finite() && rate > 0.0 && d > 0.0 => Ok((rate * d).ceil() as usize),
+            Some(_) => bail!("--duration needs a finite, positive rate and duration"),
+            None => Ok(num),
+        }
+    };
+    let base = Tenant {
+        name: "default".into(),
+        key: args.api_key.clone(),
+        rate: args.request_rate,
+        burstiness: args.burstiness,
+        num: count(args.request_rate, args.num_prompts)?,
+        workload: workload(args, &args.workload)?,
+        workload_name: args.workload.clone(),
+        input: lengths("--input-len", &args.input_len)?,
+        output: lengths("--output-len", &args.output_len)?,
+        input_spec: args.input_len.clone(),
+        output_spec: args.output_len.clone(),
+    };
+    let Some(path) = &args.mix else { return Ok(vec![base]) };
+    let what = || format!("--mix {}", path.display());
+    let v: Value = serde_json::from_str(
+        &std::fs::read_to_string(path).with_context(|| format!("{}: reading", what()))?,
+    )
+    .with_context(|| format!("{}: not JSON", what()))?;
+    let entries = v.as_array().with_context(|| format!("{}: must be a JSON array", what()))?;
+    let mut out = Vec::new();
+    for (i, e) in entries.iter().enumerate() {
+        let field = |k: &str| format!("{} entry {i}: {k}", what());
+        let known = [
+            "name",
+            "api_key",
+            "api_key_env",
+            "request_rate",
+            "burstiness",
+            "num_prompts",
+            "input_len",
+            "output_len",
+            "workload",
         ];
-        let text: Vec<&str> = (0..args.input_len)
-            .map(|_| WORDS[(rng.next_u64() % WORDS.len() as u64) as usize])
+        let obj = e.as_object().with_context(|| field("must be an object"))?;
+        if let Some(k) = obj.keys().find(|k| !known.contains(&k.as_str())) {
+            bail!("{}", field(&format!("unknown field {k:?}")));
+        }
+        let text = |k: &str| -> anyhow::Result<Option<String>> {
+            match obj.get(k) {
+                None => Ok(None),
+                Some(Value::String(s)) => Ok(Some(s.clone())),
+                Some(Value::Number(n)) if k.ends_with("_len") => Ok(Some(n.to_string())),
+                Some(_) => bail!("{}", field(&format!("{k} must be a string"))),
+            }
+        };
+        let num = |k: &str| -> anyhow::Result<Option<f64>> {
+            match obj.get(k) {
+                None => Ok(None),
+                Some(v) => v
+                    .as_f64()
+                    .filter(|x| *x > 0.0)
+                    .map(Some)
+                    .with_context(|| field(&format!("{k} must be a positive number"))),
+            }
+        };
+        let mut t = base.clone();
+        t.name = text("name")?.unwrap_or_else(|| format!("tenant-{i}"));
+        if let Some(k) = text("api_key")? {
+            t.key = Some(k);
+        }
+        if let Some(var) = text("api_key_env")? {
+            t.key =
+                Some(std::env::var(&var).with_context(|| field(&format!("${var} is not set")))?);
+        }
+        t.rate = num("request_rate")?.unwrap_or(t.rate);
+        t.burstiness = num("burstiness")?.unwrap_or(t.burstiness);
+        let n = num("num_prompts")?.map_or(args.num_prompts, |n| n as usize);
+        t.num = count(t.rate, n)?;
+        if let Some(w) = text("workload")? {
+            t.workload = workload(args, &w)?;
+            t.workload_name = w;
+        }
+        if let Some(spec) = text("input_len")? {
+            t.input = lengths(&field("input_len"), &spec)?;
+            t.input_spec = spec;
+        }
+        if let Some(spec) = text("output_len")? {
+            t.output = lengths(&field("output_len"), &spec)?;
+            t.output_spec = spec;
+        }
+        out.push(t);
+    }
+    if out.is_empty() {
+        bail!("{}: lists no tenant", what());
+    }
+    Ok(out)
+}
+
+/// Stretches a constant-rate schedule so the rate rises linearly from 0 over `ramp` seconds:
+/// with cumulative arrivals R t^2 / 2S during the ramp and R (t - S/2) after it, the request
+/// due at `tau` at the full rate is sent at sqrt(2 S tau), or tau + S/2 once past the ramp.
+fn ramp(times: &mut [f64], ramp: f64) {
+    if ramp <= 0.0 {
+        return;
+    }
+    for t in times.iter_mut() {
+        *t = if *t < ramp / 2.0 { (2.0 * ramp * *t).sqrt() } else { *t + ramp / 2.0 };
+    }
+}
+
+/// One request's body: its turns as chat messages, or concatenated into one prompt.
+fn body(req: &Request, chat: bool, stream: bool, model: &str) -> Value {
+    let mut b = if chat {
+        let messages: Vec<Value> = req
+            .turns
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let text = match c {
+                    Content::Text(t) => t.clone(),
+                    Content::Tokens(t) => {
+                        t.iter().map(u64::to_string).collect::<Vec<_>>().join(" ")
+                    }
+                };
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                json!({"role": role, "content": text})
+            })
             .collect();
-        json!({"messages": [{"role": "user", "content": text.join(" ")}], "max_tokens": args.output_len})
+        json!({"messages": messages})
     } else {
-        // Ids in a range every vocabulary of interest has (plain tokens, no specials).
-        let ids: Vec<u64> = (0..args.input_len).map(|_| 1000 + rng.next_u64() % 20_000).collect();
-        json!({"prompt": ids, "max_tokens": args.output_len})
+        let tokens: Vec<u64> = req
+            .turns
+            .iter()
+            .flat_map(|c| match c {
+                Content::Tokens(t) => t.clone(),
+                Content::Text(_) => Vec::new(),
+            })
+            .collect();
+        let texts: Vec<&str> = req
+            .turns
+            .iter()
+            .filter_map(|c| match c {
+                Content::Text(t) => Some(t.as_str()),
+                Content::Tokens(_) => None,
+            })
+            .collect();
+        if texts.is_empty() {
+            json!({"prompt": tokens})
+        } else {
+            json!({"prompt": texts.join("\n")})
+        }
     };
     b["model"] = json!(model);
-    b["stream"] = json!(true);
-    b["stream_options"] = json!({"include_usage": true});
+    b["max_tokens"] = json!(req.output_len);
+    b["stream"] = json!(stream);
+    if stream {
+        b["stream_options"] = json!({"include_usage": true});
+    }
     b["ignore_eos"] = json!(true);
     b["temperature"] = json!(0.0);
     b
+}
+
+/// What came back beside the measurements.
+#[derive(Clone, Debug, Default)]
+struct Extra {
+    request_id: Option<String>,
+    model_revision: Option<String>,
+    identity: Option<String>,
 }
 
 async fn one(
@@ -108,22 +359,35 @@ async fn one(
     url: &str,
     key: Option<&str>,
     body: Value,
-    start: tokio::time::Instant,
-) -> Outcome {
+    scheduled: tokio::time::Instant,
+) -> (Outcome, Extra) {
     let mut o = Outcome::default();
+    let mut extra = Extra::default();
+    let now = tokio::time::Instant::now();
+    o.lateness_s = now.saturating_duration_since(scheduled).as_secs_f64();
+    let stream = body["stream"].as_bool().unwrap_or(false);
     let mut req = c.post(url).json(&body);
     if let Some(k) = key {
         req = req.bearer_auth(k);
     }
-    let elapsed = |i: tokio::time::Instant| i.saturating_duration_since(start).as_secs_f64();
+    let elapsed = |i: tokio::time::Instant| i.saturating_duration_since(scheduled).as_secs_f64();
+    let fail = |o: &mut Outcome, e: reqwest::Error, what: &str| {
+        o.timed_out = e.is_timeout();
+        o.error = Some(if o.timed_out { "timeout".into() } else { format!("{what}: {e}") });
+        o.end_s = elapsed(tokio::time::Instant::now());
+    };
     let resp = match req.send().await {
         Ok(r) => r,
         Err(e) => {
-            o.error = Some(format!("request failed: {e}"));
-            o.end_s = elapsed(tokio::time::Instant::now());
-            return o;
+            fail(&mut o, e, "request failed");
+            return (o, extra);
         }
     };
+    let header =
+        |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
+    extra.request_id = header("x-sluice-request-id");
+    extra.model_revision = header("x-sluice-model-revision");
+    extra.identity = header("x-sluice-execution-identity");
     let status = resp.status().as_u16();
     if status == 429 || status == 503 {
         o.rejected = true;
@@ -131,7 +395,25 @@ async fn one(
     if !resp.status().is_success() {
         o.error = Some(format!("http {status}"));
         o.end_s = elapsed(tokio::time::Instant::now());
-        return o;
+        return (o, extra);
+    }
+    if !stream {
+        // A whole response: no observable first token (absent, not E2E).
+        match resp.bytes().await {
+            Ok(b) => {
+                o.end_s = elapsed(tokio::time::Instant::now());
+                match serde_json::from_slice::<Value>(&b) {
+                    Ok(v) => {
+                        o.input_len = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+                        o.output_len = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+                        o.ok = true;
+                    }
+                    Err(e) => o.error = Some(format!("not JSON: {e}")),
+                }
+            }
+            Err(e) => fail(&mut o, e, "body broke"),
+        }
+        return (o, extra);
     }
     let mut parser = SseParser::default();
     let mut stream = resp;
@@ -158,7 +440,7 @@ async fn one(
             }
             Ok(None) => break,
             Err(e) => {
-                o.error = Some(format!("stream broke: {e}"));
+                fail(&mut o, e, "stream broke");
                 break;
             }
         }
@@ -171,7 +453,7 @@ async fn one(
     if !done && o.error.is_none() {
         o.error = Some("stream ended without [DONE]".into());
     }
-    o
+    (o, extra)
 }
 
 /// Counters and gauges of the server's Prometheus endpoint worth putting beside the client's
@@ -199,24 +481,147 @@ async fn scrape(c: &reqwest::Client, url: &str) -> Option<std::collections::BTre
     Some(out)
 }
 
+/// One planned request of the measured window.
+struct Planned {
+    tenant: usize,
+    at: f64,
+    req: Request,
+}
+
+/// Upper bounds of the input-length buckets (tokens); the last bucket is open.
+const BUCKETS: [usize; 7] = [64, 128, 256, 512, 1024, 2048, 4096];
+
+fn bucket(input_len: usize) -> String {
+    let mut lo = 1;
+    for hi in BUCKETS {
+        if input_len <= hi {
+            return format!("{lo}-{hi}");
+        }
+        lo = hi + 1;
+    }
+    format!(">{}", BUCKETS[BUCKETS.len() - 1])
+}
+
+/// What the run learned about the target and this client.
+#[derive(Debug, Default, serde::Serialize)]
+struct Identity {
+    model_id: String,
+    model_revision: Option<String>,
+    execution_identity: Option<Value>,
+    client_host: String,
+    client_cpu: String,
+    client_cores: usize,
+    sluice_version: String,
+    started_at: String,
+}
+
+fn identity(
+    model: &str,
+    first: Option<&Extra>,
+    started: chrono::DateTime<chrono::Utc>,
+) -> Identity {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines().find_map(|l| {
+                l.strip_prefix("model name")
+                    .map(|r| r.trim_start_matches([' ', '\t', ':']).to_owned())
+            })
+        })
+        .unwrap_or_else(|| std::env::consts::ARCH.to_owned());
+    Identity {
+        model_id: model.to_owned(),
+        model_revision: first.and_then(|e| e.model_revision.clone()),
+        execution_identity: first
+            .and_then(|e| e.identity.as_deref())
+            .map(|i| serde_json::from_str(i).unwrap_or_else(|_| Value::from(i))),
+        client_host: std::fs::read_to_string("/etc/hostname")
+            .map(|h| h.trim().to_owned())
+            .unwrap_or_default(),
+        client_cpu: cpu,
+        client_cores: std::thread::available_parallelism().map_or(1, usize::from),
+        sluice_version: env!("CARGO_PKG_VERSION").to_owned(),
+        started_at: started.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+    }
+}
+
+/// The gateway's records of these request ids (TTFT and E2E, ms) from Sluice's admin API.
+async fn gateway_records(
+    c: &reqwest::Client,
+    url: &str,
+    token: &str,
+    since: chrono::DateTime<chrono::Utc>,
+) -> anyhow::Result<std::collections::HashMap<String, (Option<f64>, Option<f64>)>> {
+    let mut out = std::collections::HashMap::new();
+    let mut cursor: Option<String> = None;
+    let since = since.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    for _ in 0..100 {
+        let mut q = vec![("since", since.clone()), ("limit", "10000".to_owned())];
+        if let Some(c) = &cursor {
+            q.push(("cursor", c.clone()));
+        }
+        let resp = c
+            .get(format!("{}/v1/records", url.trim_end_matches('/')))
+            .bearer_auth(token)
+            .query(&q)
+            .send()
+            .await?;
+        if !resp.status().is_success() {
+            bail!("GET /v1/records: {} {}", resp.status(), resp.text().await.unwrap_or_default());
+        }
+        let page: Value = resp.json().await?;
+        for r in page["records"].as_array().into_iter().flatten() {
+            if let Some(id) = r["request_id"].as_str() {
+                out.insert(id.to_owned(), (r["ttft_ms"].as_f64(), r["e2e_ms"].as_f64()));
+            }
+        }
+        match page["next_cursor"].as_str() {
+            Some(c) => cursor = Some(c.to_owned()),
+            None => break,
+        }
+    }
+    Ok(out)
+}
+
 /// Runs `sluice bench serve`.
 pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
     if args.endpoint != "chat" && args.endpoint != "completions" {
         bail!("--endpoint must be chat or completions");
     }
-    if args.num_prompts == 0 || args.input_len == 0 || args.output_len == 0 {
-        bail!("--num-prompts, --input-len and --output-len must be positive");
+    if args.num_prompts == 0 {
+        bail!("--num-prompts must be positive");
+    }
+    if !(args.ramp_up.is_finite() && args.ramp_up >= 0.0) {
+        bail!("--ramp-up must be a non-negative number of seconds");
     }
     let slo = parse_slo(args.goodput.as_deref())?;
+    let tenants = tenants(&args)?;
+    let chat = args.endpoint == "chat";
+    let stream = !args.no_stream;
     let base = args.base_url.trim_end_matches('/');
     let base = if base.ends_with("/v1") { base.to_owned() } else { format!("{base}/v1") };
-    let url = format!(
-        "{base}/{}",
-        if args.endpoint == "chat" { "chat/completions" } else { "completions" }
+    let url = format!("{base}/{}", if chat { "chat/completions" } else { "completions" });
+    // The whole plan, before anything is sent: each tenant's schedule and requests.
+    let mut plan = Vec::new();
+    let mut schedules = Vec::new();
+    for (i, t) in tenants.iter().enumerate() {
+        let seed = args.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let mut times = schedule(Arrival::Gamma { burstiness: t.burstiness }, t.rate, t.num, seed);
+        ramp(&mut times, args.ramp_up);
+        let reqs = generate(&t.workload, t.num, &t.input, &t.output, chat, seed ^ 0x5eed);
+        schedules.push(times.clone());
+        plan.extend(times.into_iter().zip(reqs).map(|(at, req)| Planned { tenant: i, at, req }));
+    }
+    plan.sort_by(|a, b| a.at.total_cmp(&b.at));
+    let warmups = generate(
+        &tenants[0].workload,
+        args.warmup,
+        &tenants[0].input,
+        &tenants[0].output,
+        chat,
+        args.seed ^ 0x3a3a,
     );
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    let arrival = Arrival::Gamma { burstiness: args.burstiness };
-    let times = schedule(arrival, args.request_rate, args.num_prompts, args.seed);
     let mut builder = reqwest::Client::builder()
         .timeout(Duration::from_secs_f64(args.timeout))
         .pool_max_idle_per_host(1024);
@@ -225,12 +630,13 @@ pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
         builder = builder.add_root_certificate(reqwest::Certificate::from_pem(&pem)?);
     }
     let client = builder.build()?;
-    let (outcomes, model, server) = rt.block_on(async {
+    let started = chrono::Utc::now();
+    let (results, model, server, gateway) = rt.block_on(async {
         let model = match &args.model {
             Some(m) => m.clone(),
             None => {
                 let mut req = client.get(format!("{base}/models"));
-                if let Some(k) = &args.api_key {
+                if let Some(k) = &tenants[0].key {
                     req = req.bearer_auth(k);
                 }
                 let v: Value = req.send().await.context("GET /v1/models")?.json().await?;
@@ -240,42 +646,61 @@ pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
                     .to_owned()
             }
         };
+        for (i, w) in warmups.iter().enumerate() {
+            let (o, _) = one(
+                &client,
+                &url,
+                tenants[0].key.as_deref(),
+                body(w, chat, stream, &model),
+                tokio::time::Instant::now(),
+            )
+            .await;
+            if let Some(e) = o.error {
+                eprintln!("warm-up request {i} failed: {e}");
+            }
+        }
         let metrics_url = format!("{}/metrics", base.trim_end_matches("/v1"));
         let before = scrape(&client, &metrics_url).await;
-        let mut rng = Rng::new(args.seed ^ 0x5eed);
-        let bodies: Vec<Value> =
-            (0..args.num_prompts).map(|_| body(&args, &mut rng, &model)).collect();
         let gate = args.max_concurrency.map(|n| Arc::new(tokio::sync::Semaphore::new(n.max(1))));
+        let bar = indicatif::ProgressBar::new(plan.len() as u64);
+        bar.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{elapsed_precise} [{bar:40}] {pos}/{len} requests {msg}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        let window_start = chrono::Utc::now();
         let start = tokio::time::Instant::now() + Duration::from_millis(100);
-        let mut tasks = Vec::with_capacity(bodies.len());
-        for (t, b) in times.iter().zip(bodies) {
-            let at = start + Duration::from_secs_f64(*t);
+        let mut tasks = Vec::with_capacity(plan.len());
+        for p in &plan {
+            let at = start + Duration::from_secs_f64(p.at);
+            let b = body(&p.req, chat, stream, &model);
             let (c, url, key, gate) =
-                (client.clone(), url.clone(), args.api_key.clone(), gate.clone());
-            let t = *t;
+                (client.clone(), url.clone(), tenants[p.tenant].key.clone(), gate.clone());
+            let t = p.at;
             tasks.push(tokio::spawn(async move {
                 tokio::time::sleep_until(at).await;
                 let _permit = match &gate {
                     Some(g) => g.clone().acquire_owned().await.ok(),
                     None => None,
                 };
-                let mut o = one(&c, &url, key.as_deref(), b, at).await;
+                let (mut o, extra) = one(&c, &url, key.as_deref(), b, at).await;
                 o.scheduled_s = t;
-                o
+                (o, extra)
             }));
         }
-        let mut outcomes = Vec::with_capacity(tasks.len());
-        let total = tasks.len();
-        for (i, t) in tasks.into_iter().enumerate() {
-            outcomes.push(
-                t.await.unwrap_or_else(|e| Outcome {
-                    error: Some(e.to_string()),
-                    ..Outcome::default()
-                }),
-            );
-            eprint!("\r{}/{total} requests done", i + 1);
+        let mut results = Vec::with_capacity(tasks.len());
+        let mut failed = 0;
+        for t in tasks {
+            let r = t.await.unwrap_or_else(|e| {
+                (Outcome { error: Some(e.to_string()), ..Outcome::default() }, Extra::default())
+            });
+            failed += usize::from(!r.0.ok);
+            bar.inc(1);
+            bar.set_message(format!("({failed} not ok)"));
+            results.push(r);
         }
-        eprintln!();
+        bar.finish();
         // Counters as deltas over the run; gauges (running, waiting, KV usage) as at the end.
         let after = scrape(&client, &metrics_url).await;
         let server = match (before, after) {
@@ -289,12 +714,108 @@ pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
                 .collect(),
             _ => std::collections::BTreeMap::new(),
         };
-        anyhow::Ok((outcomes, model, server))
+        let gateway = match (&args.records_url, &args.records_token) {
+            (Some(u), Some(t)) => {
+                // The ledger writes in batches: give the last requests' records a moment.
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                let since = window_start - chrono::TimeDelta::seconds(5);
+                match gateway_records(&client, u, t, since).await {
+                    Ok(r) => Some(r),
+                    Err(e) => {
+                        eprintln!("warning: the gateway's records could not be read: {e}");
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
+        anyhow::Ok((results, model, server, gateway))
     })?;
-    let summary = summarize(&outcomes, args.request_rate, slo);
-    let mut result = result_json(&args, &model, &summary, &outcomes, &times);
+    let outcomes: Vec<Outcome> = results.iter().map(|r| r.0.clone()).collect();
+    let total_rate: f64 = tenants.iter().map(|t| t.rate).sum();
+    let summary = summarize(&outcomes, total_rate, slo);
+    let first = results.iter().find(|r| r.0.ok).map(|r| &r.1);
+    let ident = identity(&model, first, started);
+    let mut result = result_json(&args, &tenants, &summary, &outcomes, &schedules);
+    result["model_id"] = json!(model);
+    result["identity"] = json!(ident);
     result["server_metrics"] = json!(server);
+    // Breakdowns: per tenant (with several) and per input-length bucket.
+    let mut per_tenant = serde_json::Map::new();
+    if tenants.len() > 1 {
+        for (i, t) in tenants.iter().enumerate() {
+            let mine: Vec<Outcome> = plan
+                .iter()
+                .zip(&outcomes)
+                .filter(|(p, _)| p.tenant == i)
+                .map(|(_, o)| o.clone())
+                .collect();
+            per_tenant.insert(t.name.clone(), brief(&summarize(&mine, t.rate, slo)));
+        }
+        result["tenants"] = Value::Object(per_tenant.clone());
+    }
+    let mut per_bucket = std::collections::BTreeMap::<(usize, String), Vec<Outcome>>::new();
+    for (p, o) in plan.iter().zip(&outcomes) {
+        let b = bucket(p.req.input_len);
+        let order = BUCKETS.iter().position(|hi| p.req.input_len <= *hi).unwrap_or(BUCKETS.len());
+        per_bucket.entry((order, b)).or_default().push(o.clone());
+    }
+    // In length order (an array: JSON objects do not keep it).
+    let buckets: Vec<(String, Value)> = per_bucket
+        .iter()
+        .map(|((_, b), os)| (b.clone(), brief(&summarize(os, f64::NAN, slo))))
+        .collect();
+    result["length_buckets"] = json!(
+        buckets
+            .iter()
+            .map(|(b, v)| {
+                let mut v = v.clone();
+                v["bucket"] = json!(b);
+                v
+            })
+            .collect::<Vec<_>>()
+    );
+    // The gateway's TTFT for the same request ids, beside the client's.
+    if let Some(g) = &gateway {
+        let mut diffs = Vec::new();
+        let (mut client_ttft, mut gateway_ttft) = (Vec::new(), Vec::new());
+        for (o, e) in &results {
+            let Some((Some(gt), _)) = e.request_id.as_ref().and_then(|id| g.get(id)) else {
+                continue;
+            };
+            if let Some(ct) = o.ttft() {
+                diffs.push(ct - gt / 1000.0);
+                client_ttft.push(ct);
+                gateway_ttft.push(gt / 1000.0);
+            }
+        }
+        result["gateway_ttft"] = json!({
+            "matched": diffs.len(),
+            "client_ttft_ms": Dist::of_seconds(client_ttft),
+            "gateway_ttft_ms": Dist::of_seconds(gateway_ttft),
+            "client_minus_gateway_ms": Dist::of_seconds(diffs),
+        });
+    }
     print_summary(&summary);
+    if tenants.len() > 1 {
+        println!("per tenant:");
+        for (name, v) in &per_tenant {
+            println!("  {name:<12} {}", brief_line(v));
+        }
+    }
+    println!("per input length (tokens):");
+    for (b, v) in &buckets {
+        println!("  {b:<12} {}", brief_line(v));
+    }
+    if let Some(g) = result.get("gateway_ttft") {
+        println!(
+            "gateway-recorded TTFT for {} of these requests: median {:.2} ms (client {:.2} ms; client - gateway median {:.2} ms)",
+            g["matched"],
+            g["gateway_ttft_ms"]["median"].as_f64().unwrap_or(0.0),
+            g["client_ttft_ms"]["median"].as_f64().unwrap_or(0.0),
+            g["client_minus_gateway_ms"]["median"].as_f64().unwrap_or(0.0),
+        );
+    }
     if !server.is_empty() {
         println!("server-side (deltas over the run; gauges at the end):");
         for (k, v) in &server {
@@ -306,26 +827,64 @@ pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
             .with_context(|| format!("writing {}", path.display()))?;
         println!("result written to {}", path.display());
     }
+    if let Some(path) = &args.report {
+        std::fs::write(path, report(&args, &tenants, &result))
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!("report written to {}", path.display());
+    }
     std::io::stdout().flush()?;
     Ok(())
 }
 
+/// A breakdown's figures.
+fn brief(s: &Summary) -> Value {
+    json!({
+        "completed": s.completed, "failed": s.failed, "rejected": s.rejected,
+        "request_throughput": s.request_throughput, "output_throughput": s.output_throughput,
+        "median_ttft_ms": s.ttft_ms.median, "p99_ttft_ms": s.ttft_ms.p99,
+        "median_tpot_ms": s.tpot_ms.median, "p99_tpot_ms": s.tpot_ms.p99,
+        "median_e2el_ms": s.e2el_ms.median, "p99_e2el_ms": s.e2el_ms.p99,
+        "slo_attainment": s.slo_attainment,
+    })
+}
+
+fn brief_line(v: &Value) -> String {
+    let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
+    format!(
+        "ok {} failed {} rejected {}  TTFT p50/p99 {:.1}/{:.1} ms  TPOT p50/p99 {:.1}/{:.1} ms  attainment {:.3}",
+        v["completed"],
+        v["failed"],
+        v["rejected"],
+        f("median_ttft_ms"),
+        f("p99_ttft_ms"),
+        f("median_tpot_ms"),
+        f("p99_tpot_ms"),
+        f("slo_attainment")
+    )
+}
+
 fn result_json(
     args: &BenchServeArgs,
-    model: &str,
+    tenants: &[Tenant],
     s: &Summary,
     outcomes: &[Outcome],
-    times: &[f64],
+    schedules: &[Vec<f64>],
 ) -> Value {
+    let t0 = &tenants[0];
     let mut v = json!({
-        "backend": "openai", "base_url": args.base_url, "endpoint": args.endpoint, "model_id": model,
-        "num_prompts": args.num_prompts, "request_rate": args.request_rate, "burstiness": args.burstiness,
-        "max_concurrency": args.max_concurrency, "input_len": args.input_len, "output_len": args.output_len,
-        "seed": args.seed, "open_loop": true, "streaming": true,
+        "backend": "openai", "base_url": args.base_url, "endpoint": args.endpoint,
+        "num_prompts": outcomes.len(), "request_rate": tenants.iter().map(|t| t.rate).sum::<f64>(),
+        "burstiness": t0.burstiness, "max_concurrency": args.max_concurrency,
+        "input_len": t0.input_spec, "output_len": t0.output_spec, "workload": t0.workload_name,
+        "warmup": args.warmup, "ramp_up_s": args.ramp_up, "timeout_s": args.timeout,
+        "seed": args.seed, "open_loop": true, "streaming": !args.no_stream,
         "completed": s.completed, "failed": s.failed, "rejected": s.rejected, "duration": s.duration,
         "request_throughput": s.request_throughput, "input_throughput": s.input_throughput,
         "output_throughput": s.output_throughput, "total_token_throughput": s.total_token_throughput,
-        "request_goodput": s.request_goodput, "slo_attainment": s.slo_attainment, "goodput_slo": s.slo,
+        "request_goodput": s.request_goodput, "output_goodput": s.output_goodput,
+        "slo_attainment": s.slo_attainment, "goodput_slo": s.slo,
+        "error_rate": s.error_rate, "rejection_rate": s.rejection_rate, "timeout_rate": s.timeout_rate,
+        "send_lateness_ms": s.send_lateness_ms,
         "mean_in_flight": s.mean_in_flight, "littles_law_estimate": s.littles_law_estimate,
     });
     for (name, d) in
@@ -337,8 +896,19 @@ fn result_json(
         v[format!("p95_{name}_ms")] = json!(d.p95);
         v[format!("p99_{name}_ms")] = json!(d.p99);
         v[format!("p99.9_{name}_ms")] = json!(d.p999);
+        v[format!("median_{name}_ms_ci95")] = json!(d.median_ci95);
+        v[format!("p99_{name}_ms_ci95")] = json!(d.p99_ci95);
         v[format!("{name}_samples")] = json!(d.count);
     }
+    v["schedules"] = json!(
+        tenants
+            .iter()
+            .zip(schedules)
+            .map(|(t, times)| json!({"tenant": t.name, "request_rate": t.rate, "burstiness": t.burstiness,
+                "num_prompts": t.num, "workload": t.workload_name, "input_len": t.input_spec,
+                "output_len": t.output_spec, "scheduled_send_times": times}))
+            .collect::<Vec<_>>()
+    );
     if args.save_detailed {
         let sec = |x: Option<f64>| x.map_or(json!(null), |x| json!(x));
         v["ttfts"] = json!(outcomes.iter().map(|o| sec(o.ttft())).collect::<Vec<_>>());
@@ -354,9 +924,141 @@ fn result_json(
         v["output_lens"] = json!(outcomes.iter().map(|o| o.output_len).collect::<Vec<_>>());
         v["errors"] =
             json!(outcomes.iter().map(|o| o.error.clone().unwrap_or_default()).collect::<Vec<_>>());
-        v["scheduled_send_times"] = json!(times);
+        v["scheduled_send_times"] =
+            json!(outcomes.iter().map(|o| o.scheduled_s).collect::<Vec<_>>());
+        v["send_lateness"] = json!(outcomes.iter().map(|o| o.lateness_s).collect::<Vec<_>>());
     }
     v
+}
+
+/// The Markdown report: the experiment's identity (seed 000, section 9), then the figures.
+fn report(args: &BenchServeArgs, tenants: &[Tenant], r: &Value) -> String {
+    let id = &r["identity"];
+    let f = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+    let text = |v: &Value| v.as_str().map_or_else(|| v.to_string(), str::to_owned);
+    let mut md = String::new();
+    md.push_str("# sluice bench serve\n\n## Experiment identity\n\n| | |\n|---|---|\n");
+    let rows = [
+        ("started", text(&id["started_at"])),
+        ("target", args.base_url.clone()),
+        ("endpoint", args.endpoint.clone()),
+        ("model", text(&id["model_id"])),
+        ("model revision", text(&id["model_revision"])),
+        ("execution identity", text(&id["execution_identity"])),
+        (
+            "client",
+            format!(
+                "{} ({} cores, {})",
+                text(&id["client_cpu"]),
+                id["client_cores"],
+                text(&id["client_host"])
+            ),
+        ),
+        ("load generator", format!("sluice {}", text(&id["sluice_version"]))),
+        ("loop", "open (latency from each scheduled send)".into()),
+        ("streaming", (!args.no_stream).to_string()),
+        ("warm-up", format!("{} requests, excluded", args.warmup)),
+        ("ramp-up", format!("{} s", args.ramp_up)),
+        ("window", format!("{} requests, {:.2} s", r["num_prompts"], f("duration"))),
+        ("concurrency cap", args.max_concurrency.map_or("none".into(), |c| c.to_string())),
+        ("timeout", format!("{} s per request", args.timeout)),
+        ("seed", args.seed.to_string()),
+        ("SLO", r["goodput_slo"].to_string()),
+    ];
+    for (k, v) in rows {
+        md.push_str(&format!("| {k} | {} |\n", v.replace('|', "\\|")));
+    }
+    md.push_str("\n## Load\n\n| tenant | arrivals | rate (req/s) | requests | workload | input len | output len |\n|---|---|---|---|---|---|---|\n");
+    for t in tenants {
+        md.push_str(&format!(
+            "| {} | gamma, burstiness {} | {} | {} | {} | {} | {} |\n",
+            t.name, t.burstiness, t.rate, t.num, t.workload_name, t.input_spec, t.output_spec
+        ));
+    }
+    md.push_str(&format!(
+        "\n## Results\n\ncompleted {} / failed {} / rejected {}; error rate {:.3}, rejection rate {:.3}, timeout rate {:.3}.\n\n",
+        r["completed"], r["failed"], r["rejected"], f("error_rate"), f("rejection_rate"), f("timeout_rate")
+    ));
+    md.push_str(&format!(
+        "Throughput: {:.2} req/s, {:.1} output tok/s, {:.1} total tok/s; goodput {:.2} req/s ({:.1} output tok/s), SLO attainment {:.3}.\n\n",
+        f("request_throughput"), f("output_throughput"), f("total_token_throughput"),
+        f("request_goodput"), f("output_goodput"), f("slo_attainment")
+    ));
+    md.push_str("| metric (ms) | n | mean | p50 [95% CI] | p90 | p99 [95% CI] | p99.9 |\n|---|---|---|---|---|---|---|\n");
+    for name in ["ttft", "tpot", "itl", "e2el"] {
+        let ci = |k: &str| {
+            let c = &r[format!("{k}_{name}_ms_ci95")];
+            format!("[{:.2}, {:.2}]", c[0].as_f64().unwrap_or(0.0), c[1].as_f64().unwrap_or(0.0))
+        };
+        md.push_str(&format!(
+            "| {} | {} | {:.2} | {:.2} {} | {:.2} | {:.2} {} | {:.2} |\n",
+            name.to_uppercase(),
+            r[format!("{name}_samples")],
+            f(&format!("mean_{name}_ms")),
+            f(&format!("median_{name}_ms")),
+            ci("median"),
+            f(&format!("p90_{name}_ms")),
+            f(&format!("p99_{name}_ms")),
+            ci("p99"),
+            f(&format!("p99.9_{name}_ms")),
+        ));
+    }
+    let late = &r["send_lateness_ms"];
+    md.push_str(&format!(
+        "\nSend lateness (the client's own delay against the schedule): p50 {:.2} ms, p99 {:.2} ms.\n\
+         Little's law: mean in flight {:.2} vs offered rate x mean latency {:.2}.\n",
+        late["median"].as_f64().unwrap_or(0.0),
+        late["p99"].as_f64().unwrap_or(0.0),
+        f("mean_in_flight"),
+        f("littles_law_estimate")
+    ));
+    let per_bucket: Vec<(String, Value)> = r["length_buckets"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|b| (text(&b["bucket"]), b.clone()))
+        .collect();
+    let per_tenant: Vec<(String, Value)> = r["tenants"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    for (title, m) in [("Per tenant", per_tenant), ("Per input length (tokens)", per_bucket)] {
+        if m.is_empty() {
+            continue;
+        }
+        md.push_str(&format!("\n## {title}\n\n| | ok | failed | rejected | TTFT p50 / p99 | TPOT p50 / p99 | attainment |\n|---|---|---|---|---|---|---|\n"));
+        for (name, v) in m {
+            let g = |k: &str| v[k].as_f64().unwrap_or(0.0);
+            md.push_str(&format!(
+                "| {name} | {} | {} | {} | {:.1} / {:.1} | {:.1} / {:.1} | {:.3} |\n",
+                v["completed"],
+                v["failed"],
+                v["rejected"],
+                g("median_ttft_ms"),
+                g("p99_ttft_ms"),
+                g("median_tpot_ms"),
+                g("p99_tpot_ms"),
+                g("slo_attainment")
+            ));
+        }
+    }
+    if let Some(g) = r.get("gateway_ttft") {
+        let m = |k: &str, p: &str| g[k][p].as_f64().unwrap_or(0.0);
+        md.push_str(&format!(
+            "\n## TTFT: client vs the gateway's record\n\n{} requests matched by request id. Client TTFT p50 {:.2} ms, gateway-recorded p50 {:.2} ms; client minus gateway p50 {:.2} ms, p99 {:.2} ms. The client's clock starts at the scheduled send, the gateway's when the request arrives: the difference is send lateness, connection and TLS setup, and the network both ways.\n",
+            g["matched"], m("client_ttft_ms", "median"), m("gateway_ttft_ms", "median"),
+            m("client_minus_gateway_ms", "median"), m("client_minus_gateway_ms", "p99")
+        ));
+    }
+    if let Some(m) = r["server_metrics"].as_object().filter(|m| !m.is_empty()) {
+        md.push_str("\n## Server-side (Prometheus deltas over the run; gauges at the end)\n\n| metric | value |\n|---|---|\n");
+        for (k, v) in m {
+            md.push_str(&format!("| `{k}` | {v} |\n"));
+        }
+    }
+    md
 }
 
 fn print_summary(s: &Summary) {
@@ -370,11 +1072,22 @@ fn print_summary(s: &Summary) {
         [("TTFT", &s.ttft_ms), ("TPOT", &s.tpot_ms), ("ITL", &s.itl_ms), ("E2E", &s.e2el_ms)]
     {
         println!(
-            "{name:<5} ms  mean {:>9.2}  p50 {:>9.2}  p90 {:>9.2}  p99 {:>9.2}  (n={})",
-            d.mean, d.median, d.p90, d.p99, d.count
+            "{name:<5} ms  mean {:>9.2}  p50 {:>9.2}  p90 {:>9.2}  p99 {:>9.2} [{:.2}, {:.2}]  (n={})",
+            d.mean, d.median, d.p90, d.p99, d.p99_ci95[0], d.p99_ci95[1], d.count
         );
     }
-    println!("SLO attainment {:.3}, goodput {:.2} req/s", s.slo_attainment, s.request_goodput);
+    println!(
+        "send lateness ms  p50 {:.2}  p99 {:.2}",
+        s.send_lateness_ms.median, s.send_lateness_ms.p99
+    );
+    println!(
+        "SLO attainment {:.3}, goodput {:.2} req/s ({:.1} output tok/s)",
+        s.slo_attainment, s.request_goodput, s.output_goodput
+    );
+    println!(
+        "error rate {:.3}, rejection rate {:.3}, timeout rate {:.3}",
+        s.error_rate, s.rejection_rate, s.timeout_rate
+    );
     println!(
         "Little's law: mean in flight {:.2} vs offered rate x mean latency {:.2}",
         s.mean_in_flight, s.littles_law_estimate

@@ -103,7 +103,7 @@ enum BenchCommand {
     /// The gateway's own added time and its end-to-end cost, at several request rates.
     Gateway(bench_gateway::BenchGatewayArgs),
     /// Open-loop load against any OpenAI-compatible endpoint, with the serving metrics.
-    Serve(bench_serve::BenchServeArgs),
+    Serve(Box<bench_serve::BenchServeArgs>),
 }
 
 #[derive(Args, Debug)]
@@ -313,7 +313,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args)?,
         Command::Bench(BenchCommand::Billing(args)) => run_bench_billing(args)?,
         Command::Bench(BenchCommand::Gateway(args)) => bench_gateway::run_bench_gateway(args)?,
-        Command::Bench(BenchCommand::Serve(args)) => bench_serve::run_bench_serve(args)?,
+        Command::Bench(BenchCommand::Serve(args)) => bench_serve::run_bench_serve(*args)?,
         Command::Engine(args) => run_engine(args)?,
         Command::Billing(args) => admin_cli::run_billing(args)?,
         Command::Up(args) => up::run_up(args)?,

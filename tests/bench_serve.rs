@@ -1,6 +1,8 @@
 //! `sluice bench serve` against a real `sluice engine`: every request completes, the JSON
 //! result carries vLLM's field names and the per-request arrays, and the per-request numbers
-//! are consistent with each other and with the workload asked for.
+//! are consistent with each other and with the workload asked for; a multi-tenant mix of
+//! workloads with warm-up, per-tenant and per-length breakdowns and a Markdown report; whole
+//! (non-streamed) responses.
 
 #[path = "../engine/tests/common/mod.rs"]
 mod common;
@@ -103,5 +105,63 @@ async fn bench_serve_measures_an_engine() -> anyhow::Result<()> {
         // 5 tokens, one per event from our engine: 4 gaps.
         ensure!(arr("itls")[i].as_array().map(Vec::len) == Some(4), "{:?}", arr("itls")[i]);
     }
+    for (k, d) in [("median_ttft_ms_ci95", "median_ttft_ms"), ("p99_e2el_ms_ci95", "p99_e2el_ms")] {
+        let ci: Vec<f64> =
+            v[k].as_array().into_iter().flatten().filter_map(Value::as_f64).collect();
+        let x = v[d].as_f64().context("estimate")?;
+        ensure!(ci.len() == 2 && ci[0] <= x && x <= ci[1], "{k} {ci:?} around {x}");
+    }
+
+    // A multi-tenant mix: a noisy tenant with shared prefixes beside a quiet one holding
+    // multi-turn chats, after two warm-up requests left out of every figure; the report
+    // carries the experiment's identity.
+    let mix = dir.path().join("mix.json");
+    std::fs::write(
+        &mix,
+        r#"[{"name": "noisy", "request_rate": 20, "num_prompts": 8, "workload": "shared-prefix",
+             "input_len": "uniform:4:12", "output_len": "3"},
+            {"name": "quiet", "request_rate": 4, "num_prompts": 4, "workload": "multi-turn",
+             "input_len": 6, "output_len": "2"}]"#,
+    )?;
+    let (result, report) = (dir.path().join("mix-result.json"), dir.path().join("report.md"));
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["bench", "serve", "--base-url", &format!("http://{addr}"), "--endpoint", "chat"])
+        .args(["--mix", mix.to_str().context("utf-8")?, "--warmup", "2", "--prefixes", "2"])
+        .args(["--prefix-len", "16", "--sessions", "2", "--turns", "2", "--output-len", "3"])
+        .args(["--input-len", "5", "--save-result", result.to_str().context("utf-8")?])
+        .args(["--report", report.to_str().context("utf-8")?])
+        .output()?;
+    ensure!(out.status.success(), "mix failed: {}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&result)?)?;
+    ensure!(v["completed"] == 12 && v["failed"] == 0, "{v}");
+    ensure!(v["tenants"]["noisy"]["completed"] == 8, "{}", v["tenants"]);
+    ensure!(v["tenants"]["quiet"]["completed"] == 4, "{}", v["tenants"]);
+    // Warm-up excluded: the engine generated exactly the window's 8 x 3 + 4 x 2 tokens.
+    ensure!(v["server_metrics"]["sluice_engine_generation_tokens_total"] == 32.0, "{v}");
+    let buckets = v["length_buckets"].as_array().context("no length buckets")?;
+    let bucketed: u64 = buckets.iter().filter_map(|b| b["completed"].as_u64()).sum();
+    ensure!(bucketed == 12 && buckets[0]["bucket"] == "1-64", "{buckets:?}");
+    let md = std::fs::read_to_string(&report)?;
+    for needle in ["## Experiment identity", "model revision", "sha256:", "| noisy |", "warm-up"] {
+        ensure!(md.contains(needle), "the report lacks {needle:?}:\n{md}");
+    }
+
+    // Whole responses: no TTFT to observe (absent, not E2E), throughput still counted.
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["bench", "serve", "--base-url", &format!("http://{addr}"), "--num-prompts", "3"])
+        .args(["--request-rate", "10", "--input-len", "normal:8:2", "--output-len", "4"])
+        .args(["--no-stream", "--save-result", result.to_str().context("utf-8")?])
+        .output()?;
+    ensure!(out.status.success(), "no-stream failed: {}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&result)?)?;
+    ensure!(v["completed"] == 3 && v["ttft_samples"] == 0 && v["e2el_samples"] == 3, "{v}");
+    ensure!(v["output_throughput"].as_f64().is_some_and(|x| x > 0.0), "{v}");
+    // Bad input names the flag.
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["bench", "serve", "--base-url", &format!("http://{addr}")])
+        .args(["--input-len", "uniform:9:3"])
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success() && err.contains("--input-len"), "{err}");
     Ok(())
 }

@@ -146,11 +146,21 @@ fn sluice_up_serves_bills_and_administers_through_the_gateway() -> anyhow::Resul
         .args(["bench", "serve", "--base-url", &envs["OPENAI_BASE_URL"], "--num-prompts", "4"])
         .args(["--request-rate", "8", "--input-len", "8", "--output-len", "3", "--save-result"])
         .arg(&result)
+        .arg("--report")
+        .arg(up.dir.join("bench.md"))
         .envs(&envs)
         .output()?;
     ensure!(out.status.success(), "bench serve: {}", String::from_utf8_lossy(&out.stderr));
     let bench: Value = serde_json::from_str(&std::fs::read_to_string(&result)?)?;
     ensure!(bench["completed"] == 4 && bench["failed"] == 0, "{bench}");
+    // With admin.env's SLUICE_ADMIN_URL and auditor token, the gateway's own TTFT of the same
+    // requests (by request id) stands beside the client's, which starts earlier (at the
+    // scheduled send) and ends later (after the network).
+    let g = &bench["gateway_ttft"];
+    ensure!(g["matched"] == 4, "{g}");
+    ensure!(g["client_minus_gateway_ms"]["median"].as_f64().is_some_and(|d| d >= 0.0), "{g}");
+    let md = std::fs::read_to_string(up.dir.join("bench.md"))?;
+    ensure!(md.contains("TTFT: client vs the gateway's record"), "{md}");
     seen.extend(up.sdk("disconnect")?);
     seen.extend(up.sdk("metrics")?);
     up.admin(&["admin", "quotas", "set", "demo", "--allowed-model", "some-other-model"])?;
