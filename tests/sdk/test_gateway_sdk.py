@@ -200,9 +200,28 @@ def revoked():
         record("revoked", 401, None)
 
 
+def ttft():
+    # The SDK as an independent client timing TTFT: from the call to the first chunk that
+    # carries text (time.perf_counter), for a few streamed requests sent one at a time.
+    for _ in range(5):
+        t0 = time.perf_counter()
+        raw = client.completions.with_raw_response.create(
+            model=MODEL, prompt=list(range(1000, 1008)), max_tokens=3, stream=True,
+            extra_body={"ignore_eos": True})
+        first, tokens = None, 0
+        for chunk in raw.parse():
+            carried = ((chunk.model_extra or {}).get("sluice") or {}).get("tokens", 0)
+            if carried and first is None:
+                first = time.perf_counter()
+            tokens += carried
+        check(first is not None and tokens == 3, tokens)
+        record("sdk_ttft_stream", 200, raw.headers["x-sluice-request-id"], tokens,
+               sdk_ttft_ms=(first - t0) * 1000.0)
+
+
 PHASES = {"basic": basic, "limits": limits, "idempotency": idempotency,
           "disconnect": disconnect, "metrics": metrics, "revoked": revoked,
-          "forbidden_model": forbidden_model, "suspended": suspended}
+          "forbidden_model": forbidden_model, "suspended": suspended, "ttft": ttft}
 PHASES[sys.argv[1]]()
 for r in results:
     print(json.dumps(r))
