@@ -12,11 +12,12 @@ use clap::Args;
 use serde_json::{Value, json};
 use sluice_bench::arrivals::{Arrival, schedule};
 use sluice_bench::metrics::{Dist, Outcome, Slo, Summary, summarize};
+use sluice_bench::svg::{Series, cdf, line_chart};
 use sluice_bench::workload::{Content, Lengths, Request, Workload, generate, parse_sharegpt};
 use sluice_gateway::observe::{SseParser, tokens_carried};
 
 /// `sluice bench serve`.
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct BenchServeArgs {
     /// Server base URL (`.../v1` is appended when missing).
     #[arg(long)]
@@ -35,7 +36,7 @@ pub struct BenchServeArgs {
     num_prompts: usize,
     /// Offered requests per second (`inf`: all at once).
     #[arg(long, default_value = "inf")]
-    request_rate: f64,
+    pub(crate) request_rate: f64,
     /// Gamma shape of the gaps (1 = Poisson).
     #[arg(long, default_value_t = 1.0)]
     burstiness: f64,
@@ -78,7 +79,7 @@ pub struct BenchServeArgs {
     warmup: usize,
     /// Seconds of load: sets --num-prompts to rate x duration (per tenant).
     #[arg(long)]
-    duration: Option<f64>,
+    pub(crate) duration: Option<f64>,
     /// Seconds over which the rate rises linearly from 0 to --request-rate.
     #[arg(long, default_value_t = 0.0)]
     ramp_up: f64,
@@ -87,10 +88,10 @@ pub struct BenchServeArgs {
     no_stream: bool,
     /// SLO thresholds for goodput, e.g. `ttft:500,tpot:50,e2el:10000` (milliseconds).
     #[arg(long)]
-    goodput: Option<String>,
+    pub(crate) goodput: Option<String>,
     /// Seed of the schedule and the prompts.
     #[arg(long, default_value_t = 0)]
-    seed: u64,
+    pub(crate) seed: u64,
     /// Write the JSON result here.
     #[arg(long)]
     save_result: Option<std::path::PathBuf>,
@@ -103,16 +104,19 @@ pub struct BenchServeArgs {
     /// Per-request timeout, seconds.
     #[arg(long, default_value_t = 600.0)]
     timeout: f64,
+    /// Write SVG plots (latency CDFs) into this directory.
+    #[arg(long)]
+    plots: Option<std::path::PathBuf>,
     /// Sluice's admin API: the gateway's own records of the same requests are fetched from
     /// it and their TTFT put beside the client's.
     #[arg(long, env = "SLUICE_ADMIN_URL")]
-    records_url: Option<String>,
+    pub(crate) records_url: Option<String>,
     /// Token with the auditor role for --records-url.
     #[arg(long, env = "SLUICE_AUDITOR_TOKEN", hide_env_values = true)]
     records_token: Option<String>,
 }
 
-fn parse_slo(s: Option<&str>) -> anyhow::Result<Slo> {
+pub(crate) fn parse_slo(s: Option<&str>) -> anyhow::Result<Slo> {
     let mut slo = Slo::default();
     for part in s.unwrap_or("").split(',').filter(|p| !p.is_empty()) {
         let (k, v) = part.split_once(':').context("--goodput takes NAME:MS pairs")?;
@@ -583,8 +587,22 @@ async fn gateway_records(
     Ok(out)
 }
 
-/// Runs `sluice bench serve`.
-pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
+/// One measured run: the aggregates, the JSON result and what the terminal summary shows.
+pub struct Run {
+    /// The whole window's aggregates.
+    pub summary: Summary,
+    /// The JSON result (vLLM's field names and ours).
+    pub result: Value,
+    /// Every request of the window.
+    pub outcomes: Vec<Outcome>,
+    tenants: Vec<Tenant>,
+    per_tenant: serde_json::Map<String, Value>,
+    buckets: Vec<(String, Value)>,
+    server: std::collections::BTreeMap<String, f64>,
+}
+
+/// Plans, sends and measures one run (`quiet`: no progress bar).
+pub fn measure(args: &BenchServeArgs, quiet: bool) -> anyhow::Result<Run> {
     if args.endpoint != "chat" && args.endpoint != "completions" {
         bail!("--endpoint must be chat or completions");
     }
@@ -595,7 +613,7 @@ pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
         bail!("--ramp-up must be a non-negative number of seconds");
     }
     let slo = parse_slo(args.goodput.as_deref())?;
-    let tenants = tenants(&args)?;
+    let tenants = tenants(args)?;
     let chat = args.endpoint == "chat";
     let stream = !args.no_stream;
     let base = args.base_url.trim_end_matches('/');
@@ -662,7 +680,11 @@ pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
         let metrics_url = format!("{}/metrics", base.trim_end_matches("/v1"));
         let before = scrape(&client, &metrics_url).await;
         let gate = args.max_concurrency.map(|n| Arc::new(tokio::sync::Semaphore::new(n.max(1))));
-        let bar = indicatif::ProgressBar::new(plan.len() as u64);
+        let bar = if quiet {
+            indicatif::ProgressBar::hidden()
+        } else {
+            indicatif::ProgressBar::new(plan.len() as u64)
+        };
         bar.set_style(
             indicatif::ProgressStyle::with_template(
                 "{elapsed_precise} [{bar:40}] {pos}/{len} requests {msg}",
@@ -736,7 +758,7 @@ pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
     let summary = summarize(&outcomes, total_rate, slo);
     let first = results.iter().find(|r| r.0.ok).map(|r| &r.1);
     let ident = identity(&model, first, started);
-    let mut result = result_json(&args, &tenants, &summary, &outcomes, &schedules);
+    let mut result = result_json(args, &tenants, &summary, &outcomes, &schedules);
     result["model_id"] = json!(model);
     result["identity"] = json!(ident);
     result["server_metrics"] = json!(server);
@@ -795,6 +817,34 @@ pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
             "gateway_ttft_ms": Dist::of_seconds(gateway_ttft),
             "client_minus_gateway_ms": Dist::of_seconds(diffs),
         });
+    }
+    Ok(Run { summary, result, outcomes, tenants, per_tenant, buckets, server })
+}
+
+/// Runs `sluice bench serve`.
+pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
+    let Run { summary, result, outcomes, tenants, per_tenant, buckets, server } =
+        measure(&args, false)?;
+    if let Some(dir) = &args.plots {
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("--plots: creating {}", dir.display()))?;
+        let ms = |f: &dyn Fn(&Outcome) -> Option<f64>| {
+            cdf(&outcomes
+                .iter()
+                .filter(|o| o.ok)
+                .filter_map(f)
+                .map(|s| s * 1000.0)
+                .collect::<Vec<_>>())
+        };
+        let series = [
+            Series { name: "TTFT".into(), points: ms(&|o| o.ttft()) },
+            Series { name: "TPOT".into(), points: ms(&|o| o.tpot()) },
+            Series { name: "E2E".into(), points: ms(&|o| Some(o.end_s)) },
+        ];
+        let path = dir.join("latency_cdf.svg");
+        std::fs::write(&path, line_chart("Latency CDF", "ms", "fraction of requests", &series))
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!("plot written to {}", path.display());
     }
     print_summary(&summary);
     if tenants.len() > 1 {
@@ -918,6 +968,13 @@ fn result_json(
             outcomes
                 .iter()
                 .map(|o| o.itls().iter().map(|g| g.0).collect::<Vec<_>>())
+                .collect::<Vec<_>>()
+        );
+        // Tokens each gap delivered: a gap before a chunk of k > 1 tokens is a chunk gap.
+        v["itl_tokens"] = json!(
+            outcomes
+                .iter()
+                .map(|o| o.itls().iter().map(|g| g.1).collect::<Vec<_>>())
                 .collect::<Vec<_>>()
         );
         v["input_lens"] = json!(outcomes.iter().map(|o| o.input_len).collect::<Vec<_>>());

@@ -3,6 +3,7 @@
 mod admin_cli;
 mod bench_gateway;
 mod bench_serve;
+mod bench_sweep;
 mod telemetry;
 mod up;
 
@@ -104,6 +105,9 @@ enum BenchCommand {
     Gateway(bench_gateway::BenchGatewayArgs),
     /// Open-loop load against any OpenAI-compatible endpoint, with the serving metrics.
     Serve(Box<bench_serve::BenchServeArgs>),
+    /// The highest arrival rate meeting an SLO-attainment target (DistServe's capacity):
+    /// doubling, then bisection, each rate repeated; JSON, Markdown and SVG plots.
+    Sweep(Box<bench_sweep::BenchSweepArgs>),
 }
 
 #[derive(Args, Debug)]
@@ -314,6 +318,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Billing(args)) => run_bench_billing(args)?,
         Command::Bench(BenchCommand::Gateway(args)) => bench_gateway::run_bench_gateway(args)?,
         Command::Bench(BenchCommand::Serve(args)) => bench_serve::run_bench_serve(*args)?,
+        Command::Bench(BenchCommand::Sweep(args)) => bench_sweep::run_bench_sweep(*args)?,
         Command::Engine(args) => run_engine(args)?,
         Command::Billing(args) => admin_cli::run_billing(args)?,
         Command::Up(args) => up::run_up(args)?,

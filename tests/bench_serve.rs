@@ -34,7 +34,7 @@ async fn bench_serve_measures_an_engine() -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let out_path = dir.path().join("result.json");
     let out = tokio::task::spawn_blocking({
-        let (addr, out_path) = (addr.clone(), out_path.clone());
+        let (addr, out_path, plots) = (addr.clone(), out_path.clone(), dir.path().join("plots"));
         move || {
             Command::new(env!("CARGO_BIN_EXE_sluice"))
                 .args([
@@ -62,6 +62,8 @@ async fn bench_serve_measures_an_engine() -> anyhow::Result<()> {
                     "--save-result",
                 ])
                 .arg(&out_path)
+                .arg("--plots")
+                .arg(&plots)
                 .output()
         }
     })
@@ -69,6 +71,8 @@ async fn bench_serve_measures_an_engine() -> anyhow::Result<()> {
     ensure!(out.status.success(), "bench serve failed: {}", String::from_utf8_lossy(&out.stderr));
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&out_path)?)?;
     ensure!(v["completed"] == 6 && v["failed"] == 0, "{v}");
+    let cdf = std::fs::read_to_string(dir.path().join("plots/latency_cdf.svg"))?;
+    ensure!(cdf.starts_with("<svg") && cdf.matches("<polyline").count() == 3, "{cdf}");
     for k in [
         "duration",
         "request_throughput",
@@ -156,6 +160,38 @@ async fn bench_serve_measures_an_engine() -> anyhow::Result<()> {
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&result)?)?;
     ensure!(v["completed"] == 3 && v["ttft_samples"] == 0 && v["e2el_samples"] == 3, "{v}");
     ensure!(v["output_throughput"].as_f64().is_some_and(|x| x > 0.0), "{v}");
+    // Capacity search: doubling from 4 req/s to a ceiling of 16, then bisection; the
+    // capacity is a rate every tested rate up to which met the target.
+    let sweep = dir.path().join("sweep");
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["bench", "sweep", "--base-url", &format!("http://{addr}")])
+        .args(["--goodput", "ttft:3000,tpot:1000", "--input-len", "8", "--output-len", "3"])
+        .args(["--duration", "1", "--start-rate", "4", "--max-rate", "16", "--repeats", "1"])
+        .args(["--bisect", "1", "--out", sweep.to_str().context("utf-8")?])
+        .output()?;
+    ensure!(out.status.success(), "sweep failed: {}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(sweep.join("sweep.json"))?)?;
+    let points = v["points"].as_array().context("no points")?;
+    let rates: Vec<f64> = points.iter().filter_map(|p| p["rate"].as_f64()).collect();
+    ensure!(rates.len() >= 3 && rates.windows(2).all(|w| w[0] < w[1]), "{rates:?}");
+    ensure!(rates[0] == 4.0 && rates.iter().all(|r| *r <= 16.0), "{rates:?}");
+    let cap = v["capacity_rps"].as_f64().context("no capacity")?;
+    for p in points {
+        let (rate, att) = (p["rate"].as_f64().unwrap_or(0.0), p["slo_attainment"].as_f64());
+        if rate <= cap {
+            ensure!(att.is_some_and(|a| a >= 0.9), "{p} is below the capacity {cap} yet missed");
+        }
+    }
+    for f in ["throughput.svg", "latency.svg", "attainment.svg", "goodput.svg"] {
+        let svg = std::fs::read_to_string(sweep.join(f))?;
+        ensure!(svg.starts_with("<svg") && svg.contains("<polyline"), "{f}: {svg}");
+    }
+    ensure!(std::fs::read_to_string(sweep.join("sweep.md"))?.contains("**Capacity:"));
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["bench", "sweep", "--base-url", &format!("http://{addr}")])
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success() && err.contains("--goodput"), "{err}");
     // Bad input names the flag.
     let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
         .args(["bench", "serve", "--base-url", &format!("http://{addr}")])
