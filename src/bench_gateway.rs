@@ -73,6 +73,19 @@ struct Point {
     overhead_p50_ms: Option<f64>,
     overhead_p99_ms: Option<f64>,
     send_lateness_p99_ms: f64,
+    /// CPU time of this whole process (client, gateway and engine) per request, µs.
+    cpu_us_per_request: Option<f64>,
+}
+
+/// CPU time this process has used (user + system), seconds, from /proc/self/stat.
+fn process_cpu_s() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which is in parentheses and may hold spaces).
+    let rest = stat.rsplit_once(')')?.1;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let (utime, stime) = (f.get(11)?.parse::<f64>().ok()?, f.get(12)?.parse::<f64>().ok()?);
+    // Linux reports these in USER_HZ, 100 on every supported architecture.
+    Some((utime + stime) / 100.0)
 }
 
 async fn offer(
@@ -84,6 +97,7 @@ async fn offer(
     target: &'static str,
 ) -> Point {
     let n = (rate * seconds).round() as usize;
+    let cpu_before = process_cpu_s();
     let body = serde_json::json!({"model": "bench", "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0});
     let start = tokio::time::Instant::now() + Duration::from_millis(50);
     let mut tasks = Vec::with_capacity(n);
@@ -135,6 +149,11 @@ async fn offer(
         (p.overhead_p50_ms, p.overhead_p99_ms) = (Some(over.median), Some(over.p99));
     }
     p.send_lateness_p99_ms = Dist::of_seconds(late).p99;
+    if let (Some(a), Some(b)) = (cpu_before, process_cpu_s())
+        && n > 0
+    {
+        p.cpu_us_per_request = Some((b - a) / n as f64 * 1e6);
+    }
     p
 }
 
@@ -290,6 +309,15 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
             g.e2e_p50_ms - d.e2e_p50_ms,
             g.e2e_p99_ms - d.e2e_p99_ms
         );
+        if let (Some(dc), Some(gc)) = (d.cpu_us_per_request, g.cpu_us_per_request) {
+            // The same client and engine work either way: the difference is the gateway's
+            // (proxying, auth, admission, usage event) and the extra hop's sockets.
+            println!(
+                "         CPU per request: {dc:.0} us straight, {gc:.0} us through the gateway ({:+.0} us: {:.0}% of one core at this rate)",
+                gc - dc,
+                (gc - dc) * g.offered_rps / 1e4
+            );
+        }
     }
     Ok(())
 }
