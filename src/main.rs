@@ -82,6 +82,17 @@ enum Command {
     Bench(BenchCommand),
     /// Run an engine worker: the OpenAI-compatible HTTP server over one model.
     Engine(EngineArgs),
+    /// The CUDA backend: driver, device and NVRTC found, and every kernel compiled for the
+    /// device (or for --arch).
+    #[cfg(feature = "cuda")]
+    Cuda {
+        /// Target architectures to compile for (default: the device's, else sm_80 and sm_90).
+        #[arg(long = "arch", value_delimiter = ',')]
+        archs: Vec<String>,
+        /// Device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -320,6 +331,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Serve(args)) => bench_serve::run_bench_serve(*args)?,
         Command::Bench(BenchCommand::Sweep(args)) => bench_sweep::run_bench_sweep(*args)?,
         Command::Engine(args) => run_engine(args)?,
+        #[cfg(feature = "cuda")]
+        Command::Cuda { archs, device } => run_cuda_info(archs, device)?,
         Command::Billing(args) => admin_cli::run_billing(args)?,
         Command::Up(args) => up::run_up(args)?,
         Command::Gateway(args) => up::run_gateway(args)?,
@@ -767,4 +780,38 @@ fn run_llama_bench(
         (Some(a), Some(b)) => Ok((a, b)),
         _ => bail!("{} printed no pp{p}/tg{n} rows", bin.display()),
     }
+}
+
+/// `sluice cuda`: what the CUDA backend finds here, and every kernel compiled.
+#[cfg(feature = "cuda")]
+fn run_cuda_info(archs: Vec<String>, device: usize) -> anyhow::Result<()> {
+    use sluice_engine::cuda;
+    let probed = cuda::probe(device);
+    match &probed {
+        Ok(d) => println!(
+            "device {}: compute capability {}.{} ({} device(s) in all)",
+            d.ordinal, d.compute_capability.0, d.compute_capability.1, d.count
+        ),
+        Err(e) => println!("device: {e}"),
+    }
+    let (major, minor) = cuda::nvrtc_version()?;
+    println!("NVRTC {major}.{minor}");
+    let archs = match (archs.is_empty(), &probed) {
+        (false, _) => archs,
+        (true, Ok(d)) => vec![d.arch()],
+        (true, Err(_)) => cuda::CI_ARCHS.iter().map(|a| (*a).to_owned()).collect(),
+    };
+    for arch in &archs {
+        if !arch.starts_with("sm_")
+            || arch.len() < 5
+            || !arch[3..].bytes().all(|b| b.is_ascii_digit())
+        {
+            anyhow::bail!("--arch: {arch:?} is not an architecture like sm_90");
+        }
+        for m in cuda::compile_all(arch)? {
+            let kernels = m.ptx.matches(".entry ").count();
+            println!("{arch} {:<12} {kernels} kernel(s), {} bytes of PTX", m.module, m.ptx.len());
+        }
+    }
+    Ok(())
 }

@@ -3,6 +3,8 @@
 
 pub mod bench;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod error;
 pub mod fetch;
 pub mod forward;

@@ -1,0 +1,205 @@
+//! The CUDA backend's foundation (issue 7): our kernels (`kernels/*.cu`, CUDA C compiled at
+//! run time by NVRTC for the device's compute capability) and the probing of driver and
+//! device. cudarc loads libcuda and libnvrtc dynamically, so building needs no CUDA; without
+//! them these functions return [`CudaError::NoDriver`] / [`CudaError::NoNvrtc`] (they never
+//! reach cudarc's own loader, which panics on a missing library).
+
+use std::ffi::CString;
+
+/// Declarations every kernel source starts with (bf16 and f16 bit-pattern conversions,
+/// reductions); NVRTC then needs no CUDA headers.
+pub const PRELUDE: &str = include_str!("../../kernels/prelude.cuh");
+
+/// Kernel sources by module name.
+pub const KERNELS: &[(&str, &str)] = &[
+    ("elementwise", include_str!("../../kernels/elementwise.cu")),
+    ("dequant", include_str!("../../kernels/dequant.cu")),
+    ("attention", include_str!("../../kernels/attention.cu")),
+    ("sampling", include_str!("../../kernels/sampling.cu")),
+];
+
+/// The architectures CI compiles every kernel for (A100, H100/H200).
+pub const CI_ARCHS: &[&str] = &["sm_80", "sm_90"];
+
+/// What can go wrong before a kernel runs.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// libnvrtc could not be loaded.
+    #[error(
+        "NVRTC (libnvrtc.so.12) was not found: install the CUDA toolkit or the PyPI package \
+         nvidia-cuda-nvrtc-cu12 and put its lib directory on LD_LIBRARY_PATH"
+    )]
+    NoNvrtc,
+    /// libcuda could not be loaded.
+    #[error(
+        "no NVIDIA driver found (libcuda.so could not be loaded): run on a machine with an \
+         NVIDIA GPU and driver, or use the CPU backend"
+    )]
+    NoDriver,
+    /// The driver is there but has no usable device.
+    #[error("CUDA device {ordinal}: {message}")]
+    Device {
+        /// Device ordinal asked for.
+        ordinal: usize,
+        /// The driver's error.
+        message: String,
+    },
+    /// A kernel failed to compile, or compiled with warnings.
+    #[error("kernel {module} for {arch}: {log}")]
+    Compile {
+        /// Kernel module (file) name.
+        module: String,
+        /// Target architecture.
+        arch: String,
+        /// NVRTC's log.
+        log: String,
+    },
+}
+
+/// One compiled kernel module.
+#[derive(Clone, Debug)]
+pub struct Compiled {
+    /// Module name (`kernels/<name>.cu`).
+    pub module: &'static str,
+    /// Target architecture (`sm_90`).
+    pub arch: String,
+    /// The PTX.
+    pub ptx: String,
+}
+
+/// Whether libnvrtc can be loaded.
+pub fn nvrtc_available() -> bool {
+    // SAFETY: only tries to dlopen the library; nothing is called through it.
+    unsafe { cudarc::nvrtc::sys::is_culib_present() }
+}
+
+/// Whether libcuda (the driver) can be loaded.
+pub fn driver_available() -> bool {
+    // SAFETY: only tries to dlopen the library; nothing is called through it.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// NVRTC's version, `(major, minor)`.
+pub fn nvrtc_version() -> Result<(i32, i32), CudaError> {
+    if !nvrtc_available() {
+        return Err(CudaError::NoNvrtc);
+    }
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: the library is present; both pointers are valid for the call.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    Ok((major, minor))
+}
+
+/// Compiles one kernel module for `arch` (`sm_80`, `sm_90`, ...). Any warning in NVRTC's log
+/// is an error: kernels must compile clean.
+pub fn compile(module: &'static str, source: &str, arch: &str) -> Result<Compiled, CudaError> {
+    use cudarc::nvrtc::result;
+    if !nvrtc_available() {
+        return Err(CudaError::NoNvrtc);
+    }
+    let fail =
+        |log: String| CudaError::Compile { module: module.to_owned(), arch: arch.to_owned(), log };
+    let text = CString::new(format!("{PRELUDE}\n#line 1 \"{module}.cu\"\n{source}"))
+        .map_err(|_| fail("the source holds a NUL byte".into()))?;
+    let name = CString::new(format!("{module}.cu")).map_err(|_| fail("bad name".into()))?;
+    let prog = result::create_program(&text, Some(&name)).map_err(|e| fail(format!("{e:?}")))?;
+    let options = [
+        format!("--gpu-architecture={}", arch.replace("sm_", "compute_")),
+        "--std=c++17".to_owned(),
+        "--fmad=true".to_owned(),
+        "--extra-device-vectorization".to_owned(),
+    ];
+    // SAFETY: `prog` is a live program; the options outlive the call.
+    let compiled = unsafe { result::compile_program(prog, &options) };
+    // SAFETY: `prog` is live; the log is copied out before the program is destroyed.
+    let log = unsafe { result::get_program_log(prog) }
+        .map(|raw| {
+            let bytes: Vec<u8> = raw.iter().map(|c| *c as u8).take_while(|b| *b != 0).collect();
+            String::from_utf8_lossy(&bytes).trim().to_owned()
+        })
+        .unwrap_or_default();
+    let ptx = match compiled {
+        // SAFETY: compilation succeeded; `prog` is live.
+        Ok(()) => unsafe { result::get_ptx(prog) }.map(|raw| {
+            let bytes: Vec<u8> = raw.iter().map(|c| *c as u8).take_while(|b| *b != 0).collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        }),
+        Err(e) => Err(e),
+    };
+    // SAFETY: `prog` is destroyed once, after its last use.
+    let _ = unsafe { result::destroy_program(prog) };
+    let ptx = ptx.map_err(|e| fail(if log.is_empty() { format!("{e:?}") } else { log.clone() }))?;
+    if log.to_ascii_lowercase().contains("warning") {
+        return Err(fail(log));
+    }
+    Ok(Compiled { module, arch: arch.to_owned(), ptx })
+}
+
+/// Every kernel module compiled for `arch`.
+pub fn compile_all(arch: &str) -> Result<Vec<Compiled>, CudaError> {
+    KERNELS.iter().map(|(m, src)| compile(m, src, arch)).collect()
+}
+
+/// What the driver says about one device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DeviceInfo {
+    /// Ordinal.
+    pub ordinal: usize,
+    /// Devices the driver sees.
+    pub count: i32,
+    /// Compute capability `(major, minor)`.
+    pub compute_capability: (i32, i32),
+}
+
+impl DeviceInfo {
+    /// The NVRTC architecture for this device (`sm_90` for 9.0).
+    pub fn arch(&self) -> String {
+        format!("sm_{}{}", self.compute_capability.0, self.compute_capability.1)
+    }
+}
+
+/// Opens device `ordinal` and reads its compute capability.
+pub fn probe(ordinal: usize) -> Result<DeviceInfo, CudaError> {
+    if !driver_available() {
+        return Err(CudaError::NoDriver);
+    }
+    let device =
+        |e: cudarc::driver::DriverError| CudaError::Device { ordinal, message: e.to_string() };
+    let count = cudarc::driver::CudaContext::device_count().map_err(device)?;
+    if usize::try_from(count).unwrap_or(0) <= ordinal {
+        return Err(CudaError::Device {
+            ordinal,
+            message: format!("the driver sees {count} device(s)"),
+        });
+    }
+    let ctx = cudarc::driver::CudaContext::new(ordinal).map_err(device)?;
+    let compute_capability = ctx.compute_capability().map_err(device)?;
+    Ok(DeviceInfo { ordinal, count, compute_capability })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_module_gets_the_prelude_and_names_its_kernels() {
+        for (name, src) in KERNELS {
+            assert!(src.contains("extern \"C\" __global__"), "{name} defines no kernel");
+        }
+        assert!(PRELUDE.contains("f32_to_bf16") && PRELUDE.contains("block_sum"));
+    }
+
+    #[test]
+    fn missing_libraries_are_errors_not_panics() -> Result<(), String> {
+        match probe(0) {
+            Err(CudaError::NoDriver) => assert!(!driver_available()),
+            Ok(info) => assert!(driver_available() && info.count >= 1),
+            Err(CudaError::Device { .. }) => assert!(driver_available()),
+            Err(other) => return Err(format!("unexpected: {other}")),
+        }
+        if !nvrtc_available() {
+            assert!(matches!(compile("x", "", "sm_90"), Err(CudaError::NoNvrtc)));
+        }
+        Ok(())
+    }
+}

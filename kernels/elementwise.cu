@@ -1,0 +1,85 @@
+// Row and element kernels of the forward pass: embedding gather, RMSNorm, RoPE, SiLU-and-multiply,
+// residual add, and the f32 view of bf16 logits.
+
+// out[t, :] = table[ids[t], :]. Grid: one block per token.
+extern "C" __global__ void embedding_gather(const bf16_t* __restrict__ table,
+                                            const int* __restrict__ ids,
+                                            bf16_t* __restrict__ out, int hidden) {
+    const long long t = blockIdx.x;
+    const long long row = (long long)ids[t] * hidden;
+    for (int i = threadIdx.x; i < hidden; i += blockDim.x) {
+        out[t * hidden + i] = table[row + i];
+    }
+}
+
+// out = x / sqrt(mean(x^2) + eps) * w, per row. Grid: one block per row.
+extern "C" __global__ void rmsnorm(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
+                                   bf16_t* __restrict__ out, int dim, float eps) {
+    const long long base = (long long)blockIdx.x * dim;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = bf16_to_f32(x[base + i]);
+        ss += v * v;
+    }
+    ss = block_sum(ss);
+    const float scale = rsqrtf(ss / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        out[base + i] = f32_to_bf16(bf16_to_f32(x[base + i]) * scale * bf16_to_f32(w[i]));
+    }
+}
+
+// Rotary embedding in place on q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim]:
+// the first rope_dims of each head rotate by pos[t] * inv_freq[i], in adjacent pairs
+// (interleaved = 1, GGUF llama) or halves (interleaved = 0, NeoX style). Grid: one block per
+// token; threads over (head, pair).
+extern "C" __global__ void rope(bf16_t* __restrict__ q, bf16_t* __restrict__ k,
+                                const int* __restrict__ pos, const float* __restrict__ inv_freq,
+                                int heads, int kv_heads, int head_dim, int rope_dims,
+                                int interleaved) {
+    const long long t = blockIdx.x;
+    const int half = rope_dims / 2;
+    const float p = (float)pos[t];
+    const int work = (heads + kv_heads) * half;
+    for (int w = threadIdx.x; w < work; w += blockDim.x) {
+        const int h = w / half;
+        const int i = w % half;
+        bf16_t* x = (h < heads) ? q + (t * heads + h) * head_dim
+                                : k + (t * kv_heads + (h - heads)) * head_dim;
+        const int a = interleaved ? 2 * i : i;
+        const int b = interleaved ? 2 * i + 1 : i + half;
+        float s, c;
+        sincosf(p * inv_freq[i], &s, &c);
+        const float x0 = bf16_to_f32(x[a]);
+        const float x1 = bf16_to_f32(x[b]);
+        x[a] = f32_to_bf16(x0 * c - x1 * s);
+        x[b] = f32_to_bf16(x0 * s + x1 * c);
+    }
+}
+
+// out = silu(gate) * up, elementwise over n.
+extern "C" __global__ void silu_mul(const bf16_t* __restrict__ gate, const bf16_t* __restrict__ up,
+                                    bf16_t* __restrict__ out, long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        const float g = bf16_to_f32(gate[i]);
+        out[i] = f32_to_bf16(g / (1.0f + __expf(-g)) * bf16_to_f32(up[i]));
+    }
+}
+
+// x += y, elementwise over n (the residual stream).
+extern "C" __global__ void add_inplace(bf16_t* __restrict__ x, const bf16_t* __restrict__ y,
+                                       long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
+    }
+}
+
+// out = f32(x), elementwise over n.
+extern "C" __global__ void bf16_to_f32_copy(const bf16_t* __restrict__ x, float* __restrict__ out,
+                                            long long n) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        out[i] = bf16_to_f32(x[i]);
+    }
+}

@@ -1,0 +1,73 @@
+// Shared by every kernel source (prepended by the loader; NVRTC needs no CUDA headers).
+// bf16 values travel as their 16-bit patterns: conversions below round to nearest even and keep
+// NaN a NaN. Accumulation is always f32.
+typedef unsigned short bf16_t;
+typedef unsigned short f16_t;
+
+// +infinity without math.h.
+#define SLUICE_INF __int_as_float(0x7f800000)
+
+__device__ __forceinline__ float bf16_to_f32(bf16_t x) {
+    return __uint_as_float(((unsigned int)x) << 16);
+}
+
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        return (bf16_t)((u >> 16) | 0x40u);
+    }
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16_t)(u >> 16);
+}
+
+// IEEE half (GGML block scales) to f32, subnormals included.
+__device__ __forceinline__ float f16_to_f32(f16_t h) {
+    unsigned int sign = ((unsigned int)h & 0x8000u) << 16;
+    unsigned int exp = ((unsigned int)h >> 10) & 0x1fu;
+    unsigned int mant = (unsigned int)h & 0x3ffu;
+    if (exp == 0u) {
+        float v = (float)mant * 5.9604644775390625e-8f;  // mant * 2^-24
+        return sign ? -v : v;
+    }
+    if (exp == 31u) {
+        return __uint_as_float(sign | 0x7f800000u | (mant << 13));
+    }
+    return __uint_as_float(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    }
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    }
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    int lane = threadIdx.x & 31;
+    int warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) {
+        partial[warp] = v;
+    }
+    __syncthreads();
+    int warps = (blockDim.x + 31) >> 5;
+    v = (threadIdx.x < warps) ? partial[threadIdx.x] : 0.0f;
+    if (warp == 0) {
+        v = warp_sum(v);
+        if (lane == 0) {
+            partial[0] = v;
+        }
+    }
+    __syncthreads();
+    return partial[0];
+}
