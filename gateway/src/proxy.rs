@@ -927,8 +927,16 @@ impl Gateway {
     }
 
     async fn emit(&self, event: UsageEvent) {
-        let sink = self.usage.clone();
         let id = event.request_id.clone();
+        // The in-process writer takes events over a channel from any runtime: no hand-off to
+        // the I/O runtime and back (two thread wake-ups per request).
+        if let UsageSink::Local(local) = &self.usage {
+            if let Err(e) = local.emit(event).await {
+                tracing::error!(error = %e, request_id = %id, "usage event not delivered");
+            }
+            return;
+        }
+        let sink = self.usage.clone();
         match self.on_io(async move { sink.emit(event).await }).await {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => {

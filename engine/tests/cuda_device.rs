@@ -1,0 +1,309 @@
+//! Every kernel of `kernels/` run on the GPU against a CPU reference written here from the
+//! definitions (and, for dequantization, against the CPU backend's own `dequantize_row`).
+//! They need an NVIDIA device: without a driver they are skipped, unless SLUICE_REQUIRE_GPU=1
+//! (the device script sets it), which makes a missing device a failure.
+#![cfg(feature = "cuda")]
+
+use std::sync::Arc;
+
+use anyhow::{Context, bail, ensure};
+use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
+use half::bf16;
+use sluice_engine::cuda::{KERNELS, compile, driver_available, probe};
+use sluice_engine::quant::{GgmlType, dequantize_row, quantize_row};
+
+struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    arch: String,
+}
+
+fn gpu() -> anyhow::Result<Option<Gpu>> {
+    let required = std::env::var("SLUICE_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    if !driver_available() {
+        if required {
+            bail!("SLUICE_REQUIRE_GPU=1 but no NVIDIA driver was found");
+        }
+        eprintln!("no NVIDIA driver: the device kernels are not run here");
+        return Ok(None);
+    }
+    let info = probe(0)?;
+    let ctx = CudaContext::new(0)?;
+    let stream = ctx.default_stream();
+    Ok(Some(Gpu { ctx, stream, arch: info.arch() }))
+}
+
+impl Gpu {
+    fn function(&self, module: &'static str, name: &str) -> anyhow::Result<CudaFunction> {
+        let src = KERNELS.iter().find(|(m, _)| *m == module).context("no such module")?.1;
+        let compiled = compile(module, src, &self.arch)?;
+        let m = self.ctx.load_module(Ptx::from_src(compiled.ptx))?;
+        Ok(m.load_function(name)?)
+    }
+}
+
+/// Deterministic values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+fn to_bf16(v: &[f32]) -> Vec<u16> {
+    v.iter().map(|x| bf16::from_f32(*x).to_bits()).collect()
+}
+
+fn from_bf16(v: &[u16]) -> Vec<f32> {
+    v.iter().map(|b| bf16::from_bits(*b).to_f32()).collect()
+}
+
+/// Inputs as the device sees them (rounded to bf16).
+fn rounded(v: &[f32]) -> Vec<f32> {
+    from_bf16(&to_bf16(v))
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+fn cfg(grid: (u32, u32), block: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: (grid.0, grid.1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
+}
+
+#[test]
+fn rmsnorm_rope_silu_and_add_match_their_definitions() -> anyhow::Result<()> {
+    let Some(g) = gpu()? else { return Ok(()) };
+    let s = &g.stream;
+    let (rows, dim, eps) = (3usize, 576usize, 1e-5f32);
+    let x = rounded(&values(rows * dim, 1));
+    let w = rounded(&values(dim, 2));
+    let (x_d, w_d) = (s.clone_htod(&to_bf16(&x))?, s.clone_htod(&to_bf16(&w))?);
+    let mut out_d = s.alloc_zeros::<u16>(rows * dim)?;
+    let f = g.function("elementwise", "rmsnorm")?;
+    let dim_i = dim as i32;
+    let mut b = s.launch_builder(&f);
+    b.arg(&x_d).arg(&w_d).arg(&mut out_d).arg(&dim_i).arg(&eps);
+    // SAFETY: argument types and counts match the kernel's signature.
+    unsafe { b.launch(cfg((rows as u32, 1), 256)) }?;
+    let got = from_bf16(&s.clone_dtoh(&out_d)?);
+    let mut want = vec![0f32; rows * dim];
+    for r in 0..rows {
+        let row = &x[r * dim..][..dim];
+        let scale = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / dim as f32 + eps).sqrt();
+        for i in 0..dim {
+            want[r * dim + i] = row[i] * scale * w[i];
+        }
+    }
+    let d = max_diff(&got, &want);
+    ensure!(d < 2e-2, "rmsnorm differs by {d}");
+
+    // RoPE, both pair layouts, 2 tokens, 3 query heads and 1 KV head of 64 (rope on all 64).
+    for interleaved in [1i32, 0] {
+        let (heads, kv_heads, hd) = (3usize, 1usize, 64usize);
+        let qv = rounded(&values(2 * heads * hd, 3));
+        let kv = rounded(&values(2 * kv_heads * hd, 4));
+        let pos = [5i32, 17];
+        let inv_freq: Vec<f32> =
+            (0..hd / 2).map(|i| 10000f32.powf(-((2 * i) as f32) / hd as f32)).collect();
+        let mut q_d = s.clone_htod(&to_bf16(&qv))?;
+        let mut k_d = s.clone_htod(&to_bf16(&kv))?;
+        let (pos_d, f_d) = (s.clone_htod(&pos[..])?, s.clone_htod(&inv_freq)?);
+        let f = g.function("elementwise", "rope")?;
+        let (h_i, kvh_i, hd_i, rd_i) = (heads as i32, kv_heads as i32, hd as i32, hd as i32);
+        let mut b = s.launch_builder(&f);
+        b.arg(&mut q_d).arg(&mut k_d).arg(&pos_d).arg(&f_d);
+        b.arg(&h_i).arg(&kvh_i).arg(&hd_i).arg(&rd_i).arg(&interleaved);
+        // SAFETY: as above.
+        unsafe { b.launch(cfg((2, 1), 128)) }?;
+        let got_q = from_bf16(&s.clone_dtoh(&q_d)?);
+        let mut want_q = qv.clone();
+        for t in 0..2 {
+            for h in 0..heads {
+                let x = &mut want_q[(t * heads + h) * hd..][..hd];
+                for (i, freq) in inv_freq.iter().enumerate() {
+                    let (a, bb) =
+                        if interleaved == 1 { (2 * i, 2 * i + 1) } else { (i, i + hd / 2) };
+                    let (sn, cs) = (pos[t] as f32 * freq).sin_cos();
+                    let (x0, x1) = (x[a], x[bb]);
+                    x[a] = x0 * cs - x1 * sn;
+                    x[bb] = x0 * sn + x1 * cs;
+                }
+            }
+        }
+        let d = max_diff(&got_q, &want_q);
+        ensure!(d < 2e-2, "rope (interleaved {interleaved}) differs by {d}");
+    }
+
+    // SiLU-and-multiply, then the residual add.
+    let n = 1000usize;
+    let (gate, up) = (rounded(&values(n, 5)), rounded(&values(n, 6)));
+    let (g_d, u_d) = (s.clone_htod(&to_bf16(&gate))?, s.clone_htod(&to_bf16(&up))?);
+    let mut o_d = s.alloc_zeros::<u16>(n)?;
+    let f = g.function("elementwise", "silu_mul")?;
+    let n_i = n as i64;
+    let mut b = s.launch_builder(&f);
+    b.arg(&g_d).arg(&u_d).arg(&mut o_d).arg(&n_i);
+    // SAFETY: as above.
+    unsafe { b.launch(cfg((4, 1), 256)) }?;
+    let got = from_bf16(&s.clone_dtoh(&o_d)?);
+    let want: Vec<f32> = gate.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+    ensure!(max_diff(&got, &want) < 1e-2, "silu_mul differs by {}", max_diff(&got, &want));
+    let f = g.function("elementwise", "add_inplace")?;
+    let mut b = s.launch_builder(&f);
+    b.arg(&mut o_d).arg(&u_d).arg(&n_i);
+    // SAFETY: as above.
+    unsafe { b.launch(cfg((4, 1), 256)) }?;
+    let summed = from_bf16(&s.clone_dtoh(&o_d)?);
+    let want: Vec<f32> = got.iter().zip(&up).map(|(a, b)| a + b).collect();
+    ensure!(max_diff(&summed, &want) < 1e-2);
+    Ok(())
+}
+
+#[test]
+fn dequantization_matches_the_cpu_backend() -> anyhow::Result<()> {
+    let Some(g) = gpu()? else { return Ok(()) };
+    let s = &g.stream;
+    let src = values(32 * 64, 7).iter().map(|v| v * 3.0).collect::<Vec<f32>>();
+    for (ty, kernel) in [
+        (GgmlType::Q4_0, "dequant_q4_0"),
+        (GgmlType::Q4_1, "dequant_q4_1"),
+        (GgmlType::Q8_0, "dequant_q8_0"),
+    ] {
+        let bytes = quantize_row(ty, &src);
+        let mut want = vec![0f32; src.len()];
+        dequantize_row(ty, &bytes, &mut want);
+        let b_d = s.clone_htod(&bytes)?;
+        let mut o_d = s.alloc_zeros::<u16>(src.len())?;
+        let f = g.function("dequant", kernel)?;
+        let blocks = (src.len() / 32) as i64;
+        let mut b = s.launch_builder(&f);
+        b.arg(&b_d).arg(&mut o_d).arg(&blocks);
+        // SAFETY: as above.
+        unsafe { b.launch(cfg((1, 1), 64)) }?;
+        let got = from_bf16(&s.clone_dtoh(&o_d)?);
+        // bf16 keeps 8 bits of mantissa: within half an ulp of the CPU's f32.
+        for (i, (a, w)) in got.iter().zip(&want).enumerate() {
+            ensure!((a - w).abs() <= w.abs() / 256.0 + 1e-6, "{kernel}[{i}]: {a} vs {w}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn paged_attention_mixes_prefill_and_decode_rows() -> anyhow::Result<()> {
+    let Some(g) = gpu()? else { return Ok(()) };
+    let s = &g.stream;
+    let (heads, kv_heads, hd, block_size) = (4usize, 2usize, 64usize, 16usize);
+    let kv_dim = kv_heads * hd;
+    // Sequence 0 holds 37 tokens in blocks [3, 0, 5]; sequence 1 holds 5 in block [1].
+    let tables: Vec<i32> = vec![3, 0, 5, 1, -1, -1];
+    let max_blocks = 3usize;
+    let lens = [37usize, 5];
+    let slots_of = |seq: usize, j: usize| {
+        tables[seq * max_blocks + j / block_size] as usize * block_size + j % block_size
+    };
+    let n_slots = 6 * block_size;
+    // Keys and values per (sequence, position), written through kv_write.
+    let mut k_rows = Vec::new();
+    let mut v_rows = Vec::new();
+    let mut slots = Vec::new();
+    for (seq, &len) in lens.iter().enumerate() {
+        for j in 0..len {
+            k_rows.extend(rounded(&values(kv_dim, 100 + (seq * 64 + j) as u64)));
+            v_rows.extend(rounded(&values(kv_dim, 900 + (seq * 64 + j) as u64)));
+            slots.push(slots_of(seq, j) as i32);
+        }
+    }
+    let mut kc = s.alloc_zeros::<u16>(n_slots * kv_dim)?;
+    let mut vc = s.alloc_zeros::<u16>(n_slots * kv_dim)?;
+    let (k_d, v_d, sl_d) =
+        (s.clone_htod(&to_bf16(&k_rows))?, s.clone_htod(&to_bf16(&v_rows))?, s.clone_htod(&slots)?);
+    let f = g.function("attention", "kv_write")?;
+    let kv_dim_i = kv_dim as i32;
+    let mut b = s.launch_builder(&f);
+    b.arg(&k_d).arg(&v_d).arg(&mut kc).arg(&mut vc).arg(&sl_d).arg(&kv_dim_i);
+    // SAFETY: as above.
+    unsafe { b.launch(cfg((slots.len() as u32, 1), 128)) }?;
+    // Rows: sequence 0 prefilling positions 30..37 (causal), sequence 1 decoding at 5 keys.
+    let mut q_seq = Vec::new();
+    let mut ctx = Vec::new();
+    for p in 30..37i32 {
+        q_seq.push(0i32);
+        ctx.push(p + 1);
+    }
+    q_seq.push(1);
+    ctx.push(5);
+    let rows = q_seq.len();
+    let q = rounded(&values(rows * heads * hd, 77));
+    let (q_d, t_d, qs_d, c_d) = (
+        s.clone_htod(&to_bf16(&q))?,
+        s.clone_htod(&tables)?,
+        s.clone_htod(&q_seq)?,
+        s.clone_htod(&ctx)?,
+    );
+    let mut o_d = s.alloc_zeros::<u16>(rows * heads * hd)?;
+    let f = g.function("attention", "paged_attention")?;
+    let scale = 1.0 / (hd as f32).sqrt();
+    let (h_i, kvh_i, hd_i, bs_i, mb_i) =
+        (heads as i32, kv_heads as i32, hd as i32, block_size as i32, max_blocks as i32);
+    let mut b = s.launch_builder(&f);
+    b.arg(&q_d).arg(&kc).arg(&vc).arg(&t_d).arg(&qs_d).arg(&c_d).arg(&mut o_d);
+    b.arg(&h_i).arg(&kvh_i).arg(&hd_i).arg(&bs_i).arg(&mb_i).arg(&scale);
+    // SAFETY: as above.
+    unsafe { b.launch(cfg((rows as u32, heads as u32), 128)) }?;
+    let got = from_bf16(&s.clone_dtoh(&o_d)?);
+    // Reference: the keys and values in logical order, straight from the rows written.
+    let start = [0usize, lens[0]];
+    for r in 0..rows {
+        let (seq, n) = (q_seq[r] as usize, ctx[r] as usize);
+        for h in 0..heads {
+            let kvh = h / (heads / kv_heads);
+            let qh = &q[(r * heads + h) * hd..][..hd];
+            let scores: Vec<f32> = (0..n)
+                .map(|j| {
+                    let k = &k_rows[(start[seq] + j) * kv_dim + kvh * hd..][..hd];
+                    qh.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale
+                })
+                .collect();
+            let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = scores.iter().map(|x| (x - m).exp()).collect();
+            let z: f32 = e.iter().sum();
+            for d in 0..hd {
+                let want: f32 = (0..n)
+                    .map(|j| e[j] / z * v_rows[(start[seq] + j) * kv_dim + kvh * hd + d])
+                    .sum();
+                let have = got[(r * heads + h) * hd + d];
+                ensure!((have - want).abs() < 1e-2, "row {r} head {h} dim {d}: {have} vs {want}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn argmax_takes_the_lowest_index_among_equals() -> anyhow::Result<()> {
+    let Some(g) = gpu()? else { return Ok(()) };
+    let s = &g.stream;
+    let vocab = 49_152usize;
+    let mut logits = values(2 * vocab, 9);
+    logits[1234] = 5.0;
+    logits[40_000] = 5.0;
+    logits[vocab + 77] = 3.0;
+    let l_d = s.clone_htod(&logits)?;
+    let mut o_d = s.alloc_zeros::<i32>(2)?;
+    let f = g.function("sampling", "argmax_rows")?;
+    let v_i = vocab as i32;
+    let mut b = s.launch_builder(&f);
+    b.arg(&l_d).arg(&mut o_d).arg(&v_i);
+    // SAFETY: as above.
+    unsafe { b.launch(cfg((2, 1), 1024)) }?;
+    ensure!(s.clone_dtoh(&o_d)? == vec![1234, 77]);
+    Ok(())
+}
