@@ -83,3 +83,12 @@ extern "C" __global__ void bf16_to_f32_copy(const bf16_t* __restrict__ x, float*
         out[i] = bf16_to_f32(x[i]);
     }
 }
+
+// x[t, :] += bias, for every row t (Q/K/V biases). Grid: one block per row.
+extern "C" __global__ void add_bias(bf16_t* __restrict__ x, const bf16_t* __restrict__ bias,
+                                    int dim) {
+    const long long base = (long long)blockIdx.x * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        x[base + i] = f32_to_bf16(bf16_to_f32(x[base + i]) + bf16_to_f32(bias[i]));
+    }
+}

@@ -2,7 +2,8 @@
 //! definitions (and, for dequantization, against the CPU backend's own `dequantize_row`).
 //! They need an NVIDIA device, so they are `#[ignore]`d in the ordinary run (CI has no GPU) and
 //! run on a GPU machine with `cargo test -p sluice-engine --features cuda --test cuda_device
-//! -- --ignored`, where a missing driver or device fails them.
+//! -- --ignored`, where a missing driver or device fails them. The last test runs the whole
+//! forward pass on the device against the CPU backend on a synthetic model.
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;
@@ -11,8 +12,12 @@ use anyhow::{Context, bail, ensure};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
 use half::bf16;
-use sluice_engine::cuda::{KERNELS, compile, driver_available, probe};
+use sluice_engine::cuda::{CudaRunner, KERNELS, compile, driver_available, probe};
+use sluice_engine::forward::{KvCache, LogitsWanted, Runner, SeqInput};
+use sluice_engine::gguf::GgufFile;
+use sluice_engine::model::load_gguf_weights;
 use sluice_engine::quant::{GgmlType, dequantize_row, quantize_row};
+use sluice_engine::synth::{SynthSpec, write_gguf};
 
 struct Gpu {
     ctx: Arc<CudaContext>,
@@ -358,5 +363,100 @@ fn sampling_follows_temperature_top_k_and_top_p() -> anyhow::Result<()> {
         count(10),
         count(2000)
     );
+    Ok(())
+}
+
+/// Logits of a prefill of two sequences (all positions) then one decode step of each, from
+/// `run` given a batch: the CPU runner or the CUDA one.
+fn two_sequences(
+    vocab: u32,
+    mut run: impl FnMut(&[SeqInput<'_>]) -> anyhow::Result<Vec<f32>>,
+) -> anyhow::Result<Vec<f32>> {
+    let a: Vec<u32> = (0..7).map(|i| (i * 37 + 5) % vocab).collect();
+    let b: Vec<u32> = (0..40).map(|i| (i * 53 + 11) % vocab).collect();
+    let (ta, tb) = ([0u32, 1], [2u32, 3, 4]);
+    let seq = |tokens, start_pos, block_table, logits| SeqInput {
+        tokens,
+        start_pos,
+        block_table,
+        logits,
+    };
+    let mut out = run(&[
+        seq(&a[..], 0, &ta[..], LogitsWanted::All),
+        seq(&b[..], 0, &tb[..], LogitsWanted::All),
+    ])?;
+    out.extend(run(&[
+        seq(&[9], a.len(), &ta[..], LogitsWanted::Last),
+        seq(&[10], b.len(), &tb[..], LogitsWanted::Last),
+    ])?);
+    Ok(out)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on one"]
+fn forward_matches_the_cpu_backend_on_a_synthetic_model() -> anyhow::Result<()> {
+    gpu()?;
+    let spec =
+        SynthSpec { hidden: 128, intermediate: 256, heads: 4, kv_heads: 2, ..SynthSpec::tiny() };
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("m.gguf");
+    write_gguf(&spec, GgmlType::F32, &path)?;
+    let w = load_gguf_weights(&GgufFile::open(&path)?)?;
+    let vocab = w.config.vocab_size;
+
+    let mut cpu = Runner::new(2);
+    let mut cpu_cache = KvCache::new(&w, 16, 8);
+    let want = two_sequences(vocab as u32, |b| Ok(cpu.forward(&w, &mut cpu_cache, b)?))?;
+
+    let gpu_runner = CudaRunner::new(0)?;
+    let model = gpu_runner.upload(&w)?;
+    let mut cache = gpu_runner.kv_cache(&model, 16, 8)?;
+    let got = two_sequences(vocab as u32, |b| Ok(gpu_runner.forward(&model, &mut cache, b)?))?;
+    ensure!(got.len() == want.len() && want.len() == (7 + 40 + 2) * vocab, "{}", got.len());
+
+    // Tolerance: bf16 weights and activations on the GPU against f32 (with 8-bit activation
+    // products) on the CPU: within 3% of each position's logit range; the same top token
+    // wherever the CPU's top two are more than 5% of the range apart.
+    let mut worst = 0f32;
+    for (pos, (g_row, c_row)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+        let hi = c_row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let lo = c_row.iter().copied().fold(f32::INFINITY, f32::min);
+        let range = (hi - lo).max(1e-6);
+        let d = max_diff(g_row, c_row) / range;
+        worst = worst.max(d);
+        ensure!(d < 0.03, "position {pos}: logits differ by {d} of the range");
+        let mut order: Vec<usize> = (0..vocab).collect();
+        order.sort_by(|x, y| c_row[*y].total_cmp(&c_row[*x]));
+        let gpu_top = (0..vocab).max_by(|x, y| g_row[*x].total_cmp(&g_row[*y])).unwrap_or(0);
+        if c_row[order[0]] - c_row[order[1]] > 0.05 * range {
+            ensure!(gpu_top == order[0], "position {pos}: top token {gpu_top} vs {}", order[0]);
+        }
+    }
+    eprintln!("CUDA vs CPU logits: max difference {worst:.4} of the range");
+
+    // A mixed batch (one sequence decoding beside another prefilling) equals each alone.
+    let c: Vec<u32> = (0..20).map(|i| (i * 7 + 3) % vocab as u32).collect();
+    let tc = [5u32, 6];
+    let seq = |tokens, start_pos, block_table, logits| SeqInput {
+        tokens,
+        start_pos,
+        block_table,
+        logits,
+    };
+    let a_next = [11u32];
+    let ta = [0u32, 1];
+    let mixed = gpu_runner.forward(
+        &model,
+        &mut cache,
+        &[
+            seq(&a_next[..], 8, &ta[..], LogitsWanted::Last),
+            seq(&c[..], 0, &tc[..], LogitsWanted::Last),
+        ],
+    )?;
+    let mut fresh = gpu_runner.kv_cache(&model, 16, 8)?;
+    let alone_c =
+        gpu_runner.forward(&model, &mut fresh, &[seq(&c[..], 0, &tc[..], LogitsWanted::Last)])?;
+    let d = max_diff(&mixed[vocab..], &alone_c);
+    ensure!(d < 1e-2, "prefill in a mixed batch differs from alone by {d}");
     Ok(())
 }

@@ -6,16 +6,20 @@
 
 use std::ffi::CString;
 
+mod runner;
+
+pub use runner::{CudaKvCache, CudaModel, CudaRunner};
+
 /// Declarations every kernel source starts with (bf16 and f16 bit-pattern conversions,
 /// reductions); NVRTC then needs no CUDA headers.
-pub const PRELUDE: &str = include_str!("../../kernels/prelude.cuh");
+pub const PRELUDE: &str = include_str!("../../../kernels/prelude.cuh");
 
 /// Kernel sources by module name.
 pub const KERNELS: &[(&str, &str)] = &[
-    ("elementwise", include_str!("../../kernels/elementwise.cu")),
-    ("dequant", include_str!("../../kernels/dequant.cu")),
-    ("attention", include_str!("../../kernels/attention.cu")),
-    ("sampling", include_str!("../../kernels/sampling.cu")),
+    ("elementwise", include_str!("../../../kernels/elementwise.cu")),
+    ("dequant", include_str!("../../../kernels/dequant.cu")),
+    ("attention", include_str!("../../../kernels/attention.cu")),
+    ("sampling", include_str!("../../../kernels/sampling.cu")),
 ];
 
 /// The architectures CI compiles every kernel for (A100, H100/H200).
@@ -44,6 +48,12 @@ pub enum CudaError {
         /// The driver's error.
         message: String,
     },
+    /// A launch, copy or cuBLAS call failed on the device.
+    #[error("CUDA: {0}")]
+    Run(String),
+    /// The batch asked for something the model or cache cannot hold.
+    #[error("{0}")]
+    Invalid(String),
     /// A kernel failed to compile, or compiled with warnings.
     #[error("kernel {module} for {arch}: {log}")]
     Compile {
