@@ -92,3 +92,18 @@ extern "C" __global__ void add_bias(bf16_t* __restrict__ x, const bf16_t* __rest
         x[base + i] = f32_to_bf16(bf16_to_f32(x[base + i]) + bf16_to_f32(bias[i]));
     }
 }
+
+// out[i] = offset + scale * u(i), u uniform in [-1, 1) from a hash of (seed, i): random weights
+// made on the device (benchmarks of model shapes too large to build on the host).
+extern "C" __global__ void fill_random(bf16_t* __restrict__ out, long long n,
+                                       unsigned long long seed, float scale, float offset) {
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (long long)gridDim.x * blockDim.x) {
+        unsigned long long z = seed + (unsigned long long)i * 0x9E3779B97F4A7C15ull;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        const float u = (float)(z >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f;
+        out[i] = f32_to_bf16(offset + scale * u);
+    }
+}

@@ -460,3 +460,115 @@ fn forward_matches_the_cpu_backend_on_a_synthetic_model() -> anyhow::Result<()> 
     ensure!(d < 1e-2, "prefill in a mixed batch differs from alone by {d}");
     Ok(())
 }
+
+/// Issue 7's speed figures on an 8B-shaped Llama with random bf16 weights made on the device:
+/// decode step time at batch 1 against the HBM bound (weight bytes / 4.8 TB/s), decode
+/// throughput at batch 64 and 256, and prefill TFLOP/s on a 2,048-token prompt against the
+/// ~790 TFLOP/s bf16 peak measured on the H200. Prints the figures (logits stay on the device).
+#[test]
+#[ignore = "needs an NVIDIA GPU with ~40 GB free: run with --ignored on one"]
+fn bench_8b_shaped_decode_and_prefill() -> anyhow::Result<()> {
+    use sluice_engine::model::{LlamaConfig, RopeStyle};
+    gpu()?;
+    let config = LlamaConfig {
+        arch: "llama".into(),
+        vocab_size: 128_256,
+        hidden: 4096,
+        intermediate: 14_336,
+        layers: 32,
+        heads: 32,
+        kv_heads: 8,
+        head_dim: 128,
+        rope_dims: 128,
+        rope_theta: 500_000.0,
+        rope_scaling: None,
+        rope_style: RopeStyle::Halves,
+        rms_eps: 1e-5,
+        context_length: 8192,
+        tied_embeddings: false,
+    };
+    let c = &config;
+    let params = c.vocab_size * c.hidden * 2
+        + c.layers
+            * (c.hidden * (c.q_dim() + 2 * c.kv_dim())
+                + c.q_dim() * c.hidden
+                + 3 * c.hidden * c.intermediate);
+    let weight_bytes = params as f64 * 2.0;
+    let bound_ms = weight_bytes / 4.8e12 * 1e3;
+    let r = CudaRunner::new(0)?;
+    let model = r.random_model(c, 7)?;
+    let block = 16usize;
+    let time = |f: &mut dyn FnMut() -> anyhow::Result<()>, reps: usize| -> anyhow::Result<f64> {
+        f()?;
+        r.synchronize()?;
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            f()?;
+        }
+        r.synchronize()?;
+        Ok(t.elapsed().as_secs_f64() / reps as f64)
+    };
+
+    // Prefill: one 2,048-token prompt.
+    let prompt: Vec<u32> = (0..2048u32).map(|i| (i * 7919) % 128_000).collect();
+    let table: Vec<u32> = (0..(2048 / block) as u32).collect();
+    let mut cache = r.kv_cache(&model, block, table.len())?;
+    let secs = time(
+        &mut || {
+            let b = [SeqInput {
+                tokens: &prompt,
+                start_pos: 0,
+                block_table: &table,
+                logits: LogitsWanted::Last,
+            }];
+            r.forward_device(&model, &mut cache, &b)?;
+            Ok(())
+        },
+        3,
+    )?;
+    let t = prompt.len() as f64;
+    let flops = 2.0 * params as f64 * t + 2.0 * c.layers as f64 * t * t * c.q_dim() as f64; // QK^T and PV, causal half of 4 T^2 d
+    eprintln!(
+        "prefill 2048 tokens: {:.1} ms, {:.0} TFLOP/s ({:.2} of 790)",
+        secs * 1e3,
+        flops / secs / 1e12,
+        flops / secs / 1e12 / 790.0
+    );
+
+    // Decode: each sequence holds 128 tokens of context.
+    for batch in [1usize, 64, 256] {
+        let ctx = 128usize;
+        let per_seq = ctx / block + 1;
+        let mut cache = r.kv_cache(&model, block, batch * per_seq)?;
+        let tables: Vec<Vec<u32>> = (0..batch)
+            .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
+            .collect();
+        let toks: Vec<[u32; 1]> = (0..batch).map(|s| [(s as u32 * 31) % 128_000]).collect();
+        let secs = time(
+            &mut || {
+                let b: Vec<SeqInput<'_>> = (0..batch)
+                    .map(|s| SeqInput {
+                        tokens: &toks[s],
+                        start_pos: ctx,
+                        block_table: &tables[s],
+                        logits: LogitsWanted::Last,
+                    })
+                    .collect();
+                r.forward_device(&model, &mut cache, &b)?;
+                Ok(())
+            },
+            10,
+        )?;
+        eprintln!(
+            "decode batch {batch}: {:.2} ms/step, {:.0} tok/s{}",
+            secs * 1e3,
+            batch as f64 / secs,
+            if batch == 1 {
+                format!(" (HBM bound {bound_ms:.2} ms: {:.2} of it)", bound_ms / (secs * 1e3))
+            } else {
+                String::new()
+            }
+        );
+    }
+    Ok(())
+}

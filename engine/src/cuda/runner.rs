@@ -36,6 +36,7 @@ struct Kernels {
     kv_write: CudaFunction,
     attention: CudaFunction,
     to_f32: CudaFunction,
+    fill: CudaFunction,
 }
 
 struct DeviceLayer {
@@ -134,6 +135,7 @@ impl CudaRunner {
             kv_write: f("attention", "kv_write")?,
             attention: f("attention", "paged_attention")?,
             to_f32: f("elementwise", "bf16_to_f32_copy")?,
+            fill: f("elementwise", "fill_random")?,
         };
         Ok(CudaRunner { ctx, stream, blas, k })
     }
@@ -196,6 +198,63 @@ impl CudaRunner {
             layers,
             inv_freq: self.stream.clone_htod(&w.inv_freq).map_err(run_err)?,
         })
+    }
+
+    fn random(
+        &self,
+        n: usize,
+        seed: u64,
+        scale: f32,
+        offset: f32,
+    ) -> Result<CudaSlice<bf16>, CudaError> {
+        let mut out = self.stream.alloc_zeros::<bf16>(n).map_err(run_err)?;
+        let n_i = n as i64;
+        let mut b = self.stream.launch_builder(&self.k.fill);
+        b.arg(&mut out).arg(&n_i).arg(&seed).arg(&scale).arg(&offset);
+        // SAFETY: arguments match `fill_random`.
+        unsafe { b.launch(flat(n)) }.map_err(run_err)?;
+        Ok(out)
+    }
+
+    /// A model of `config`'s shape with random bf16 weights made on the device (uniform in
+    /// +-1/sqrt(fan-in), norms 1): for benchmarks of shapes too large to build on the host.
+    pub fn random_model(&self, config: &LlamaConfig, seed: u64) -> Result<CudaModel, CudaError> {
+        let c = config;
+        let (h, q, kv, ff) = (c.hidden, c.q_dim(), c.kv_dim(), c.intermediate);
+        let mut next = seed;
+        let mut w = |rows: usize, cols: usize| {
+            next = next.wrapping_add(0x9E37_79B9);
+            self.random(rows * cols, next, 1.0 / (cols as f32).sqrt(), 0.0)
+        };
+        let mut layers = Vec::with_capacity(c.layers);
+        for _ in 0..c.layers {
+            layers.push(DeviceLayer {
+                attn_norm: self.random(h, 0, 0.0, 1.0)?,
+                wq: w(q, h)?,
+                wk: w(kv, h)?,
+                wv: w(kv, h)?,
+                bias: None,
+                wo: w(h, q)?,
+                ffn_norm: self.random(h, 0, 0.0, 1.0)?,
+                w_gate: w(ff, h)?,
+                w_up: w(ff, h)?,
+                w_down: w(h, ff)?,
+            });
+        }
+        let inv_freq = c.inv_freq(None);
+        Ok(CudaModel {
+            config: c.clone(),
+            embed: w(c.vocab_size, h)?,
+            lm_head: if c.tied_embeddings { None } else { Some(w(c.vocab_size, h)?) },
+            norm: self.random(h, 0, 0.0, 1.0)?,
+            layers,
+            inv_freq: self.stream.clone_htod(&inv_freq).map_err(run_err)?,
+        })
+    }
+
+    /// Waits for everything queued on the device.
+    pub fn synchronize(&self) -> Result<(), CudaError> {
+        self.stream.synchronize().map_err(run_err)
     }
 
     /// A zeroed cache of `num_blocks` blocks of `block_size` positions for `m`.
@@ -293,6 +352,20 @@ impl CudaRunner {
         cache: &mut CudaKvCache,
         batch: &[SeqInput<'_>],
     ) -> Result<Vec<f32>, CudaError> {
+        match self.forward_device(m, cache, batch)? {
+            Some(logits) => self.stream.clone_dtoh(&logits).map_err(run_err),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// As [`CudaRunner::forward`], leaving the logits on the device (`None` when none are
+    /// wanted); the work is queued, not waited for.
+    pub fn forward_device(
+        &self,
+        m: &CudaModel,
+        cache: &mut CudaKvCache,
+        batch: &[SeqInput<'_>],
+    ) -> Result<Option<CudaSlice<f32>>, CudaError> {
         let c = &m.config;
         let (hidden, q_dim, kv_dim, hd) = (c.hidden, c.q_dim(), c.kv_dim(), c.head_dim);
         let bs = cache.block_size;
@@ -334,7 +407,7 @@ impl CudaRunner {
         }
         let n = ids.len();
         if n == 0 {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         let up = |v: &[i32]| self.stream.clone_htod(v).map_err(run_err);
         let (ids_d, pos_d, seq_d, ctx_d, slots_d, tables_d) =
@@ -393,7 +466,7 @@ impl CudaRunner {
             self.add(&mut x, &down, n * hidden)?;
         }
         if wanted.is_empty() {
-            return Ok(Vec::new());
+            return Ok(None);
         }
         let xn = self.rmsnorm(&x, &m.norm, n, hidden, c.rms_eps)?;
         // The wanted rows, gathered with the embedding kernel (a row gather).
@@ -412,6 +485,6 @@ impl CudaRunner {
         b.arg(&logits).arg(&mut f).arg(&ci);
         // SAFETY: arguments match `bf16_to_f32_copy`.
         unsafe { b.launch(flat(count)) }.map_err(run_err)?;
-        self.stream.clone_dtoh(&f).map_err(run_err)
+        Ok(Some(f))
     }
 }
