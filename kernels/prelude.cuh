@@ -49,21 +49,23 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets it.
-__device__ __forceinline__ float block_sum(float v) {
+// Sum (MAX = false) or maximum (MAX = true) over the block (blockDim.x a multiple of 32, at
+// most 1024); every thread gets it.
+template <bool MAX>
+__device__ __forceinline__ float block_reduce(float v) {
     __shared__ float partial[32];
-    int lane = threadIdx.x & 31;
-    int warp = threadIdx.x >> 5;
-    v = warp_sum(v);
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    v = MAX ? warp_max(v) : warp_sum(v);
     __syncthreads();
     if (lane == 0) {
         partial[warp] = v;
     }
     __syncthreads();
-    int warps = (blockDim.x + 31) >> 5;
-    v = (threadIdx.x < warps) ? partial[threadIdx.x] : 0.0f;
+    const int warps = (blockDim.x + 31) >> 5;
+    v = (threadIdx.x < warps) ? partial[threadIdx.x] : (MAX ? -SLUICE_INF : 0.0f);
     if (warp == 0) {
-        v = warp_sum(v);
+        v = MAX ? warp_max(v) : warp_sum(v);
         if (lane == 0) {
             partial[0] = v;
         }
@@ -71,3 +73,7 @@ __device__ __forceinline__ float block_sum(float v) {
     __syncthreads();
     return partial[0];
 }
+
+__device__ __forceinline__ float block_sum(float v) { return block_reduce<false>(v); }
+
+__device__ __forceinline__ float block_max(float v) { return block_reduce<true>(v); }

@@ -43,28 +43,6 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int* __
     }
 }
 
-__device__ __forceinline__ float block_max(float v) {
-    __shared__ float partial_max[32];
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) {
-        partial_max[warp] = v;
-    }
-    __syncthreads();
-    const int warps = (blockDim.x + 31) >> 5;
-    v = (threadIdx.x < warps) ? partial_max[threadIdx.x] : -SLUICE_INF;
-    if (warp == 0) {
-        v = warp_max(v);
-        if (lane == 0) {
-            partial_max[0] = v;
-        }
-    }
-    __syncthreads();
-    return partial_max[0];
-}
-
 // Tokens kept by top-k and top-p, as a threshold on the logit: every token with
 // logit >= threshold. The threshold comes from bisection over the logits' range (40 steps),
 // counting (top-k) or summing exp((l - max) / T) (top-p) in each step: exact up to ties at the

@@ -237,17 +237,33 @@ pub enum KeyCommand {
         tenant: String,
         /// Key id.
         key: String,
-        #[arg(long)]
-        rpm: Option<i64>,
-        #[arg(long)]
-        tpm: Option<i64>,
-        #[arg(long)]
-        daily_tokens: Option<i64>,
-        #[arg(long)]
-        monthly_tokens: Option<i64>,
-        #[arg(long)]
-        concurrency: Option<i64>,
+        #[command(flatten)]
+        limits: RateLimitArgs,
     },
+}
+
+/// The rate and token limits a tenant's quota and a key's limits share.
+#[derive(clap::Args, Debug)]
+pub struct RateLimitArgs {
+    #[arg(long)]
+    rpm: Option<i64>,
+    #[arg(long)]
+    tpm: Option<i64>,
+    #[arg(long)]
+    daily_tokens: Option<i64>,
+    #[arg(long)]
+    monthly_tokens: Option<i64>,
+    #[arg(long)]
+    concurrency: Option<i64>,
+}
+
+impl RateLimitArgs {
+    fn json(&self) -> serde_json::Value {
+        json!({
+            "rpm": self.rpm, "tpm": self.tpm, "daily_tokens": self.daily_tokens,
+            "monthly_tokens": self.monthly_tokens, "concurrency": self.concurrency,
+        })
+    }
 }
 
 /// `sluice admin quotas`.
@@ -262,16 +278,8 @@ pub enum QuotaCommand {
     Set {
         /// Tenant id.
         tenant: String,
-        #[arg(long)]
-        rpm: Option<i64>,
-        #[arg(long)]
-        tpm: Option<i64>,
-        #[arg(long)]
-        daily_tokens: Option<i64>,
-        #[arg(long)]
-        monthly_tokens: Option<i64>,
-        #[arg(long)]
-        concurrency: Option<i64>,
+        #[command(flatten)]
+        limits: RateLimitArgs,
         #[arg(long)]
         max_prompt_tokens: Option<i64>,
         #[arg(long)]
@@ -495,19 +503,8 @@ pub fn run_admin(cmd: AdminCommand, client: &ClientArgs) -> anyhow::Result<()> {
                 let path = format!("/v1/tenants/{tenant}/keys/{key}/revoke");
                 c.json(Method::POST, &path, &[], None).await?
             }
-            AdminCommand::Keys(KeyCommand::Limits {
-                tenant,
-                key,
-                rpm,
-                tpm,
-                daily_tokens,
-                monthly_tokens,
-                concurrency,
-            }) => {
-                let body = json!({
-                    "rpm": rpm, "tpm": tpm, "daily_tokens": daily_tokens,
-                    "monthly_tokens": monthly_tokens, "concurrency": concurrency,
-                });
+            AdminCommand::Keys(KeyCommand::Limits { tenant, key, limits }) => {
+                let body = limits.json();
                 let path = format!("/v1/tenants/{tenant}/keys/{key}/limits");
                 c.json(Method::PUT, &path, &[], Some(body)).await?
             }
@@ -516,23 +513,19 @@ pub fn run_admin(cmd: AdminCommand, client: &ClientArgs) -> anyhow::Result<()> {
             }
             AdminCommand::Quotas(QuotaCommand::Set {
                 tenant,
-                rpm,
-                tpm,
-                daily_tokens,
-                monthly_tokens,
-                concurrency,
+                limits,
                 max_prompt_tokens,
                 max_output_tokens,
                 max_n,
                 allowed_models,
                 priority,
             }) => {
-                let body = json!({
-                    "rpm": rpm, "tpm": tpm, "daily_tokens": daily_tokens,
-                    "monthly_tokens": monthly_tokens, "concurrency": concurrency,
-                    "max_prompt_tokens": max_prompt_tokens, "max_output_tokens": max_output_tokens,
-                    "max_n": max_n, "allowed_models": allowed_models, "priority": priority,
-                });
+                let mut body = limits.json();
+                body["max_prompt_tokens"] = json!(max_prompt_tokens);
+                body["max_output_tokens"] = json!(max_output_tokens);
+                body["max_n"] = json!(max_n);
+                body["allowed_models"] = json!(allowed_models);
+                body["priority"] = json!(priority);
                 c.json(Method::PUT, &format!("/v1/tenants/{tenant}/quota"), &[], Some(body)).await?
             }
         };

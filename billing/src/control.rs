@@ -137,10 +137,22 @@ pub struct QuotaSettings {
 /// Largest limit accepted for any quota number.
 const MAX_LIMIT: i64 = 1_000_000_000_000;
 
+/// Checks that every set limit is 0..=MAX_LIMIT, naming the first bad one.
+fn check_limits(fields: &[(&str, Option<i64>)]) -> Result<(), AdminError> {
+    for &(name, v) in fields {
+        if let Some(v) = v
+            && !(0..=MAX_LIMIT).contains(&v)
+        {
+            return Err(AdminError::invalid(name, format!("{name} must be 0..={MAX_LIMIT}")));
+        }
+    }
+    Ok(())
+}
+
 impl QuotaSettings {
     /// Checks every field, naming the first bad one.
     pub fn validate(&self) -> Result<(), AdminError> {
-        for (name, v) in [
+        check_limits(&[
             ("rpm", self.rpm),
             ("tpm", self.tpm),
             ("daily_tokens", self.daily_tokens),
@@ -149,13 +161,7 @@ impl QuotaSettings {
             ("max_prompt_tokens", self.max_prompt_tokens),
             ("max_output_tokens", self.max_output_tokens),
             ("max_n", self.max_n),
-        ] {
-            if let Some(v) = v
-                && !(0..=MAX_LIMIT).contains(&v)
-            {
-                return Err(AdminError::invalid(name, format!("{name} must be 0..={MAX_LIMIT}")));
-            }
-        }
+        ])?;
         if let Some(p) = self.priority
             && !(-100..=100).contains(&p)
         {
@@ -219,20 +225,13 @@ pub struct KeyLimits {
 impl KeyLimits {
     /// Checks every field, naming the first bad one.
     pub fn validate(&self) -> Result<(), AdminError> {
-        for (name, v) in [
+        check_limits(&[
             ("limits.rpm", self.rpm),
             ("limits.tpm", self.tpm),
             ("limits.daily_tokens", self.daily_tokens),
             ("limits.monthly_tokens", self.monthly_tokens),
             ("limits.concurrency", self.concurrency),
-        ] {
-            if let Some(v) = v
-                && !(0..=MAX_LIMIT).contains(&v)
-            {
-                return Err(AdminError::invalid(name, format!("{name} must be 0..={MAX_LIMIT}")));
-            }
-        }
-        Ok(())
+        ])
     }
 
     /// Whether any limit is set.
