@@ -409,6 +409,24 @@ macro_rules! quota_from_row {
 }
 
 const TENANT_COLUMNS: &str = "id, name, status, tier, overrides, created_at";
+/// Key `key_id` of tenant `tenant_id`, read inside transaction `tx` (404 when it is not that
+/// tenant's).
+macro_rules! tenant_key {
+    ($tx:expr, $tenant:expr, $key:expr) => {{
+        let row = sqlx::query(&format!(
+            "SELECT {KEY_COLUMNS} FROM api_keys WHERE id = $1 AND tenant_id = $2"
+        ))
+        .bind($key)
+        .bind($tenant)
+        .fetch_optional(&mut *$tx)
+        .await?
+        .ok_or_else(|| {
+            AdminError::NotFound(format!("key {} not found for tenant {}", $key, $tenant))
+        })?;
+        key_from_row!(row)
+    }};
+}
+
 const KEY_COLUMNS: &str =
     "id, tenant_id, prefix, scopes, created_at, expires_at, revoked_at, limits";
 const QUOTA_COLUMNS: &str = "rpm, tpm, daily_tokens, monthly_tokens, concurrency, \
@@ -663,15 +681,7 @@ impl Ledger {
         valid_id("tenant", tenant_id)?;
         on_pool!(self, pool => {
             let mut tx = begin_write!(pool).await?;
-            let row = sqlx::query(&format!(
-                "SELECT {KEY_COLUMNS} FROM api_keys WHERE id = $1 AND tenant_id = $2"
-            ))
-            .bind(key_id)
-            .bind(tenant_id)
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or_else(|| AdminError::NotFound(format!("key {key_id} not found for tenant {tenant_id}")))?;
-            let before = key_from_row!(row);
+            let before = tenant_key!(tx, tenant_id, key_id);
             if before.revoked_at.is_some() {
                 return Ok(before);
             }
@@ -699,15 +709,7 @@ impl Ledger {
         limits.validate()?;
         on_pool!(self, pool => {
             let mut tx = begin_write!(pool).await?;
-            let row = sqlx::query(&format!(
-                "SELECT {KEY_COLUMNS} FROM api_keys WHERE id = $1 AND tenant_id = $2"
-            ))
-            .bind(key_id)
-            .bind(tenant_id)
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or_else(|| AdminError::NotFound(format!("key {key_id} not found for tenant {tenant_id}")))?;
-            let before = key_from_row!(row);
+            let before = tenant_key!(tx, tenant_id, key_id);
             let after = ApiKey { limits, ..before.clone() };
             sqlx::query("UPDATE api_keys SET limits = $1 WHERE id = $2")
                 .bind(Json(&limits))
