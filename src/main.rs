@@ -267,6 +267,9 @@ struct EngineArgs {
     /// Name to serve the model under (default: its model id).
     #[arg(long)]
     served_model_name: Option<String>,
+    /// Where the forward pass runs: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: sluice_engine::backend::Device,
 }
 
 #[derive(Args, Debug)]
@@ -427,8 +430,10 @@ fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_num_seqs: args.max_num_seqs,
         threads: args.threads,
+        device: args.device,
     };
-    let handle = EngineHandle::start(model, config).context("starting the engine")?;
+    let handle = EngineHandle::start(model, config)
+        .with_context(|| format!("starting the engine on {}", args.device))?;
     let app = router(
         handle,
         ServerConfig {

@@ -172,5 +172,15 @@ fn bad_input_is_a_clear_error() -> anyhow::Result<()> {
     let out = sluice(&["run", "--model", m.to_str().context("path")?, "--temperature=-1", "hi"])?;
     let err = String::from_utf8_lossy(&out.stderr);
     ensure!(!out.status.success() && err.contains("--temperature"), "{err}");
+
+    // A GPU that is not there is a clear error, not a panic (this machine has no driver).
+    let model = m.to_str().context("path")?;
+    let out = sluice(&["engine", "--model", model, "--listen", "127.0.0.1:0", "--device", "cuda"])?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    let no_gpu = err.contains("no NVIDIA driver found") || err.contains("no CUDA backend");
+    ensure!(!out.status.success() && no_gpu && !err.contains("panicked"), "{err}");
+    let out = sluice(&["engine", "--model", model, "--device", "tpu"])?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    ensure!(!out.status.success() && err.contains("--device"), "{err}");
     Ok(())
 }

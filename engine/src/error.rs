@@ -39,6 +39,9 @@ pub enum EngineError {
     /// Obtaining the default model failed.
     #[error("model fetch: {0}")]
     Fetch(String),
+    /// The compute device cannot be used (no driver, no device, no CUDA in this build).
+    #[error("device {0}")]
+    Device(String),
 }
 
 impl EngineError {
@@ -63,6 +66,7 @@ impl EngineError {
             EngineError::InvalidRequest(_) => "validation",
             EngineError::Fetch(_) => "fetch",
             EngineError::Unavailable(_) => "unavailable",
+            EngineError::Device(_) => "device",
         }
     }
 }

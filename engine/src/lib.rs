@@ -1,6 +1,7 @@
 //! Sluice engine: model loading (GGUF, safetensors), tokenizer, chat template, execution
 //! identity and the CPU forward pass of Llama-family models.
 
+pub mod backend;
 pub mod bench;
 pub mod cpu;
 #[cfg(feature = "cuda")]

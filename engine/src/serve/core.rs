@@ -7,8 +7,9 @@ use std::time::Instant;
 
 use tokio::sync::mpsc::UnboundedSender;
 
+use crate::backend::{Backend, Device};
 use crate::error::{EngineError, Result};
-use crate::forward::{KvCache, LogitsWanted, Runner, SeqInput};
+use crate::forward::{LogitsWanted, SeqInput};
 use crate::generate::IncrementalDecoder;
 use crate::loader::LoadedModel;
 use crate::sampler::{Sampler, log_softmax, top_n};
@@ -34,6 +35,8 @@ pub struct EngineConfig {
     pub max_num_seqs: usize,
     /// Compute threads (0: all cores).
     pub threads: usize,
+    /// Where the forward pass runs.
+    pub device: Device,
 }
 
 impl Default for EngineConfig {
@@ -44,6 +47,7 @@ impl Default for EngineConfig {
             max_num_batched_tokens: 512,
             max_num_seqs: 64,
             threads: 0,
+            device: Device::Cpu,
         }
     }
 }
@@ -80,8 +84,9 @@ struct ReqState {
 /// The engine core.
 pub struct EngineCore {
     model: Arc<LoadedModel>,
-    runner: Runner,
-    cache: KvCache,
+    backend: Backend,
+    block_size: usize,
+    num_blocks: usize,
     sched: Scheduler,
     reqs: HashMap<String, ReqState>,
     metrics: Arc<EngineMetrics>,
@@ -94,7 +99,7 @@ impl EngineCore {
         config: EngineConfig,
         metrics: Arc<EngineMetrics>,
     ) -> Result<EngineCore> {
-        let per_block = KvCache::bytes_per_block(&model.weights, config.block_size.max(1));
+        let per_block = config.device.bytes_per_block(&model.weights, config.block_size.max(1));
         let num_blocks = config.kv_cache_bytes / per_block;
         if config.block_size == 0 || num_blocks == 0 {
             return Err(EngineError::InvalidRequest(format!(
@@ -107,7 +112,13 @@ impl EngineCore {
                 "max_num_batched_tokens and max_num_seqs must be positive".into(),
             ));
         }
-        let cache = KvCache::new(&model.weights, config.block_size, num_blocks);
+        let backend = Backend::new(
+            config.device,
+            &model.weights,
+            config.threads,
+            config.block_size,
+            num_blocks,
+        )?;
         let keys = vec![CacheKey::ModelRevision(model.identity.model_revision.clone())];
         let sched = Scheduler::new(
             SchedulerConfig {
@@ -118,9 +129,10 @@ impl EngineCore {
             Box::new(Fcfs::default()),
         );
         Ok(EngineCore {
-            runner: Runner::new(config.threads),
+            backend,
+            block_size: config.block_size,
+            num_blocks,
             model,
-            cache,
             sched,
             reqs: HashMap::new(),
             metrics,
@@ -129,7 +141,7 @@ impl EngineCore {
 
     /// Most tokens one request can hold.
     pub fn capacity_tokens(&self) -> usize {
-        self.cache.num_blocks() * self.cache.block_size()
+        self.num_blocks * self.block_size
     }
 
     /// Whether any request is waiting or running.
@@ -250,7 +262,7 @@ impl EngineCore {
                 logits: w.logits,
             })
             .collect();
-        let result = self.runner.forward(&self.model.weights, &mut self.cache, &inputs);
+        let result = self.backend.forward(&self.model.weights, &inputs);
         let logits = match result {
             Ok(l) => l,
             Err(e) => {

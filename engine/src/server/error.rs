@@ -151,7 +151,8 @@ impl ApiError {
             EngineError::Io { .. }
             | EngineError::Format { .. }
             | EngineError::Unsupported(_)
-            | EngineError::Fetch(_) => ApiError::internal(message),
+            | EngineError::Fetch(_)
+            | EngineError::Device(_) => ApiError::internal(message),
         }
     }
 
