@@ -135,6 +135,11 @@ pub fn run_bench_sweep(args: BenchSweepArgs) -> anyhow::Result<()> {
     if args.repeats == 0 {
         bail!("--repeats must be at least 1");
     }
+    if args.serve.mix.is_some() {
+        bail!(
+            "--mix: a sweep varies one offered rate; run the mix with bench serve at chosen rates"
+        );
+    }
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("--out: creating {}", args.out.display()))?;
     // The gateway's records are not read per point.

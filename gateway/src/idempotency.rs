@@ -24,8 +24,10 @@ use crate::limits::REDIS_TIMEOUT;
 /// How long a completed claim answers retries.
 pub const WINDOW: Duration = Duration::from_secs(24 * 3600);
 
-/// How long a claim may stay `running` (a gateway that died mid-request leaks it this long).
-pub const RUNNING_TTL: Duration = Duration::from_secs(600);
+/// How long a claim may stay `running`: longer than any request the gateway proxies (a slow
+/// long generation must not lose its claim), and how long a gateway that died mid-request
+/// leaves its key answering 409.
+pub const RUNNING_TTL: Duration = Duration::from_secs(3600);
 
 /// Longest accepted key (the ledger key adds `#` and a request id to it).
 pub const MAX_KEY_LEN: usize = 200;
@@ -54,6 +56,9 @@ pub enum Claim {
     First {
         /// The ledger idempotency key of the claim.
         ledger_key: String,
+        /// Whether the claim is in Redis (else in this process, Redis having failed): its
+        /// completion or release goes to the same place.
+        shared: bool,
     },
     /// A retry of a completed request: answer with its response.
     Replay {
@@ -199,7 +204,7 @@ impl Idempotency {
         let [kind, first, meta, body] = reply else { return None };
         let first = String::from_utf8(text(first)?).ok()?;
         Some(match text(kind)?.as_slice() {
-            b"first" => Claim::First { ledger_key: format!("{key}#{first}") },
+            b"first" => Claim::First { ledger_key: format!("{key}#{first}"), shared: true },
             b"mismatch" => Claim::Mismatch,
             b"running" => Claim::InProgress,
             b"done" => {
@@ -249,12 +254,20 @@ impl Idempotency {
                 until: now + self.running_ttl,
             },
         );
-        Claim::First { ledger_key: format!("{key}#{request_id}") }
+        Claim::First { ledger_key: format!("{key}#{request_id}"), shared: false }
     }
 
-    /// The first request completed: its response answers retries for the window.
-    pub async fn complete(&self, tenant: &str, key: &str, request_id: &str, response: Stored) {
-        if let Some(r) = &self.redis {
+    /// The first request completed: its response answers retries for the window (`shared`:
+    /// where the claim was made).
+    pub async fn complete(
+        &self,
+        tenant: &str,
+        key: &str,
+        request_id: &str,
+        shared: bool,
+        response: Stored,
+    ) {
+        if let Some(r) = self.redis.as_ref().filter(|_| shared) {
             let mut conn = r.conn.clone();
             let mut inv = r.complete.key(Self::slot(&r.prefix, tenant, key));
             let call = inv
@@ -280,8 +293,8 @@ impl Idempotency {
     }
 
     /// The first request did not complete: its claim is dropped, so a retry runs anew.
-    pub async fn release(&self, tenant: &str, key: &str, request_id: &str) {
-        if let Some(r) = &self.redis {
+    pub async fn release(&self, tenant: &str, key: &str, request_id: &str, shared: bool) {
+        if let Some(r) = self.redis.as_ref().filter(|_| shared) {
             let mut conn = r.conn.clone();
             let mut inv = r.release.key(Self::slot(&r.prefix, tenant, key));
             let call = inv.arg(request_id).invoke_async::<i64>(&mut conn);

@@ -270,6 +270,8 @@ pub struct Ctx {
     idempotency_key: Option<String>,
     /// The claim this request made with it: the ledger idempotency key it is billed under.
     idempotency_claim: Option<String>,
+    /// Whether that claim lives in Redis (else in this process).
+    idempotency_shared: bool,
     /// The response as sent, kept for idempotent replay (`None` once over the limit).
     replay_body: Option<Vec<u8>>,
     content_type: String,
@@ -489,6 +491,14 @@ impl Gateway {
                 format!("a body over {RETRY_BUFFER} bytes needs a Content-Length header"),
             ));
         }
+        if !body.is_empty() && session.get_retry_buffer().is_none() {
+            // pingora would forward nothing and the upstream would wait for the body.
+            return Err(Refuse::new(
+                500,
+                "server_error",
+                "the request body could not be forwarded",
+            ));
+        }
         let mut v: Value = serde_json::from_slice(&body).map_err(|e| {
             Refuse::new(
                 400,
@@ -644,17 +654,19 @@ impl Gateway {
         }
         ctx.body = Some(Bytes::from(v.to_string()));
 
+        // A replay needs no engine: resolved before the overload check (a refusal after a
+        // claim releases it in `logging`).
+        if let Some(key) = ctx.idempotency_key.clone()
+            && self.idempotent(session, ctx, &key, &method, &path, &body).await?
+        {
+            return Ok(true);
+        }
         if self.workers.overloaded(self.cfg.max_waiting) {
             let mut r =
                 Refuse::new(503, "server_error", "the engines are at capacity; retry shortly")
                     .code("overloaded");
             r.headers.push(("retry-after".into(), "1".into()));
             return Err(r);
-        }
-        if let Some(key) = ctx.idempotency_key.clone()
-            && self.idempotent(session, ctx, &key, &method, &path, &body).await?
-        {
-            return Ok(true);
         }
         // Admission by tokens: the prompt and the largest possible output of every choice.
         ctx.reserved = ctx.prompt_tokens + max_tokens * n;
@@ -788,8 +800,9 @@ impl Gateway {
             .await
             .map_err(|_| Refuse::new(500, "server_error", "idempotency check failed"))?;
         match claim {
-            Claim::First { ledger_key } => {
+            Claim::First { ledger_key, shared } => {
                 ctx.idempotency_claim = Some(ledger_key);
+                ctx.idempotency_shared = shared;
                 Ok(false)
             }
             Claim::InProgress => {
@@ -838,7 +851,8 @@ impl Gateway {
             key.clone(),
             ctx.request_id.clone(),
         );
-        let _ = self.on_io(async move { store.release(&t, &k, &id).await }).await;
+        let shared = ctx.idempotency_shared;
+        let _ = self.on_io(async move { store.release(&t, &k, &id, shared).await }).await;
     }
 
     /// Keeps a completed response for the retries of this request's idempotency claim.
@@ -859,7 +873,8 @@ impl Gateway {
             key.clone(),
             ctx.request_id.clone(),
         );
-        let _ = self.on_io(async move { store.complete(&t, &k, &id, stored).await }).await;
+        let shared = ctx.idempotency_shared;
+        let _ = self.on_io(async move { store.complete(&t, &k, &id, shared, stored).await }).await;
     }
 
     fn event(
@@ -1005,6 +1020,7 @@ impl ProxyHttp for Gateway {
             prompt_chars: 0,
             idempotency_key: None,
             idempotency_claim: None,
+            idempotency_shared: false,
             replay_body: Some(Vec::new()),
             content_type: String::new(),
             trace_id: None,
@@ -1338,8 +1354,12 @@ impl ProxyHttp for Gateway {
             ctx.status = 499;
         }
         self.settle(ctx, ctx.prompt_tokens + completion).await;
-        // Only a whole answer is replayed to retries; anything else lets a retry run anew.
-        if ctx.status == 200 && matches!(finish, FinishReason::Stop | FinishReason::Length) {
+        // Only a whole answer small enough to keep is replayed to retries; anything else lets a
+        // retry run anew.
+        if ctx.status == 200
+            && matches!(finish, FinishReason::Stop | FinishReason::Length)
+            && ctx.replay_body.is_some()
+        {
             self.complete_claim(ctx).await;
         } else {
             self.release_claim(ctx).await;
