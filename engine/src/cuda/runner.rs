@@ -35,7 +35,6 @@ struct Kernels {
     add_bias: CudaFunction,
     kv_write: CudaFunction,
     attention: CudaFunction,
-    to_f32: CudaFunction,
     fill: CudaFunction,
 }
 
@@ -134,7 +133,6 @@ impl CudaRunner {
             add_bias: f("elementwise", "add_bias")?,
             kv_write: f("attention", "kv_write")?,
             attention: f("attention", "paged_attention")?,
-            to_f32: f("elementwise", "bf16_to_f32_copy")?,
             fill: f("elementwise", "fill_random")?,
         };
         Ok(CudaRunner { ctx, stream, blas, k })
@@ -300,6 +298,55 @@ impl CudaRunner {
         };
         // SAFETY: the buffers hold out*in, n*in and n*out elements as the shapes say.
         unsafe { self.blas.gemm(cfg, w, x, &mut y) }.map_err(run_err)?;
+        Ok(y)
+    }
+
+    /// As [`CudaRunner::linear`] with an f32 result: the logits keep f32 precision (bf16's 8
+    /// mantissa bits would blur near-ties at logit magnitudes of 10-30).
+    fn linear_f32(
+        &self,
+        x: &CudaSlice<bf16>,
+        n: usize,
+        w: &CudaSlice<bf16>,
+        out: usize,
+        inp: usize,
+    ) -> Result<CudaSlice<f32>, CudaError> {
+        use cudarc::cublas::{result, sys};
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        let mut y = self.stream.alloc_zeros::<f32>(n * out).map_err(run_err)?;
+        let dim = |v: usize| i32::try_from(v).map_err(|_| run_err("dimension over i32"));
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        {
+            let (a, _ra) = w.device_ptr(&self.stream);
+            let (b, _rb) = x.device_ptr(&self.stream);
+            let (c, _rc) = y.device_ptr_mut(&self.stream);
+            // SAFETY: shapes as in `linear`; A and B are bf16, C is f32 with f32 compute; the
+            // pointers stay valid while the guards live.
+            unsafe {
+                result::gemm_ex(
+                    *self.blas.handle(),
+                    cublasOperation_t::CUBLAS_OP_T,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    dim(out)?,
+                    dim(n)?,
+                    dim(inp)?,
+                    (&alpha) as *const f32 as *const _,
+                    a as *const _,
+                    sys::cudaDataType_t::CUDA_R_16BF,
+                    dim(inp)?,
+                    b as *const _,
+                    sys::cudaDataType_t::CUDA_R_16BF,
+                    dim(inp)?,
+                    (&beta) as *const f32 as *const _,
+                    c as *mut _,
+                    sys::cudaDataType_t::CUDA_R_32F,
+                    dim(out)?,
+                    sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            }
+            .map_err(run_err)?;
+        }
         Ok(y)
     }
 
@@ -477,14 +524,6 @@ impl CudaRunner {
         // SAFETY: arguments match `embedding_gather`; every index is below n.
         unsafe { b.launch(grid(wanted.len(), 1, 256)) }.map_err(run_err)?;
         let head = m.lm_head.as_ref().unwrap_or(&m.embed);
-        let logits = self.linear(&rows, wanted.len(), head, c.vocab_size, hidden)?;
-        let count = wanted.len() * c.vocab_size;
-        let mut f = self.stream.alloc_zeros::<f32>(count).map_err(run_err)?;
-        let ci = count as i64;
-        let mut b = self.stream.launch_builder(&self.k.to_f32);
-        b.arg(&logits).arg(&mut f).arg(&ci);
-        // SAFETY: arguments match `bf16_to_f32_copy`.
-        unsafe { b.launch(flat(count)) }.map_err(run_err)?;
-        Ok(Some(f))
+        self.linear_f32(&rows, wanted.len(), head, c.vocab_size, hidden).map(Some)
     }
 }
