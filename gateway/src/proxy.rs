@@ -838,8 +838,9 @@ impl Gateway {
         }
     }
 
-    /// Drops this request's idempotency claim (it did not complete): a retry runs anew.
-    async fn release_claim(&self, ctx: &mut Ctx) {
+    /// Ends this request's idempotency claim, if it holds one: `Some(response)` keeps the
+    /// completed response for retries; `None` drops the claim so a retry runs anew.
+    async fn end_claim(&self, ctx: &Ctx, response: Option<Stored>) {
         let (Some(_), Some(grant), Some(key)) =
             (&ctx.idempotency_claim, &ctx.grant, &ctx.idempotency_key)
         else {
@@ -852,14 +853,26 @@ impl Gateway {
             ctx.request_id.clone(),
         );
         let shared = ctx.idempotency_shared;
-        let _ = self.on_io(async move { store.release(&t, &k, &id, shared).await }).await;
+        let _ = self
+            .on_io(async move {
+                match response {
+                    Some(r) => store.complete(&t, &k, &id, shared, r).await,
+                    None => store.release(&t, &k, &id, shared).await,
+                }
+            })
+            .await;
+    }
+
+    /// Drops this request's idempotency claim (it did not complete): a retry runs anew.
+    async fn release_claim(&self, ctx: &mut Ctx) {
+        self.end_claim(ctx, None).await;
     }
 
     /// Keeps a completed response for the retries of this request's idempotency claim.
     async fn complete_claim(&self, ctx: &mut Ctx) {
-        let (Some(_), Some(grant), Some(key), Some(body)) =
-            (&ctx.idempotency_claim, &ctx.grant, &ctx.idempotency_key, ctx.replay_body.take())
-        else {
+        let Some(body) = ctx.replay_body.take() else {
+            // Too large to keep: a retry runs anew.
+            self.end_claim(ctx, None).await;
             return;
         };
         let stored = Stored {
@@ -867,14 +880,7 @@ impl Gateway {
             content_type: ctx.content_type.clone(),
             body: Bytes::from(body),
         };
-        let (store, t, k, id) = (
-            self.idempotency.clone(),
-            grant.tenant_id.clone(),
-            key.clone(),
-            ctx.request_id.clone(),
-        );
-        let shared = ctx.idempotency_shared;
-        let _ = self.on_io(async move { store.complete(&t, &k, &id, shared, stored).await }).await;
+        self.end_claim(ctx, Some(stored)).await;
     }
 
     fn event(

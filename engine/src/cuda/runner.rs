@@ -9,8 +9,8 @@
 
 use std::sync::Arc;
 
+use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::cublasOperation_t;
-use cudarc::cublas::{CudaBlas, Gemm, GemmConfig};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
 };
@@ -281,24 +281,7 @@ impl CudaRunner {
         out: usize,
         inp: usize,
     ) -> Result<CudaSlice<bf16>, CudaError> {
-        let mut y = self.stream.alloc_zeros::<bf16>(n * out).map_err(run_err)?;
-        let dim = |v: usize| i32::try_from(v).map_err(|_| run_err("dimension over i32"));
-        // Column-major view: Y^T [out, n] = W^T^T [out, in] x X^T [in, n].
-        let cfg = GemmConfig {
-            transa: cublasOperation_t::CUBLAS_OP_T,
-            transb: cublasOperation_t::CUBLAS_OP_N,
-            m: dim(out)?,
-            n: dim(n)?,
-            k: dim(inp)?,
-            alpha: bf16::ONE,
-            lda: dim(inp)?,
-            ldb: dim(inp)?,
-            beta: bf16::ZERO,
-            ldc: dim(out)?,
-        };
-        // SAFETY: the buffers hold out*in, n*in and n*out elements as the shapes say.
-        unsafe { self.blas.gemm(cfg, w, x, &mut y) }.map_err(run_err)?;
-        Ok(y)
+        self.gemm(x, n, w, out, inp, cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF)
     }
 
     /// As [`CudaRunner::linear`] with an f32 result: the logits keep f32 precision (bf16's 8
@@ -311,17 +294,33 @@ impl CudaRunner {
         out: usize,
         inp: usize,
     ) -> Result<CudaSlice<f32>, CudaError> {
+        self.gemm(x, n, w, out, inp, cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F)
+    }
+
+    /// `x W^T` through cublasGemmEx: bf16 inputs, f32 compute, output of `c_type` (which
+    /// must be `T`'s CUDA type).
+    fn gemm<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        x: &CudaSlice<bf16>,
+        n: usize,
+        w: &CudaSlice<bf16>,
+        out: usize,
+        inp: usize,
+        c_type: cudarc::cublas::sys::cudaDataType_t,
+    ) -> Result<CudaSlice<T>, CudaError> {
         use cudarc::cublas::{result, sys};
         use cudarc::driver::{DevicePtr, DevicePtrMut};
-        let mut y = self.stream.alloc_zeros::<f32>(n * out).map_err(run_err)?;
+        let mut y = self.stream.alloc_zeros::<T>(n * out).map_err(run_err)?;
         let dim = |v: usize| i32::try_from(v).map_err(|_| run_err("dimension over i32"));
         let (alpha, beta) = (1.0f32, 0.0f32);
         {
             let (a, _ra) = w.device_ptr(&self.stream);
             let (b, _rb) = x.device_ptr(&self.stream);
             let (c, _rc) = y.device_ptr_mut(&self.stream);
-            // SAFETY: shapes as in `linear`; A and B are bf16, C is f32 with f32 compute; the
-            // pointers stay valid while the guards live.
+            // Column-major view: Y^T [out, n] = (W [out, in] as stored) x X^T [in, n]. The
+            // buffers hold out*in, n*in and n*out elements; the pointers stay valid while the
+            // guards live.
+            // SAFETY: as above; A and B are bf16, C is `c_type`.
             unsafe {
                 result::gemm_ex(
                     *self.blas.handle(),
@@ -339,7 +338,7 @@ impl CudaRunner {
                     dim(inp)?,
                     (&beta) as *const f32 as *const _,
                     c as *mut _,
-                    sys::cudaDataType_t::CUDA_R_32F,
+                    c_type,
                     dim(out)?,
                     sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                     sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
