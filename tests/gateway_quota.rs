@@ -98,25 +98,8 @@ async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
     }
 
     let body = json!({"model": "smollm2-135m-instruct", "prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": true});
-    let mut tasks = Vec::new();
-    for i in 0..40 {
-        let (c, url, key, body) = (c.clone(), urls[i % 2].clone(), key.clone(), body.clone());
-        tasks.push(tokio::spawn(async move {
-            let r = c
-                .post(format!("{url}/v1/completions"))
-                .bearer_auth(&key)
-                .json(&body)
-                .send()
-                .await?;
-            let status = r.status().as_u16();
-            let headers = r.headers().clone();
-            let v: Value = r.json().await?;
-            anyhow::Ok((status, headers, v))
-        }));
-    }
     let (mut ok, mut limited) = (0, 0);
-    for t in tasks {
-        let (status, headers, v) = t.await??;
+    for (status, headers, v) in concurrently(&c, &urls, &key, &body, 40).await? {
         match status {
             200 => {
                 ensure!(
@@ -139,25 +122,9 @@ async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
     );
 
     // The key's own limit holds across both gateways, beside its tenant's quota.
-    let mut tasks = Vec::new();
-    for i in 0..20 {
-        let (c, url, key, body) =
-            (c.clone(), urls[i % 2].clone(), limited_key.clone(), body.clone());
-        tasks.push(tokio::spawn(async move {
-            let r = c
-                .post(format!("{url}/v1/completions"))
-                .bearer_auth(&key)
-                .json(&body)
-                .send()
-                .await?;
-            let status = r.status().as_u16();
-            let v: Value = r.json().await?;
-            anyhow::Ok((status, v))
-        }));
-    }
     let (mut ok, mut limited) = (0, 0);
-    for t in tasks {
-        match t.await?? {
+    for (status, _, v) in concurrently(&c, &urls, &limited_key, &body, 20).await? {
+        match (status, v) {
             (200, _) => ok += 1,
             (429, v) => {
                 ensure!(v["error"]["code"] == "insufficient_quota", "{v}");
@@ -273,6 +240,38 @@ async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
     ensure!(billed >= received && billed < 300, "billed {billed}, the client received {received}");
     let _: usize = redis::AsyncCommands::del(&mut conn, &stream).await?;
     Ok(())
+}
+
+/// `n` completions sent at once, alternating between the gateways: status, headers and body of
+/// each.
+async fn concurrently(
+    c: &reqwest::Client,
+    urls: &[String],
+    key: &str,
+    body: &Value,
+    n: usize,
+) -> anyhow::Result<Vec<(u16, reqwest::header::HeaderMap, Value)>> {
+    let mut tasks = Vec::new();
+    for i in 0..n {
+        let (c, url, key, body) = (c.clone(), urls[i % 2].clone(), key.to_owned(), body.clone());
+        tasks.push(tokio::spawn(async move {
+            let r = c
+                .post(format!("{url}/v1/completions"))
+                .bearer_auth(&key)
+                .json(&body)
+                .send()
+                .await?;
+            let status = r.status().as_u16();
+            let headers = r.headers().clone();
+            let v: Value = r.json().await?;
+            anyhow::Ok((status, headers, v))
+        }));
+    }
+    let mut out = Vec::with_capacity(n);
+    for t in tasks {
+        out.push(t.await??);
+    }
+    Ok(out)
 }
 
 fn common_redis() -> &'static str {

@@ -22,6 +22,21 @@ use crate::cpu::matmul::PackedWeight;
 use crate::forward::{LogitsWanted, SeqInput};
 use crate::model::{LlamaConfig, LlamaWeights, RopeStyle};
 
+/// Element types a GEMM may write, with their CUDA type.
+trait GemmOut: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits {
+    const CUDA_TYPE: cudarc::cublas::sys::cudaDataType_t;
+}
+
+impl GemmOut for bf16 {
+    const CUDA_TYPE: cudarc::cublas::sys::cudaDataType_t =
+        cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF;
+}
+
+impl GemmOut for f32 {
+    const CUDA_TYPE: cudarc::cublas::sys::cudaDataType_t =
+        cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F;
+}
+
 fn run_err(e: impl std::fmt::Display) -> CudaError {
     CudaError::Run(e.to_string())
 }
@@ -281,32 +296,18 @@ impl CudaRunner {
         out: usize,
         inp: usize,
     ) -> Result<CudaSlice<bf16>, CudaError> {
-        self.gemm(x, n, w, out, inp, cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF)
+        self.gemm(x, n, w, out, inp)
     }
 
-    /// As [`CudaRunner::linear`] with an f32 result: the logits keep f32 precision (bf16's 8
-    /// mantissa bits would blur near-ties at logit magnitudes of 10-30).
-    fn linear_f32(
+    /// `x W^T` through cublasGemmEx: bf16 inputs, f32 compute, a bf16 or f32 result (the
+    /// logits are kept in f32: bf16's 8 mantissa bits would blur near-ties).
+    fn gemm<T: GemmOut>(
         &self,
         x: &CudaSlice<bf16>,
         n: usize,
         w: &CudaSlice<bf16>,
         out: usize,
         inp: usize,
-    ) -> Result<CudaSlice<f32>, CudaError> {
-        self.gemm(x, n, w, out, inp, cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F)
-    }
-
-    /// `x W^T` through cublasGemmEx: bf16 inputs, f32 compute, output of `c_type` (which
-    /// must be `T`'s CUDA type).
-    fn gemm<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
-        &self,
-        x: &CudaSlice<bf16>,
-        n: usize,
-        w: &CudaSlice<bf16>,
-        out: usize,
-        inp: usize,
-        c_type: cudarc::cublas::sys::cudaDataType_t,
     ) -> Result<CudaSlice<T>, CudaError> {
         use cudarc::cublas::{result, sys};
         use cudarc::driver::{DevicePtr, DevicePtrMut};
@@ -320,7 +321,7 @@ impl CudaRunner {
             // Column-major view: Y^T [out, n] = (W [out, in] as stored) x X^T [in, n]. The
             // buffers hold out*in, n*in and n*out elements; the pointers stay valid while the
             // guards live.
-            // SAFETY: as above; A and B are bf16, C is `c_type`.
+            // SAFETY: as above; A and B are bf16, C is T.
             unsafe {
                 result::gemm_ex(
                     *self.blas.handle(),
@@ -338,7 +339,7 @@ impl CudaRunner {
                     dim(inp)?,
                     (&beta) as *const f32 as *const _,
                     c as *mut _,
-                    c_type,
+                    T::CUDA_TYPE,
                     dim(out)?,
                     sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
                     sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
@@ -523,6 +524,6 @@ impl CudaRunner {
         // SAFETY: arguments match `embedding_gather`; every index is below n.
         unsafe { b.launch(grid(wanted.len(), 1, 256)) }.map_err(run_err)?;
         let head = m.lm_head.as_ref().unwrap_or(&m.embed);
-        self.linear_f32(&rows, wanted.len(), head, c.vocab_size, hidden).map(Some)
+        self.gemm::<f32>(&rows, wanted.len(), head, c.vocab_size, hidden).map(Some)
     }
 }
