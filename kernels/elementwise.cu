@@ -1,5 +1,5 @@
 // Row and element kernels of the forward pass: embedding gather, RMSNorm, RoPE, SiLU-and-multiply,
-// residual add, and the f32 view of bf16 logits.
+// residual add, Q/K/V bias and random fill.
 
 // out[t, :] = table[ids[t], :]. Grid: one block per token.
 extern "C" __global__ void embedding_gather(const bf16_t* __restrict__ table,
@@ -72,15 +72,6 @@ extern "C" __global__ void add_inplace(bf16_t* __restrict__ x, const bf16_t* __r
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
         x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
-    }
-}
-
-// out = f32(x), elementwise over n.
-extern "C" __global__ void bf16_to_f32_copy(const bf16_t* __restrict__ x, float* __restrict__ out,
-                                            long long n) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        out[i] = bf16_to_f32(x[i]);
     }
 }
 

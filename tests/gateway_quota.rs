@@ -141,24 +141,10 @@ async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
     // engine ignores); one over the 2 MiB cap is refused before it is read.
     let mut big = body.clone();
     big["user"] = Value::from("x".repeat(300_000));
-    let r = c
-        .post(format!("{}/v1/completions", urls[0]))
-        .bearer_auth(&other_key)
-        .json(&big)
-        .send()
-        .await?;
-    let status = r.status();
-    let v: Value = r.json().await?;
+    let (status, _, v) = post(&c, &urls[0], &other_key, &big).await?;
     ensure!(status == 200 && v["usage"]["completion_tokens"] == 2, "{status}: {v}");
     big["user"] = Value::from("x".repeat(3 << 20));
-    let r = c
-        .post(format!("{}/v1/completions", urls[1]))
-        .bearer_auth(&other_key)
-        .json(&big)
-        .send()
-        .await?;
-    let status = r.status();
-    let v: Value = r.json().await?;
+    let (status, _, v) = post(&c, &urls[1], &other_key, &big).await?;
     ensure!(status == 413 && v["error"]["type"] == "invalid_request_error", "{status}: {v}");
 
     // A client that goes away mid-stream: the engine aborts (its running requests and KV
@@ -242,8 +228,19 @@ async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `n` completions sent at once, alternating between the gateways: status, headers and body of
-/// each.
+/// One completion: status, headers and body.
+async fn post(
+    c: &reqwest::Client,
+    url: &str,
+    key: &str,
+    body: &Value,
+) -> anyhow::Result<(u16, reqwest::header::HeaderMap, Value)> {
+    let r = c.post(format!("{url}/v1/completions")).bearer_auth(key).json(body).send().await?;
+    let (status, headers) = (r.status().as_u16(), r.headers().clone());
+    Ok((status, headers, r.json().await?))
+}
+
+/// `n` completions sent at once, alternating between the gateways.
 async fn concurrently(
     c: &reqwest::Client,
     urls: &[String],
@@ -254,18 +251,7 @@ async fn concurrently(
     let mut tasks = Vec::new();
     for i in 0..n {
         let (c, url, key, body) = (c.clone(), urls[i % 2].clone(), key.to_owned(), body.clone());
-        tasks.push(tokio::spawn(async move {
-            let r = c
-                .post(format!("{url}/v1/completions"))
-                .bearer_auth(&key)
-                .json(&body)
-                .send()
-                .await?;
-            let status = r.status().as_u16();
-            let headers = r.headers().clone();
-            let v: Value = r.json().await?;
-            anyhow::Ok((status, headers, v))
-        }));
+        tasks.push(tokio::spawn(async move { post(&c, &url, &key, &body).await }));
     }
     let mut out = Vec::with_capacity(n);
     for t in tasks {

@@ -287,21 +287,10 @@ impl CudaRunner {
         Ok(CudaKvCache { k, v, block_size, num_blocks })
     }
 
-    /// `y[n, out] = x[n, in] W[out, in]^T` (row-major), bf16 with f32 accumulation.
-    fn linear(
-        &self,
-        x: &CudaSlice<bf16>,
-        n: usize,
-        w: &CudaSlice<bf16>,
-        out: usize,
-        inp: usize,
-    ) -> Result<CudaSlice<bf16>, CudaError> {
-        self.gemm(x, n, w, out, inp)
-    }
-
-    /// `x W^T` through cublasGemmEx: bf16 inputs, f32 compute, a bf16 or f32 result (the
-    /// logits are kept in f32: bf16's 8 mantissa bits would blur near-ties).
-    fn gemm<T: GemmOut>(
+    /// `y[n, out] = x[n, in] W[out, in]^T` (row-major) through cublasGemmEx: bf16 inputs, f32
+    /// compute, a bf16 or f32 result (the logits are kept in f32: bf16's 8 mantissa bits would
+    /// blur near-ties).
+    fn linear<T: GemmOut>(
         &self,
         x: &CudaSlice<bf16>,
         n: usize,
@@ -474,9 +463,9 @@ impl CudaRunner {
         let scale = 1.0 / (hd as f32).sqrt();
         for (li, l) in m.layers.iter().enumerate() {
             let xn = self.rmsnorm(&x, &l.attn_norm, n, hidden, c.rms_eps)?;
-            let mut q = self.linear(&xn, n, &l.wq, q_dim, hidden)?;
-            let mut k = self.linear(&xn, n, &l.wk, kv_dim, hidden)?;
-            let mut v = self.linear(&xn, n, &l.wv, kv_dim, hidden)?;
+            let mut q = self.linear::<bf16>(&xn, n, &l.wq, q_dim, hidden)?;
+            let mut k = self.linear::<bf16>(&xn, n, &l.wk, kv_dim, hidden)?;
+            let mut v = self.linear::<bf16>(&xn, n, &l.wv, kv_dim, hidden)?;
             if let Some([bq, bk, bv]) = &l.bias {
                 self.add_bias(&mut q, bq, n, q_dim)?;
                 self.add_bias(&mut k, bk, n, kv_dim)?;
@@ -498,18 +487,18 @@ impl CudaRunner {
             b.arg(&heads).arg(&kv_heads).arg(&hd_i).arg(&bs_i).arg(&mb_i).arg(&scale);
             // SAFETY: arguments match `paged_attention`; head_dim is a multiple of 32 up to 256.
             unsafe { b.launch(grid(n, c.heads, 128)) }.map_err(run_err)?;
-            let o = self.linear(&attn, n, &l.wo, hidden, q_dim)?;
+            let o = self.linear::<bf16>(&attn, n, &l.wo, hidden, q_dim)?;
             self.add(&mut x, &o, n * hidden)?;
             let xn = self.rmsnorm(&x, &l.ffn_norm, n, hidden, c.rms_eps)?;
-            let gate = self.linear(&xn, n, &l.w_gate, c.intermediate, hidden)?;
-            let upv = self.linear(&xn, n, &l.w_up, c.intermediate, hidden)?;
+            let gate = self.linear::<bf16>(&xn, n, &l.w_gate, c.intermediate, hidden)?;
+            let upv = self.linear::<bf16>(&xn, n, &l.w_up, c.intermediate, hidden)?;
             let mut act = self.stream.alloc_zeros::<bf16>(n * c.intermediate).map_err(run_err)?;
             let ni = (n * c.intermediate) as i64;
             let mut b = self.stream.launch_builder(&self.k.silu_mul);
             b.arg(&gate).arg(&upv).arg(&mut act).arg(&ni);
             // SAFETY: arguments match `silu_mul`.
             unsafe { b.launch(flat(n * c.intermediate)) }.map_err(run_err)?;
-            let down = self.linear(&act, n, &l.w_down, hidden, c.intermediate)?;
+            let down = self.linear::<bf16>(&act, n, &l.w_down, hidden, c.intermediate)?;
             self.add(&mut x, &down, n * hidden)?;
         }
         if wanted.is_empty() {
@@ -524,6 +513,6 @@ impl CudaRunner {
         // SAFETY: arguments match `embedding_gather`; every index is below n.
         unsafe { b.launch(grid(wanted.len(), 1, 256)) }.map_err(run_err)?;
         let head = m.lm_head.as_ref().unwrap_or(&m.embed);
-        self.gemm::<f32>(&rows, wanted.len(), head, c.vocab_size, hidden).map(Some)
+        self.linear::<f32>(&rows, wanted.len(), head, c.vocab_size, hidden).map(Some)
     }
 }
