@@ -24,6 +24,11 @@ use sluice_engine::serve::handle::EngineHandle;
 use sluice_engine::server::{ServerConfig, router, serve};
 use sluice_engine::template::ChatMessage;
 
+/// mimalloc for every allocation of the process: per-thread free lists instead of glibc's
+/// arenas, whose frees and consolidations were a visible share of the gateway's CPU per request.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Sluice: a multi-tenant LLM inference platform.
 #[derive(Parser, Debug)]
 #[command(name = "sluice", version, about)]

@@ -79,16 +79,22 @@ pub(crate) struct IoRuntime {
 
 impl IoRuntime {
     pub(crate) fn start() -> anyhow::Result<Self> {
+        Self::named("sluice-io")
+    }
+
+    /// An I/O runtime whose threads are called `name` (so a profile or `bench gateway`'s
+    /// core layout can tell runtimes apart).
+    pub(crate) fn named(name: &str) -> anyhow::Result<Self> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
-            .thread_name("sluice-io")
+            .thread_name(name)
             .enable_all()
             .build()
             .context("starting the async runtime")?;
         let handle = rt.handle().clone();
         let (stop, rx) = tokio::sync::oneshot::channel::<()>();
         let thread = std::thread::Builder::new()
-            .name("sluice-io-main".into())
+            .name(format!("{name}-main"))
             .spawn(move || {
                 let _ = rt.block_on(rx);
             })

@@ -138,12 +138,17 @@ async fn write_loop(
             Msg::Event(e) => batch.push(*e),
             Msg::Flush(done) => flushes.push(done),
         }
-        let deadline = tokio::time::Instant::now() + config.linger;
-        while batch.len() < config.batch_size && flushes.is_empty() {
-            match tokio::time::timeout_at(deadline, rx.recv()).await {
-                Ok(Some(Msg::Event(e))) => batch.push(*e),
-                Ok(Some(Msg::Flush(done))) => flushes.push(done),
-                Ok(None) | Err(_) => break,
+        // Linger once, then take what came: the writer wakes once per batch, not once per
+        // event (on a busy gateway a wake-up per request is a context switch per request on
+        // the cores that proxy). A full batch already queued, or a flush, is not kept waiting.
+        if flushes.is_empty() && rx.len() + batch.len() < config.batch_size {
+            tokio::time::sleep(config.linger).await;
+        }
+        while batch.len() < config.batch_size {
+            match rx.try_recv() {
+                Ok(Msg::Event(e)) => batch.push(*e),
+                Ok(Msg::Flush(done)) => flushes.push(done),
+                Err(_) => break,
             }
         }
         write(&ledger, &config, &batch, &stats).await;

@@ -79,9 +79,12 @@ impl MigrationSource<'static> for EmbeddedMigrations {
     }
 }
 
-/// Rows per multi-row INSERT: 33 binds each keeps a statement well under the bind limits of
-/// both backends (Postgres 65,535; SQLite 32,766).
-const RECORDS_PER_STATEMENT: usize = 500;
+/// Rows per multi-row INSERT, largest first: a batch is cut greedily into statements of these
+/// sizes, so only five statement texts ever exist and each stays prepared in the connection's
+/// statement cache (a statement per batch size meant re-preparing an INSERT of hundreds of
+/// binds for nearly every batch). 33 binds a row keeps the largest well under the bind limits
+/// of both backends (Postgres 65,535; SQLite 32,766).
+const RECORDS_PER_STATEMENT: [usize; 5] = [256, 64, 16, 4, 1];
 /// Rollup rows per upsert statement (9 binds each).
 const ROLLUPS_PER_STATEMENT: usize = 1000;
 
@@ -171,6 +174,19 @@ impl Period {
     }
 }
 
+/// `events` cut into consecutive runs of [`RECORDS_PER_STATEMENT`] sizes, largest first.
+fn statement_chunks<T>(mut events: &[T]) -> Vec<&[T]> {
+    let mut out = Vec::new();
+    for size in RECORDS_PER_STATEMENT {
+        while events.len() >= size {
+            let (head, rest) = events.split_at(size);
+            out.push(head);
+            events = rest;
+        }
+    }
+    out
+}
+
 /// Sorted so concurrent writers upsert rollup rows in the same order and cannot deadlock.
 type RollupKey = (Period, DateTime<Utc>, String, String);
 
@@ -222,7 +238,7 @@ macro_rules! insert_batch_on {
             let mut tx = pool.begin().await?;
             let mut rollups: BTreeMap<RollupKey, RollupSums> = BTreeMap::new();
             let mut inserted = 0;
-            for chunk in events.chunks(RECORDS_PER_STATEMENT) {
+            for chunk in statement_chunks(events) {
                 let mut query = QueryBuilder::<$db>::new(INSERT_RECORDS_HEAD);
                 query.push_values(chunk, |mut row, e| {
                     row.push_bind(e.request_id.as_str())
@@ -367,5 +383,23 @@ impl Ledger {
             Pool::Postgres(pool) => pool.close().await,
             Pool::Sqlite(pool) => pool.close().await,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn batches_are_cut_into_the_fixed_statement_sizes_in_order() {
+        for n in [0usize, 1, 3, 4, 40, 255, 256, 257, 700] {
+            let v: Vec<usize> = (0..n).collect();
+            let chunks = statement_chunks(&v);
+            assert!(chunks.iter().all(|c| RECORDS_PER_STATEMENT.contains(&c.len())), "{n}");
+            let joined: Vec<usize> = chunks.concat();
+            assert_eq!(joined, v, "{n}: every event once, in order");
+        }
+        let sizes: Vec<usize> = statement_chunks(&[0u8; 40]).iter().map(|c| c.len()).collect();
+        assert_eq!(sizes, [16, 16, 4, 4]);
     }
 }

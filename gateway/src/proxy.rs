@@ -119,7 +119,7 @@ pub struct GatewayConfig {
 }
 
 /// Key lookups by SHA-256 of the secret (never the secret itself), with when they were made.
-type KeyCache = HashMap<[u8; 32], (Instant, Option<KeyGrant>)>;
+type KeyCache = HashMap<[u8; 32], (Instant, Option<Arc<KeyGrant>>)>;
 
 /// The gateway.
 pub struct Gateway {
@@ -205,7 +205,7 @@ impl Gateway {
         self.io.spawn(f).await.map_err(|e| e.to_string())
     }
 
-    async fn grant(&self, secret: &str) -> std::result::Result<Option<KeyGrant>, String> {
+    async fn grant(&self, secret: &str) -> std::result::Result<Option<Arc<KeyGrant>>, String> {
         let digest: [u8; 32] = Sha256::digest(secret.as_bytes()).into();
         {
             let cache = self.keys.lock().unwrap_or_else(|e| e.into_inner());
@@ -220,7 +220,8 @@ impl Gateway {
         let g = self
             .on_io(async move { ledger.key_grant(&secret).await })
             .await?
-            .map_err(|e| e.to_string())?;
+            .map_err(|e| e.to_string())?
+            .map(Arc::new);
         let mut cache = self.keys.lock().unwrap_or_else(|e| e.into_inner());
         if cache.len() > 100_000 {
             cache.clear();
@@ -246,7 +247,7 @@ pub struct Ctx {
     arrival: Instant,
     arrival_at: DateTime<Utc>,
     request_id: String,
-    grant: Option<KeyGrant>,
+    grant: Option<Arc<KeyGrant>>,
     /// The key id and its limits, when the key has limits of its own.
     key_scope: Option<(String, TenantLimits)>,
     body: Option<Bytes>,
@@ -437,7 +438,7 @@ impl Gateway {
                 .map_err(|_| Refuse::new(500, "server_error", "write failed"))?;
             return Ok(true);
         }
-        ctx.grant = Some(grant.clone());
+        ctx.grant = Some(Arc::clone(&grant));
         if ctx.idempotency_key.as_deref().is_some_and(|k| !idempotency::valid_key(k)) {
             ctx.idempotency_key = None;
             return Err(Refuse::new(
