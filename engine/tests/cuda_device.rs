@@ -392,31 +392,23 @@ fn two_sequences(
     Ok(out)
 }
 
-#[test]
-#[ignore = "needs an NVIDIA GPU: run with --ignored on one"]
-fn forward_matches_the_cpu_backend_on_a_synthetic_model() -> anyhow::Result<()> {
-    gpu()?;
+/// The synthetic model of the parity tests, written with weights of type `ty`.
+fn synthetic(ty: GgmlType) -> anyhow::Result<sluice_engine::model::LlamaWeights> {
     let spec =
         SynthSpec { hidden: 128, intermediate: 256, heads: 4, kv_heads: 2, ..SynthSpec::tiny() };
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("m.gguf");
-    write_gguf(&spec, GgmlType::F32, &path)?;
-    let w = load_gguf_weights(&GgufFile::open(&path)?)?;
-    let vocab = w.config.vocab_size;
+    write_gguf(&spec, ty, &path)?;
+    Ok(load_gguf_weights(&GgufFile::open(&path)?)?)
+}
 
-    let mut cpu = Runner::new(2);
-    let mut cpu_cache = KvCache::new(&w, 16, 8);
-    let want = two_sequences(vocab as u32, |b| Ok(cpu.forward(&w, &mut cpu_cache, b)?))?;
-
-    let gpu_runner = CudaRunner::new(0)?;
-    let model = gpu_runner.upload(&w)?;
-    let mut cache = gpu_runner.kv_cache(&model, 16, 8)?;
-    let got = two_sequences(vocab as u32, |b| Ok(gpu_runner.forward(&model, &mut cache, b)?))?;
-    ensure!(got.len() == want.len() && want.len() == (7 + 40 + 2) * vocab, "{}", got.len());
-
-    // Tolerance: bf16 weights and activations on the GPU against f32 (with 8-bit activation
-    // products) on the CPU: within 3% of each position's logit range; the same top token
-    // wherever the CPU's top two are more than 5% of the range apart.
+/// Checks GPU logits `got` against the CPU's `want`, row by row, and returns the largest
+/// difference as a fraction of the row's range. Tolerance: bf16 weights and activations on
+/// the GPU against f32 (with 8-bit activation products) on the CPU: within 3% of each
+/// position's logit range; the same top token wherever the CPU's top two are more than 5% of
+/// the range apart.
+fn compare_logits(got: &[f32], want: &[f32], vocab: usize) -> anyhow::Result<f32> {
+    ensure!(got.len() == want.len(), "{} logits vs {}", got.len(), want.len());
     let mut worst = 0f32;
     for (pos, (g_row, c_row)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
         let hi = c_row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -432,6 +424,26 @@ fn forward_matches_the_cpu_backend_on_a_synthetic_model() -> anyhow::Result<()> 
             ensure!(gpu_top == order[0], "position {pos}: top token {gpu_top} vs {}", order[0]);
         }
     }
+    Ok(worst)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on one"]
+fn forward_matches_the_cpu_backend_on_a_synthetic_model() -> anyhow::Result<()> {
+    gpu()?;
+    let w = synthetic(GgmlType::F32)?;
+    let vocab = w.config.vocab_size;
+
+    let mut cpu = Runner::new(2);
+    let mut cpu_cache = KvCache::new(&w, 16, 8);
+    let want = two_sequences(vocab as u32, |b| Ok(cpu.forward(&w, &mut cpu_cache, b)?))?;
+
+    let gpu_runner = CudaRunner::new(0)?;
+    let model = gpu_runner.upload(&w)?;
+    let mut cache = gpu_runner.kv_cache(&model, 16, 8)?;
+    let got = two_sequences(vocab as u32, |b| Ok(gpu_runner.forward(&model, &mut cache, b)?))?;
+    ensure!(want.len() == (7 + 40 + 2) * vocab, "{}", want.len());
+    let worst = compare_logits(&got, &want, vocab)?;
     eprintln!("CUDA vs CPU logits: max difference {worst:.4} of the range");
 
     // A mixed batch (one sequence decoding beside another prefilling) equals each alone.
@@ -458,6 +470,61 @@ fn forward_matches_the_cpu_backend_on_a_synthetic_model() -> anyhow::Result<()> 
         gpu_runner.forward(&model, &mut fresh, &[seq(&c[..], 0, &tc[..], LogitsWanted::Last)])?;
     let d = max_diff(&mixed[vocab..], &alone_c);
     ensure!(d < 1e-2, "prefill in a mixed batch differs from alone by {d}");
+
+    // Decode steps of 3 sequences (the graph of bucket 4, one padding row) equal the same
+    // steps run eagerly, and each graph is captured once.
+    let mut graphed = gpu_runner.kv_cache(&model, 16, 8)?;
+    let mut eager = gpu_runner.kv_cache(&model, 16, 8)?;
+    eager.set_graphs(false);
+    let tables = [[0u32, 1], [2, 3], [4, 5]];
+    let prompts: Vec<Vec<u32>> =
+        (0..3u32).map(|s| (0..5 + 3 * s).map(|i| (i * 13 + s) % vocab as u32).collect()).collect();
+    let mut steps = Vec::new();
+    for cache in [&mut graphed, &mut eager] {
+        let prefill: Vec<SeqInput<'_>> =
+            (0..3).map(|s| seq(&prompts[s][..], 0, &tables[s][..], LogitsWanted::Last)).collect();
+        gpu_runner.forward(&model, cache, &prefill)?;
+        let mut out = Vec::new();
+        for step in 0..4u32 {
+            let toks: Vec<[u32; 1]> = (0..3u32).map(|s| [(step * 7 + s) % vocab as u32]).collect();
+            let b: Vec<SeqInput<'_>> = (0..3)
+                .map(|s| SeqInput {
+                    tokens: &toks[s][..],
+                    start_pos: prompts[s].len() + step as usize,
+                    block_table: &tables[s][..],
+                    logits: LogitsWanted::Last,
+                })
+                .collect();
+            out.extend(gpu_runner.forward(&model, cache, &b)?);
+        }
+        steps.push(out);
+    }
+    ensure!(graphed.graph_buckets() == vec![4], "graphs: {:?}", graphed.graph_buckets());
+    ensure!(eager.graph_buckets().is_empty(), "eager cache captured graphs");
+    let d = max_diff(&steps[0], &steps[1]);
+    eprintln!("decode graph vs eager: max difference {d:.2e} over 4 steps of 3 sequences");
+    ensure!(d < 1e-3, "the decode graph differs from the eager pass by {d}");
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on one"]
+fn quantized_weights_dequantized_on_the_device_match_the_cpu_backend() -> anyhow::Result<()> {
+    gpu()?;
+    let gpu_runner = CudaRunner::new(0)?;
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
+        let w = synthetic(ty)?;
+        let vocab = w.config.vocab_size;
+        let mut cpu = Runner::new(2);
+        let mut cpu_cache = KvCache::new(&w, 16, 8);
+        let want = two_sequences(vocab as u32, |b| Ok(cpu.forward(&w, &mut cpu_cache, b)?))?;
+        // Uploaded as the file's blocks, dequantized by our kernels.
+        let model = gpu_runner.upload(&w)?;
+        let mut cache = gpu_runner.kv_cache(&model, 16, 8)?;
+        let got = two_sequences(vocab as u32, |b| Ok(gpu_runner.forward(&model, &mut cache, b)?))?;
+        let worst = compare_logits(&got, &want, vocab)?;
+        eprintln!("{ty:?} weights, CUDA vs CPU logits: max difference {worst:.4} of the range");
+    }
     Ok(())
 }
 
@@ -535,11 +602,13 @@ fn bench_8b_shaped_decode_and_prefill() -> anyhow::Result<()> {
         flops / secs / 1e12 / 790.0
     );
 
-    // Decode: each sequence holds 128 tokens of context.
-    for batch in [1usize, 64, 256] {
+    // Decode: each sequence holds 128 tokens of context; batch 1 eagerly too, to show what
+    // the graph saves.
+    for (batch, graphs) in [(1usize, false), (1, true), (64, true), (256, true)] {
         let ctx = 128usize;
         let per_seq = ctx / block + 1;
         let mut cache = r.kv_cache(&model, block, batch * per_seq)?;
+        cache.set_graphs(graphs);
         let tables: Vec<Vec<u32>> = (0..batch)
             .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
             .collect();
@@ -560,7 +629,8 @@ fn bench_8b_shaped_decode_and_prefill() -> anyhow::Result<()> {
             10,
         )?;
         eprintln!(
-            "decode batch {batch}: {:.2} ms/step, {:.0} tok/s{}",
+            "decode batch {batch} ({}): {:.2} ms/step, {:.0} tok/s{}",
+            if graphs { "CUDA graph" } else { "eager" },
             secs * 1e3,
             batch as f64 / secs,
             if batch == 1 {

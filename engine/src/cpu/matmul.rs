@@ -169,6 +169,36 @@ impl PackedWeight {
         }
     }
 
+    /// The weight as the file stored it (GGML blocks, row after row) for the 4- and 8-bit
+    /// block types, rebuilt from the packed layout; `None` for the other types. For a device
+    /// that dequantizes on its own: it takes the quantized bytes, not four-byte floats.
+    pub fn file_blocks(&self) -> Option<Vec<u8>> {
+        let PackedData::Blocks { offset, qs, d, m } = &self.data else {
+            return None;
+        };
+        let v = BlockView { rows: self.rows, nb: self.cols / QK, offset: *offset, qs, d, m };
+        let mut out = Vec::with_capacity(self.rows * v.nb * self.ty.block_bytes());
+        for r in 0..self.rows {
+            let l = r % GROUP;
+            for b in 0..v.nb {
+                let gb = (r / GROUP) * v.nb + b;
+                out.extend_from_slice(&v.d[gb * GROUP + l].to_le_bytes());
+                // `stored` gives each element as packed: a byte (8-bit) or a nibble (4-bit).
+                let q = |i: usize| v.stored(r, b, i) as u8;
+                match offset {
+                    Offset::Minus128 => out.extend((0..QK).map(|i| q(i) ^ 0x80)),
+                    Offset::Min | Offset::Minus8 => {
+                        if *offset == Offset::Min {
+                            out.extend_from_slice(&v.m[gb * GROUP + l].to_le_bytes());
+                        }
+                        out.extend((0..QK / 2).map(|i| q(i) | (q(i + QK / 2) << 4)));
+                    }
+                }
+            }
+        }
+        Some(out)
+    }
+
     /// Dequantizes row `r` into `out` (embedding lookup).
     pub fn dequantize_row(&self, r: usize, out: &mut [f32]) {
         match &self.data {
@@ -508,6 +538,21 @@ fn scalar_dot(v: &BlockView<'_>, acts: &QuantizedActs, r: usize, t: usize) -> f3
 mod tests {
     use super::*;
     use crate::quant::quantize_row;
+
+    #[test]
+    fn file_blocks_give_back_the_files_bytes() {
+        // 37 rows: the last group of 16 is partial.
+        let (rows, cols) = (37, 96);
+        for ty in [GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::Q8_0] {
+            let bytes: Vec<u8> =
+                (0..rows).flat_map(|r| quantize_row(ty, &data(cols, r as u32 + 7))).collect();
+            let w = PackedWeight::new(ty, rows, cols, &bytes);
+            assert_eq!(w.file_blocks().as_deref(), Some(&bytes[..]), "{ty:?}");
+        }
+        let f16_bytes: Vec<u8> =
+            data(4 * 32, 3).iter().flat_map(|x| f16::from_f32(*x).to_le_bytes()).collect();
+        assert!(PackedWeight::new(GgmlType::F16, 4, 32, &f16_bytes).file_blocks().is_none());
+    }
 
     fn data(n: usize, seed: u32) -> Vec<f32> {
         let mut s = seed.wrapping_mul(2654435761).wrapping_add(1);

@@ -4,15 +4,24 @@
 //! bf16 once at upload, a paged bf16 KV cache on the device, our kernels and cuBLAS bf16 GEMMs
 //! (f32 accumulation).
 //!
+//! A pass allocates nothing: its inputs and activations live in a [`Workspace`] the cache
+//! keeps (grown when a larger batch comes). A batch of decode steps only (one token and its
+//! logits per sequence, at most [`GRAPH_BUCKETS`]'s largest) runs as a CUDA graph captured
+//! once per batch-size bucket and cache, padded to the bucket with rows that write no K/V:
+//! one launch per step instead of a dozen per layer.
+//!
 //! Status: written and compiled on a machine without a GPU; the parity test
 //! (`engine/tests/cuda_device.rs`) has not run yet.
 
+use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    CudaContext, CudaFunction, CudaGraph, CudaSlice, CudaStream, CudaView, LaunchConfig,
+    PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 use half::bf16;
@@ -21,6 +30,7 @@ use super::{CudaError, KERNELS, compile, probe};
 use crate::cpu::matmul::PackedWeight;
 use crate::forward::{LogitsWanted, SeqInput};
 use crate::model::{LlamaConfig, LlamaWeights, RopeStyle};
+use crate::quant::{GgmlType, QK};
 
 /// Element types a GEMM may write, with their CUDA type.
 trait GemmOut: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits {
@@ -51,6 +61,9 @@ struct Kernels {
     kv_write: CudaFunction,
     attention: CudaFunction,
     fill: CudaFunction,
+    dequant_q4_0: CudaFunction,
+    dequant_q4_1: CudaFunction,
+    dequant_q8_0: CudaFunction,
 }
 
 struct DeviceLayer {
@@ -66,8 +79,20 @@ struct DeviceLayer {
     w_down: CudaSlice<bf16>,
 }
 
+/// Decode batch sizes that get a CUDA graph: a batch of `n` decode steps runs in the graph of
+/// the smallest bucket >= n.
+pub const GRAPH_BUCKETS: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
+
+/// cuBLAS workspace, set once so GEMMs never allocate (required inside a graph capture).
+const CUBLAS_WORKSPACE: usize = 32 << 20;
+
+static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
+
 /// A model's weights on the device, bf16.
 pub struct CudaModel {
+    /// Distinguishes models, so a graph captured over one model's weights is never replayed
+    /// with another's.
+    id: u64,
     config: LlamaConfig,
     embed: CudaSlice<bf16>,
     lm_head: Option<CudaSlice<bf16>>,
@@ -84,12 +109,87 @@ impl CudaModel {
 }
 
 /// The paged KV cache on the device: per layer, `[blocks * block_size, kv_dim]` bf16 for K and
-/// for V.
+/// for V; with the workspace of eager passes and the decode graphs captured over it.
 pub struct CudaKvCache {
     k: Vec<CudaSlice<bf16>>,
     v: Vec<CudaSlice<bf16>>,
     block_size: usize,
     num_blocks: usize,
+    /// Block-table entries per sequence in a graph (the context length in blocks).
+    graph_table: usize,
+    eager: Option<Workspace>,
+    graphs: HashMap<usize, DecodeGraph>,
+    use_graphs: bool,
+}
+
+impl CudaKvCache {
+    /// Turns the decode graphs on (the default) or off (every pass eager: for comparison).
+    pub fn set_graphs(&mut self, on: bool) {
+        self.use_graphs = on;
+    }
+
+    /// Decode graphs captured so far, by batch-size bucket.
+    pub fn graph_buckets(&self) -> Vec<usize> {
+        let mut b: Vec<usize> = self.graphs.keys().copied().collect();
+        b.sort_unstable();
+        b
+    }
+}
+
+/// Device buffers of a pass: the inputs (uploaded before each pass) and every activation, for
+/// up to `rows` token rows, `wanted` logit rows and `table` block-table entries.
+struct Workspace {
+    rows: usize,
+    wanted: usize,
+    table: usize,
+    ids: CudaSlice<i32>,
+    pos: CudaSlice<i32>,
+    q_seq: CudaSlice<i32>,
+    ctx_len: CudaSlice<i32>,
+    slots: CudaSlice<i32>,
+    tables: CudaSlice<i32>,
+    want: CudaSlice<i32>,
+    x: CudaSlice<bf16>,
+    xn: CudaSlice<bf16>,
+    q: CudaSlice<bf16>,
+    k: CudaSlice<bf16>,
+    v: CudaSlice<bf16>,
+    attn: CudaSlice<bf16>,
+    o: CudaSlice<bf16>,
+    gate: CudaSlice<bf16>,
+    up: CudaSlice<bf16>,
+    act: CudaSlice<bf16>,
+    picked: CudaSlice<bf16>,
+    logits: CudaSlice<f32>,
+}
+
+/// A captured decode step and the workspace whose buffers it names.
+struct DecodeGraph {
+    model: u64,
+    ws: Workspace,
+    graph: Captured,
+}
+
+/// A CUDA graph that may move to another thread.
+struct Captured(CudaGraph);
+
+// SAFETY: CUDA graph handles are not tied to the thread that made them; the driver only
+// forbids using one graph from two threads at once, and a `Captured` is reached only through
+// `&mut CudaKvCache`.
+unsafe impl Send for Captured {}
+
+/// The host side of one pass, checked: per token row its id, position, sequence, context
+/// length and cache slot (-1: write no K/V); the block tables, `max_blocks` entries per
+/// sequence; the rows whose logits are wanted.
+struct Plan {
+    ids: Vec<i32>,
+    pos: Vec<i32>,
+    q_seq: Vec<i32>,
+    ctx_len: Vec<i32>,
+    slots: Vec<i32>,
+    tables: Vec<i32>,
+    max_blocks: usize,
+    wanted: Vec<i32>,
 }
 
 /// Runs forward passes on one device.
@@ -97,6 +197,8 @@ pub struct CudaRunner {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
+    /// cuBLAS's workspace, kept alive with the handle.
+    _blas_workspace: CudaSlice<u8>,
     k: Kernels,
 }
 
@@ -125,8 +227,30 @@ impl CudaRunner {
         let device =
             |e: cudarc::driver::DriverError| CudaError::Device { ordinal, message: e.to_string() };
         let ctx = CudaContext::new(ordinal).map_err(device)?;
-        let stream = ctx.default_stream();
+        // SAFETY: all of this runner's work (uploads, kernels, GEMMs, copies back) goes
+        // through its one stream, so stream order alone orders every use of a buffer; no
+        // events are needed, and none may be recorded while a graph is captured.
+        unsafe { ctx.disable_event_tracking() };
+        // A stream of its own: the legacy default stream cannot be captured into a graph.
+        let stream = ctx.new_stream().map_err(device)?;
         let blas = CudaBlas::new(stream.clone()).map_err(run_err)?;
+        let mut blas_workspace = stream.alloc_zeros::<u8>(CUBLAS_WORKSPACE).map_err(device)?;
+        {
+            use cudarc::driver::DevicePtrMut;
+            let (ws, _guard) = blas_workspace.device_ptr_mut(&stream);
+            // SAFETY: the handle is live; the buffer holds CUBLAS_WORKSPACE bytes and lives as
+            // long as the runner (and so the handle).
+            let status = unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    ws as *mut std::ffi::c_void,
+                    CUBLAS_WORKSPACE,
+                )
+            };
+            if status != cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+                return Err(run_err(format!("cublasSetWorkspace: {status:?}")));
+            }
+        }
         let arch = info.arch();
         let mut modules = Vec::new();
         for (name, src) in KERNELS {
@@ -149,8 +273,11 @@ impl CudaRunner {
             kv_write: f("attention", "kv_write")?,
             attention: f("attention", "paged_attention")?,
             fill: f("elementwise", "fill_random")?,
+            dequant_q4_0: f("dequant", "dequant_q4_0")?,
+            dequant_q4_1: f("dequant", "dequant_q4_1")?,
+            dequant_q8_0: f("dequant", "dequant_q8_0")?,
         };
-        Ok(CudaRunner { ctx, stream, blas, k })
+        Ok(CudaRunner { ctx, stream, blas, _blas_workspace: blas_workspace, k })
     }
 
     fn upload_f32(&self, v: &[f32]) -> Result<CudaSlice<bf16>, CudaError> {
@@ -158,7 +285,28 @@ impl CudaRunner {
         self.stream.clone_htod(&b).map_err(run_err)
     }
 
+    /// A weight to bf16 on the device: Q4_0, Q4_1 and Q8_0 go up as the file's blocks and are
+    /// dequantized there (a quarter to a half of bf16's bytes over the bus, no host pass over
+    /// every element); other types are dequantized here.
     fn upload_weight(&self, w: &PackedWeight) -> Result<CudaSlice<bf16>, CudaError> {
+        let kernel = match w.ty {
+            GgmlType::Q4_0 => Some(&self.k.dequant_q4_0),
+            GgmlType::Q4_1 => Some(&self.k.dequant_q4_1),
+            GgmlType::Q8_0 => Some(&self.k.dequant_q8_0),
+            _ => None,
+        };
+        if let (Some(kernel), Some(blocks)) = (kernel, w.file_blocks()) {
+            let n = w.rows * w.cols;
+            let src = self.stream.clone_htod(&blocks).map_err(run_err)?;
+            let mut out = self.stream.alloc_zeros::<bf16>(n).map_err(run_err)?;
+            let nblocks = (n / QK) as i64;
+            let mut b = self.stream.launch_builder(kernel);
+            b.arg(&src).arg(&mut out).arg(&nblocks);
+            // SAFETY: arguments match the `dequant_*` kernels: `src` holds `nblocks` blocks of
+            // the weight's type (rows x cols / 32, cols a multiple of 32), `out` 32 bf16 each.
+            unsafe { b.launch(flat(n / QK)) }.map_err(run_err)?;
+            return Ok(out);
+        }
         let mut row = vec![0f32; w.cols];
         let mut all = Vec::with_capacity(w.rows * w.cols);
         for r in 0..w.rows {
@@ -204,6 +352,7 @@ impl CudaRunner {
             });
         }
         Ok(CudaModel {
+            id: NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed),
             config: w.config.clone(),
             embed: self.upload_weight(&w.embed)?,
             lm_head: w.output.as_ref().map(|o| self.upload_weight(o)).transpose()?,
@@ -256,6 +405,7 @@ impl CudaRunner {
         }
         let inv_freq = c.inv_freq(None);
         Ok(CudaModel {
+            id: NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed),
             config: c.clone(),
             embed: w(c.vocab_size, h)?,
             lm_head: if c.tied_embeddings { None } else { Some(w(c.vocab_size, h)?) },
@@ -284,7 +434,16 @@ impl CudaRunner {
             k.push(self.stream.alloc_zeros::<bf16>(n).map_err(run_err)?);
             v.push(self.stream.alloc_zeros::<bf16>(n).map_err(run_err)?);
         }
-        Ok(CudaKvCache { k, v, block_size, num_blocks })
+        Ok(CudaKvCache {
+            k,
+            v,
+            block_size,
+            num_blocks,
+            graph_table: m.config.context_length.div_ceil(block_size).max(1),
+            eager: None,
+            graphs: HashMap::new(),
+            use_graphs: true,
+        })
     }
 
     /// `y[n, out] = x[n, in] W[out, in]^T` (row-major) through cublasGemmEx: bf16 inputs, f32
@@ -297,10 +456,13 @@ impl CudaRunner {
         w: &CudaSlice<bf16>,
         out: usize,
         inp: usize,
-    ) -> Result<CudaSlice<T>, CudaError> {
+        y: &mut CudaSlice<T>,
+    ) -> Result<(), CudaError> {
         use cudarc::cublas::{result, sys};
         use cudarc::driver::{DevicePtr, DevicePtrMut};
-        let mut y = self.stream.alloc_zeros::<T>(n * out).map_err(run_err)?;
+        if x.len() < n * inp || y.len() < n * out || w.len() < out * inp {
+            return Err(run_err("GEMM operands smaller than their shapes"));
+        }
         let dim = |v: usize| i32::try_from(v).map_err(|_| run_err("dimension over i32"));
         let (alpha, beta) = (1.0f32, 0.0f32);
         {
@@ -308,8 +470,8 @@ impl CudaRunner {
             let (b, _rb) = x.device_ptr(&self.stream);
             let (c, _rc) = y.device_ptr_mut(&self.stream);
             // Column-major view: Y^T [out, n] = (W [out, in] as stored) x X^T [in, n]. The
-            // buffers hold out*in, n*in and n*out elements; the pointers stay valid while the
-            // guards live.
+            // buffers hold at least out*in, n*in and n*out elements (checked); the pointers
+            // stay valid while the guards live.
             // SAFETY: as above; A and B are bf16, C is T.
             unsafe {
                 result::gemm_ex(
@@ -336,7 +498,7 @@ impl CudaRunner {
             }
             .map_err(run_err)?;
         }
-        Ok(y)
+        Ok(())
     }
 
     fn rmsnorm(
@@ -346,14 +508,15 @@ impl CudaRunner {
         rows: usize,
         dim: usize,
         eps: f32,
-    ) -> Result<CudaSlice<bf16>, CudaError> {
-        let mut out = self.stream.alloc_zeros::<bf16>(rows * dim).map_err(run_err)?;
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), CudaError> {
         let d = dim as i32;
         let mut b = self.stream.launch_builder(&self.k.rmsnorm);
-        b.arg(x).arg(w).arg(&mut out).arg(&d).arg(&eps);
-        // SAFETY: arguments match `rmsnorm` in kernels/elementwise.cu.
+        b.arg(x).arg(w).arg(out).arg(&d).arg(&eps);
+        // SAFETY: arguments match `rmsnorm` in kernels/elementwise.cu; x and out hold `rows`
+        // rows of `dim`.
         unsafe { b.launch(grid(rows, 1, 256)) }.map_err(run_err)?;
-        Ok(out)
+        Ok(())
     }
 
     fn add(&self, x: &mut CudaSlice<bf16>, y: &CudaSlice<bf16>, n: usize) -> Result<(), CudaError> {
@@ -394,125 +557,308 @@ impl CudaRunner {
         }
     }
 
-    /// As [`CudaRunner::forward`], leaving the logits on the device (`None` when none are
-    /// wanted); the work is queued, not waited for.
-    pub fn forward_device(
+    /// As [`CudaRunner::forward`], leaving the logits on the device, in the cache's workspace
+    /// until the next pass (`None` when none are wanted); the work is queued, not waited for.
+    pub fn forward_device<'c>(
         &self,
         m: &CudaModel,
-        cache: &mut CudaKvCache,
+        cache: &'c mut CudaKvCache,
         batch: &[SeqInput<'_>],
-    ) -> Result<Option<CudaSlice<f32>>, CudaError> {
-        let c = &m.config;
-        let (hidden, q_dim, kv_dim, hd) = (c.hidden, c.q_dim(), c.kv_dim(), c.head_dim);
-        let bs = cache.block_size;
-        let max_blocks = batch.iter().map(|s| s.block_table.len()).max().unwrap_or(0).max(1);
-        let (mut ids, mut pos, mut q_seq, mut ctx_len, mut slots) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        let mut tables = vec![0i32; batch.len() * max_blocks];
-        let mut wanted = Vec::new();
-        for (s, seq) in batch.iter().enumerate() {
-            let end = seq.start_pos + seq.tokens.len();
-            if end > c.context_length || seq.block_table.len() * bs < end {
-                return Err(CudaError::Invalid(format!(
-                    "sequence {s}: {end} tokens do not fit the context or its block table"
-                )));
+    ) -> Result<Option<CudaView<'c, f32>>, CudaError> {
+        let decode_only =
+            batch.iter().all(|s| s.tokens.len() == 1 && s.logits == LogitsWanted::Last);
+        let bucket = GRAPH_BUCKETS.iter().copied().find(|&b| b >= batch.len());
+        if let (true, true, Some(bucket)) = (cache.use_graphs, decode_only, bucket) {
+            if batch.is_empty() {
+                return Ok(None);
             }
-            for (j, &b) in seq.block_table.iter().enumerate() {
-                if b as usize >= cache.num_blocks {
-                    return Err(CudaError::Invalid(format!("block {b} out of range")));
-                }
-                tables[s * max_blocks + j] = b as i32;
-            }
-            for (i, &tok) in seq.tokens.iter().enumerate() {
-                if tok as usize >= c.vocab_size {
-                    return Err(CudaError::Invalid(format!(
-                        "token id {tok} outside the vocabulary"
-                    )));
-                }
-                let p = seq.start_pos + i;
-                let last = i + 1 == seq.tokens.len();
-                if seq.logits == LogitsWanted::All || (seq.logits == LogitsWanted::Last && last) {
-                    wanted.push(ids.len() as i32);
-                }
-                ids.push(tok as i32);
-                pos.push(p as i32);
-                q_seq.push(s as i32);
-                ctx_len.push(p as i32 + 1);
-                slots.push((seq.block_table[p / bs] as usize * bs + p % bs) as i32);
-            }
+            return self.decode_graph(m, cache, batch, bucket).map(Some);
         }
-        let n = ids.len();
+        let plan = plan(&m.config, cache, batch, None)?;
+        let (n, wanted) = (plan.ids.len(), plan.wanted.len());
         if n == 0 {
             return Ok(None);
         }
-        let up = |v: &[i32]| self.stream.clone_htod(v).map_err(run_err);
-        let (ids_d, pos_d, seq_d, ctx_d, slots_d, tables_d) =
-            (up(&ids)?, up(&pos)?, up(&q_seq)?, up(&ctx_len)?, up(&slots)?, up(&tables)?);
+        let fits = cache
+            .eager
+            .as_ref()
+            .is_some_and(|w| w.rows >= n && w.wanted >= wanted && w.table >= plan.tables.len());
+        if !fits {
+            // Grown with headroom, so a run of slowly growing batches reallocates rarely.
+            let old = cache.eager.take();
+            let grow = |need: usize, had: Option<usize>| need.max(had.unwrap_or(0) * 2).max(1);
+            cache.eager = Some(self.workspace(
+                &m.config,
+                grow(n, old.as_ref().map(|w| w.rows)),
+                grow(wanted, old.as_ref().map(|w| w.wanted)),
+                grow(plan.tables.len(), old.as_ref().map(|w| w.table)),
+            )?);
+        }
+        let CudaKvCache { k, v, block_size, eager, .. } = cache;
+        let Some(ws) = eager.as_mut() else {
+            return Err(run_err("no workspace"));
+        };
+        self.load(ws, &plan)?;
+        self.encode(m, k, v, *block_size, ws, n, plan.max_blocks, wanted)?;
+        if wanted == 0 {
+            return Ok(None);
+        }
+        Ok(Some(ws.logits.slice(..wanted * m.config.vocab_size)))
+    }
 
-        let mut x = self.stream.alloc_zeros::<bf16>(n * hidden).map_err(run_err)?;
+    /// A batch of decode steps through the graph of `bucket` (captured on first use).
+    fn decode_graph<'c>(
+        &self,
+        m: &CudaModel,
+        cache: &'c mut CudaKvCache,
+        batch: &[SeqInput<'_>],
+        bucket: usize,
+    ) -> Result<CudaView<'c, f32>, CudaError> {
+        let plan = plan(&m.config, cache, batch, Some((bucket, cache.graph_table)))?;
+        if cache.graphs.get(&bucket).is_some_and(|g| g.model != m.id) {
+            cache.graphs.remove(&bucket);
+        }
+        let CudaKvCache { k, v, block_size, graphs, graph_table, .. } = cache;
+        let g = match graphs.entry(bucket) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                let mut ws = self.workspace(&m.config, bucket, bucket, bucket * *graph_table)?;
+                self.stream
+                    .begin_capture(
+                        cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+                    )
+                    .map_err(run_err)?;
+                let encoded =
+                    self.encode(m, k, v, *block_size, &mut ws, bucket, *graph_table, bucket);
+                // Capture ends whatever happened, so the stream is usable again.
+                let captured = self
+                    .stream
+                    .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+                    .map_err(run_err);
+                encoded?;
+                let graph = captured?.ok_or_else(|| run_err("the decode capture was empty"))?;
+                graph.upload().map_err(run_err)?;
+                e.insert(DecodeGraph { model: m.id, ws, graph: Captured(graph) })
+            }
+        };
+        self.load(&mut g.ws, &plan)?;
+        g.graph.0.launch().map_err(run_err)?;
+        Ok(g.ws.logits.slice(..batch.len() * m.config.vocab_size))
+    }
+
+    /// Device buffers for up to `rows` token rows, `wanted` logit rows and `table` block-table
+    /// entries of `c`'s model.
+    fn workspace(
+        &self,
+        c: &LlamaConfig,
+        rows: usize,
+        wanted: usize,
+        table: usize,
+    ) -> Result<Workspace, CudaError> {
+        let i = |n: usize| self.stream.alloc_zeros::<i32>(n.max(1)).map_err(run_err);
+        let h = |n: usize| self.stream.alloc_zeros::<bf16>(n.max(1)).map_err(run_err);
+        Ok(Workspace {
+            rows,
+            wanted,
+            table,
+            ids: i(rows)?,
+            pos: i(rows)?,
+            q_seq: i(rows)?,
+            ctx_len: i(rows)?,
+            slots: i(rows)?,
+            tables: i(table)?,
+            want: i(wanted)?,
+            x: h(rows * c.hidden)?,
+            xn: h(rows * c.hidden)?,
+            q: h(rows * c.q_dim())?,
+            k: h(rows * c.kv_dim())?,
+            v: h(rows * c.kv_dim())?,
+            attn: h(rows * c.q_dim())?,
+            o: h(rows * c.hidden)?,
+            gate: h(rows * c.intermediate)?,
+            up: h(rows * c.intermediate)?,
+            act: h(rows * c.intermediate)?,
+            picked: h(wanted * c.hidden)?,
+            logits: self
+                .stream
+                .alloc_zeros::<f32>((wanted * c.vocab_size).max(1))
+                .map_err(run_err)?,
+        })
+    }
+
+    /// Copies `p`'s inputs into `ws` (queued before the pass that reads them).
+    fn load(&self, ws: &mut Workspace, p: &Plan) -> Result<(), CudaError> {
+        if p.ids.len() > ws.rows || p.wanted.len() > ws.wanted || p.tables.len() > ws.table {
+            return Err(run_err("the batch does not fit the workspace"));
+        }
+        for (src, dst) in [
+            (&p.ids, &mut ws.ids),
+            (&p.pos, &mut ws.pos),
+            (&p.q_seq, &mut ws.q_seq),
+            (&p.ctx_len, &mut ws.ctx_len),
+            (&p.slots, &mut ws.slots),
+            (&p.tables, &mut ws.tables),
+            (&p.wanted, &mut ws.want),
+        ] {
+            if !src.is_empty() {
+                self.stream.memcpy_htod(src.as_slice(), dst).map_err(run_err)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Queues one pass over `n` token rows of `ws` (inputs loaded), writing K/V into the cache
+    /// and the logits of `wanted` rows into `ws.logits`. Allocates nothing, so it can be
+    /// captured.
+    #[expect(clippy::too_many_arguments, reason = "the pass's shape, spelled out once")]
+    fn encode(
+        &self,
+        m: &CudaModel,
+        k_cache: &mut [CudaSlice<bf16>],
+        v_cache: &mut [CudaSlice<bf16>],
+        block_size: usize,
+        ws: &mut Workspace,
+        n: usize,
+        max_blocks: usize,
+        wanted: usize,
+    ) -> Result<(), CudaError> {
+        let c = &m.config;
+        let (hidden, q_dim, kv_dim, hd) = (c.hidden, c.q_dim(), c.kv_dim(), c.head_dim);
         let h_i = hidden as i32;
         let mut b = self.stream.launch_builder(&self.k.gather);
-        b.arg(&m.embed).arg(&ids_d).arg(&mut x).arg(&h_i);
-        // SAFETY: arguments match `embedding_gather`.
+        b.arg(&m.embed).arg(&ws.ids).arg(&mut ws.x).arg(&h_i);
+        // SAFETY: arguments match `embedding_gather`; every id is below the vocabulary.
         unsafe { b.launch(grid(n, 1, 256)) }.map_err(run_err)?;
 
         let (heads, kv_heads) = (c.heads as i32, c.kv_heads as i32);
         let (hd_i, rd_i, kvd_i) = (hd as i32, c.rope_dims as i32, kv_dim as i32);
         let interleaved = i32::from(c.rope_style == RopeStyle::Interleaved);
-        let (bs_i, mb_i) = (bs as i32, max_blocks as i32);
+        let (bs_i, mb_i) = (block_size as i32, max_blocks as i32);
         let scale = 1.0 / (hd as f32).sqrt();
-        for (li, l) in m.layers.iter().enumerate() {
-            let xn = self.rmsnorm(&x, &l.attn_norm, n, hidden, c.rms_eps)?;
-            let mut q = self.linear::<bf16>(&xn, n, &l.wq, q_dim, hidden)?;
-            let mut k = self.linear::<bf16>(&xn, n, &l.wk, kv_dim, hidden)?;
-            let mut v = self.linear::<bf16>(&xn, n, &l.wv, kv_dim, hidden)?;
+        for ((l, kc), vc) in m.layers.iter().zip(k_cache.iter_mut()).zip(v_cache.iter_mut()) {
+            self.rmsnorm(&ws.x, &l.attn_norm, n, hidden, c.rms_eps, &mut ws.xn)?;
+            self.linear(&ws.xn, n, &l.wq, q_dim, hidden, &mut ws.q)?;
+            self.linear(&ws.xn, n, &l.wk, kv_dim, hidden, &mut ws.k)?;
+            self.linear(&ws.xn, n, &l.wv, kv_dim, hidden, &mut ws.v)?;
             if let Some([bq, bk, bv]) = &l.bias {
-                self.add_bias(&mut q, bq, n, q_dim)?;
-                self.add_bias(&mut k, bk, n, kv_dim)?;
-                self.add_bias(&mut v, bv, n, kv_dim)?;
+                self.add_bias(&mut ws.q, bq, n, q_dim)?;
+                self.add_bias(&mut ws.k, bk, n, kv_dim)?;
+                self.add_bias(&mut ws.v, bv, n, kv_dim)?;
             }
             let mut b = self.stream.launch_builder(&self.k.rope);
-            b.arg(&mut q).arg(&mut k).arg(&pos_d).arg(&m.inv_freq);
+            b.arg(&mut ws.q).arg(&mut ws.k).arg(&ws.pos).arg(&m.inv_freq);
             b.arg(&heads).arg(&kv_heads).arg(&hd_i).arg(&rd_i).arg(&interleaved);
             // SAFETY: arguments match `rope`.
             unsafe { b.launch(grid(n, 1, 128)) }.map_err(run_err)?;
-            let (kc, vc) = (&mut cache.k[li], &mut cache.v[li]);
             let mut b = self.stream.launch_builder(&self.k.kv_write);
-            b.arg(&k).arg(&v).arg(&mut *kc).arg(&mut *vc).arg(&slots_d).arg(&kvd_i);
-            // SAFETY: arguments match `kv_write`; every slot is inside the cache (checked).
+            b.arg(&ws.k).arg(&ws.v).arg(&mut *kc).arg(&mut *vc).arg(&ws.slots).arg(&kvd_i);
+            // SAFETY: arguments match `kv_write`; every slot is inside the cache or -1
+            // (checked by `plan`).
             unsafe { b.launch(grid(n, 1, 128)) }.map_err(run_err)?;
-            let mut attn = self.stream.alloc_zeros::<bf16>(n * q_dim).map_err(run_err)?;
             let mut b = self.stream.launch_builder(&self.k.attention);
-            b.arg(&q).arg(&*kc).arg(&*vc).arg(&tables_d).arg(&seq_d).arg(&ctx_d).arg(&mut attn);
+            b.arg(&ws.q).arg(&*kc).arg(&*vc).arg(&ws.tables).arg(&ws.q_seq).arg(&ws.ctx_len);
+            b.arg(&mut ws.attn);
             b.arg(&heads).arg(&kv_heads).arg(&hd_i).arg(&bs_i).arg(&mb_i).arg(&scale);
-            // SAFETY: arguments match `paged_attention`; head_dim is a multiple of 32 up to 256.
+            // SAFETY: arguments match `paged_attention`; head_dim is a multiple of 32 up to 256;
+            // every table entry names a block of the cache.
             unsafe { b.launch(grid(n, c.heads, 128)) }.map_err(run_err)?;
-            let o = self.linear::<bf16>(&attn, n, &l.wo, hidden, q_dim)?;
-            self.add(&mut x, &o, n * hidden)?;
-            let xn = self.rmsnorm(&x, &l.ffn_norm, n, hidden, c.rms_eps)?;
-            let gate = self.linear::<bf16>(&xn, n, &l.w_gate, c.intermediate, hidden)?;
-            let upv = self.linear::<bf16>(&xn, n, &l.w_up, c.intermediate, hidden)?;
-            let mut act = self.stream.alloc_zeros::<bf16>(n * c.intermediate).map_err(run_err)?;
+            self.linear(&ws.attn, n, &l.wo, hidden, q_dim, &mut ws.o)?;
+            self.add(&mut ws.x, &ws.o, n * hidden)?;
+            self.rmsnorm(&ws.x, &l.ffn_norm, n, hidden, c.rms_eps, &mut ws.xn)?;
+            self.linear(&ws.xn, n, &l.w_gate, c.intermediate, hidden, &mut ws.gate)?;
+            self.linear(&ws.xn, n, &l.w_up, c.intermediate, hidden, &mut ws.up)?;
             let ni = (n * c.intermediate) as i64;
             let mut b = self.stream.launch_builder(&self.k.silu_mul);
-            b.arg(&gate).arg(&upv).arg(&mut act).arg(&ni);
+            b.arg(&ws.gate).arg(&ws.up).arg(&mut ws.act).arg(&ni);
             // SAFETY: arguments match `silu_mul`.
             unsafe { b.launch(flat(n * c.intermediate)) }.map_err(run_err)?;
-            let down = self.linear::<bf16>(&act, n, &l.w_down, hidden, c.intermediate)?;
-            self.add(&mut x, &down, n * hidden)?;
+            self.linear(&ws.act, n, &l.w_down, hidden, c.intermediate, &mut ws.o)?;
+            self.add(&mut ws.x, &ws.o, n * hidden)?;
         }
-        if wanted.is_empty() {
-            return Ok(None);
+        if wanted == 0 {
+            return Ok(());
         }
-        let xn = self.rmsnorm(&x, &m.norm, n, hidden, c.rms_eps)?;
+        self.rmsnorm(&ws.x, &m.norm, n, hidden, c.rms_eps, &mut ws.xn)?;
         // The wanted rows, gathered with the embedding kernel (a row gather).
-        let w_d = up(&wanted)?;
-        let mut rows = self.stream.alloc_zeros::<bf16>(wanted.len() * hidden).map_err(run_err)?;
         let mut b = self.stream.launch_builder(&self.k.gather);
-        b.arg(&xn).arg(&w_d).arg(&mut rows).arg(&h_i);
+        b.arg(&ws.xn).arg(&ws.want).arg(&mut ws.picked).arg(&h_i);
         // SAFETY: arguments match `embedding_gather`; every index is below n.
-        unsafe { b.launch(grid(wanted.len(), 1, 256)) }.map_err(run_err)?;
+        unsafe { b.launch(grid(wanted, 1, 256)) }.map_err(run_err)?;
         let head = m.lm_head.as_ref().unwrap_or(&m.embed);
-        self.linear::<f32>(&rows, wanted.len(), head, c.vocab_size, hidden).map(Some)
+        self.linear(&ws.picked, wanted, head, c.vocab_size, hidden, &mut ws.logits)
     }
+}
+
+/// Checks `batch` against the model and cache and lays out its rows. With `pad`
+/// `(rows, max_blocks)` (a decode graph's shape), the rows are padded to `rows` with rows
+/// that write no K/V and attend to one position of block 0, every sequence's logits are
+/// wanted (padding's too), and each table has `max_blocks` entries.
+fn plan(
+    c: &LlamaConfig,
+    cache: &CudaKvCache,
+    batch: &[SeqInput<'_>],
+    pad: Option<(usize, usize)>,
+) -> Result<Plan, CudaError> {
+    let bs = cache.block_size;
+    let longest = batch.iter().map(|s| s.block_table.len()).max().unwrap_or(0).max(1);
+    let max_blocks = match pad {
+        Some((_, mb)) if longest > mb => {
+            return Err(CudaError::Invalid(format!(
+                "a block table of {longest} blocks is longer than the context ({mb} blocks)"
+            )));
+        }
+        Some((_, mb)) => mb,
+        None => longest,
+    };
+    let rows = pad.map_or(batch.len(), |(r, _)| r.max(batch.len()));
+    let mut p = Plan {
+        ids: Vec::new(),
+        pos: Vec::new(),
+        q_seq: Vec::new(),
+        ctx_len: Vec::new(),
+        slots: Vec::new(),
+        tables: vec![0i32; rows * max_blocks],
+        max_blocks,
+        wanted: Vec::new(),
+    };
+    for (s, seq) in batch.iter().enumerate() {
+        let end = seq.start_pos + seq.tokens.len();
+        if end > c.context_length || seq.block_table.len() * bs < end {
+            return Err(CudaError::Invalid(format!(
+                "sequence {s}: {end} tokens do not fit the context or its block table"
+            )));
+        }
+        for (j, &b) in seq.block_table.iter().enumerate() {
+            if b as usize >= cache.num_blocks {
+                return Err(CudaError::Invalid(format!("block {b} out of range")));
+            }
+            p.tables[s * max_blocks + j] = b as i32;
+        }
+        for (i, &tok) in seq.tokens.iter().enumerate() {
+            if tok as usize >= c.vocab_size {
+                return Err(CudaError::Invalid(format!("token id {tok} outside the vocabulary")));
+            }
+            let at = seq.start_pos + i;
+            let last = i + 1 == seq.tokens.len();
+            if seq.logits == LogitsWanted::All || (seq.logits == LogitsWanted::Last && last) {
+                p.wanted.push(p.ids.len() as i32);
+            }
+            p.ids.push(tok as i32);
+            p.pos.push(at as i32);
+            p.q_seq.push(s as i32);
+            p.ctx_len.push(at as i32 + 1);
+            p.slots.push((seq.block_table[at / bs] as usize * bs + at % bs) as i32);
+        }
+    }
+    if pad.is_some() {
+        for r in p.ids.len()..rows {
+            p.wanted.push(r as i32);
+            p.ids.push(0);
+            p.pos.push(0);
+            p.q_seq.push(r as i32);
+            p.ctx_len.push(1);
+            p.slots.push(-1);
+        }
+    }
+    Ok(p)
 }
