@@ -86,7 +86,9 @@ pub const GRAPH_BUCKETS: [usize; 9] = [1, 2, 4, 8, 16, 32, 64, 128, 256];
 /// cuBLAS workspace, set once so GEMMs never allocate (required inside a graph capture).
 const CUBLAS_WORKSPACE: usize = 32 << 20;
 
-static NEXT_MODEL_ID: AtomicU64 = AtomicU64::new(1);
+/// Ids of models and runners, so graphs captured over one's weights, kernels and cuBLAS
+/// workspace are never replayed with another's.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 /// A model's weights on the device, bf16.
 pub struct CudaModel {
@@ -117,8 +119,15 @@ pub struct CudaKvCache {
     num_blocks: usize,
     /// Block-table entries per sequence in a graph (the context length in blocks).
     graph_table: usize,
-    eager: Option<Workspace>,
-    graphs: HashMap<usize, DecodeGraph>,
+    /// The eager passes' workspace, with the model it was sized for.
+    eager: Option<(u64, Workspace)>,
+    /// The decode graphs' workspace, as many rows as the largest bucket, shared by every
+    /// bucket's graph (they replay one after another on one stream).
+    graph_ws: Option<Workspace>,
+    /// Captured decode steps by bucket.
+    graphs: HashMap<usize, Captured>,
+    /// The runner and model the graphs and their workspace belong to.
+    graph_owner: (u64, u64),
     use_graphs: bool,
 }
 
@@ -163,13 +172,6 @@ struct Workspace {
     logits: CudaSlice<f32>,
 }
 
-/// A captured decode step and the workspace whose buffers it names.
-struct DecodeGraph {
-    model: u64,
-    ws: Workspace,
-    graph: Captured,
-}
-
 /// A CUDA graph that may move to another thread.
 struct Captured(CudaGraph);
 
@@ -194,6 +196,10 @@ struct Plan {
 
 /// Runs forward passes on one device.
 pub struct CudaRunner {
+    id: u64,
+    /// Not `Sync`: one thread at a time may queue work on the stream (a capture on it would
+    /// take in another thread's launches).
+    _one_thread: std::marker::PhantomData<std::cell::Cell<()>>,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
@@ -277,7 +283,15 @@ impl CudaRunner {
             dequant_q4_1: f("dequant", "dequant_q4_1")?,
             dequant_q8_0: f("dequant", "dequant_q8_0")?,
         };
-        Ok(CudaRunner { ctx, stream, blas, _blas_workspace: blas_workspace, k })
+        Ok(CudaRunner {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            _one_thread: std::marker::PhantomData,
+            ctx,
+            stream,
+            blas,
+            _blas_workspace: blas_workspace,
+            k,
+        })
     }
 
     fn upload_f32(&self, v: &[f32]) -> Result<CudaSlice<bf16>, CudaError> {
@@ -352,7 +366,7 @@ impl CudaRunner {
             });
         }
         Ok(CudaModel {
-            id: NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             config: w.config.clone(),
             embed: self.upload_weight(&w.embed)?,
             lm_head: w.output.as_ref().map(|o| self.upload_weight(o)).transpose()?,
@@ -405,7 +419,7 @@ impl CudaRunner {
         }
         let inv_freq = c.inv_freq(None);
         Ok(CudaModel {
-            id: NEXT_MODEL_ID.fetch_add(1, Ordering::Relaxed),
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             config: c.clone(),
             embed: w(c.vocab_size, h)?,
             lm_head: if c.tied_embeddings { None } else { Some(w(c.vocab_size, h)?) },
@@ -441,7 +455,9 @@ impl CudaRunner {
             num_blocks,
             graph_table: m.config.context_length.div_ceil(block_size).max(1),
             eager: None,
+            graph_ws: None,
             graphs: HashMap::new(),
+            graph_owner: (0, 0),
             use_graphs: true,
         })
     }
@@ -568,34 +584,44 @@ impl CudaRunner {
         let decode_only =
             batch.iter().all(|s| s.tokens.len() == 1 && s.logits == LogitsWanted::Last);
         let bucket = GRAPH_BUCKETS.iter().copied().find(|&b| b >= batch.len());
-        if let (true, true, Some(bucket)) = (cache.use_graphs, decode_only, bucket) {
-            if batch.is_empty() {
-                return Ok(None);
+        if let (true, true, false, Some(bucket)) =
+            (cache.use_graphs, decode_only, batch.is_empty(), bucket)
+        {
+            match self.decode_graph(m, cache, batch, bucket) {
+                Ok(()) => {
+                    let rows = batch.len() * m.config.vocab_size;
+                    return Ok(cache.graph_ws.as_ref().map(|w| w.logits.slice(..rows)));
+                }
+                Err(e @ CudaError::Invalid(_)) => return Err(e),
+                Err(e) => {
+                    // Serving goes on without graphs rather than failing every decode step.
+                    tracing::warn!(error = %e, "CUDA graph capture failed; this cache runs eagerly");
+                    cache.use_graphs = false;
+                    cache.graphs.clear();
+                    cache.graph_ws = None;
+                }
             }
-            return self.decode_graph(m, cache, batch, bucket).map(Some);
         }
         let plan = plan(&m.config, cache, batch, None)?;
         let (n, wanted) = (plan.ids.len(), plan.wanted.len());
         if n == 0 {
             return Ok(None);
         }
-        let fits = cache
-            .eager
-            .as_ref()
-            .is_some_and(|w| w.rows >= n && w.wanted >= wanted && w.table >= plan.tables.len());
-        if !fits {
-            // Grown with headroom, so a run of slowly growing batches reallocates rarely.
-            let old = cache.eager.take();
-            let grow = |need: usize, had: Option<usize>| need.max(had.unwrap_or(0) * 2).max(1);
-            cache.eager = Some(self.workspace(
-                &m.config,
-                grow(n, old.as_ref().map(|w| w.rows)),
-                grow(wanted, old.as_ref().map(|w| w.wanted)),
-                grow(plan.tables.len(), old.as_ref().map(|w| w.table)),
-            )?);
+        let (rows, want, table) = match &cache.eager {
+            Some((id, w)) if *id == m.id => (w.rows, w.wanted, w.table),
+            _ => (0, 0, 0),
+        };
+        if rows < n || want < wanted || table < plan.tables.len() {
+            // Each short dimension grows with headroom (a run of slowly growing batches
+            // reallocates rarely); the old buffers go first.
+            let grow = |need: usize, had: usize| if need <= had { had } else { need.max(2 * had) };
+            let (rows, want, table) =
+                (grow(n, rows), grow(wanted, want), grow(plan.tables.len(), table));
+            cache.eager = None;
+            cache.eager = Some((m.id, self.workspace(&m.config, rows, want, table)?));
         }
         let CudaKvCache { k, v, block_size, eager, .. } = cache;
-        let Some(ws) = eager.as_mut() else {
+        let Some((_, ws)) = eager.as_mut() else {
             return Err(run_err("no workspace"));
         };
         self.load(ws, &plan)?;
@@ -606,44 +632,64 @@ impl CudaRunner {
         Ok(Some(ws.logits.slice(..wanted * m.config.vocab_size)))
     }
 
-    /// A batch of decode steps through the graph of `bucket` (captured on first use).
-    fn decode_graph<'c>(
+    /// A batch of decode steps padded to `bucket` rows, through that bucket's graph. The first
+    /// step of a bucket runs eagerly (its own result; cuBLAS's and the kernels' lazy set-up
+    /// for that row count happen outside any capture), then the same work is captured for
+    /// the steps after it. The logits are left in the graph workspace.
+    fn decode_graph(
         &self,
         m: &CudaModel,
-        cache: &'c mut CudaKvCache,
+        cache: &mut CudaKvCache,
         batch: &[SeqInput<'_>],
         bucket: usize,
-    ) -> Result<CudaView<'c, f32>, CudaError> {
+    ) -> Result<(), CudaError> {
         let plan = plan(&m.config, cache, batch, Some((bucket, cache.graph_table)))?;
-        if cache.graphs.get(&bucket).is_some_and(|g| g.model != m.id) {
-            cache.graphs.remove(&bucket);
+        if cache.graph_owner != (self.id, m.id) {
+            cache.graphs.clear();
+            cache.graph_ws = None;
+            cache.graph_owner = (self.id, m.id);
         }
-        let CudaKvCache { k, v, block_size, graphs, graph_table, .. } = cache;
-        let g = match graphs.entry(bucket) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => {
-                let mut ws = self.workspace(&m.config, bucket, bucket, bucket * *graph_table)?;
-                self.stream
-                    .begin_capture(
-                        cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-                    )
-                    .map_err(run_err)?;
-                let encoded =
-                    self.encode(m, k, v, *block_size, &mut ws, bucket, *graph_table, bucket);
-                // Capture ends whatever happened, so the stream is usable again.
-                let captured = self
-                    .stream
-                    .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
-                    .map_err(run_err);
-                encoded?;
-                let graph = captured?.ok_or_else(|| run_err("the decode capture was empty"))?;
-                graph.upload().map_err(run_err)?;
-                e.insert(DecodeGraph { model: m.id, ws, graph: Captured(graph) })
-            }
+        if cache.graph_ws.is_none() {
+            let rows = GRAPH_BUCKETS[GRAPH_BUCKETS.len() - 1];
+            cache.graph_ws =
+                Some(self.workspace(&m.config, rows, rows, rows * cache.graph_table)?);
+        }
+        let CudaKvCache { k, v, block_size, graph_table, graph_ws, graphs, .. } = cache;
+        let Some(ws) = graph_ws.as_mut() else {
+            return Err(run_err("no graph workspace"));
         };
-        self.load(&mut g.ws, &plan)?;
-        g.graph.0.launch().map_err(run_err)?;
-        Ok(g.ws.logits.slice(..batch.len() * m.config.vocab_size))
+        self.load(ws, &plan)?;
+        if let Some(g) = graphs.get(&bucket) {
+            return g.0.launch().map_err(run_err);
+        }
+        let (bs, table) = (*block_size, *graph_table);
+        self.encode(m, k, v, bs, ws, bucket, table, bucket)?;
+        self.stream
+            .begin_capture(
+                cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            )
+            .map_err(run_err)?;
+        if let Err(e) = self.encode(m, k, v, bs, ws, bucket, table, bucket) {
+            // End the capture directly (cudarc's end_capture checks the context's error state
+            // first and could leave the stream capturing), and drop what was captured.
+            // SAFETY: the stream is live and capturing; a returned graph is ours to destroy.
+            unsafe {
+                if let Ok(g) = cudarc::driver::result::stream::end_capture(self.stream.cu_stream())
+                    && !g.is_null()
+                {
+                    let _ = cudarc::driver::result::graph::destroy(g);
+                }
+            }
+            return Err(e);
+        }
+        let graph = self
+            .stream
+            .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
+            .map_err(run_err)?
+            .ok_or_else(|| run_err("the decode capture was empty"))?;
+        graph.upload().map_err(run_err)?;
+        graphs.insert(bucket, Captured(graph));
+        Ok(())
     }
 
     /// Device buffers for up to `rows` token rows, `wanted` logit rows and `table` block-table
@@ -800,16 +846,10 @@ fn plan(
     pad: Option<(usize, usize)>,
 ) -> Result<Plan, CudaError> {
     let bs = cache.block_size;
-    let longest = batch.iter().map(|s| s.block_table.len()).max().unwrap_or(0).max(1);
-    let max_blocks = match pad {
-        Some((_, mb)) if longest > mb => {
-            return Err(CudaError::Invalid(format!(
-                "a block table of {longest} blocks is longer than the context ({mb} blocks)"
-            )));
-        }
-        Some((_, mb)) => mb,
-        None => longest,
-    };
+    // Only the blocks a sequence's positions reach are read (its table may hold more).
+    let used = |s: &SeqInput<'_>| (s.start_pos + s.tokens.len()).div_ceil(bs);
+    let longest = batch.iter().map(used).max().unwrap_or(0).max(1);
+    let max_blocks = pad.map_or(longest, |(_, mb)| mb);
     let rows = pad.map_or(batch.len(), |(r, _)| r.max(batch.len()));
     let mut p = Plan {
         ids: Vec::new(),
@@ -823,12 +863,12 @@ fn plan(
     };
     for (s, seq) in batch.iter().enumerate() {
         let end = seq.start_pos + seq.tokens.len();
-        if end > c.context_length || seq.block_table.len() * bs < end {
+        if end > c.context_length || seq.block_table.len() * bs < end || used(seq) > max_blocks {
             return Err(CudaError::Invalid(format!(
                 "sequence {s}: {end} tokens do not fit the context or its block table"
             )));
         }
-        for (j, &b) in seq.block_table.iter().enumerate() {
+        for (j, &b) in seq.block_table.iter().take(used(seq)).enumerate() {
             if b as usize >= cache.num_blocks {
                 return Err(CudaError::Invalid(format!("block {b} out of range")));
             }
