@@ -222,7 +222,10 @@ pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
             }
             None => {
                 let ingest =
-                    Arc::new(LocalIngest::start(ledger.clone(), LocalIngestConfig::default()));
+                    LocalIngest::start_background(&args.database_url, LocalIngestConfig::default())
+                        .await
+                        .context("starting the usage writer")?;
+                let ingest = Arc::new(ingest);
                 (ledger, None, UsageSink::Local(ingest.clone()), Some(ingest))
             }
         })
@@ -354,8 +357,11 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         tokio::spawn(async move {
             let _ = axum::serve(admin, billing_router(state)).await;
         });
-        let ingest = Arc::new(LocalIngest::start(ledger.clone(), LocalIngestConfig::default()));
-        anyhow::Ok((engine_addr, ledger, ingest))
+        // Usage is written on a background-priority thread of its own: serving goes first.
+        let ingest = LocalIngest::start_background(&db_url, LocalIngestConfig::default())
+            .await
+            .context("starting the usage writer")?;
+        anyhow::Ok((engine_addr, ledger, Arc::new(ingest)))
     })?;
     // The demo tenant and key: created once; the key is shown only when issued.
     let system = Principal { actor: "sluice-up".into(), role: Role::Ops, tenant: None };

@@ -21,6 +21,9 @@ pub enum BillingError {
     /// A usage event could not be serialized for publishing.
     #[error("could not encode usage event: {0}")]
     Encode(#[source] serde_json::Error),
+    /// The usage writer's thread or runtime could not be started.
+    #[error("could not start the usage writer: {0}")]
+    Writer(#[source] std::io::Error),
 }
 
 impl BillingError {
@@ -30,9 +33,11 @@ impl BillingError {
         match self {
             Self::Database(err) => is_retryable_sqlx(err),
             Self::Redis(_) => true,
-            Self::Migrate(_) | Self::UnsupportedUrl | Self::InvalidEvent(_) | Self::Encode(_) => {
-                false
-            }
+            Self::Migrate(_)
+            | Self::UnsupportedUrl
+            | Self::InvalidEvent(_)
+            | Self::Encode(_)
+            | Self::Writer(_) => false,
         }
     }
 
@@ -45,7 +50,8 @@ impl BillingError {
             | Self::Redis(_)
             | Self::Migrate(_)
             | Self::UnsupportedUrl
-            | Self::Encode(_) => 500,
+            | Self::Encode(_)
+            | Self::Writer(_) => 500,
         }
     }
 
@@ -58,6 +64,7 @@ impl BillingError {
             Self::Redis(_) => "redis",
             Self::InvalidEvent(_) => "invalid_event",
             Self::Encode(_) => "encode",
+            Self::Writer(_) => "writer",
         }
     }
 }

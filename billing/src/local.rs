@@ -13,7 +13,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot};
-use tokio::task::JoinHandle;
 
 use crate::{BillingError, Ledger, UsageEvent};
 
@@ -75,11 +74,18 @@ enum Msg {
     Flush(oneshot::Sender<()>),
 }
 
+/// How much a background writer's thread is niced (Linux nice values are per thread): under
+/// contention it gets about a tenth of a normal thread's share of a CPU, so request handling
+/// preempts it, and it still runs (a writer at idle priority could starve behind a busy
+/// engine and, through backpressure, stall requests).
+pub const BACKGROUND_NICE: i32 = 10;
+
 /// A queue and a writer task moving usage events into a ledger.
 #[derive(Debug)]
 pub struct LocalIngest {
     tx: mpsc::Sender<Msg>,
-    writer: JoinHandle<()>,
+    /// Answered when the writer has drained the queue and stopped.
+    done: oneshot::Receiver<()>,
     stats: Arc<LocalIngestStats>,
 }
 
@@ -88,8 +94,62 @@ impl LocalIngest {
     pub fn start(ledger: Ledger, config: LocalIngestConfig) -> Self {
         let (tx, rx) = mpsc::channel(config.queue.max(1));
         let stats = Arc::new(LocalIngestStats::default());
-        let writer = tokio::spawn(write_loop(ledger, config, rx, stats.clone()));
-        Self { tx, writer, stats }
+        let (done_tx, done) = oneshot::channel();
+        let st = stats.clone();
+        tokio::spawn(async move {
+            write_loop(ledger, config, rx, st).await;
+            let _ = done_tx.send(());
+        });
+        Self { tx, done, stats }
+    }
+
+    /// Starts the writer on a thread of its own at background CPU priority
+    /// ([`BACKGROUND_NICE`]), with its own connection pool to `url` (so the database's worker
+    /// threads, made from that thread, run at that priority too): persisting usage yields the
+    /// CPU to proxying and serving under contention and catches up when it eases. The same
+    /// guarantees as [`LocalIngest::start`]: nothing accepted is dropped, a full queue makes
+    /// `emit` wait.
+    pub async fn start_background(
+        url: &str,
+        config: LocalIngestConfig,
+    ) -> Result<Self, BillingError> {
+        let (tx, rx) = mpsc::channel(config.queue.max(1));
+        let stats = Arc::new(LocalIngestStats::default());
+        let (done_tx, done) = oneshot::channel();
+        let (ready_tx, ready) = oneshot::channel::<Result<(), BillingError>>();
+        let (url, st) = (url.to_owned(), stats.clone());
+        std::thread::Builder::new()
+            .name("sluice-usage".into())
+            .spawn(move || {
+                // SAFETY: setpriority with PRIO_PROCESS and 0 changes only the calling thread
+                // on Linux (nice is per thread); no pointers are involved.
+                unsafe { libc::setpriority(libc::PRIO_PROCESS, 0, BACKGROUND_NICE) };
+                let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(BillingError::Writer(e)));
+                        return;
+                    }
+                };
+                rt.block_on(async move {
+                    let ledger = match Ledger::connect(&url).await {
+                        Ok(l) => l,
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                            return;
+                        }
+                    };
+                    let _ = ready_tx.send(Ok(()));
+                    write_loop(ledger.clone(), config, rx, st).await;
+                    ledger.close().await;
+                });
+                let _ = done_tx.send(());
+            })
+            .map_err(BillingError::Writer)?;
+        ready.await.map_err(|_| {
+            BillingError::Writer(std::io::Error::other("the usage writer thread stopped"))
+        })??;
+        Ok(Self { tx, done, stats })
     }
 
     /// Queues one event (validated now, so the writer never meets a bad one); waits while
@@ -119,8 +179,8 @@ impl LocalIngest {
     /// Stops accepting events and returns once every queued event is committed.
     pub async fn shutdown(self) {
         drop(self.tx);
-        if let Err(e) = self.writer.await {
-            tracing::error!(error = %e, "usage writer task failed");
+        if self.done.await.is_err() {
+            tracing::error!("usage writer task failed before draining its queue");
         }
     }
 }

@@ -77,3 +77,71 @@ async fn invalid_events_are_refused_at_the_door() -> anyhow::Result<()> {
     ingest.shutdown().await;
     Ok(())
 }
+
+/// `(name, nice)` of every thread of this process, from /proc.
+fn threads() -> anyhow::Result<Vec<(String, i64)>> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir("/proc/self/task")? {
+        let path = task?.path();
+        let (Ok(comm), Ok(stat)) = (
+            std::fs::read_to_string(path.join("comm")),
+            std::fs::read_to_string(path.join("stat")),
+        ) else {
+            continue; // the thread ended meanwhile
+        };
+        // Field 19 (nice), counted after the parenthesized command name.
+        let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+        let nice = rest.split_whitespace().nth(16).and_then(|v| v.parse().ok()).unwrap_or(0);
+        out.push((comm.trim().to_owned(), nice));
+    }
+    Ok(out)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_background_writer_runs_niced_with_its_own_connections_and_loses_nothing()
+-> anyhow::Result<()> {
+    let file = SqliteFile::create()?;
+    let ingest = std::sync::Arc::new(
+        LocalIngest::start_background(&file.url, LocalIngestConfig::default()).await?,
+    );
+    let mut emitters = Vec::new();
+    for w in 0..4 {
+        let ingest = ingest.clone();
+        emitters.push(tokio::spawn(async move {
+            for i in 0..100 {
+                ingest.emit(event(&format!("bg-{w}-{i}"), "acme")).await?;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for e in emitters {
+        e.await??;
+    }
+    ingest.flush().await;
+    let threads = threads()?;
+    let nice = sluice_billing::local::BACKGROUND_NICE as i64;
+    anyhow::ensure!(
+        threads.iter().any(|(n, v)| n == "sluice-usage" && *v == nice),
+        "no writer thread at nice {nice}: {threads:?}"
+    );
+    // The writer's SQLite connections were opened from its thread: their workers inherit it.
+    anyhow::ensure!(
+        threads.iter().any(|(n, v)| n.starts_with("sqlx-sqlite") && *v == nice),
+        "no SQLite worker at nice {nice}: {threads:?}"
+    );
+    let stats = ingest.stats();
+    let ingest = std::sync::Arc::try_unwrap(ingest)
+        .map_err(|_| anyhow::anyhow!("emitters still hold the ingest"))?;
+    ingest.shutdown().await;
+    anyhow::ensure!(stats.inserted() == 400 && stats.duplicates() == 0, "{stats:?}");
+    let db = Inspect::open(&file.url).await?;
+    anyhow::ensure!(
+        db.scalar("SELECT CAST(COUNT(*) AS BIGINT) FROM request_records").await? == 400
+    );
+    db.close().await;
+
+    // A database it cannot open is an error at start, not a writer that silently never writes.
+    let bad = LocalIngest::start_background("mysql://nowhere", LocalIngestConfig::default()).await;
+    anyhow::ensure!(bad.is_err(), "a bad URL started a writer");
+    Ok(())
+}
