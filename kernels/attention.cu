@@ -22,92 +22,370 @@ extern "C" __global__ void kv_write(const bf16_t* __restrict__ k, const bf16_t* 
 }
 
 #define ATTN_WARPS 4
+#define ATTN_GROUP 4          // query heads of one KV head per block (= ATTN_WARPS: one merges each)
 #define ATTN_MAX_PER_LANE 8  // head_dim up to 256, a multiple of 32
+
+// The rows of paged_attention for one KV head and up to ATTN_GROUP of its query heads, with
+// head_dim = 32 * PL known at compile time (everything stays in registers). Each warp walks
+// its share of the keys, reads each key and value row once for all the heads of the group,
+// and keeps an online softmax (running max, sum and weighted values) per head; the warps'
+// states meet in shared memory and warp g merges head g.
+template <int PL>
+__device__ __forceinline__ void attend_group(const bf16_t* __restrict__ q,
+                                             const bf16_t* __restrict__ k_cache,
+                                             const bf16_t* __restrict__ v_cache,
+                                             const int* __restrict__ table, int r, int n, int kvh,
+                                             int h0, int nh, bf16_t* __restrict__ out, int heads,
+                                             int kv_heads, int block_size, float scale,
+                                             float* warp_m, float* warp_l, float* warp_acc) {
+    constexpr int HD = PL * 32;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const long long kv_dim = (long long)kv_heads * HD;
+    float qv[ATTN_GROUP][PL];
+    float acc[ATTN_GROUP][PL];
+    float m[ATTN_GROUP];
+    float l[ATTN_GROUP];
+#pragma unroll
+    for (int g = 0; g < ATTN_GROUP; ++g) {
+        const bf16_t* qrow = q + ((long long)r * heads + h0 + (g < nh ? g : 0)) * HD;
+#pragma unroll
+        for (int e = 0; e < PL; ++e) {
+            qv[g][e] = (g < nh) ? bf16_to_f32(qrow[lane + 32 * e]) * scale : 0.0f;
+            acc[g][e] = 0.0f;
+        }
+        m[g] = -SLUICE_INF;
+        l[g] = 0.0f;
+    }
+    for (int j = warp; j < n; j += ATTN_WARPS) {
+        const long long slot = (long long)table[j / block_size] * block_size + (j % block_size);
+        const long long off = slot * kv_dim + (long long)kvh * HD;
+        float kf[PL];
+        float vf[PL];
+#pragma unroll
+        for (int e = 0; e < PL; ++e) {
+            kf[e] = bf16_to_f32(k_cache[off + lane + 32 * e]);
+            vf[e] = bf16_to_f32(v_cache[off + lane + 32 * e]);
+        }
+#pragma unroll
+        for (int g = 0; g < ATTN_GROUP; ++g) {
+            if (g < nh) {  // the same in every lane
+                float s = 0.0f;
+#pragma unroll
+                for (int e = 0; e < PL; ++e) {
+                    s += qv[g][e] * kf[e];
+                }
+                s = warp_sum(s);
+                const float m_new = fmaxf(m[g], s);
+                const float corr = __expf(m[g] - m_new);
+                const float p = __expf(s - m_new);
+                l[g] = l[g] * corr + p;
+#pragma unroll
+                for (int e = 0; e < PL; ++e) {
+                    acc[g][e] = acc[g][e] * corr + p * vf[e];
+                }
+                m[g] = m_new;
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < ATTN_GROUP; ++g) {
+        if (lane == 0) {
+            warp_m[warp * ATTN_GROUP + g] = m[g];
+            warp_l[warp * ATTN_GROUP + g] = l[g];
+        }
+#pragma unroll
+        for (int e = 0; e < PL; ++e) {
+            warp_acc[(warp * ATTN_GROUP + g) * HD + lane + 32 * e] = acc[g][e];
+        }
+    }
+    __syncthreads();
+    const int g = warp;
+    if (g >= nh) {
+        return;
+    }
+    float m_all = -SLUICE_INF;
+    for (int w = 0; w < ATTN_WARPS; ++w) {
+        m_all = fmaxf(m_all, warp_m[w * ATTN_GROUP + g]);
+    }
+    float l_all = 0.0f;
+    float o[PL];
+#pragma unroll
+    for (int e = 0; e < PL; ++e) {
+        o[e] = 0.0f;
+    }
+    for (int w = 0; w < ATTN_WARPS; ++w) {
+        // A warp that saw no key has m = -inf and contributes nothing.
+        const float mw = warp_m[w * ATTN_GROUP + g];
+        const float c = (mw == -SLUICE_INF) ? 0.0f : __expf(mw - m_all);
+        l_all += warp_l[w * ATTN_GROUP + g] * c;
+#pragma unroll
+        for (int e = 0; e < PL; ++e) {
+            o[e] += warp_acc[(w * ATTN_GROUP + g) * HD + lane + 32 * e] * c;
+        }
+    }
+    const float inv = (l_all > 0.0f) ? 1.0f / l_all : 0.0f;
+    bf16_t* orow = out + ((long long)r * heads + h0 + g) * HD;
+#pragma unroll
+    for (int e = 0; e < PL; ++e) {
+        orow[lane + 32 * e] = f32_to_bf16(o[e] * inv);
+    }
+}
 
 // out[r, h] = softmax(q[r, h] . K^T * scale) V over the first ctx_len[r] keys of sequence
 // q_seq[r], with query head h reading KV head h / (heads / kv_heads) (grouped-query attention).
 // A prefill row at position p sees ctx_len = p + 1 (causal, its cached prefix included); a
-// decode row sees the whole context. Scores are never materialized: each warp keeps an online
-// softmax (running max, sum and weighted values) over its share of the keys, and the warps'
-// states are merged at the end. Grid: (rows, heads); block: 32 * ATTN_WARPS threads.
+// decode row sees the whole context. Scores are never materialized. Runs the rows listed in
+// row_ids (decode rows; prefill rows go through prefill_attention where the head size has
+// one). head_dim: a multiple of 32 up to 256. Grid: (listed rows, kv_heads * ceil((heads /
+// kv_heads) / ATTN_GROUP)); block: 32 * ATTN_WARPS threads.
 extern "C" __global__ void paged_attention(const bf16_t* __restrict__ q,
                                            const bf16_t* __restrict__ k_cache,
                                            const bf16_t* __restrict__ v_cache,
                                            const int* __restrict__ block_tables,
                                            const int* __restrict__ q_seq,
                                            const int* __restrict__ ctx_len,
+                                           const int* __restrict__ row_ids,
                                            bf16_t* __restrict__ out, int heads, int kv_heads,
                                            int head_dim, int block_size, int max_blocks,
                                            float scale) {
-    __shared__ float warp_m[ATTN_WARPS];
-    __shared__ float warp_l[ATTN_WARPS];
-    __shared__ float warp_acc[ATTN_WARPS][32 * ATTN_MAX_PER_LANE];
-    const int r = blockIdx.x;
+    __shared__ float warp_m[ATTN_WARPS * ATTN_GROUP];
+    __shared__ float warp_l[ATTN_WARPS * ATTN_GROUP];
+    __shared__ float warp_acc[ATTN_WARPS * ATTN_GROUP * 32 * ATTN_MAX_PER_LANE];
+    const int r = row_ids[blockIdx.x];
+    const int group = heads / kv_heads;
+    const int chunks = (group + ATTN_GROUP - 1) / ATTN_GROUP;
+    const int kvh = blockIdx.y / chunks;
+    const int first = (blockIdx.y % chunks) * ATTN_GROUP;
+    const int h0 = kvh * group + first;
+    const int nh = min(ATTN_GROUP, group - first);
+    const int n = ctx_len[r];
+    const int* table = block_tables + (long long)q_seq[r] * max_blocks;
+#define ATTEND(PL)                                                                              \
+    attend_group<PL>(q, k_cache, v_cache, table, r, n, kvh, h0, nh, out, heads, kv_heads,       \
+                     block_size, scale, warp_m, warp_l, warp_acc)
+    switch (head_dim / 32) {
+        case 1: ATTEND(1); break;
+        case 2: ATTEND(2); break;
+        case 3: ATTEND(3); break;
+        case 4: ATTEND(4); break;
+        case 5: ATTEND(5); break;
+        case 6: ATTEND(6); break;
+        case 7: ATTEND(7); break;
+        default: ATTEND(8); break;
+    }
+#undef ATTEND
+}
+
+#define FA_WARPS 4
+#define FA_ROWS (16 * FA_WARPS)
+#define FA_KEYS 32
+
+// Causal attention of the prefill rows of a batch over the paged cache (a chunk after a cached
+// prefix included), FlashAttention-2 style on the tensor cores: a block takes up to FA_ROWS
+// consecutive rows of one sequence (a tile) and one query head; each warp keeps 16 rows' Q in
+// registers, walks the keys FA_KEYS at a time through shared memory (K and V of the tile's KV
+// head, read from the cache once per tile instead of once per row), computes S = Q K^T with
+// mma.m16n8k16 (bf16 in, f32 out), masks keys at or past each row's ctx_len (causal), keeps an
+// online softmax per row, and adds P V (P rounded to bf16) with the same instruction. The score
+// matrix never leaves registers.
+// tiles[2t] = first row of tile t, tiles[2t + 1] = its row count (1..FA_ROWS); a tile's rows
+// are one sequence's, at consecutive positions, so its last row sees the most keys.
+// Grid: (tiles, heads); block: 32 * FA_WARPS threads. HD = head_dim.
+template <int HD>
+__device__ __forceinline__ void prefill_attention_tile(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
+    const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ q_seq, const int* __restrict__ ctx_len, const int* __restrict__ tiles,
+    bf16_t* __restrict__ out, int heads, int kv_heads, int block_size, int max_blocks,
+    float scale) {
+    // Shared rows padded by 8 bf16: 16-byte aligned, and the fragment loads below hit 32
+    // different banks.
+    constexpr int STRIDE = HD + 8;
+    constexpr int CHUNKS = HD / 8;  // 16-byte pieces of a key row
+    __shared__ __align__(16) bf16_t ks[FA_KEYS * STRIDE];
+    __shared__ __align__(16) bf16_t vs[FA_KEYS * STRIDE];
     const int h = blockIdx.y;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
-    const int per_lane = head_dim / 32;
+    const int g = lane >> 2;
+    const int qd = lane & 3;
+    const int first = tiles[2 * blockIdx.x];
+    const int count = tiles[2 * blockIdx.x + 1];
     const int kvh = h / (heads / kv_heads);
-    const int kv_dim = kv_heads * head_dim;
-    const int n = ctx_len[r];
-    const int* table = block_tables + (long long)q_seq[r] * max_blocks;
+    const long long kv_dim = (long long)kv_heads * HD;
+    const int* table = block_tables + (long long)q_seq[first] * max_blocks;
+    const int n_keys = ctx_len[first + count - 1];
+    // This lane's rows: g and g + 8 of the warp's 16 (none past the tile).
+    const int r0 = warp * 16 + g;
+    const int r1 = r0 + 8;
+    const bool has0 = r0 < count;
+    const bool has1 = r1 < count;
+    const int ctx0 = has0 ? ctx_len[first + r0] : 0;
+    const int ctx1 = has1 ? ctx_len[first + r1] : 0;
+    // The most keys any row of this warp sees (the same in every lane).
+    const int warp_last = min(count, warp * 16 + 16) - 1;
+    const int warp_ctx = (warp * 16 < count) ? ctx_len[first + warp_last] : 0;
 
-    float qv[ATTN_MAX_PER_LANE];
-    float acc[ATTN_MAX_PER_LANE];
-    const bf16_t* qrow = q + ((long long)r * heads + h) * head_dim;
-    for (int e = 0; e < ATTN_MAX_PER_LANE; ++e) {
-        qv[e] = (e < per_lane) ? bf16_to_f32(qrow[lane + 32 * e]) * scale : 0.0f;
-        acc[e] = 0.0f;
-    }
-    float m = -SLUICE_INF;
-    float l = 0.0f;
-    for (int j = warp; j < n; j += ATTN_WARPS) {
-        const long long slot = (long long)table[j / block_size] * block_size + (j % block_size);
-        const long long off = slot * kv_dim + (long long)kvh * head_dim;
-        float s = 0.0f;
-        for (int e = 0; e < per_lane; ++e) {
-            s += qv[e] * bf16_to_f32(k_cache[off + lane + 32 * e]);
+    unsigned qa[HD / 16][4];
+    {
+        const bf16_t* q0 = q + ((long long)(first + (has0 ? r0 : 0)) * heads + h) * HD;
+        const bf16_t* q1 = q + ((long long)(first + (has1 ? r1 : 0)) * heads + h) * HD;
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+            const int c = kk * 16 + 2 * qd;
+            qa[kk][0] = has0 ? *(const unsigned*)(q0 + c) : 0u;
+            qa[kk][1] = has1 ? *(const unsigned*)(q1 + c) : 0u;
+            qa[kk][2] = has0 ? *(const unsigned*)(q0 + c + 8) : 0u;
+            qa[kk][3] = has1 ? *(const unsigned*)(q1 + c + 8) : 0u;
         }
-        s = warp_sum(s);
-        const float m_new = fmaxf(m, s);
-        const float corr = __expf(m - m_new);
-        const float p = __expf(s - m_new);
-        l = l * corr + p;
-        for (int e = 0; e < per_lane; ++e) {
-            acc[e] = acc[e] * corr + p * bf16_to_f32(v_cache[off + lane + 32 * e]);
-        }
-        m = m_new;
     }
-    if (lane == 0) {
-        warp_m[warp] = m;
-        warp_l[warp] = l;
+    float o[HD / 8][4];
+#pragma unroll
+    for (int d = 0; d < HD / 8; ++d) {
+        o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.0f;
     }
-    for (int e = 0; e < per_lane; ++e) {
-        warp_acc[warp][lane + 32 * e] = acc[e];
-    }
-    __syncthreads();
-    if (warp == 0) {
-        float m_all = -SLUICE_INF;
-        for (int w = 0; w < ATTN_WARPS; ++w) {
-            m_all = fmaxf(m_all, warp_m[w]);
+    float m0 = -SLUICE_INF, m1 = -SLUICE_INF, l0 = 0.0f, l1 = 0.0f;
+
+    for (int base = 0; base < n_keys; base += FA_KEYS) {
+        __syncthreads();  // every warp is done with the previous keys
+        for (int c = threadIdx.x; c < FA_KEYS * CHUNKS; c += blockDim.x) {
+            const int jj = c / CHUNKS;
+            const int part = c % CHUNKS;
+            const int j = base + jj;
+            // Keys past the context are zeros (never the cache's stale bits: 0 * NaN is NaN).
+            uint4 kw = make_uint4(0u, 0u, 0u, 0u);
+            uint4 vw = kw;
+            if (j < n_keys) {
+                const long long slot =
+                    (long long)table[j / block_size] * block_size + (j % block_size);
+                const long long off = slot * kv_dim + (long long)kvh * HD + part * 8;
+                kw = *(const uint4*)(k_cache + off);
+                vw = *(const uint4*)(v_cache + off);
+            }
+            *(uint4*)(ks + jj * STRIDE + part * 8) = kw;
+            *(uint4*)(vs + jj * STRIDE + part * 8) = vw;
         }
-        float l_all = 0.0f;
-        float o[ATTN_MAX_PER_LANE];
-        for (int e = 0; e < ATTN_MAX_PER_LANE; ++e) {
-            o[e] = 0.0f;
+        __syncthreads();
+        if (base >= warp_ctx) {
+            continue;  // every key of this step is masked for all of this warp's rows
         }
-        for (int w = 0; w < ATTN_WARPS; ++w) {
-            // A warp that saw no key has m = -inf and contributes nothing.
-            const float c = (warp_m[w] == -SLUICE_INF) ? 0.0f : __expf(warp_m[w] - m_all);
-            l_all += warp_l[w] * c;
-            for (int e = 0; e < per_lane; ++e) {
-                o[e] += warp_acc[w][lane + 32 * e] * c;
+        // S = Q K^T for 16 rows x FA_KEYS keys: four 16x8 tiles.
+        float s[FA_KEYS / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < FA_KEYS / 8; ++nt) {
+            s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+        }
+#pragma unroll
+        for (int kk = 0; kk < HD / 16; ++kk) {
+#pragma unroll
+            for (int nt = 0; nt < FA_KEYS / 8; ++nt) {
+                const bf16_t* kr = ks + (nt * 8 + g) * STRIDE + kk * 16 + 2 * qd;
+                const unsigned b[2] = {*(const unsigned*)kr, *(const unsigned*)(kr + 8)};
+                mma_bf16_16816(s[nt], qa[kk], b);
             }
         }
-        const float inv = (l_all > 0.0f) ? 1.0f / l_all : 0.0f;
-        bf16_t* orow = out + ((long long)r * heads + h) * head_dim;
-        for (int e = 0; e < per_lane; ++e) {
-            orow[lane + 32 * e] = f32_to_bf16(o[e] * inv);
+        // Scale and mask; the row maxima over the quad of lanes holding a row.
+        float mx0 = -SLUICE_INF, mx1 = -SLUICE_INF;
+#pragma unroll
+        for (int nt = 0; nt < FA_KEYS / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int j = base + nt * 8 + 2 * qd + e;
+                s[nt][e] = (j < ctx0) ? s[nt][e] * scale : -SLUICE_INF;
+                s[nt][2 + e] = (j < ctx1) ? s[nt][2 + e] * scale : -SLUICE_INF;
+                mx0 = fmaxf(mx0, s[nt][e]);
+                mx1 = fmaxf(mx1, s[nt][2 + e]);
+            }
+        }
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+        mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+        mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+        const float n0 = fmaxf(m0, mx0);
+        const float n1 = fmaxf(m1, mx1);
+        // A row that has seen no key keeps m = -inf, and its weights stay 0.
+        const float c0 = (n0 == -SLUICE_INF) ? 1.0f : __expf(m0 - n0);
+        const float c1 = (n1 == -SLUICE_INF) ? 1.0f : __expf(m1 - n1);
+        m0 = n0;
+        m1 = n1;
+        l0 *= c0;
+        l1 *= c1;
+        // P as the A operand of P V: the accumulator layout of S is the A layout of P.
+        unsigned pa[FA_KEYS / 16][4];
+#pragma unroll
+        for (int nt = 0; nt < FA_KEYS / 8; ++nt) {
+            const float p0 = (n0 == -SLUICE_INF) ? 0.0f : __expf(s[nt][0] - n0);
+            const float p1 = (n0 == -SLUICE_INF) ? 0.0f : __expf(s[nt][1] - n0);
+            const float p2 = (n1 == -SLUICE_INF) ? 0.0f : __expf(s[nt][2] - n1);
+            const float p3 = (n1 == -SLUICE_INF) ? 0.0f : __expf(s[nt][3] - n1);
+            l0 += p0 + p1;
+            l1 += p2 + p3;
+            pa[nt >> 1][2 * (nt & 1)] = pack_bf16(f32_to_bf16(p0), f32_to_bf16(p1));
+            pa[nt >> 1][2 * (nt & 1) + 1] = pack_bf16(f32_to_bf16(p2), f32_to_bf16(p3));
+        }
+#pragma unroll
+        for (int d = 0; d < HD / 8; ++d) {
+            o[d][0] *= c0;
+            o[d][1] *= c0;
+            o[d][2] *= c1;
+            o[d][3] *= c1;
+        }
+#pragma unroll
+        for (int kk = 0; kk < FA_KEYS / 16; ++kk) {
+            const bf16_t* v0 = vs + (kk * 16 + 2 * qd) * STRIDE + g;
+#pragma unroll
+            for (int d = 0; d < HD / 8; ++d) {
+                const bf16_t* v = v0 + d * 8;
+                const unsigned b[2] = {pack_bf16(v[0], v[STRIDE]),
+                                       pack_bf16(v[8 * STRIDE], v[9 * STRIDE])};
+                mma_bf16_16816(o[d], pa[kk], b);
+            }
         }
     }
+    // Each lane summed its own columns: the row's sum is over the quad.
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+    l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+    const float inv0 = (l0 > 0.0f) ? 1.0f / l0 : 0.0f;
+    const float inv1 = (l1 > 0.0f) ? 1.0f / l1 : 0.0f;
+    if (has0) {
+        bf16_t* orow = out + ((long long)(first + r0) * heads + h) * HD + 2 * qd;
+#pragma unroll
+        for (int d = 0; d < HD / 8; ++d) {
+            orow[d * 8] = f32_to_bf16(o[d][0] * inv0);
+            orow[d * 8 + 1] = f32_to_bf16(o[d][1] * inv0);
+        }
+    }
+    if (has1) {
+        bf16_t* orow = out + ((long long)(first + r1) * heads + h) * HD + 2 * qd;
+#pragma unroll
+        for (int d = 0; d < HD / 8; ++d) {
+            orow[d * 8] = f32_to_bf16(o[d][2] * inv1);
+            orow[d * 8 + 1] = f32_to_bf16(o[d][3] * inv1);
+        }
+    }
+}
+
+// The head sizes with a tensor-core prefill (SmolLM2: 64; Llama 3 8B: 128); others run every
+// row through paged_attention.
+extern "C" __global__ void prefill_attention_64(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
+    const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ q_seq, const int* __restrict__ ctx_len, const int* __restrict__ tiles,
+    bf16_t* __restrict__ out, int heads, int kv_heads, int block_size, int max_blocks,
+    float scale) {
+    prefill_attention_tile<64>(q, k_cache, v_cache, block_tables, q_seq, ctx_len, tiles, out,
+                               heads, kv_heads, block_size, max_blocks, scale);
+}
+
+extern "C" __global__ void prefill_attention_128(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
+    const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ q_seq, const int* __restrict__ ctx_len, const int* __restrict__ tiles,
+    bf16_t* __restrict__ out, int heads, int kv_heads, int block_size, int max_blocks,
+    float scale) {
+    prefill_attention_tile<128>(q, k_cache, v_cache, block_tables, q_seq, ctx_len, tiles, out,
+                                heads, kv_heads, block_size, max_blocks, scale);
 }

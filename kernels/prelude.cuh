@@ -63,7 +63,7 @@ __device__ __forceinline__ float block_reduce(float v) {
     }
     __syncthreads();
     const int warps = (blockDim.x + 31) >> 5;
-    v = (threadIdx.x < warps) ? partial[threadIdx.x] : (MAX ? -SLUICE_INF : 0.0f);
+    v = ((int)threadIdx.x < warps) ? partial[threadIdx.x] : (MAX ? -SLUICE_INF : 0.0f);
     if (warp == 0) {
         v = MAX ? warp_max(v) : warp_sum(v);
         if (lane == 0) {
@@ -77,3 +77,25 @@ __device__ __forceinline__ float block_reduce(float v) {
 __device__ __forceinline__ float block_sum(float v) { return block_reduce<false>(v); }
 
 __device__ __forceinline__ float block_max(float v) { return block_reduce<true>(v); }
+
+// d += A B on the tensor cores for one warp: A 16x16 bf16 (row-major), B 16x8 bf16, d 16x8 f32,
+// in the PTX fragment layouts of mma.m16n8k16 (group = lane / 4, quad = lane % 4; a pair's
+// lower-indexed element in the low 16 bits): a[0] = A(group, 2quad..+1), a[1] = A(group + 8,
+// 2quad..+1), a[2] = A(group, 2quad + 8..+9), a[3] = A(group + 8, 2quad + 8..+9);
+// b[0] = B(2quad..+1, group), b[1] = B(2quad + 8..+9, group); d[0..1] = D(group, 2quad..+1),
+// d[2..3] = D(group + 8, 2quad..+1). sm_80 and newer. (The CPU emulation of the tests defines
+// its own.)
+#ifndef SLUICE_EMU
+__device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
+
+// Two bf16 bit patterns in one register, `lo` in the low half.
+__device__ __forceinline__ unsigned pack_bf16(bf16_t lo, bf16_t hi) {
+    return (unsigned)lo | ((unsigned)hi << 16);
+}

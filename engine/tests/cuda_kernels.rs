@@ -3,8 +3,10 @@
 //! NVRTC from PyPI and sets SLUICE_REQUIRE_NVRTC=1, so a missing NVRTC fails there.
 #![cfg(feature = "cuda")]
 
-use anyhow::{bail, ensure};
-use sluice_engine::cuda::{CI_ARCHS, KERNELS, compile_all, nvrtc_available, nvrtc_version};
+use anyhow::{Context, bail, ensure};
+use sluice_engine::cuda::{
+    CI_ARCHS, KERNELS, compile_all, nvrtc_available, nvrtc_version, resources,
+};
 
 #[test]
 fn every_kernel_compiles_clean_for_sm80_and_sm90() -> anyhow::Result<()> {
@@ -31,6 +33,44 @@ fn every_kernel_compiles_clean_for_sm80_and_sm90() -> anyhow::Result<()> {
                 );
             }
             ensure!(m.ptx.contains(&format!(".target {arch}")), "{arch}: {}", m.module);
+        }
+    }
+    Ok(())
+}
+
+/// Every kernel compiled to machine code for sm_80 and sm_90 (ptxas, through NVRTC, no GPU
+/// needed) spills no registers to local memory and fits the static shared-memory limit: a
+/// spill in an attention kernel costs more than anything else in it.
+#[test]
+fn no_kernel_spills_registers() -> anyhow::Result<()> {
+    if !nvrtc_available() {
+        if std::env::var("SLUICE_REQUIRE_NVRTC").is_ok_and(|v| v == "1") {
+            bail!("SLUICE_REQUIRE_NVRTC=1 but libnvrtc could not be loaded (LD_LIBRARY_PATH?)");
+        }
+        eprintln!("NVRTC not found: register use not checked here");
+        return Ok(());
+    }
+    for arch in CI_ARCHS {
+        for (module, src) in KERNELS {
+            let report = resources(module, src, arch)?;
+            for decl in src.split("extern \"C\" __global__ void ").skip(1) {
+                let name = decl.split('(').next().unwrap_or_default().trim();
+                let k = report
+                    .iter()
+                    .find(|k| k.kernel == name)
+                    .with_context(|| format!("{arch}: ptxas reported nothing for {name}"))?;
+                eprintln!(
+                    "{arch} {name}: {} registers, {} bytes shared, {} bytes spilled",
+                    k.registers, k.shared_bytes, k.spill_stores
+                );
+                ensure!(k.registers > 0, "{arch} {name}: no register count in the report");
+                ensure!(k.spill_stores == 0, "{arch} {name} spills {} bytes", k.spill_stores);
+                ensure!(
+                    k.shared_bytes <= 48 * 1024,
+                    "{arch} {name}: {} bytes shared",
+                    k.shared_bytes
+                );
+            }
         }
     }
     Ok(())

@@ -100,9 +100,79 @@ pub fn nvrtc_version() -> Result<(i32, i32), CudaError> {
     Ok((major, minor))
 }
 
-/// Compiles one kernel module for `arch` (`sm_80`, `sm_90`, ...). Any warning in NVRTC's log
-/// is an error: kernels must compile clean.
+/// Compiles one kernel module for `arch` (`sm_80`, `sm_90`, ...) to PTX. Any warning in
+/// NVRTC's log is an error: kernels must compile clean.
 pub fn compile(module: &'static str, source: &str, arch: &str) -> Result<Compiled, CudaError> {
+    let virtual_arch = arch.replace("sm_", "compute_");
+    let (log, ptx) = nvrtc(module, source, arch, &[&format!("--gpu-architecture={virtual_arch}")])?;
+    if log.to_ascii_lowercase().contains("warning") {
+        return Err(CudaError::Compile { module: module.to_owned(), arch: arch.to_owned(), log });
+    }
+    let ptx = ptx.ok_or_else(|| CudaError::Compile {
+        module: module.to_owned(),
+        arch: arch.to_owned(),
+        log: "NVRTC returned no PTX".into(),
+    })?;
+    Ok(Compiled { module, arch: arch.to_owned(), ptx })
+}
+
+/// What ptxas reports for one kernel compiled for a real architecture.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelResources {
+    /// Kernel (entry function) name.
+    pub kernel: String,
+    /// Registers per thread.
+    pub registers: u32,
+    /// Bytes spilled to local memory (stores).
+    pub spill_stores: u32,
+    /// Static shared memory, bytes.
+    pub shared_bytes: u32,
+}
+
+/// Compiles one module to machine code for `arch` (no GPU needed) and returns ptxas's report per
+/// kernel: registers, spills and shared memory (a kernel that spills, or needs so many
+/// registers that few blocks fit, shows here before it runs anywhere).
+pub fn resources(
+    module: &'static str,
+    source: &str,
+    arch: &str,
+) -> Result<Vec<KernelResources>, CudaError> {
+    let (log, _) =
+        nvrtc(module, source, arch, &[&format!("--gpu-architecture={arch}"), "-Xptxas=-v"])?;
+    let number = |line: &str, before: &str| -> u32 {
+        line.split(before)
+            .next()
+            .and_then(|head| head.split_whitespace().last())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0)
+    };
+    let mut out: Vec<KernelResources> = Vec::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let kernel = rest.split('\'').next().unwrap_or_default().to_owned();
+            out.push(KernelResources { kernel, registers: 0, spill_stores: 0, shared_bytes: 0 });
+        } else if let Some(k) = out.last_mut() {
+            if line.contains("spill stores") {
+                k.spill_stores = number(line, " bytes spill stores");
+            } else if line.contains("registers") {
+                k.registers = number(line, " registers");
+                if line.contains("bytes smem") {
+                    k.shared_bytes = number(line, " bytes smem");
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Runs NVRTC on the prelude and `source` with the common options and `arch_options`; returns
+/// its log, and the PTX when it made some (a virtual architecture).
+fn nvrtc(
+    module: &'static str,
+    source: &str,
+    arch: &str,
+    arch_options: &[&str],
+) -> Result<(String, Option<String>), CudaError> {
     use cudarc::nvrtc::result;
     if !nvrtc_available() {
         return Err(CudaError::NoNvrtc);
@@ -113,12 +183,9 @@ pub fn compile(module: &'static str, source: &str, arch: &str) -> Result<Compile
         .map_err(|_| fail("the source holds a NUL byte".into()))?;
     let name = CString::new(format!("{module}.cu")).map_err(|_| fail("bad name".into()))?;
     let prog = result::create_program(&text, Some(&name)).map_err(|e| fail(format!("{e:?}")))?;
-    let options = [
-        format!("--gpu-architecture={}", arch.replace("sm_", "compute_")),
-        "--std=c++17".to_owned(),
-        "--fmad=true".to_owned(),
-        "--extra-device-vectorization".to_owned(),
-    ];
+    let mut options: Vec<String> = arch_options.iter().map(|o| (*o).to_owned()).collect();
+    options
+        .extend(["--std=c++17", "--fmad=true", "--extra-device-vectorization"].map(str::to_owned));
     // SAFETY: `prog` is a live program; the options outlive the call.
     let compiled = unsafe { result::compile_program(prog, &options) };
     // SAFETY: `prog` is live; the log is copied out before the program is destroyed.
@@ -129,20 +196,22 @@ pub fn compile(module: &'static str, source: &str, arch: &str) -> Result<Compile
         })
         .unwrap_or_default();
     let ptx = match compiled {
-        // SAFETY: compilation succeeded; `prog` is live.
-        Ok(()) => unsafe { result::get_ptx(prog) }.map(|raw| {
-            let bytes: Vec<u8> = raw.iter().map(|c| *c as u8).take_while(|b| *b != 0).collect();
-            String::from_utf8_lossy(&bytes).into_owned()
-        }),
-        Err(e) => Err(e),
+        Ok(()) if !arch_options.iter().any(|o| o.starts_with("--gpu-architecture=sm_")) => {
+            // SAFETY: compilation succeeded; `prog` is live.
+            unsafe { result::get_ptx(prog) }
+                .map(|raw| {
+                    let bytes: Vec<u8> =
+                        raw.iter().map(|c| *c as u8).take_while(|b| *b != 0).collect();
+                    Some(String::from_utf8_lossy(&bytes).into_owned())
+                })
+                .map_err(|e| format!("{e:?}"))
+        }
+        Ok(()) => Ok(None),
+        Err(e) => Err(if log.is_empty() { format!("{e:?}") } else { log.clone() }),
     };
     // SAFETY: `prog` is destroyed once, after its last use.
     let _ = unsafe { result::destroy_program(prog) };
-    let ptx = ptx.map_err(|e| fail(if log.is_empty() { format!("{e:?}") } else { log.clone() }))?;
-    if log.to_ascii_lowercase().contains("warning") {
-        return Err(fail(log));
-    }
-    Ok(Compiled { module, arch: arch.to_owned(), ptx })
+    Ok((log, ptx.map_err(fail)?))
 }
 
 /// Every kernel module compiled for `arch`.

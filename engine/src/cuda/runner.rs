@@ -10,8 +10,12 @@
 //! once per batch-size bucket and cache, padded to the bucket with rows that write no K/V:
 //! one launch per step instead of a dozen per layer.
 //!
-//! Status: written and compiled on a machine without a GPU; the parity test
-//! (`engine/tests/cuda_device.rs`) has not run yet.
+//! Attention runs the prefill rows through a tensor-core kernel in tiles of up to 64 rows of one
+//! sequence (head sizes 64 and 128) and the decode rows one by one.
+//!
+//! Status: written and compiled on a machine without a GPU; every kernel passes its checks
+//! under the CPU emulation of CUDA (`engine/tests/kernel_emu.rs`), but the device tests
+//! (`engine/tests/cuda_device.rs`) have not run yet.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -60,6 +64,8 @@ struct Kernels {
     add_bias: CudaFunction,
     kv_write: CudaFunction,
     attention: CudaFunction,
+    /// The tensor-core prefill attention, by head size.
+    prefill: [(usize, CudaFunction); 2],
     fill: CudaFunction,
     dequant_q4_0: CudaFunction,
     dequant_q4_1: CudaFunction,
@@ -158,6 +164,8 @@ struct Workspace {
     slots: CudaSlice<i32>,
     tables: CudaSlice<i32>,
     want: CudaSlice<i32>,
+    tiles: CudaSlice<i32>,
+    singles: CudaSlice<i32>,
     x: CudaSlice<bf16>,
     xn: CudaSlice<bf16>,
     q: CudaSlice<bf16>,
@@ -182,7 +190,10 @@ unsafe impl Send for Captured {}
 
 /// The host side of one pass, checked: per token row its id, position, sequence, context
 /// length and cache slot (-1: write no K/V); the block tables, `max_blocks` entries per
-/// sequence; the rows whose logits are wanted.
+/// sequence; the rows whose logits are wanted; how attention runs: the prefill rows in tiles
+/// of up to [`PREFILL_TILE`] rows of one sequence (first row, count) for the tensor-core
+/// kernel, the other rows (decode steps, and every row when the head size has no tiled
+/// kernel) one by one.
 struct Plan {
     ids: Vec<i32>,
     pos: Vec<i32>,
@@ -192,6 +203,44 @@ struct Plan {
     tables: Vec<i32>,
     max_blocks: usize,
     wanted: Vec<i32>,
+    tiles: Vec<i32>,
+    singles: Vec<i32>,
+}
+
+/// Rows per tile of `prefill_attention_*` (FA_ROWS in kernels/attention.cu).
+const PREFILL_TILE: usize = 64;
+
+/// Query heads per block of `paged_attention` (ATTN_GROUP in kernels/attention.cu).
+const ATTN_GROUP: usize = 4;
+
+/// Head sizes with a `prefill_attention_<head_dim>` kernel.
+const TILED_HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// The sizes of a pass over a loaded workspace.
+#[derive(Clone, Copy)]
+struct Pass {
+    /// Token rows.
+    rows: usize,
+    /// Block-table entries per sequence.
+    max_blocks: usize,
+    /// Rows whose logits are wanted.
+    wanted: usize,
+    /// Prefill tiles (tensor-core attention).
+    tiles: usize,
+    /// Rows attended one by one.
+    singles: usize,
+}
+
+impl Plan {
+    fn pass(&self) -> Pass {
+        Pass {
+            rows: self.ids.len(),
+            max_blocks: self.max_blocks,
+            wanted: self.wanted.len(),
+            tiles: self.tiles.len() / 2,
+            singles: self.singles.len(),
+        }
+    }
 }
 
 /// Runs forward passes on one device.
@@ -278,6 +327,10 @@ impl CudaRunner {
             add_bias: f("elementwise", "add_bias")?,
             kv_write: f("attention", "kv_write")?,
             attention: f("attention", "paged_attention")?,
+            prefill: [
+                (64, f("attention", "prefill_attention_64")?),
+                (128, f("attention", "prefill_attention_128")?),
+            ],
             fill: f("elementwise", "fill_random")?,
             dequant_q4_0: f("dequant", "dequant_q4_0")?,
             dequant_q4_1: f("dequant", "dequant_q4_1")?,
@@ -602,7 +655,7 @@ impl CudaRunner {
                 }
             }
         }
-        let plan = plan(&m.config, cache, batch, None)?;
+        let plan = plan(&m.config, (cache.block_size, cache.num_blocks), batch, None)?;
         let (n, wanted) = (plan.ids.len(), plan.wanted.len());
         if n == 0 {
             return Ok(None);
@@ -625,7 +678,7 @@ impl CudaRunner {
             return Err(run_err("no workspace"));
         };
         self.load(ws, &plan)?;
-        self.encode(m, k, v, *block_size, ws, n, plan.max_blocks, wanted)?;
+        self.encode(m, k, v, *block_size, ws, plan.pass())?;
         if wanted == 0 {
             return Ok(None);
         }
@@ -643,7 +696,12 @@ impl CudaRunner {
         batch: &[SeqInput<'_>],
         bucket: usize,
     ) -> Result<(), CudaError> {
-        let plan = plan(&m.config, cache, batch, Some((bucket, cache.graph_table)))?;
+        let plan = plan(
+            &m.config,
+            (cache.block_size, cache.num_blocks),
+            batch,
+            Some((bucket, cache.graph_table)),
+        )?;
         if cache.graph_owner != (self.id, m.id) {
             cache.graphs.clear();
             cache.graph_ws = None;
@@ -654,7 +712,7 @@ impl CudaRunner {
             cache.graph_ws =
                 Some(self.workspace(&m.config, rows, rows, rows * cache.graph_table)?);
         }
-        let CudaKvCache { k, v, block_size, graph_table, graph_ws, graphs, .. } = cache;
+        let CudaKvCache { k, v, block_size, graph_ws, graphs, .. } = cache;
         let Some(ws) = graph_ws.as_mut() else {
             return Err(run_err("no graph workspace"));
         };
@@ -662,14 +720,14 @@ impl CudaRunner {
         if let Some(g) = graphs.get(&bucket) {
             return g.0.launch().map_err(run_err);
         }
-        let (bs, table) = (*block_size, *graph_table);
-        self.encode(m, k, v, bs, ws, bucket, table, bucket)?;
+        let (bs, pass) = (*block_size, plan.pass());
+        self.encode(m, k, v, bs, ws, pass)?;
         self.stream
             .begin_capture(
                 cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
             )
             .map_err(run_err)?;
-        if let Err(e) = self.encode(m, k, v, bs, ws, bucket, table, bucket) {
+        if let Err(e) = self.encode(m, k, v, bs, ws, pass) {
             // End the capture directly (cudarc's end_capture checks the context's error state
             // first and could leave the stream capturing), and drop what was captured.
             // SAFETY: the stream is live and capturing; a returned graph is ours to destroy.
@@ -714,6 +772,8 @@ impl CudaRunner {
             slots: i(rows)?,
             tables: i(table)?,
             want: i(wanted)?,
+            tiles: i(2 * rows)?,
+            singles: i(rows)?,
             x: h(rows * c.hidden)?,
             xn: h(rows * c.hidden)?,
             q: h(rows * c.q_dim())?,
@@ -745,6 +805,8 @@ impl CudaRunner {
             (&p.slots, &mut ws.slots),
             (&p.tables, &mut ws.tables),
             (&p.wanted, &mut ws.want),
+            (&p.tiles, &mut ws.tiles),
+            (&p.singles, &mut ws.singles),
         ] {
             if !src.is_empty() {
                 self.stream.memcpy_htod(src.as_slice(), dst).map_err(run_err)?;
@@ -753,10 +815,9 @@ impl CudaRunner {
         Ok(())
     }
 
-    /// Queues one pass over `n` token rows of `ws` (inputs loaded), writing K/V into the cache
-    /// and the logits of `wanted` rows into `ws.logits`. Allocates nothing, so it can be
+    /// Queues one pass over the rows of `ws` (inputs loaded), writing K/V into the cache and
+    /// the logits of the wanted rows into `ws.logits`. Allocates nothing, so it can be
     /// captured.
-    #[expect(clippy::too_many_arguments, reason = "the pass's shape, spelled out once")]
     fn encode(
         &self,
         m: &CudaModel,
@@ -764,11 +825,14 @@ impl CudaRunner {
         v_cache: &mut [CudaSlice<bf16>],
         block_size: usize,
         ws: &mut Workspace,
-        n: usize,
-        max_blocks: usize,
-        wanted: usize,
+        pass: Pass,
     ) -> Result<(), CudaError> {
+        let Pass { rows: n, max_blocks, wanted, tiles, singles } = pass;
         let c = &m.config;
+        let prefill = self.k.prefill.iter().find(|(hd, _)| *hd == c.head_dim).map(|(_, f)| f);
+        if tiles > 0 && prefill.is_none() {
+            return Err(run_err(format!("no tiled prefill kernel for head size {}", c.head_dim)));
+        }
         let (hidden, q_dim, kv_dim, hd) = (c.hidden, c.q_dim(), c.kv_dim(), c.head_dim);
         let h_i = hidden as i32;
         let mut b = self.stream.launch_builder(&self.k.gather);
@@ -801,13 +865,27 @@ impl CudaRunner {
             // SAFETY: arguments match `kv_write`; every slot is inside the cache or -1
             // (checked by `plan`).
             unsafe { b.launch(grid(n, 1, 128)) }.map_err(run_err)?;
-            let mut b = self.stream.launch_builder(&self.k.attention);
-            b.arg(&ws.q).arg(&*kc).arg(&*vc).arg(&ws.tables).arg(&ws.q_seq).arg(&ws.ctx_len);
-            b.arg(&mut ws.attn);
-            b.arg(&heads).arg(&kv_heads).arg(&hd_i).arg(&bs_i).arg(&mb_i).arg(&scale);
-            // SAFETY: arguments match `paged_attention`; head_dim is a multiple of 32 up to 256;
-            // every table entry names a block of the cache.
-            unsafe { b.launch(grid(n, c.heads, 128)) }.map_err(run_err)?;
+            if singles > 0 {
+                let mut b = self.stream.launch_builder(&self.k.attention);
+                b.arg(&ws.q).arg(&*kc).arg(&*vc).arg(&ws.tables).arg(&ws.q_seq);
+                b.arg(&ws.ctx_len).arg(&ws.singles).arg(&mut ws.attn);
+                b.arg(&heads).arg(&kv_heads).arg(&hd_i).arg(&bs_i).arg(&mb_i).arg(&scale);
+                // One block per row and KV head (per ATTN_GROUP of its query heads).
+                let groups = c.kv_heads * (c.heads / c.kv_heads).div_ceil(ATTN_GROUP);
+                // SAFETY: arguments match `paged_attention`; head_dim is a multiple of 32 up to
+                // 256; every listed row is below n; every table entry a row reaches names a
+                // block of the cache.
+                unsafe { b.launch(grid(singles, groups, 128)) }.map_err(run_err)?;
+            }
+            if let (true, Some(f)) = (tiles > 0, prefill) {
+                let mut b = self.stream.launch_builder(f);
+                b.arg(&ws.q).arg(&*kc).arg(&*vc).arg(&ws.tables).arg(&ws.q_seq);
+                b.arg(&ws.ctx_len).arg(&ws.tiles).arg(&mut ws.attn);
+                b.arg(&heads).arg(&kv_heads).arg(&bs_i).arg(&mb_i).arg(&scale);
+                // SAFETY: arguments match `prefill_attention_<head_dim>`; each tile holds 1..64
+                // consecutive rows of one sequence at consecutive positions (`plan`).
+                unsafe { b.launch(grid(tiles, c.heads, 128)) }.map_err(run_err)?;
+            }
             self.linear(&ws.attn, n, &l.wo, hidden, q_dim, &mut ws.o)?;
             self.add(&mut ws.x, &ws.o, n * hidden)?;
             self.rmsnorm(&ws.x, &l.ffn_norm, n, hidden, c.rms_eps, &mut ws.xn)?;
@@ -841,16 +919,16 @@ impl CudaRunner {
 /// wanted (padding's too), and each table has `max_blocks` entries.
 fn plan(
     c: &LlamaConfig,
-    cache: &CudaKvCache,
+    (bs, num_blocks): (usize, usize),
     batch: &[SeqInput<'_>],
     pad: Option<(usize, usize)>,
 ) -> Result<Plan, CudaError> {
-    let bs = cache.block_size;
     // Only the blocks a sequence's positions reach are read (its table may hold more).
     let used = |s: &SeqInput<'_>| (s.start_pos + s.tokens.len()).div_ceil(bs);
     let longest = batch.iter().map(used).max().unwrap_or(0).max(1);
     let max_blocks = pad.map_or(longest, |(_, mb)| mb);
     let rows = pad.map_or(batch.len(), |(r, _)| r.max(batch.len()));
+    let tiled = TILED_HEAD_DIMS.contains(&c.head_dim);
     let mut p = Plan {
         ids: Vec::new(),
         pos: Vec::new(),
@@ -860,6 +938,8 @@ fn plan(
         tables: vec![0i32; rows * max_blocks],
         max_blocks,
         wanted: Vec::new(),
+        tiles: Vec::new(),
+        singles: Vec::new(),
     };
     for (s, seq) in batch.iter().enumerate() {
         let end = seq.start_pos + seq.tokens.len();
@@ -869,10 +949,19 @@ fn plan(
             )));
         }
         for (j, &b) in seq.block_table.iter().take(used(seq)).enumerate() {
-            if b as usize >= cache.num_blocks {
+            if b as usize >= num_blocks {
                 return Err(CudaError::Invalid(format!("block {b} out of range")));
             }
             p.tables[s * max_blocks + j] = b as i32;
+        }
+        let first = p.ids.len();
+        if tiled && seq.tokens.len() > 1 {
+            for t in (0..seq.tokens.len()).step_by(PREFILL_TILE) {
+                p.tiles.push((first + t) as i32);
+                p.tiles.push((seq.tokens.len() - t).min(PREFILL_TILE) as i32);
+            }
+        } else {
+            p.singles.extend((first..first + seq.tokens.len()).map(|r| r as i32));
         }
         for (i, &tok) in seq.tokens.iter().enumerate() {
             if tok as usize >= c.vocab_size {
@@ -892,6 +981,7 @@ fn plan(
     }
     if pad.is_some() {
         for r in p.ids.len()..rows {
+            p.singles.push(r as i32);
             p.wanted.push(r as i32);
             p.ids.push(0);
             p.pos.push(0);
@@ -901,4 +991,67 @@ fn plan(
         }
     }
     Ok(p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth::SynthSpec;
+
+    fn seq<'a>(tokens: &'a [u32], start_pos: usize, table: &'a [u32]) -> SeqInput<'a> {
+        SeqInput { tokens, start_pos, block_table: table, logits: LogitsWanted::Last }
+    }
+
+    #[test]
+    fn prefill_rows_go_in_tiles_of_one_sequence_and_decode_rows_alone() -> Result<(), CudaError> {
+        let mut c = SynthSpec::tiny().config();
+        c.head_dim = 64;
+        let long: Vec<u32> = (0..150).collect();
+        let table: Vec<u32> = (0..10).collect();
+        let other = [3u32];
+        let t2 = [10u32];
+        let batch = [seq(&other, 7, &t2), seq(&long, 10, &table), seq(&other, 0, &t2)];
+        let p = plan(&c, (16, 11), &batch, None)?;
+        // Row 0 decodes; rows 1..151 are the 150-token chunk; row 151 is a one-token prompt.
+        assert_eq!(p.singles, vec![0, 151]);
+        assert_eq!(p.tiles, vec![1, 64, 65, 64, 129, 22]);
+        assert_eq!(p.ctx_len[1], 11);
+        assert_eq!(p.ctx_len[150], 160);
+        assert_eq!(p.pass().tiles, 3);
+        // A head size without a tiled kernel: every row alone.
+        c.head_dim = 96;
+        let p = plan(&c, (16, 11), &batch, None)?;
+        assert!(p.tiles.is_empty());
+        assert_eq!(p.singles, (0..152).collect::<Vec<i32>>());
+        Ok(())
+    }
+
+    #[test]
+    fn a_padded_decode_batch_lists_every_row_including_padding() -> Result<(), CudaError> {
+        let c = SynthSpec::tiny().config();
+        let (a, b) = ([1u32], [2u32]);
+        let (ta, tb) = ([0u32], [1u32]);
+        let p = plan(&c, (16, 4), &[seq(&a, 3, &ta), seq(&b, 5, &tb)], Some((4, 2)))?;
+        assert_eq!(p.singles, vec![0, 1, 2, 3]);
+        assert!(p.tiles.is_empty());
+        assert_eq!(p.slots, vec![3, 16 + 5, -1, -1]);
+        assert_eq!(p.tables.len(), 4 * 2);
+        Ok(())
+    }
+
+    #[test]
+    fn blocks_and_tokens_out_of_range_are_refused() {
+        let c = SynthSpec::tiny().config();
+        let t = [1u32];
+        assert!(matches!(plan(&c, (16, 4), &[seq(&t, 0, &[9])], None), Err(CudaError::Invalid(_))));
+        let big = [u32::MAX];
+        assert!(matches!(
+            plan(&c, (16, 4), &[seq(&big, 0, &[0])], None),
+            Err(CudaError::Invalid(_))
+        ));
+        assert!(matches!(
+            plan(&c, (16, 4), &[seq(&t, 16, &[0])], None),
+            Err(CudaError::Invalid(_))
+        ));
+    }
 }

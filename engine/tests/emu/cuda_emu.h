@@ -1,0 +1,346 @@
+// A CPU emulation of the small part of CUDA our kernels use, so `kernels/*.cu` run unchanged on
+// machines without a GPU (engine/tests/kernel_emu.rs). Every thread of a block is a fiber
+// (ucontext) with its own stack; blocks run one after another. `__syncthreads` waits for every
+// live thread of the block, warp shuffles and `__syncwarp` for every lane of the warp, and a
+// block whose threads wait at different barriers (divergent `__syncthreads`, a shuffle with
+// lanes missing) is reported as an error instead of hanging. `__shared__` variables are
+// function statics: one copy, shared by the block that is running.
+//
+// What it checks is the kernels' arithmetic, indexing and synchronization; not timing, memory
+// coalescing or the hardware's rounding of fast-math intrinsics (`__expf` is `expf` here).
+#pragma once
+
+#include <ucontext.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <algorithm>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#define SLUICE_EMU 1
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+
+struct uint3 {
+    unsigned x, y, z;
+};
+struct dim3 {
+    unsigned x, y, z;
+};
+
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
+
+inline uint3 threadIdx;
+inline uint3 blockIdx;
+inline dim3 blockDim;
+inline dim3 gridDim;
+
+namespace emu {
+
+enum class State { Run, BlockBarrier, WarpBarrier, Done };
+
+struct Fiber {
+    ucontext_t ctx;
+    State state;
+    unsigned tid;
+};
+
+constexpr size_t STACK = 256 * 1024;
+
+struct Block {
+    std::vector<Fiber> fibers;
+    Fiber* cur = nullptr;
+    ucontext_t sched;
+    const std::function<void()>* body = nullptr;
+    unsigned long long xchg[32][32];
+};
+
+inline Block* g_block = nullptr;
+// Fiber stacks, kept across blocks and launches (lazily committed by the OS).
+inline std::vector<std::unique_ptr<char[]>> g_stacks;
+
+inline void trampoline() {
+    (*g_block->body)();
+    g_block->cur->state = State::Done;
+    // Returning resumes uc_link, the scheduler.
+}
+
+inline void wait(State s) {
+    Fiber* f = g_block->cur;
+    f->state = s;
+    swapcontext(&f->ctx, &g_block->sched);
+}
+
+inline unsigned linear_tid() {
+    return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+}
+
+// Runs one block of `n` threads, each calling `body`; an empty string when every thread ended.
+inline std::string run_block(unsigned n, const std::function<void()>& body) {
+    if (n == 0 || n > 1024) {
+        return "block size " + std::to_string(n) + " outside 1..1024";
+    }
+    while (g_stacks.size() < n) {
+        g_stacks.emplace_back(new char[STACK]);
+    }
+    Block b;
+    b.body = &body;
+    b.fibers.resize(n);
+    g_block = &b;
+    for (unsigned i = 0; i < n; ++i) {
+        Fiber& f = b.fibers[i];
+        f.tid = i;
+        f.state = State::Run;
+        getcontext(&f.ctx);
+        f.ctx.uc_stack.ss_sp = g_stacks[i].get();
+        f.ctx.uc_stack.ss_size = STACK;
+        f.ctx.uc_link = &b.sched;
+        makecontext(&f.ctx, trampoline, 0);
+    }
+    const unsigned warps = (n + 31) / 32;
+    for (;;) {
+        for (Fiber& f : b.fibers) {
+            if (f.state != State::Run) {
+                continue;
+            }
+            b.cur = &f;
+            threadIdx.x = f.tid % blockDim.x;
+            threadIdx.y = (f.tid / blockDim.x) % blockDim.y;
+            threadIdx.z = f.tid / (blockDim.x * blockDim.y);
+            swapcontext(&b.sched, &f.ctx);
+        }
+        // Every thread now waits or has ended.
+        unsigned done = 0, at_block = 0;
+        bool released = false;
+        for (unsigned w = 0; w < warps; ++w) {
+            unsigned lo = w * 32, hi = std::min(n, lo + 32), at_warp = 0, warp_done = 0;
+            for (unsigned i = lo; i < hi; ++i) {
+                at_warp += b.fibers[i].state == State::WarpBarrier;
+                warp_done += b.fibers[i].state == State::Done;
+            }
+            done += warp_done;
+            at_block += (hi - lo) - at_warp - warp_done;
+            if (at_warp == 0) {
+                continue;
+            }
+            if (hi - lo < 32) {
+                return "warp " + std::to_string(w) + " has " + std::to_string(hi - lo) +
+                       " lanes: a full-mask shuffle or __syncwarp needs 32";
+            }
+            if (at_warp != hi - lo) {
+                return "warp " + std::to_string(w) + ": " + std::to_string(at_warp) + " of " +
+                       std::to_string(hi - lo) +
+                       " lanes at a shuffle or __syncwarp, the others at __syncthreads or ended";
+            }
+            for (unsigned i = lo; i < hi; ++i) {
+                b.fibers[i].state = State::Run;
+            }
+            released = true;
+        }
+        if (released) {
+            continue;
+        }
+        if (done == n) {
+            return "";
+        }
+        // Only __syncthreads waiters are left (ended threads count as arrived).
+        (void)at_block;
+        for (Fiber& f : b.fibers) {
+            if (f.state == State::BlockBarrier) {
+                f.state = State::Run;
+            }
+        }
+    }
+}
+
+// Lane `lane` of the warp gets `v` from lane `src(lane)`.
+template <class T, class F>
+inline T shuffle(T v, F src) {
+    static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");
+    const unsigned tid = linear_tid();
+    const unsigned lane = tid & 31, warp = tid >> 5;
+    unsigned long long bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    g_block->xchg[warp][lane] = bits;
+    wait(State::WarpBarrier);
+    bits = g_block->xchg[warp][src(lane) & 31];
+    wait(State::WarpBarrier);
+    T r;
+    std::memcpy(&r, &bits, sizeof(T));
+    return r;
+}
+
+}  // namespace emu
+
+inline void __syncthreads() { emu::wait(emu::State::BlockBarrier); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::wait(emu::State::WarpBarrier); }
+
+template <class T>
+inline T __shfl_xor_sync(unsigned, T v, int mask) {
+    return emu::shuffle(v, [mask](unsigned lane) { return lane ^ (unsigned)mask; });
+}
+template <class T>
+inline T __shfl_sync(unsigned, T v, int src) {
+    return emu::shuffle(v, [src](unsigned) { return (unsigned)src; });
+}
+template <class T>
+inline T __shfl_down_sync(unsigned, T v, unsigned d) {
+    return emu::shuffle(v, [d](unsigned lane) { return lane + d < 32 ? lane + d : lane; });
+}
+
+inline float __int_as_float(int i) {
+    float f;
+    std::memcpy(&f, &i, 4);
+    return f;
+}
+inline int __float_as_int(float f) {
+    int i;
+    std::memcpy(&i, &f, 4);
+    return i;
+}
+inline float __uint_as_float(unsigned u) {
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+inline float __expf(float x) { return std::exp(x); }
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+inline long long min(long long a, long long b) { return a < b ? a : b; }
+inline long long max(long long a, long long b) { return a > b ? a : b; }
+// Fibers switch only at barriers, so a read-modify-write is atomic here.
+inline int atomicMin(int* p, int v) {
+    int old = *p;
+    if (v < old) {
+        *p = v;
+    }
+    return old;
+}
+inline int atomicAdd(int* p, int v) {
+    int old = *p;
+    *p = old + v;
+    return old;
+}
+inline float atomicAdd(float* p, float v) {
+    float old = *p;
+    *p = old + v;
+    return old;
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 for the warp, from the PTX ISA's fragment
+// layouts (group = lane / 4, quad = lane % 4; the lower-indexed element of a pair in the low 16
+// bits): A (16x16, row-major) a[0] = (group, 2quad..+1), a[1] = (group + 8, 2quad..+1),
+// a[2] = (group, 2quad + 8..+9), a[3] = (group + 8, 2quad + 8..+9); B (16x8, K x N)
+// b[0] = (k 2quad..+1, n group), b[1] = (k 2quad + 8..+9, n group); C/D (16x8)
+// d[0..1] = (group, 2quad..+1), d[2..3] = (group + 8, 2quad..+1). d += A B, in f32.
+inline void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
+    const unsigned tid = emu::linear_tid();
+    const unsigned lane = tid & 31, warp = tid >> 5;
+    // Each lane publishes its 6 registers, in three 64-bit exchanges.
+    static unsigned regs[32][32][6];
+    for (int i = 0; i < 4; ++i) {
+        regs[warp][lane][i] = a[i];
+    }
+    regs[warp][lane][4] = b[0];
+    regs[warp][lane][5] = b[1];
+    emu::wait(emu::State::WarpBarrier);
+    float A[16][16], B[16][8];
+    auto half = [](unsigned r, int hi) {
+        return __uint_as_float(((hi ? r >> 16 : r) & 0xffffu) << 16);
+    };
+    for (unsigned l = 0; l < 32; ++l) {
+        const unsigned g = l / 4, q = l % 4;
+        const unsigned* r = regs[warp][l];
+        for (int e = 0; e < 2; ++e) {
+            A[g][2 * q + e] = half(r[0], e);
+            A[g + 8][2 * q + e] = half(r[1], e);
+            A[g][2 * q + 8 + e] = half(r[2], e);
+            A[g + 8][2 * q + 8 + e] = half(r[3], e);
+            B[2 * q + e][g] = half(r[4], e);
+            B[2 * q + 8 + e][g] = half(r[5], e);
+        }
+    }
+    emu::wait(emu::State::WarpBarrier);
+    const unsigned g = lane / 4, q = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+        const unsigned row = g + (i >= 2 ? 8 : 0), col = 2 * q + (i & 1);
+        float s = 0.0f;
+        for (int k = 0; k < 16; ++k) {
+            s += A[row][k] * B[k][col];
+        }
+        d[i] += s;
+    }
+}
+
+namespace emu {
+
+// A kernel's launcher: `args` as cuLaunchKernel takes them (one pointer per parameter).
+struct Entry {
+    const char* name;
+    void (*thunk)(void**);
+};
+
+template <class... A, size_t... I>
+inline void call(void (*f)(A...), void** args, std::index_sequence<I...>) {
+    f(*static_cast<A*>(args[I])...);
+}
+
+template <class... A>
+inline void call(void (*f)(A...), void** args) {
+    call(f, args, std::index_sequence_for<A...>{});
+}
+
+// Runs kernel `name` of `table` over the grid, block after block; 0, or 1 with a message.
+inline int launch(const Entry* table, size_t n, const char* name, const unsigned* grid,
+                  const unsigned* block, void** args, char* err, size_t errlen) {
+    const Entry* e = nullptr;
+    for (size_t i = 0; i < n; ++i) {
+        if (std::strcmp(table[i].name, name) == 0) {
+            e = &table[i];
+        }
+    }
+    if (e == nullptr) {
+        std::snprintf(err, errlen, "no kernel named %s", name);
+        return 1;
+    }
+    gridDim = {grid[0], grid[1], grid[2]};
+    blockDim = {block[0], block[1], block[2]};
+    const std::function<void()> body = [&] { e->thunk(args); };
+    for (unsigned z = 0; z < grid[2]; ++z) {
+        for (unsigned y = 0; y < grid[1]; ++y) {
+            for (unsigned x = 0; x < grid[0]; ++x) {
+                blockIdx = {x, y, z};
+                const std::string r = run_block(block[0] * block[1] * block[2], body);
+                if (!r.empty()) {
+                    std::snprintf(err, errlen, "%s, block (%u, %u, %u): %s", name, x, y, z,
+                                  r.c_str());
+                    return 1;
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+}  // namespace emu
+
+#define EMU_KERNEL(f) \
+    emu::Entry { #f, [](void** a) { emu::call(f, a); } }

@@ -1,0 +1,499 @@
+//! Checks of every kernel of `kernels/` against references written here from the definitions
+//! (and, for dequantization, the CPU backend's own `dequantize_row`), run on a [`Dev`]: the GPU
+//! (tests/cuda_device.rs, on a GPU machine) or the CPU emulation of CUDA
+//! (tests/kernel_emu.rs, everywhere). The same checks in both places, so a kernel that passes
+//! under emulation and fails on the device points at what the emulation does not model.
+
+#![allow(dead_code, reason = "each test binary uses a different subset")]
+
+use anyhow::ensure;
+use half::bf16;
+use sluice_engine::quant::{GgmlType, dequantize_row, quantize_row};
+
+/// One kernel parameter: a buffer (host memory, copied in, and back out for `Out`) or a scalar.
+pub enum Arg<'a> {
+    In(&'a [u8]),
+    Out(&'a mut [u8]),
+    I32(i32),
+    I64(i64),
+    U64(u64),
+    F32(f32),
+}
+
+/// Where the kernels run.
+pub trait Dev {
+    /// Runs `kernel` of `module` over a grid of `grid` blocks of `block` threads.
+    fn launch(
+        &self,
+        module: &'static str,
+        kernel: &str,
+        grid: (u32, u32),
+        block: u32,
+        args: &mut [Arg<'_>],
+    ) -> anyhow::Result<()>;
+
+    /// Whether this is the emulation (thousands of times slower: the heavy checks shrink).
+    fn emulated(&self) -> bool;
+}
+
+/// Element types a buffer may hold (no padding, any bit pattern valid).
+pub trait Plain: Copy {}
+impl Plain for u8 {}
+impl Plain for u16 {}
+impl Plain for i32 {}
+impl Plain for f32 {}
+impl Plain for u64 {}
+impl Plain for u128 {}
+
+pub fn bytes<T: Plain>(v: &[T]) -> &[u8] {
+    // SAFETY: `Plain` types have no padding; u8 has alignment 1; the length is the same memory.
+    unsafe { std::slice::from_raw_parts(v.as_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+pub fn bytes_mut<T: Plain>(v: &mut [T]) -> &mut [u8] {
+    // SAFETY: as in `bytes`, and every bit pattern is a valid `T`.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast(), std::mem::size_of_val(v)) }
+}
+
+/// Deterministic values in [-1, 1).
+pub fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+pub fn to_bf16(v: &[f32]) -> Vec<u16> {
+    v.iter().map(|x| bf16::from_f32(*x).to_bits()).collect()
+}
+
+pub fn from_bf16(v: &[u16]) -> Vec<f32> {
+    v.iter().map(|b| bf16::from_bits(*b).to_f32()).collect()
+}
+
+/// Inputs as the device sees them (rounded to bf16).
+pub fn rounded(v: &[f32]) -> Vec<f32> {
+    from_bf16(&to_bf16(v))
+}
+
+pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// RMSNorm, RoPE in both pair layouts, SiLU-and-multiply, the residual add, Q/K/V bias, the
+/// embedding gather and the device's random fill.
+pub fn elementwise(d: &dyn Dev) -> anyhow::Result<()> {
+    use Arg::*;
+    let (rows, dim, eps) = (3usize, 576usize, 1e-5f32);
+    let x = rounded(&values(rows * dim, 1));
+    let w = rounded(&values(dim, 2));
+    let mut out = vec![0u16; rows * dim];
+    d.launch(
+        "elementwise",
+        "rmsnorm",
+        (rows as u32, 1),
+        256,
+        &mut [
+            In(bytes(&to_bf16(&x))),
+            In(bytes(&to_bf16(&w))),
+            Out(bytes_mut(&mut out)),
+            I32(dim as i32),
+            F32(eps),
+        ],
+    )?;
+    let mut want = vec![0f32; rows * dim];
+    for r in 0..rows {
+        let row = &x[r * dim..][..dim];
+        let scale = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / dim as f32 + eps).sqrt();
+        for i in 0..dim {
+            want[r * dim + i] = row[i] * scale * w[i];
+        }
+    }
+    let diff = max_diff(&from_bf16(&out), &want);
+    ensure!(diff < 2e-2, "rmsnorm differs by {diff}");
+
+    // RoPE, both pair layouts, 2 tokens, 3 query heads and 1 KV head of 64 (rope on all 64).
+    for interleaved in [1i32, 0] {
+        let (heads, kv_heads, hd) = (3usize, 1usize, 64usize);
+        let qv = rounded(&values(2 * heads * hd, 3));
+        let kv = rounded(&values(2 * kv_heads * hd, 4));
+        let pos = [5i32, 17];
+        let inv_freq: Vec<f32> =
+            (0..hd / 2).map(|i| 10000f32.powf(-((2 * i) as f32) / hd as f32)).collect();
+        let (mut q_b, mut k_b) = (to_bf16(&qv), to_bf16(&kv));
+        d.launch(
+            "elementwise",
+            "rope",
+            (2, 1),
+            128,
+            &mut [
+                Out(bytes_mut(&mut q_b)),
+                Out(bytes_mut(&mut k_b)),
+                In(bytes(&pos)),
+                In(bytes(&inv_freq)),
+                I32(heads as i32),
+                I32(kv_heads as i32),
+                I32(hd as i32),
+                I32(hd as i32),
+                I32(interleaved),
+            ],
+        )?;
+        let rotate = |v: &[f32], n_heads: usize| {
+            let mut v = v.to_vec();
+            for t in 0..2 {
+                for h in 0..n_heads {
+                    let x = &mut v[(t * n_heads + h) * hd..][..hd];
+                    for (i, freq) in inv_freq.iter().enumerate() {
+                        let (a, b) =
+                            if interleaved == 1 { (2 * i, 2 * i + 1) } else { (i, i + hd / 2) };
+                        let (sn, cs) = (pos[t] as f32 * freq).sin_cos();
+                        let (x0, x1) = (x[a], x[b]);
+                        x[a] = x0 * cs - x1 * sn;
+                        x[b] = x0 * sn + x1 * cs;
+                    }
+                }
+            }
+            v
+        };
+        let dq = max_diff(&from_bf16(&q_b), &rotate(&qv, heads));
+        let dk = max_diff(&from_bf16(&k_b), &rotate(&kv, kv_heads));
+        ensure!(dq < 2e-2 && dk < 2e-2, "rope (interleaved {interleaved}) differs by {dq}/{dk}");
+    }
+
+    // SiLU-and-multiply, then the residual add, then a bias on every row.
+    let n = 1000usize;
+    let (gate, up) = (rounded(&values(n, 5)), rounded(&values(n, 6)));
+    let up_b = to_bf16(&up);
+    let mut o = vec![0u16; n];
+    d.launch(
+        "elementwise",
+        "silu_mul",
+        (4, 1),
+        256,
+        &mut [In(bytes(&to_bf16(&gate))), In(bytes(&up_b)), Out(bytes_mut(&mut o)), I64(n as i64)],
+    )?;
+    let got = from_bf16(&o);
+    let want: Vec<f32> = gate.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+    ensure!(max_diff(&got, &want) < 1e-2, "silu_mul differs by {}", max_diff(&got, &want));
+    d.launch(
+        "elementwise",
+        "add_inplace",
+        (4, 1),
+        256,
+        &mut [Out(bytes_mut(&mut o)), In(bytes(&up_b)), I64(n as i64)],
+    )?;
+    let summed = from_bf16(&o);
+    let want: Vec<f32> = got.iter().zip(&up).map(|(a, b)| a + b).collect();
+    ensure!(max_diff(&summed, &want) < 1e-2, "add_inplace differs");
+    let bias = rounded(&values(200, 8));
+    d.launch(
+        "elementwise",
+        "add_bias",
+        (5, 1),
+        128,
+        &mut [Out(bytes_mut(&mut o)), In(bytes(&to_bf16(&bias))), I32(200)],
+    )?;
+    let biased = from_bf16(&o);
+    let want: Vec<f32> = summed.iter().enumerate().map(|(i, v)| v + bias[i % 200]).collect();
+    ensure!(max_diff(&biased, &want) < 2e-2, "add_bias differs");
+
+    // The embedding gather: rows 7, 0, 7, 3 of a 10 x 96 table, exactly.
+    let table = to_bf16(&values(10 * 96, 9));
+    let ids = [7i32, 0, 7, 3];
+    let mut out = vec![0u16; 4 * 96];
+    d.launch(
+        "elementwise",
+        "embedding_gather",
+        (4, 1),
+        256,
+        &mut [In(bytes(&table)), In(bytes(&ids)), Out(bytes_mut(&mut out)), I32(96)],
+    )?;
+    for (t, id) in ids.iter().enumerate() {
+        ensure!(out[t * 96..][..96] == table[*id as usize * 96..][..96], "gather row {t}");
+    }
+
+    // Random fill: offset + scale * u, u in [-1, 1), mean near the offset, seeds differ.
+    let fill = |seed: u64| -> anyhow::Result<Vec<f32>> {
+        let mut out = vec![0u16; 4096];
+        d.launch(
+            "elementwise",
+            "fill_random",
+            (4, 1),
+            256,
+            &mut [Out(bytes_mut(&mut out)), I64(4096), U64(seed), F32(0.5), F32(2.0)],
+        )?;
+        Ok(from_bf16(&out))
+    };
+    let (a, b) = (fill(1)?, fill(2)?);
+    ensure!(a.iter().all(|v| (1.5..=2.5).contains(v)), "fill_random out of range");
+    let mean = a.iter().sum::<f32>() / a.len() as f32;
+    ensure!((mean - 2.0).abs() < 0.03, "fill_random mean {mean}");
+    ensure!(a != b, "fill_random ignores its seed");
+    Ok(())
+}
+
+/// Q4_0, Q4_1 and Q8_0 blocks to bf16 against the CPU backend's dequantization.
+pub fn dequantization(d: &dyn Dev) -> anyhow::Result<()> {
+    let src = values(32 * 64, 7).iter().map(|v| v * 3.0).collect::<Vec<f32>>();
+    for (ty, kernel) in [
+        (GgmlType::Q4_0, "dequant_q4_0"),
+        (GgmlType::Q4_1, "dequant_q4_1"),
+        (GgmlType::Q8_0, "dequant_q8_0"),
+    ] {
+        let blocks = quantize_row(ty, &src);
+        let mut want = vec![0f32; src.len()];
+        dequantize_row(ty, &blocks, &mut want);
+        let mut out = vec![0u16; src.len()];
+        d.launch(
+            "dequant",
+            kernel,
+            (1, 1),
+            64,
+            &mut [
+                Arg::In(&blocks),
+                Arg::Out(bytes_mut(&mut out)),
+                Arg::I64((src.len() / 32) as i64),
+            ],
+        )?;
+        // bf16 keeps 8 bits of mantissa: within half an ulp of the CPU's f32.
+        for (i, (a, w)) in from_bf16(&out).iter().zip(&want).enumerate() {
+            ensure!((a - w).abs() <= w.abs() / 256.0 + 1e-6, "{kernel}[{i}]: {a} vs {w}");
+        }
+    }
+    Ok(())
+}
+
+/// K/V written into scattered paged blocks, then attention for a batch mixing a prefill chunk
+/// after a cached prefix (sequence 0: positions 30..37), a decode row (sequence 1, 5 keys) and
+/// a long prefill (sequence 2: positions 10..100 after 10 cached, two row tiles and several
+/// key steps), with grouped-query heads: every row through `paged_attention`, then the
+/// prefill rows through `prefill_attention_<head_dim>` on tiles and the decode row through
+/// `paged_attention` alone, as the runner splits them. Checked against softmax(q K^T) V
+/// computed here for each head size with a tensor-core prefill, with 2 query heads per KV
+/// head, and with 9 (SmolLM2's 3 is in between: more than one block of 4 per KV head).
+pub fn attention(d: &dyn Dev) -> anyhow::Result<()> {
+    for (hd, heads, kv_heads) in [(64usize, 4usize, 2usize), (128, 4, 2), (64, 9, 1)] {
+        attention_for(d, hd, heads, kv_heads)?;
+    }
+    Ok(())
+}
+
+fn attention_for(d: &dyn Dev, hd: usize, heads: usize, kv_heads: usize) -> anyhow::Result<()> {
+    use Arg::*;
+    let block_size = 16usize;
+    let kv_dim = kv_heads * hd;
+    let max_blocks = 7usize;
+    let mut tables = vec![-1i32; 3 * max_blocks];
+    for (seq, blocks) in [vec![3, 0, 5], vec![1], vec![6, 8, 2, 4, 7, 9, 10]].iter().enumerate() {
+        tables[seq * max_blocks..][..blocks.len()].copy_from_slice(blocks);
+    }
+    let lens = [37usize, 5, 100];
+    let n_slots = 11 * block_size;
+    let slot_of = |seq: usize, j: usize| {
+        tables[seq * max_blocks + j / block_size] as usize * block_size + j % block_size
+    };
+    let (mut k_rows, mut v_rows, mut slots, mut start) = (vec![], vec![], vec![], vec![]);
+    for (seq, &len) in lens.iter().enumerate() {
+        start.push(slots.len());
+        for j in 0..len {
+            k_rows.extend(rounded(&values(kv_dim, 100 + (seq * 128 + j) as u64)));
+            v_rows.extend(rounded(&values(kv_dim, 900 + (seq * 128 + j) as u64)));
+            slots.push(slot_of(seq, j) as i32);
+        }
+    }
+    // The cache starts as NaN: keys a kernel should not read must not reach the output.
+    let mut kc = vec![0x7fc0u16; n_slots * kv_dim];
+    let mut vc = kc.clone();
+    d.launch(
+        "attention",
+        "kv_write",
+        (slots.len() as u32, 1),
+        128,
+        &mut [
+            In(bytes(&to_bf16(&k_rows))),
+            In(bytes(&to_bf16(&v_rows))),
+            Out(bytes_mut(&mut kc)),
+            Out(bytes_mut(&mut vc)),
+            In(bytes(&slots)),
+            I32(kv_dim as i32),
+        ],
+    )?;
+    // Rows: sequence 0 at 30..37, sequence 1 decoding at position 4, sequence 2 at 10..100.
+    let (mut q_seq, mut ctx) = (vec![], vec![]);
+    for (seq, range) in [(0i32, 30..37), (1, 4..5), (2, 10..100)] {
+        for p in range {
+            q_seq.push(seq);
+            ctx.push(p + 1);
+        }
+    }
+    let rows = q_seq.len();
+    let q = rounded(&values(rows * heads * hd, 77 + hd as u64));
+    let q_b = to_bf16(&q);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut want = vec![0f32; rows * heads * hd];
+    for r in 0..rows {
+        let (seq, n) = (q_seq[r] as usize, ctx[r] as usize);
+        for h in 0..heads {
+            let kvh = h / (heads / kv_heads);
+            let qh = &q[(r * heads + h) * hd..][..hd];
+            let scores: Vec<f32> = (0..n)
+                .map(|j| {
+                    let k = &k_rows[(start[seq] + j) * kv_dim + kvh * hd..][..hd];
+                    qh.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale
+                })
+                .collect();
+            let m = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let e: Vec<f32> = scores.iter().map(|x| (x - m).exp()).collect();
+            let z: f32 = e.iter().sum();
+            for dd in 0..hd {
+                want[(r * heads + h) * hd + dd] = (0..n)
+                    .map(|j| e[j] / z * v_rows[(start[seq] + j) * kv_dim + kvh * hd + dd])
+                    .sum();
+            }
+        }
+    }
+    let check = |got: &[u16], what: &str| -> anyhow::Result<()> {
+        for (i, (g, w)) in from_bf16(got).iter().zip(&want).enumerate() {
+            let (r, h, dd) = (i / (heads * hd), i / hd % heads, i % hd);
+            ensure!(
+                (g - w).abs() < 1e-2,
+                "{what}, head_dim {hd}, {heads}/{kv_heads} heads: row {r} head {h} dim {dd}: \
+                 {g} vs {w}"
+            );
+        }
+        Ok(())
+    };
+    let paged = |row_ids: &[i32], out: &mut [u16]| {
+        d.launch(
+            "attention",
+            "paged_attention",
+            (row_ids.len() as u32, (kv_heads * (heads / kv_heads).div_ceil(4)) as u32),
+            128,
+            &mut [
+                In(bytes(&q_b)),
+                In(bytes(&kc)),
+                In(bytes(&vc)),
+                In(bytes(&tables)),
+                In(bytes(&q_seq)),
+                In(bytes(&ctx)),
+                In(bytes(row_ids)),
+                Out(bytes_mut(out)),
+                I32(heads as i32),
+                I32(kv_heads as i32),
+                I32(hd as i32),
+                I32(block_size as i32),
+                I32(max_blocks as i32),
+                F32(scale),
+            ],
+        )
+    };
+    // Every row through the per-row kernel, listed backwards (the list is what it runs).
+    let all: Vec<i32> = (0..rows as i32).rev().collect();
+    let mut out = vec![0u16; rows * heads * hd];
+    paged(&all, &mut out)?;
+    check(&out, "paged_attention")?;
+
+    // The runner's split: prefill tiles of up to 64 rows, the decode row alone.
+    let tiles = [0i32, 7, 8, 64, 72, 26];
+    let mut out = vec![0u16; rows * heads * hd];
+    d.launch(
+        "attention",
+        &format!("prefill_attention_{hd}"),
+        ((tiles.len() / 2) as u32, heads as u32),
+        128,
+        &mut [
+            In(bytes(&q_b)),
+            In(bytes(&kc)),
+            In(bytes(&vc)),
+            In(bytes(&tables)),
+            In(bytes(&q_seq)),
+            In(bytes(&ctx)),
+            In(bytes(&tiles)),
+            Out(bytes_mut(&mut out)),
+            I32(heads as i32),
+            I32(kv_heads as i32),
+            I32(block_size as i32),
+            I32(max_blocks as i32),
+            F32(scale),
+        ],
+    )?;
+    paged(&[7], &mut out)?;
+    check(&out, "prefill_attention + paged_attention")
+}
+
+/// Argmax per row, the lowest index among equal maxima (as on the CPU).
+pub fn argmax(d: &dyn Dev) -> anyhow::Result<()> {
+    let vocab = 49_152usize;
+    let mut logits = values(2 * vocab, 9);
+    logits[1234] = 5.0;
+    logits[40_000] = 5.0;
+    logits[vocab + 77] = 3.0;
+    let mut out = [0i32; 2];
+    d.launch(
+        "sampling",
+        "argmax_rows",
+        (2, 1),
+        1024,
+        &mut [Arg::In(bytes(&logits)), Arg::Out(bytes_mut(&mut out)), Arg::I32(vocab as i32)],
+    )?;
+    ensure!(out == [1234, 77], "argmax: {out:?}");
+    Ok(())
+}
+
+/// Sampling with temperature, top-k and top-p from given uniforms: greedy, top-k 1, top-p
+/// 0.75 at two uniforms, then evenly spaced draws that must split exactly by probability.
+pub fn sampling(d: &dyn Dev) -> anyhow::Result<()> {
+    use Arg::*;
+    let vocab = 3000usize;
+    // Probabilities 0.5 at token 10, 0.3 at 2000, 0.2 at 5; the rest negligible.
+    let mut base = vec![-60f32; vocab];
+    base[10] = 0.5f32.ln();
+    base[2000] = 0.3f32.ln();
+    base[5] = 0.2f32.ln();
+    let draws = if d.emulated() { 100 } else { 1000 };
+    let mut temps = vec![0.0f32, 1.0, 1.0, 1.0];
+    let mut ks = vec![0i32, 1, 0, 0];
+    let mut ps = vec![1.0f32, 1.0, 0.75, 0.75];
+    let mut us = vec![0.5f32, 0.99, 0.7, 0.3];
+    for i in 0..draws {
+        temps.push(1.0);
+        ks.push(0);
+        ps.push(1.0);
+        us.push((i as f32 + 0.5) / draws as f32);
+    }
+    let rows = temps.len();
+    let logits: Vec<f32> = (0..rows).flat_map(|_| base.iter().copied()).collect();
+    let mut got = vec![0i32; rows];
+    d.launch(
+        "sampling",
+        "sample_rows",
+        (rows as u32, 1),
+        1024,
+        &mut [
+            In(bytes(&logits)),
+            In(bytes(&temps)),
+            In(bytes(&ks)),
+            In(bytes(&ps)),
+            In(bytes(&us)),
+            Out(bytes_mut(&mut got)),
+            I32(vocab as i32),
+        ],
+    )?;
+    ensure!(got[..4] == [10, 10, 2000, 10], "{:?}", &got[..4]);
+    let count = |t: i32| got[4..].iter().filter(|x| **x == t).count();
+    // In index order: token 5 takes u in [0, 0.2), 10 [0.2, 0.7), 2000 [0.7, 1.0).
+    let want = (draws / 5, draws / 2, draws * 3 / 10);
+    ensure!(
+        (count(5), count(10), count(2000)) == want,
+        "{} {} {}",
+        count(5),
+        count(10),
+        count(2000)
+    );
+    Ok(())
+}

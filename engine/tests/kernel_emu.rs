@@ -1,0 +1,255 @@
+//! Every kernel of `kernels/` run on the CPU through the emulation of CUDA in
+//! `tests/emu/cuda_emu.h`, against the checks of `tests/kernel_checks` (the same checks the GPU
+//! machine runs in tests/cuda_device.rs). The kernel sources are the ones NVRTC compiles (the
+//! prelude, then each module), built with the system's C++ compiler into a shared library that
+//! this test loads. Each buffer is copied into memory fenced by guard words on both sides; a
+//! kernel writing outside its buffer fails the launch.
+#![cfg(feature = "cuda")]
+
+mod kernel_checks;
+
+use std::ffi::{CStr, CString, c_char, c_void};
+use std::path::Path;
+use std::sync::{Mutex, OnceLock};
+
+use anyhow::{Context, bail, ensure};
+use kernel_checks::{Arg, Dev};
+use sluice_engine::cuda::{KERNELS, PRELUDE};
+
+type Launch = unsafe extern "C" fn(
+    *const c_char,
+    *const u32,
+    *const u32,
+    *mut *mut c_void,
+    *mut c_char,
+    usize,
+) -> i32;
+
+struct Emu {
+    _dir: tempfile::TempDir,
+    _lib: libloading::Library,
+    launch: Launch,
+}
+
+/// Guard words around each buffer (16-byte words: buffers start 16-byte aligned, as the
+/// kernels' vector loads need; cudaMalloc gives 256).
+const GUARD: usize = 32;
+const GUARD_WORD: u128 = 0xA5A5_5A5A_DEAD_BEEF_0123_4567_89AB_CDEF;
+const WORD: usize = 16;
+
+/// The kernels' names, as the sources declare them.
+fn kernel_names(src: &str) -> Vec<&str> {
+    src.split("extern \"C\" __global__ void ")
+        .skip(1)
+        .filter_map(|d| d.split('(').next())
+        .map(str::trim)
+        .collect()
+}
+
+fn build() -> anyhow::Result<Emu> {
+    let dir = tempfile::tempdir()?;
+    let header = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/emu/cuda_emu.h");
+    let mut cpp = format!("#include \"{}\"\n{PRELUDE}\n", header.display());
+    let mut entries = Vec::new();
+    for (module, src) in KERNELS {
+        cpp.push_str(&format!("#line 1 \"{module}.cu\"\n{src}\n"));
+        entries.extend(kernel_names(src).into_iter().map(|k| format!("EMU_KERNEL({k})")));
+    }
+    ensure!(entries.len() >= 15, "only {} kernels found", entries.len());
+    cpp.push_str(&format!(
+        "static const emu::Entry kEntries[] = {{{}}};\n\
+         extern \"C\" int emu_launch(const char* name, const unsigned* grid, \
+         const unsigned* block, void** args, char* err, size_t errlen) {{\n\
+         return emu::launch(kEntries, sizeof kEntries / sizeof *kEntries, name, grid, block, \
+         args, err, errlen);\n}}\n",
+        entries.join(", ")
+    ));
+    let src = dir.path().join("kernels_emu.cpp");
+    let lib = dir.path().join("libkernels_emu.so");
+    std::fs::write(&src, cpp)?;
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let out = std::process::Command::new(&cxx)
+        .args(["-std=c++17", "-O2", "-shared", "-fPIC", "-Wall", "-Wno-unknown-pragmas"])
+        // The kernels read bf16 pairs through 32-bit pointers, as CUDA code does.
+        .arg("-fno-strict-aliasing")
+        .arg("-o")
+        .arg(&lib)
+        .arg(&src)
+        .output()
+        .with_context(|| format!("running the C++ compiler `{cxx}` (install g++, or set CXX)"))?;
+    if !out.status.success() {
+        bail!("{cxx} failed on the emulated kernels:\n{}", String::from_utf8_lossy(&out.stderr));
+    }
+    // SAFETY: the library was just built from our sources; its initializers only set globals.
+    let lib = unsafe { libloading::Library::new(&lib) }?;
+    // SAFETY: `emu_launch` is defined above with exactly the `Launch` signature.
+    let launch = *unsafe { lib.get::<Launch>(b"emu_launch\0") }?;
+    Ok(Emu { _dir: dir, _lib: lib, launch })
+}
+
+/// The emulation is one set of globals: one launch at a time.
+fn emu() -> anyhow::Result<&'static Mutex<Emu>> {
+    static EMU: OnceLock<Result<Mutex<Emu>, String>> = OnceLock::new();
+    match EMU.get_or_init(|| build().map(Mutex::new).map_err(|e| format!("{e:#}"))) {
+        Ok(e) => Ok(e),
+        Err(e) => bail!("{e}"),
+    }
+}
+
+struct Emulated;
+
+/// `b` in fresh memory, 8-byte aligned, between GUARD guard words on each side (the last
+/// word's spare bytes hold the guard's bytes too).
+fn fenced(b: &[u8]) -> Vec<u128> {
+    let mut v = vec![GUARD_WORD; 2 * GUARD + b.len().div_ceil(WORD)];
+    kernel_checks::bytes_mut(&mut v[GUARD..])[..b.len()].copy_from_slice(b);
+    v
+}
+
+/// The bytes of a fenced buffer of `len`, or an error when a guard byte changed.
+fn unfenced<'v>(v: &'v [u128], len: usize, what: &str) -> anyhow::Result<&'v [u8]> {
+    let words = len.div_ceil(WORD);
+    let data = kernel_checks::bytes(&v[GUARD..GUARD + words]);
+    let guard = GUARD_WORD.to_le_bytes();
+    let spare_ok = (len..words * WORD).all(|i| data[i] == guard[i % WORD]);
+    let words_ok = v[..GUARD].iter().chain(&v[GUARD + words..]).all(|w| *w == GUARD_WORD);
+    ensure!(spare_ok && words_ok, "{what}: written outside its buffer");
+    Ok(&data[..len])
+}
+
+impl Dev for Emulated {
+    fn launch(
+        &self,
+        _module: &'static str,
+        kernel: &str,
+        grid: (u32, u32),
+        block: u32,
+        args: &mut [Arg<'_>],
+    ) -> anyhow::Result<()> {
+        // Each buffer fenced; each scalar in an 8-byte slot of its own.
+        let mut buffers: Vec<Vec<u128>> = Vec::new();
+        let mut scalars: Vec<u64> = Vec::new();
+        for a in args.iter() {
+            match a {
+                Arg::In(b) => buffers.push(fenced(b)),
+                Arg::Out(b) => buffers.push(fenced(b)),
+                Arg::I32(v) => scalars.push(u64::from(*v as u32)),
+                Arg::I64(v) => scalars.push(*v as u64),
+                Arg::U64(v) => scalars.push(*v),
+                Arg::F32(v) => scalars.push(u64::from(v.to_bits())),
+            }
+        }
+        let mut ptrs: Vec<*mut c_void> =
+            buffers.iter_mut().map(|v| v[GUARD..].as_mut_ptr().cast::<c_void>()).collect();
+        let (mut pi, mut si) = (0, 0);
+        let mut params: Vec<*mut c_void> = Vec::new();
+        for a in args.iter() {
+            if matches!(a, Arg::In(_) | Arg::Out(_)) {
+                params.push((&raw mut ptrs[pi]).cast());
+                pi += 1;
+            } else {
+                // Little-endian: a 4-byte scalar is the low half of its slot.
+                params.push((&raw mut scalars[si]).cast());
+                si += 1;
+            }
+        }
+        let name = CString::new(kernel)?;
+        let mut err = vec![0 as c_char; 512];
+        let rc = {
+            let emu = emu()?.lock().map_err(|_| anyhow::anyhow!("an emulated launch panicked"))?;
+            // SAFETY: one pointer per kernel parameter, each to a value of the parameter's
+            // type (buffers: pointers into `buffers`, alive and unaliased for the call).
+            unsafe {
+                (emu.launch)(
+                    name.as_ptr(),
+                    [grid.0, grid.1, 1].as_ptr(),
+                    [block, 1, 1].as_ptr(),
+                    params.as_mut_ptr(),
+                    err.as_mut_ptr(),
+                    err.len(),
+                )
+            }
+        };
+        if rc != 0 {
+            // SAFETY: the launcher wrote a NUL-terminated message into `err`.
+            let msg = unsafe { CStr::from_ptr(err.as_ptr()) };
+            bail!("{}", msg.to_string_lossy());
+        }
+        let mut bufs = buffers.iter();
+        for (i, a) in args.iter_mut().enumerate() {
+            let what = format!("{kernel} parameter {i}");
+            match a {
+                Arg::In(b) => {
+                    let v = bufs.next().context("buffer")?;
+                    ensure!(unfenced(v, b.len(), &what)? == *b, "{what}: an input was written");
+                }
+                Arg::Out(b) => {
+                    let v = bufs.next().context("buffer")?;
+                    b.copy_from_slice(unfenced(v, b.len(), &what)?);
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn emulated(&self) -> bool {
+        true
+    }
+}
+
+#[test]
+fn elementwise_kernels_match_their_definitions() -> anyhow::Result<()> {
+    kernel_checks::elementwise(&Emulated)
+}
+
+#[test]
+fn dequantization_matches_the_cpu_backend() -> anyhow::Result<()> {
+    kernel_checks::dequantization(&Emulated)
+}
+
+#[test]
+fn paged_and_prefill_attention_match_softmax_attention() -> anyhow::Result<()> {
+    kernel_checks::attention(&Emulated)
+}
+
+#[test]
+fn argmax_takes_the_lowest_index_among_equals() -> anyhow::Result<()> {
+    kernel_checks::argmax(&Emulated)
+}
+
+#[test]
+fn sampling_follows_temperature_top_k_and_top_p() -> anyhow::Result<()> {
+    kernel_checks::sampling(&Emulated)
+}
+
+/// The emulation itself: a kernel whose threads wait at different barriers is an error, not
+/// a hang, and so is a launch of a kernel that does not exist.
+#[test]
+fn the_emulation_reports_divergent_barriers_and_unknown_kernels() -> anyhow::Result<()> {
+    let mut out = vec![0u16; 64];
+    // rmsnorm with 48 threads: the second warp has 16 lanes, its shuffles miss lanes.
+    let e = Emulated
+        .launch(
+            "elementwise",
+            "rmsnorm",
+            (1, 1),
+            48,
+            &mut [
+                Arg::In(kernel_checks::bytes(&[0u16; 64])),
+                Arg::In(kernel_checks::bytes(&[0u16; 64])),
+                Arg::Out(kernel_checks::bytes_mut(&mut out)),
+                Arg::I32(64),
+                Arg::F32(1e-5),
+            ],
+        )
+        .err()
+        .context("a partial warp's shuffle went unnoticed")?;
+    ensure!(e.to_string().contains("warp 1"), "{e}");
+    let e = Emulated
+        .launch("elementwise", "no_such_kernel", (1, 1), 32, &mut [])
+        .err()
+        .context("an unknown kernel launched")?;
+    ensure!(e.to_string().contains("no kernel named no_such_kernel"), "{e}");
+    Ok(())
+}
