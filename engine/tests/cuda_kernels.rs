@@ -8,13 +8,22 @@ use sluice_engine::cuda::{
     CI_ARCHS, KERNELS, compile_all, nvrtc_available, nvrtc_version, resources,
 };
 
+/// Whether NVRTC can be loaded; an error when CI requires it (SLUICE_REQUIRE_NVRTC=1) and it
+/// cannot.
+fn nvrtc_here() -> anyhow::Result<bool> {
+    if nvrtc_available() {
+        return Ok(true);
+    }
+    if std::env::var("SLUICE_REQUIRE_NVRTC").is_ok_and(|v| v == "1") {
+        bail!("SLUICE_REQUIRE_NVRTC=1 but libnvrtc could not be loaded (LD_LIBRARY_PATH?)");
+    }
+    eprintln!("NVRTC not found: kernels not compiled here");
+    Ok(false)
+}
+
 #[test]
 fn every_kernel_compiles_clean_for_sm80_and_sm90() -> anyhow::Result<()> {
-    if !nvrtc_available() {
-        if std::env::var("SLUICE_REQUIRE_NVRTC").is_ok_and(|v| v == "1") {
-            bail!("SLUICE_REQUIRE_NVRTC=1 but libnvrtc could not be loaded (LD_LIBRARY_PATH?)");
-        }
-        eprintln!("NVRTC not found: kernel compilation not checked here");
+    if !nvrtc_here()? {
         return Ok(());
     }
     let (major, minor) = nvrtc_version()?;
@@ -43,11 +52,7 @@ fn every_kernel_compiles_clean_for_sm80_and_sm90() -> anyhow::Result<()> {
 /// spill in an attention kernel costs more than anything else in it.
 #[test]
 fn no_kernel_spills_registers() -> anyhow::Result<()> {
-    if !nvrtc_available() {
-        if std::env::var("SLUICE_REQUIRE_NVRTC").is_ok_and(|v| v == "1") {
-            bail!("SLUICE_REQUIRE_NVRTC=1 but libnvrtc could not be loaded (LD_LIBRARY_PATH?)");
-        }
-        eprintln!("NVRTC not found: register use not checked here");
+    if !nvrtc_here()? {
         return Ok(());
     }
     for arch in CI_ARCHS {

@@ -200,26 +200,17 @@ inline T __shfl_down_sync(unsigned, T v, unsigned d) {
     return emu::shuffle(v, [d](unsigned lane) { return lane + d < 32 ? lane + d : lane; });
 }
 
-inline float __int_as_float(int i) {
-    float f;
-    std::memcpy(&f, &i, 4);
-    return f;
+template <class To, class From>
+inline To bit_cast_(From v) {
+    static_assert(sizeof(To) == sizeof(From), "same size");
+    To t;
+    std::memcpy(&t, &v, sizeof t);
+    return t;
 }
-inline int __float_as_int(float f) {
-    int i;
-    std::memcpy(&i, &f, 4);
-    return i;
-}
-inline float __uint_as_float(unsigned u) {
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-inline unsigned __float_as_uint(float f) {
-    unsigned u;
-    std::memcpy(&u, &f, 4);
-    return u;
-}
+inline float __int_as_float(int i) { return bit_cast_<float>(i); }
+inline int __float_as_int(float f) { return bit_cast_<int>(f); }
+inline float __uint_as_float(unsigned u) { return bit_cast_<float>(u); }
+inline unsigned __float_as_uint(float f) { return bit_cast_<unsigned>(f); }
 inline float __expf(float x) { return std::exp(x); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline int min(int a, int b) { return a < b ? a : b; }
