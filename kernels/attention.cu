@@ -132,26 +132,161 @@ __device__ __forceinline__ void attend_group(const bf16_t* __restrict__ q,
     }
 }
 
-// out[r, h] = softmax(q[r, h] . K^T * scale) V over the first ctx_len[r] keys of sequence
-// q_seq[r], with query head h reading KV head h / (heads / kv_heads) (grouped-query attention).
-// A prefill row at position p sees ctx_len = p + 1 (causal, its cached prefix included); a
-// decode row sees the whole context. Scores are never materialized. Runs the rows listed in
-// row_ids (decode rows; prefill rows go through prefill_attention where the head size has
-// one). head_dim: a multiple of 32 up to 256. Grid: (listed rows, kv_heads * ceil((heads /
-// kv_heads) / ATTN_GROUP)); block: 32 * ATTN_WARPS threads.
-extern "C" __global__ void paged_attention(const bf16_t* __restrict__ q,
-                                           const bf16_t* __restrict__ k_cache,
-                                           const bf16_t* __restrict__ v_cache,
-                                           const int* __restrict__ block_tables,
-                                           const int* __restrict__ q_seq,
-                                           const int* __restrict__ ctx_len,
-                                           const int* __restrict__ row_ids,
-                                           bf16_t* __restrict__ out, int heads, int kv_heads,
-                                           int head_dim, int block_size, int max_blocks,
-                                           float scale) {
-    __shared__ float warp_m[ATTN_WARPS * ATTN_GROUP];
-    __shared__ float warp_l[ATTN_WARPS * ATTN_GROUP];
-    __shared__ float warp_acc[ATTN_WARPS * ATTN_GROUP * 32 * ATTN_MAX_PER_LANE];
+// attend_group for head_dim HD = 64 or 128 with 16-byte loads: a key's row is HD / 8 lanes
+// wide (8 bf16 each), so a warp reads 32 / (HD / 8) keys at once, every lane a 16-byte piece
+// of one. Each lane group keeps its own online softmax per head; the groups' states meet in
+// shared memory (ATTN_WARPS * keys-per-warp of them) and warp g merges head g.
+template <int HD>
+__device__ __forceinline__ void attend_group_wide(const bf16_t* __restrict__ q,
+                                                  const bf16_t* __restrict__ k_cache,
+                                                  const bf16_t* __restrict__ v_cache,
+                                                  const int* __restrict__ table, int r, int n,
+                                                  int kvh, int h0, int nh, bf16_t* __restrict__ out,
+                                                  int heads, int kv_heads, int block_size,
+                                                  float scale, float* warp_m, float* warp_l,
+                                                  float* warp_acc) {
+    constexpr int LPK = HD / 8;      // lanes per key
+    constexpr int KPW = 32 / LPK;    // keys per warp and step
+    constexpr int STATES = ATTN_WARPS * KPW;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int sub = lane / LPK;
+    const int part = lane % LPK;
+    const int state = warp * KPW + sub;
+    const long long kv_dim = (long long)kv_heads * HD;
+    float qv[ATTN_GROUP][8];
+    float acc[ATTN_GROUP][8];
+    float m[ATTN_GROUP];
+    float l[ATTN_GROUP];
+#pragma unroll
+    for (int g = 0; g < ATTN_GROUP; ++g) {
+        const bf16_t* qrow = q + ((long long)r * heads + h0 + (g < nh ? g : 0)) * HD + part * 8;
+        const uint4 w = *(const uint4*)qrow;
+        const unsigned words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            const bf16_t b = (bf16_t)((e & 1) ? (words[e >> 1] >> 16) : (words[e >> 1] & 0xffffu));
+            qv[g][e] = (g < nh) ? bf16_to_f32(b) * scale : 0.0f;
+            acc[g][e] = 0.0f;
+        }
+        m[g] = -SLUICE_INF;
+        l[g] = 0.0f;
+    }
+    // Every lane runs every step (the shuffles need the whole warp); a lane past the context
+    // reads nothing and changes nothing.
+    for (int base = warp * KPW; base < n; base += ATTN_WARPS * KPW) {
+        const int j = base + sub;
+        const bool live = j < n;
+        float kf[8];
+        float vf[8];
+        if (live) {
+            const long long slot =
+                (long long)table[j / block_size] * block_size + (j % block_size);
+            const long long off = slot * kv_dim + (long long)kvh * HD + part * 8;
+            const uint4 kw = *(const uint4*)(k_cache + off);
+            const uint4 vw = *(const uint4*)(v_cache + off);
+            const unsigned kk[4] = {kw.x, kw.y, kw.z, kw.w};
+            const unsigned vv[4] = {vw.x, vw.y, vw.z, vw.w};
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                kf[e] = bf16_to_f32((bf16_t)((e & 1) ? (kk[e >> 1] >> 16) : (kk[e >> 1] & 0xffffu)));
+                vf[e] = bf16_to_f32((bf16_t)((e & 1) ? (vv[e >> 1] >> 16) : (vv[e >> 1] & 0xffffu)));
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                kf[e] = 0.0f;
+                vf[e] = 0.0f;
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < ATTN_GROUP; ++g) {
+            if (g < nh) {  // the same in every lane
+                float s = 0.0f;
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    s += qv[g][e] * kf[e];
+                }
+                // The key's dot product over its LPK lanes (offsets below LPK stay in the group).
+#pragma unroll
+                for (int o = LPK / 2; o > 0; o >>= 1) {
+                    s += __shfl_xor_sync(0xffffffffu, s, o);
+                }
+                if (live) {
+                    const float m_new = fmaxf(m[g], s);
+                    const float corr = __expf(m[g] - m_new);
+                    const float p = __expf(s - m_new);
+                    l[g] = l[g] * corr + p;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        acc[g][e] = acc[g][e] * corr + p * vf[e];
+                    }
+                    m[g] = m_new;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < ATTN_GROUP; ++g) {
+        if (part == 0) {
+            warp_m[state * ATTN_GROUP + g] = m[g];
+            warp_l[state * ATTN_GROUP + g] = l[g];
+        }
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+            warp_acc[(state * ATTN_GROUP + g) * HD + part * 8 + e] = acc[g][e];
+        }
+    }
+    __syncthreads();
+    const int g = warp;
+    if (g >= nh) {
+        return;
+    }
+    float m_all = -SLUICE_INF;
+    for (int st = 0; st < STATES; ++st) {
+        m_all = fmaxf(m_all, warp_m[st * ATTN_GROUP + g]);
+    }
+    constexpr int PL = HD / 32;
+    float l_all = 0.0f;
+    float o[PL];
+#pragma unroll
+    for (int e = 0; e < PL; ++e) {
+        o[e] = 0.0f;
+    }
+    for (int st = 0; st < STATES; ++st) {
+        // A state that saw no key has m = -inf and contributes nothing.
+        const float ms = warp_m[st * ATTN_GROUP + g];
+        const float c = (ms == -SLUICE_INF) ? 0.0f : __expf(ms - m_all);
+        l_all += warp_l[st * ATTN_GROUP + g] * c;
+#pragma unroll
+        for (int e = 0; e < PL; ++e) {
+            o[e] += warp_acc[(st * ATTN_GROUP + g) * HD + lane + 32 * e] * c;
+        }
+    }
+    const float inv = (l_all > 0.0f) ? 1.0f / l_all : 0.0f;
+    bf16_t* orow = out + ((long long)r * heads + h0 + g) * HD;
+#pragma unroll
+    for (int e = 0; e < PL; ++e) {
+        orow[lane + 32 * e] = f32_to_bf16(o[e] * inv);
+    }
+}
+
+// The setup of paged_attention for the block's row and KV head (or ATTN_GROUP of its query
+// heads); PL = head_dim / 32 when the kernel is built for one head size, 0 to choose at run
+// time (registers then sized for the largest).
+template <int PL>
+__device__ __forceinline__ void paged_attention_block(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
+    const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ q_seq, const int* __restrict__ ctx_len,
+    const int* __restrict__ row_ids, bf16_t* __restrict__ out, int heads, int kv_heads,
+    int head_dim, int block_size, int max_blocks, float scale) {
+    // Partial states per head: ATTN_WARPS (attend_group) or ATTN_WARPS * keys per warp
+    // (attend_group_wide), head_dim floats each.
+    constexpr int STATES = (PL == 2) ? ATTN_WARPS * 4 : (PL == 4) ? ATTN_WARPS * 2 : ATTN_WARPS;
+    __shared__ float warp_m[STATES * ATTN_GROUP];
+    __shared__ float warp_l[STATES * ATTN_GROUP];
+    __shared__ float warp_acc[STATES * ATTN_GROUP * 32 * (PL > 0 ? PL : ATTN_MAX_PER_LANE)];
     const int r = row_ids[blockIdx.x];
     const int group = heads / kv_heads;
     const int chunks = (group + ATTN_GROUP - 1) / ATTN_GROUP;
@@ -161,20 +296,65 @@ extern "C" __global__ void paged_attention(const bf16_t* __restrict__ q,
     const int nh = min(ATTN_GROUP, group - first);
     const int n = ctx_len[r];
     const int* table = block_tables + (long long)q_seq[r] * max_blocks;
-#define ATTEND(PL)                                                                              \
-    attend_group<PL>(q, k_cache, v_cache, table, r, n, kvh, h0, nh, out, heads, kv_heads,       \
-                     block_size, scale, warp_m, warp_l, warp_acc)
-    switch (head_dim / 32) {
-        case 1: ATTEND(1); break;
-        case 2: ATTEND(2); break;
-        case 3: ATTEND(3); break;
-        case 4: ATTEND(4); break;
-        case 5: ATTEND(5); break;
-        case 6: ATTEND(6); break;
-        case 7: ATTEND(7); break;
-        default: ATTEND(8); break;
+#define ATTEND(P)                                                                               \
+    attend_group<P>(q, k_cache, v_cache, table, r, n, kvh, h0, nh, out, heads, kv_heads,        \
+                    block_size, scale, warp_m, warp_l, warp_acc)
+    if constexpr (PL == 2 || PL == 4) {
+        attend_group_wide<PL * 32>(q, k_cache, v_cache, table, r, n, kvh, h0, nh, out, heads,
+                                   kv_heads, block_size, scale, warp_m, warp_l, warp_acc);
+    } else if constexpr (PL > 0) {
+        ATTEND(PL);
+    } else {
+        switch (head_dim / 32) {
+            case 1: ATTEND(1); break;
+            case 2: ATTEND(2); break;
+            case 3: ATTEND(3); break;
+            case 4: ATTEND(4); break;
+            case 5: ATTEND(5); break;
+            case 6: ATTEND(6); break;
+            case 7: ATTEND(7); break;
+            default: ATTEND(8); break;
+        }
     }
 #undef ATTEND
+}
+
+// out[r, h] = softmax(q[r, h] . K^T * scale) V over the first ctx_len[r] keys of sequence
+// q_seq[r], with query head h reading KV head h / (heads / kv_heads) (grouped-query attention).
+// A prefill row at position p sees ctx_len = p + 1 (causal, its cached prefix included); a
+// decode row sees the whole context. Scores are never materialized. Runs the rows listed in
+// row_ids (decode rows; prefill rows go through prefill_attention where the head size has
+// one). head_dim: a multiple of 32 up to 256 (paged_attention_64/128: that size only, fewer
+// registers). Grid: (listed rows, kv_heads * ceil((heads / kv_heads) / ATTN_GROUP)); block:
+// 32 * ATTN_WARPS threads.
+extern "C" __global__ void paged_attention(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
+    const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ q_seq, const int* __restrict__ ctx_len,
+    const int* __restrict__ row_ids, bf16_t* __restrict__ out, int heads, int kv_heads,
+    int head_dim, int block_size, int max_blocks, float scale) {
+    paged_attention_block<0>(q, k_cache, v_cache, block_tables, q_seq, ctx_len, row_ids, out,
+                             heads, kv_heads, head_dim, block_size, max_blocks, scale);
+}
+
+extern "C" __global__ void paged_attention_64(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
+    const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ q_seq, const int* __restrict__ ctx_len,
+    const int* __restrict__ row_ids, bf16_t* __restrict__ out, int heads, int kv_heads,
+    int head_dim, int block_size, int max_blocks, float scale) {
+    paged_attention_block<2>(q, k_cache, v_cache, block_tables, q_seq, ctx_len, row_ids, out,
+                             heads, kv_heads, head_dim, block_size, max_blocks, scale);
+}
+
+extern "C" __global__ void paged_attention_128(
+    const bf16_t* __restrict__ q, const bf16_t* __restrict__ k_cache,
+    const bf16_t* __restrict__ v_cache, const int* __restrict__ block_tables,
+    const int* __restrict__ q_seq, const int* __restrict__ ctx_len,
+    const int* __restrict__ row_ids, bf16_t* __restrict__ out, int heads, int kv_heads,
+    int head_dim, int block_size, int max_blocks, float scale) {
+    paged_attention_block<4>(q, k_cache, v_cache, block_tables, q_seq, ctx_len, row_ids, out,
+                             heads, kv_heads, head_dim, block_size, max_blocks, scale);
 }
 
 #define FA_WARPS 4
@@ -205,6 +385,7 @@ __device__ __forceinline__ void prefill_attention_tile(
     constexpr int CHUNKS = HD / 8;  // 16-byte pieces of a key row
     __shared__ __align__(16) bf16_t ks[FA_KEYS * STRIDE];
     __shared__ __align__(16) bf16_t vs[FA_KEYS * STRIDE];
+    __shared__ int slots[FA_KEYS];
     const int h = blockIdx.y;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -248,18 +429,23 @@ __device__ __forceinline__ void prefill_attention_tile(
     float m0 = -SLUICE_INF, m1 = -SLUICE_INF, l0 = 0.0f, l1 = 0.0f;
 
     for (int base = 0; base < n_keys; base += FA_KEYS) {
-        __syncthreads();  // every warp is done with the previous keys
+        __syncthreads();  // every warp is done with the previous keys (and their slots)
+        if (threadIdx.x < FA_KEYS) {
+            // Each key's cache slot, looked up once; -1 past the context.
+            const int j = base + threadIdx.x;
+            slots[threadIdx.x] =
+                (j < n_keys) ? table[j / block_size] * block_size + (j % block_size) : -1;
+        }
+        __syncthreads();
         for (int c = threadIdx.x; c < FA_KEYS * CHUNKS; c += blockDim.x) {
             const int jj = c / CHUNKS;
             const int part = c % CHUNKS;
-            const int j = base + jj;
+            const int slot = slots[jj];
             // Keys past the context are zeros (never the cache's stale bits: 0 * NaN is NaN).
             uint4 kw = make_uint4(0u, 0u, 0u, 0u);
             uint4 vw = kw;
-            if (j < n_keys) {
-                const long long slot =
-                    (long long)table[j / block_size] * block_size + (j % block_size);
-                const long long off = slot * kv_dim + (long long)kvh * HD + part * 8;
+            if (slot >= 0) {
+                const long long off = (long long)slot * kv_dim + (long long)kvh * HD + part * 8;
                 kw = *(const uint4*)(k_cache + off);
                 vw = *(const uint4*)(v_cache + off);
             }

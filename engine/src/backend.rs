@@ -1,11 +1,11 @@
 //! Where the forward pass runs: the CPU runner, or (feature `cuda`) a GPU through
-//! [`CudaRunner`](crate::cuda::CudaRunner). The serving core calls [`Backend::forward`] with
+//! [`CudaRunner`](crate::cuda::CudaRunner). The serving core calls [`Backend::forward_picking`] with
 //! the same batch either way, so the scheduler, block pool and server do not change.
 
 use std::str::FromStr;
 
 use crate::error::{EngineError, Result};
-use crate::forward::{KvCache, Runner, SeqInput};
+use crate::forward::{KvCache, LogitsWanted, Runner, SeqInput};
 use crate::model::LlamaWeights;
 
 /// A compute device.
@@ -132,14 +132,58 @@ impl Backend {
         }
     }
 
-    /// Runs one batch; the wanted logits, `vocab` floats per wanted token, in batch order.
-    pub fn forward(&mut self, weights: &LlamaWeights, batch: &[SeqInput<'_>]) -> Result<Vec<f32>> {
+    /// Sets aside the forward pass's buffers for batches of up to `max_tokens` token rows over
+    /// `max_seqs` sequences: on a GPU, device memory now (and the decode graphs' shared
+    /// buffers), so a device too small for the configured cache and batch fails at start
+    /// rather than on the first large batch. Returns the bytes set aside (0 on the CPU, whose
+    /// runner sizes its scratch per pass).
+    pub fn reserve(&mut self, max_tokens: usize, max_seqs: usize) -> Result<usize> {
         match self {
-            Backend::Cpu { runner, cache } => runner.forward(weights, cache, batch),
+            Backend::Cpu { .. } => Ok(0),
             #[cfg(feature = "cuda")]
             Backend::Cuda(b) => {
                 let CudaBackend { runner, model, cache } = &mut **b;
-                runner.forward(model, cache, batch).map_err(|e| match e {
+                runner
+                    .reserve(model, cache, max_tokens, max_seqs)
+                    .map_err(|e| EngineError::Device(e.to_string()))
+            }
+        }
+    }
+
+    /// Runs one batch (the wanted logits, `vocab` floats per wanted row, in batch order),
+    /// choosing the next token where the device can: for each sequence `i`
+    /// with `argmax[i]` (its last logits wanted, greedy decoding with nothing else asked of
+    /// them) the token with the largest logit (the lowest id among equals, as
+    /// [`argmax`](crate::sampler::argmax)) comes back instead of its logits. On a GPU that
+    /// is done there, so a step copies back a few ids rather than `vocab` floats per
+    /// sequence. `argmax` may be shorter than `batch` (missing: false).
+    pub fn forward_picking(
+        &mut self,
+        weights: &LlamaWeights,
+        batch: &[SeqInput<'_>],
+        argmax: &[bool],
+    ) -> Result<StepOutput> {
+        let vocab = weights.config.vocab_size;
+        let rows = wanted_rows(batch, argmax);
+        match self {
+            Backend::Cpu { runner, cache } => {
+                let all = runner.forward(weights, cache, batch)?;
+                let mut out = StepOutput { logits: Vec::new(), picked: vec![None; batch.len()] };
+                for (r, pick) in rows.iter().enumerate() {
+                    let row = all.get(r * vocab..(r + 1) * vocab).ok_or_else(|| {
+                        EngineError::Device("the pass returned fewer logits than wanted".into())
+                    })?;
+                    match pick {
+                        Some(i) => out.picked[*i] = Some(crate::sampler::argmax(row)),
+                        None => out.logits.extend_from_slice(row),
+                    }
+                }
+                Ok(out)
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(b) => {
+                let CudaBackend { runner, model, cache } = &mut **b;
+                runner.forward_picking(model, cache, batch, &rows).map_err(|e| match e {
                     crate::cuda::CudaError::Invalid(m) => EngineError::InvalidRequest(m),
                     other => EngineError::Device(other.to_string()),
                 })
@@ -148,9 +192,75 @@ impl Backend {
     }
 }
 
+/// What [`Backend::forward_picking`] gives back.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepOutput {
+    /// The logits of the wanted rows whose token was not picked, `vocab` floats each, in
+    /// batch order.
+    pub logits: Vec<f32>,
+    /// Per sequence of the batch, the token picked for it.
+    pub picked: Vec<Option<u32>>,
+}
+
+/// The batch's wanted logit rows in order: `Some(i)` for the last row of sequence `i` when its
+/// token is picked (argmax), `None` for a row whose logits go back.
+pub fn wanted_rows(batch: &[SeqInput<'_>], argmax: &[bool]) -> Vec<Option<usize>> {
+    let mut rows = Vec::new();
+    for (i, s) in batch.iter().enumerate() {
+        match s.logits {
+            LogitsWanted::None => {}
+            LogitsWanted::Last => {
+                rows.push(argmax.get(i).copied().unwrap_or(false).then_some(i));
+            }
+            LogitsWanted::All => rows.extend(std::iter::repeat_n(None, s.tokens.len())),
+        }
+    }
+    rows
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gguf::GgufFile;
+    use crate::model::load_gguf_weights;
+    use crate::quant::GgmlType;
+    use crate::synth::{SynthSpec, write_gguf};
+
+    /// Picked tokens are the argmax of the logits the same pass gives without picking, and the
+    /// rows not picked come back unchanged, in order.
+    #[test]
+    fn picking_returns_the_argmax_and_the_other_rows()
+    -> std::result::Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("m.gguf");
+        write_gguf(&SynthSpec::tiny(), GgmlType::F32, &path)?;
+        let w = load_gguf_weights(&GgufFile::open(&path)?)?;
+        let vocab = w.config.vocab_size;
+        let (a, b, c) = ([5u32, 6, 7], [9u32, 10], [11u32, 12, 13, 14]);
+        let (ta, tb, tc) = ([0u32], [1u32], [2u32]);
+        let seq =
+            |tokens, table, logits| SeqInput { tokens, start_pos: 0, block_table: table, logits };
+        let batch = [
+            seq(&a[..], &ta[..], LogitsWanted::Last),
+            seq(&b[..], &tb[..], LogitsWanted::All),
+            seq(&c[..], &tc[..], LogitsWanted::Last),
+        ];
+        let mut plain = Backend::new(Device::Cpu, &w, 1, 16, 4)?;
+        let all = plain.forward_picking(&w, &batch, &[])?;
+        assert_eq!(all.logits.len(), (1 + 2 + 1) * vocab);
+        assert_eq!(all.picked, vec![None, None, None]);
+        let mut picking = Backend::new(Device::Cpu, &w, 1, 16, 4)?;
+        // Sequence 1 asks for all rows: a pick there is ignored.
+        let out = picking.forward_picking(&w, &batch, &[true, true, true])?;
+        let row = |r: usize| &all.logits[r * vocab..(r + 1) * vocab];
+        assert_eq!(
+            out.picked,
+            vec![Some(crate::sampler::argmax(row(0))), None, Some(crate::sampler::argmax(row(3)))]
+        );
+        assert_eq!(out.logits, all.logits[vocab..3 * vocab].to_vec());
+        assert_eq!(wanted_rows(&batch, &[false, true, true]), vec![None, None, None, Some(2)]);
+        Ok(())
+    }
 
     #[test]
     fn devices_parse_and_print() {

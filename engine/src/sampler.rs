@@ -85,6 +85,25 @@ impl Sampler {
         }
     }
 
+    /// Whether the next token is the plain argmax of the logits with nothing else needed
+    /// from them (greedy, no penalties, no log-probabilities): then the backend may choose it
+    /// where the logits are ([`Backend::forward_picking`](crate::backend::Backend::forward_picking))
+    /// and hand it to [`Sampler::accept`].
+    pub fn argmax_only(&self, logprobs: Option<usize>) -> bool {
+        let p = &self.params;
+        p.temperature <= 0.0
+            && p.presence_penalty == 0.0
+            && p.frequency_penalty == 0.0
+            && logprobs.is_none()
+    }
+
+    /// Takes a token chosen elsewhere by [`Sampler::argmax_only`]'s rule, as
+    /// [`Sampler::sample`] would have returned it.
+    pub fn accept(&mut self, token: u32) -> Sampled {
+        *self.counts.entry(token).or_insert(0) += 1;
+        Sampled { token, logprob: f32::NAN, top: Vec::new() }
+    }
+
     fn pick(&mut self, logits: &[f32]) -> u32 {
         let mut adjusted: Vec<f32> = logits.to_vec();
         let p = &self.params;

@@ -31,6 +31,7 @@ use cudarc::nvrtc::Ptx;
 use half::bf16;
 
 use super::{CudaError, KERNELS, compile, probe};
+use crate::backend::StepOutput;
 use crate::cpu::matmul::PackedWeight;
 use crate::forward::{LogitsWanted, SeqInput};
 use crate::model::{LlamaConfig, LlamaWeights, RopeStyle};
@@ -63,7 +64,10 @@ struct Kernels {
     add: CudaFunction,
     add_bias: CudaFunction,
     kv_write: CudaFunction,
+    /// `paged_attention` for any head size, and built for one head size.
     attention: CudaFunction,
+    attention_for: [(usize, CudaFunction); 2],
+    argmax: CudaFunction,
     /// The tensor-core prefill attention, by head size.
     prefill: [(usize, CudaFunction); 2],
     fill: CudaFunction,
@@ -327,6 +331,11 @@ impl CudaRunner {
             add_bias: f("elementwise", "add_bias")?,
             kv_write: f("attention", "kv_write")?,
             attention: f("attention", "paged_attention")?,
+            attention_for: [
+                (64, f("attention", "paged_attention_64")?),
+                (128, f("attention", "paged_attention_128")?),
+            ],
+            argmax: f("sampling", "argmax_rows")?,
             prefill: [
                 (64, f("attention", "prefill_attention_64")?),
                 (128, f("attention", "prefill_attention_128")?),
@@ -626,6 +635,59 @@ impl CudaRunner {
         }
     }
 
+    /// Runs the batch; `rows` lists its wanted logit rows in order
+    /// ([`wanted_rows`](crate::backend::wanted_rows)): `Some(i)` rows get their argmax on
+    /// the device and only the token comes back (as sequence `i`'s pick), the others' logits
+    /// come back.
+    pub fn forward_picking(
+        &self,
+        m: &CudaModel,
+        cache: &mut CudaKvCache,
+        batch: &[SeqInput<'_>],
+        rows: &[Option<usize>],
+    ) -> Result<StepOutput, CudaError> {
+        let vocab = m.config.vocab_size;
+        let mut out = StepOutput { logits: Vec::new(), picked: vec![None; batch.len()] };
+        let Some(logits) = self.forward_device(m, cache, batch)? else {
+            return Ok(out);
+        };
+        if logits.len() != rows.len() * vocab {
+            return Err(run_err("the pass left other logit rows than wanted"));
+        }
+        if rows.iter().any(Option::is_some) {
+            let mut ids = self.stream.alloc_zeros::<i32>(rows.len()).map_err(run_err)?;
+            let vocab_i = vocab as i32;
+            let mut b = self.stream.launch_builder(&self.k.argmax);
+            b.arg(&logits).arg(&mut ids).arg(&vocab_i);
+            // SAFETY: arguments match `argmax_rows`; `logits` holds rows x vocab floats and
+            // `ids` one int per row.
+            unsafe { b.launch(grid(rows.len(), 1, 1024)) }.map_err(run_err)?;
+            let ids = self.stream.clone_dtoh(&ids).map_err(run_err)?;
+            for (row, pick) in rows.iter().enumerate() {
+                if let (Some(i), Some(&id)) = (pick, ids.get(row)) {
+                    out.picked[*i] = Some(id as u32);
+                }
+            }
+        }
+        // The other rows' logits, a run of consecutive rows per copy.
+        let mut r = 0;
+        while r < rows.len() {
+            if rows[r].is_some() {
+                r += 1;
+                continue;
+            }
+            let end = (r..rows.len()).find(|&e| rows[e].is_some()).unwrap_or(rows.len());
+            let at = out.logits.len();
+            out.logits.resize(at + (end - r) * vocab, 0.0);
+            self.stream
+                .memcpy_dtoh(&logits.slice(r * vocab..end * vocab), &mut out.logits[at..])
+                .map_err(run_err)?;
+            r = end;
+        }
+        self.stream.synchronize().map_err(run_err)?;
+        Ok(out)
+    }
+
     /// As [`CudaRunner::forward`], leaving the logits on the device, in the cache's workspace
     /// until the next pass (`None` when none are wanted); the work is queued, not waited for.
     pub fn forward_device<'c>(
@@ -750,8 +812,40 @@ impl CudaRunner {
         Ok(())
     }
 
+    /// Allocates the eager pass buffers for batches of up to `rows` token rows over `seqs`
+    /// sequences (their last logits wanted, tables reaching the whole context), and the
+    /// decode graphs' shared buffers, now rather than at the first batch that needs them.
+    /// Returns the bytes the cache's pass buffers hold. A larger batch (a prompt-logprobs
+    /// pass wanting every row's logits) still grows them later.
+    pub fn reserve(
+        &self,
+        m: &CudaModel,
+        cache: &mut CudaKvCache,
+        rows: usize,
+        seqs: usize,
+    ) -> Result<usize, CudaError> {
+        let c = &m.config;
+        let table = seqs * c.context_length.div_ceil(cache.block_size).max(1);
+        cache.eager = None;
+        cache.eager = Some((m.id, self.workspace(c, rows, seqs, table)?));
+        let mut bytes = workspace_bytes(c, rows, seqs, table);
+        if cache.use_graphs {
+            if cache.graph_owner != (self.id, m.id) {
+                cache.graphs.clear();
+                cache.graph_ws = None;
+                cache.graph_owner = (self.id, m.id);
+            }
+            let r = GRAPH_BUCKETS[GRAPH_BUCKETS.len() - 1];
+            if cache.graph_ws.is_none() {
+                cache.graph_ws = Some(self.workspace(c, r, r, r * cache.graph_table)?);
+            }
+            bytes += workspace_bytes(c, r, r, r * cache.graph_table);
+        }
+        Ok(bytes)
+    }
+
     /// Device buffers for up to `rows` token rows, `wanted` logit rows and `table` block-table
-    /// entries of `c`'s model.
+    /// entries of `c`'s model ([`workspace_bytes`] in all).
     fn workspace(
         &self,
         c: &LlamaConfig,
@@ -866,7 +960,8 @@ impl CudaRunner {
             // (checked by `plan`).
             unsafe { b.launch(grid(n, 1, 128)) }.map_err(run_err)?;
             if singles > 0 {
-                let mut b = self.stream.launch_builder(&self.k.attention);
+                let f = self.k.attention_for.iter().find(|(d, _)| *d == c.head_dim);
+                let mut b = self.stream.launch_builder(f.map_or(&self.k.attention, |(_, f)| f));
                 b.arg(&ws.q).arg(&*kc).arg(&*vc).arg(&ws.tables).arg(&ws.q_seq);
                 b.arg(&ws.ctx_len).arg(&ws.singles).arg(&mut ws.attn);
                 b.arg(&heads).arg(&kv_heads).arg(&hd_i).arg(&bs_i).arg(&mb_i).arg(&scale);
@@ -913,6 +1008,15 @@ impl CudaRunner {
     }
 }
 
+/// The bytes of [`CudaRunner::workspace`]'s buffers for these sizes.
+fn workspace_bytes(c: &LlamaConfig, rows: usize, wanted: usize, table: usize) -> usize {
+    // ids, pos, q_seq, ctx_len, slots, tiles (2 per row), singles; the tables; the wanted rows.
+    let ints = 8 * rows + table + wanted;
+    let halves = rows * (3 * c.hidden + 2 * c.q_dim() + 2 * c.kv_dim() + 3 * c.intermediate)
+        + wanted * c.hidden;
+    4 * ints + 2 * halves + 4 * wanted * c.vocab_size
+}
+
 /// Checks `batch` against the model and cache and lays out its rows. With `pad`
 /// `(rows, max_blocks)` (a decode graph's shape), the rows are padded to `rows` with rows
 /// that write no K/V and attend to one position of block 0, every sequence's logits are
@@ -929,6 +1033,7 @@ fn plan(
     let max_blocks = pad.map_or(longest, |(_, mb)| mb);
     let rows = pad.map_or(batch.len(), |(r, _)| r.max(batch.len()));
     let tiled = TILED_HEAD_DIMS.contains(&c.head_dim);
+    let mut tiles = Vec::new();
     let mut p = Plan {
         ids: Vec::new(),
         pos: Vec::new(),
@@ -957,8 +1062,9 @@ fn plan(
         let first = p.ids.len();
         if tiled && seq.tokens.len() > 1 {
             for t in (0..seq.tokens.len()).step_by(PREFILL_TILE) {
-                p.tiles.push((first + t) as i32);
-                p.tiles.push((seq.tokens.len() - t).min(PREFILL_TILE) as i32);
+                let count = (seq.tokens.len() - t).min(PREFILL_TILE);
+                // (keys its last row sees, first row, rows)
+                tiles.push((seq.start_pos + t + count, first + t, count));
             }
         } else {
             p.singles.extend((first..first + seq.tokens.len()).map(|r| r as i32));
@@ -979,6 +1085,9 @@ fn plan(
             p.slots.push((seq.block_table[at / bs] as usize * bs + at % bs) as i32);
         }
     }
+    // The tiles that see the most keys first, so the longest blocks do not start last.
+    tiles.sort_by_key(|&(keys, first, _)| (std::cmp::Reverse(keys), first));
+    p.tiles = tiles.iter().flat_map(|&(_, first, count)| [first as i32, count as i32]).collect();
     if pad.is_some() {
         for r in p.ids.len()..rows {
             p.singles.push(r as i32);
@@ -1014,7 +1123,8 @@ mod tests {
         let p = plan(&c, (16, 11), &batch, None)?;
         // Row 0 decodes; rows 1..151 are the 150-token chunk; row 151 is a one-token prompt.
         assert_eq!(p.singles, vec![0, 151]);
-        assert_eq!(p.tiles, vec![1, 64, 65, 64, 129, 22]);
+        // Longest first: rows 129..151 see 160 keys, 65..129 138, 1..65 74.
+        assert_eq!(p.tiles, vec![129, 22, 65, 64, 1, 64]);
         assert_eq!(p.ctx_len[1], 11);
         assert_eq!(p.ctx_len[150], 160);
         assert_eq!(p.pass().tiles, 3);

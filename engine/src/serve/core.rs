@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::backend::{Backend, Device};
+use crate::backend::{Backend, Device, StepOutput};
 use crate::error::{EngineError, Result};
 use crate::forward::{LogitsWanted, SeqInput};
 use crate::generate::IncrementalDecoder;
@@ -81,6 +81,14 @@ struct ReqState {
     stop_matched: bool,
 }
 
+/// Where a sequence's next token comes from.
+enum Choice<'a> {
+    /// Its logits, for its sampler.
+    Logits(&'a [f32]),
+    /// Chosen by the backend (greedy).
+    Picked(u32),
+}
+
 /// The engine core.
 pub struct EngineCore {
     model: Arc<LoadedModel>,
@@ -112,13 +120,21 @@ impl EngineCore {
                 "max_num_batched_tokens and max_num_seqs must be positive".into(),
             ));
         }
-        let backend = Backend::new(
+        let mut backend = Backend::new(
             config.device,
             &model.weights,
             config.threads,
             config.block_size,
             num_blocks,
         )?;
+        let reserved = backend.reserve(config.max_num_batched_tokens, config.max_num_seqs)?;
+        if reserved > 0 {
+            tracing::info!(
+                device = %config.device,
+                mib = reserved >> 20,
+                "pass buffers set aside beside the KV cache"
+            );
+        }
         let keys = vec![CacheKey::ModelRevision(model.identity.model_revision.clone())];
         let sched = Scheduler::new(
             SchedulerConfig {
@@ -262,9 +278,21 @@ impl EngineCore {
                 logits: w.logits,
             })
             .collect();
-        let result = self.backend.forward(&self.model.weights, &inputs);
-        let logits = match result {
-            Ok(l) => l,
+        // Greedy sequences with nothing else asked of their logits get their token picked
+        // by the backend (on a GPU: only the id comes back).
+        let argmax: Vec<bool> = work
+            .iter()
+            .map(|w| {
+                w.logits == LogitsWanted::Last
+                    && self
+                        .reqs
+                        .get(&w.id)
+                        .is_some_and(|st| st.sampler.argmax_only(st.req.logprobs))
+            })
+            .collect();
+        let result = self.backend.forward_picking(&self.model.weights, &inputs, &argmax);
+        let StepOutput { logits, picked } = match result {
+            Ok(out) => out,
             Err(e) => {
                 for w in &work {
                     self.finish(&w.id, FinishReason::Error, Some(e.to_string()));
@@ -275,21 +303,31 @@ impl EngineCore {
         };
         let vocab = self.model.weights.config.vocab_size;
         let mut row = 0;
-        for w in &work {
-            let rows = match w.logits {
-                LogitsWanted::None => 0,
-                LogitsWanted::Last => 1,
-                LogitsWanted::All => w.tokens.len(),
+        for (i, w) in work.iter().enumerate() {
+            let pick = picked.get(i).copied().flatten();
+            let rows = match (w.logits, pick) {
+                (LogitsWanted::None, _) | (LogitsWanted::Last, Some(_)) => 0,
+                (LogitsWanted::Last, None) => 1,
+                (LogitsWanted::All, _) => w.tokens.len(),
             };
-            let chunk = &logits[row * vocab..(row + rows) * vocab];
+            let Some(chunk) = logits.get(row * vocab..(row + rows) * vocab) else {
+                self.finish(&w.id, FinishReason::Error, Some("missing logits".into()));
+                continue;
+            };
             row += rows;
             self.sched.mark_computed(&w.id, w.tokens.len());
             if w.logits == LogitsWanted::All {
                 self.collect_prompt_logprobs(w.id.as_str(), w.start, w.prompt_len, chunk, vocab);
             }
-            if w.reaches_end && rows > 0 {
-                let last = &chunk[(rows - 1) * vocab..rows * vocab];
-                self.emit_token(&w.id, last);
+            if w.reaches_end {
+                match pick {
+                    Some(token) => self.emit_token(&w.id, Choice::Picked(token)),
+                    None if rows > 0 => {
+                        let last = &chunk[(rows - 1) * vocab..rows * vocab];
+                        self.emit_token(&w.id, Choice::Logits(last));
+                    }
+                    None => {}
+                }
             }
         }
         self.update_gauges();
@@ -336,11 +374,14 @@ impl EngineCore {
         }
     }
 
-    fn emit_token(&mut self, id: &str, logits: &[f32]) {
+    fn emit_token(&mut self, id: &str, choice: Choice<'_>) {
         let ctx = self.model.weights.config.context_length;
         let stops = self.model.tokenizer.stop_ids();
         let Some(st) = self.reqs.get_mut(id) else { return };
-        let s = st.sampler.sample(logits, st.req.logprobs);
+        let s = match choice {
+            Choice::Logits(logits) => st.sampler.sample(logits, st.req.logprobs),
+            Choice::Picked(token) => st.sampler.accept(token),
+        };
         let now = Instant::now();
         match st.last_token {
             Some(prev) => self.metrics.itl.observe((now - prev).as_secs_f64()),

@@ -1,6 +1,7 @@
 // A CPU emulation of the small part of CUDA our kernels use, so `kernels/*.cu` run unchanged on
 // machines without a GPU (engine/tests/kernel_emu.rs). Every thread of a block is a fiber
-// (ucontext) with its own stack; blocks run one after another. `__syncthreads` waits for every
+// (ucontext) with its own stack, run in a shuffled order between barriers; blocks run one after
+// another. `__syncthreads` waits for every
 // live thread of the block, warp shuffles and `__syncwarp` for every lane of the warp, and a
 // block whose threads wait at different barriers (divergent `__syncthreads`, a shuffle with
 // lanes missing) is reported as an error instead of hanging. `__shared__` variables are
@@ -110,8 +111,24 @@ inline std::string run_block(unsigned n, const std::function<void()>& body) {
         makecontext(&f.ctx, trampoline, 0);
     }
     const unsigned warps = (n + 31) / 32;
+    // Threads run in a new order on every pass between barriers (seeded by the block index),
+    // so a read that depends on another thread's write without a barrier between them sees
+    // the write missing in some order and the result changes.
+    std::vector<unsigned> order(n);
+    for (unsigned i = 0; i < n; ++i) {
+        order[i] = i;
+    }
+    unsigned long long rng =
+        0x9E3779B97F4A7C15ull ^ (blockIdx.x + 0x10001ull * blockIdx.y + 0x100000001ull * blockIdx.z);
     for (;;) {
-        for (Fiber& f : b.fibers) {
+        for (unsigned i = n - 1; i > 0; --i) {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            std::swap(order[i], order[rng % (i + 1)]);
+        }
+        for (unsigned idx : order) {
+            Fiber& f = b.fibers[idx];
             if (f.state != State::Run) {
                 continue;
             }

@@ -368,10 +368,10 @@ fn attention_for(d: &dyn Dev, hd: usize, heads: usize, kv_heads: usize) -> anyho
         }
         Ok(())
     };
-    let paged = |row_ids: &[i32], out: &mut [u16]| {
+    let paged = |kernel: &str, row_ids: &[i32], out: &mut [u16]| {
         d.launch(
             "attention",
-            "paged_attention",
+            kernel,
             (row_ids.len() as u32, (kv_heads * (heads / kv_heads).div_ceil(4)) as u32),
             128,
             &mut [
@@ -392,11 +392,15 @@ fn attention_for(d: &dyn Dev, hd: usize, heads: usize, kv_heads: usize) -> anyho
             ],
         )
     };
-    // Every row through the per-row kernel, listed backwards (the list is what it runs).
+    // Every row through the per-row kernels (any head size, and this head size's), listed
+    // backwards (the list is what they run).
     let all: Vec<i32> = (0..rows as i32).rev().collect();
-    let mut out = vec![0u16; rows * heads * hd];
-    paged(&all, &mut out)?;
-    check(&out, "paged_attention")?;
+    let sized = format!("paged_attention_{hd}");
+    for kernel in ["paged_attention", sized.as_str()] {
+        let mut out = vec![0u16; rows * heads * hd];
+        paged(kernel, &all, &mut out)?;
+        check(&out, kernel)?;
+    }
 
     // The runner's split: prefill tiles of up to 64 rows, the decode row alone.
     let tiles = [0i32, 7, 8, 64, 72, 26];
@@ -422,7 +426,7 @@ fn attention_for(d: &dyn Dev, hd: usize, heads: usize, kv_heads: usize) -> anyho
             F32(scale),
         ],
     )?;
-    paged(&[7], &mut out)?;
+    paged(&sized, &[7], &mut out)?;
     check(&out, "prefill_attention + paged_attention")
 }
 
