@@ -434,6 +434,46 @@ fn bench_8b_shaped_decode_and_prefill() -> anyhow::Result<()> {
                 String::new()
             }
         );
+        if !graphs {
+            continue;
+        }
+        // The serving path: the step with its tokens chosen, greedy on the device (ids back)
+        // against the logits copied back for the host to choose.
+        let rows: Vec<Option<usize>> = (0..batch).map(Some).collect();
+        let mut step = |pick: bool| -> anyhow::Result<f64> {
+            time(
+                &mut || {
+                    let b: Vec<SeqInput<'_>> = (0..batch)
+                        .map(|s| SeqInput {
+                            tokens: &toks[s],
+                            start_pos: ctx,
+                            block_table: &tables[s],
+                            logits: LogitsWanted::Last,
+                        })
+                        .collect();
+                    if pick {
+                        r.forward_picking(&model, &mut cache, &b, &rows)?;
+                    } else {
+                        let logits = r.forward(&model, &mut cache, &b)?;
+                        let ids: Vec<u32> = logits
+                            .chunks(c.vocab_size)
+                            .map(sluice_engine::sampler::argmax)
+                            .collect();
+                        std::hint::black_box(ids);
+                    }
+                    Ok(())
+                },
+                10,
+            )
+        };
+        let (device_pick, host_pick) = (step(true)?, step(false)?);
+        eprintln!(
+            "decode batch {batch}, tokens chosen: on the device {:.2} ms/step, logits to the \
+             host {:.2} ms/step ({:.2}x)",
+            device_pick * 1e3,
+            host_pick * 1e3,
+            host_pick / device_pick
+        );
     }
     Ok(())
 }
