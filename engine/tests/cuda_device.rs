@@ -1,23 +1,20 @@
-//! Every kernel of `kernels/` run on the GPU against the checks of `tests/kernel_checks` (the
-//! same checks the CPU emulation runs in tests/kernel_emu.rs).
-//! They need an NVIDIA device, so they are `#[ignore]`d in the ordinary run (CI has no GPU) and
-//! run on a GPU machine with `cargo test -p sluice-engine --features cuda --test cuda_device
-//! -- --ignored`, where a missing driver or device fails them. The last test runs the whole
-//! forward pass on the device against the CPU backend on a synthetic model.
+//! On the GPU: every kernel of `kernels/` against the checks of `tests/kernel_checks` (the same
+//! checks the CPU emulation runs in tests/kernel_emu.rs), the CUDA runner's forward pass
+//! against the CPU backend on synthetic models (as tests/cuda_emulated.rs runs it through the
+//! emulated driver), and the 8B-shaped benchmark. They need an NVIDIA device, so they are
+//! `#[ignore]`d in the ordinary run (CI has no GPU) and run on a GPU machine with `cargo test
+//! -p sluice-engine --features cuda --test cuda_device -- --ignored` (scripts/device-build and
+//! scripts/device-check), where a missing driver or device fails them.
 #![cfg(feature = "cuda")]
 
 use std::sync::Arc;
 
-use anyhow::{Context, bail, ensure};
+use anyhow::{Context, bail};
 use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
-use kernel_checks::{Arg, Dev, max_diff};
+use kernel_checks::{Arg, Dev};
 use sluice_engine::cuda::{CudaRunner, KERNELS, compile, driver_available, probe};
-use sluice_engine::forward::{KvCache, LogitsWanted, Runner, SeqInput};
-use sluice_engine::gguf::GgufFile;
-use sluice_engine::model::load_gguf_weights;
-use sluice_engine::quant::GgmlType;
-use sluice_engine::synth::{SynthSpec, write_gguf};
+use sluice_engine::forward::{LogitsWanted, SeqInput};
 
 mod kernel_checks;
 
@@ -146,175 +143,18 @@ fn sampling_follows_temperature_top_k_and_top_p() -> anyhow::Result<()> {
     kernel_checks::sampling(&gpu()?)
 }
 
-/// Logits of a prefill of two sequences (all positions) then one decode step of each, from
-/// `run` given a batch: the CPU runner or the CUDA one.
-fn two_sequences(
-    vocab: u32,
-    mut run: impl FnMut(&[SeqInput<'_>]) -> anyhow::Result<Vec<f32>>,
-) -> anyhow::Result<Vec<f32>> {
-    let a: Vec<u32> = (0..7).map(|i| (i * 37 + 5) % vocab).collect();
-    let b: Vec<u32> = (0..40).map(|i| (i * 53 + 11) % vocab).collect();
-    let (ta, tb) = ([0u32, 1], [2u32, 3, 4]);
-    let seq = |tokens, start_pos, block_table, logits| SeqInput {
-        tokens,
-        start_pos,
-        block_table,
-        logits,
-    };
-    let mut out = run(&[
-        seq(&a[..], 0, &ta[..], LogitsWanted::All),
-        seq(&b[..], 0, &tb[..], LogitsWanted::All),
-    ])?;
-    out.extend(run(&[
-        seq(&[9], a.len(), &ta[..], LogitsWanted::Last),
-        seq(&[10], b.len(), &tb[..], LogitsWanted::Last),
-    ])?);
-    Ok(out)
-}
-
-/// The synthetic model of the parity tests, written with weights of type `ty`.
-fn synthetic(ty: GgmlType) -> anyhow::Result<sluice_engine::model::LlamaWeights> {
-    let spec =
-        SynthSpec { hidden: 128, intermediate: 256, heads: 4, kv_heads: 2, ..SynthSpec::tiny() };
-    let dir = tempfile::tempdir()?;
-    let path = dir.path().join("m.gguf");
-    write_gguf(&spec, ty, &path)?;
-    Ok(load_gguf_weights(&GgufFile::open(&path)?)?)
-}
-
-/// Checks GPU logits `got` against the CPU's `want`, row by row, and returns the largest
-/// difference as a fraction of the row's range. Tolerance: bf16 weights and activations on
-/// the GPU against f32 (with 8-bit activation products) on the CPU: within 3% of each
-/// position's logit range; the same top token wherever the CPU's top two are more than 5% of
-/// the range apart.
-fn compare_logits(got: &[f32], want: &[f32], vocab: usize) -> anyhow::Result<f32> {
-    ensure!(got.len() == want.len(), "{} logits vs {}", got.len(), want.len());
-    let mut worst = 0f32;
-    for (pos, (g_row, c_row)) in got.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
-        let hi = c_row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let lo = c_row.iter().copied().fold(f32::INFINITY, f32::min);
-        let range = (hi - lo).max(1e-6);
-        let d = max_diff(g_row, c_row) / range;
-        worst = worst.max(d);
-        ensure!(d < 0.03, "position {pos}: logits differ by {d} of the range");
-        let mut order: Vec<usize> = (0..vocab).collect();
-        order.sort_by(|x, y| c_row[*y].total_cmp(&c_row[*x]));
-        let gpu_top = (0..vocab).max_by(|x, y| g_row[*x].total_cmp(&g_row[*y])).unwrap_or(0);
-        if c_row[order[0]] - c_row[order[1]] > 0.05 * range {
-            ensure!(gpu_top == order[0], "position {pos}: top token {gpu_top} vs {}", order[0]);
-        }
-    }
-    Ok(worst)
-}
-
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on one"]
 fn forward_matches_the_cpu_backend_on_a_synthetic_model() -> anyhow::Result<()> {
     gpu()?;
-    let w = synthetic(GgmlType::F32)?;
-    let vocab = w.config.vocab_size;
-
-    let mut cpu = Runner::new(2);
-    let mut cpu_cache = KvCache::new(&w, 16, 8);
-    let want = two_sequences(vocab as u32, |b| Ok(cpu.forward(&w, &mut cpu_cache, b)?))?;
-
-    let gpu_runner = CudaRunner::new(0)?;
-    let model = gpu_runner.upload(&w)?;
-    let mut cache = gpu_runner.kv_cache(&model, 16, 8)?;
-    let got = two_sequences(vocab as u32, |b| Ok(gpu_runner.forward(&model, &mut cache, b)?))?;
-    ensure!(want.len() == (7 + 40 + 2) * vocab, "{}", want.len());
-    let worst = compare_logits(&got, &want, vocab)?;
-    eprintln!("CUDA vs CPU logits: max difference {worst:.4} of the range");
-
-    // A mixed batch (one sequence decoding beside another prefilling) equals each alone.
-    let c: Vec<u32> = (0..20).map(|i| (i * 7 + 3) % vocab as u32).collect();
-    let tc = [5u32, 6];
-    let seq = |tokens, start_pos, block_table, logits| SeqInput {
-        tokens,
-        start_pos,
-        block_table,
-        logits,
-    };
-    let a_next = [11u32];
-    let ta = [0u32, 1];
-    let mixed = gpu_runner.forward(
-        &model,
-        &mut cache,
-        &[
-            seq(&a_next[..], 8, &ta[..], LogitsWanted::Last),
-            seq(&c[..], 0, &tc[..], LogitsWanted::Last),
-        ],
-    )?;
-    let mut fresh = gpu_runner.kv_cache(&model, 16, 8)?;
-    let alone_c =
-        gpu_runner.forward(&model, &mut fresh, &[seq(&c[..], 0, &tc[..], LogitsWanted::Last)])?;
-    let d = max_diff(&mixed[vocab..], &alone_c);
-    ensure!(d < 1e-2, "prefill in a mixed batch differs from alone by {d}");
-
-    // Decode steps of 3 sequences (the graph of bucket 4, one padding row) equal the same
-    // steps run eagerly, and each graph is captured once.
-    let mut graphed = gpu_runner.kv_cache(&model, 16, 8)?;
-    let mut eager = gpu_runner.kv_cache(&model, 16, 8)?;
-    eager.set_graphs(false);
-    let tables = [[0u32, 1], [2, 3], [4, 5]];
-    let prompts: Vec<Vec<u32>> =
-        (0..3u32).map(|s| (0..5 + 3 * s).map(|i| (i * 13 + s) % vocab as u32).collect()).collect();
-    let mut steps = Vec::new();
-    for cache in [&mut graphed, &mut eager] {
-        let prefill: Vec<SeqInput<'_>> =
-            (0..3).map(|s| seq(&prompts[s][..], 0, &tables[s][..], LogitsWanted::Last)).collect();
-        gpu_runner.forward(&model, cache, &prefill)?;
-        let mut out = Vec::new();
-        for step in 0..4u32 {
-            let toks: Vec<[u32; 1]> = (0..3u32).map(|s| [(step * 7 + s) % vocab as u32]).collect();
-            let b: Vec<SeqInput<'_>> = (0..3)
-                .map(|s| SeqInput {
-                    tokens: &toks[s][..],
-                    start_pos: prompts[s].len() + step as usize,
-                    block_table: &tables[s][..],
-                    logits: LogitsWanted::Last,
-                })
-                .collect();
-            out.extend(gpu_runner.forward(&model, cache, &b)?);
-        }
-        steps.push(out);
-    }
-    ensure!(graphed.graph_buckets() == vec![4], "graphs: {:?}", graphed.graph_buckets());
-    ensure!(eager.graph_buckets().is_empty(), "eager cache captured graphs");
-    // cuBLAS may choose other kernels for 4 rows than for 3: the same within 0.5% of each
-    // row's range (the CPU comparison allows 3%).
-    let mut worst = 0f32;
-    for (g, e) in steps[0].chunks(vocab).zip(steps[1].chunks(vocab)) {
-        let hi = e.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let lo = e.iter().copied().fold(f32::INFINITY, f32::min);
-        worst = worst.max(max_diff(g, e) / (hi - lo).max(1e-6));
-    }
-    eprintln!(
-        "decode graph vs eager: max difference {worst:.2e} of the range, 4 steps x 3 sequences"
-    );
-    ensure!(worst < 0.005, "the decode graph differs from the eager pass by {worst} of the range");
-    Ok(())
+    kernel_checks::forward_parity()
 }
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on one"]
 fn quantized_weights_dequantized_on_the_device_match_the_cpu_backend() -> anyhow::Result<()> {
     gpu()?;
-    let gpu_runner = CudaRunner::new(0)?;
-    for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
-        let w = synthetic(ty)?;
-        let vocab = w.config.vocab_size;
-        let mut cpu = Runner::new(2);
-        let mut cpu_cache = KvCache::new(&w, 16, 8);
-        let want = two_sequences(vocab as u32, |b| Ok(cpu.forward(&w, &mut cpu_cache, b)?))?;
-        // Uploaded as the file's blocks, dequantized by our kernels.
-        let model = gpu_runner.upload(&w)?;
-        let mut cache = gpu_runner.kv_cache(&model, 16, 8)?;
-        let got = two_sequences(vocab as u32, |b| Ok(gpu_runner.forward(&model, &mut cache, b)?))?;
-        let worst = compare_logits(&got, &want, vocab)?;
-        eprintln!("{ty:?} weights, CUDA vs CPU logits: max difference {worst:.4} of the range");
-    }
-    Ok(())
+    kernel_checks::quantized_parity()
 }
 
 /// Issue 7's speed figures on an 8B-shaped Llama with random bf16 weights made on the device:

@@ -6,15 +6,14 @@
 //! kernel writing outside its buffer fails the launch.
 #![cfg(feature = "cuda")]
 
+mod emu;
 mod kernel_checks;
 
 use std::ffi::{CStr, CString, c_char, c_void};
-use std::path::Path;
 use std::sync::{Mutex, OnceLock};
 
 use anyhow::{Context, bail, ensure};
 use kernel_checks::{Arg, Dev};
-use sluice_engine::cuda::{KERNELS, PRELUDE};
 
 type Launch = unsafe extern "C" fn(
     *const c_char,
@@ -37,52 +36,13 @@ const GUARD: usize = 32;
 const GUARD_WORD: u128 = 0xA5A5_5A5A_DEAD_BEEF_0123_4567_89AB_CDEF;
 const WORD: usize = 16;
 
-/// The kernels' names, as the sources declare them.
-fn kernel_names(src: &str) -> Vec<&str> {
-    src.split("extern \"C\" __global__ void ")
-        .skip(1)
-        .filter_map(|d| d.split('(').next())
-        .map(str::trim)
-        .collect()
-}
-
 fn build() -> anyhow::Result<Emu> {
     let dir = tempfile::tempdir()?;
-    let header = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/emu/cuda_emu.h");
-    let mut cpp = format!("#include \"{}\"\n{PRELUDE}\n", header.display());
-    let mut entries = Vec::new();
-    for (module, src) in KERNELS {
-        cpp.push_str(&format!("#line 1 \"{module}.cu\"\n{src}\n"));
-        entries.extend(kernel_names(src).into_iter().map(|k| format!("EMU_KERNEL({k})")));
-    }
-    ensure!(entries.len() >= 15, "only {} kernels found", entries.len());
-    cpp.push_str(&format!(
-        "static const emu::Entry kEntries[] = {{{}}};\n\
-         extern \"C\" int emu_launch(const char* name, const unsigned* grid, \
-         const unsigned* block, void** args, char* err, size_t errlen) {{\n\
-         return emu::launch(kEntries, sizeof kEntries / sizeof *kEntries, name, grid, block, \
-         args, err, errlen);\n}}\n",
-        entries.join(", ")
-    ));
-    let src = dir.path().join("kernels_emu.cpp");
     let lib = dir.path().join("libkernels_emu.so");
-    std::fs::write(&src, cpp)?;
-    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
-    let out = std::process::Command::new(&cxx)
-        .args(["-std=c++17", "-O2", "-shared", "-fPIC", "-Wall", "-Wno-unknown-pragmas"])
-        // The kernels read bf16 pairs through 32-bit pointers, as CUDA code does.
-        .arg("-fno-strict-aliasing")
-        .arg("-o")
-        .arg(&lib)
-        .arg(&src)
-        .output()
-        .with_context(|| format!("running the C++ compiler `{cxx}` (install g++, or set CXX)"))?;
-    if !out.status.success() {
-        bail!("{cxx} failed on the emulated kernels:\n{}", String::from_utf8_lossy(&out.stderr));
-    }
+    emu::shared_library(&emu::kernels_source()?, &lib, None, &[])?;
     // SAFETY: the library was just built from our sources; its initializers only set globals.
     let lib = unsafe { libloading::Library::new(&lib) }?;
-    // SAFETY: `emu_launch` is defined above with exactly the `Launch` signature.
+    // SAFETY: `emu_launch` is defined by `kernels_source` with exactly the `Launch` signature.
     let launch = *unsafe { lib.get::<Launch>(b"emu_launch\0") }?;
     Ok(Emu { _dir: dir, _lib: lib, launch })
 }

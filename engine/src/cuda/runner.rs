@@ -13,9 +13,11 @@
 //! Attention runs the prefill rows through a tensor-core kernel in tiles of up to 64 rows of one
 //! sequence (head sizes 64 and 128) and the decode rows one by one.
 //!
-//! Status: written and compiled on a machine without a GPU; every kernel passes its checks
-//! under the CPU emulation of CUDA (`engine/tests/kernel_emu.rs`), but the device tests
-//! (`engine/tests/cuda_device.rs`) have not run yet.
+//! Status: written on a machine without a GPU. Every kernel passes its checks under the CPU
+//! emulation of CUDA (`engine/tests/kernel_emu.rs`), and this runner passes the parity checks
+//! against the CPU backend through an emulated driver and cuBLAS
+//! (`engine/tests/cuda_emulated.rs`); the device tests (`engine/tests/cuda_device.rs`) have not
+//! run on a GPU yet.
 
 use std::collections::HashMap;
 use std::sync::Arc;

@@ -300,11 +300,20 @@ inline void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
 
 namespace emu {
 
-// A kernel's launcher: `args` as cuLaunchKernel takes them (one pointer per parameter).
+// A kernel's launcher: `args` as cuLaunchKernel takes them (one pointer per parameter), and
+// the parameters' sizes (an emulated driver copies them when it records a launch).
 struct Entry {
     const char* name;
     void (*thunk)(void**);
+    unsigned params;
+    unsigned sizes[32];
 };
+
+template <class... A>
+constexpr Entry entry_for(const char* name, void (*thunk)(void**), void (*)(A...)) {
+    static_assert(sizeof...(A) <= 32, "at most 32 kernel parameters");
+    return Entry{name, thunk, sizeof...(A), {(unsigned)sizeof(A)...}};
+}
 
 template <class... A, size_t... I>
 inline void call(void (*f)(A...), void** args, std::index_sequence<I...>) {
@@ -316,29 +325,29 @@ inline void call(void (*f)(A...), void** args) {
     call(f, args, std::index_sequence_for<A...>{});
 }
 
-// Runs kernel `name` of `table` over the grid, block after block; 0, or 1 with a message.
-inline int launch(const Entry* table, size_t n, const char* name, const unsigned* grid,
-                  const unsigned* block, void** args, char* err, size_t errlen) {
-    const Entry* e = nullptr;
+// The entry of kernel `name` in `table`, or null.
+inline const Entry* find(const Entry* table, size_t n, const char* name) {
     for (size_t i = 0; i < n; ++i) {
         if (std::strcmp(table[i].name, name) == 0) {
-            e = &table[i];
+            return &table[i];
         }
     }
-    if (e == nullptr) {
-        std::snprintf(err, errlen, "no kernel named %s", name);
-        return 1;
-    }
+    return nullptr;
+}
+
+// Runs kernel `e` over the grid, block after block; 0, or 1 with a message.
+inline int run(const Entry& e, const unsigned* grid, const unsigned* block, void** args,
+               char* err, size_t errlen) {
     gridDim = {grid[0], grid[1], grid[2]};
     blockDim = {block[0], block[1], block[2]};
-    const std::function<void()> body = [&] { e->thunk(args); };
+    const std::function<void()> body = [&] { e.thunk(args); };
     for (unsigned z = 0; z < grid[2]; ++z) {
         for (unsigned y = 0; y < grid[1]; ++y) {
             for (unsigned x = 0; x < grid[0]; ++x) {
                 blockIdx = {x, y, z};
                 const std::string r = run_block(block[0] * block[1] * block[2], body);
                 if (!r.empty()) {
-                    std::snprintf(err, errlen, "%s, block (%u, %u, %u): %s", name, x, y, z,
+                    std::snprintf(err, errlen, "%s, block (%u, %u, %u): %s", e.name, x, y, z,
                                   r.c_str());
                     return 1;
                 }
@@ -348,7 +357,17 @@ inline int launch(const Entry* table, size_t n, const char* name, const unsigned
     return 0;
 }
 
+// Runs kernel `name` of `table`; 0, or 1 with a message.
+inline int launch(const Entry* table, size_t n, const char* name, const unsigned* grid,
+                  const unsigned* block, void** args, char* err, size_t errlen) {
+    const Entry* e = find(table, n, name);
+    if (e == nullptr) {
+        std::snprintf(err, errlen, "no kernel named %s", name);
+        return 1;
+    }
+    return run(*e, grid, block, args, err, errlen);
+}
+
 }  // namespace emu
 
-#define EMU_KERNEL(f) \
-    emu::Entry { #f, [](void** a) { emu::call(f, a); } }
+#define EMU_KERNEL(f) emu::entry_for(#f, [](void** a) { emu::call(f, a); }, f)

@@ -1,0 +1,78 @@
+//! Builds the CPU emulation of CUDA (`cuda_emu.h`) with our kernels into shared libraries: the
+//! kernels alone (tests/kernel_emu.rs), or with an emulated driver and cuBLAS that cudarc
+//! loads in place of NVIDIA's (tests/cuda_emulated.rs).
+
+#![allow(dead_code, reason = "each test binary uses a different subset")]
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, bail, ensure};
+use sluice_engine::cuda::{KERNELS, PRELUDE};
+
+/// This folder (the headers and C++ sources of the emulation).
+pub fn dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/emu")
+}
+
+/// The kernels' names, as the sources declare them.
+pub fn kernel_names(src: &str) -> Vec<&str> {
+    src.split("extern \"C\" __global__ void ")
+        .skip(1)
+        .filter_map(|d| d.split('(').next())
+        .map(str::trim)
+        .collect()
+}
+
+/// C++ source of every kernel over the emulation: the prelude and each module exactly as NVRTC
+/// gets them, then `kEntries` (every kernel by name) and `emu_launch(name, grid, block, args,
+/// err, errlen)`.
+pub fn kernels_source() -> anyhow::Result<String> {
+    let header = dir().join("cuda_emu.h");
+    let mut cpp = format!("#include \"{}\"\n{PRELUDE}\n", header.display());
+    let mut entries = Vec::new();
+    for (module, src) in KERNELS {
+        cpp.push_str(&format!("#line 1 \"{module}.cu\"\n{src}\n"));
+        entries.extend(kernel_names(src).into_iter().map(|k| format!("EMU_KERNEL({k})")));
+    }
+    ensure!(entries.len() >= 15, "only {} kernels found", entries.len());
+    cpp.push_str(&format!(
+        "static const emu::Entry kEntries[] = {{{}}};\n\
+         extern \"C\" int emu_launch(const char* name, const unsigned* grid, \
+         const unsigned* block, void** args, char* err, size_t errlen) {{\n\
+         return emu::launch(kEntries, sizeof kEntries / sizeof *kEntries, name, grid, block, \
+         args, err, errlen);\n}}\n",
+        entries.join(", ")
+    ));
+    Ok(cpp)
+}
+
+/// Compiles C++ `source` into shared library `out` (with `soname` when given), linking
+/// `libs` (paths of other shared libraries); the C++ compiler is `$CXX` or `c++`.
+pub fn shared_library(
+    source: &str,
+    out: &Path,
+    soname: Option<&str>,
+    libs: &[&Path],
+) -> anyhow::Result<()> {
+    let src = out.with_extension("cpp");
+    std::fs::write(&src, source)?;
+    let cxx = std::env::var("CXX").unwrap_or_else(|_| "c++".into());
+    let mut cmd = std::process::Command::new(&cxx);
+    cmd.args(["-std=c++17", "-O2", "-shared", "-fPIC", "-Wall", "-Wno-unknown-pragmas"])
+        // The kernels read bf16 pairs through 32-bit pointers, as CUDA code does.
+        .arg("-fno-strict-aliasing")
+        .arg("-o")
+        .arg(out)
+        .arg(&src);
+    if let Some(name) = soname {
+        cmd.arg(format!("-Wl,-soname,{name}"));
+    }
+    cmd.args(libs);
+    let done = cmd
+        .output()
+        .with_context(|| format!("running the C++ compiler `{cxx}` (install g++, or set CXX)"))?;
+    if !done.status.success() {
+        bail!("{cxx} failed on {}:\n{}", src.display(), String::from_utf8_lossy(&done.stderr));
+    }
+    Ok(())
+}
