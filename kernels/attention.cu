@@ -25,6 +25,41 @@ extern "C" __global__ void kv_write(const bf16_t* __restrict__ k, const bf16_t* 
 #define ATTN_GROUP 4          // query heads of one KV head per block (= ATTN_WARPS: one merges each)
 #define ATTN_MAX_PER_LANE 8  // head_dim up to 256, a multiple of 32
 
+// Head g's output row from `states` partial online-softmax states (max, sum, weighted values
+// of head_dim = 32 * PL floats each) in shared memory, merged by one warp.
+template <int PL>
+__device__ __forceinline__ void merge_states(int states, int g, const float* warp_m,
+                                             const float* warp_l, const float* warp_acc,
+                                             bf16_t* __restrict__ orow) {
+    constexpr int HD = PL * 32;
+    const int lane = threadIdx.x & 31;
+    float m_all = -SLUICE_INF;
+    for (int st = 0; st < states; ++st) {
+        m_all = fmaxf(m_all, warp_m[st * ATTN_GROUP + g]);
+    }
+    float l_all = 0.0f;
+    float o[PL];
+#pragma unroll
+    for (int e = 0; e < PL; ++e) {
+        o[e] = 0.0f;
+    }
+    for (int st = 0; st < states; ++st) {
+        // A state that saw no key has m = -inf and contributes nothing.
+        const float ms = warp_m[st * ATTN_GROUP + g];
+        const float c = (ms == -SLUICE_INF) ? 0.0f : __expf(ms - m_all);
+        l_all += warp_l[st * ATTN_GROUP + g] * c;
+#pragma unroll
+        for (int e = 0; e < PL; ++e) {
+            o[e] += warp_acc[(st * ATTN_GROUP + g) * HD + lane + 32 * e] * c;
+        }
+    }
+    const float inv = (l_all > 0.0f) ? 1.0f / l_all : 0.0f;
+#pragma unroll
+    for (int e = 0; e < PL; ++e) {
+        orow[lane + 32 * e] = f32_to_bf16(o[e] * inv);
+    }
+}
+
 // The rows of paged_attention for one KV head and up to ATTN_GROUP of its query heads, with
 // head_dim = 32 * PL known at compile time (everything stays in registers). Each warp walks
 // its share of the keys, reads each key and value row once for all the heads of the group,
@@ -104,32 +139,8 @@ __device__ __forceinline__ void attend_group(const bf16_t* __restrict__ q,
     if (g >= nh) {
         return;
     }
-    float m_all = -SLUICE_INF;
-    for (int w = 0; w < ATTN_WARPS; ++w) {
-        m_all = fmaxf(m_all, warp_m[w * ATTN_GROUP + g]);
-    }
-    float l_all = 0.0f;
-    float o[PL];
-#pragma unroll
-    for (int e = 0; e < PL; ++e) {
-        o[e] = 0.0f;
-    }
-    for (int w = 0; w < ATTN_WARPS; ++w) {
-        // A warp that saw no key has m = -inf and contributes nothing.
-        const float mw = warp_m[w * ATTN_GROUP + g];
-        const float c = (mw == -SLUICE_INF) ? 0.0f : __expf(mw - m_all);
-        l_all += warp_l[w * ATTN_GROUP + g] * c;
-#pragma unroll
-        for (int e = 0; e < PL; ++e) {
-            o[e] += warp_acc[(w * ATTN_GROUP + g) * HD + lane + 32 * e] * c;
-        }
-    }
-    const float inv = (l_all > 0.0f) ? 1.0f / l_all : 0.0f;
-    bf16_t* orow = out + ((long long)r * heads + h0 + g) * HD;
-#pragma unroll
-    for (int e = 0; e < PL; ++e) {
-        orow[lane + 32 * e] = f32_to_bf16(o[e] * inv);
-    }
+    merge_states<PL>(ATTN_WARPS, g, warp_m, warp_l, warp_acc,
+                     out + ((long long)r * heads + h0 + g) * HD);
 }
 
 // attend_group for head_dim HD = 64 or 128 with 16-byte loads: a key's row is HD / 8 lanes
@@ -242,33 +253,8 @@ __device__ __forceinline__ void attend_group_wide(const bf16_t* __restrict__ q,
     if (g >= nh) {
         return;
     }
-    float m_all = -SLUICE_INF;
-    for (int st = 0; st < STATES; ++st) {
-        m_all = fmaxf(m_all, warp_m[st * ATTN_GROUP + g]);
-    }
-    constexpr int PL = HD / 32;
-    float l_all = 0.0f;
-    float o[PL];
-#pragma unroll
-    for (int e = 0; e < PL; ++e) {
-        o[e] = 0.0f;
-    }
-    for (int st = 0; st < STATES; ++st) {
-        // A state that saw no key has m = -inf and contributes nothing.
-        const float ms = warp_m[st * ATTN_GROUP + g];
-        const float c = (ms == -SLUICE_INF) ? 0.0f : __expf(ms - m_all);
-        l_all += warp_l[st * ATTN_GROUP + g] * c;
-#pragma unroll
-        for (int e = 0; e < PL; ++e) {
-            o[e] += warp_acc[(st * ATTN_GROUP + g) * HD + lane + 32 * e] * c;
-        }
-    }
-    const float inv = (l_all > 0.0f) ? 1.0f / l_all : 0.0f;
-    bf16_t* orow = out + ((long long)r * heads + h0 + g) * HD;
-#pragma unroll
-    for (int e = 0; e < PL; ++e) {
-        orow[lane + 32 * e] = f32_to_bf16(o[e] * inv);
-    }
+    merge_states<HD / 32>(STATES, g, warp_m, warp_l, warp_acc,
+                          out + ((long long)r * heads + h0 + g) * HD);
 }
 
 // The setup of paged_attention for the block's row and KV head (or ATTN_GROUP of its query

@@ -248,17 +248,19 @@ fn bench_8b_shaped_decode_and_prefill() -> anyhow::Result<()> {
             .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
             .collect();
         let toks: Vec<[u32; 1]> = (0..batch).map(|s| [(s as u32 * 31) % 128_000]).collect();
+        let step_batch = || -> Vec<SeqInput<'_>> {
+            (0..batch)
+                .map(|s| SeqInput {
+                    tokens: &toks[s],
+                    start_pos: ctx,
+                    block_table: &tables[s],
+                    logits: LogitsWanted::Last,
+                })
+                .collect()
+        };
         let secs = time(
             &mut || {
-                let b: Vec<SeqInput<'_>> = (0..batch)
-                    .map(|s| SeqInput {
-                        tokens: &toks[s],
-                        start_pos: ctx,
-                        block_table: &tables[s],
-                        logits: LogitsWanted::Last,
-                    })
-                    .collect();
-                r.forward_device(&model, &mut cache, &b)?;
+                r.forward_device(&model, &mut cache, &step_batch())?;
                 Ok(())
             },
             10,
@@ -283,14 +285,7 @@ fn bench_8b_shaped_decode_and_prefill() -> anyhow::Result<()> {
         let mut step = |pick: bool| -> anyhow::Result<f64> {
             time(
                 &mut || {
-                    let b: Vec<SeqInput<'_>> = (0..batch)
-                        .map(|s| SeqInput {
-                            tokens: &toks[s],
-                            start_pos: ctx,
-                            block_table: &tables[s],
-                            logits: LogitsWanted::Last,
-                        })
-                        .collect();
+                    let b = step_batch();
                     if pick {
                         r.forward_picking(&model, &mut cache, &b, &rows)?;
                     } else {
