@@ -157,21 +157,16 @@ impl CudaKvCache {
     }
 }
 
-/// Device buffers of a pass: the inputs (uploaded before each pass) and every activation, for
-/// up to `rows` token rows, `wanted` logit rows and `table` block-table entries.
+/// Device buffers of a pass: the inputs (uploaded before each pass, in one copy) and every
+/// activation, for up to `rows` token rows, `wanted` logit rows and `table` block-table
+/// entries.
 struct Workspace {
     rows: usize,
     wanted: usize,
     table: usize,
-    ids: CudaSlice<i32>,
-    pos: CudaSlice<i32>,
-    q_seq: CudaSlice<i32>,
-    ctx_len: CudaSlice<i32>,
-    slots: CudaSlice<i32>,
-    tables: CudaSlice<i32>,
-    want: CudaSlice<i32>,
-    tiles: CudaSlice<i32>,
-    singles: CudaSlice<i32>,
+    /// Every integer input, one after another ([`Workspace::input`]), and its host staging.
+    inputs: CudaSlice<i32>,
+    staging: Vec<i32>,
     x: CudaSlice<bf16>,
     xn: CudaSlice<bf16>,
     q: CudaSlice<bf16>,
@@ -184,6 +179,46 @@ struct Workspace {
     act: CudaSlice<bf16>,
     picked: CudaSlice<bf16>,
     logits: CudaSlice<f32>,
+}
+
+/// The integer inputs of a pass, in their order in [`Workspace::inputs`].
+#[derive(Clone, Copy)]
+enum Input {
+    Ids,
+    Pos,
+    QSeq,
+    CtxLen,
+    Slots,
+    Singles,
+    /// Two ints per tile.
+    Tiles,
+    Wanted,
+    /// Last: a pass copies the inputs up to the end of its tables only.
+    Tables,
+}
+
+impl Workspace {
+    /// Where input `i` starts in `inputs`, and its capacity.
+    fn input_range(&self, i: Input) -> (usize, usize) {
+        let r = self.rows;
+        match i {
+            Input::Ids => (0, r),
+            Input::Pos => (r, r),
+            Input::QSeq => (2 * r, r),
+            Input::CtxLen => (3 * r, r),
+            Input::Slots => (4 * r, r),
+            Input::Singles => (5 * r, r),
+            Input::Tiles => (6 * r, 2 * r),
+            Input::Wanted => (8 * r, self.wanted),
+            Input::Tables => (8 * r + self.wanted, self.table),
+        }
+    }
+
+    /// Input `i`'s place in `inputs` (its whole capacity; a pass reads what its plan holds).
+    fn span(&self, i: Input) -> std::ops::Range<usize> {
+        let (at, len) = self.input_range(i);
+        at..at + len
+    }
 }
 
 /// A CUDA graph that may move to another thread.
@@ -855,21 +890,15 @@ impl CudaRunner {
         wanted: usize,
         table: usize,
     ) -> Result<Workspace, CudaError> {
-        let i = |n: usize| self.stream.alloc_zeros::<i32>(n.max(1)).map_err(run_err);
         let h = |n: usize| self.stream.alloc_zeros::<bf16>(n.max(1)).map_err(run_err);
+        // Each input at least one int, so every view is non-empty.
+        let ints = 8 * rows.max(1) + wanted.max(1) + table.max(1);
         Ok(Workspace {
-            rows,
-            wanted,
-            table,
-            ids: i(rows)?,
-            pos: i(rows)?,
-            q_seq: i(rows)?,
-            ctx_len: i(rows)?,
-            slots: i(rows)?,
-            tables: i(table)?,
-            want: i(wanted)?,
-            tiles: i(2 * rows)?,
-            singles: i(rows)?,
+            rows: rows.max(1),
+            wanted: wanted.max(1),
+            table: table.max(1),
+            inputs: self.stream.alloc_zeros::<i32>(ints).map_err(run_err)?,
+            staging: vec![0; ints],
             x: h(rows * c.hidden)?,
             xn: h(rows * c.hidden)?,
             q: h(rows * c.q_dim())?,
@@ -888,27 +917,31 @@ impl CudaRunner {
         })
     }
 
-    /// Copies `p`'s inputs into `ws` (queued before the pass that reads them).
+    /// Copies `p`'s inputs into `ws` in one host-to-device copy (queued before the pass that
+    /// reads them): each input into its place in the staging buffer, then the staging buffer
+    /// up to the end of the block tables.
     fn load(&self, ws: &mut Workspace, p: &Plan) -> Result<(), CudaError> {
-        if p.ids.len() > ws.rows || p.wanted.len() > ws.wanted || p.tables.len() > ws.table {
-            return Err(run_err("the batch does not fit the workspace"));
-        }
-        for (src, dst) in [
-            (&p.ids, &mut ws.ids),
-            (&p.pos, &mut ws.pos),
-            (&p.q_seq, &mut ws.q_seq),
-            (&p.ctx_len, &mut ws.ctx_len),
-            (&p.slots, &mut ws.slots),
-            (&p.tables, &mut ws.tables),
-            (&p.wanted, &mut ws.want),
-            (&p.tiles, &mut ws.tiles),
-            (&p.singles, &mut ws.singles),
+        let mut end = 0;
+        for (input, src) in [
+            (Input::Ids, &p.ids),
+            (Input::Pos, &p.pos),
+            (Input::QSeq, &p.q_seq),
+            (Input::CtxLen, &p.ctx_len),
+            (Input::Slots, &p.slots),
+            (Input::Singles, &p.singles),
+            (Input::Tiles, &p.tiles),
+            (Input::Wanted, &p.wanted),
+            (Input::Tables, &p.tables),
         ] {
-            if !src.is_empty() {
-                self.stream.memcpy_htod(src.as_slice(), dst).map_err(run_err)?;
+            let (at, cap) = ws.input_range(input);
+            if src.len() > cap {
+                return Err(run_err("the batch does not fit the workspace"));
             }
+            ws.staging[at..at + src.len()].copy_from_slice(src);
+            end = at + src.len();
         }
-        Ok(())
+        let mut dst = ws.inputs.slice_mut(..end.max(1));
+        self.stream.memcpy_htod(&ws.staging[..end.max(1)], &mut dst).map_err(run_err)
     }
 
     /// Queues one pass over the rows of `ws` (inputs loaded), writing K/V into the cache and
@@ -932,7 +965,15 @@ impl CudaRunner {
         let (hidden, q_dim, kv_dim, hd) = (c.hidden, c.q_dim(), c.kv_dim(), c.head_dim);
         let h_i = hidden as i32;
         let mut b = self.stream.launch_builder(&self.k.gather);
-        b.arg(&m.embed).arg(&ws.ids).arg(&mut ws.x).arg(&h_i);
+        // The inputs, as views of the one input buffer (only that field of `ws` is borrowed).
+        let spans = [Input::Ids, Input::Pos, Input::QSeq, Input::CtxLen, Input::Slots]
+            .map(|i| ws.span(i));
+        let [ids, pos, q_seq, ctx_len, slots] = spans.map(|r| ws.inputs.slice(r));
+        let [singles_in, tiles_in, want, tables] =
+            [Input::Singles, Input::Tiles, Input::Wanted, Input::Tables]
+                .map(|i| ws.span(i))
+                .map(|r| ws.inputs.slice(r));
+        b.arg(&m.embed).arg(&ids).arg(&mut ws.x).arg(&h_i);
         // SAFETY: arguments match `embedding_gather`; every id is below the vocabulary.
         unsafe { b.launch(grid(n, 1, 256)) }.map_err(run_err)?;
 
@@ -952,20 +993,20 @@ impl CudaRunner {
                 self.add_bias(&mut ws.v, bv, n, kv_dim)?;
             }
             let mut b = self.stream.launch_builder(&self.k.rope);
-            b.arg(&mut ws.q).arg(&mut ws.k).arg(&ws.pos).arg(&m.inv_freq);
+            b.arg(&mut ws.q).arg(&mut ws.k).arg(&pos).arg(&m.inv_freq);
             b.arg(&heads).arg(&kv_heads).arg(&hd_i).arg(&rd_i).arg(&interleaved);
             // SAFETY: arguments match `rope`.
             unsafe { b.launch(grid(n, 1, 128)) }.map_err(run_err)?;
             let mut b = self.stream.launch_builder(&self.k.kv_write);
-            b.arg(&ws.k).arg(&ws.v).arg(&mut *kc).arg(&mut *vc).arg(&ws.slots).arg(&kvd_i);
+            b.arg(&ws.k).arg(&ws.v).arg(&mut *kc).arg(&mut *vc).arg(&slots).arg(&kvd_i);
             // SAFETY: arguments match `kv_write`; every slot is inside the cache or -1
             // (checked by `plan`).
             unsafe { b.launch(grid(n, 1, 128)) }.map_err(run_err)?;
             if singles > 0 {
                 let f = self.k.attention_for.iter().find(|(d, _)| *d == c.head_dim);
                 let mut b = self.stream.launch_builder(f.map_or(&self.k.attention, |(_, f)| f));
-                b.arg(&ws.q).arg(&*kc).arg(&*vc).arg(&ws.tables).arg(&ws.q_seq);
-                b.arg(&ws.ctx_len).arg(&ws.singles).arg(&mut ws.attn);
+                b.arg(&ws.q).arg(&*kc).arg(&*vc).arg(&tables).arg(&q_seq);
+                b.arg(&ctx_len).arg(&singles_in).arg(&mut ws.attn);
                 b.arg(&heads).arg(&kv_heads).arg(&hd_i).arg(&bs_i).arg(&mb_i).arg(&scale);
                 // One block per row and KV head (per ATTN_GROUP of its query heads).
                 let groups = c.kv_heads * (c.heads / c.kv_heads).div_ceil(ATTN_GROUP);
@@ -976,8 +1017,8 @@ impl CudaRunner {
             }
             if let (true, Some(f)) = (tiles > 0, prefill) {
                 let mut b = self.stream.launch_builder(f);
-                b.arg(&ws.q).arg(&*kc).arg(&*vc).arg(&ws.tables).arg(&ws.q_seq);
-                b.arg(&ws.ctx_len).arg(&ws.tiles).arg(&mut ws.attn);
+                b.arg(&ws.q).arg(&*kc).arg(&*vc).arg(&tables).arg(&q_seq);
+                b.arg(&ctx_len).arg(&tiles_in).arg(&mut ws.attn);
                 b.arg(&heads).arg(&kv_heads).arg(&bs_i).arg(&mb_i).arg(&scale);
                 // SAFETY: arguments match `prefill_attention_<head_dim>`; each tile holds 1..64
                 // consecutive rows of one sequence at consecutive positions (`plan`).
@@ -1002,7 +1043,7 @@ impl CudaRunner {
         self.rmsnorm(&ws.x, &m.norm, n, hidden, c.rms_eps, &mut ws.xn)?;
         // The wanted rows, gathered with the embedding kernel (a row gather).
         let mut b = self.stream.launch_builder(&self.k.gather);
-        b.arg(&ws.xn).arg(&ws.want).arg(&mut ws.picked).arg(&h_i);
+        b.arg(&ws.xn).arg(&want).arg(&mut ws.picked).arg(&h_i);
         // SAFETY: arguments match `embedding_gather`; every index is below n.
         unsafe { b.launch(grid(wanted, 1, 256)) }.map_err(run_err)?;
         let head = m.lm_head.as_ref().unwrap_or(&m.embed);
