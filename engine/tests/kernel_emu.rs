@@ -20,6 +20,8 @@ type Launch = unsafe extern "C" fn(
     *const u32,
     *const u32,
     *mut *mut c_void,
+    *const u32,
+    u32,
     *mut c_char,
     usize,
 ) -> i32;
@@ -37,7 +39,8 @@ const GUARD_WORD: u128 = 0xA5A5_5A5A_DEAD_BEEF_0123_4567_89AB_CDEF;
 const WORD: usize = 16;
 
 fn build() -> anyhow::Result<Emu> {
-    let dir = tempfile::tempdir()?;
+    // Under the target directory: a /tmp mounted noexec cannot hold libraries to load.
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR"))?;
     let lib = dir.path().join("libkernels_emu.so");
     emu::shared_library(&emu::kernels_source()?, &lib, None, &[])?;
     // SAFETY: the library was just built from our sources; its initializers only set globals.
@@ -103,6 +106,7 @@ impl Dev for Emulated {
             buffers.iter_mut().map(|v| v[GUARD..].as_mut_ptr().cast::<c_void>()).collect();
         let (mut pi, mut si) = (0, 0);
         let mut params: Vec<*mut c_void> = Vec::new();
+        let mut sizes: Vec<u32> = Vec::new();
         for a in args.iter() {
             if matches!(a, Arg::In(_) | Arg::Out(_)) {
                 params.push((&raw mut ptrs[pi]).cast());
@@ -112,6 +116,11 @@ impl Dev for Emulated {
                 params.push((&raw mut scalars[si]).cast());
                 si += 1;
             }
+            sizes.push(match a {
+                Arg::In(_) | Arg::Out(_) => size_of::<*mut c_void>() as u32,
+                Arg::I32(_) | Arg::F32(_) => 4,
+                Arg::I64(_) | Arg::U64(_) => 8,
+            });
         }
         let name = CString::new(kernel)?;
         let mut err = vec![0 as c_char; 512];
@@ -125,6 +134,8 @@ impl Dev for Emulated {
                     [grid.0, grid.1, 1].as_ptr(),
                     [block, 1, 1].as_ptr(),
                     params.as_mut_ptr(),
+                    sizes.as_ptr(),
+                    sizes.len() as u32,
                     err.as_mut_ptr(),
                     err.len(),
                 )
@@ -211,5 +222,23 @@ fn the_emulation_reports_divergent_barriers_and_unknown_kernels() -> anyhow::Res
         .err()
         .context("an unknown kernel launched")?;
     ensure!(e.to_string().contains("no kernel named no_such_kernel"), "{e}");
+    // silu_mul's count is a long long: a 4-byte int there is refused.
+    let mut o = vec![0u16; 4];
+    let e = Emulated
+        .launch(
+            "elementwise",
+            "silu_mul",
+            (1, 1),
+            32,
+            &mut [
+                Arg::In(kernel_checks::bytes(&[0u16; 4])),
+                Arg::In(kernel_checks::bytes(&[0u16; 4])),
+                Arg::Out(kernel_checks::bytes_mut(&mut o)),
+                Arg::I32(4),
+            ],
+        )
+        .err()
+        .context("a 4-byte argument for an 8-byte parameter went unnoticed")?;
+    ensure!(e.to_string().contains("parameter 3 is 8 bytes, given 4"), "{e}");
     Ok(())
 }

@@ -966,8 +966,8 @@ impl CudaRunner {
         let h_i = hidden as i32;
         let mut b = self.stream.launch_builder(&self.k.gather);
         // The inputs, as views of the one input buffer (only that field of `ws` is borrowed).
-        let spans = [Input::Ids, Input::Pos, Input::QSeq, Input::CtxLen, Input::Slots]
-            .map(|i| ws.span(i));
+        let spans =
+            [Input::Ids, Input::Pos, Input::QSeq, Input::CtxLen, Input::Slots].map(|i| ws.span(i));
         let [ids, pos, q_seq, ctx_len, slots] = spans.map(|r| ws.inputs.slice(r));
         let [singles_in, tiles_in, want, tables] =
             [Input::Singles, Input::Tiles, Input::Wanted, Input::Tables]

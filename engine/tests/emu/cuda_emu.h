@@ -1,11 +1,12 @@
 // A CPU emulation of the small part of CUDA our kernels use, so `kernels/*.cu` run unchanged on
 // machines without a GPU (engine/tests/kernel_emu.rs). Every thread of a block is a fiber
 // (ucontext) with its own stack, run in a shuffled order between barriers; blocks run one after
-// another. `__syncthreads` waits for every
-// live thread of the block, warp shuffles and `__syncwarp` for every lane of the warp, and a
-// block whose threads wait at different barriers (divergent `__syncthreads`, a shuffle with
-// lanes missing) is reported as an error instead of hanging. `__shared__` variables are
-// function statics: one copy, shared by the block that is running.
+// another, in a shuffled order. `__syncthreads` waits for every live thread of the block, warp
+// shuffles and `__syncwarp` for every lane of the warp; threads waiting at different barriers
+// (two `__syncthreads` call sites, a shuffle with lanes missing or ended) are reported as an
+// error instead of hanging. `__shared__` variables are function statics: one copy, shared by
+// the block that is running (zeroed once, not poisoned per block: reads of shared memory no
+// thread wrote go unseen here; compute-sanitizer's initcheck covers them on the device).
 //
 // What it checks is the kernels' arithmetic, indexing and synchronization; not timing, memory
 // coalescing or the hardware's rounding of fast-math intrinsics (`__expf` is `expf` here).
@@ -21,6 +22,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -56,6 +58,7 @@ struct Fiber {
     ucontext_t ctx;
     State state;
     unsigned tid;
+    int line;  // the source line of the __syncthreads it waits at
 };
 
 constexpr size_t STACK = 256 * 1024;
@@ -172,8 +175,20 @@ inline std::string run_block(unsigned n, const std::function<void()>& body) {
         if (done == n) {
             return "";
         }
-        // Only __syncthreads waiters are left (ended threads count as arrived).
+        // Only __syncthreads waiters are left (ended threads count as arrived); all at the same
+        // one, or the kernel diverged.
         (void)at_block;
+        int line = -1;
+        for (const Fiber& f : b.fibers) {
+            if (f.state != State::BlockBarrier) {
+                continue;
+            }
+            if (line >= 0 && f.line != line) {
+                return "threads wait at different __syncthreads (lines " + std::to_string(line) +
+                       " and " + std::to_string(f.line) + ")";
+            }
+            line = f.line;
+        }
         for (Fiber& f : b.fibers) {
             if (f.state == State::BlockBarrier) {
                 f.state = State::Run;
@@ -201,7 +216,13 @@ inline T shuffle(T v, F src) {
 
 }  // namespace emu
 
-inline void __syncthreads() { emu::wait(emu::State::BlockBarrier); }
+namespace emu {
+inline void sync_block(int line) {
+    g_block->cur->line = line;
+    wait(State::BlockBarrier);
+}
+}  // namespace emu
+#define __syncthreads() emu::sync_block(__LINE__)
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::wait(emu::State::WarpBarrier); }
 
 template <class T>
@@ -307,12 +328,14 @@ struct Entry {
     void (*thunk)(void**);
     unsigned params;
     unsigned sizes[32];
+    bool pointer[32];
 };
 
 template <class... A>
 constexpr Entry entry_for(const char* name, void (*thunk)(void**), void (*)(A...)) {
     static_assert(sizeof...(A) <= 32, "at most 32 kernel parameters");
-    return Entry{name, thunk, sizeof...(A), {(unsigned)sizeof(A)...}};
+    return Entry{name, thunk, sizeof...(A), {(unsigned)sizeof(A)...},
+                 {std::is_pointer<A>::value...}};
 }
 
 template <class... A, size_t... I>
@@ -341,29 +364,54 @@ inline int run(const Entry& e, const unsigned* grid, const unsigned* block, void
     gridDim = {grid[0], grid[1], grid[2]};
     blockDim = {block[0], block[1], block[2]};
     const std::function<void()> body = [&] { e.thunk(args); };
-    for (unsigned z = 0; z < grid[2]; ++z) {
-        for (unsigned y = 0; y < grid[1]; ++y) {
-            for (unsigned x = 0; x < grid[0]; ++x) {
-                blockIdx = {x, y, z};
-                const std::string r = run_block(block[0] * block[1] * block[2], body);
-                if (!r.empty()) {
-                    std::snprintf(err, errlen, "%s, block (%u, %u, %u): %s", e.name, x, y, z,
-                                  r.c_str());
-                    return 1;
-                }
-            }
+    // Blocks in a shuffled order: a kernel must not depend on the order blocks run in.
+    const unsigned long long n = (unsigned long long)grid[0] * grid[1] * grid[2];
+    std::vector<unsigned long long> order(n);
+    for (unsigned long long i = 0; i < n; ++i) {
+        order[i] = i;
+    }
+    unsigned long long rng = 0x2545F4914F6CDD1Dull ^ n;
+    for (unsigned long long i = n; i > 1; --i) {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        std::swap(order[i - 1], order[rng % i]);
+    }
+    for (unsigned long long i : order) {
+        const unsigned x = (unsigned)(i % grid[0]);
+        const unsigned y = (unsigned)(i / grid[0] % grid[1]);
+        const unsigned z = (unsigned)(i / ((unsigned long long)grid[0] * grid[1]));
+        blockIdx = {x, y, z};
+        const std::string r = run_block(block[0] * block[1] * block[2], body);
+        if (!r.empty()) {
+            std::snprintf(err, errlen, "%s, block (%u, %u, %u): %s", e.name, x, y, z, r.c_str());
+            return 1;
         }
     }
     return 0;
 }
 
-// Runs kernel `name` of `table`; 0, or 1 with a message.
+// Runs kernel `name` of `table` with `nargs` arguments of `sizes` bytes (checked against its
+// parameters: a 4-byte int where the kernel takes 8 bytes is an error, not a zero-extended
+// value); 0, or 1 with a message.
 inline int launch(const Entry* table, size_t n, const char* name, const unsigned* grid,
-                  const unsigned* block, void** args, char* err, size_t errlen) {
+                  const unsigned* block, void** args, const unsigned* sizes, unsigned nargs,
+                  char* err, size_t errlen) {
     const Entry* e = find(table, n, name);
     if (e == nullptr) {
         std::snprintf(err, errlen, "no kernel named %s", name);
         return 1;
+    }
+    if (nargs != e->params) {
+        std::snprintf(err, errlen, "%s takes %u parameters, given %u", name, e->params, nargs);
+        return 1;
+    }
+    for (unsigned i = 0; i < nargs; ++i) {
+        if (sizes[i] != e->sizes[i]) {
+            std::snprintf(err, errlen, "%s parameter %u is %u bytes, given %u", name, i,
+                          e->sizes[i], sizes[i]);
+            return 1;
+        }
     }
     return run(*e, grid, block, args, err, errlen);
 }

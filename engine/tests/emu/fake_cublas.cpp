@@ -4,6 +4,7 @@
 // the stream is captured. Column-major, op(A) m x k, op(B) k x n, C m x n, as cuBLAS; bf16 or
 // f32 operands; f32 accumulation.
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -11,6 +12,7 @@
 
 extern "C" int fake_cuda_submit(void* stream, void (*fn)(const void*), const void* data,
                                 size_t size);
+extern "C" int fake_cuda_inside(unsigned long long p, size_t n);
 
 namespace {
 
@@ -19,6 +21,7 @@ constexpr int INVALID_VALUE = 7;
 constexpr int NOT_SUPPORTED = 15;
 constexpr int R_32F = 0;
 constexpr int R_16BF = 14;
+constexpr int COMPUTE_32F = 68;
 
 struct Handle {
     void* stream = nullptr;
@@ -105,13 +108,28 @@ const char* cublasGetStatusName(int) { return "CUBLAS_STATUS_EMULATED"; }
 // does.
 int cublasGemmEx(void* handle, int transa, int transb, int m, int n, int k, const void* alpha,
                  const void* a, int atype, int lda, const void* b, int btype, int ldb,
-                 const void* beta, void* c, int ctype, int ldc, int, int) {
+                 const void* beta, void* c, int ctype, int ldc, int compute, int) {
     for (int t : {atype, btype, ctype}) {
         if (t != R_32F && t != R_16BF) {
             return NOT_SUPPORTED;
         }
     }
-    if (m < 0 || n < 0 || k < 0 || transa > 1 || transb > 1 || ldc < m) {
+    if (atype != btype || compute != COMPUTE_32F) {
+        return NOT_SUPPORTED;
+    }
+    const int a_rows = transa ? k : m;
+    const int b_rows = transb ? n : k;
+    if (m < 0 || n < 0 || k < 0 || transa > 1 || transb > 1 || lda < std::max(1, a_rows) ||
+        ldb < std::max(1, b_rows) || ldc < std::max(1, m)) {
+        return INVALID_VALUE;
+    }
+    // Each operand's last element inside device memory.
+    auto fits = [](const void* p, int type, int ld, int cols) {
+        const size_t elem = type == R_32F ? 4 : 2;
+        return cols == 0 || fake_cuda_inside((unsigned long long)p, ((size_t)ld * cols) * elem);
+    };
+    if (!fits(a, atype, lda, transa ? m : k) || !fits(b, btype, ldb, transb ? k : n) ||
+        !fits(c, ctype, ldc, n)) {
         return INVALID_VALUE;
     }
     Gemm g{transa, transb, m, n, k, *static_cast<const float*>(alpha),

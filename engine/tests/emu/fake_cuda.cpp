@@ -8,6 +8,7 @@
 // It is a test harness for our runner's use of the driver, not a model of a GPU: timing,
 // concurrency between streams and the hardware's numerics are out of scope.
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -17,7 +18,14 @@ namespace fake {
 constexpr int OK = 0;
 constexpr int INVALID_VALUE = 1;
 constexpr int NOT_FOUND = 500;
+constexpr int ILLEGAL_ADDRESS = 700;
 constexpr int LAUNCH_FAILED = 719;
+constexpr int CAPTURE_UNSUPPORTED = 900;
+constexpr int CAPTURE_INVALIDATED = 901;
+
+// Bytes after each allocation, filled with CANARY and checked after every piece of work.
+constexpr size_t PAD = 256;
+constexpr unsigned char CANARY = 0xA7;
 
 struct Op {
     // A kernel launch (entry != null) or host work (fn != null).
@@ -31,6 +39,7 @@ struct Op {
 
 struct Stream {
     bool capturing = false;
+    bool invalidated = false;  // something the capture cannot hold happened during it
     std::vector<Op> captured;
 };
 
@@ -45,25 +54,74 @@ struct Module {
 std::mutex g_lock;
 std::map<unsigned long long, size_t> g_allocs;  // device pointer -> bytes
 Stream g_default_stream;
-std::string g_last_error;
+thread_local std::string g_last_error;
+// Streams this thread is capturing (the runner captures in thread-local mode): while any is,
+// calls that would synchronize or allocate fail and spoil the capture, as on the device.
+thread_local std::vector<Stream*> g_capturing;
+
+bool refuse_during_capture() {
+    if (g_capturing.empty()) {
+        return false;
+    }
+    for (Stream* st : g_capturing) {
+        st->invalidated = true;
+    }
+    return true;
+}
 
 std::mutex g_run;  // the kernel emulation is one set of globals: one launch at a time
+
+bool inside(unsigned long long p, size_t n);
+
+// The allocation whose padding changed, or 0.
+unsigned long long overrun() {
+    std::lock_guard<std::mutex> g(g_lock);
+    for (const auto& [p, bytes] : g_allocs) {
+        const auto* pad = (const unsigned char*)p + bytes;
+        for (size_t i = 0; i < PAD; ++i) {
+            if (pad[i] != CANARY) {
+                return p;
+            }
+        }
+    }
+    return 0;
+}
+
+int fail(int rc, const std::string& why) {
+    g_last_error = why;
+    std::fprintf(stderr, "emulated CUDA: %s\n", why.c_str());
+    return rc;
+}
 
 int run_op(const Op& op) {
     std::lock_guard<std::mutex> g(g_run);
     if (op.fn != nullptr) {
         op.fn(op.data.data());
-        return OK;
+    } else {
+        std::vector<void*> args;
+        for (unsigned i = 0; i < op.params.size(); ++i) {
+            args.push_back(const_cast<unsigned char*>(op.params[i].data()));
+            // Every pointer argument points into a live allocation (or is null): a freed
+            // buffer replayed by a graph, or a host pointer, is an illegal address.
+            if (op.entry->pointer[i]) {
+                unsigned long long p;
+                std::memcpy(&p, op.params[i].data(), sizeof p);
+                if (p != 0 && !inside(p, 1)) {
+                    return fail(ILLEGAL_ADDRESS, std::string(op.entry->name) + " parameter " +
+                                                     std::to_string(i) +
+                                                     " is not device memory");
+                }
+            }
+        }
+        char err[512] = {0};
+        if (emu::run(*op.entry, op.grid, op.block, args.data(), err, sizeof err) != 0) {
+            return fail(LAUNCH_FAILED, err);
+        }
     }
-    std::vector<void*> args;
-    for (const auto& p : op.params) {
-        args.push_back(const_cast<unsigned char*>(p.data()));
-    }
-    char err[512] = {0};
-    if (emu::run(*op.entry, op.grid, op.block, args.data(), err, sizeof err) != 0) {
-        g_last_error = err;
-        std::fprintf(stderr, "emulated launch failed: %s\n", err);
-        return LAUNCH_FAILED;
+    if (unsigned long long p = overrun()) {
+        return fail(ILLEGAL_ADDRESS,
+                    std::string(op.entry ? op.entry->name : "host work") +
+                        " wrote past the end of the allocation at " + std::to_string(p));
     }
     return OK;
 }
@@ -73,6 +131,13 @@ Stream* stream_of(void* s) { return s == nullptr ? &g_default_stream : static_ca
 // Runs `op` now, or records it when the stream is capturing.
 int submit(void* stream, Op op) {
     Stream* st = stream_of(stream);
+    if (op.entry != nullptr) {
+        const unsigned threads = op.block[0] * op.block[1] * op.block[2];
+        if (threads == 0 || threads > 1024 || op.block[2] > 64 || op.grid[1] > 65535 ||
+            op.grid[2] > 65535 || op.grid[0] == 0 || op.grid[1] == 0 || op.grid[2] == 0) {
+            return fail(INVALID_VALUE, std::string(op.entry->name) + ": launch shape out of range");
+        }
+    }
     if (st->capturing) {
         st->captured.push_back(std::move(op));
         return OK;
@@ -94,6 +159,9 @@ bool inside(unsigned long long p, size_t n) {
 }  // namespace fake
 
 extern "C" {
+
+// Whether [p, p + n) is device memory (the emulated cuBLAS checks its operands).
+int fake_cuda_inside(unsigned long long p, size_t n) { return fake::inside(p, n) ? 1 : 0; }
 
 // Host work queued on a stream in order with its kernels (the emulated cuBLAS uses it).
 int fake_cuda_submit(void* stream, void (*fn)(const void*), const void* data, size_t size) {
@@ -124,7 +192,7 @@ int cuDeviceGetAttribute(int* v, int attr, int) {
     switch (attr) {
         case 75: *v = 9; break;   // compute capability 9.0
         case 76: *v = 0; break;
-        case 115: *v = 0; break;  // no memory pools: plain allocations
+        case 115: *v = 1; break;  // memory pools: cudarc allocates stream-ordered
         default: *v = 0; break;
     }
     return fake::OK;
@@ -152,7 +220,9 @@ int cuCtxGetDevice(int* dev) {
     *dev = 0;
     return fake::OK;
 }
-int cuCtxSynchronize() { return fake::OK; }
+int cuCtxSynchronize() {
+    return fake::refuse_during_capture() ? fake::CAPTURE_UNSUPPORTED : fake::OK;
+}
 
 int cuStreamCreate(void** s, unsigned) {
     *s = new fake::Stream();
@@ -163,14 +233,21 @@ int cuStreamDestroy_v2(void* s) {
     delete static_cast<fake::Stream*>(s);
     return fake::OK;
 }
-int cuStreamSynchronize(void*) { return fake::OK; }
+int cuStreamSynchronize(void*) {
+    return fake::refuse_during_capture() ? fake::CAPTURE_UNSUPPORTED : fake::OK;
+}
 int cuStreamBeginCapture_v2(void* s, int) {
+    if (s == nullptr) {
+        return fake::CAPTURE_UNSUPPORTED;  // the legacy default stream cannot be captured
+    }
     fake::Stream* st = fake::stream_of(s);
     if (st->capturing) {
         return fake::INVALID_VALUE;
     }
     st->capturing = true;
+    st->invalidated = false;
     st->captured.clear();
+    fake::g_capturing.push_back(st);
     return fake::OK;
 }
 int cuStreamEndCapture(void* s, void** graph) {
@@ -179,6 +256,13 @@ int cuStreamEndCapture(void* s, void** graph) {
         return fake::INVALID_VALUE;
     }
     st->capturing = false;
+    auto& cap = fake::g_capturing;
+    cap.erase(std::remove(cap.begin(), cap.end(), st), cap.end());
+    if (st->invalidated) {
+        st->captured.clear();
+        *graph = nullptr;
+        return fake::CAPTURE_INVALIDATED;
+    }
     *graph = new fake::Graph{std::move(st->captured)};
     st->captured.clear();
     return fake::OK;
@@ -218,16 +302,28 @@ int cuEventCreate(void** e, unsigned) {
     return fake::OK;
 }
 int cuEventRecord(void*, void*) { return fake::OK; }
-int cuEventSynchronize(void*) { return fake::OK; }
+int cuEventSynchronize(void*) {
+    return fake::refuse_during_capture() ? fake::CAPTURE_UNSUPPORTED : fake::OK;
+}
 int cuEventQuery(void*) { return fake::OK; }
 int cuEventDestroy_v2(void*) { return fake::OK; }
 int cuStreamWaitEvent(void*, void*, unsigned) { return fake::OK; }
 
+// New memory holds 0xFF bytes (NaN as bf16 and f32, -1 as int) until written, so a read of
+// memory nothing wrote shows; PAD canary bytes follow each allocation.
 int cuMemAlloc_v2(unsigned long long* p, size_t bytes) {
-    void* m = std::aligned_alloc(256, ((bytes + 255) / 256) * 256 + 256);
+    if (bytes == 0) {
+        return fake::INVALID_VALUE;
+    }
+    if (fake::refuse_during_capture()) {
+        return fake::CAPTURE_UNSUPPORTED;
+    }
+    void* m = std::aligned_alloc(256, ((bytes + fake::PAD + 255) / 256) * 256);
     if (m == nullptr) {
         return 2;  // out of memory
     }
+    std::memset(m, 0xFF, bytes);
+    std::memset((unsigned char*)m + bytes, fake::CANARY, fake::PAD);
     std::lock_guard<std::mutex> g(fake::g_lock);
     *p = (unsigned long long)m;
     fake::g_allocs[*p] = bytes;
@@ -235,6 +331,12 @@ int cuMemAlloc_v2(unsigned long long* p, size_t bytes) {
 }
 int cuMemAllocAsync(unsigned long long* p, size_t bytes, void*) { return cuMemAlloc_v2(p, bytes); }
 int cuMemFree_v2(unsigned long long p) {
+    if (fake::refuse_during_capture()) {
+        return fake::CAPTURE_UNSUPPORTED;
+    }
+    if (fake::overrun() == p && p != 0) {
+        return fake::fail(fake::ILLEGAL_ADDRESS, "a buffer freed after a write past its end");
+    }
     std::lock_guard<std::mutex> g(fake::g_lock);
     if (fake::g_allocs.erase(p) == 0) {
         return fake::INVALID_VALUE;

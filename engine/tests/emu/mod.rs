@@ -25,7 +25,7 @@ pub fn kernel_names(src: &str) -> Vec<&str> {
 
 /// C++ source of every kernel over the emulation: the prelude and each module exactly as NVRTC
 /// gets them, then `kEntries` (every kernel by name) and `emu_launch(name, grid, block, args,
-/// err, errlen)`.
+/// sizes, nargs, err, errlen)`.
 pub fn kernels_source() -> anyhow::Result<String> {
     let header = dir().join("cuda_emu.h");
     let mut cpp = format!("#include \"{}\"\n{PRELUDE}\n", header.display());
@@ -38,9 +38,10 @@ pub fn kernels_source() -> anyhow::Result<String> {
     cpp.push_str(&format!(
         "static const emu::Entry kEntries[] = {{{}}};\n\
          extern \"C\" int emu_launch(const char* name, const unsigned* grid, \
-         const unsigned* block, void** args, char* err, size_t errlen) {{\n\
+         const unsigned* block, void** args, const unsigned* sizes, unsigned nargs, char* err, \
+         size_t errlen) {{\n\
          return emu::launch(kEntries, sizeof kEntries / sizeof *kEntries, name, grid, block, \
-         args, err, errlen);\n}}\n",
+         args, sizes, nargs, err, errlen);\n}}\n",
         entries.join(", ")
     ));
     Ok(cpp)

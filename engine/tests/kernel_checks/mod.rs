@@ -86,8 +86,16 @@ pub fn rounded(v: &[f32]) -> Vec<f32> {
     from_bf16(&to_bf16(v))
 }
 
+/// The largest absolute difference; infinite where either side is NaN (`f32::max` would drop
+/// it) or the lengths differ.
 pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    if a.len() != b.len() {
+        return f32::INFINITY;
+    }
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) })
 }
 
 /// RMSNorm, RoPE in both pair layouts, SiLU-and-multiply, the residual add, Q/K/V bias, the
