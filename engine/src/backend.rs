@@ -150,21 +150,30 @@ impl Backend {
         }
     }
 
+    /// Whether [`Pick::Draw`] is done here (a GPU); elsewhere draws stay with the host
+    /// sampler.
+    pub fn draws_on_device(&self) -> bool {
+        match self {
+            Backend::Cpu { .. } => false,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => true,
+        }
+    }
+
     /// Runs one batch (the wanted logits, `vocab` floats per wanted row, in batch order),
-    /// choosing the next token where the device can: for each sequence `i`
-    /// with `argmax[i]` (its last logits wanted, greedy decoding with nothing else asked of
-    /// them) the token with the largest logit (the lowest id among equals, as
-    /// [`argmax`](crate::sampler::argmax)) comes back instead of its logits. On a GPU that
-    /// is done there, so a step copies back a few ids rather than `vocab` floats per
-    /// sequence. `argmax` may be shorter than `batch` (missing: false).
+    /// choosing the next token where it can: for each sequence `i` whose last logits are
+    /// wanted and `picks[i]` is [`Pick::Argmax`] (or [`Pick::Draw`], on a device that
+    /// [draws](Backend::draws_on_device)), the token comes back instead of its logits. On a
+    /// GPU that is done there, so a step copies back a few ids rather than `vocab` floats per
+    /// sequence. `picks` may be shorter than `batch` (missing: logits).
     pub fn forward_picking(
         &mut self,
         weights: &LlamaWeights,
         batch: &[SeqInput<'_>],
-        argmax: &[bool],
+        picks: &[Pick],
     ) -> Result<StepOutput> {
         let vocab = weights.config.vocab_size;
-        let rows = wanted_rows(batch, argmax);
+        let rows = wanted_rows(batch, picks);
         match self {
             Backend::Cpu { runner, cache } => {
                 let all = runner.forward(weights, cache, batch)?;
@@ -173,9 +182,16 @@ impl Backend {
                     let row = all.get(r * vocab..(r + 1) * vocab).ok_or_else(|| {
                         EngineError::Device("the pass returned fewer logits than wanted".into())
                     })?;
-                    match pick {
-                        Some(i) => out.picked[*i] = Some(crate::sampler::argmax(row)),
-                        None => out.logits.extend_from_slice(row),
+                    match pick.map(|i| (i, picks[i])) {
+                        Some((i, Pick::Argmax)) => {
+                            out.picked[i] = Some(crate::sampler::argmax(row));
+                        }
+                        Some((_, Pick::Draw { .. })) => {
+                            return Err(EngineError::Device(
+                                "the CPU backend leaves draws to the host sampler".into(),
+                            ));
+                        }
+                        _ => out.logits.extend_from_slice(row),
                     }
                 }
                 Ok(out)
@@ -183,7 +199,7 @@ impl Backend {
             #[cfg(feature = "cuda")]
             Backend::Cuda(b) => {
                 let CudaBackend { runner, model, cache } = &mut **b;
-                runner.forward_picking(model, cache, batch, &rows).map_err(|e| match e {
+                runner.forward_picking(model, cache, batch, &rows, picks).map_err(|e| match e {
                     crate::cuda::CudaError::Invalid(m) => EngineError::InvalidRequest(m),
                     other => EngineError::Device(other.to_string()),
                 })
@@ -202,15 +218,39 @@ pub struct StepOutput {
     pub picked: Vec<Option<u32>>,
 }
 
+/// How the backend may choose a sequence's next token.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum Pick {
+    /// It does not: the logits go back.
+    #[default]
+    Logits,
+    /// The largest logit (the lowest id among equals).
+    Argmax,
+    /// A draw from softmax(logits / temperature), cut to the `top_k` largest (0: all) and then
+    /// to the smallest set of the largest whose probability reaches `top_p`, walking tokens in
+    /// id order to `uniform` (in [0, 1)) of the kept mass (kernels/sampling.cu).
+    Draw {
+        /// Above 0.
+        temperature: f32,
+        /// 0: no cut.
+        top_k: u32,
+        /// 1: no cut.
+        top_p: f32,
+        /// From the request's seeded generator.
+        uniform: f32,
+    },
+}
+
 /// The batch's wanted logit rows in order: `Some(i)` for the last row of sequence `i` when its
-/// token is picked (argmax), `None` for a row whose logits go back.
-pub fn wanted_rows(batch: &[SeqInput<'_>], argmax: &[bool]) -> Vec<Option<usize>> {
+/// token is picked, `None` for a row whose logits go back.
+pub fn wanted_rows(batch: &[SeqInput<'_>], picks: &[Pick]) -> Vec<Option<usize>> {
     let mut rows = Vec::new();
     for (i, s) in batch.iter().enumerate() {
         match s.logits {
             LogitsWanted::None => {}
             LogitsWanted::Last => {
-                rows.push(argmax.get(i).copied().unwrap_or(false).then_some(i));
+                let pick = picks.get(i).copied().unwrap_or_default();
+                rows.push((pick != Pick::Logits).then_some(i));
             }
             LogitsWanted::All => rows.extend(std::iter::repeat_n(None, s.tokens.len())),
         }
@@ -251,14 +291,18 @@ mod tests {
         assert_eq!(all.picked, vec![None, None, None]);
         let mut picking = Backend::new(Device::Cpu, &w, 1, 16, 4)?;
         // Sequence 1 asks for all rows: a pick there is ignored.
-        let out = picking.forward_picking(&w, &batch, &[true, true, true])?;
+        let out = picking.forward_picking(&w, &batch, &[Pick::Argmax; 3])?;
         let row = |r: usize| &all.logits[r * vocab..(r + 1) * vocab];
         assert_eq!(
             out.picked,
             vec![Some(crate::sampler::argmax(row(0))), None, Some(crate::sampler::argmax(row(3)))]
         );
         assert_eq!(out.logits, all.logits[vocab..3 * vocab].to_vec());
-        assert_eq!(wanted_rows(&batch, &[false, true, true]), vec![None, None, None, Some(2)]);
+        let picks = [Pick::Logits, Pick::Argmax, Pick::Argmax];
+        assert_eq!(wanted_rows(&batch, &picks), vec![None, None, None, Some(2)]);
+        // Draws are the device's: the CPU backend refuses them rather than answer otherwise.
+        let draw = Pick::Draw { temperature: 1.0, top_k: 0, top_p: 1.0, uniform: 0.5 };
+        assert!(picking.forward_picking(&w, &batch[..1], &[draw]).is_err());
         Ok(())
     }
 

@@ -282,12 +282,13 @@ fn bench_8b_shaped_decode_and_prefill() -> anyhow::Result<()> {
         // The serving path: the step with its tokens chosen, greedy on the device (ids back)
         // against the logits copied back for the host to choose.
         let rows: Vec<Option<usize>> = (0..batch).map(Some).collect();
+        let picks = vec![sluice_engine::backend::Pick::Argmax; batch];
         let mut step = |pick: bool| -> anyhow::Result<f64> {
             time(
                 &mut || {
                     let b = step_batch();
                     if pick {
-                        r.forward_picking(&model, &mut cache, &b, &rows)?;
+                        r.forward_picking(&model, &mut cache, &b, &rows, &picks)?;
                     } else {
                         let logits = r.forward(&model, &mut cache, &b)?;
                         let ids: Vec<u32> = logits

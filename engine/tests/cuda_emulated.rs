@@ -17,7 +17,7 @@ mod kernel_checks;
 use std::sync::OnceLock;
 
 use anyhow::{bail, ensure};
-use sluice_engine::backend::wanted_rows;
+use sluice_engine::backend::{Pick, wanted_rows};
 use sluice_engine::cuda::{CudaRunner, driver_available, nvrtc_available};
 use sluice_engine::forward::{KvCache, LogitsWanted, Runner, SeqInput};
 use sluice_engine::quant::GgmlType;
@@ -140,7 +140,8 @@ fn tiled_prefill_and_device_argmax_match_the_cpu_backend() -> anyhow::Result<()>
     let next = [prompt[149]];
     let step = [seq(&next[..], 150, LogitsWanted::Last)];
     let logits = r.forward(&model, &mut cache, &step)?;
-    let out = r.forward_picking(&model, &mut cache, &step, &wanted_rows(&step, &[true]))?;
+    let picks = [Pick::Argmax];
+    let out = r.forward_picking(&model, &mut cache, &step, &wanted_rows(&step, &picks), &picks)?;
     ensure!(out.logits.is_empty(), "a picked row's logits came back");
     let want = sluice_engine::sampler::argmax(&logits);
     ensure!(out.picked == vec![Some(want)], "picked {:?}, argmax {want}", out.picked);
@@ -180,11 +181,11 @@ fn the_serving_engine_runs_on_the_emulated_device() -> anyhow::Result<()> {
         ..EngineConfig::default()
     };
     let h = EngineHandle::start(Arc::clone(&model), config)?;
-    let request = |id: &str, prompt: &[u32], logprobs: Option<usize>| ValidRequest {
+    let sampled = |id: &str, prompt: &[u32], logprobs: Option<usize>, sampling| ValidRequest {
         request_id: id.into(),
         prompt: prompt.to_vec(),
         max_tokens: 12,
-        sampling: SamplingParams::default(),
+        sampling,
         stop: Vec::new(),
         stop_token_ids: Vec::new(),
         ignore_eos: true,
@@ -193,6 +194,9 @@ fn the_serving_engine_runs_on_the_emulated_device() -> anyhow::Result<()> {
         cache_scope: CacheScope::Private(id.into()),
         priority: 0,
         arrival: Instant::now(),
+    };
+    let request = |id: &str, prompt: &[u32], logprobs: Option<usize>| {
+        sampled(id, prompt, logprobs, SamplingParams::default())
     };
     let collect = |mut s: RequestStream| -> anyhow::Result<(Vec<u32>, usize, usize)> {
         let mut tokens = Vec::new();
@@ -234,6 +238,30 @@ fn the_serving_engine_runs_on_the_emulated_device() -> anyhow::Result<()> {
         with_logprobs == alone[1],
         "host-sampled {with_logprobs:?} vs device-picked {:?}",
         alone[1]
+    );
+
+    // Draws on the device: top-k 1 keeps only the argmax, so it is greedy; a seeded draw
+    // repeats; different seeds do not all give the same tokens.
+    let draw = |seed: u64, top_k: usize| SamplingParams {
+        temperature: 0.9,
+        top_k,
+        top_p: 0.9,
+        seed,
+        ..SamplingParams::default()
+    };
+    let (top1, ..) = collect(h.submit(sampled("k1", &prompts[2], None, draw(3, 1)))?)?;
+    ensure!(top1 == alone[2], "top-k 1 drew {top1:?}, greedy {:?}", alone[2]);
+    let mut by_seed = Vec::new();
+    for (i, seed) in [5u64, 5, 6, 7].into_iter().enumerate() {
+        let req = sampled(&format!("d{i}"), &prompts[0], None, draw(seed, 0));
+        let (tokens, ..) = collect(h.submit(req)?)?;
+        ensure!(tokens.iter().all(|t| (*t as usize) < model.weights.config.vocab_size));
+        by_seed.push(tokens);
+    }
+    ensure!(by_seed[0] == by_seed[1], "seed 5 twice: {:?} vs {:?}", by_seed[0], by_seed[1]);
+    ensure!(
+        by_seed[2..].iter().any(|t| *t != by_seed[0]),
+        "seeds 5, 6 and 7 drew the same tokens: {by_seed:?}"
     );
     Ok(())
 }

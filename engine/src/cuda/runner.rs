@@ -33,7 +33,7 @@ use cudarc::nvrtc::Ptx;
 use half::bf16;
 
 use super::{CudaError, KERNELS, compile, probe};
-use crate::backend::StepOutput;
+use crate::backend::{Pick, StepOutput};
 use crate::cpu::matmul::PackedWeight;
 use crate::forward::{LogitsWanted, SeqInput};
 use crate::model::{LlamaConfig, LlamaWeights, RopeStyle};
@@ -70,6 +70,7 @@ struct Kernels {
     attention: CudaFunction,
     attention_for: [(usize, CudaFunction); 2],
     argmax: CudaFunction,
+    sample: CudaFunction,
     /// The tensor-core prefill attention, by head size.
     prefill: [(usize, CudaFunction); 2],
     fill: CudaFunction,
@@ -373,6 +374,7 @@ impl CudaRunner {
                 (128, f("attention", "paged_attention_128")?),
             ],
             argmax: f("sampling", "argmax_rows")?,
+            sample: f("sampling", "sample_rows")?,
             prefill: [
                 (64, f("attention", "prefill_attention_64")?),
                 (128, f("attention", "prefill_attention_128")?),
@@ -673,15 +675,16 @@ impl CudaRunner {
     }
 
     /// Runs the batch; `rows` lists its wanted logit rows in order
-    /// ([`wanted_rows`](crate::backend::wanted_rows)): `Some(i)` rows get their argmax on
-    /// the device and only the token comes back (as sequence `i`'s pick), the others' logits
-    /// come back.
+    /// ([`wanted_rows`](crate::backend::wanted_rows)): for a `Some(i)` row the token is chosen
+    /// on the device as `picks[i]` says (argmax, or a draw) and only the token comes back (as
+    /// sequence `i`'s pick); the other rows' logits come back.
     pub fn forward_picking(
         &self,
         m: &CudaModel,
         cache: &mut CudaKvCache,
         batch: &[SeqInput<'_>],
         rows: &[Option<usize>],
+        picks: &[Pick],
     ) -> Result<StepOutput, CudaError> {
         let vocab = m.config.vocab_size;
         let mut out = StepOutput { logits: Vec::new(), picked: vec![None; batch.len()] };
@@ -691,14 +694,37 @@ impl CudaRunner {
         if logits.len() != rows.len() * vocab {
             return Err(run_err("the pass left other logit rows than wanted"));
         }
+        let pick_of = |row: &Option<usize>| row.map(|i| picks.get(i).copied().unwrap_or_default());
         if rows.iter().any(Option::is_some) {
             let mut ids = self.stream.alloc_zeros::<i32>(rows.len()).map_err(run_err)?;
             let vocab_i = vocab as i32;
-            let mut b = self.stream.launch_builder(&self.k.argmax);
-            b.arg(&logits).arg(&mut ids).arg(&vocab_i);
-            // SAFETY: arguments match `argmax_rows`; `logits` holds rows x vocab floats and
-            // `ids` one int per row.
-            unsafe { b.launch(grid(rows.len(), 1, 1024)) }.map_err(run_err)?;
+            if rows.iter().any(|r| matches!(pick_of(r), Some(Pick::Draw { .. }))) {
+                // Per row: temperature (0: argmax, also for rows whose logits go back), top-k,
+                // top-p, uniform.
+                let n = rows.len();
+                let (mut t, mut k, mut p, mut u) =
+                    (vec![0f32; n], vec![0i32; n], vec![1f32; n], vec![0f32; n]);
+                for (r, row) in rows.iter().enumerate() {
+                    if let Some(Pick::Draw { temperature, top_k, top_p, uniform }) = pick_of(row) {
+                        (t[r], p[r], u[r]) = (temperature, top_p, uniform);
+                        k[r] = i32::try_from(top_k).unwrap_or(i32::MAX);
+                    }
+                }
+                let up = |v: &[f32]| self.stream.clone_htod(v).map_err(run_err);
+                let (t, p, u) = (up(&t)?, up(&p)?, up(&u)?);
+                let k = self.stream.clone_htod(&k).map_err(run_err)?;
+                let mut b = self.stream.launch_builder(&self.k.sample);
+                b.arg(&logits).arg(&t).arg(&k).arg(&p).arg(&u).arg(&mut ids).arg(&vocab_i);
+                // SAFETY: arguments match `sample_rows`; `logits` holds rows x vocab floats,
+                // each per-row array and `ids` one value per row.
+                unsafe { b.launch(grid(n, 1, 1024)) }.map_err(run_err)?;
+            } else {
+                let mut b = self.stream.launch_builder(&self.k.argmax);
+                b.arg(&logits).arg(&mut ids).arg(&vocab_i);
+                // SAFETY: arguments match `argmax_rows`; `logits` holds rows x vocab floats and
+                // `ids` one int per row.
+                unsafe { b.launch(grid(rows.len(), 1, 1024)) }.map_err(run_err)?;
+            }
             let ids = self.stream.clone_dtoh(&ids).map_err(run_err)?;
             for (row, pick) in rows.iter().enumerate() {
                 if let (Some(i), Some(&id)) = (pick, ids.get(row)) {

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::backend::{Backend, Device, StepOutput};
+use crate::backend::{Backend, Device, Pick, StepOutput};
 use crate::error::{EngineError, Result};
 use crate::forward::{LogitsWanted, SeqInput};
 use crate::generate::IncrementalDecoder;
@@ -85,7 +85,7 @@ struct ReqState {
 enum Choice<'a> {
     /// Its logits, for its sampler.
     Logits(&'a [f32]),
-    /// Chosen by the backend (greedy).
+    /// Chosen by the backend (greedy, or a draw on a GPU).
     Picked(u32),
 }
 
@@ -279,18 +279,24 @@ impl EngineCore {
             })
             .collect();
         // Greedy sequences with nothing else asked of their logits get their token picked
-        // by the backend (on a GPU: only the id comes back).
-        let argmax: Vec<bool> = work
+        // by the backend, and on a GPU so do plain draws (only the id comes back).
+        let draws = self.backend.draws_on_device();
+        let picks: Vec<Pick> = work
             .iter()
-            .map(|w| {
-                w.logits == LogitsWanted::Last
-                    && self
-                        .reqs
-                        .get(&w.id)
-                        .is_some_and(|st| st.sampler.argmax_only(st.req.logprobs))
+            .map(|w| match self.reqs.get_mut(&w.id) {
+                Some(st) if w.logits == LogitsWanted::Last => {
+                    if st.sampler.argmax_only(st.req.logprobs) {
+                        Pick::Argmax
+                    } else if draws {
+                        st.sampler.device_draw(st.req.logprobs).unwrap_or_default()
+                    } else {
+                        Pick::Logits
+                    }
+                }
+                _ => Pick::Logits,
             })
             .collect();
-        let result = self.backend.forward_picking(&self.model.weights, &inputs, &argmax);
+        let result = self.backend.forward_picking(&self.model.weights, &inputs, &picks);
         let StepOutput { logits, picked } = match result {
             Ok(out) => out,
             Err(e) => {
