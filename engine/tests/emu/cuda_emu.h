@@ -5,8 +5,9 @@
 // shuffles and `__syncwarp` for every lane of the warp; threads waiting at different barriers
 // (two `__syncthreads` call sites, a shuffle with lanes missing or ended) are reported as an
 // error instead of hanging. `__shared__` variables are function statics: one copy, shared by
-// the block that is running (zeroed once, not poisoned per block: reads of shared memory no
-// thread wrote go unseen here; compute-sanitizer's initcheck covers them on the device).
+// the block that is running, filled with 0xFF bytes when the block's first thread reaches the
+// declaration (tests/emu/mod.rs adds the EMU_POISON after each), so reading shared memory no
+// thread of the block wrote shows.
 //
 // What it checks is the kernels' arithmetic, indexing and synchronization; not timing, memory
 // coalescing or the hardware's rounding of fast-math intrinsics (`__expf` is `expf` here).
@@ -21,6 +22,7 @@
 #include <algorithm>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -69,6 +71,7 @@ struct Block {
     ucontext_t sched;
     const std::function<void()>* body = nullptr;
     unsigned long long xchg[32][32];
+    std::set<const void*> poisoned;  // shared variables this block has filled
 };
 
 inline Block* g_block = nullptr;
@@ -217,12 +220,21 @@ inline T shuffle(T v, F src) {
 }  // namespace emu
 
 namespace emu {
+// The first thread of a block to reach a __shared__ declaration fills the variable with 0xFF
+// bytes (shared memory starts undefined on the device; this makes reading it before any
+// thread wrote it show up as NaN or -1).
+inline void poison(void* p, size_t n) {
+    if (g_block->poisoned.insert(p).second) {
+        std::memset(p, 0xFF, n);
+    }
+}
 inline void sync_block(int line) {
     g_block->cur->line = line;
     wait(State::BlockBarrier);
 }
 }  // namespace emu
 #define __syncthreads() emu::sync_block(__LINE__)
+#define EMU_POISON(v) emu::poison(&(v), sizeof(v))
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::wait(emu::State::WarpBarrier); }
 
 template <class T>

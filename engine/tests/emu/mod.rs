@@ -23,15 +23,39 @@ pub fn kernel_names(src: &str) -> Vec<&str> {
         .collect()
 }
 
-/// C++ source of every kernel over the emulation: the prelude and each module exactly as NVRTC
-/// gets them, then `kEntries` (every kernel by name) and `emu_launch(name, grid, block, args,
-/// sizes, nargs, err, errlen)`.
+/// `src` with `EMU_POISON(name);` after each one-line `__shared__` declaration: the emulation
+/// fills the variable with 0xFF bytes (NaN as a float, -1 as an int) when the block's first
+/// thread reaches it, so a read of shared memory no thread of the block wrote shows.
+fn poison_shared(src: &str) -> anyhow::Result<String> {
+    let mut out = String::with_capacity(src.len());
+    for line in src.lines() {
+        out.push_str(line);
+        if line.contains("__shared__") {
+            let decl = line.trim_end();
+            ensure!(decl.ends_with(';'), "a __shared__ declaration on one line: {line}");
+            let head = decl.trim_end_matches(';');
+            let head = head.split('[').next().unwrap_or(head);
+            let name = head.split_whitespace().last().unwrap_or_default();
+            ensure!(
+                !name.is_empty() && name.chars().all(|c| c.is_alphanumeric() || c == '_'),
+                "no variable name in: {line}"
+            );
+            out.push_str(&format!(" EMU_POISON({name});"));
+        }
+        out.push('\n');
+    }
+    Ok(out)
+}
+
+/// C++ source of every kernel over the emulation: the prelude and each module as NVRTC gets
+/// them (line for line; shared variables poisoned per block), then `kEntries` (every kernel by
+/// name) and `emu_launch(name, grid, block, args, sizes, nargs, err, errlen)`.
 pub fn kernels_source() -> anyhow::Result<String> {
     let header = dir().join("cuda_emu.h");
-    let mut cpp = format!("#include \"{}\"\n{PRELUDE}\n", header.display());
+    let mut cpp = format!("#include \"{}\"\n{}\n", header.display(), poison_shared(PRELUDE)?);
     let mut entries = Vec::new();
     for (module, src) in KERNELS {
-        cpp.push_str(&format!("#line 1 \"{module}.cu\"\n{src}\n"));
+        cpp.push_str(&format!("#line 1 \"{module}.cu\"\n{}\n", poison_shared(src)?));
         entries.extend(kernel_names(src).into_iter().map(|k| format!("EMU_KERNEL({k})")));
     }
     ensure!(entries.len() >= 15, "only {} kernels found", entries.len());

@@ -284,7 +284,8 @@ pub fn dequantization(d: &dyn Dev) -> anyhow::Result<()> {
 /// K/V written into scattered paged blocks, then attention for a batch mixing a prefill chunk
 /// after a cached prefix (sequence 0: positions 30..37), a decode row (sequence 1, 5 keys) and
 /// a long prefill (sequence 2: positions 10..100 after 10 cached, two row tiles and several
-/// key steps), with grouped-query heads: every row through `paged_attention`, then the
+/// key steps) and a fresh prompt shorter than one key step (sequence 3: positions 0..10, so
+/// most of the step's shared K/V rows hold no key), with grouped-query heads: every row through `paged_attention`, then the
 /// prefill rows through `prefill_attention_<head_dim>` on tiles and the decode row through
 /// `paged_attention` alone, as the runner splits them. Checked against softmax(q K^T) V
 /// computed here for each head size with a tensor-core prefill, with 2 query heads per KV
@@ -301,12 +302,13 @@ fn attention_for(d: &dyn Dev, hd: usize, heads: usize, kv_heads: usize) -> anyho
     let block_size = 16usize;
     let kv_dim = kv_heads * hd;
     let max_blocks = 7usize;
-    let mut tables = vec![-1i32; 3 * max_blocks];
-    for (seq, blocks) in [vec![3, 0, 5], vec![1], vec![6, 8, 2, 4, 7, 9, 10]].iter().enumerate() {
+    let mut tables = vec![-1i32; 4 * max_blocks];
+    let all_blocks = [vec![3, 0, 5], vec![1], vec![6, 8, 2, 4, 7, 9, 10], vec![11]];
+    for (seq, blocks) in all_blocks.iter().enumerate() {
         tables[seq * max_blocks..][..blocks.len()].copy_from_slice(blocks);
     }
-    let lens = [37usize, 5, 100];
-    let n_slots = 11 * block_size;
+    let lens = [37usize, 5, 100, 10];
+    let n_slots = 12 * block_size;
     let slot_of = |seq: usize, j: usize| {
         tables[seq * max_blocks + j / block_size] as usize * block_size + j % block_size
     };
@@ -338,7 +340,7 @@ fn attention_for(d: &dyn Dev, hd: usize, heads: usize, kv_heads: usize) -> anyho
     )?;
     // Rows: sequence 0 at 30..37, sequence 1 decoding at position 4, sequence 2 at 10..100.
     let (mut q_seq, mut ctx) = (vec![], vec![]);
-    for (seq, range) in [(0i32, 30..37), (1, 4..5), (2, 10..100)] {
+    for (seq, range) in [(0i32, 30..37), (1, 4..5), (2, 10..100), (3, 0..10)] {
         for p in range {
             q_seq.push(seq);
             ctx.push(p + 1);
@@ -416,7 +418,7 @@ fn attention_for(d: &dyn Dev, hd: usize, heads: usize, kv_heads: usize) -> anyho
     }
 
     // The runner's split: prefill tiles of up to 64 rows, the decode row alone.
-    let tiles = [0i32, 7, 8, 64, 72, 26];
+    let tiles = [0i32, 7, 8, 64, 72, 26, 98, 10];
     let mut out = vec![0u16; rows * heads * hd];
     d.launch(
         "attention",
