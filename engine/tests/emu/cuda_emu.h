@@ -20,8 +20,12 @@
 #include <cstdio>
 #include <cstring>
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <thread>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <set>
 #include <string>
 #include <type_traits>
@@ -370,9 +374,49 @@ inline const Entry* find(const Entry* table, size_t n, const char* name) {
     return nullptr;
 }
 
+// Fibers never preempt each other, so a kernel that loops forever would hang its test (and CI)
+// silently: a watchdog ends the process, naming the kernel, when one launch runs past
+// LAUNCH_LIMIT_S seconds.
+#ifndef EMU_LAUNCH_LIMIT_S
+#define EMU_LAUNCH_LIMIT_S 300
+#endif
+constexpr long long LAUNCH_LIMIT_S = EMU_LAUNCH_LIMIT_S;
+inline std::atomic<long long> g_launch_started{0};  // seconds since the epoch, 0: idle
+inline std::atomic<const char*> g_launch_name{nullptr};
+
+inline long long now_s() {
+    return std::chrono::duration_cast<std::chrono::seconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+}
+
+inline void start_watchdog() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        std::thread([] {
+            for (;;) {
+                std::this_thread::sleep_for(std::chrono::seconds(1));
+                const long long t = g_launch_started.load();
+                if (t != 0 && now_s() - t > LAUNCH_LIMIT_S) {
+                    const char* name = g_launch_name.load();
+                    std::fprintf(stderr, "emulated kernel %s ran past %lld s: stopping\n",
+                                 name ? name : "?", LAUNCH_LIMIT_S);
+                    std::abort();
+                }
+            }
+        }).detach();
+    });
+}
+
 // Runs kernel `e` over the grid, block after block; 0, or 1 with a message.
 inline int run(const Entry& e, const unsigned* grid, const unsigned* block, void** args,
                char* err, size_t errlen) {
+    start_watchdog();
+    g_launch_name.store(e.name);
+    g_launch_started.store(now_s());
+    struct Done {
+        ~Done() { g_launch_started.store(0); }
+    } done;
     gridDim = {grid[0], grid[1], grid[2]};
     blockDim = {block[0], block[1], block[2]};
     const std::function<void()> body = [&] { e.thunk(args); };
