@@ -5,7 +5,7 @@
 
 use anyhow::{Context, bail, ensure};
 use sluice_engine::cuda::{
-    CI_ARCHS, KERNELS, compile_all, nvrtc_available, nvrtc_version, resources,
+    CI_ARCHS, KERNELS, compile_all, kernel_names, nvrtc_available, nvrtc_version, resources,
 };
 
 /// Whether NVRTC can be loaded; an error when CI requires it (SLUICE_REQUIRE_NVRTC=1) and it
@@ -33,8 +33,7 @@ fn every_kernel_compiles_clean_for_sm80_and_sm90() -> anyhow::Result<()> {
         ensure!(modules.len() == KERNELS.len());
         for (m, (_, src)) in modules.iter().zip(KERNELS) {
             // Every kernel the source declares is an entry of the PTX.
-            for decl in src.split("extern \"C\" __global__ void ").skip(1) {
-                let name = decl.split('(').next().unwrap_or_default().trim();
+            for name in kernel_names(src) {
                 ensure!(
                     m.ptx.contains(&format!(".entry {name}(")),
                     "{arch}: {name} missing from the PTX of {}",
@@ -58,8 +57,7 @@ fn no_kernel_spills_registers() -> anyhow::Result<()> {
     for arch in CI_ARCHS {
         for (module, src) in KERNELS {
             let report = resources(module, src, arch)?;
-            for decl in src.split("extern \"C\" __global__ void ").skip(1) {
-                let name = decl.split('(').next().unwrap_or_default().trim();
+            for name in kernel_names(src) {
                 let k = report
                     .iter()
                     .find(|k| k.kernel == name)

@@ -22,6 +22,15 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("sampling", include_str!("../../../kernels/sampling.cu")),
 ];
 
+/// The names of the kernels `src` declares (`extern "C" __global__ void NAME(`), in order.
+pub fn kernel_names(src: &str) -> Vec<&str> {
+    src.split("extern \"C\" __global__ void ")
+        .skip(1)
+        .filter_map(|d| d.split('(').next())
+        .map(str::trim)
+        .collect()
+}
+
 /// The architectures CI compiles every kernel for (A100, H100/H200).
 pub const CI_ARCHS: &[&str] = &["sm_80", "sm_90"];
 

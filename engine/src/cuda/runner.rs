@@ -827,16 +827,7 @@ impl CudaRunner {
             batch,
             Some((bucket, cache.graph_table)),
         )?;
-        if cache.graph_owner != (self.id, m.id) {
-            cache.graphs.clear();
-            cache.graph_ws = None;
-            cache.graph_owner = (self.id, m.id);
-        }
-        if cache.graph_ws.is_none() {
-            let rows = GRAPH_BUCKETS[GRAPH_BUCKETS.len() - 1];
-            cache.graph_ws =
-                Some(self.workspace(&m.config, rows, rows, rows * cache.graph_table)?);
-        }
+        self.graph_workspace(m, cache)?;
         let CudaKvCache { k, v, block_size, graph_ws, graphs, .. } = cache;
         let Some(ws) = graph_ws.as_mut() else {
             return Err(run_err("no graph workspace"));
@@ -893,18 +884,27 @@ impl CudaRunner {
         cache.eager = Some((m.id, self.workspace(c, rows, seqs, table)?));
         let mut bytes = workspace_bytes(c, rows, seqs, table);
         if cache.use_graphs {
-            if cache.graph_owner != (self.id, m.id) {
-                cache.graphs.clear();
-                cache.graph_ws = None;
-                cache.graph_owner = (self.id, m.id);
-            }
+            self.graph_workspace(m, cache)?;
             let r = GRAPH_BUCKETS[GRAPH_BUCKETS.len() - 1];
-            if cache.graph_ws.is_none() {
-                cache.graph_ws = Some(self.workspace(c, r, r, r * cache.graph_table)?);
-            }
             bytes += workspace_bytes(c, r, r, r * cache.graph_table);
         }
         Ok(bytes)
+    }
+
+    /// Makes sure `cache` holds the decode graphs' shared workspace for this runner and `m`
+    /// (graphs made by another runner or for another model are dropped with theirs).
+    fn graph_workspace(&self, m: &CudaModel, cache: &mut CudaKvCache) -> Result<(), CudaError> {
+        if cache.graph_owner != (self.id, m.id) {
+            cache.graphs.clear();
+            cache.graph_ws = None;
+            cache.graph_owner = (self.id, m.id);
+        }
+        if cache.graph_ws.is_none() {
+            let rows = GRAPH_BUCKETS[GRAPH_BUCKETS.len() - 1];
+            cache.graph_ws =
+                Some(self.workspace(&m.config, rows, rows, rows * cache.graph_table)?);
+        }
+        Ok(())
     }
 
     /// Device buffers for up to `rows` token rows, `wanted` logit rows and `table` block-table

@@ -7,20 +7,11 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail, ensure};
-use sluice_engine::cuda::{KERNELS, PRELUDE};
+use sluice_engine::cuda::{KERNELS, PRELUDE, kernel_names};
 
 /// This folder (the headers and C++ sources of the emulation).
 pub fn dir() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/emu")
-}
-
-/// The kernels' names, as the sources declare them.
-pub fn kernel_names(src: &str) -> Vec<&str> {
-    src.split("extern \"C\" __global__ void ")
-        .skip(1)
-        .filter_map(|d| d.split('(').next())
-        .map(str::trim)
-        .collect()
 }
 
 /// `src` with `EMU_POISON(name);` after each one-line `__shared__` declaration: the emulation
