@@ -84,7 +84,7 @@ __device__ __forceinline__ float block_max(float v) { return block_reduce<true>(
 // 2quad..+1), a[2] = A(group, 2quad + 8..+9), a[3] = A(group + 8, 2quad + 8..+9);
 // b[0] = B(2quad..+1, group), b[1] = B(2quad + 8..+9, group); d[0..1] = D(group, 2quad..+1),
 // d[2..3] = D(group + 8, 2quad..+1). sm_80 and newer. (The CPU emulation of the tests defines
-// its own.)
+// its own of this and of the helpers after it.)
 #ifndef SLUICE_EMU
 __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
     asm volatile(
@@ -92,6 +92,55 @@ __device__ __forceinline__ void mma_bf16_16816(float* d, const unsigned* a, cons
         "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// The shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+    return (unsigned)__cvta_generic_to_shared(p);
+}
+
+// Four 8x8 bf16 matrices from shared memory into the mma fragment layout, for the warp: lanes
+// 8i..8i+7 give the addresses of matrix i's rows (16 bytes each, 16-byte aligned), and lane t
+// gets r[i] = matrix i's (row t / 4, columns 2(t % 4)..+1). With `_trans`, the transposed
+// matrix: r[i] = (rows 2(t % 4)..+1, column t / 4).
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, const bf16_t* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row))
+                 : "memory");
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const bf16_t* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(row))
+                 : "memory");
+}
+
+// Asynchronous 16-byte copy from global to shared memory (both 16-byte aligned), bypassing
+// L1. The copies a thread queued since its last commit form a group; `cp_async_wait<N>` waits
+// until at most N of the thread's committed groups are still in flight. Other threads see the
+// data after that wait and a barrier.
+__device__ __forceinline__ void cp_async_16(bf16_t* dst, const bf16_t* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(dst)),
+                 "l"(src)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// 2^x, the hardware approximation (2 ulp; 0 for -inf, subnormal results flushed to 0).
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 #endif
 

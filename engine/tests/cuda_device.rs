@@ -45,11 +45,11 @@ impl Gpu {
 
 impl Dev for Gpu {
     /// Uploads every buffer, launches, waits and copies the `Out` buffers back.
-    fn launch(
+    fn launch3(
         &self,
         module: &'static str,
         kernel: &str,
-        grid: (u32, u32),
+        grid: (u32, u32, u32),
         block: u32,
         args: &mut [Arg<'_>],
     ) -> anyhow::Result<()> {
@@ -85,11 +85,8 @@ impl Dev for Gpu {
                     }
                 }
             }
-            let cfg = LaunchConfig {
-                grid_dim: (grid.0, grid.1, 1),
-                block_dim: (block, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg =
+                LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: 0 };
             // SAFETY: the checks pass one argument per kernel parameter, of its type (buffers
             // as device pointers to the uploaded copies).
             unsafe { lb.launch(cfg) }?;
@@ -236,6 +233,34 @@ fn bench_8b_shaped_decode_and_prefill() -> anyhow::Result<()> {
         flops / secs / 1e12,
         flops / secs / 1e12 / 790.0
     );
+    // Where the time goes: the same 2,048 rows as 32 prompts of 64 tokens do the same GEMMs
+    // and elementwise work but 1/32 of the attention, so the difference is about attention's
+    // share.
+    let short = time(
+        &mut || {
+            let b: Vec<SeqInput<'_>> = (0..32)
+                .map(|s| SeqInput {
+                    tokens: &prompt[s * 64..(s + 1) * 64],
+                    start_pos: 0,
+                    block_table: &table[s * 64 / block..(s + 1) * 64 / block],
+                    logits: LogitsWanted::Last,
+                })
+                .collect();
+            r.forward_device(&model, &mut cache, &b)?;
+            Ok(())
+        },
+        3,
+    )?;
+    let attn_flops = 2.0 * c.layers as f64 * t * t * c.q_dim() as f64 * (1.0 - 1.0 / 32.0);
+    eprintln!(
+        "prefill as 32 prompts of 64 tokens: {:.1} ms; attention of the 2048-token prompt about \
+         {:.1} ms ({:.0} TFLOP/s), the rest {:.1} ms ({:.0} TFLOP/s)",
+        short * 1e3,
+        (secs - short) * 1e3,
+        attn_flops / (secs - short) / 1e12,
+        short * 1e3,
+        (flops - 2.0 * c.layers as f64 * t * t * c.q_dim() as f64) / short / 1e12
+    );
 
     // Decode: each sequence holds 128 tokens of context; batch 1 eagerly too, to show what
     // the graph saves.
@@ -309,6 +334,45 @@ fn bench_8b_shaped_decode_and_prefill() -> anyhow::Result<()> {
             device_pick * 1e3,
             host_pick * 1e3,
             host_pick / device_pick
+        );
+    }
+
+    // Long contexts: decode steps over 8,000 tokens each, attention split into parts across
+    // the device (the default) against one block per row and head group (max splits 1).
+    for batch in [1usize, 8] {
+        let ctx = 8000usize;
+        let per_seq = ctx / block + 1;
+        let tables: Vec<Vec<u32>> = (0..batch)
+            .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
+            .collect();
+        let toks: Vec<[u32; 1]> = (0..batch).map(|s| [(s as u32 * 31) % 128_000]).collect();
+        let mut ms = Vec::new();
+        for max_splits in [1usize, 64] {
+            r.set_max_splits(max_splits);
+            let mut cache = r.kv_cache(&model, block, batch * per_seq)?;
+            let secs = time(
+                &mut || {
+                    let b: Vec<SeqInput<'_>> = (0..batch)
+                        .map(|s| SeqInput {
+                            tokens: &toks[s],
+                            start_pos: ctx,
+                            block_table: &tables[s],
+                            logits: LogitsWanted::Last,
+                        })
+                        .collect();
+                    r.forward_device(&model, &mut cache, &b)?;
+                    Ok(())
+                },
+                10,
+            )?;
+            ms.push(secs * 1e3);
+        }
+        eprintln!(
+            "decode batch {batch} at 8000 tokens of context (CUDA graph): {:.2} ms/step split, \
+             {:.2} ms/step unsplit ({:.2}x)",
+            ms[1],
+            ms[0],
+            ms[0] / ms[1]
         );
     }
     Ok(())

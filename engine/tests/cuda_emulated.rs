@@ -14,7 +14,7 @@
 mod emu;
 mod kernel_checks;
 
-use std::sync::OnceLock;
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use anyhow::{bail, ensure};
 use sluice_engine::backend::{Pick, wanted_rows};
@@ -23,12 +23,14 @@ use sluice_engine::forward::{KvCache, LogitsWanted, Runner, SeqInput};
 use sluice_engine::quant::GgmlType;
 
 /// Builds the emulated libcuda.so and libcublas.so and loads them (once per process, kept for
-/// its life), or says why it cannot. `Ok(false)`: no NVRTC here and none required
-/// (SLUICE_REQUIRE_NVRTC unset; CI sets it), so the test has nothing to run.
-fn emulated_cuda() -> anyhow::Result<bool> {
+/// its life), or says why it cannot; then waits for the emulated device (the tests take it one
+/// at a time, so one test's memory figures are its own). `Ok(None)`: no NVRTC here and none
+/// required (SLUICE_REQUIRE_NVRTC unset; CI sets it), so the test has nothing to run.
+fn emulated_cuda() -> anyhow::Result<Option<MutexGuard<'static, ()>>> {
+    static DEVICE: Mutex<()> = Mutex::new(());
     if !nvrtc_available() && !std::env::var("SLUICE_REQUIRE_NVRTC").is_ok_and(|v| v == "1") {
         eprintln!("NVRTC not found: the CUDA runner is not run under emulation here");
-        return Ok(false);
+        return Ok(None);
     }
     static LOADED: OnceLock<Result<(), String>> = OnceLock::new();
     let loaded = LOADED.get_or_init(|| {
@@ -68,25 +70,52 @@ fn emulated_cuda() -> anyhow::Result<bool> {
         load().map_err(|e| format!("{e:#}"))
     });
     match loaded {
-        Ok(()) => Ok(true),
+        // A test that failed holding the device left it as it was: the next may go on.
+        Ok(()) => Ok(Some(DEVICE.lock().unwrap_or_else(std::sync::PoisonError::into_inner))),
         Err(e) => bail!("{e}"),
     }
 }
 
 #[test]
 fn forward_matches_the_cpu_backend_through_the_emulated_driver() -> anyhow::Result<()> {
-    if !emulated_cuda()? {
+    let Some(_device) = emulated_cuda()? else {
         return Ok(());
-    }
+    };
     kernel_checks::forward_parity()
 }
 
 #[test]
 fn quantized_weights_match_the_cpu_backend_through_the_emulated_driver() -> anyhow::Result<()> {
-    if !emulated_cuda()? {
+    let Some(_device) = emulated_cuda()? else {
         return Ok(());
-    }
+    };
     kernel_checks::quantized_parity()
+}
+
+/// `reserve` sets aside exactly the device memory it reports, and a second call replaces the
+/// first's buffers rather than adding to them.
+#[test]
+fn reserve_reports_the_memory_it_sets_aside() -> anyhow::Result<()> {
+    let Some(_device) = emulated_cuda()? else {
+        return Ok(());
+    };
+    let w = kernel_checks::synthetic(GgmlType::F32)?;
+    let r = CudaRunner::new(0)?;
+    let model = r.upload(&w)?;
+    let mut cache = r.kv_cache(&model, 16, 8)?;
+    let free = || -> anyhow::Result<usize> { Ok(r.memory_info()?.0) };
+    let before = free()?;
+    let reported = r.reserve(&model, &mut cache, 256, 8)?;
+    let after = free()?;
+    ensure!(reported > 0, "nothing reserved");
+    ensure!(
+        before - after == reported,
+        "reserve reported {reported} bytes, allocated {}",
+        before - after
+    );
+    let again = r.reserve(&model, &mut cache, 256, 8)?;
+    ensure!(again == reported && free()? == after, "a second reserve took more memory");
+    Ok(())
 }
 
 /// A prefill long enough for two row tiles of the tensor-core kernel (head size 64), after a
@@ -95,9 +124,9 @@ fn quantized_weights_match_the_cpu_backend_through_the_emulated_driver() -> anyh
 #[test]
 fn tiled_prefill_and_device_argmax_match_the_cpu_backend() -> anyhow::Result<()> {
     use sluice_engine::synth::{SynthSpec, write_gguf};
-    if !emulated_cuda()? {
+    let Some(_device) = emulated_cuda()? else {
         return Ok(());
-    }
+    };
     let spec = SynthSpec {
         hidden: 256,
         intermediate: 384,
@@ -166,9 +195,9 @@ fn the_serving_engine_runs_on_the_emulated_device() -> anyhow::Result<()> {
     use sluice_engine::serve::{CacheScope, EngineEvent, FinishReason, ValidRequest};
     use sluice_engine::synth::{SynthSpec, write_gguf};
 
-    if !emulated_cuda()? {
+    let Some(_device) = emulated_cuda()? else {
         return Ok(());
-    }
+    };
     let spec = SynthSpec { hidden: 128, heads: 2, kv_heads: 1, ..SynthSpec::tiny() };
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("m.gguf");

@@ -81,11 +81,11 @@ fn unfenced<'v>(v: &'v [u128], len: usize, what: &str) -> anyhow::Result<&'v [u8
 }
 
 impl Dev for Emulated {
-    fn launch(
+    fn launch3(
         &self,
         _module: &'static str,
         kernel: &str,
-        grid: (u32, u32),
+        grid: (u32, u32, u32),
         block: u32,
         args: &mut [Arg<'_>],
     ) -> anyhow::Result<()> {
@@ -131,7 +131,7 @@ impl Dev for Emulated {
             unsafe {
                 (emu.launch)(
                     name.as_ptr(),
-                    [grid.0, grid.1, 1].as_ptr(),
+                    [grid.0, grid.1, grid.2].as_ptr(),
                     [block, 1, 1].as_ptr(),
                     params.as_mut_ptr(),
                     sizes.as_ptr(),

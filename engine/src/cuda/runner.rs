@@ -11,7 +11,9 @@
 //! one launch per step instead of a dozen per layer.
 //!
 //! Attention runs the prefill rows through a tensor-core kernel in tiles of up to 64 rows of one
-//! sequence (head sizes 64 and 128) and the decode rows one by one.
+//! sequence (head sizes 64 and 128) and the decode rows one by one, a row's context split into
+//! parts run side by side when the rows alone are too few to fill the device
+//! ([`decode_splits`]).
 //!
 //! Status: written on a machine without a GPU. Every kernel passes its checks under the CPU
 //! emulation of CUDA (`engine/tests/kernel_emu.rs`), and this runner passes the parity checks
@@ -180,6 +182,10 @@ struct Workspace {
     act: CudaSlice<bf16>,
     picked: CudaSlice<bf16>,
     logits: CudaSlice<f32>,
+    /// Split-K decode attention: the parts' partial states, and a count per (row, head group)
+    /// ([`decode_splits`]).
+    part: CudaSlice<f32>,
+    counters: CudaSlice<i32>,
 }
 
 /// The integer inputs of a pass, in their order in [`Workspace::inputs`].
@@ -213,6 +219,27 @@ impl Workspace {
             Input::Wanted => (8 * r, self.wanted),
             Input::Tables => (8 * r + self.wanted, self.table),
         }
+    }
+
+    /// The device memory its buffers hold, as allocated.
+    fn bytes(&self) -> usize {
+        let halves = [
+            &self.x,
+            &self.xn,
+            &self.q,
+            &self.k,
+            &self.v,
+            &self.attn,
+            &self.o,
+            &self.gate,
+            &self.up,
+            &self.act,
+            &self.picked,
+        ];
+        let ints = self.inputs.len() * size_of::<i32>();
+        ints + self.counters.len() * size_of::<i32>()
+            + halves.iter().map(|b| b.len() * size_of::<bf16>()).sum::<usize>()
+            + (self.logits.len() + self.part.len()) * size_of::<f32>()
     }
 
     /// Input `i`'s place in `inputs` (its whole capacity; a pass reads what its plan holds).
@@ -254,6 +281,9 @@ const PREFILL_TILE: usize = 64;
 
 /// Query heads per block of `paged_attention` (ATTN_GROUP in kernels/attention.cu).
 const ATTN_GROUP: usize = 4;
+
+/// The most parts a decode row's context is split into (split-K attention).
+const MAX_SPLITS: usize = 64;
 
 /// Head sizes with a `prefill_attention_<head_dim>` kernel.
 const TILED_HEAD_DIMS: [usize; 2] = [64, 128];
@@ -297,6 +327,10 @@ pub struct CudaRunner {
     /// cuBLAS's workspace, kept alive with the handle.
     _blas_workspace: CudaSlice<u8>,
     k: Kernels,
+    /// The device's multiprocessors (how many attention blocks fill it).
+    sms: usize,
+    /// The most parts decode attention splits a context into ([`MAX_SPLITS`] unless set).
+    max_splits: std::cell::Cell<usize>,
 }
 
 impl std::fmt::Debug for CudaRunner {
@@ -306,11 +340,45 @@ impl std::fmt::Debug for CudaRunner {
 }
 
 fn grid(x: usize, y: usize, block: u32) -> LaunchConfig {
+    grid3(x, y, 1, block)
+}
+
+fn grid3(x: usize, y: usize, z: usize, block: u32) -> LaunchConfig {
+    let dim = |n: usize| u32::try_from(n).unwrap_or(u32::MAX);
     LaunchConfig {
-        grid_dim: (u32::try_from(x).unwrap_or(u32::MAX), u32::try_from(y).unwrap_or(1), 1),
+        grid_dim: (dim(x), dim(y), dim(z)),
         block_dim: (block, 1, 1),
         shared_mem_bytes: 0,
     }
+}
+
+/// Blocks of decode attention that keep the device busy: four per multiprocessor (as many as
+/// fit one at once, by their registers).
+fn attention_target(sms: usize) -> usize {
+    4 * sms.max(1)
+}
+
+/// How many parts `paged_attention` may split each of `rows` rows' context into, with
+/// `groups` blocks per row: enough for [`attention_target`] blocks in all when the rows alone
+/// are fewer, at most `max` and [`MAX_SPLITS`] (the kernel gives a part at least SPLIT_MIN_KEYS keys, so
+/// short contexts use fewer). Whenever this is above 1, `rows * groups < target` and
+/// `rows * groups * splits < 2 * target`, which bounds the partial states
+/// ([`split_capacity`]).
+fn decode_splits(rows: usize, groups: usize, sms: usize, max: usize) -> usize {
+    let target = attention_target(sms);
+    let blocks = rows * groups;
+    if blocks == 0 || blocks >= target {
+        return 1;
+    }
+    target.div_ceil(blocks).clamp(1, max.clamp(1, MAX_SPLITS))
+}
+
+/// Sizes of the split-K buffers for `c`: partial-state floats (each query head's part: its
+/// max, sum and head_dim weighted values) and counters (one per row and head group).
+fn split_capacity(c: &LlamaConfig, sms: usize) -> (usize, usize) {
+    let target = attention_target(sms);
+    // Query heads per head group are at most ATTN_GROUP.
+    (2 * target * ATTN_GROUP * (c.head_dim + 2), target)
 }
 
 fn flat(n: usize) -> LaunchConfig {
@@ -384,6 +452,11 @@ impl CudaRunner {
             dequant_q4_1: f("dequant", "dequant_q4_1")?,
             dequant_q8_0: f("dequant", "dequant_q8_0")?,
         };
+        let sms = ctx
+            .attribute(
+                cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            )
+            .map_err(device)?;
         Ok(CudaRunner {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             _one_thread: std::marker::PhantomData,
@@ -392,6 +465,8 @@ impl CudaRunner {
             blas,
             _blas_workspace: blas_workspace,
             k,
+            sms: usize::try_from(sms).unwrap_or(1).max(1),
+            max_splits: std::cell::Cell::new(MAX_SPLITS),
         })
     }
 
@@ -882,13 +957,22 @@ impl CudaRunner {
         let table = seqs * c.context_length.div_ceil(cache.block_size).max(1);
         cache.eager = None;
         cache.eager = Some((m.id, self.workspace(c, rows, seqs, table)?));
-        let mut bytes = workspace_bytes(c, rows, seqs, table);
         if cache.use_graphs {
             self.graph_workspace(m, cache)?;
-            let r = GRAPH_BUCKETS[GRAPH_BUCKETS.len() - 1];
-            bytes += workspace_bytes(c, r, r, r * cache.graph_table);
         }
-        Ok(bytes)
+        let held = |w: Option<&Workspace>| w.map_or(0, Workspace::bytes);
+        Ok(held(cache.eager.as_ref().map(|(_, w)| w)) + held(cache.graph_ws.as_ref()))
+    }
+
+    /// Caps the parts decode attention splits a context into (1: never split; for comparison).
+    /// Decode graphs captured before keep the split they were captured with.
+    pub fn set_max_splits(&self, max: usize) {
+        self.max_splits.set(max.clamp(1, MAX_SPLITS));
+    }
+
+    /// The device's free and total memory, bytes.
+    pub fn memory_info(&self) -> Result<(usize, usize), CudaError> {
+        self.ctx.mem_get_info().map_err(run_err)
     }
 
     /// Makes sure `cache` holds the decode graphs' shared workspace for this runner and `m`
@@ -908,7 +992,7 @@ impl CudaRunner {
     }
 
     /// Device buffers for up to `rows` token rows, `wanted` logit rows and `table` block-table
-    /// entries of `c`'s model ([`workspace_bytes`] in all).
+    /// entries of `c`'s model ([`Workspace::bytes`] in all).
     fn workspace(
         &self,
         c: &LlamaConfig,
@@ -919,6 +1003,7 @@ impl CudaRunner {
         let h = |n: usize| self.stream.alloc_zeros::<bf16>(n.max(1)).map_err(run_err);
         // Each input at least one int, so every view is non-empty.
         let ints = 8 * rows.max(1) + wanted.max(1) + table.max(1);
+        let (part, counters) = split_capacity(c, self.sms);
         Ok(Workspace {
             rows: rows.max(1),
             wanted: wanted.max(1),
@@ -940,6 +1025,9 @@ impl CudaRunner {
                 .stream
                 .alloc_zeros::<f32>((wanted * c.vocab_size).max(1))
                 .map_err(run_err)?,
+            part: self.stream.alloc_zeros::<f32>(part).map_err(run_err)?,
+            // Zero: the kernel counts up and the last block of a row resets its count.
+            counters: self.stream.alloc_zeros::<i32>(counters).map_err(run_err)?,
         })
     }
 
@@ -1008,6 +1096,17 @@ impl CudaRunner {
         let interleaved = i32::from(c.rope_style == RopeStyle::Interleaved);
         let (bs_i, mb_i) = (block_size as i32, max_blocks as i32);
         let scale = 1.0 / (hd as f32).sqrt();
+        // Decode attention: one block per row and KV head (per ATTN_GROUP of its query heads),
+        // and per part of the context when those are too few for the device.
+        let groups = c.kv_heads * (c.heads / c.kv_heads).div_ceil(ATTN_GROUP);
+        let splits = decode_splits(singles, groups, self.sms, self.max_splits.get());
+        if splits > 1
+            && (singles * c.heads * splits * (hd + 2) > ws.part.len()
+                || singles * groups > ws.counters.len())
+        {
+            return Err(run_err("the split-K buffers are too small for the pass"));
+        }
+        let splits_i = splits as i32;
         for ((l, kc), vc) in m.layers.iter().zip(k_cache.iter_mut()).zip(v_cache.iter_mut()) {
             self.rmsnorm(&ws.x, &l.attn_norm, n, hidden, c.rms_eps, &mut ws.xn)?;
             self.linear(&ws.xn, n, &l.wq, q_dim, hidden, &mut ws.q)?;
@@ -1034,12 +1133,12 @@ impl CudaRunner {
                 b.arg(&ws.q).arg(&*kc).arg(&*vc).arg(&tables).arg(&q_seq);
                 b.arg(&ctx_len).arg(&singles_in).arg(&mut ws.attn);
                 b.arg(&heads).arg(&kv_heads).arg(&hd_i).arg(&bs_i).arg(&mb_i).arg(&scale);
-                // One block per row and KV head (per ATTN_GROUP of its query heads).
-                let groups = c.kv_heads * (c.heads / c.kv_heads).div_ceil(ATTN_GROUP);
+                b.arg(&splits_i).arg(&mut ws.part).arg(&mut ws.counters);
                 // SAFETY: arguments match `paged_attention`; head_dim is a multiple of 32 up to
                 // 256; every listed row is below n; every table entry a row reaches names a
-                // block of the cache.
-                unsafe { b.launch(grid(singles, groups, 128)) }.map_err(run_err)?;
+                // block of the cache; with splits > 1 the partial states and counters fit
+                // (checked above) and the counters are zero between launches.
+                unsafe { b.launch(grid3(singles, groups, splits, 128)) }.map_err(run_err)?;
             }
             if let (true, Some(f)) = (tiles > 0, prefill) {
                 let mut b = self.stream.launch_builder(f);
@@ -1075,15 +1174,6 @@ impl CudaRunner {
         let head = m.lm_head.as_ref().unwrap_or(&m.embed);
         self.linear(&ws.picked, wanted, head, c.vocab_size, hidden, &mut ws.logits)
     }
-}
-
-/// The bytes of [`CudaRunner::workspace`]'s buffers for these sizes.
-fn workspace_bytes(c: &LlamaConfig, rows: usize, wanted: usize, table: usize) -> usize {
-    // ids, pos, q_seq, ctx_len, slots, tiles (2 per row), singles; the tables; the wanted rows.
-    let ints = 8 * rows + table + wanted;
-    let halves = rows * (3 * c.hidden + 2 * c.q_dim() + 2 * c.kv_dim() + 3 * c.intermediate)
-        + wanted * c.hidden;
-    4 * ints + 2 * halves + 4 * wanted * c.vocab_size
 }
 
 /// Checks `batch` against the model and cache and lays out its rows. With `pad`
@@ -1203,6 +1293,40 @@ mod tests {
         assert!(p.tiles.is_empty());
         assert_eq!(p.singles, (0..152).collect::<Vec<i32>>());
         Ok(())
+    }
+
+    #[test]
+    fn decode_splits_fill_the_device_within_the_split_buffers() {
+        let c = SynthSpec::tiny().config();
+        for sms in [1usize, 4, 132] {
+            let target = attention_target(sms);
+            let (part, counters) = split_capacity(&c, sms);
+            for groups in [1usize, 2, 3, 8, 16] {
+                for rows in 0..600 {
+                    let z = decode_splits(rows, groups, sms, MAX_SPLITS);
+                    assert!((1..=MAX_SPLITS).contains(&z), "{rows} rows: {z} splits");
+                    if z > 1 {
+                        // What encode checks before a launch, for the most query heads a
+                        // group may hold.
+                        assert!(rows * groups * ATTN_GROUP * z * (c.head_dim + 2) <= part);
+                        assert!(rows * groups <= counters);
+                    }
+                    if rows * groups >= target {
+                        assert_eq!(z, 1, "{rows} rows x {groups} groups fill {sms} SMs");
+                    } else if rows > 0 && z < MAX_SPLITS {
+                        assert!(rows * groups * z >= target, "{rows} x {groups} x {z} < {target}");
+                    }
+                }
+            }
+        }
+        // An 8B model (8 KV heads of 4 query heads) decoding on an H200 (132 SMs): one
+        // sequence's context in up to 64 parts, 8 sequences' in 9; 128 fill the device alone.
+        assert_eq!(decode_splits(1, 8, 132, MAX_SPLITS), 64);
+        assert_eq!(decode_splits(8, 8, 132, MAX_SPLITS), 9);
+        assert_eq!(decode_splits(64, 8, 132, MAX_SPLITS), 2);
+        assert_eq!(decode_splits(128, 8, 132, MAX_SPLITS), 1);
+        assert_eq!(decode_splits(1, 8, 132, 1), 1);
+        assert_eq!(decode_splits(1, 8, 132, 8), 8);
     }
 
     #[test]

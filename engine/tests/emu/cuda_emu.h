@@ -60,11 +60,20 @@ namespace emu {
 
 enum class State { Run, BlockBarrier, WarpBarrier, Done };
 
+// An asynchronous copy a thread queued (cp_async_16), done when a wait covers its group.
+struct Copy {
+    void* dst;
+    const void* src;
+    unsigned group;
+};
+
 struct Fiber {
     ucontext_t ctx;
     State state;
     unsigned tid;
     int line;  // the source line of the __syncthreads it waits at
+    std::vector<Copy> copies;  // queued, not yet done
+    unsigned committed;        // groups committed so far
 };
 
 constexpr size_t STACK = 256 * 1024;
@@ -76,6 +85,7 @@ struct Block {
     const std::function<void()>* body = nullptr;
     unsigned long long xchg[32][32];
     std::set<const void*> poisoned;  // shared variables this block has filled
+    std::string error;               // the first misuse a thread made (it ended there)
 };
 
 inline Block* g_block = nullptr;
@@ -114,6 +124,7 @@ inline std::string run_block(unsigned n, const std::function<void()>& body) {
         Fiber& f = b.fibers[i];
         f.tid = i;
         f.state = State::Run;
+        f.committed = 0;
         getcontext(&f.ctx);
         f.ctx.uc_stack.ss_sp = g_stacks[i].get();
         f.ctx.uc_stack.ss_size = STACK;
@@ -147,6 +158,9 @@ inline std::string run_block(unsigned n, const std::function<void()>& body) {
             threadIdx.y = (f.tid / blockDim.x) % blockDim.y;
             threadIdx.z = f.tid / (blockDim.x * blockDim.y);
             swapcontext(&b.sched, &f.ctx);
+        }
+        if (!b.error.empty()) {
+            return b.error;
         }
         // Every thread now waits or has ended.
         unsigned done = 0, at_block = 0;
@@ -202,6 +216,17 @@ inline std::string run_block(unsigned n, const std::function<void()>& body) {
             }
         }
     }
+}
+
+// Ends the calling thread with `what` as the block's error (the launch fails with it).
+[[noreturn]] inline void fail(const std::string& what) {
+    Fiber* f = g_block->cur;
+    if (g_block->error.empty()) {
+        g_block->error = "thread " + std::to_string(f->tid) + ": " + what;
+    }
+    f->state = State::Done;
+    setcontext(&g_block->sched);
+    std::abort();  // setcontext does not return
 }
 
 // Lane `lane` of the warp gets `v` from lane `src(lane)`.
@@ -271,6 +296,8 @@ inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline long long min(long long a, long long b) { return a < b ? a : b; }
 inline long long max(long long a, long long b) { return a > b ? a : b; }
+// Blocks run one after another, so every write is visible to the blocks after it.
+inline void __threadfence() {}
 // Fibers switch only at barriers, so a read-modify-write is atomic here.
 inline int atomicMin(int* p, int v) {
     int old = *p;
@@ -334,6 +361,60 @@ inline void mma_bf16_16816(float* d, const unsigned* a, const unsigned* b) {
         d[i] += s;
     }
 }
+
+// ldmatrix.sync.aligned.m8n8.x4(.trans).shared.b16 for the warp: lanes 8i..8i+7 give the
+// addresses of matrix i's 8 rows (8 bf16 each, 16-byte aligned); lane t gets r[i] = matrix
+// i's (row t / 4, columns 2(t % 4)..+1), or with `trans` (rows 2(t % 4)..+1, column t / 4),
+// the lower-indexed element in the low 16 bits.
+inline void ldmatrix_rows(unsigned* r, const unsigned short* row, bool trans) {
+    const unsigned tid = emu::linear_tid();
+    const unsigned lane = tid & 31, warp = tid >> 5;
+    if ((uintptr_t)row % 16 != 0) {
+        emu::fail("ldmatrix row address not 16-byte aligned");
+    }
+    emu::g_block->xchg[warp][lane] = (unsigned long long)(uintptr_t)row;
+    emu::wait(emu::State::WarpBarrier);
+    const unsigned a = lane / 4, b = 2 * (lane % 4);
+    for (unsigned i = 0; i < 4; ++i) {
+        auto at = [&](unsigned rr, unsigned c) {
+            return (unsigned)((const unsigned short*)(uintptr_t)emu::g_block->xchg[warp][8 * i + rr])[c];
+        };
+        const unsigned lo = trans ? at(b, a) : at(a, b);
+        const unsigned hi = trans ? at(b + 1, a) : at(a, b + 1);
+        r[i] = lo | (hi << 16);
+    }
+    emu::wait(emu::State::WarpBarrier);
+}
+inline void ldmatrix_x4(unsigned* r, const unsigned short* row) { ldmatrix_rows(r, row, false); }
+inline void ldmatrix_x4_trans(unsigned* r, const unsigned short* row) {
+    ldmatrix_rows(r, row, true);
+}
+
+// cp.async: a copy is queued in the thread's open group and done only when a wait covers the
+// group (so a read before the wait sees the old bytes, as it may on the device).
+inline void cp_async_16(unsigned short* dst, const unsigned short* src) {
+    if ((uintptr_t)dst % 16 != 0 || (uintptr_t)src % 16 != 0) {
+        emu::fail("cp.async of 16 bytes between addresses not 16-byte aligned");
+    }
+    emu::Fiber* f = emu::g_block->cur;
+    f->copies.push_back({dst, src, f->committed});
+}
+inline void cp_async_commit() { ++emu::g_block->cur->committed; }
+template <int N>
+inline void cp_async_wait() {
+    emu::Fiber* f = emu::g_block->cur;
+    std::vector<emu::Copy> left;
+    for (const emu::Copy& c : f->copies) {
+        if (c.group + N < f->committed) {
+            std::memcpy(c.dst, c.src, 16);
+        } else {
+            left.push_back(c);
+        }
+    }
+    f->copies.swap(left);
+}
+
+inline float exp2_approx(float x) { return std::exp2(x); }
 
 namespace emu {
 

@@ -190,6 +190,8 @@ int cuDeviceGet(int* dev, int ordinal) {
 }
 int cuDeviceGetAttribute(int* v, int attr, int) {
     switch (attr) {
+        // 4 multiprocessors: few, so decode attention splits contexts at test sizes.
+        case 16: *v = 4; break;
         case 75: *v = 9; break;   // compute capability 9.0
         case 76: *v = 0; break;
         case 115: *v = 1; break;  // memory pools: cudarc allocates stream-ordered
@@ -345,9 +347,15 @@ int cuMemFree_v2(unsigned long long p) {
     return fake::OK;
 }
 int cuMemFreeAsync(unsigned long long p, void*) { return cuMemFree_v2(p); }
+// 16 GiB, less what is allocated.
 int cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
-    *free_bytes = (size_t)8 << 30;
+    std::lock_guard<std::mutex> g(fake::g_lock);
+    size_t used = 0;
+    for (const auto& a : fake::g_allocs) {
+        used += a.second;
+    }
     *total = (size_t)16 << 30;
+    *free_bytes = *total - used;
     return fake::OK;
 }
 

@@ -28,6 +28,16 @@ pub enum Arg<'a> {
 /// Where the kernels run.
 pub trait Dev {
     /// Runs `kernel` of `module` over a grid of `grid` blocks of `block` threads.
+    fn launch3(
+        &self,
+        module: &'static str,
+        kernel: &str,
+        grid: (u32, u32, u32),
+        block: u32,
+        args: &mut [Arg<'_>],
+    ) -> anyhow::Result<()>;
+
+    /// [`Dev::launch3`] over a two-dimensional grid.
     fn launch(
         &self,
         module: &'static str,
@@ -35,7 +45,9 @@ pub trait Dev {
         grid: (u32, u32),
         block: u32,
         args: &mut [Arg<'_>],
-    ) -> anyhow::Result<()>;
+    ) -> anyhow::Result<()> {
+        self.launch3(module, kernel, (grid.0, grid.1, 1), block, args)
+    }
 
     /// Whether this is the emulation (thousands of times slower: the heavy checks shrink).
     fn emulated(&self) -> bool;
@@ -383,11 +395,17 @@ fn attention_for(d: &dyn Dev, hd: usize, heads: usize, kv_heads: usize) -> anyho
         }
         Ok(())
     };
-    let paged = |kernel: &str, row_ids: &[i32], out: &mut [u16]| {
-        d.launch(
+    // `splits`: the most parts a row's context is cut into (split-K); the partial states
+    // start as NaN (a part read before it was written shows), the counters at 0 and must end
+    // there (the next launch relies on it).
+    let groups = kv_heads * (heads / kv_heads).div_ceil(4);
+    let paged = |kernel: &str, row_ids: &[i32], out: &mut [u16], splits: usize| {
+        let mut part = vec![f32::NAN; row_ids.len() * heads * splits * (hd + 2)];
+        let mut counters = vec![0i32; row_ids.len() * groups];
+        d.launch3(
             "attention",
             kernel,
-            (row_ids.len() as u32, (kv_heads * (heads / kv_heads).div_ceil(4)) as u32),
+            (row_ids.len() as u32, groups as u32, splits as u32),
             128,
             &mut [
                 In(bytes(&q_b)),
@@ -404,17 +422,28 @@ fn attention_for(d: &dyn Dev, hd: usize, heads: usize, kv_heads: usize) -> anyho
                 I32(block_size as i32),
                 I32(max_blocks as i32),
                 F32(scale),
+                I32(splits as i32),
+                Out(bytes_mut(&mut part)),
+                Out(bytes_mut(&mut counters)),
             ],
-        )
+        )?;
+        ensure!(
+            counters.iter().all(|&c| c == 0),
+            "{kernel}, {splits} splits: counters left {counters:?}"
+        );
+        anyhow::Ok(())
     };
     // Every row through the per-row kernels (any head size, and this head size's), listed
-    // backwards (the list is what they run).
+    // backwards (the list is what they run); whole, and with contexts split in up to 3 parts
+    // (uneven) and up to 16 (parts of at least 32 keys: 2 for 37 keys, 4 for 100).
     let all: Vec<i32> = (0..rows as i32).rev().collect();
     let sized = format!("paged_attention_{hd}");
     for kernel in ["paged_attention", sized.as_str()] {
-        let mut out = vec![0u16; rows * heads * hd];
-        paged(kernel, &all, &mut out)?;
-        check(&out, kernel)?;
+        for splits in [1, 3, 16] {
+            let mut out = vec![0u16; rows * heads * hd];
+            paged(kernel, &all, &mut out, splits)?;
+            check(&out, &format!("{kernel}, {splits} splits"))?;
+        }
     }
 
     // The runner's split: prefill tiles of up to 64 rows, the decode row alone.
@@ -441,7 +470,7 @@ fn attention_for(d: &dyn Dev, hd: usize, heads: usize, kv_heads: usize) -> anyho
             F32(scale),
         ],
     )?;
-    paged(&sized, &[7], &mut out)?;
+    paged(&sized, &[7], &mut out, 1)?;
     check(&out, "prefill_attention + paged_attention")
 }
 
