@@ -1,25 +1,10 @@
-// Paged KV cache: writing new keys and values into their slots, and attention over the cache
-// for any mix of prefill and decode rows in one launch.
+// Attention over the paged KV cache for any mix of prefill and decode rows in one launch (the
+// new keys and values reach the cache through rope_kv in elementwise.cu).
 //
 // Cache layout: [slots, kv_heads, head_dim] bf16, slot = block * block_size + offset.
 // Block tables: [seqs, max_blocks] int, the physical block of each logical block of a sequence.
-
-// k_cache[slots[t]] = k[t], v_cache[slots[t]] = v[t]; slot < 0 skips the row (padding).
-// Grid: one block per token.
-extern "C" __global__ void kv_write(const bf16_t* __restrict__ k, const bf16_t* __restrict__ v,
-                                    bf16_t* __restrict__ k_cache, bf16_t* __restrict__ v_cache,
-                                    const int* __restrict__ slots, int kv_dim) {
-    const long long t = blockIdx.x;
-    const int slot = slots[t];
-    if (slot < 0) {
-        return;
-    }
-    const long long dst = (long long)slot * kv_dim;
-    for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) {
-        k_cache[dst + i] = k[t * kv_dim + i];
-        v_cache[dst + i] = v[t * kv_dim + i];
-    }
-}
+// Queries: each row's fused projection [q: heads, k: kv_heads, v: kv_heads] x head_dim, the
+// query heads read from its start (row stride (heads + 2 kv_heads) head_dim).
 
 #define ATTN_WARPS 4
 #define ATTN_GROUP 4          // query heads of one KV head per block (= ATTN_WARPS: one merges each)
@@ -168,7 +153,8 @@ __device__ __forceinline__ void attend_group(const bf16_t* __restrict__ q,
     float l[ATTN_GROUP];
 #pragma unroll
     for (int g = 0; g < ATTN_GROUP; ++g) {
-        const bf16_t* qrow = q + ((long long)a.r * heads + h0 + (g < nh ? g : 0)) * HD;
+        const bf16_t* qrow =
+            q + (long long)a.r * (heads + 2 * kv_heads) * HD + (h0 + (g < nh ? g : 0)) * HD;
 #pragma unroll
         for (int e = 0; e < PL; ++e) {
             qv[g][e] = (g < nh) ? bf16_to_f32(qrow[lane + 32 * e]) * scale : 0.0f;
@@ -251,7 +237,8 @@ __device__ __forceinline__ void attend_group_wide(const bf16_t* __restrict__ q,
     float l[ATTN_GROUP];
 #pragma unroll
     for (int g = 0; g < ATTN_GROUP; ++g) {
-        const bf16_t* qrow = q + ((long long)a.r * heads + h0 + (g < nh ? g : 0)) * HD + part * 8;
+        const bf16_t* qrow = q + (long long)a.r * (heads + 2 * kv_heads) * HD +
+                             (h0 + (g < nh ? g : 0)) * HD + part * 8;
         const uint4 w = *(const uint4*)qrow;
         const unsigned words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
@@ -502,8 +489,9 @@ __device__ __forceinline__ void prefill_attention_tile(
 
     unsigned qa[HD / 16][4];
     {
-        const bf16_t* q0 = q + ((long long)(first + (has0 ? r0 : 0)) * heads + h) * HD;
-        const bf16_t* q1 = q + ((long long)(first + (has1 ? r1 : 0)) * heads + h) * HD;
+        const long long q_stride = (long long)(heads + 2 * kv_heads) * HD;
+        const bf16_t* q0 = q + (first + (has0 ? r0 : 0)) * q_stride + h * HD;
+        const bf16_t* q1 = q + (first + (has1 ? r1 : 0)) * q_stride + h * HD;
 #pragma unroll
         for (int kk = 0; kk < HD / 16; ++kk) {
             const int c = kk * 16 + 2 * qd;

@@ -1,5 +1,5 @@
-// Row and element kernels of the forward pass: embedding gather, RMSNorm, RoPE, SiLU-and-multiply,
-// residual add, Q/K/V bias and random fill.
+// Row and element kernels of the forward pass: embedding gather, RMSNorm (alone, and after the
+// residual add), RoPE with the K/V cache write, SiLU-and-multiply, Q/K/V bias and random fill.
 
 // out[t, :] = table[ids[t], :]. Grid: one block per token.
 extern "C" __global__ void embedding_gather(const bf16_t* __restrict__ table,
@@ -12,6 +12,18 @@ extern "C" __global__ void embedding_gather(const bf16_t* __restrict__ table,
     }
 }
 
+// out = x / sqrt(mean(x^2) + eps) * w for the block's row of `dim`, given ss = sum(x^2) of the
+// thread's own columns (threadIdx.x, + blockDim.x, ...).
+__device__ __forceinline__ void norm_row(const bf16_t* __restrict__ x,
+                                         const bf16_t* __restrict__ w, bf16_t* __restrict__ out,
+                                         int dim, float eps, float ss) {
+    ss = block_sum(ss);
+    const float scale = rsqrtf(ss / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        out[i] = f32_to_bf16(bf16_to_f32(x[i]) * scale * bf16_to_f32(w[i]));
+    }
+}
+
 // out = x / sqrt(mean(x^2) + eps) * w, per row. Grid: one block per row.
 extern "C" __global__ void rmsnorm(const bf16_t* __restrict__ x, const bf16_t* __restrict__ w,
                                    bf16_t* __restrict__ out, int dim, float eps) {
@@ -21,57 +33,88 @@ extern "C" __global__ void rmsnorm(const bf16_t* __restrict__ x, const bf16_t* _
         float v = bf16_to_f32(x[base + i]);
         ss += v * v;
     }
-    ss = block_sum(ss);
-    const float scale = rsqrtf(ss / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        out[base + i] = f32_to_bf16(bf16_to_f32(x[base + i]) * scale * bf16_to_f32(w[i]));
-    }
+    norm_row(x + base, w, out + base, dim, eps, ss);
 }
 
-// Rotary embedding in place on q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim]:
-// the first rope_dims of each head rotate by pos[t] * inv_freq[i], in adjacent pairs
-// (interleaved = 1, GGUF llama) or halves (interleaved = 0, NeoX style). Grid: one block per
-// token; threads over (head, pair).
-extern "C" __global__ void rope(bf16_t* __restrict__ q, bf16_t* __restrict__ k,
-                                const int* __restrict__ pos, const float* __restrict__ inv_freq,
-                                int heads, int kv_heads, int head_dim, int rope_dims,
-                                int interleaved) {
+// The residual add, then RMSNorm of the sum: x += y (the residual stream, rounded to bf16 in
+// place), out = x / sqrt(mean(x^2) + eps) * w, per row. Grid: one block per row.
+extern "C" __global__ void add_rmsnorm(bf16_t* __restrict__ x, const bf16_t* __restrict__ y,
+                                       const bf16_t* __restrict__ w, bf16_t* __restrict__ out,
+                                       int dim, float eps) {
+    const long long base = (long long)blockIdx.x * dim;
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        const bf16_t sum = f32_to_bf16(bf16_to_f32(x[base + i]) + bf16_to_f32(y[base + i]));
+        x[base + i] = sum;
+        const float v = bf16_to_f32(sum);
+        ss += v * v;
+    }
+    norm_row(x + base, w, out + base, dim, eps, ss);
+}
+
+// Rotary embedding on each token's row of the fused projection, qkv[t] = [q: heads, k:
+// kv_heads, v: kv_heads] x head_dim: the first rope_dims of each query and key head rotate by
+// pos[t] * inv_freq[i], in adjacent pairs (interleaved = 1, GGUF llama) or halves
+// (interleaved = 0, NeoX style). The query heads rotate in place (attention reads them
+// there); the rotated key heads and the value heads go into the cache at slots[t] (nothing
+// when slot < 0: padding). Grid: one block per token; threads over (head, pair), then over
+// the K/V row.
+extern "C" __global__ void rope_kv(bf16_t* __restrict__ qkv, bf16_t* __restrict__ k_cache,
+                                   bf16_t* __restrict__ v_cache, const int* __restrict__ pos,
+                                   const int* __restrict__ slots,
+                                   const float* __restrict__ inv_freq, int heads, int kv_heads,
+                                   int head_dim, int rope_dims, int interleaved) {
     const long long t = blockIdx.x;
+    const long long kv_dim = (long long)kv_heads * head_dim;
+    bf16_t* row = qkv + t * ((long long)heads * head_dim + 2 * kv_dim);
+    const bf16_t* k = row + (long long)heads * head_dim;
+    const int slot = slots[t];
+    bf16_t* k_dst = k_cache + (long long)max(slot, 0) * kv_dim;
     const int half = rope_dims / 2;
     const float p = (float)pos[t];
     const int work = (heads + kv_heads) * half;
     for (int w = threadIdx.x; w < work; w += blockDim.x) {
         const int h = w / half;
         const int i = w % half;
-        bf16_t* x = (h < heads) ? q + (t * heads + h) * head_dim
-                                : k + (t * kv_heads + (h - heads)) * head_dim;
+        bf16_t* x = row + (long long)h * head_dim;  // key heads follow the query heads
         const int a = interleaved ? 2 * i : i;
         const int b = interleaved ? 2 * i + 1 : i + half;
         float s, c;
         sincosf(p * inv_freq[i], &s, &c);
         const float x0 = bf16_to_f32(x[a]);
         const float x1 = bf16_to_f32(x[b]);
-        x[a] = f32_to_bf16(x0 * c - x1 * s);
-        x[b] = f32_to_bf16(x0 * s + x1 * c);
+        const bf16_t y0 = f32_to_bf16(x0 * c - x1 * s);
+        const bf16_t y1 = f32_to_bf16(x0 * s + x1 * c);
+        if (h < heads) {
+            x[a] = y0;
+            x[b] = y1;
+        } else if (slot >= 0) {
+            bf16_t* kh = k_dst + (long long)(h - heads) * head_dim;
+            kh[a] = y0;
+            kh[b] = y1;
+        }
+    }
+    if (slot < 0) {
+        return;
+    }
+    // The key dimensions past rope_dims as they are, and the values.
+    for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) {
+        if (i % head_dim >= rope_dims) {
+            k_dst[i] = k[i];
+        }
+        v_cache[(long long)slot * kv_dim + i] = k[kv_dim + i];
     }
 }
 
-// out = silu(gate) * up, elementwise over n.
-extern "C" __global__ void silu_mul(const bf16_t* __restrict__ gate, const bf16_t* __restrict__ up,
-                                    bf16_t* __restrict__ out, long long n) {
+// out[r, i] = silu(gate) * up for each row r of the fused gate/up projection, gate_up[r] =
+// [gate: inter, up: inter]; n = rows * inter.
+extern "C" __global__ void silu_mul(const bf16_t* __restrict__ gate_up, bf16_t* __restrict__ out,
+                                    long long n, int inter) {
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
          i += (long long)gridDim.x * blockDim.x) {
-        const float g = bf16_to_f32(gate[i]);
-        out[i] = f32_to_bf16(g / (1.0f + __expf(-g)) * bf16_to_f32(up[i]));
-    }
-}
-
-// x += y, elementwise over n (the residual stream).
-extern "C" __global__ void add_inplace(bf16_t* __restrict__ x, const bf16_t* __restrict__ y,
-                                       long long n) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
-        x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(y[i]));
+        const bf16_t* row = gate_up + (i / inter) * 2 * inter + (i % inter);
+        const float g = bf16_to_f32(row[0]);
+        out[i] = f32_to_bf16(g / (1.0f + __expf(-g)) * bf16_to_f32(row[inter]));
     }
 }
 

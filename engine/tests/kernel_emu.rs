@@ -231,14 +231,14 @@ fn the_emulation_reports_divergent_barriers_and_unknown_kernels() -> anyhow::Res
             (1, 1),
             32,
             &mut [
-                Arg::In(kernel_checks::bytes(&[0u16; 4])),
-                Arg::In(kernel_checks::bytes(&[0u16; 4])),
+                Arg::In(kernel_checks::bytes(&[0u16; 8])),
                 Arg::Out(kernel_checks::bytes_mut(&mut o)),
+                Arg::I32(4),
                 Arg::I32(4),
             ],
         )
         .err()
         .context("a 4-byte argument for an 8-byte parameter went unnoticed")?;
-    ensure!(e.to_string().contains("parameter 3 is 8 bytes, given 4"), "{e}");
+    ensure!(e.to_string().contains("parameter 2 is 8 bytes, given 4"), "{e}");
     Ok(())
 }

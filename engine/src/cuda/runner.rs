@@ -63,11 +63,10 @@ fn run_err(e: impl std::fmt::Display) -> CudaError {
 struct Kernels {
     gather: CudaFunction,
     rmsnorm: CudaFunction,
-    rope: CudaFunction,
+    add_rmsnorm: CudaFunction,
+    rope_kv: CudaFunction,
     silu_mul: CudaFunction,
-    add: CudaFunction,
     add_bias: CudaFunction,
-    kv_write: CudaFunction,
     /// `paged_attention` for any head size, and built for one head size.
     attention: CudaFunction,
     attention_for: [(usize, CudaFunction); 2],
@@ -81,16 +80,16 @@ struct Kernels {
     dequant_q8_0: CudaFunction,
 }
 
+/// One layer's weights; the projections that read the same input are stacked into one matrix
+/// (one GEMM each): Q, K and V rows in `wqkv` (and their biases), gate and up rows in
+/// `w_gate_up`.
 struct DeviceLayer {
     attn_norm: CudaSlice<bf16>,
-    wq: CudaSlice<bf16>,
-    wk: CudaSlice<bf16>,
-    wv: CudaSlice<bf16>,
-    bias: Option<[CudaSlice<bf16>; 3]>,
+    wqkv: CudaSlice<bf16>,
+    bias: Option<CudaSlice<bf16>>,
     wo: CudaSlice<bf16>,
     ffn_norm: CudaSlice<bf16>,
-    w_gate: CudaSlice<bf16>,
-    w_up: CudaSlice<bf16>,
+    w_gate_up: CudaSlice<bf16>,
     w_down: CudaSlice<bf16>,
 }
 
@@ -172,13 +171,12 @@ struct Workspace {
     staging: Vec<i32>,
     x: CudaSlice<bf16>,
     xn: CudaSlice<bf16>,
-    q: CudaSlice<bf16>,
-    k: CudaSlice<bf16>,
-    v: CudaSlice<bf16>,
+    /// Each row's Q, K and V projections, one after another.
+    qkv: CudaSlice<bf16>,
     attn: CudaSlice<bf16>,
     o: CudaSlice<bf16>,
-    gate: CudaSlice<bf16>,
-    up: CudaSlice<bf16>,
+    /// Each row's gate and up projections, one after another.
+    gate_up: CudaSlice<bf16>,
     act: CudaSlice<bf16>,
     picked: CudaSlice<bf16>,
     logits: CudaSlice<f32>,
@@ -226,13 +224,10 @@ impl Workspace {
         let halves = [
             &self.x,
             &self.xn,
-            &self.q,
-            &self.k,
-            &self.v,
+            &self.qkv,
             &self.attn,
             &self.o,
-            &self.gate,
-            &self.up,
+            &self.gate_up,
             &self.act,
             &self.picked,
         ];
@@ -431,11 +426,10 @@ impl CudaRunner {
         let k = Kernels {
             gather: f("elementwise", "embedding_gather")?,
             rmsnorm: f("elementwise", "rmsnorm")?,
-            rope: f("elementwise", "rope")?,
+            add_rmsnorm: f("elementwise", "add_rmsnorm")?,
+            rope_kv: f("elementwise", "rope_kv")?,
             silu_mul: f("elementwise", "silu_mul")?,
-            add: f("elementwise", "add_inplace")?,
             add_bias: f("elementwise", "add_bias")?,
-            kv_write: f("attention", "kv_write")?,
             attention: f("attention", "paged_attention")?,
             attention_for: [
                 (64, f("attention", "paged_attention_64")?),
@@ -506,6 +500,19 @@ impl CudaRunner {
         self.stream.clone_htod(&all).map_err(run_err)
     }
 
+    /// The matrices `parts` (row-major, the same columns) stacked into one: their rows one
+    /// after another.
+    fn stack(&self, parts: &[CudaSlice<bf16>]) -> Result<CudaSlice<bf16>, CudaError> {
+        let total = parts.iter().map(CudaSlice::len).sum();
+        let mut out = self.stream.alloc_zeros::<bf16>(total).map_err(run_err)?;
+        let mut at = 0;
+        for p in parts {
+            self.stream.memcpy_dtod(p, &mut out.slice_mut(at..at + p.len())).map_err(run_err)?;
+            at += p.len();
+        }
+        Ok(out)
+    }
+
     /// Copies `w` to the device as bf16 (dequantized once, here).
     pub fn upload(&self, w: &LlamaWeights) -> Result<CudaModel, CudaError> {
         let c = &w.config;
@@ -523,21 +530,22 @@ impl CudaRunner {
         let mut layers = Vec::with_capacity(w.layers.len());
         for l in &w.layers {
             let bias = match (&l.bq, &l.bk, &l.bv) {
-                (Some(q), Some(k), Some(v)) => {
-                    Some([self.upload_f32(q)?, self.upload_f32(k)?, self.upload_f32(v)?])
-                }
+                (Some(q), Some(k), Some(v)) => Some(self.upload_f32(&[&q[..], k, v].concat())?),
                 _ => None,
+            };
+            // The matrices read from the same input, uploaded and stacked into one.
+            let stacked = |ws: &[&PackedWeight]| -> Result<CudaSlice<bf16>, CudaError> {
+                let parts: Vec<_> =
+                    ws.iter().map(|w| self.upload_weight(w)).collect::<Result<_, _>>()?;
+                self.stack(&parts)
             };
             layers.push(DeviceLayer {
                 attn_norm: self.upload_f32(&l.attn_norm)?,
-                wq: self.upload_weight(&l.wq)?,
-                wk: self.upload_weight(&l.wk)?,
-                wv: self.upload_weight(&l.wv)?,
+                wqkv: stacked(&[&l.wq, &l.wk, &l.wv])?,
                 bias,
                 wo: self.upload_weight(&l.wo)?,
                 ffn_norm: self.upload_f32(&l.ffn_norm)?,
-                w_gate: self.upload_weight(&l.w_gate)?,
-                w_up: self.upload_weight(&l.w_up)?,
+                w_gate_up: stacked(&[&l.w_gate, &l.w_up])?,
                 w_down: self.upload_weight(&l.w_down)?,
             });
         }
@@ -582,14 +590,11 @@ impl CudaRunner {
         for _ in 0..c.layers {
             layers.push(DeviceLayer {
                 attn_norm: self.random(h, 0, 0.0, 1.0)?,
-                wq: w(q, h)?,
-                wk: w(kv, h)?,
-                wv: w(kv, h)?,
+                wqkv: w(q + 2 * kv, h)?,
                 bias: None,
                 wo: w(h, q)?,
                 ffn_norm: self.random(h, 0, 0.0, 1.0)?,
-                w_gate: w(ff, h)?,
-                w_up: w(ff, h)?,
+                w_gate_up: w(2 * ff, h)?,
                 w_down: w(h, ff)?,
             });
         }
@@ -711,12 +716,24 @@ impl CudaRunner {
         Ok(())
     }
 
-    fn add(&self, x: &mut CudaSlice<bf16>, y: &CudaSlice<bf16>, n: usize) -> Result<(), CudaError> {
-        let n_i = n as i64;
-        let mut b = self.stream.launch_builder(&self.k.add);
-        b.arg(x).arg(y).arg(&n_i);
-        // SAFETY: arguments match `add_inplace`.
-        unsafe { b.launch(flat(n)) }.map_err(run_err)?;
+    /// `x += y`, then `out = rmsnorm(x) * w`, over `rows` rows of `dim`.
+    #[expect(clippy::too_many_arguments, reason = "the kernel's operands")]
+    fn add_rmsnorm(
+        &self,
+        x: &mut CudaSlice<bf16>,
+        y: &CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), CudaError> {
+        let d = dim as i32;
+        let mut b = self.stream.launch_builder(&self.k.add_rmsnorm);
+        b.arg(x).arg(y).arg(w).arg(out).arg(&d).arg(&eps);
+        // SAFETY: arguments match `add_rmsnorm` in kernels/elementwise.cu; x, y and out hold
+        // `rows` rows of `dim`.
+        unsafe { b.launch(grid(rows, 1, 256)) }.map_err(run_err)?;
         Ok(())
     }
 
@@ -1012,13 +1029,10 @@ impl CudaRunner {
             staging: vec![0; ints],
             x: h(rows * c.hidden)?,
             xn: h(rows * c.hidden)?,
-            q: h(rows * c.q_dim())?,
-            k: h(rows * c.kv_dim())?,
-            v: h(rows * c.kv_dim())?,
+            qkv: h(rows * (c.q_dim() + 2 * c.kv_dim()))?,
             attn: h(rows * c.q_dim())?,
             o: h(rows * c.hidden)?,
-            gate: h(rows * c.intermediate)?,
-            up: h(rows * c.intermediate)?,
+            gate_up: h(rows * 2 * c.intermediate)?,
             act: h(rows * c.intermediate)?,
             picked: h(wanted * c.hidden)?,
             logits: self
@@ -1092,7 +1106,8 @@ impl CudaRunner {
         unsafe { b.launch(grid(n, 1, 256)) }.map_err(run_err)?;
 
         let (heads, kv_heads) = (c.heads as i32, c.kv_heads as i32);
-        let (hd_i, rd_i, kvd_i) = (hd as i32, c.rope_dims as i32, kv_dim as i32);
+        let (hd_i, rd_i) = (hd as i32, c.rope_dims as i32);
+        let qkv_dim = q_dim + 2 * kv_dim;
         let interleaved = i32::from(c.rope_style == RopeStyle::Interleaved);
         let (bs_i, mb_i) = (block_size as i32, max_blocks as i32);
         let scale = 1.0 / (hd as f32).sqrt();
@@ -1107,30 +1122,26 @@ impl CudaRunner {
             return Err(run_err("the split-K buffers are too small for the pass"));
         }
         let splits_i = splits as i32;
-        for ((l, kc), vc) in m.layers.iter().zip(k_cache.iter_mut()).zip(v_cache.iter_mut()) {
-            self.rmsnorm(&ws.x, &l.attn_norm, n, hidden, c.rms_eps, &mut ws.xn)?;
-            self.linear(&ws.xn, n, &l.wq, q_dim, hidden, &mut ws.q)?;
-            self.linear(&ws.xn, n, &l.wk, kv_dim, hidden, &mut ws.k)?;
-            self.linear(&ws.xn, n, &l.wv, kv_dim, hidden, &mut ws.v)?;
-            if let Some([bq, bk, bv]) = &l.bias {
-                self.add_bias(&mut ws.q, bq, n, q_dim)?;
-                self.add_bias(&mut ws.k, bk, n, kv_dim)?;
-                self.add_bias(&mut ws.v, bv, n, kv_dim)?;
+        // Each norm after the first comes with the residual add before it (add_rmsnorm): the
+        // attention norm of layer i + 1 (or the final norm) after layer i's FFN.
+        let first_norm = m.layers.first().map_or(&m.norm, |l| &l.attn_norm);
+        self.rmsnorm(&ws.x, first_norm, n, hidden, c.rms_eps, &mut ws.xn)?;
+        let layers = m.layers.iter().zip(k_cache.iter_mut()).zip(v_cache.iter_mut()).enumerate();
+        for (i, ((l, kc), vc)) in layers {
+            self.linear(&ws.xn, n, &l.wqkv, qkv_dim, hidden, &mut ws.qkv)?;
+            if let Some(bias) = &l.bias {
+                self.add_bias(&mut ws.qkv, bias, n, qkv_dim)?;
             }
-            let mut b = self.stream.launch_builder(&self.k.rope);
-            b.arg(&mut ws.q).arg(&mut ws.k).arg(&pos).arg(&m.inv_freq);
-            b.arg(&heads).arg(&kv_heads).arg(&hd_i).arg(&rd_i).arg(&interleaved);
-            // SAFETY: arguments match `rope`.
-            unsafe { b.launch(grid(n, 1, 128)) }.map_err(run_err)?;
-            let mut b = self.stream.launch_builder(&self.k.kv_write);
-            b.arg(&ws.k).arg(&ws.v).arg(&mut *kc).arg(&mut *vc).arg(&slots).arg(&kvd_i);
-            // SAFETY: arguments match `kv_write`; every slot is inside the cache or -1
-            // (checked by `plan`).
+            let mut b = self.stream.launch_builder(&self.k.rope_kv);
+            b.arg(&mut ws.qkv).arg(&mut *kc).arg(&mut *vc).arg(&pos).arg(&slots);
+            b.arg(&m.inv_freq).arg(&heads).arg(&kv_heads).arg(&hd_i).arg(&rd_i).arg(&interleaved);
+            // SAFETY: arguments match `rope_kv`; qkv holds n rows of (heads + 2 kv_heads)
+            // head_dim; every slot is inside the cache or -1 (checked by `plan`).
             unsafe { b.launch(grid(n, 1, 128)) }.map_err(run_err)?;
             if singles > 0 {
                 let f = self.k.attention_for.iter().find(|(d, _)| *d == c.head_dim);
                 let mut b = self.stream.launch_builder(f.map_or(&self.k.attention, |(_, f)| f));
-                b.arg(&ws.q).arg(&*kc).arg(&*vc).arg(&tables).arg(&q_seq);
+                b.arg(&ws.qkv).arg(&*kc).arg(&*vc).arg(&tables).arg(&q_seq);
                 b.arg(&ctx_len).arg(&singles_in).arg(&mut ws.attn);
                 b.arg(&heads).arg(&kv_heads).arg(&hd_i).arg(&bs_i).arg(&mb_i).arg(&scale);
                 b.arg(&splits_i).arg(&mut ws.part).arg(&mut ws.counters);
@@ -1142,7 +1153,7 @@ impl CudaRunner {
             }
             if let (true, Some(f)) = (tiles > 0, prefill) {
                 let mut b = self.stream.launch_builder(f);
-                b.arg(&ws.q).arg(&*kc).arg(&*vc).arg(&tables).arg(&q_seq);
+                b.arg(&ws.qkv).arg(&*kc).arg(&*vc).arg(&tables).arg(&q_seq);
                 b.arg(&ctx_len).arg(&tiles_in).arg(&mut ws.attn);
                 b.arg(&heads).arg(&kv_heads).arg(&bs_i).arg(&mb_i).arg(&scale);
                 // SAFETY: arguments match `prefill_attention_<head_dim>`; each tile holds 1..64
@@ -1150,23 +1161,22 @@ impl CudaRunner {
                 unsafe { b.launch(grid(tiles, c.heads, 128)) }.map_err(run_err)?;
             }
             self.linear(&ws.attn, n, &l.wo, hidden, q_dim, &mut ws.o)?;
-            self.add(&mut ws.x, &ws.o, n * hidden)?;
-            self.rmsnorm(&ws.x, &l.ffn_norm, n, hidden, c.rms_eps, &mut ws.xn)?;
-            self.linear(&ws.xn, n, &l.w_gate, c.intermediate, hidden, &mut ws.gate)?;
-            self.linear(&ws.xn, n, &l.w_up, c.intermediate, hidden, &mut ws.up)?;
-            let ni = (n * c.intermediate) as i64;
+            self.add_rmsnorm(&mut ws.x, &ws.o, &l.ffn_norm, n, hidden, c.rms_eps, &mut ws.xn)?;
+            self.linear(&ws.xn, n, &l.w_gate_up, 2 * c.intermediate, hidden, &mut ws.gate_up)?;
+            let (ni, inter) = ((n * c.intermediate) as i64, c.intermediate as i32);
             let mut b = self.stream.launch_builder(&self.k.silu_mul);
-            b.arg(&ws.gate).arg(&ws.up).arg(&mut ws.act).arg(&ni);
-            // SAFETY: arguments match `silu_mul`.
+            b.arg(&ws.gate_up).arg(&mut ws.act).arg(&ni).arg(&inter);
+            // SAFETY: arguments match `silu_mul`; gate_up holds n rows of 2 * intermediate.
             unsafe { b.launch(flat(n * c.intermediate)) }.map_err(run_err)?;
             self.linear(&ws.act, n, &l.w_down, hidden, c.intermediate, &mut ws.o)?;
-            self.add(&mut ws.x, &ws.o, n * hidden)?;
+            let next = m.layers.get(i + 1).map_or(&m.norm, |l| &l.attn_norm);
+            self.add_rmsnorm(&mut ws.x, &ws.o, next, n, hidden, c.rms_eps, &mut ws.xn)?;
         }
         if wanted == 0 {
             return Ok(());
         }
-        self.rmsnorm(&ws.x, &m.norm, n, hidden, c.rms_eps, &mut ws.xn)?;
-        // The wanted rows, gathered with the embedding kernel (a row gather).
+        // The wanted rows of the final norm, gathered with the embedding kernel (a row
+        // gather).
         let mut b = self.stream.launch_builder(&self.k.gather);
         b.arg(&ws.xn).arg(&want).arg(&mut ws.picked).arg(&h_i);
         // SAFETY: arguments match `embedding_gather`; every index is below n.

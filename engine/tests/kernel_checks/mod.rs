@@ -110,8 +110,8 @@ pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, |m, d| if d.is_nan() { f32::INFINITY } else { m.max(d) })
 }
 
-/// RMSNorm, RoPE in both pair layouts, SiLU-and-multiply, the residual add, Q/K/V bias, the
-/// embedding gather and the device's random fill.
+/// RMSNorm alone and after the residual add, RoPE with the K/V cache write in both pair
+/// layouts, SiLU-and-multiply, Q/K/V bias, the embedding gather and the device's random fill.
 pub fn elementwise(d: &dyn Dev) -> anyhow::Result<()> {
     use Arg::*;
     let (rows, dim, eps) = (3usize, 576usize, 1e-5f32);
@@ -142,79 +142,143 @@ pub fn elementwise(d: &dyn Dev) -> anyhow::Result<()> {
     let diff = max_diff(&from_bf16(&out), &want);
     ensure!(diff < 2e-2, "rmsnorm differs by {diff}");
 
-    // RoPE, both pair layouts, 2 tokens, 3 query heads and 1 KV head of 64 (rope on all 64).
-    for interleaved in [1i32, 0] {
+    // The residual add with the norm after it: x += y in place (rounded to bf16 as the sum is
+    // everywhere), then the norm of the sum.
+    let y = rounded(&values(rows * dim, 3));
+    let mut x_b = to_bf16(&x);
+    let mut out = vec![0u16; rows * dim];
+    d.launch(
+        "elementwise",
+        "add_rmsnorm",
+        (rows as u32, 1),
+        256,
+        &mut [
+            Out(bytes_mut(&mut x_b)),
+            In(bytes(&to_bf16(&y))),
+            In(bytes(&to_bf16(&w))),
+            Out(bytes_mut(&mut out)),
+            I32(dim as i32),
+            F32(eps),
+        ],
+    )?;
+    let sum: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
+    ensure!(x_b == to_bf16(&sum), "add_rmsnorm's sum is not x + y rounded to bf16");
+    let sum = rounded(&sum);
+    let mut want = vec![0f32; rows * dim];
+    for r in 0..rows {
+        let row = &sum[r * dim..][..dim];
+        let scale = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / dim as f32 + eps).sqrt();
+        for i in 0..dim {
+            want[r * dim + i] = row[i] * scale * w[i];
+        }
+    }
+    let diff = max_diff(&from_bf16(&out), &want);
+    ensure!(diff < 2e-2, "add_rmsnorm differs by {diff}");
+
+    // RoPE with the cache write, both pair layouts, on all 64 dimensions of a head and on the
+    // first 32: 3 tokens of fused rows (3 query heads, 1 KV head of 64), the third padding
+    // (slot -1: nothing written). Query heads rotate in place; the rotated key and the value
+    // land in the token's slot of a 4-slot cache that starts as NaN, the other slots untouched.
+    for (interleaved, rope_dims) in [(1i32, 64usize), (0, 64), (1, 32), (0, 32)] {
         let (heads, kv_heads, hd) = (3usize, 1usize, 64usize);
-        let qv = rounded(&values(2 * heads * hd, 3));
-        let kv = rounded(&values(2 * kv_heads * hd, 4));
-        let pos = [5i32, 17];
-        let inv_freq: Vec<f32> =
-            (0..hd / 2).map(|i| 10000f32.powf(-((2 * i) as f32) / hd as f32)).collect();
-        let (mut q_b, mut k_b) = (to_bf16(&qv), to_bf16(&kv));
+        let width = (heads + 2 * kv_heads) * hd;
+        let qkv = rounded(&values(3 * width, 3));
+        let pos = [5i32, 17, 9];
+        let slots = [2i32, 0, -1];
+        let inv_freq: Vec<f32> = (0..rope_dims / 2)
+            .map(|i| 10000f32.powf(-((2 * i) as f32) / rope_dims as f32))
+            .collect();
+        let mut qkv_b = to_bf16(&qkv);
+        let (mut kc, mut vc) = (vec![0x7fc0u16; 4 * hd], vec![0x7fc0u16; 4 * hd]);
         d.launch(
             "elementwise",
-            "rope",
-            (2, 1),
+            "rope_kv",
+            (3, 1),
             128,
             &mut [
-                Out(bytes_mut(&mut q_b)),
-                Out(bytes_mut(&mut k_b)),
+                Out(bytes_mut(&mut qkv_b)),
+                Out(bytes_mut(&mut kc)),
+                Out(bytes_mut(&mut vc)),
                 In(bytes(&pos)),
+                In(bytes(&slots)),
                 In(bytes(&inv_freq)),
                 I32(heads as i32),
                 I32(kv_heads as i32),
                 I32(hd as i32),
-                I32(hd as i32),
+                I32(rope_dims as i32),
                 I32(interleaved),
             ],
         )?;
-        let rotate = |v: &[f32], n_heads: usize| {
-            let mut v = v.to_vec();
-            for t in 0..2 {
-                for h in 0..n_heads {
-                    let x = &mut v[(t * n_heads + h) * hd..][..hd];
-                    for (i, freq) in inv_freq.iter().enumerate() {
-                        let (a, b) =
-                            if interleaved == 1 { (2 * i, 2 * i + 1) } else { (i, i + hd / 2) };
-                        let (sn, cs) = (pos[t] as f32 * freq).sin_cos();
-                        let (x0, x1) = (x[a], x[b]);
-                        x[a] = x0 * cs - x1 * sn;
-                        x[b] = x0 * sn + x1 * cs;
-                    }
-                }
+        let rotate = |x: &[f32], t: usize| {
+            let mut x = x.to_vec();
+            for (i, freq) in inv_freq.iter().enumerate() {
+                let (a, b) =
+                    if interleaved == 1 { (2 * i, 2 * i + 1) } else { (i, i + rope_dims / 2) };
+                let (sn, cs) = (pos[t] as f32 * freq).sin_cos();
+                let (x0, x1) = (x[a], x[b]);
+                x[a] = x0 * cs - x1 * sn;
+                x[b] = x0 * sn + x1 * cs;
             }
-            v
+            x
         };
-        let dq = max_diff(&from_bf16(&q_b), &rotate(&qv, heads));
-        let dk = max_diff(&from_bf16(&k_b), &rotate(&kv, kv_heads));
-        ensure!(dq < 2e-2 && dk < 2e-2, "rope (interleaved {interleaved}) differs by {dq}/{dk}");
+        let got = from_bf16(&qkv_b);
+        let what = format!("rope_kv (interleaved {interleaved}, {rope_dims} dims)");
+        for t in 0..3 {
+            let row = &qkv[t * width..][..width];
+            for h in 0..heads {
+                let dq =
+                    max_diff(&got[t * width + h * hd..][..hd], &rotate(&row[h * hd..][..hd], t));
+                ensure!(dq < 2e-2, "{what}: token {t} query head {h} differs by {dq}");
+            }
+            ensure!(
+                got[t * width + heads * hd..][..2 * hd] == row[heads * hd..][..2 * hd],
+                "{what}: token {t}'s K/V projections changed in place"
+            );
+            let Ok(slot) = usize::try_from(slots[t]) else { continue };
+            let dk =
+                max_diff(&from_bf16(&kc[slot * hd..][..hd]), &rotate(&row[heads * hd..][..hd], t));
+            ensure!(dk < 2e-2, "{what}: token {t}'s cached key differs by {dk}");
+            ensure!(
+                from_bf16(&vc[slot * hd..][..hd]) == row[(heads + 1) * hd..][..hd],
+                "{what}: token {t}'s cached value"
+            );
+        }
+        for slot in [1usize, 3] {
+            ensure!(
+                kc[slot * hd..][..hd].iter().chain(&vc[slot * hd..][..hd]).all(|&b| b == 0x7fc0),
+                "{what}: slot {slot}, no token's, was written"
+            );
+        }
     }
 
-    // SiLU-and-multiply, then the residual add, then a bias on every row.
-    let n = 1000usize;
-    let (gate, up) = (rounded(&values(n, 5)), rounded(&values(n, 6)));
-    let up_b = to_bf16(&up);
+    // SiLU-and-multiply over 2 rows of fused gate/up projections (500 + 500), then a bias on
+    // every row.
+    let (n, inter) = (1000usize, 500usize);
+    let gate_up = rounded(&values(2 * n, 5));
     let mut o = vec![0u16; n];
     d.launch(
         "elementwise",
         "silu_mul",
         (4, 1),
         256,
-        &mut [In(bytes(&to_bf16(&gate))), In(bytes(&up_b)), Out(bytes_mut(&mut o)), I64(n as i64)],
+        &mut [
+            In(bytes(&to_bf16(&gate_up))),
+            Out(bytes_mut(&mut o)),
+            I64(n as i64),
+            I32(inter as i32),
+        ],
     )?;
     let got = from_bf16(&o);
-    let want: Vec<f32> = gate.iter().zip(&up).map(|(g, u)| g / (1.0 + (-g).exp()) * u).collect();
+    let want: Vec<f32> = (0..n)
+        .map(|i| {
+            let (g, u) = (
+                gate_up[i / inter * 2 * inter + i % inter],
+                gate_up[i / inter * 2 * inter + inter + i % inter],
+            );
+            g / (1.0 + (-g).exp()) * u
+        })
+        .collect();
     ensure!(max_diff(&got, &want) < 1e-2, "silu_mul differs by {}", max_diff(&got, &want));
-    d.launch(
-        "elementwise",
-        "add_inplace",
-        (4, 1),
-        256,
-        &mut [Out(bytes_mut(&mut o)), In(bytes(&up_b)), I64(n as i64)],
-    )?;
-    let summed = from_bf16(&o);
-    let want: Vec<f32> = got.iter().zip(&up).map(|(a, b)| a + b).collect();
-    ensure!(max_diff(&summed, &want) < 1e-2, "add_inplace differs");
     let bias = rounded(&values(200, 8));
     d.launch(
         "elementwise",
@@ -224,7 +288,7 @@ pub fn elementwise(d: &dyn Dev) -> anyhow::Result<()> {
         &mut [Out(bytes_mut(&mut o)), In(bytes(&to_bf16(&bias))), I32(200)],
     )?;
     let biased = from_bf16(&o);
-    let want: Vec<f32> = summed.iter().enumerate().map(|(i, v)| v + bias[i % 200]).collect();
+    let want: Vec<f32> = got.iter().enumerate().map(|(i, v)| v + bias[i % 200]).collect();
     ensure!(max_diff(&biased, &want) < 2e-2, "add_bias differs");
 
     // The embedding gather: rows 7, 0, 7, 3 of a 10 x 96 table, exactly.
@@ -333,21 +397,35 @@ fn attention_for(d: &dyn Dev, hd: usize, heads: usize, kv_heads: usize) -> anyho
             slots.push(slot_of(seq, j) as i32);
         }
     }
-    // The cache starts as NaN: keys a kernel should not read must not reach the output.
+    // The cache starts as NaN: keys a kernel should not read must not reach the output. The
+    // keys and values go in as the forward pass writes them, by rope_kv from fused Q/K/V rows
+    // (no rotation here: rope_dims 0).
     let mut kc = vec![0x7fc0u16; n_slots * kv_dim];
     let mut vc = kc.clone();
+    let width = (heads + 2 * kv_heads) * hd;
+    let mut kv_in = vec![0u16; slots.len() * width];
+    for t in 0..slots.len() {
+        let row = &mut kv_in[t * width + heads * hd..][..2 * kv_dim];
+        row[..kv_dim].copy_from_slice(&to_bf16(&k_rows[t * kv_dim..][..kv_dim]));
+        row[kv_dim..].copy_from_slice(&to_bf16(&v_rows[t * kv_dim..][..kv_dim]));
+    }
     d.launch(
-        "attention",
-        "kv_write",
+        "elementwise",
+        "rope_kv",
         (slots.len() as u32, 1),
         128,
         &mut [
-            In(bytes(&to_bf16(&k_rows))),
-            In(bytes(&to_bf16(&v_rows))),
+            Out(bytes_mut(&mut kv_in)),
             Out(bytes_mut(&mut kc)),
             Out(bytes_mut(&mut vc)),
+            In(bytes(&vec![0i32; slots.len()])),
             In(bytes(&slots)),
-            I32(kv_dim as i32),
+            In(bytes(&[1f32])),
+            I32(heads as i32),
+            I32(kv_heads as i32),
+            I32(hd as i32),
+            I32(0),
+            I32(0),
         ],
     )?;
     // Rows: sequence 0 at 30..37, sequence 1 decoding at position 4, sequence 2 at 10..100.
@@ -360,7 +438,13 @@ fn attention_for(d: &dyn Dev, hd: usize, heads: usize, kv_heads: usize) -> anyho
     }
     let rows = q_seq.len();
     let q = rounded(&values(rows * heads * hd, 77 + hd as u64));
-    let q_b = to_bf16(&q);
+    // The kernels read the query heads of fused Q/K/V rows; the K/V parts here are NaN (they
+    // read the cache, never these).
+    let mut q_b = vec![0x7fc0u16; rows * width];
+    for r in 0..rows {
+        q_b[r * width..][..heads * hd]
+            .copy_from_slice(&to_bf16(&q[r * heads * hd..][..heads * hd]));
+    }
     let scale = 1.0 / (hd as f32).sqrt();
     let mut want = vec![0f32; rows * heads * hd];
     for r in 0..rows {
