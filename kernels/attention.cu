@@ -251,55 +251,63 @@ __device__ __forceinline__ void attend_group_wide(const bf16_t* __restrict__ q,
         l[g] = 0.0f;
     }
     // Every lane runs every step (the shuffles need the whole warp); a lane past the range
-    // reads nothing and changes nothing.
-    for (int base = k0 + warp * KPW; base < k1; base += ATTN_WARPS * KPW) {
-        const int j = base + sub;
-        const bool live = j < k1;
-        float kf[8];
-        float vf[8];
-        if (live) {
-            const long long slot =
-                (long long)table[j / block_size] * block_size + (j % block_size);
-            const long long off = slot * kv_dim + (long long)kvh * HD + part * 8;
-            const uint4 kw = *(const uint4*)(k_cache + off);
-            const uint4 vw = *(const uint4*)(v_cache + off);
-            const unsigned kk[4] = {kw.x, kw.y, kw.z, kw.w};
-            const unsigned vv[4] = {vw.x, vw.y, vw.z, vw.w};
+    // reads nothing and changes nothing. A step takes ROUNDS rounds of keys, their loads all
+    // issued before any is used (more bytes in flight per warp: decode attention waits on
+    // memory, not arithmetic), then used in key order.
+    constexpr int ROUNDS = 2;
+    constexpr int ROUND = ATTN_WARPS * KPW;  // keys per round, the block's warps together
+    for (int base = k0 + warp * KPW; base < k1; base += ROUND * ROUNDS) {
+        uint4 kw[ROUNDS];
+        uint4 vw[ROUNDS];
+#pragma unroll
+        for (int u = 0; u < ROUNDS; ++u) {
+            const int j = base + u * ROUND + sub;
+            kw[u] = vw[u] = make_uint4(0u, 0u, 0u, 0u);
+            if (j < k1) {
+                const long long slot =
+                    (long long)table[j / block_size] * block_size + (j % block_size);
+                const long long off = slot * kv_dim + (long long)kvh * HD + part * 8;
+                kw[u] = *(const uint4*)(k_cache + off);
+                vw[u] = *(const uint4*)(v_cache + off);
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < ROUNDS; ++u) {
+            const bool live = base + u * ROUND + sub < k1;
+            const unsigned kk[4] = {kw[u].x, kw[u].y, kw[u].z, kw[u].w};
+            const unsigned vv[4] = {vw[u].x, vw[u].y, vw[u].z, vw[u].w};
+            float kf[8];
+            float vf[8];
 #pragma unroll
             for (int e = 0; e < 8; ++e) {
                 kf[e] = bf16_to_f32((bf16_t)((e & 1) ? (kk[e >> 1] >> 16) : (kk[e >> 1] & 0xffffu)));
                 vf[e] = bf16_to_f32((bf16_t)((e & 1) ? (vv[e >> 1] >> 16) : (vv[e >> 1] & 0xffffu)));
             }
-        } else {
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                kf[e] = 0.0f;
-                vf[e] = 0.0f;
-            }
-        }
-#pragma unroll
-        for (int g = 0; g < ATTN_GROUP; ++g) {
-            if (g < nh) {  // the same in every lane
-                float s = 0.0f;
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    s += qv[g][e] * kf[e];
-                }
-                // The key's dot product over its LPK lanes (offsets below LPK stay in the group).
-#pragma unroll
-                for (int o = LPK / 2; o > 0; o >>= 1) {
-                    s += __shfl_xor_sync(0xffffffffu, s, o);
-                }
-                if (live) {
-                    const float m_new = fmaxf(m[g], s);
-                    const float corr = __expf(m[g] - m_new);
-                    const float p = __expf(s - m_new);
-                    l[g] = l[g] * corr + p;
+            for (int g = 0; g < ATTN_GROUP; ++g) {
+                if (g < nh) {  // the same in every lane
+                    float s = 0.0f;
 #pragma unroll
                     for (int e = 0; e < 8; ++e) {
-                        acc[g][e] = acc[g][e] * corr + p * vf[e];
+                        s += qv[g][e] * kf[e];
                     }
-                    m[g] = m_new;
+                    // The key's dot product over its LPK lanes (offsets below LPK stay in the
+                    // group).
+#pragma unroll
+                    for (int o = LPK / 2; o > 0; o >>= 1) {
+                        s += __shfl_xor_sync(0xffffffffu, s, o);
+                    }
+                    if (live) {
+                        const float m_new = fmaxf(m[g], s);
+                        const float corr = __expf(m[g] - m_new);
+                        const float p = __expf(s - m_new);
+                        l[g] = l[g] * corr + p;
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) {
+                            acc[g][e] = acc[g][e] * corr + p * vf[e];
+                        }
+                        m[g] = m_new;
+                    }
                 }
             }
         }
