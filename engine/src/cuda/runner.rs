@@ -698,30 +698,13 @@ impl CudaRunner {
         Ok(())
     }
 
+    /// `out = rmsnorm(x) * w` over `rows` rows of `dim`; with `residual`, `x += residual`
+    /// first (in place: the residual stream), in the same kernel.
+    #[expect(clippy::too_many_arguments, reason = "the kernel's operands")]
     fn rmsnorm(
         &self,
-        x: &CudaSlice<bf16>,
-        w: &CudaSlice<bf16>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-        out: &mut CudaSlice<bf16>,
-    ) -> Result<(), CudaError> {
-        let d = dim as i32;
-        let mut b = self.stream.launch_builder(&self.k.rmsnorm);
-        b.arg(x).arg(w).arg(out).arg(&d).arg(&eps);
-        // SAFETY: arguments match `rmsnorm` in kernels/elementwise.cu; x and out hold `rows`
-        // rows of `dim`.
-        unsafe { b.launch(grid(rows, 1, 256)) }.map_err(run_err)?;
-        Ok(())
-    }
-
-    /// `x += y`, then `out = rmsnorm(x) * w`, over `rows` rows of `dim`.
-    #[expect(clippy::too_many_arguments, reason = "the kernel's operands")]
-    fn add_rmsnorm(
-        &self,
         x: &mut CudaSlice<bf16>,
-        y: &CudaSlice<bf16>,
+        residual: Option<&CudaSlice<bf16>>,
         w: &CudaSlice<bf16>,
         rows: usize,
         dim: usize,
@@ -729,10 +712,21 @@ impl CudaRunner {
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), CudaError> {
         let d = dim as i32;
-        let mut b = self.stream.launch_builder(&self.k.add_rmsnorm);
-        b.arg(x).arg(y).arg(w).arg(out).arg(&d).arg(&eps);
-        // SAFETY: arguments match `add_rmsnorm` in kernels/elementwise.cu; x, y and out hold
-        // `rows` rows of `dim`.
+        let mut b = match residual {
+            Some(y) => {
+                let mut b = self.stream.launch_builder(&self.k.add_rmsnorm);
+                b.arg(x).arg(y);
+                b
+            }
+            None => {
+                let mut b = self.stream.launch_builder(&self.k.rmsnorm);
+                b.arg(&*x);
+                b
+            }
+        };
+        b.arg(w).arg(out).arg(&d).arg(&eps);
+        // SAFETY: arguments match `rmsnorm` or `add_rmsnorm` in kernels/elementwise.cu; x, out
+        // and the residual hold `rows` rows of `dim`.
         unsafe { b.launch(grid(rows, 1, 256)) }.map_err(run_err)?;
         Ok(())
     }
@@ -1125,7 +1119,7 @@ impl CudaRunner {
         // Each norm after the first comes with the residual add before it (add_rmsnorm): the
         // attention norm of layer i + 1 (or the final norm) after layer i's FFN.
         let first_norm = m.layers.first().map_or(&m.norm, |l| &l.attn_norm);
-        self.rmsnorm(&ws.x, first_norm, n, hidden, c.rms_eps, &mut ws.xn)?;
+        self.rmsnorm(&mut ws.x, None, first_norm, n, hidden, c.rms_eps, &mut ws.xn)?;
         let layers = m.layers.iter().zip(k_cache.iter_mut()).zip(v_cache.iter_mut()).enumerate();
         for (i, ((l, kc), vc)) in layers {
             self.linear(&ws.xn, n, &l.wqkv, qkv_dim, hidden, &mut ws.qkv)?;
@@ -1161,7 +1155,7 @@ impl CudaRunner {
                 unsafe { b.launch(grid(tiles, c.heads, 128)) }.map_err(run_err)?;
             }
             self.linear(&ws.attn, n, &l.wo, hidden, q_dim, &mut ws.o)?;
-            self.add_rmsnorm(&mut ws.x, &ws.o, &l.ffn_norm, n, hidden, c.rms_eps, &mut ws.xn)?;
+            self.rmsnorm(&mut ws.x, Some(&ws.o), &l.ffn_norm, n, hidden, c.rms_eps, &mut ws.xn)?;
             self.linear(&ws.xn, n, &l.w_gate_up, 2 * c.intermediate, hidden, &mut ws.gate_up)?;
             let (ni, inter) = ((n * c.intermediate) as i64, c.intermediate as i32);
             let mut b = self.stream.launch_builder(&self.k.silu_mul);
@@ -1170,7 +1164,7 @@ impl CudaRunner {
             unsafe { b.launch(flat(n * c.intermediate)) }.map_err(run_err)?;
             self.linear(&ws.act, n, &l.w_down, hidden, c.intermediate, &mut ws.o)?;
             let next = m.layers.get(i + 1).map_or(&m.norm, |l| &l.attn_norm);
-            self.add_rmsnorm(&mut ws.x, &ws.o, next, n, hidden, c.rms_eps, &mut ws.xn)?;
+            self.rmsnorm(&mut ws.x, Some(&ws.o), next, n, hidden, c.rms_eps, &mut ws.xn)?;
         }
         if wanted == 0 {
             return Ok(());

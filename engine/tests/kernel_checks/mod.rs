@@ -131,15 +131,17 @@ pub fn elementwise(d: &dyn Dev) -> anyhow::Result<()> {
             F32(eps),
         ],
     )?;
-    let mut want = vec![0f32; rows * dim];
-    for r in 0..rows {
-        let row = &x[r * dim..][..dim];
-        let scale = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / dim as f32 + eps).sqrt();
-        for i in 0..dim {
-            want[r * dim + i] = row[i] * scale * w[i];
-        }
-    }
-    let diff = max_diff(&from_bf16(&out), &want);
+    // Each row of `x` normalized, times w.
+    let normed = |x: &[f32]| -> Vec<f32> {
+        x.chunks(dim)
+            .flat_map(|row| {
+                let ms = row.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+                let scale = 1.0 / (ms + eps).sqrt();
+                row.iter().zip(&w).map(move |(v, w)| v * scale * w)
+            })
+            .collect()
+    };
+    let diff = max_diff(&from_bf16(&out), &normed(&x));
     ensure!(diff < 2e-2, "rmsnorm differs by {diff}");
 
     // The residual add with the norm after it: x += y in place (rounded to bf16 as the sum is
@@ -163,16 +165,7 @@ pub fn elementwise(d: &dyn Dev) -> anyhow::Result<()> {
     )?;
     let sum: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
     ensure!(x_b == to_bf16(&sum), "add_rmsnorm's sum is not x + y rounded to bf16");
-    let sum = rounded(&sum);
-    let mut want = vec![0f32; rows * dim];
-    for r in 0..rows {
-        let row = &sum[r * dim..][..dim];
-        let scale = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() / dim as f32 + eps).sqrt();
-        for i in 0..dim {
-            want[r * dim + i] = row[i] * scale * w[i];
-        }
-    }
-    let diff = max_diff(&from_bf16(&out), &want);
+    let diff = max_diff(&from_bf16(&out), &normed(&rounded(&sum)));
     ensure!(diff < 2e-2, "add_rmsnorm differs by {diff}");
 
     // RoPE with the cache write, both pair layouts, on all 64 dimensions of a head and on the
