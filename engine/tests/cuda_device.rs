@@ -375,5 +375,67 @@ fn bench_8b_shaped_decode_and_prefill() -> anyhow::Result<()> {
             ms[0] / ms[1]
         );
     }
+
+    // Where the time goes, phase by phase (events between launches, one eager pass each; last,
+    // so the figures above are out even if this fails).
+    let gemm_flops = |phase: &str, rows: f64| -> Option<f64> {
+        let (h, q, kv, ff) =
+            (c.hidden as f64, c.q_dim() as f64, c.kv_dim() as f64, c.intermediate as f64);
+        let per_row = match phase {
+            "QKV GEMM" => h * (q + 2.0 * kv),
+            "O GEMM" => q * h,
+            "gate/up GEMM" => 2.0 * h * ff,
+            "down GEMM" => ff * h,
+            _ => return None,
+        };
+        Some(2.0 * per_row * rows * c.layers as f64)
+    };
+    let show = |title: &str, phases: &[(&str, f64)], rows: f64| {
+        let total: f64 = phases.iter().map(|(_, ms)| ms).sum();
+        eprintln!("profile, {title}: {total:.2} ms in all");
+        for (phase, ms) in phases {
+            let rate = match (gemm_flops(phase, rows), *phase) {
+                (Some(f), _) if rows > 1.0 => format!(", {:.0} TFLOP/s", f / ms / 1e9),
+                // One row: a GEMM reads its weights once (bf16).
+                (Some(f), _) => format!(", {:.2} TB/s of weights", f / rows / ms / 1e9),
+                (None, "prefill attention") => format!(
+                    ", {:.0} TFLOP/s",
+                    2.0 * c.layers as f64 * rows * rows * c.q_dim() as f64 / ms / 1e9
+                ),
+                _ => String::new(),
+            };
+            eprintln!("  {phase:<18} {ms:>8.3} ms {:>5.1}%{rate}", 100.0 * ms / total);
+        }
+    };
+    let prefill = [SeqInput {
+        tokens: &prompt,
+        start_pos: 0,
+        block_table: &table,
+        logits: LogitsWanted::Last,
+    }];
+    show("prefill 2048 tokens", &r.profile(&model, &mut cache, &prefill)?, t);
+    for batch in [1usize, 256] {
+        let ctx = 128usize;
+        let per_seq = ctx / block + 1;
+        let mut cache = r.kv_cache(&model, block, batch * per_seq)?;
+        let tables: Vec<Vec<u32>> = (0..batch)
+            .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
+            .collect();
+        let toks: Vec<[u32; 1]> = (0..batch).map(|s| [(s as u32 * 31) % 128_000]).collect();
+        let b: Vec<SeqInput<'_>> = (0..batch)
+            .map(|s| SeqInput {
+                tokens: &toks[s],
+                start_pos: ctx,
+                block_table: &tables[s],
+                logits: LogitsWanted::Last,
+            })
+            .collect();
+        r.profile(&model, &mut cache, &b)?; // the first pass sets cuBLAS up
+        show(
+            &format!("decode batch {batch}, eager"),
+            &r.profile(&model, &mut cache, &b)?,
+            batch as f64,
+        );
+    }
     Ok(())
 }

@@ -118,28 +118,80 @@ fn reserve_reports_the_memory_it_sets_aside() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The profile of a pass names each phase that ran (prefill and decode attention for a mixed
+/// batch; bias only for models with one) with its time, and the pass it profiles is a real
+/// one: its K/V are in the cache for the next step, which gives the CPU backend's logits.
+#[test]
+fn a_profiled_pass_names_its_phases_and_does_the_pass() -> anyhow::Result<()> {
+    let Some(_device) = emulated_cuda()? else {
+        return Ok(());
+    };
+    let w = kernel_checks::tiled_model()?;
+    let vocab = w.config.vocab_size;
+    let r = CudaRunner::new(0)?;
+    let model = r.upload(&w)?;
+    let mut cache = r.kv_cache(&model, 16, 8)?;
+    let (a, b): (Vec<u32>, Vec<u32>) = ((0..40).collect(), (0..3).map(|i| i * 5).collect());
+    let (ta, tb): (Vec<u32>, Vec<u32>) = ((0..3).collect(), (3..4).collect());
+    let seq = |tokens, start_pos, block_table| SeqInput {
+        tokens,
+        start_pos,
+        block_table,
+        logits: LogitsWanted::Last,
+    };
+    // b's first two tokens cached, then a's prompt beside b's third token (a decode row).
+    r.forward(&model, &mut cache, &[seq(&b[..2], 0, &tb)])?;
+    let started = std::time::Instant::now();
+    let phases = r.profile(&model, &mut cache, &[seq(&a, 0, &ta), seq(&b[2..], 2, &tb)])?;
+    let wall = started.elapsed().as_secs_f64() * 1e3;
+    let names: Vec<&str> = phases.iter().map(|(n, _)| *n).collect();
+    ensure!(
+        names
+            == [
+                "embedding",
+                "RMSNorm",
+                "QKV GEMM",
+                "RoPE + K/V write",
+                "decode attention",
+                "prefill attention",
+                "O GEMM",
+                "add + RMSNorm",
+                "gate/up GEMM",
+                "SiLU x up",
+                "down GEMM",
+                "LM head"
+            ],
+        "phases {names:?}"
+    );
+    let total: f64 = phases.iter().map(|(_, ms)| ms).sum();
+    ensure!(phases.iter().all(|(_, ms)| *ms >= 0.0) && total > 0.0 && total <= wall, "{phases:?}");
+    // The next token of each after the profiled pass, against the CPU backend.
+    let mut cpu = Runner::new(2);
+    let mut cpu_cache = KvCache::new(&w, 16, 8);
+    let (a2, b2) = ([7u32], [9u32]);
+    let mut want = Vec::new();
+    for batch in [
+        vec![seq(&b[..2], 0, &tb)],
+        vec![seq(&a, 0, &ta), seq(&b[2..], 2, &tb)],
+        vec![seq(&a2, 40, &ta), seq(&b2, 3, &tb)],
+    ] {
+        want = cpu.forward(&w, &mut cpu_cache, &batch)?;
+    }
+    let got = r.forward(&model, &mut cache, &[seq(&a2, 40, &ta), seq(&b2, 3, &tb)])?;
+    let worst = kernel_checks::compare_logits(&got, &want, vocab)?;
+    eprintln!("after a profiled pass: max difference {worst:.4} of the range; {phases:?}");
+    Ok(())
+}
+
 /// A prefill long enough for two row tiles of the tensor-core kernel (head size 64), after a
 /// cached prefix, then greedy tokens picked on the device: the same tokens as the argmax of the
 /// CPU backend's logits wherever those are not near-ties.
 #[test]
 fn tiled_prefill_and_device_argmax_match_the_cpu_backend() -> anyhow::Result<()> {
-    use sluice_engine::synth::{SynthSpec, write_gguf};
     let Some(_device) = emulated_cuda()? else {
         return Ok(());
     };
-    let spec = SynthSpec {
-        hidden: 256,
-        intermediate: 384,
-        heads: 4,
-        kv_heads: 2,
-        context: 512,
-        ..SynthSpec::tiny()
-    };
-    let dir = tempfile::tempdir()?;
-    let path = dir.path().join("m.gguf");
-    write_gguf(&spec, GgmlType::F32, &path)?;
-    let w = sluice_engine::model::load_gguf_weights(&sluice_engine::gguf::GgufFile::open(&path)?)?;
-    ensure!(w.config.head_dim == 64, "head_dim {}", w.config.head_dim);
+    let w = kernel_checks::tiled_model()?;
     let vocab = w.config.vocab_size;
     let prompt: Vec<u32> = (0..150u32).map(|i| (i * 37 + 3) % vocab as u32).collect();
     let table: Vec<u32> = (0..10).collect();

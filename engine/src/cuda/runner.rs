@@ -326,6 +326,8 @@ pub struct CudaRunner {
     sms: usize,
     /// The most parts decode attention splits a context into ([`MAX_SPLITS`] unless set).
     max_splits: std::cell::Cell<usize>,
+    /// While [`CudaRunner::profile`] runs a pass: an event recorded after each phase.
+    marks: std::cell::RefCell<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
 }
 
 impl std::fmt::Debug for CudaRunner {
@@ -461,6 +463,7 @@ impl CudaRunner {
             k,
             sms: usize::try_from(sms).unwrap_or(1).max(1),
             max_splits: std::cell::Cell::new(MAX_SPLITS),
+            marks: std::cell::RefCell::new(None),
         })
     }
 
@@ -866,6 +869,16 @@ impl CudaRunner {
                 }
             }
         }
+        self.eager(m, cache, batch)
+    }
+
+    /// The pass without a graph, in the cache's eager workspace (grown when the batch needs).
+    fn eager<'c>(
+        &self,
+        m: &CudaModel,
+        cache: &'c mut CudaKvCache,
+        batch: &[SeqInput<'_>],
+    ) -> Result<Option<CudaView<'c, f32>>, CudaError> {
         let plan = plan(&m.config, (cache.block_size, cache.num_blocks), batch, None)?;
         let (n, wanted) = (plan.ids.len(), plan.wanted.len());
         if n == 0 {
@@ -979,6 +992,42 @@ impl CudaRunner {
     /// Decode graphs captured before keep the split they were captured with.
     pub fn set_max_splits(&self, max: usize) {
         self.max_splits.set(max.clamp(1, MAX_SPLITS));
+    }
+
+    /// Runs `batch` once eagerly with an event after each phase of the pass and returns the
+    /// device time of each phase, summed over the layers, in the order the phases first ran
+    /// (milliseconds). For finding where a pass's time goes; the cache's K/V are written as by
+    /// any pass.
+    pub fn profile(
+        &self,
+        m: &CudaModel,
+        cache: &mut CudaKvCache,
+        batch: &[SeqInput<'_>],
+    ) -> Result<Vec<(&'static str, f64)>, CudaError> {
+        *self.marks.borrow_mut() = Some(Vec::new());
+        self.mark("start")?;
+        let ran = self.eager(m, cache, batch).map(|_| ());
+        let marks = self.marks.borrow_mut().take().unwrap_or_default();
+        ran?;
+        self.stream.synchronize().map_err(run_err)?;
+        let mut phases: Vec<(&'static str, f64)> = Vec::new();
+        for pair in marks.windows(2) {
+            let ms = f64::from(pair[0].1.elapsed_ms(&pair[1].1).map_err(run_err)?);
+            match phases.iter_mut().find(|(name, _)| *name == pair[1].0) {
+                Some((_, total)) => *total += ms,
+                None => phases.push((pair[1].0, ms)),
+            }
+        }
+        Ok(phases)
+    }
+
+    /// Records the end of phase `label` while [`CudaRunner::profile`] runs (else nothing).
+    fn mark(&self, label: &'static str) -> Result<(), CudaError> {
+        if let Some(marks) = self.marks.borrow_mut().as_mut() {
+            let timed = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+            marks.push((label, self.stream.record_event(Some(timed)).map_err(run_err)?));
+        }
+        Ok(())
     }
 
     /// The device's free and total memory, bytes.
@@ -1098,6 +1147,7 @@ impl CudaRunner {
         b.arg(&m.embed).arg(&ids).arg(&mut ws.x).arg(&h_i);
         // SAFETY: arguments match `embedding_gather`; every id is below the vocabulary.
         unsafe { b.launch(grid(n, 1, 256)) }.map_err(run_err)?;
+        self.mark("embedding")?;
 
         let (heads, kv_heads) = (c.heads as i32, c.kv_heads as i32);
         let (hd_i, rd_i) = (hd as i32, c.rope_dims as i32);
@@ -1120,11 +1170,14 @@ impl CudaRunner {
         // attention norm of layer i + 1 (or the final norm) after layer i's FFN.
         let first_norm = m.layers.first().map_or(&m.norm, |l| &l.attn_norm);
         self.rmsnorm(&mut ws.x, None, first_norm, n, hidden, c.rms_eps, &mut ws.xn)?;
+        self.mark("RMSNorm")?;
         let layers = m.layers.iter().zip(k_cache.iter_mut()).zip(v_cache.iter_mut()).enumerate();
         for (i, ((l, kc), vc)) in layers {
             self.linear(&ws.xn, n, &l.wqkv, qkv_dim, hidden, &mut ws.qkv)?;
+            self.mark("QKV GEMM")?;
             if let Some(bias) = &l.bias {
                 self.add_bias(&mut ws.qkv, bias, n, qkv_dim)?;
+                self.mark("QKV bias")?;
             }
             let mut b = self.stream.launch_builder(&self.k.rope_kv);
             b.arg(&mut ws.qkv).arg(&mut *kc).arg(&mut *vc).arg(&pos).arg(&slots);
@@ -1132,6 +1185,7 @@ impl CudaRunner {
             // SAFETY: arguments match `rope_kv`; qkv holds n rows of (heads + 2 kv_heads)
             // head_dim; every slot is inside the cache or -1 (checked by `plan`).
             unsafe { b.launch(grid(n, 1, 128)) }.map_err(run_err)?;
+            self.mark("RoPE + K/V write")?;
             if singles > 0 {
                 let f = self.k.attention_for.iter().find(|(d, _)| *d == c.head_dim);
                 let mut b = self.stream.launch_builder(f.map_or(&self.k.attention, |(_, f)| f));
@@ -1144,6 +1198,7 @@ impl CudaRunner {
                 // block of the cache; with splits > 1 the partial states and counters fit
                 // (checked above) and the counters are zero between launches.
                 unsafe { b.launch(grid3(singles, groups, splits, 128)) }.map_err(run_err)?;
+                self.mark("decode attention")?;
             }
             if let (true, Some(f)) = (tiles > 0, prefill) {
                 let mut b = self.stream.launch_builder(f);
@@ -1153,18 +1208,25 @@ impl CudaRunner {
                 // SAFETY: arguments match `prefill_attention_<head_dim>`; each tile holds 1..64
                 // consecutive rows of one sequence at consecutive positions (`plan`).
                 unsafe { b.launch(grid(tiles, c.heads, 128)) }.map_err(run_err)?;
+                self.mark("prefill attention")?;
             }
             self.linear(&ws.attn, n, &l.wo, hidden, q_dim, &mut ws.o)?;
+            self.mark("O GEMM")?;
             self.rmsnorm(&mut ws.x, Some(&ws.o), &l.ffn_norm, n, hidden, c.rms_eps, &mut ws.xn)?;
+            self.mark("add + RMSNorm")?;
             self.linear(&ws.xn, n, &l.w_gate_up, 2 * c.intermediate, hidden, &mut ws.gate_up)?;
+            self.mark("gate/up GEMM")?;
             let (ni, inter) = ((n * c.intermediate) as i64, c.intermediate as i32);
             let mut b = self.stream.launch_builder(&self.k.silu_mul);
             b.arg(&ws.gate_up).arg(&mut ws.act).arg(&ni).arg(&inter);
             // SAFETY: arguments match `silu_mul`; gate_up holds n rows of 2 * intermediate.
             unsafe { b.launch(flat(n * c.intermediate)) }.map_err(run_err)?;
+            self.mark("SiLU x up")?;
             self.linear(&ws.act, n, &l.w_down, hidden, c.intermediate, &mut ws.o)?;
+            self.mark("down GEMM")?;
             let next = m.layers.get(i + 1).map_or(&m.norm, |l| &l.attn_norm);
             self.rmsnorm(&mut ws.x, Some(&ws.o), next, n, hidden, c.rms_eps, &mut ws.xn)?;
+            self.mark("add + RMSNorm")?;
         }
         if wanted == 0 {
             return Ok(());
@@ -1176,7 +1238,8 @@ impl CudaRunner {
         // SAFETY: arguments match `embedding_gather`; every index is below n.
         unsafe { b.launch(grid(wanted, 1, 256)) }.map_err(run_err)?;
         let head = m.lm_head.as_ref().unwrap_or(&m.embed);
-        self.linear(&ws.picked, wanted, head, c.vocab_size, hidden, &mut ws.logits)
+        self.linear(&ws.picked, wanted, head, c.vocab_size, hidden, &mut ws.logits)?;
+        self.mark("LM head")
     }
 }
 

@@ -298,17 +298,36 @@ int cuGraphDestroy(void* graph) {
     return fake::OK;
 }
 
-static int g_event_tag;
+// An event holds the host time it was recorded at: streams run their work at once, so the
+// time between two records is the emulated work between them.
+struct FakeEvent {
+    double ms;
+};
 int cuEventCreate(void** e, unsigned) {
-    *e = &g_event_tag;
+    *e = new FakeEvent{0.0};
     return fake::OK;
 }
-int cuEventRecord(void*, void*) { return fake::OK; }
+int cuEventRecord(void* e, void*) {
+    static_cast<FakeEvent*>(e)->ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch())
+            .count();
+    return fake::OK;
+}
+int cuEventElapsedTime_v2(float* ms, void* start, void* end) {
+    *ms = (float)(static_cast<FakeEvent*>(end)->ms - static_cast<FakeEvent*>(start)->ms);
+    return fake::OK;
+}
+int cuEventElapsedTime(float* ms, void* start, void* end) {
+    return cuEventElapsedTime_v2(ms, start, end);
+}
 int cuEventSynchronize(void*) {
     return fake::refuse_during_capture() ? fake::CAPTURE_UNSUPPORTED : fake::OK;
 }
 int cuEventQuery(void*) { return fake::OK; }
-int cuEventDestroy_v2(void*) { return fake::OK; }
+int cuEventDestroy_v2(void* e) {
+    delete static_cast<FakeEvent*>(e);
+    return fake::OK;
+}
 int cuStreamWaitEvent(void*, void*, unsigned) { return fake::OK; }
 
 // New memory holds 0xFF bytes (NaN as bf16 and f32, -1 as int) until written, so a read of

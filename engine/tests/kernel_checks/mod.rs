@@ -653,10 +653,31 @@ pub fn two_sequences(
 pub fn synthetic(ty: GgmlType) -> anyhow::Result<sluice_engine::model::LlamaWeights> {
     let spec =
         SynthSpec { hidden: 128, intermediate: 256, heads: 4, kv_heads: 2, ..SynthSpec::tiny() };
+    written(&spec, ty)
+}
+
+/// `spec`'s model with `ty` weights, through our GGUF writer and loader.
+fn written(spec: &SynthSpec, ty: GgmlType) -> anyhow::Result<sluice_engine::model::LlamaWeights> {
     let dir = tempfile::tempdir()?;
     let path = dir.path().join("m.gguf");
-    write_gguf(&spec, ty, &path)?;
+    write_gguf(spec, ty, &path)?;
     Ok(load_gguf_weights(&GgufFile::open(&path)?)?)
+}
+
+/// A synthetic F32 model whose head size (64) has the tensor-core prefill, 4 query heads on 2
+/// KV heads, 512 positions.
+pub fn tiled_model() -> anyhow::Result<sluice_engine::model::LlamaWeights> {
+    let spec = SynthSpec {
+        hidden: 256,
+        intermediate: 384,
+        heads: 4,
+        kv_heads: 2,
+        context: 512,
+        ..SynthSpec::tiny()
+    };
+    let w = written(&spec, GgmlType::F32)?;
+    ensure!(w.config.head_dim == 64, "head_dim {}", w.config.head_dim);
+    Ok(w)
 }
 
 /// Checks GPU logits `got` against the CPU's `want`, row by row, and returns the largest
