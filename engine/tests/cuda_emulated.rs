@@ -183,6 +183,44 @@ fn a_profiled_pass_names_its_phases_and_does_the_pass() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The device bench's code, end to end on a small model under the emulated driver (so a
+/// mistake in it shows here, not in the GPU machine's few minutes); its figures mean nothing
+/// here.
+#[test]
+fn the_device_bench_runs_on_a_small_shape() -> anyhow::Result<()> {
+    use sluice_engine::model::{LlamaConfig, RopeStyle};
+    let Some(_device) = emulated_cuda()? else {
+        return Ok(());
+    };
+    let config = LlamaConfig {
+        arch: "llama".into(),
+        vocab_size: 256,
+        hidden: 128,
+        intermediate: 256,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 64,
+        rope_dims: 64,
+        rope_theta: 10_000.0,
+        rope_scaling: None,
+        rope_style: RopeStyle::Halves,
+        rms_eps: 1e-5,
+        context_length: 512,
+        tied_embeddings: false,
+    };
+    let shape = kernel_checks::BenchShape {
+        prompt: 128,
+        decode_ctx: 40,
+        batches: &[3],
+        long_ctx: 300,
+        long_batches: &[1],
+        profile_batches: &[2],
+        reps: 1,
+    };
+    kernel_checks::bench_llama(&CudaRunner::new(0)?, &config, &shape)
+}
+
 /// A prefill long enough for two row tiles of the tensor-core kernel (head size 64), after a
 /// cached prefix, then greedy tokens picked on the device: the same tokens as the argmax of the
 /// CPU backend's logits wherever those are not near-ties.

@@ -814,3 +814,290 @@ pub fn quantized_parity() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// The sizes of [`bench_llama`]: a prompt of `prompt` tokens (a multiple of 64); decode steps
+/// over `decode_ctx` tokens of context at batch 1 (eager and graph) and each of `batches`;
+/// decode over `long_ctx` tokens at each of `long_batches`, split and unsplit; phase profiles
+/// of the prompt and of decode at each of `profile_batches`; `reps` timed repetitions of a
+/// decode step (a third of that for the prompt).
+pub struct BenchShape {
+    pub prompt: usize,
+    pub decode_ctx: usize,
+    pub batches: &'static [usize],
+    pub long_ctx: usize,
+    pub long_batches: &'static [usize],
+    pub profile_batches: &'static [usize],
+    pub reps: usize,
+}
+
+impl BenchShape {
+    /// Issue 7's figures.
+    pub const ISSUE: BenchShape = BenchShape {
+        prompt: 2048,
+        decode_ctx: 128,
+        batches: &[64, 256],
+        long_ctx: 8000,
+        long_batches: &[1, 8],
+        profile_batches: &[1, 256],
+        reps: 10,
+    };
+}
+
+/// The H200's HBM bandwidth (bytes/s) and measured bf16 tensor peak (FLOP/s) the figures are
+/// set against.
+const HBM_BYTES_PER_S: f64 = 4.8e12;
+const PEAK_FLOPS: f64 = 790e12;
+
+/// Issue 7's speed figures for a model of shape `c` with random bf16 weights made on the
+/// device: prefill throughput on one prompt against the bf16 peak (and attention's share of
+/// it), decode step time at batch 1 against the HBM bound (weight bytes / 4.8 TB/s) eager and
+/// through the graph, decode throughput at larger batches with tokens picked on the device
+/// against logits copied to the host, long-context decode with attention split and unsplit,
+/// and phase profiles. Prints the figures (logits stay on the device).
+pub fn bench_llama(
+    r: &CudaRunner,
+    c: &sluice_engine::model::LlamaConfig,
+    shape: &BenchShape,
+) -> anyhow::Result<()> {
+    ensure!(shape.prompt.is_multiple_of(64) && shape.prompt > 0, "the prompt is whole tiles of 64");
+    ensure!(shape.long_ctx < c.context_length, "the long context fits the model's");
+    let vocab = c.vocab_size as u32;
+    let params = c.vocab_size * c.hidden * 2
+        + c.layers
+            * (c.hidden * (c.q_dim() + 2 * c.kv_dim())
+                + c.q_dim() * c.hidden
+                + 3 * c.hidden * c.intermediate);
+    let bound_ms = params as f64 * 2.0 / HBM_BYTES_PER_S * 1e3;
+    let model = r.random_model(c, 7)?;
+    let block = 16usize;
+    let time = |f: &mut dyn FnMut() -> anyhow::Result<()>, reps: usize| -> anyhow::Result<f64> {
+        f()?;
+        r.synchronize()?;
+        let t = std::time::Instant::now();
+        for _ in 0..reps {
+            f()?;
+        }
+        r.synchronize()?;
+        Ok(t.elapsed().as_secs_f64() / reps as f64)
+    };
+    // `batch` sequences of one token each after `ctx` tokens, a cache to hold them, and the
+    // tables and tokens the steps read.
+    struct Decode {
+        ctx: usize,
+        tables: Vec<Vec<u32>>,
+        toks: Vec<[u32; 1]>,
+    }
+    impl Decode {
+        fn new(batch: usize, ctx: usize, block: usize, vocab: u32) -> Decode {
+            let per_seq = ctx / block + 1;
+            let tables = (0..batch)
+                .map(|s| ((s * per_seq) as u32..((s + 1) * per_seq) as u32).collect())
+                .collect();
+            let toks = (0..batch).map(|s| [(s as u32 * 31) % vocab]).collect();
+            Decode { ctx, tables, toks }
+        }
+        fn blocks(&self) -> usize {
+            self.tables.iter().map(Vec::len).sum()
+        }
+        fn step(&self) -> Vec<SeqInput<'_>> {
+            self.tables
+                .iter()
+                .zip(&self.toks)
+                .map(|(table, tok)| SeqInput {
+                    tokens: tok,
+                    start_pos: self.ctx,
+                    block_table: table,
+                    logits: LogitsWanted::Last,
+                })
+                .collect()
+        }
+    }
+
+    // Prefill: one prompt.
+    let n = shape.prompt;
+    let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 7919) % vocab).collect();
+    let table: Vec<u32> = (0..n.div_ceil(block) as u32).collect();
+    let mut cache = r.kv_cache(&model, block, table.len())?;
+    let whole = [SeqInput {
+        tokens: &prompt,
+        start_pos: 0,
+        block_table: &table,
+        logits: LogitsWanted::Last,
+    }];
+    let prompt_reps = shape.reps.div_ceil(3);
+    let secs = time(
+        &mut || {
+            r.forward_device(&model, &mut cache, &whole)?;
+            Ok(())
+        },
+        prompt_reps,
+    )?;
+    let t = n as f64;
+    // The products the pass does: every layer's weights for each token, the LM head for the
+    // last token only (the embedding is a gather), and attention's QK^T and PV (the causal
+    // half of 4 T^2 d per layer).
+    let layer_params = params - 2 * c.vocab_size * c.hidden;
+    let attn_flops = 2.0 * c.layers as f64 * t * t * c.q_dim() as f64;
+    let flops = 2.0 * layer_params as f64 * t + 2.0 * (c.vocab_size * c.hidden) as f64 + attn_flops;
+    eprintln!(
+        "prefill {n} tokens: {:.1} ms, {:.0} TFLOP/s ({:.2} of {:.0})",
+        secs * 1e3,
+        flops / secs / 1e12,
+        flops / secs / PEAK_FLOPS,
+        PEAK_FLOPS / 1e12
+    );
+    // Where the time goes: the same rows as prompts of 64 tokens do the same GEMMs and
+    // elementwise work but 64 / n of the attention, so the difference is about attention's.
+    let pieces = n / 64;
+    let short = time(
+        &mut || {
+            let b: Vec<SeqInput<'_>> = (0..pieces)
+                .map(|s| SeqInput {
+                    tokens: &prompt[s * 64..(s + 1) * 64],
+                    start_pos: 0,
+                    block_table: &table[s * 64 / block..(s + 1) * 64 / block],
+                    logits: LogitsWanted::Last,
+                })
+                .collect();
+            r.forward_device(&model, &mut cache, &b)?;
+            Ok(())
+        },
+        prompt_reps,
+    )?;
+    eprintln!(
+        "prefill as {pieces} prompts of 64 tokens: {:.1} ms; attention of the {n}-token prompt \
+         about {:.1} ms ({:.0} TFLOP/s), the rest {:.1} ms ({:.0} TFLOP/s)",
+        short * 1e3,
+        (secs - short) * 1e3,
+        attn_flops * (1.0 - 1.0 / pieces as f64) / (secs - short) / 1e12,
+        short * 1e3,
+        (flops - attn_flops) / short / 1e12
+    );
+
+    // Decode; batch 1 eagerly too, to show what the graph saves.
+    let runs =
+        [(1usize, false), (1, true)].into_iter().chain(shape.batches.iter().map(|&b| (b, true)));
+    for (batch, graphs) in runs {
+        let d = Decode::new(batch, shape.decode_ctx, block, vocab);
+        let mut cache = r.kv_cache(&model, block, d.blocks())?;
+        cache.set_graphs(graphs);
+        let secs = time(
+            &mut || {
+                r.forward_device(&model, &mut cache, &d.step())?;
+                Ok(())
+            },
+            shape.reps,
+        )?;
+        eprintln!(
+            "decode batch {batch} at {} tokens of context ({}): {:.2} ms/step, {:.0} tok/s{}",
+            d.ctx,
+            if graphs { "CUDA graph" } else { "eager" },
+            secs * 1e3,
+            batch as f64 / secs,
+            if batch == 1 {
+                format!(" (HBM bound {bound_ms:.2} ms: {:.2} of it)", bound_ms / (secs * 1e3))
+            } else {
+                String::new()
+            }
+        );
+        if !graphs {
+            continue;
+        }
+        // The serving path: the step with its tokens chosen, greedy on the device (ids back)
+        // against the logits copied back for the host to choose.
+        let rows: Vec<Option<usize>> = (0..batch).map(Some).collect();
+        let picks = vec![sluice_engine::backend::Pick::Argmax; batch];
+        let mut step = |pick: bool| -> anyhow::Result<f64> {
+            time(
+                &mut || {
+                    let b = d.step();
+                    if pick {
+                        r.forward_picking(&model, &mut cache, &b, &rows, &picks)?;
+                    } else {
+                        let logits = r.forward(&model, &mut cache, &b)?;
+                        let ids: Vec<u32> = logits
+                            .chunks(c.vocab_size)
+                            .map(sluice_engine::sampler::argmax)
+                            .collect();
+                        std::hint::black_box(ids);
+                    }
+                    Ok(())
+                },
+                shape.reps,
+            )
+        };
+        let (device_pick, host_pick) = (step(true)?, step(false)?);
+        eprintln!(
+            "decode batch {batch}, tokens chosen: on the device {:.2} ms/step, logits to the \
+             host {:.2} ms/step ({:.2}x)",
+            device_pick * 1e3,
+            host_pick * 1e3,
+            host_pick / device_pick
+        );
+    }
+
+    // Long contexts: attention split into parts across the device (the default) against one
+    // block per row and head group (max splits 1).
+    for &batch in shape.long_batches {
+        let d = Decode::new(batch, shape.long_ctx, block, vocab);
+        let mut ms = Vec::new();
+        for max_splits in [1usize, 64] {
+            r.set_max_splits(max_splits);
+            let mut cache = r.kv_cache(&model, block, d.blocks())?;
+            let secs = time(
+                &mut || {
+                    r.forward_device(&model, &mut cache, &d.step())?;
+                    Ok(())
+                },
+                shape.reps,
+            )?;
+            ms.push(secs * 1e3);
+        }
+        eprintln!(
+            "decode batch {batch} at {} tokens of context (CUDA graph): {:.2} ms/step split, \
+             {:.2} ms/step unsplit ({:.2}x)",
+            d.ctx,
+            ms[1],
+            ms[0],
+            ms[0] / ms[1]
+        );
+    }
+
+    // Where the time goes, phase by phase (events between launches, one eager pass each; last,
+    // so the figures above are out even if this fails).
+    let gemm_flops = |phase: &str, rows: f64| -> Option<f64> {
+        let (h, q, kv, ff) =
+            (c.hidden as f64, c.q_dim() as f64, c.kv_dim() as f64, c.intermediate as f64);
+        let per_row = match phase {
+            "QKV GEMM" => h * (q + 2.0 * kv),
+            "O GEMM" => q * h,
+            "gate/up GEMM" => 2.0 * h * ff,
+            "down GEMM" => ff * h,
+            _ => return None,
+        };
+        Some(2.0 * per_row * rows * c.layers as f64)
+    };
+    let show = |title: &str, phases: &[(&str, f64)], rows: f64| {
+        let total: f64 = phases.iter().map(|(_, ms)| ms).sum();
+        eprintln!("profile, {title}: {total:.2} ms in all");
+        for (phase, ms) in phases {
+            let rate = match (gemm_flops(phase, rows), *phase) {
+                (Some(f), _) if rows > 1.0 => format!(", {:.0} TFLOP/s", f / ms / 1e9),
+                // One row: a GEMM reads its weights once (bf16).
+                (Some(f), _) => format!(", {:.2} TB/s of weights", f / rows / ms / 1e9),
+                (None, "prefill attention") => format!(", {:.0} TFLOP/s", attn_flops / ms / 1e9),
+                _ => String::new(),
+            };
+            eprintln!("  {phase:<18} {ms:>8.3} ms {:>5.1}%{rate}", 100.0 * ms / total);
+        }
+    };
+    show(&format!("prefill {n} tokens"), &r.profile(&model, &mut cache, &whole)?, t);
+    for &batch in shape.profile_batches {
+        let d = Decode::new(batch, shape.decode_ctx, block, vocab);
+        let mut cache = r.kv_cache(&model, block, d.blocks())?;
+        r.profile(&model, &mut cache, &d.step())?; // the first pass sets cuBLAS up
+        let phases = r.profile(&model, &mut cache, &d.step())?;
+        show(&format!("decode batch {batch}, eager"), &phases, batch as f64);
+    }
+    Ok(())
+}
