@@ -254,9 +254,14 @@ struct EngineArgs {
     /// Require `Authorization: Bearer TOKEN` on /v1 requests (the gateway's shared secret).
     #[arg(long, env = "SLUICE_INTERNAL_TOKEN", hide_env_values = true)]
     internal_token: Option<String>,
-    /// Memory for the KV cache, in MiB.
-    #[arg(long, default_value_t = 512)]
-    kv_cache_mb: usize,
+    /// Memory for the KV cache, in MiB [default on the CPU: 512; on a GPU the cache takes
+    /// what --gpu-memory-utilization leaves].
+    #[arg(long, conflicts_with = "gpu_memory_utilization")]
+    kv_cache_mb: Option<usize>,
+    /// On a GPU: the share of the device's memory the engine may take in all (weights, pass
+    /// buffers and the KV cache, which gets the rest) [default: 0.9 unless --kv-cache-mb].
+    #[arg(long)]
+    gpu_memory_utilization: Option<f64>,
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -426,12 +431,27 @@ fn run_generate(args: RunArgs) -> anyhow::Result<()> {
 fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
     let _telemetry = telemetry::init("sluice-engine")?;
     let model = Arc::new(args.model.load()?);
+    let on_gpu = matches!(args.device, sluice_engine::backend::Device::Cuda(_));
+    if !on_gpu && args.gpu_memory_utilization.is_some() {
+        bail!("--gpu-memory-utilization sizes a GPU's KV cache; on the CPU give --kv-cache-mb");
+    }
+    let share = match (on_gpu, args.kv_cache_mb) {
+        (true, None) => Some(args.gpu_memory_utilization.unwrap_or(0.9)),
+        _ => None,
+    };
+    if let Some(share) = share
+        && !(share > 0.0 && share <= 1.0)
+    {
+        bail!("--gpu-memory-utilization must be in (0, 1], not {share}");
+    }
     let config = EngineConfig {
         block_size: args.block_size,
         kv_cache_bytes: args
             .kv_cache_mb
+            .unwrap_or(512)
             .checked_mul(1 << 20)
             .context("--kv-cache-mb is too large")?,
+        gpu_memory_utilization: share,
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_num_seqs: args.max_num_seqs,
         threads: args.threads,

@@ -182,5 +182,17 @@ fn bad_input_is_a_clear_error() -> anyhow::Result<()> {
     let out = sluice(&["engine", "--model", model, "--device", "tpu"])?;
     let err = String::from_utf8_lossy(&out.stderr);
     ensure!(!out.status.success() && err.contains("--device"), "{err}");
+    // A share of device memory sizes only a GPU's cache, within (0, 1], and not beside a size
+    // in MiB.
+    for (args, says) in [
+        (&["--gpu-memory-utilization", "0.5"][..], "on the CPU give --kv-cache-mb"),
+        (&["--device", "cuda", "--gpu-memory-utilization", "1.5"], "must be in (0, 1]"),
+        (&["--gpu-memory-utilization", "0.5", "--kv-cache-mb", "64"], "cannot be used with"),
+    ] {
+        let out =
+            sluice(&[&["engine", "--model", model, "--listen", "127.0.0.1:0"], args].concat())?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(!out.status.success() && err.contains(says), "{args:?}: {err}");
+    }
     Ok(())
 }

@@ -50,13 +50,37 @@ impl Device {
     pub fn bytes_per_block(self, weights: &LlamaWeights, block_size: usize) -> usize {
         match self {
             Device::Cpu => KvCache::bytes_per_block(weights, block_size),
-            Device::Cuda(_) => {
-                let c = &weights.config;
-                2 * c.layers * c.kv_dim() * block_size * 2
-            }
+            Device::Cuda(_) => self.bytes_per_block_of(&weights.config, block_size),
         }
     }
+
+    /// On a GPU, [`Device::bytes_per_block`] from the model's shape alone: K and V, bf16.
+    fn bytes_per_block_of(self, c: &crate::model::LlamaConfig, block_size: usize) -> usize {
+        2 * c.layers * c.kv_dim() * block_size * 2
+    }
 }
+
+/// How big the KV cache is.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum KvSize {
+    /// This many blocks.
+    Blocks(usize),
+    /// On a GPU: what `share` of the device's memory leaves once the weights and the pass
+    /// buffers for batches of up to `max_tokens` rows over `max_seqs` sequences are in, less
+    /// [`DEVICE_HEADROOM`] (vLLM's `gpu_memory_utilization`).
+    DeviceShare {
+        /// Of the device's total memory, in (0, 1].
+        share: f64,
+        /// Token rows per pass.
+        max_tokens: usize,
+        /// Sequences per pass.
+        max_seqs: usize,
+    },
+}
+
+/// Device memory a [`KvSize::DeviceShare`] cache leaves free beyond the share: for what the
+/// driver, cuBLAS and the CUDA graphs allocate on their own.
+pub const DEVICE_HEADROOM: usize = 256 << 20;
 
 /// A runner and its KV cache on one device.
 #[cfg_attr(
@@ -101,34 +125,61 @@ impl std::fmt::Debug for Backend {
 }
 
 impl Backend {
-    /// Opens `device` for `weights` with a cache of `num_blocks` blocks of `block_size`
-    /// positions (`threads`: CPU compute threads, 0 = all cores). A GPU that cannot be used
-    /// (no driver, no device, a build without CUDA) is a clear error.
+    /// Opens `device` for `weights` with a cache of `kv` in blocks of `block_size` positions
+    /// (`threads`: CPU compute threads, 0 = all cores). A GPU that cannot be used (no driver,
+    /// no device, a build without CUDA) is a clear error.
     pub fn new(
         device: Device,
         weights: &LlamaWeights,
         threads: usize,
         block_size: usize,
-        num_blocks: usize,
+        kv: KvSize,
     ) -> Result<Backend> {
-        match device {
-            Device::Cpu => Ok(Backend::Cpu {
+        if let KvSize::DeviceShare { share, .. } = kv
+            && !(share > 0.0 && share <= 1.0)
+        {
+            return Err(EngineError::InvalidRequest(format!(
+                "the share of device memory must be in (0, 1], not {share}"
+            )));
+        }
+        match (device, kv) {
+            (Device::Cpu, KvSize::DeviceShare { .. }) => Err(EngineError::InvalidRequest(
+                "a share of device memory sizes a GPU's KV cache; on the CPU give it in bytes"
+                    .into(),
+            )),
+            (Device::Cpu, KvSize::Blocks(num_blocks)) => Ok(Backend::Cpu {
                 runner: Runner::new(threads),
                 cache: KvCache::new(weights, block_size, num_blocks),
             }),
             #[cfg(feature = "cuda")]
-            Device::Cuda(n) => {
+            (Device::Cuda(n), kv) => {
                 let fail =
                     |e: crate::cuda::CudaError| EngineError::Device(format!("cuda:{n}: {e}"));
                 let runner = crate::cuda::CudaRunner::new(n).map_err(fail)?;
                 let model = runner.upload(weights).map_err(fail)?;
+                let num_blocks = match kv {
+                    KvSize::Blocks(b) => b,
+                    KvSize::DeviceShare { share, max_tokens, max_seqs } => {
+                        let probe = (block_size, max_tokens, max_seqs);
+                        blocks_for_share(&runner, &model, probe, share).map_err(fail)?
+                    }
+                };
                 let cache = runner.kv_cache(&model, block_size, num_blocks).map_err(fail)?;
                 Ok(Backend::Cuda(Box::new(CudaBackend { runner, model, cache })))
             }
             #[cfg(not(feature = "cuda"))]
-            Device::Cuda(n) => Err(EngineError::Device(format!(
+            (Device::Cuda(n), _) => Err(EngineError::Device(format!(
                 "cuda:{n}: this build has no CUDA backend (build with the `cuda` feature)"
             ))),
+        }
+    }
+
+    /// The KV cache's blocks.
+    pub fn num_blocks(&self) -> usize {
+        match self {
+            Backend::Cpu { cache, .. } => cache.num_blocks(),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(b) => b.cache.num_blocks(),
         }
     }
 
@@ -208,6 +259,49 @@ impl Backend {
     }
 }
 
+/// The KV blocks of `block_size` positions that fit in `share` of the device's memory beside
+/// `model` (on the device already) and the pass buffers for batches of `max_tokens` rows over
+/// `max_seqs` sequences, less [`DEVICE_HEADROOM`]. The pass buffers are measured by reserving
+/// them over a one-block cache, freed before the device's free memory is read.
+#[cfg(feature = "cuda")]
+fn blocks_for_share(
+    runner: &crate::cuda::CudaRunner,
+    model: &crate::cuda::CudaModel,
+    (block_size, max_tokens, max_seqs): (usize, usize, usize),
+    share: f64,
+) -> std::result::Result<usize, crate::cuda::CudaError> {
+    let passes = {
+        let mut probe = runner.kv_cache(model, block_size, 1)?;
+        runner.reserve(model, &mut probe, max_tokens, max_seqs)?
+    };
+    // Freed memory goes back to the driver at a synchronization.
+    runner.synchronize()?;
+    let (free, total) = runner.memory_info()?;
+    let others = total - (total as f64 * share) as usize;
+    let room = free.saturating_sub(others + passes + DEVICE_HEADROOM);
+    let per_block = Device::Cuda(0).bytes_per_block_of(model.config(), block_size);
+    let blocks = room / per_block.max(1);
+    if blocks == 0 {
+        return Err(crate::cuda::CudaError::Invalid(format!(
+            "{share} of the device's {} MiB leaves no room for a KV block of {per_block} bytes \
+             ({} MiB free with the weights in, {} MiB for the pass buffers, {} MiB kept free)",
+            total >> 20,
+            free >> 20,
+            passes >> 20,
+            (others + DEVICE_HEADROOM) >> 20
+        )));
+    }
+    tracing::info!(
+        blocks,
+        kv_mib = (blocks * per_block) >> 20,
+        free_mib = free >> 20,
+        total_mib = total >> 20,
+        share,
+        "KV cache sized to the device's memory"
+    );
+    Ok(blocks)
+}
+
 /// What [`Backend::forward_picking`] gives back.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StepOutput {
@@ -285,11 +379,11 @@ mod tests {
             seq(&b[..], &tb[..], LogitsWanted::All),
             seq(&c[..], &tc[..], LogitsWanted::Last),
         ];
-        let mut plain = Backend::new(Device::Cpu, &w, 1, 16, 4)?;
+        let mut plain = Backend::new(Device::Cpu, &w, 1, 16, KvSize::Blocks(4))?;
         let all = plain.forward_picking(&w, &batch, &[])?;
         assert_eq!(all.logits.len(), (1 + 2 + 1) * vocab);
         assert_eq!(all.picked, vec![None, None, None]);
-        let mut picking = Backend::new(Device::Cpu, &w, 1, 16, 4)?;
+        let mut picking = Backend::new(Device::Cpu, &w, 1, 16, KvSize::Blocks(4))?;
         // Sequence 1 asks for all rows: a pick there is ignored.
         let out = picking.forward_picking(&w, &batch, &[Pick::Argmax; 3])?;
         let row = |r: usize| &all.logits[r * vocab..(r + 1) * vocab];

@@ -16,7 +16,7 @@ mod kernel_checks;
 
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-use anyhow::{bail, ensure};
+use anyhow::{Context, bail, ensure};
 use sluice_engine::backend::{Pick, wanted_rows};
 use sluice_engine::cuda::{CudaRunner, driver_available, nvrtc_available};
 use sluice_engine::forward::{KvCache, LogitsWanted, Runner, SeqInput};
@@ -219,6 +219,43 @@ fn the_device_bench_runs_on_a_small_shape() -> anyhow::Result<()> {
         reps: 1,
     };
     kernel_checks::bench_llama(&CudaRunner::new(0)?, &config, &shape)
+}
+
+/// With a share of the device's memory, the KV cache takes what the weights and pass buffers
+/// leave of it: the device then holds the share less the headroom, to within one block. A
+/// share that leaves no room, one out of range, and one on the CPU are refused.
+#[test]
+fn a_share_of_device_memory_sizes_the_kv_cache() -> anyhow::Result<()> {
+    use sluice_engine::backend::{Backend, DEVICE_HEADROOM, Device, KvSize};
+    let Some(_device) = emulated_cuda()? else {
+        return Ok(());
+    };
+    let w = kernel_checks::synthetic(GgmlType::F32)?;
+    let (share, max_tokens, max_seqs) = (0.5, 256, 8);
+    let kv = KvSize::DeviceShare { share, max_tokens, max_seqs };
+    let mut b = Backend::new(Device::Cuda(0), &w, 1, 16, kv)?;
+    b.reserve(max_tokens, max_seqs)?;
+    let Backend::Cuda(cuda) = &b else { bail!("not a CUDA backend") };
+    cuda.runner.synchronize()?;
+    let (free, total) = cuda.runner.memory_info()?;
+    let (used, limit) = (total - free, (total as f64 * share) as usize - DEVICE_HEADROOM);
+    let per_block = Device::Cuda(0).bytes_per_block(&w, 16);
+    ensure!(
+        used <= limit && used + per_block > limit,
+        "{} blocks of {per_block} bytes: {used} bytes in use, the limit {limit}",
+        b.num_blocks()
+    );
+    drop(b);
+    for (device, share, says) in [
+        (Device::Cuda(0), 0.2, "leaves no room"),
+        (Device::Cuda(0), 1.5, "must be in (0, 1]"),
+        (Device::Cpu, 0.5, "on the CPU"),
+    ] {
+        let kv = KvSize::DeviceShare { share, max_tokens, max_seqs };
+        let e = Backend::new(device, &w, 1, 16, kv).err().context("accepted")?;
+        ensure!(e.to_string().contains(says), "{device} {share}: {e}");
+    }
+    Ok(())
 }
 
 /// A prefill long enough for two row tiles of the tensor-core kernel (head size 64), after a

@@ -146,6 +146,11 @@ pub struct CudaKvCache {
 }
 
 impl CudaKvCache {
+    /// Blocks in the cache.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
     /// Turns the decode graphs on (the default) or off (every pass eager: for comparison).
     pub fn set_graphs(&mut self, on: bool) {
         self.use_graphs = on;

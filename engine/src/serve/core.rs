@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::backend::{Backend, Device, Pick, StepOutput};
+use crate::backend::{Backend, Device, KvSize, Pick, StepOutput};
 use crate::error::{EngineError, Result};
 use crate::forward::{LogitsWanted, SeqInput};
 use crate::generate::IncrementalDecoder;
@@ -23,12 +23,16 @@ use crate::serve::{
 };
 
 /// Engine limits and sizes.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct EngineConfig {
     /// Tokens per KV block.
     pub block_size: usize,
     /// Memory for the KV cache, in bytes (blocks are preallocated from it).
     pub kv_cache_bytes: usize,
+    /// On a GPU: the share of the device's memory the engine may take in all (weights, pass
+    /// buffers and the KV cache, which gets what the others leave; vLLM's
+    /// `gpu_memory_utilization`). When set, `kv_cache_bytes` is not used.
+    pub gpu_memory_utilization: Option<f64>,
     /// Tokens computed per step, all requests together.
     pub max_num_batched_tokens: usize,
     /// Requests in the running batch.
@@ -44,6 +48,7 @@ impl Default for EngineConfig {
         EngineConfig {
             block_size: 16,
             kv_cache_bytes: 512 << 20,
+            gpu_memory_utilization: None,
             max_num_batched_tokens: 512,
             max_num_seqs: 64,
             threads: 0,
@@ -107,26 +112,34 @@ impl EngineCore {
         config: EngineConfig,
         metrics: Arc<EngineMetrics>,
     ) -> Result<EngineCore> {
-        let per_block = config.device.bytes_per_block(&model.weights, config.block_size.max(1));
-        let num_blocks = config.kv_cache_bytes / per_block;
-        if config.block_size == 0 || num_blocks == 0 {
-            return Err(EngineError::InvalidRequest(format!(
-                "a KV cache of {} bytes holds no block of {} tokens ({per_block} bytes each)",
-                config.kv_cache_bytes, config.block_size
-            )));
-        }
         if config.max_num_batched_tokens == 0 || config.max_num_seqs == 0 {
             return Err(EngineError::InvalidRequest(
                 "max_num_batched_tokens and max_num_seqs must be positive".into(),
             ));
         }
-        let mut backend = Backend::new(
-            config.device,
-            &model.weights,
-            config.threads,
-            config.block_size,
-            num_blocks,
-        )?;
+        let kv = match config.gpu_memory_utilization {
+            Some(share) if config.block_size > 0 => KvSize::DeviceShare {
+                share,
+                max_tokens: config.max_num_batched_tokens,
+                max_seqs: config.max_num_seqs,
+            },
+            _ => {
+                let bs = config.block_size.max(1);
+                let per_block = config.device.bytes_per_block(&model.weights, bs);
+                let num_blocks = config.kv_cache_bytes / per_block;
+                if config.block_size == 0 || num_blocks == 0 {
+                    return Err(EngineError::InvalidRequest(format!(
+                        "a KV cache of {} bytes holds no block of {} tokens ({per_block} bytes \
+                         each)",
+                        config.kv_cache_bytes, config.block_size
+                    )));
+                }
+                KvSize::Blocks(num_blocks)
+            }
+        };
+        let mut backend =
+            Backend::new(config.device, &model.weights, config.threads, config.block_size, kv)?;
+        let num_blocks = backend.num_blocks();
         let reserved = backend.reserve(config.max_num_batched_tokens, config.max_num_seqs)?;
         if reserved > 0 {
             tracing::info!(

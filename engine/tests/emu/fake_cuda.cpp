@@ -366,14 +366,14 @@ int cuMemFree_v2(unsigned long long p) {
     return fake::OK;
 }
 int cuMemFreeAsync(unsigned long long p, void*) { return cuMemFree_v2(p); }
-// 16 GiB, less what is allocated.
+// 1 GiB (a device small enough that a test may fill a share of it), less what is allocated.
 int cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
     std::lock_guard<std::mutex> g(fake::g_lock);
     size_t used = 0;
     for (const auto& a : fake::g_allocs) {
         used += a.second;
     }
-    *total = (size_t)16 << 30;
+    *total = (size_t)1 << 30;
     *free_bytes = *total - used;
     return fake::OK;
 }
