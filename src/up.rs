@@ -259,9 +259,17 @@ pub struct UpArgs {
     /// Model file (default: the default model, fetched if missing).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// KV cache memory, MiB.
-    #[arg(long, default_value_t = 512)]
-    kv_cache_mb: usize,
+    /// Where the engine's forward pass runs: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: sluice_engine::backend::Device,
+    /// KV cache memory, MiB [default on the CPU: 512; on a GPU the cache takes what
+    /// --gpu-memory-utilization leaves].
+    #[arg(long, conflicts_with = "gpu_memory_utilization")]
+    kv_cache_mb: Option<usize>,
+    /// On a GPU: the share of the device's memory the engine may take in all [default: 0.9
+    /// unless --kv-cache-mb].
+    #[arg(long)]
+    gpu_memory_utilization: Option<f64>,
 }
 
 fn write_private(path: &Path, content: &str) -> anyhow::Result<()> {
@@ -325,11 +333,18 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     };
     let internal_token = random_secret();
     let io = IoRuntime::start()?;
+    let (kv_cache_bytes, gpu_memory_utilization) =
+        crate::kv_cache_size(args.device, args.kv_cache_mb, args.gpu_memory_utilization)?;
     let handle = EngineHandle::start(
         Arc::clone(&model),
-        EngineConfig { kv_cache_bytes: args.kv_cache_mb << 20, ..EngineConfig::default() },
+        EngineConfig {
+            kv_cache_bytes,
+            gpu_memory_utilization,
+            device: args.device,
+            ..EngineConfig::default()
+        },
     )
-    .context("starting the engine")?;
+    .with_context(|| format!("starting the engine on {}", args.device))?;
     let engine_app = engine_router(
         handle,
         ServerConfig {

@@ -182,6 +182,13 @@ fn bad_input_is_a_clear_error() -> anyhow::Result<()> {
     let out = sluice(&["engine", "--model", model, "--device", "tpu"])?;
     let err = String::from_utf8_lossy(&out.stderr);
     ensure!(!out.status.success() && err.contains("--device"), "{err}");
+    // `sluice up` on a GPU that is not there: the same clear error.
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().to_str().context("path")?;
+    let out = sluice(&["up", "--dir", state, "--model", model, "--device", "cuda"])?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    let no_gpu = err.contains("no NVIDIA driver found") || err.contains("no CUDA backend");
+    ensure!(!out.status.success() && no_gpu && !err.contains("panicked"), "{err}");
     // A share of device memory sizes only a GPU's cache, within (0, 1], and not beside a size
     // in MiB.
     for (args, says) in [

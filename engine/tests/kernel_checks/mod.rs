@@ -1004,15 +1004,20 @@ pub fn bench_llama(
             continue;
         }
         // The serving path: the step with its tokens chosen, greedy on the device (ids back)
-        // against the logits copied back for the host to choose.
+        // against the logits copied back for the host to choose, and drawn on the device with
+        // a temperature, top-k and top-p (sample_rows' threshold searches pass over each row
+        // of logits many times).
+        use sluice_engine::backend::Pick;
         let rows: Vec<Option<usize>> = (0..batch).map(Some).collect();
-        let picks = vec![sluice_engine::backend::Pick::Argmax; batch];
-        let mut step = |pick: bool| -> anyhow::Result<f64> {
+        let greedy = vec![Pick::Argmax; batch];
+        let draw = Pick::Draw { temperature: 0.8, top_k: 50, top_p: 0.9, uniform: 0.5 };
+        let draws = vec![draw; batch];
+        let mut step = |picks: Option<&[Pick]>| -> anyhow::Result<f64> {
             time(
                 &mut || {
                     let b = d.step();
-                    if pick {
-                        r.forward_picking(&model, &mut cache, &b, &rows, &picks)?;
+                    if let Some(picks) = picks {
+                        r.forward_picking(&model, &mut cache, &b, &rows, picks)?;
                     } else {
                         let logits = r.forward(&model, &mut cache, &b)?;
                         let ids: Vec<u32> = logits
@@ -1026,13 +1031,16 @@ pub fn bench_llama(
                 shape.reps,
             )
         };
-        let (device_pick, host_pick) = (step(true)?, step(false)?);
+        let (device_pick, host_pick) = (step(Some(&greedy))?, step(None)?);
+        let device_draw = step(Some(&draws))?;
         eprintln!(
-            "decode batch {batch}, tokens chosen: on the device {:.2} ms/step, logits to the \
-             host {:.2} ms/step ({:.2}x)",
+            "decode batch {batch}, tokens chosen: greedy on the device {:.2} ms/step, logits to \
+             the host {:.2} ms/step ({:.2}x); drawn on the device (T 0.8, top-k 50, top-p 0.9) \
+             {:.2} ms/step",
             device_pick * 1e3,
             host_pick * 1e3,
-            host_pick / device_pick
+            host_pick / device_pick,
+            device_draw * 1e3
         );
     }
 
