@@ -2,7 +2,7 @@
 
 // out[r] = the index of the largest logit of row r (the lowest index among equals, as on the
 // CPU). Grid: one block per row; blockDim.x a multiple of 32, at most 1024.
-extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int* __restrict__ out,
+extern "C" __global__ __launch_bounds__(1024) void argmax_rows(const float* __restrict__ logits, int* __restrict__ out,
                                        int vocab) {
     __shared__ float best_v[32];
     __shared__ int best_i[32];
@@ -43,23 +43,106 @@ extern "C" __global__ void argmax_rows(const float* __restrict__ logits, int* __
     }
 }
 
+#define SEARCH_PIVOTS 16  // thresholds tried per pass over a row
+#define SEARCH_ROUNDS 10  // passes: the range narrows to 1 / 17^10 (< 2^-40) of itself
+
+// The largest threshold a in [lo, hi] (to (hi - lo) / 17^SEARCH_ROUNDS) whose weight,
+// weight(a) = the count (MASS = false) or the sum of exp((x - m) * inv_t) (MASS = true) of the
+// row's values x >= a among those >= floor, reaches `need`; lo when none above it does. A
+// search in SEARCH_PIVOTS + 1 parts per pass (a pass reads the row once for all its
+// thresholds, where bisection reads it once per halving); sums in a fixed order, so the
+// result is the same on every run. Every thread of the block calls it; `partial` holds
+// 32 * SEARCH_PIVOTS floats of shared memory, `totals` SEARCH_PIVOTS.
+template <bool MASS>
+__device__ __forceinline__ float search_threshold(const float* __restrict__ row, int vocab,
+                                                  float lo, float hi, float floor, float need,
+                                                  float m, float inv_t, float* partial,
+                                                  float* totals) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int warps = (blockDim.x + 31) >> 5;
+    float a = lo;
+    float b = hi;
+    for (int round = 0; round < SEARCH_ROUNDS; ++round) {
+        // Thresholds a + step (j + 1), the same float operations in every thread.
+        const float step = (b - a) / (float)(SEARCH_PIVOTS + 1);
+        float w[SEARCH_PIVOTS];
+#pragma unroll
+        for (int j = 0; j < SEARCH_PIVOTS; ++j) {
+            w[j] = 0.0f;
+        }
+        for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
+            const float x = row[i];
+            if (x >= floor) {
+                const float v = MASS ? __expf((x - m) * inv_t) : 1.0f;
+#pragma unroll
+                for (int j = 0; j < SEARCH_PIVOTS; ++j) {
+                    w[j] += (x >= a + step * (float)(j + 1)) ? v : 0.0f;
+                }
+            }
+        }
+        // The warp's sums of the 16 weights in 16 shuffles (a reduce-scatter: at each step a
+        // lane keeps half of its values, adds its partner's copy of that half, and sends the
+        // other half), ending with pivot lane / 2 in lanes lane and lane ^ 1.
+        static_assert(SEARCH_PIVOTS == 16, "the reduce-scatter below halves 16 values to 1");
+#pragma unroll
+        for (int o = 16; o >= 2; o >>= 1) {
+            const bool upper = (lane & o) != 0;
+#pragma unroll
+            for (int j = 0; j < o / 2; ++j) {
+                const float send = upper ? w[j] : w[j + o / 2];
+                const float keep = upper ? w[j + o / 2] : w[j];
+                w[j] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+            }
+        }
+        w[0] += __shfl_xor_sync(0xffffffffu, w[0], 1);
+        if ((lane & 1) == 0) {
+            partial[warp * SEARCH_PIVOTS + (lane >> 1)] = w[0];
+        }
+        __syncthreads();
+        if (threadIdx.x < SEARCH_PIVOTS) {
+            float t = 0.0f;
+            for (int v = 0; v < warps; ++v) {
+                t += partial[v * SEARCH_PIVOTS + threadIdx.x];
+            }
+            totals[threadIdx.x] = t;
+        }
+        __syncthreads();
+        // Weights fall as the thresholds rise: the last one still reaching the need.
+        int last = -1;
+        for (int j = 0; j < SEARCH_PIVOTS; ++j) {
+            if (totals[j] >= need) {
+                last = j;
+            }
+        }
+        const float na = (last >= 0) ? a + step * (float)(last + 1) : a;
+        const float nb = (last + 1 < SEARCH_PIVOTS) ? a + step * (float)(last + 2) : b;
+        a = na;
+        b = nb;
+        __syncthreads();  // every thread has read `totals` before the next pass writes it
+    }
+    return a;
+}
+
 // Tokens kept by top-k and top-p, as a threshold on the logit: every token with
-// logit >= threshold. The threshold comes from bisection over the logits' range (40 steps),
-// counting (top-k) or summing exp((l - max) / T) (top-p) in each step: exact up to ties at the
-// threshold, which are all kept.
+// logit >= threshold. The threshold comes from a search over the logits' range
+// (search_threshold), counting (top-k) or summing exp((l - max) / T) (top-p): exact up to ties
+// at the threshold, which are all kept.
 //
 // out[r] = a token drawn from softmax(logits[r] / temperature[r]) restricted to the top_k[r]
 // largest logits (0 = all) and then to the smallest set of the largest whose probability,
 // renormalized over the top-k set, reaches top_p[r] (1 = all), using uniform[r] in [0, 1) so a
 // seeded host generator fixes the choice. Temperature 0 is argmax. Tokens are walked in index
 // order for the draw. Grid: one block per row; blockDim.x a multiple of 32, at most 1024.
-extern "C" __global__ void sample_rows(const float* __restrict__ logits,
+extern "C" __global__ __launch_bounds__(1024) void sample_rows(const float* __restrict__ logits,
                                        const float* __restrict__ temperature,
                                        const int* __restrict__ top_k,
                                        const float* __restrict__ top_p,
                                        const float* __restrict__ uniform, int* __restrict__ out,
                                        int vocab) {
     __shared__ float chunk_sums[1024];
+    __shared__ float partial[32 * SEARCH_PIVOTS];
+    __shared__ float totals[SEARCH_PIVOTS];
     __shared__ int chosen;
     const float* row = logits + (long long)blockIdx.x * vocab;
     const float t = temperature[blockIdx.x];
@@ -97,22 +180,8 @@ extern "C" __global__ void sample_rows(const float* __restrict__ logits,
     // Top-k: the largest threshold keeping at least k tokens.
     float threshold = lo;
     if (k > 0 && k < vocab) {
-        float a = lo;
-        float b = m;
-        for (int step = 0; step < 40; ++step) {
-            const float mid = 0.5f * (a + b);
-            float n = 0.0f;
-            for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-                n += (row[i] >= mid) ? 1.0f : 0.0f;
-            }
-            n = block_sum(n);
-            if (n >= (float)k) {
-                a = mid;
-            } else {
-                b = mid;
-            }
-        }
-        threshold = a;
+        threshold = search_threshold<false>(row, vocab, lo, m, lo, (float)k, m, inv_t, partial,
+                                            totals);
     }
     // Top-p over what top-k kept: the largest threshold keeping mass >= p of it.
     if (p < 1.0f) {
@@ -122,23 +191,8 @@ extern "C" __global__ void sample_rows(const float* __restrict__ logits,
             kept += (x >= threshold) ? __expf((x - m) * inv_t) : 0.0f;
         }
         kept = block_sum(kept);
-        float a = threshold;
-        float b = m;
-        for (int step = 0; step < 40; ++step) {
-            const float mid = 0.5f * (a + b);
-            float mass = 0.0f;
-            for (int i = threadIdx.x; i < vocab; i += blockDim.x) {
-                const float x = row[i];
-                mass += (x >= mid) ? __expf((x - m) * inv_t) : 0.0f;
-            }
-            mass = block_sum(mass);
-            if (mass >= p * kept) {
-                a = mid;
-            } else {
-                b = mid;
-            }
-        }
-        threshold = a;
+        threshold = search_threshold<true>(row, vocab, threshold, m, threshold, p * kept, m,
+                                           inv_t, partial, totals);
     }
     // The draw: each thread owns a contiguous chunk of the vocabulary, in index order.
     const int chunk = (vocab + blockDim.x - 1) / blockDim.x;

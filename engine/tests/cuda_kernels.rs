@@ -73,6 +73,14 @@ fn no_kernel_spills_registers() -> anyhow::Result<()> {
                     "{arch} {name}: {} bytes shared",
                     k.shared_bytes
                 );
+                // A block's registers come from one SM's 64K: the runner launches the token
+                // choosers with 1024 threads, the rest with at most 256.
+                let threads = if name.ends_with("_rows") { 1024 } else { 256 };
+                ensure!(
+                    k.registers * threads <= 65_536,
+                    "{arch} {name}: {} registers x {threads} threads do not fit an SM",
+                    k.registers
+                );
             }
         }
     }

@@ -22,11 +22,19 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("sampling", include_str!("../../../kernels/sampling.cu")),
 ];
 
-/// The names of the kernels `src` declares (`extern "C" __global__ void NAME(`), in order.
+/// The names of the kernels `src` declares (`extern "C" __global__ [__launch_bounds__(..)] void
+/// NAME(`), in order.
 pub fn kernel_names(src: &str) -> Vec<&str> {
-    src.split("extern \"C\" __global__ void ")
+    src.split("extern \"C\" __global__ ")
         .skip(1)
-        .filter_map(|d| d.split('(').next())
+        .filter_map(|d| {
+            // An optional `__launch_bounds__(...)` before the return type.
+            let d = match d.strip_prefix("__launch_bounds__(") {
+                Some(rest) => rest.split_once(')')?.1.trim_start(),
+                None => d,
+            };
+            d.strip_prefix("void ")?.split('(').next()
+        })
         .map(str::trim)
         .collect()
 }

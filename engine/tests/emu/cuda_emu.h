@@ -38,6 +38,7 @@
 #define __forceinline__ inline
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
+#define __launch_bounds__(...)
 
 struct uint3 {
     unsigned x, y, z;

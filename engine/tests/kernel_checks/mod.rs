@@ -620,6 +620,96 @@ pub fn sampling(d: &dyn Dev) -> anyhow::Result<()> {
         count(10),
         count(2000)
     );
+    sampling_cuts(d)
+}
+
+/// Draws under top-k and top-p on rows of random logits, each against the draw computed here
+/// (in f64) from the definition: the kept set (the k largest, then the smallest set of the
+/// largest holding p of their mass), walked in index order to u of its mass. The top-p cuts
+/// sit halfway between two tokens' cumulative mass and the u's away from every boundary, so
+/// f32 sums cannot tip a draw. The 60 largest logits, at scattered indices, are 1e-4 apart,
+/// so the cuts among them fall between near-equal tokens: a threshold off by more than that
+/// keeps a token of about a 60th of the mass too many or too few, and changes many draws.
+fn sampling_cuts(d: &dyn Dev) -> anyhow::Result<()> {
+    use Arg::*;
+    let (vocab, t) = (3000usize, 0.7f32);
+    let draws = if d.emulated() { 12 } else { 40 };
+    let (mut logits, mut ks, mut ps, mut us, mut want) = (vec![], vec![], vec![], vec![], vec![]);
+    for (case, (k, p_near)) in
+        [(7usize, 1.0f64), (0, 0.6), (50, 0.8), (2999, 0.95)].into_iter().enumerate()
+    {
+        let mut row: Vec<f32> = values(vocab, 300 + case as u64).iter().map(|v| v * 4.0).collect();
+        for j in 0..60 {
+            row[(j * 37 + case * 11) % vocab] = 4.5 - j as f32 * 1e-4;
+        }
+        let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mass = |i: usize| (f64::from(row[i] - m) / f64::from(t)).exp();
+        let mut order: Vec<usize> = (0..vocab).collect();
+        order.sort_by(|a, b| row[*b].total_cmp(&row[*a]));
+        let top = if k == 0 { vocab } else { k };
+        let kept_k = &order[..top];
+        let total_k: f64 = kept_k.iter().map(|&i| mass(i)).sum();
+        // The cut: halfway between the cumulative fractions around p_near.
+        let (mut cum, mut n, mut p) = (0.0, top, 1.0f64);
+        if p_near < 1.0 {
+            for (j, &i) in kept_k.iter().enumerate() {
+                let before = cum / total_k;
+                cum += mass(i);
+                if cum / total_k >= p_near {
+                    n = j + 1;
+                    p = (before + cum / total_k) / 2.0;
+                    // Keeps the same n: the mass before j is below p, through j is above.
+                    break;
+                }
+            }
+        }
+        let kept: Vec<usize> = {
+            let mut v = kept_k[..n].to_vec();
+            v.sort_unstable();
+            v
+        };
+        let total: f64 = kept.iter().map(|&i| mass(i)).sum();
+        let bounds: Vec<f64> = kept
+            .iter()
+            .scan(0.0, |acc, &i| {
+                *acc += mass(i) / total;
+                Some(*acc)
+            })
+            .collect();
+        for j in 0..draws {
+            let mut u = (j as f64 + 0.5) / draws as f64;
+            // Away from every boundary between tokens.
+            while bounds.iter().any(|b| (b - u).abs() < 1e-4) {
+                u += 3e-4;
+            }
+            let at = bounds.iter().position(|b| u < *b).unwrap_or(kept.len() - 1);
+            logits.extend_from_slice(&row);
+            ks.push(k as i32);
+            ps.push(p as f32);
+            us.push(u as f32);
+            want.push((kept[at] as i32, case, kept.len()));
+        }
+    }
+    let rows = want.len();
+    let mut got = vec![0i32; rows];
+    d.launch(
+        "sampling",
+        "sample_rows",
+        (rows as u32, 1),
+        1024,
+        &mut [
+            In(bytes(&logits)),
+            In(bytes(&vec![t; rows])),
+            In(bytes(&ks)),
+            In(bytes(&ps)),
+            In(bytes(&us)),
+            Out(bytes_mut(&mut got)),
+            I32(vocab as i32),
+        ],
+    )?;
+    for (r, (g, (w, case, kept))) in got.iter().zip(&want).enumerate() {
+        ensure!(g == w, "sample_rows case {case} ({kept} kept), u {}: token {g}, want {w}", us[r]);
+    }
     Ok(())
 }
 
