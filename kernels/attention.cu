@@ -655,20 +655,21 @@ __device__ __forceinline__ void prefill_attention_tile(
     l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
     const float inv0 = (l0 > 0.0f) ? 1.0f / l0 : 0.0f;
     const float inv1 = (l1 > 0.0f) ? 1.0f / l1 : 0.0f;
+    // Each lane's two adjacent columns in one 32-bit store.
     if (has0) {
         bf16_t* orow = out + ((long long)(first + r0) * heads + h) * HD + 2 * qd;
 #pragma unroll
         for (int d = 0; d < HD / 8; ++d) {
-            orow[d * 8] = f32_to_bf16(o[d][0] * inv0);
-            orow[d * 8 + 1] = f32_to_bf16(o[d][1] * inv0);
+            *(unsigned*)(orow + d * 8) =
+                pack_bf16(f32_to_bf16(o[d][0] * inv0), f32_to_bf16(o[d][1] * inv0));
         }
     }
     if (has1) {
         bf16_t* orow = out + ((long long)(first + r1) * heads + h) * HD + 2 * qd;
 #pragma unroll
         for (int d = 0; d < HD / 8; ++d) {
-            orow[d * 8] = f32_to_bf16(o[d][2] * inv1);
-            orow[d * 8 + 1] = f32_to_bf16(o[d][3] * inv1);
+            *(unsigned*)(orow + d * 8) =
+                pack_bf16(f32_to_bf16(o[d][2] * inv1), f32_to_bf16(o[d][3] * inv1));
         }
     }
 }

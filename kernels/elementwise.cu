@@ -13,8 +13,9 @@ extern "C" __global__ void embedding_gather(const bf16_t* __restrict__ table,
 }
 
 // out = x / sqrt(mean(x^2) + eps) * w for the block's row of `dim`, given ss = sum(x^2) of the
-// thread's own columns (threadIdx.x, + blockDim.x, ...).
-__device__ __forceinline__ void norm_row(const bf16_t* __restrict__ x,
+// thread's own columns (threadIdx.x, + blockDim.x, ...). `x` is not __restrict__: add_rmsnorm
+// wrote it in the same kernel (no read-only cache path for it).
+__device__ __forceinline__ void norm_row(const bf16_t* x,
                                          const bf16_t* __restrict__ w, bf16_t* __restrict__ out,
                                          int dim, float eps, float ss) {
     ss = block_sum(ss);

@@ -64,7 +64,8 @@ __device__ __forceinline__ float search_threshold(const float* __restrict__ row,
     float a = lo;
     float b = hi;
     for (int round = 0; round < SEARCH_ROUNDS; ++round) {
-        // Thresholds a + step (j + 1), the same float operations in every thread.
+        // Thresholds a + step (j + 1), one explicit fma each (never contracted differently
+        // here and where the result is chosen below).
         const float step = (b - a) / (float)(SEARCH_PIVOTS + 1);
         float w[SEARCH_PIVOTS];
 #pragma unroll
@@ -77,7 +78,7 @@ __device__ __forceinline__ float search_threshold(const float* __restrict__ row,
                 const float v = MASS ? __expf((x - m) * inv_t) : 1.0f;
 #pragma unroll
                 for (int j = 0; j < SEARCH_PIVOTS; ++j) {
-                    w[j] += (x >= a + step * (float)(j + 1)) ? v : 0.0f;
+                    w[j] += (x >= __fmaf_rn(step, (float)(j + 1), a)) ? v : 0.0f;
                 }
             }
         }
@@ -115,8 +116,8 @@ __device__ __forceinline__ float search_threshold(const float* __restrict__ row,
                 last = j;
             }
         }
-        const float na = (last >= 0) ? a + step * (float)(last + 1) : a;
-        const float nb = (last + 1 < SEARCH_PIVOTS) ? a + step * (float)(last + 2) : b;
+        const float na = (last >= 0) ? __fmaf_rn(step, (float)(last + 1), a) : a;
+        const float nb = (last + 1 < SEARCH_PIVOTS) ? __fmaf_rn(step, (float)(last + 2), a) : b;
         a = na;
         b = nb;
         __syncthreads();  // every thread has read `totals` before the next pass writes it

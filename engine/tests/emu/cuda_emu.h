@@ -292,6 +292,7 @@ inline int __float_as_int(float f) { return bit_cast_<int>(f); }
 inline float __uint_as_float(unsigned u) { return bit_cast_<float>(u); }
 inline unsigned __float_as_uint(float f) { return bit_cast_<unsigned>(f); }
 inline float __expf(float x) { return std::exp(x); }
+inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
