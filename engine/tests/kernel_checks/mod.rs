@@ -573,7 +573,6 @@ pub fn argmax(d: &dyn Dev) -> anyhow::Result<()> {
 /// Sampling with temperature, top-k and top-p from given uniforms: greedy, top-k 1, top-p
 /// 0.75 at two uniforms, then evenly spaced draws that must split exactly by probability.
 pub fn sampling(d: &dyn Dev) -> anyhow::Result<()> {
-    use Arg::*;
     let vocab = 3000usize;
     // Probabilities 0.5 at token 10, 0.3 at 2000, 0.2 at 5; the rest negligible.
     let mut base = vec![-60f32; vocab];
@@ -591,24 +590,8 @@ pub fn sampling(d: &dyn Dev) -> anyhow::Result<()> {
         ps.push(1.0);
         us.push((i as f32 + 0.5) / draws as f32);
     }
-    let rows = temps.len();
-    let logits: Vec<f32> = (0..rows).flat_map(|_| base.iter().copied()).collect();
-    let mut got = vec![0i32; rows];
-    d.launch(
-        "sampling",
-        "sample_rows",
-        (rows as u32, 1),
-        1024,
-        &mut [
-            In(bytes(&logits)),
-            In(bytes(&temps)),
-            In(bytes(&ks)),
-            In(bytes(&ps)),
-            In(bytes(&us)),
-            Out(bytes_mut(&mut got)),
-            I32(vocab as i32),
-        ],
-    )?;
+    let logits: Vec<f32> = (0..temps.len()).flat_map(|_| base.iter().copied()).collect();
+    let got = sample_rows(d, &logits, &temps, &ks, &ps, &us)?;
     ensure!(got[..4] == [10, 10, 2000, 10], "{:?}", &got[..4]);
     let count = |t: i32| got[4..].iter().filter(|x| **x == t).count();
     // In index order: token 5 takes u in [0, 0.2), 10 [0.2, 0.7), 2000 [0.7, 1.0).
@@ -623,6 +606,37 @@ pub fn sampling(d: &dyn Dev) -> anyhow::Result<()> {
     sampling_cuts(d)
 }
 
+/// `sample_rows` over the rows of `logits` (one per entry of the other arguments), as the
+/// runner launches it (1024 threads a row).
+fn sample_rows(
+    d: &dyn Dev,
+    logits: &[f32],
+    temps: &[f32],
+    ks: &[i32],
+    ps: &[f32],
+    us: &[f32],
+) -> anyhow::Result<Vec<i32>> {
+    use Arg::*;
+    let rows = temps.len();
+    let mut got = vec![0i32; rows];
+    d.launch(
+        "sampling",
+        "sample_rows",
+        (rows as u32, 1),
+        1024,
+        &mut [
+            In(bytes(logits)),
+            In(bytes(temps)),
+            In(bytes(ks)),
+            In(bytes(ps)),
+            In(bytes(us)),
+            Out(bytes_mut(&mut got)),
+            I32((logits.len() / rows.max(1)) as i32),
+        ],
+    )?;
+    Ok(got)
+}
+
 /// Draws under top-k and top-p on rows of random logits, each against the draw computed here
 /// (in f64) from the definition: the kept set (the k largest, then the smallest set of the
 /// largest holding p of their mass), walked in index order to u of its mass. The top-p cuts
@@ -631,7 +645,6 @@ pub fn sampling(d: &dyn Dev) -> anyhow::Result<()> {
 /// so the cuts among them fall between near-equal tokens: a threshold off by more than that
 /// keeps a token of about a 60th of the mass too many or too few, and changes many draws.
 fn sampling_cuts(d: &dyn Dev) -> anyhow::Result<()> {
-    use Arg::*;
     let (vocab, t) = (3000usize, 0.7f32);
     let draws = if d.emulated() { 12 } else { 40 };
     let (mut logits, mut ks, mut ps, mut us, mut want) = (vec![], vec![], vec![], vec![], vec![]);
@@ -690,23 +703,7 @@ fn sampling_cuts(d: &dyn Dev) -> anyhow::Result<()> {
             want.push((kept[at] as i32, case, kept.len()));
         }
     }
-    let rows = want.len();
-    let mut got = vec![0i32; rows];
-    d.launch(
-        "sampling",
-        "sample_rows",
-        (rows as u32, 1),
-        1024,
-        &mut [
-            In(bytes(&logits)),
-            In(bytes(&vec![t; rows])),
-            In(bytes(&ks)),
-            In(bytes(&ps)),
-            In(bytes(&us)),
-            Out(bytes_mut(&mut got)),
-            I32(vocab as i32),
-        ],
-    )?;
+    let got = sample_rows(d, &logits, &vec![t; want.len()], &ks, &ps, &us)?;
     for (r, (g, (w, case, kept))) in got.iter().zip(&want).enumerate() {
         ensure!(g == w, "sample_rows case {case} ({kept} kept), u {}: token {g}, want {w}", us[r]);
     }
