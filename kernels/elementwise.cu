@@ -72,7 +72,14 @@ extern "C" __global__ void rope_kv(bf16_t* __restrict__ qkv, bf16_t* __restrict_
     const int slot = slots[t];
     bf16_t* k_dst = k_cache + (long long)max(slot, 0) * kv_dim;
     const int half = rope_dims / 2;
+    // Each pair's angle is the same in every head: its cosine and sine once per token (half
+    // <= 128: head_dim is at most 256).
+    __shared__ float cos_sin[2 * 128];
     const float p = (float)pos[t];
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        sincosf(p * inv_freq[i], &cos_sin[2 * i + 1], &cos_sin[2 * i]);
+    }
+    __syncthreads();
     const int work = (heads + kv_heads) * half;
     for (int w = threadIdx.x; w < work; w += blockDim.x) {
         const int h = w / half;
@@ -80,8 +87,8 @@ extern "C" __global__ void rope_kv(bf16_t* __restrict__ qkv, bf16_t* __restrict_
         bf16_t* x = row + (long long)h * head_dim;  // key heads follow the query heads
         const int a = interleaved ? 2 * i : i;
         const int b = interleaved ? 2 * i + 1 : i + half;
-        float s, c;
-        sincosf(p * inv_freq[i], &s, &c);
+        const float c = cos_sin[2 * i];
+        const float s = cos_sin[2 * i + 1];
         const float x0 = bf16_to_f32(x[a]);
         const float x1 = bf16_to_f32(x[b]);
         const bf16_t y0 = f32_to_bf16(x0 * c - x1 * s);
