@@ -50,13 +50,8 @@ impl Device {
     pub fn bytes_per_block(self, weights: &LlamaWeights, block_size: usize) -> usize {
         match self {
             Device::Cpu => KvCache::bytes_per_block(weights, block_size),
-            Device::Cuda(_) => self.bytes_per_block_of(&weights.config, block_size),
+            Device::Cuda(_) => cuda_block_bytes(&weights.config, block_size),
         }
-    }
-
-    /// On a GPU, [`Device::bytes_per_block`] from the model's shape alone: K and V, bf16.
-    fn bytes_per_block_of(self, c: &crate::model::LlamaConfig, block_size: usize) -> usize {
-        2 * c.layers * c.kv_dim() * block_size * 2
     }
 }
 
@@ -81,6 +76,12 @@ pub enum KvSize {
 /// Device memory a [`KvSize::DeviceShare`] cache leaves free beyond the share: for what the
 /// driver, cuBLAS and the CUDA graphs allocate on their own.
 pub const DEVICE_HEADROOM: usize = 256 << 20;
+
+/// KV bytes of one block of `block_size` positions on a GPU, from the model's shape: K and V,
+/// bf16.
+fn cuda_block_bytes(c: &crate::model::LlamaConfig, block_size: usize) -> usize {
+    2 * c.layers * c.kv_dim() * block_size * 2
+}
 
 /// A runner and its KV cache on one device.
 #[cfg_attr(
@@ -279,7 +280,7 @@ fn blocks_for_share(
     let (free, total) = runner.memory_info()?;
     let others = total - (total as f64 * share) as usize;
     let room = free.saturating_sub(others + passes + DEVICE_HEADROOM);
-    let per_block = Device::Cuda(0).bytes_per_block_of(model.config(), block_size);
+    let per_block = cuda_block_bytes(model.config(), block_size);
     let blocks = room / per_block.max(1);
     if blocks == 0 {
         return Err(crate::cuda::CudaError::Invalid(format!(
