@@ -136,6 +136,16 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// A 16-byte load of data read once (a matrix-vector product's weights): the read-only path,
+// not kept in L1, where the vector stays. `p` is 16-byte aligned.
+__device__ __forceinline__ uint4 load_stream(const void* p) {
+    uint4 v;
+    asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+        : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+        : "l"(p));
+    return v;
+}
+
 // 2^x, the hardware approximation (2 ulp; 0 for -inf, subnormal results flushed to 0).
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;

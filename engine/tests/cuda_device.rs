@@ -129,6 +129,12 @@ fn paged_and_prefill_attention_match_softmax_attention() -> anyhow::Result<()> {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on one"]
+fn matrix_vector_products_match_their_definitions() -> anyhow::Result<()> {
+    kernel_checks::gemv(&gpu()?)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on one"]
 fn argmax_takes_the_lowest_index_among_equals() -> anyhow::Result<()> {
     kernel_checks::argmax(&gpu()?)
 }

@@ -215,7 +215,8 @@ fn the_device_bench_runs_on_a_small_shape() -> anyhow::Result<()> {
         batches: &[3],
         long_ctx: 300,
         long_batches: &[1],
-        profile_batches: &[2],
+        gemv_batches: &[1, 2],
+        profile_batches: &[2, 8],
         reps: 1,
     };
     kernel_checks::bench_llama(&CudaRunner::new(0)?, &config, &shape)

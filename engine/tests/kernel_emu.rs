@@ -185,6 +185,11 @@ fn paged_and_prefill_attention_match_softmax_attention() -> anyhow::Result<()> {
 }
 
 #[test]
+fn matrix_vector_products_match_their_definitions() -> anyhow::Result<()> {
+    kernel_checks::gemv(&Emulated)
+}
+
+#[test]
 fn argmax_takes_the_lowest_index_among_equals() -> anyhow::Result<()> {
     kernel_checks::argmax(&Emulated)
 }

@@ -20,6 +20,7 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("dequant", include_str!("../../../kernels/dequant.cu")),
     ("attention", include_str!("../../../kernels/attention.cu")),
     ("sampling", include_str!("../../../kernels/sampling.cu")),
+    ("gemv", include_str!("../../../kernels/gemv.cu")),
 ];
 
 /// The names of the kernels `src` declares (`extern "C" __global__ [__launch_bounds__(..)] void

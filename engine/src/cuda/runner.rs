@@ -44,20 +44,61 @@ use crate::quant::{GgmlType, QK};
 /// Element types a GEMM may write, with their CUDA type.
 trait GemmOut: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits {
     const CUDA_TYPE: cudarc::cublas::sys::cudaDataType_t;
+    /// The matrix-vector kernels' plain epilogue for this result type.
+    const GEMV_STORE: Gemv;
 }
 
 impl GemmOut for bf16 {
     const CUDA_TYPE: cudarc::cublas::sys::cudaDataType_t =
         cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF;
+    const GEMV_STORE: Gemv = Gemv::Bf16;
 }
 
 impl GemmOut for f32 {
     const CUDA_TYPE: cudarc::cublas::sys::cudaDataType_t =
         cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F;
+    const GEMV_STORE: Gemv = Gemv::F32;
+}
+
+/// Batches of up to this many rows can go through our matrix-vector kernels (kernels/gemv.cu)
+/// rather than cuBLAS: a decode step at such a batch is a stream over the weights.
+const GEMV_MAX_ROWS: usize = 4;
+/// ... and up to this many do by default: on the H200, one row's step was 1.05-1.11x faster
+/// through them than through cuBLAS, two rows' 0.88-0.98x and four rows' 0.60-0.77x (their
+/// arithmetic per weight byte grows with the rows; cuBLAS's tensor-core kernels do not care).
+const GEMV_DEFAULT_ROWS: usize = 1;
+/// Warps per matrix-vector block, one output each (`GEMV_WARPS`).
+const GEMV_WARPS: usize = 4;
+
+/// Parts a matrix-vector kernel splits each output's row into (1, 2 or 4, one warp each): the
+/// fewest that give each of the device's multiprocessors 16 warps, so a narrow matrix still
+/// keeps the device's memory busy. (An 8B model's matrices are all wide enough for 1 on an
+/// H200; there, splitting them 4 ways was slower: each warp's part too short.)
+fn gemv_splits(out: usize, sms: usize) -> usize {
+    [1, 2, 4].into_iter().find(|s| out * s >= 16 * sms).unwrap_or(4)
+}
+
+/// What a matrix-vector kernel does with its product (`GEMV_*` in kernels/gemv.cu).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Gemv {
+    /// Store it, bf16.
+    Bf16 = 0,
+    /// Store it, f32 (the logits).
+    F32 = 1,
+    /// Add it (rounded to bf16) to the bf16 output: the residual stream.
+    Add = 2,
+    /// The weights are [gate; up]: store silu(gate) * up, bf16.
+    Silu = 3,
 }
 
 fn run_err(e: impl std::fmt::Display) -> CudaError {
     CudaError::Run(e.to_string())
+}
+
+/// All of `v`, or its first error.
+fn every<T, const N: usize>(v: [Result<T, CudaError>; N]) -> Result<[T; N], CudaError> {
+    let v = v.into_iter().collect::<Result<Vec<T>, _>>()?;
+    v.try_into().map_err(|_| run_err("a kernel array of the wrong length"))
 }
 
 struct Kernels {
@@ -67,6 +108,9 @@ struct Kernels {
     rope_kv: CudaFunction,
     silu_mul: CudaFunction,
     add_bias: CudaFunction,
+    /// `gemv1..4` and `gemv_norm1..4`, by rows - 1.
+    gemv: [CudaFunction; GEMV_MAX_ROWS],
+    gemv_norm: [CudaFunction; GEMV_MAX_ROWS],
     /// `paged_attention` for any head size, and built for one head size.
     attention: CudaFunction,
     attention_for: [(usize, CudaFunction); 2],
@@ -331,6 +375,9 @@ pub struct CudaRunner {
     sms: usize,
     /// The most parts decode attention splits a context into ([`MAX_SPLITS`] unless set).
     max_splits: std::cell::Cell<usize>,
+    /// Batches of up to this many rows take the matrix-vector kernels (at most
+    /// [`GEMV_MAX_ROWS`]; 0: cuBLAS always, for comparison).
+    gemv_rows: std::cell::Cell<usize>,
     /// While [`CudaRunner::profile`] runs a pass: an event recorded after each phase.
     marks: std::cell::RefCell<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
 }
@@ -437,6 +484,8 @@ impl CudaRunner {
             rope_kv: f("elementwise", "rope_kv")?,
             silu_mul: f("elementwise", "silu_mul")?,
             add_bias: f("elementwise", "add_bias")?,
+            gemv: every([1, 2, 3, 4].map(|r| f("gemv", &format!("gemv{r}"))))?,
+            gemv_norm: every([1, 2, 3, 4].map(|r| f("gemv", &format!("gemv_norm{r}"))))?,
             attention: f("attention", "paged_attention")?,
             attention_for: [
                 (64, f("attention", "paged_attention_64")?),
@@ -468,6 +517,7 @@ impl CudaRunner {
             k,
             sms: usize::try_from(sms).unwrap_or(1).max(1),
             max_splits: std::cell::Cell::new(MAX_SPLITS),
+            gemv_rows: std::cell::Cell::new(GEMV_DEFAULT_ROWS),
             marks: std::cell::RefCell::new(None),
         })
     }
@@ -703,6 +753,57 @@ impl CudaRunner {
             }
             .map_err(run_err)?;
         }
+        Ok(())
+    }
+
+    /// `y[rows, out] = x[rows, in] W[out, in]^T` for 1..=[`GEMV_MAX_ROWS`] rows through the
+    /// matrix-vector kernels, with x first through RMSNorm by `norm` (weight, eps) and the
+    /// product put into `y` as `mode` says (for [`Gemv::Silu`], W holds 2 `out` rows).
+    #[expect(clippy::too_many_arguments, reason = "the kernel's operands")]
+    fn gemv<T: GemmOut>(
+        &self,
+        x: &CudaSlice<bf16>,
+        norm: Option<(&CudaSlice<bf16>, f32)>,
+        rows: usize,
+        w: &CudaSlice<bf16>,
+        out: usize,
+        inp: usize,
+        mode: Gemv,
+        y: &mut CudaSlice<T>,
+    ) -> Result<(), CudaError> {
+        let w_rows = if mode == Gemv::Silu { 2 * out } else { out };
+        if !(1..=GEMV_MAX_ROWS).contains(&rows)
+            || !inp.is_multiple_of(8)
+            || x.len() < rows * inp
+            || w.len() < w_rows * inp
+            || y.len() < rows * out
+            || norm.is_some_and(|(nw, _)| nw.len() < inp)
+            || (mode == Gemv::F32) != (T::GEMV_STORE == Gemv::F32)
+        {
+            return Err(run_err("matrix-vector operands do not fit their shapes"));
+        }
+        let dim = |v: usize| i32::try_from(v).map_err(|_| run_err("dimension over i32"));
+        let splits = gemv_splits(out, self.sms);
+        let (out_i, inp_i, mode_i, splits_i) = (dim(out)?, dim(inp)?, mode as i32, splits as i32);
+        let eps = norm.map_or(0.0, |(_, e)| e);
+        let mut b = match norm {
+            Some((nw, _)) => {
+                let mut b = self.stream.launch_builder(&self.k.gemv_norm[rows - 1]);
+                b.arg(x).arg(nw).arg(&eps);
+                b
+            }
+            None => {
+                let mut b = self.stream.launch_builder(&self.k.gemv[rows - 1]);
+                b.arg(x);
+                b
+            }
+        };
+        b.arg(w).arg(y).arg(&out_i).arg(&inp_i).arg(&mode_i).arg(&splits_i);
+        // SAFETY: arguments match `gemv<rows>` / `gemv_norm<rows>` in kernels/gemv.cu; the
+        // buffers hold their shapes and in is a multiple of 8 (checked above); cudaMalloc'd
+        // buffers are 16-byte aligned and so are rows of a multiple of 8 bf16.
+        let blocks = (out * splits).div_ceil(GEMV_WARPS);
+        unsafe { b.launch(grid(blocks, 1, GEMV_WARPS as u32 * 32)) }.map_err(run_err)?;
         Ok(())
     }
 
@@ -999,6 +1100,18 @@ impl CudaRunner {
         self.max_splits.set(max.clamp(1, MAX_SPLITS));
     }
 
+    /// Batches of up to `rows` rows (at most 4; 1 by default) take our matrix-vector kernels,
+    /// larger ones cuBLAS (0: cuBLAS always; for comparison). Decode graphs captured before
+    /// keep the kernels they were captured with.
+    pub fn set_gemv_rows(&self, rows: usize) {
+        self.gemv_rows.set(rows.min(GEMV_MAX_ROWS));
+    }
+
+    /// The most rows a batch may have to take the matrix-vector kernels.
+    pub fn gemv_rows(&self) -> usize {
+        self.gemv_rows.get()
+    }
+
     /// Runs `batch` once eagerly with an event after each phase of the pass and returns the
     /// device time of each phase, summed over the layers, in the order the phases first ran
     /// (milliseconds). For finding where a pass's time goes; the cache's K/V are written as by
@@ -1171,15 +1284,30 @@ impl CudaRunner {
             return Err(run_err("the split-K buffers are too small for the pass"));
         }
         let splits_i = splits as i32;
-        // Each norm after the first comes with the residual add before it (add_rmsnorm): the
-        // attention norm of layer i + 1 (or the final norm) after layer i's FFN.
-        let first_norm = m.layers.first().map_or(&m.norm, |l| &l.attn_norm);
-        self.rmsnorm(&mut ws.x, None, first_norm, n, hidden, c.rms_eps, &mut ws.xn)?;
-        self.mark("RMSNorm")?;
+        // A few rows (decode at small batches) take the matrix-vector kernels, which fuse
+        // the norms before the QKV and gate/up products, SiLU after gate/up and the residual
+        // adds after the O and down products: 6 launches a layer instead of 9.
+        let small = n <= self.gemv_rows.get()
+            && [hidden, q_dim, c.intermediate].iter().all(|d| d.is_multiple_of(8));
+        let eps = c.rms_eps;
+        // Otherwise each norm after the first comes with the residual add before it
+        // (add_rmsnorm): the attention norm of layer i + 1 (or the final norm) after layer i's
+        // FFN.
+        if !small {
+            let first_norm = m.layers.first().map_or(&m.norm, |l| &l.attn_norm);
+            self.rmsnorm(&mut ws.x, None, first_norm, n, hidden, eps, &mut ws.xn)?;
+            self.mark("RMSNorm")?;
+        }
         let layers = m.layers.iter().zip(k_cache.iter_mut()).zip(v_cache.iter_mut()).enumerate();
         for (i, ((l, kc), vc)) in layers {
-            self.linear(&ws.xn, n, &l.wqkv, qkv_dim, hidden, &mut ws.qkv)?;
-            self.mark("QKV GEMM")?;
+            if small {
+                let norm = Some((&l.attn_norm, eps));
+                self.gemv(&ws.x, norm, n, &l.wqkv, qkv_dim, hidden, Gemv::Bf16, &mut ws.qkv)?;
+                self.mark("QKV GEMV + norm")?;
+            } else {
+                self.linear(&ws.xn, n, &l.wqkv, qkv_dim, hidden, &mut ws.qkv)?;
+                self.mark("QKV GEMM")?;
+            }
             if let Some(bias) = &l.bias {
                 self.add_bias(&mut ws.qkv, bias, n, qkv_dim)?;
                 self.mark("QKV bias")?;
@@ -1189,7 +1317,9 @@ impl CudaRunner {
             b.arg(&m.inv_freq).arg(&heads).arg(&kv_heads).arg(&hd_i).arg(&rd_i).arg(&interleaved);
             // SAFETY: arguments match `rope_kv`; qkv holds n rows of (heads + 2 kv_heads)
             // head_dim; every slot is inside the cache or -1 (checked by `plan`).
-            unsafe { b.launch(grid(n, 1, 128)) }.map_err(run_err)?;
+            // 1024 threads: at small batches the kernel is a chain of loads, and each thread
+            // then has few of them.
+            unsafe { b.launch(grid(n, 1, 1024)) }.map_err(run_err)?;
             self.mark("RoPE + K/V write")?;
             if singles > 0 {
                 let f = self.k.attention_for.iter().find(|(d, _)| *d == c.head_dim);
@@ -1215,9 +1345,20 @@ impl CudaRunner {
                 unsafe { b.launch(grid(tiles, c.heads, 128)) }.map_err(run_err)?;
                 self.mark("prefill attention")?;
             }
+            let inter = c.intermediate;
+            if small {
+                self.gemv(&ws.attn, None, n, &l.wo, hidden, q_dim, Gemv::Add, &mut ws.x)?;
+                self.mark("O GEMV + add")?;
+                let norm = Some((&l.ffn_norm, eps));
+                self.gemv(&ws.x, norm, n, &l.w_gate_up, inter, hidden, Gemv::Silu, &mut ws.act)?;
+                self.mark("gate/up GEMV + norm, SiLU")?;
+                self.gemv(&ws.act, None, n, &l.w_down, hidden, inter, Gemv::Add, &mut ws.x)?;
+                self.mark("down GEMV + add")?;
+                continue;
+            }
             self.linear(&ws.attn, n, &l.wo, hidden, q_dim, &mut ws.o)?;
             self.mark("O GEMM")?;
-            self.rmsnorm(&mut ws.x, Some(&ws.o), &l.ffn_norm, n, hidden, c.rms_eps, &mut ws.xn)?;
+            self.rmsnorm(&mut ws.x, Some(&ws.o), &l.ffn_norm, n, hidden, eps, &mut ws.xn)?;
             self.mark("add + RMSNorm")?;
             self.linear(&ws.xn, n, &l.w_gate_up, 2 * c.intermediate, hidden, &mut ws.gate_up)?;
             self.mark("gate/up GEMM")?;
@@ -1230,20 +1371,26 @@ impl CudaRunner {
             self.linear(&ws.act, n, &l.w_down, hidden, c.intermediate, &mut ws.o)?;
             self.mark("down GEMM")?;
             let next = m.layers.get(i + 1).map_or(&m.norm, |l| &l.attn_norm);
-            self.rmsnorm(&mut ws.x, Some(&ws.o), next, n, hidden, c.rms_eps, &mut ws.xn)?;
+            self.rmsnorm(&mut ws.x, Some(&ws.o), next, n, hidden, eps, &mut ws.xn)?;
             self.mark("add + RMSNorm")?;
         }
         if wanted == 0 {
             return Ok(());
         }
         // The wanted rows of the final norm, gathered with the embedding kernel (a row
-        // gather).
+        // gather; the residual stream's rows with the matrix-vector kernels, which norm them).
         let mut b = self.stream.launch_builder(&self.k.gather);
-        b.arg(&ws.xn).arg(&want).arg(&mut ws.picked).arg(&h_i);
+        b.arg(if small { &ws.x } else { &ws.xn }).arg(&want).arg(&mut ws.picked).arg(&h_i);
         // SAFETY: arguments match `embedding_gather`; every index is below n.
         unsafe { b.launch(grid(wanted, 1, 256)) }.map_err(run_err)?;
         let head = m.lm_head.as_ref().unwrap_or(&m.embed);
-        self.linear(&ws.picked, wanted, head, c.vocab_size, hidden, &mut ws.logits)?;
+        let vocab = c.vocab_size;
+        if small {
+            let norm = Some((&m.norm, eps));
+            self.gemv(&ws.picked, norm, wanted, head, vocab, hidden, Gemv::F32, &mut ws.logits)?;
+        } else {
+            self.linear(&ws.picked, wanted, head, vocab, hidden, &mut ws.logits)?;
+        }
         self.mark("LM head")
     }
 }

@@ -418,6 +418,13 @@ inline void cp_async_wait() {
 
 inline float exp2_approx(float x) { return std::exp2(x); }
 
+inline uint4 load_stream(const void* p) {
+    if ((uintptr_t)p % 16 != 0) {
+        emu::fail("16-byte load from an address not 16-byte aligned");
+    }
+    return *(const uint4*)p;
+}
+
 namespace emu {
 
 // A kernel's launcher: `args` as cuLaunchKernel takes them (one pointer per parameter), and
