@@ -12,14 +12,29 @@ extern "C" __global__ void embedding_gather(const bf16_t* __restrict__ table,
     }
 }
 
+// The row kernels below take 16 bytes a load when a row is whole 16-byte chunks (dim a
+// multiple of 8; rows then start 16-byte aligned), 2 bytes otherwise: at small batches a row
+// kernel is a chain of loads, and a thread's loads are then few.
+
 // out = x / sqrt(mean(x^2) + eps) * w for the block's row of `dim`, given ss = sum(x^2) of the
-// thread's own columns (threadIdx.x, + blockDim.x, ...). `x` is not __restrict__: add_rmsnorm
-// wrote it in the same kernel (no read-only cache path for it).
+// thread's own columns (chunks of 8 from threadIdx.x, + blockDim.x, ... when dim % 8 == 0,
+// else single columns). `x` is not __restrict__: add_rmsnorm wrote it in the same kernel (no
+// read-only cache path for it; each thread reads back only what it wrote).
 __device__ __forceinline__ void norm_row(const bf16_t* x,
                                          const bf16_t* __restrict__ w, bf16_t* __restrict__ out,
                                          int dim, float eps, float ss) {
     ss = block_sum(ss);
     const float scale = rsqrtf(ss / (float)dim + eps);
+    if ((dim & 7) == 0) {
+        const auto norm = [scale](unsigned v, unsigned g) {
+            return pack_bf16(f32_to_bf16(lo_f32(v) * scale * lo_f32(g)),
+                             f32_to_bf16(hi_f32(v) * scale * hi_f32(g)));
+        };
+        for (int c = threadIdx.x; c < dim / 8; c += blockDim.x) {
+            ((uint4*)out)[c] = map_pairs(((const uint4*)x)[c], ((const uint4*)w)[c], norm);
+        }
+        return;
+    }
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         out[i] = f32_to_bf16(bf16_to_f32(x[i]) * scale * bf16_to_f32(w[i]));
     }
@@ -30,9 +45,15 @@ extern "C" __global__ void rmsnorm(const bf16_t* __restrict__ x, const bf16_t* _
                                    bf16_t* __restrict__ out, int dim, float eps) {
     const long long base = (long long)blockIdx.x * dim;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float v = bf16_to_f32(x[base + i]);
-        ss += v * v;
+    if ((dim & 7) == 0) {
+        for (int c = threadIdx.x; c < dim / 8; c += blockDim.x) {
+            ss = sum_squares8(((const uint4*)(x + base))[c], ss);
+        }
+    } else {
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+            float v = bf16_to_f32(x[base + i]);
+            ss += v * v;
+        }
     }
     norm_row(x + base, w, out + base, dim, eps, ss);
 }
@@ -44,11 +65,24 @@ extern "C" __global__ void add_rmsnorm(bf16_t* __restrict__ x, const bf16_t* __r
                                        int dim, float eps) {
     const long long base = (long long)blockIdx.x * dim;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        const bf16_t sum = f32_to_bf16(bf16_to_f32(x[base + i]) + bf16_to_f32(y[base + i]));
-        x[base + i] = sum;
-        const float v = bf16_to_f32(sum);
-        ss += v * v;
+    if ((dim & 7) == 0) {
+        const auto add = [](unsigned a, unsigned b) {
+            return pack_bf16(f32_to_bf16(lo_f32(a) + lo_f32(b)),
+                             f32_to_bf16(hi_f32(a) + hi_f32(b)));
+        };
+        uint4* xv = (uint4*)(x + base);
+        for (int c = threadIdx.x; c < dim / 8; c += blockDim.x) {
+            const uint4 sum = map_pairs(xv[c], ((const uint4*)(y + base))[c], add);
+            xv[c] = sum;
+            ss = sum_squares8(sum, ss);
+        }
+    } else {
+        for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+            const bf16_t sum = f32_to_bf16(bf16_to_f32(x[base + i]) + bf16_to_f32(y[base + i]));
+            x[base + i] = sum;
+            const float v = bf16_to_f32(sum);
+            ss += v * v;
+        }
     }
     norm_row(x + base, w, out + base, dim, eps, ss);
 }
@@ -114,15 +148,32 @@ extern "C" __global__ void rope_kv(bf16_t* __restrict__ qkv, bf16_t* __restrict_
     }
 }
 
+// silu(g) * u, rounded to bf16.
+__device__ __forceinline__ bf16_t silu_times(float g, float u) {
+    return f32_to_bf16(g / (1.0f + __expf(-g)) * u);
+}
+
 // out[r, i] = silu(gate) * up for each row r of the fused gate/up projection, gate_up[r] =
-// [gate: inter, up: inter]; n = rows * inter.
+// [gate: inter, up: inter]; n = rows * inter. Any grid (a grid-stride loop over chunks of 8
+// outputs when inter % 8 == 0, else over outputs).
 extern "C" __global__ void silu_mul(const bf16_t* __restrict__ gate_up, bf16_t* __restrict__ out,
                                     long long n, int inter) {
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (long long)gridDim.x * blockDim.x) {
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if ((inter & 7) == 0) {
+        const auto silu = [](unsigned g, unsigned u) {
+            return pack_bf16(silu_times(lo_f32(g), lo_f32(u)), silu_times(hi_f32(g), hi_f32(u)));
+        };
+        const long long per_row = inter / 8;
+        for (long long c = first; c < n / 8; c += stride) {
+            const uint4* row = (const uint4*)(gate_up + (c / per_row) * 2 * inter) + c % per_row;
+            ((uint4*)out)[c] = map_pairs(row[0], row[per_row], silu);
+        }
+        return;
+    }
+    for (long long i = first; i < n; i += stride) {
         const bf16_t* row = gate_up + (i / inter) * 2 * inter + (i % inter);
-        const float g = bf16_to_f32(row[0]);
-        out[i] = f32_to_bf16(g / (1.0f + __expf(-g)) * bf16_to_f32(row[inter]));
+        out[i] = silu_times(bf16_to_f32(row[0]), bf16_to_f32(row[inter]));
     }
 }
 

@@ -31,10 +31,6 @@
 #define GEMV_ADD 2
 #define GEMV_SILU 3
 
-// The two bf16 of a packed pair as f32: the lower-indexed (low half), the other (high half).
-__device__ __forceinline__ float lo_f32(unsigned p) { return __uint_as_float(p << 16); }
-__device__ __forceinline__ float hi_f32(unsigned p) { return __uint_as_float(p & 0xffff0000u); }
-
 // acc + the dot product of 8 bf16 weights (16 bytes) with 8 f32 values.
 __device__ __forceinline__ float dot8(uint4 w, const float* x, float acc) {
     acc = fmaf(lo_f32(w.x), x[0], acc);

@@ -158,3 +158,25 @@ __device__ __forceinline__ float exp2_approx(float x) {
 __device__ __forceinline__ unsigned pack_bf16(bf16_t lo, bf16_t hi) {
     return (unsigned)lo | ((unsigned)hi << 16);
 }
+
+// The two bf16 of a packed pair as f32: the lower-indexed (low half), the other (high half).
+__device__ __forceinline__ float lo_f32(unsigned p) { return __uint_as_float(p << 16); }
+__device__ __forceinline__ float hi_f32(unsigned p) { return __uint_as_float(p & 0xffff0000u); }
+
+// f(lo, hi) -> packed bf16 pair, over the four pairs of 16 bytes of bf16 (a, b: the operands'
+// 16 bytes).
+template <typename F>
+__device__ __forceinline__ uint4 map_pairs(uint4 a, uint4 b, F f) {
+    return make_uint4(f(a.x, b.x), f(a.y, b.y), f(a.z, b.z), f(a.w, b.w));
+}
+
+// ss + the squares of 16 bytes of bf16.
+__device__ __forceinline__ float sum_squares8(uint4 v, float ss) {
+    const unsigned p[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        ss = fmaf(lo_f32(p[j]), lo_f32(p[j]), ss);
+        ss = fmaf(hi_f32(p[j]), hi_f32(p[j]), ss);
+    }
+    return ss;
+}

@@ -1366,7 +1366,8 @@ impl CudaRunner {
             let mut b = self.stream.launch_builder(&self.k.silu_mul);
             b.arg(&ws.gate_up).arg(&mut ws.act).arg(&ni).arg(&inter);
             // SAFETY: arguments match `silu_mul`; gate_up holds n rows of 2 * intermediate.
-            unsafe { b.launch(flat(n * c.intermediate)) }.map_err(run_err)?;
+            // A thread per 8 outputs (the kernel's 16-byte path; any grid is right).
+            unsafe { b.launch(flat((n * c.intermediate).div_ceil(8))) }.map_err(run_err)?;
             self.mark("SiLU x up")?;
             self.linear(&ws.act, n, &l.w_down, hidden, c.intermediate, &mut ws.o)?;
             self.mark("down GEMM")?;

@@ -113,8 +113,23 @@ pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 /// RMSNorm alone and after the residual add, RoPE with the K/V cache write in both pair
 /// layouts, SiLU-and-multiply, Q/K/V bias, the embedding gather and the device's random fill.
 pub fn elementwise(d: &dyn Dev) -> anyhow::Result<()> {
+    // Rows of whole 16-byte chunks (the kernels' vector path) and not.
+    for dim in [576, 100] {
+        norms(d, dim)?;
+    }
+    rope_kv(d)?;
+    // SiLU-and-multiply over 2 rows of fused gate/up projections (inter + inter), on the vector
+    // path and off it, then a bias on every row.
+    for inter in [512, 500] {
+        silu_bias(d, inter)?;
+    }
+    gather_and_fill(d)
+}
+
+/// RMSNorm alone and after the residual add, over 3 rows of `dim`.
+fn norms(d: &dyn Dev, dim: usize) -> anyhow::Result<()> {
     use Arg::*;
-    let (rows, dim, eps) = (3usize, 576usize, 1e-5f32);
+    let (rows, eps) = (3usize, 1e-5f32);
     let x = rounded(&values(rows * dim, 1));
     let w = rounded(&values(dim, 2));
     let mut out = vec![0u16; rows * dim];
@@ -142,7 +157,7 @@ pub fn elementwise(d: &dyn Dev) -> anyhow::Result<()> {
             .collect()
     };
     let diff = max_diff(&from_bf16(&out), &normed(&x));
-    ensure!(diff < 2e-2, "rmsnorm differs by {diff}");
+    ensure!(diff < 2e-2, "rmsnorm ({dim}) differs by {diff}");
 
     // The residual add with the norm after it: x += y in place (rounded to bf16 as the sum is
     // everywhere), then the norm of the sum.
@@ -164,9 +179,15 @@ pub fn elementwise(d: &dyn Dev) -> anyhow::Result<()> {
         ],
     )?;
     let sum: Vec<f32> = x.iter().zip(&y).map(|(a, b)| a + b).collect();
-    ensure!(x_b == to_bf16(&sum), "add_rmsnorm's sum is not x + y rounded to bf16");
+    ensure!(x_b == to_bf16(&sum), "add_rmsnorm's sum ({dim}) is not x + y rounded to bf16");
     let diff = max_diff(&from_bf16(&out), &normed(&rounded(&sum)));
-    ensure!(diff < 2e-2, "add_rmsnorm differs by {diff}");
+    ensure!(diff < 2e-2, "add_rmsnorm ({dim}) differs by {diff}");
+    Ok(())
+}
+
+/// RoPE with the K/V cache write.
+fn rope_kv(d: &dyn Dev) -> anyhow::Result<()> {
+    use Arg::*;
 
     // RoPE with the cache write, both pair layouts, on all 64 dimensions of a head and on the
     // first 32: 3 tokens of fused rows (3 query heads, 1 KV head of 64), the third padding
@@ -244,9 +265,14 @@ pub fn elementwise(d: &dyn Dev) -> anyhow::Result<()> {
         }
     }
 
-    // SiLU-and-multiply over 2 rows of fused gate/up projections (500 + 500), then a bias on
-    // every row.
-    let (n, inter) = (1000usize, 500usize);
+    Ok(())
+}
+
+/// SiLU-and-multiply over 2 rows of fused gate/up projections (inter + inter), then a bias on
+/// every row.
+fn silu_bias(d: &dyn Dev, inter: usize) -> anyhow::Result<()> {
+    use Arg::*;
+    let n = 2 * inter;
     let gate_up = rounded(&values(2 * n, 5));
     let mut o = vec![0u16; n];
     d.launch(
@@ -271,19 +297,25 @@ pub fn elementwise(d: &dyn Dev) -> anyhow::Result<()> {
             g / (1.0 + (-g).exp()) * u
         })
         .collect();
-    ensure!(max_diff(&got, &want) < 1e-2, "silu_mul differs by {}", max_diff(&got, &want));
-    let bias = rounded(&values(200, 8));
+    let diff = max_diff(&got, &want);
+    ensure!(diff < 1e-2, "silu_mul ({inter}) differs by {diff}");
+    let bias = rounded(&values(inter, 8));
     d.launch(
         "elementwise",
         "add_bias",
-        (5, 1),
+        (2, 1),
         128,
-        &mut [Out(bytes_mut(&mut o)), In(bytes(&to_bf16(&bias))), I32(200)],
+        &mut [Out(bytes_mut(&mut o)), In(bytes(&to_bf16(&bias))), I32(inter as i32)],
     )?;
     let biased = from_bf16(&o);
-    let want: Vec<f32> = got.iter().enumerate().map(|(i, v)| v + bias[i % 200]).collect();
+    let want: Vec<f32> = got.iter().enumerate().map(|(i, v)| v + bias[i % inter]).collect();
     ensure!(max_diff(&biased, &want) < 2e-2, "add_bias differs");
+    Ok(())
+}
 
+/// The embedding gather and the device's random fill.
+fn gather_and_fill(d: &dyn Dev) -> anyhow::Result<()> {
+    use Arg::*;
     // The embedding gather: rows 7, 0, 7, 3 of a 10 x 96 table, exactly.
     let table = to_bf16(&values(10 * 96, 9));
     let ids = [7i32, 0, 7, 3];
