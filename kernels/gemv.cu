@@ -22,8 +22,14 @@
 // 1 / sqrt(mean(x^2) + eps): RMSNorm fused in with no pass of its own (the normalized x is not
 // rounded to bf16 first, as the rmsnorm kernel's output is: within bf16's rounding of it).
 
+// Warps a block and loads in flight a lane: the runner's choice (CudaRunner::set_gemv_shape,
+// for the device bench's comparison), these by default.
+#ifndef GEMV_WARPS
 #define GEMV_WARPS 4
+#endif
+#ifndef GEMV_UNROLL
 #define GEMV_UNROLL 4
+#endif
 #define GEMV_MAX_ROWS 4
 
 #define GEMV_BF16 0
@@ -96,7 +102,7 @@ __device__ __forceinline__ void gemv_rows(const bf16_t* __restrict__ x,
     const uint4* w1 = (const uint4*)(w + (long long)(row0 + (PAIR ? out_dim : 0)) * in_dim);
     const uint4* g = (const uint4*)norm_w;
     // Loads in flight a step (fewer with more rows: their sums take the registers).
-    constexpr int U = R <= 2 ? GEMV_UNROLL : GEMV_UNROLL / 2;
+    constexpr int U = (R <= 2 || GEMV_UNROLL < 2) ? GEMV_UNROLL : GEMV_UNROLL / 2;
     float acc0[R];
     float acc1[R];
     float ss[R];
@@ -194,9 +200,12 @@ __device__ __forceinline__ void gemv_mode(const bf16_t* __restrict__ x,
 }
 
 // One kernel per row count (each its own registers: one row needs fewer than four, and more
-// warps in flight keep more loads in flight; 8 blocks of 4 warps a multiprocessor for one
-// row, 6 for more). gemvR: y = x W^T with the epilogue `mode`
-// for R rows of x; gemv_normR: y = rmsnorm(x) * norm_w, then W^T.
+// warps in flight keep more loads in flight). gemvR: y = x W^T with the epilogue `mode` for R
+// rows of x; gemv_normR: y = rmsnorm(x) * norm_w, then W^T. Blocks a multiprocessor holds at
+// least, for one row and for more: 32 and 24 warps at 4 loads a lane or fewer, fewer warps
+// with more loads (each then needs the registers for them).
+#define GEMV_BLOCKS_1 (GEMV_UNROLL >= 4 ? 128 / GEMV_UNROLL / GEMV_WARPS : 32 / GEMV_WARPS)
+#define GEMV_BLOCKS_N (GEMV_UNROLL >= 4 ? 96 / GEMV_UNROLL / GEMV_WARPS : 24 / GEMV_WARPS)
 #define GEMV_PARAMS                                                                             \
     const bf16_t *__restrict__ x, const bf16_t *__restrict__ w, void *out, int out_dim,         \
         int in_dim, int mode, int splits
@@ -204,27 +213,27 @@ __device__ __forceinline__ void gemv_mode(const bf16_t* __restrict__ x,
     const bf16_t *__restrict__ x, const bf16_t *__restrict__ norm_w, float eps,                 \
         const bf16_t *__restrict__ w, void *out, int out_dim, int in_dim, int mode, int splits
 #define GEMV_ARGS w, out, out_dim, in_dim, mode, splits
-extern "C" __global__ __launch_bounds__(128, 8) void gemv1(GEMV_PARAMS) {
+extern "C" __global__ __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_1) void gemv1(GEMV_PARAMS) {
     gemv_mode<1, false>(x, x, 0.0f, GEMV_ARGS);
 }
-extern "C" __global__ __launch_bounds__(128, 6) void gemv2(GEMV_PARAMS) {
+extern "C" __global__ __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_N) void gemv2(GEMV_PARAMS) {
     gemv_mode<2, false>(x, x, 0.0f, GEMV_ARGS);
 }
-extern "C" __global__ __launch_bounds__(128, 6) void gemv3(GEMV_PARAMS) {
+extern "C" __global__ __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_N) void gemv3(GEMV_PARAMS) {
     gemv_mode<3, false>(x, x, 0.0f, GEMV_ARGS);
 }
-extern "C" __global__ __launch_bounds__(128, 6) void gemv4(GEMV_PARAMS) {
+extern "C" __global__ __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_N) void gemv4(GEMV_PARAMS) {
     gemv_mode<4, false>(x, x, 0.0f, GEMV_ARGS);
 }
-extern "C" __global__ __launch_bounds__(128, 8) void gemv_norm1(GEMV_NORM_PARAMS) {
+extern "C" __global__ __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_1) void gemv_norm1(GEMV_NORM_PARAMS) {
     gemv_mode<1, true>(x, norm_w, eps, GEMV_ARGS);
 }
-extern "C" __global__ __launch_bounds__(128, 6) void gemv_norm2(GEMV_NORM_PARAMS) {
+extern "C" __global__ __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_N) void gemv_norm2(GEMV_NORM_PARAMS) {
     gemv_mode<2, true>(x, norm_w, eps, GEMV_ARGS);
 }
-extern "C" __global__ __launch_bounds__(128, 6) void gemv_norm3(GEMV_NORM_PARAMS) {
+extern "C" __global__ __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_N) void gemv_norm3(GEMV_NORM_PARAMS) {
     gemv_mode<3, true>(x, norm_w, eps, GEMV_ARGS);
 }
-extern "C" __global__ __launch_bounds__(128, 6) void gemv_norm4(GEMV_NORM_PARAMS) {
+extern "C" __global__ __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_N) void gemv_norm4(GEMV_NORM_PARAMS) {
     gemv_mode<4, true>(x, norm_w, eps, GEMV_ARGS);
 }

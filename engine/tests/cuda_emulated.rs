@@ -216,10 +216,19 @@ fn the_device_bench_runs_on_a_small_shape() -> anyhow::Result<()> {
         long_ctx: 300,
         long_batches: &[1],
         gemv_batches: &[1, 2],
+        gemv_shapes: &[],
         profile_batches: &[2, 8],
         reps: 1,
     };
-    kernel_checks::bench_llama(&CudaRunner::new(0)?, &config, &shape)
+    let r = CudaRunner::new(0)?;
+    // The matrix-vector shapes the GPU bench compares: ones the kernels cannot take are
+    // refused with the reason, and the default compiles and loads again.
+    for bad in [(3, 4), (16, 4), (4, 0), (4, 17)] {
+        let e = r.set_gemv_shape(Some(bad)).err().map(|e| e.to_string()).unwrap_or_default();
+        anyhow::ensure!(e.contains("want 1, 2, 4 or 8 warps"), "shape {bad:?}: {e:?}");
+    }
+    r.set_gemv_shape(None)?;
+    kernel_checks::bench_llama(&r, &config, &shape)
 }
 
 /// With a share of the device's memory, the KV cache takes what the weights and pass buffers

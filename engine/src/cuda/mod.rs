@@ -121,8 +121,21 @@ pub fn nvrtc_version() -> Result<(i32, i32), CudaError> {
 /// Compiles one kernel module for `arch` (`sm_80`, `sm_90`, ...) to PTX. Any warning in
 /// NVRTC's log is an error: kernels must compile clean.
 pub fn compile(module: &'static str, source: &str, arch: &str) -> Result<Compiled, CudaError> {
+    compile_with(module, source, arch, &[])
+}
+
+/// [`compile`] with more NVRTC options (`-DNAME=VALUE`: a kernel's tunable constants).
+pub fn compile_with(
+    module: &'static str,
+    source: &str,
+    arch: &str,
+    options: &[&str],
+) -> Result<Compiled, CudaError> {
     let virtual_arch = arch.replace("sm_", "compute_");
-    let (log, ptx) = nvrtc(module, source, arch, &[&format!("--gpu-architecture={virtual_arch}")])?;
+    let arch_option = format!("--gpu-architecture={virtual_arch}");
+    let all: Vec<&str> =
+        std::iter::once(arch_option.as_str()).chain(options.iter().copied()).collect();
+    let (log, ptx) = nvrtc(module, source, arch, &all)?;
     if log.to_ascii_lowercase().contains("warning") {
         return Err(CudaError::Compile { module: module.to_owned(), arch: arch.to_owned(), log });
     }

@@ -34,7 +34,7 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 
-use super::{CudaError, KERNELS, compile, probe};
+use super::{CudaError, KERNELS, compile, compile_with, probe};
 use crate::backend::{Pick, StepOutput};
 use crate::cpu::matmul::PackedWeight;
 use crate::forward::{LogitsWanted, SeqInput};
@@ -67,8 +67,29 @@ const GEMV_MAX_ROWS: usize = 4;
 /// through them than through cuBLAS, two rows' 0.88-0.98x and four rows' 0.60-0.77x (their
 /// arithmetic per weight byte grows with the rows; cuBLAS's tensor-core kernels do not care).
 const GEMV_DEFAULT_ROWS: usize = 1;
-/// Warps per matrix-vector block, one output each (`GEMV_WARPS`).
+/// Warps per matrix-vector block (`GEMV_WARPS`) and loads in flight per lane (`GEMV_UNROLL`),
+/// as kernels/gemv.cu sets them unless told otherwise.
 const GEMV_WARPS: usize = 4;
+const GEMV_UNROLL: usize = 4;
+
+/// The matrix-vector kernels as compiled for one shape: `gemv1..4` and `gemv_norm1..4`, by
+/// rows - 1.
+struct GemvKernels {
+    warps: usize,
+    plain: [CudaFunction; GEMV_MAX_ROWS],
+    norm: [CudaFunction; GEMV_MAX_ROWS],
+}
+
+impl GemvKernels {
+    fn load(module: &Arc<cudarc::driver::CudaModule>, warps: usize) -> Result<Self, CudaError> {
+        let f = |name: String| module.load_function(&name).map_err(run_err);
+        Ok(GemvKernels {
+            warps,
+            plain: every([1, 2, 3, 4].map(|r| f(format!("gemv{r}"))))?,
+            norm: every([1, 2, 3, 4].map(|r| f(format!("gemv_norm{r}"))))?,
+        })
+    }
+}
 
 /// Parts a matrix-vector kernel splits each output's row into (1, 2 or 4, one warp each): the
 /// fewest that give each of the device's multiprocessors 16 warps, so a narrow matrix still
@@ -108,9 +129,6 @@ struct Kernels {
     rope_kv: CudaFunction,
     silu_mul: CudaFunction,
     add_bias: CudaFunction,
-    /// `gemv1..4` and `gemv_norm1..4`, by rows - 1.
-    gemv: [CudaFunction; GEMV_MAX_ROWS],
-    gemv_norm: [CudaFunction; GEMV_MAX_ROWS],
     /// `paged_attention` for any head size, and built for one head size.
     attention: CudaFunction,
     attention_for: [(usize, CudaFunction); 2],
@@ -378,6 +396,10 @@ pub struct CudaRunner {
     /// Batches of up to this many rows take the matrix-vector kernels (at most
     /// [`GEMV_MAX_ROWS`]; 0: cuBLAS always, for comparison).
     gemv_rows: std::cell::Cell<usize>,
+    /// The matrix-vector kernels in use ([`CudaRunner::set_gemv_shape`]).
+    gemv: std::cell::RefCell<GemvKernels>,
+    /// The device's architecture (`sm_90`), for kernels compiled again.
+    arch: String,
     /// While [`CudaRunner::profile`] runs a pass: an event recorded after each phase.
     marks: std::cell::RefCell<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
 }
@@ -477,6 +499,10 @@ impl CudaRunner {
                 .load_function(name)
                 .map_err(run_err)
         };
+        let gemv = match modules.iter().find(|(n, _)| *n == "gemv") {
+            Some((_, m)) => GemvKernels::load(m, GEMV_WARPS)?,
+            None => return Err(run_err("no module gemv")),
+        };
         let k = Kernels {
             gather: f("elementwise", "embedding_gather")?,
             rmsnorm: f("elementwise", "rmsnorm")?,
@@ -484,8 +510,6 @@ impl CudaRunner {
             rope_kv: f("elementwise", "rope_kv")?,
             silu_mul: f("elementwise", "silu_mul")?,
             add_bias: f("elementwise", "add_bias")?,
-            gemv: every([1, 2, 3, 4].map(|r| f("gemv", &format!("gemv{r}"))))?,
-            gemv_norm: every([1, 2, 3, 4].map(|r| f("gemv", &format!("gemv_norm{r}"))))?,
             attention: f("attention", "paged_attention")?,
             attention_for: [
                 (64, f("attention", "paged_attention_64")?),
@@ -518,6 +542,8 @@ impl CudaRunner {
             sms: usize::try_from(sms).unwrap_or(1).max(1),
             max_splits: std::cell::Cell::new(MAX_SPLITS),
             gemv_rows: std::cell::Cell::new(GEMV_DEFAULT_ROWS),
+            gemv: std::cell::RefCell::new(gemv),
+            arch,
             marks: std::cell::RefCell::new(None),
         })
     }
@@ -786,14 +812,15 @@ impl CudaRunner {
         let splits = gemv_splits(out, self.sms);
         let (out_i, inp_i, mode_i, splits_i) = (dim(out)?, dim(inp)?, mode as i32, splits as i32);
         let eps = norm.map_or(0.0, |(_, e)| e);
+        let kernels = self.gemv.borrow();
         let mut b = match norm {
             Some((nw, _)) => {
-                let mut b = self.stream.launch_builder(&self.k.gemv_norm[rows - 1]);
+                let mut b = self.stream.launch_builder(&kernels.norm[rows - 1]);
                 b.arg(x).arg(nw).arg(&eps);
                 b
             }
             None => {
-                let mut b = self.stream.launch_builder(&self.k.gemv[rows - 1]);
+                let mut b = self.stream.launch_builder(&kernels.plain[rows - 1]);
                 b.arg(x);
                 b
             }
@@ -802,8 +829,9 @@ impl CudaRunner {
         // SAFETY: arguments match `gemv<rows>` / `gemv_norm<rows>` in kernels/gemv.cu; the
         // buffers hold their shapes and in is a multiple of 8 (checked above); cudaMalloc'd
         // buffers are 16-byte aligned and so are rows of a multiple of 8 bf16.
-        let blocks = (out * splits).div_ceil(GEMV_WARPS);
-        unsafe { b.launch(grid(blocks, 1, GEMV_WARPS as u32 * 32)) }.map_err(run_err)?;
+        let warps = kernels.warps;
+        unsafe { b.launch(grid((out * splits).div_ceil(warps), 1, warps as u32 * 32)) }
+            .map_err(run_err)?;
         Ok(())
     }
 
@@ -1110,6 +1138,28 @@ impl CudaRunner {
     /// The most rows a batch may have to take the matrix-vector kernels.
     pub fn gemv_rows(&self) -> usize {
         self.gemv_rows.get()
+    }
+
+    /// Compiles the matrix-vector kernels again with `warps` warps a block (1, 2, 4 or 8) and
+    /// `unroll` loads in flight a lane (1..=16), and uses them from now on; `None` goes back
+    /// to the defaults (4 and 4). For the device bench's comparison of shapes. Decode graphs
+    /// captured before keep the kernels they were captured with.
+    pub fn set_gemv_shape(&self, shape: Option<(usize, usize)>) -> Result<(), CudaError> {
+        let (warps, unroll) = shape.unwrap_or((GEMV_WARPS, GEMV_UNROLL));
+        if ![1, 2, 4, 8].contains(&warps) || !(1..=16).contains(&unroll) {
+            return Err(CudaError::Invalid(format!(
+                "matrix-vector shape of {warps} warps and {unroll} loads: want 1, 2, 4 or 8 warps \
+                 and 1..=16 loads"
+            )));
+        }
+        let src = KERNELS.iter().find(|(m, _)| *m == "gemv").map(|(_, s)| *s);
+        let src = src.ok_or_else(|| run_err("no module gemv"))?;
+        let defines = [format!("-DGEMV_WARPS={warps}"), format!("-DGEMV_UNROLL={unroll}")];
+        let options: Vec<&str> = defines.iter().map(String::as_str).collect();
+        let compiled = compile_with("gemv", src, &self.arch, &options)?;
+        let module = self.ctx.load_module(Ptx::from_src(compiled.ptx)).map_err(run_err)?;
+        *self.gemv.borrow_mut() = GemvKernels::load(&module, warps)?;
+        Ok(())
     }
 
     /// Runs `batch` once eagerly with an event after each phase of the pass and returns the

@@ -1099,6 +1099,10 @@ pub struct BenchShape {
     pub long_batches: &'static [usize],
     /// Batches timed with the matrix-vector kernels and with cuBLAS.
     pub gemv_batches: &'static [usize],
+    /// Shapes of the matrix-vector kernels (warps a block, loads in flight a lane) timed at
+    /// batch 1 against the default (none under the emulation, whose kernels are built once
+    /// with the defaults).
+    pub gemv_shapes: &'static [(usize, usize)],
     pub profile_batches: &'static [usize],
     pub reps: usize,
 }
@@ -1112,6 +1116,7 @@ impl BenchShape {
         long_ctx: 8000,
         long_batches: &[1, 8],
         gemv_batches: &[1, 2, 4],
+        gemv_shapes: &[(8, 4), (4, 8), (2, 8), (8, 2), (4, 2), (2, 16)],
         profile_batches: &[1, 4, 256],
         reps: 10,
     };
@@ -1345,6 +1350,38 @@ pub fn bench_llama(
             ms[0],
             ms[0] / ms[1]
         );
+    }
+
+    // The matrix-vector kernels' shapes at batch 1, each also checked against the default's
+    // logits for the same step.
+    if !shape.gemv_shapes.is_empty() {
+        let d = Decode::new(1, shape.decode_ctx, block, vocab);
+        let run = |gemv: Option<(usize, usize)>| -> anyhow::Result<(f64, Vec<f32>)> {
+            r.set_gemv_shape(gemv)?;
+            let mut cache = r.kv_cache(&model, block, d.blocks())?;
+            let logits = r.forward(&model, &mut cache, &d.step())?;
+            let secs = time(
+                &mut || {
+                    r.forward_device(&model, &mut cache, &d.step())?;
+                    Ok(())
+                },
+                shape.reps,
+            )?;
+            Ok((secs * 1e3, logits))
+        };
+        let (base, want) = run(None)?;
+        for &(warps, unroll) in shape.gemv_shapes {
+            let (ms, got) = run(Some((warps, unroll)))?;
+            let diff = worst_of_range(&got, &want, c.vocab_size);
+            eprintln!(
+                "decode batch 1 (CUDA graph), matrix-vector kernels of {warps} warps x {unroll} \
+                 loads: {ms:.2} ms/step against {base:.2} with 4 x 4 ({:.2}x; logits within \
+                 {diff:.1e} of the range)",
+                base / ms
+            );
+            ensure!(diff < 0.01, "{warps} x {unroll} matrix-vector kernels: logits off by {diff}");
+        }
+        r.set_gemv_shape(None)?;
     }
 
     // Long contexts: attention split into parts across the device (the default) against one
