@@ -901,6 +901,26 @@ pub fn tiled_model() -> anyhow::Result<sluice_engine::model::LlamaWeights> {
 /// the GPU against f32 (with 8-bit activation products) on the CPU: within 3% of each
 /// position's logit range; the same top token wherever the CPU's top two are more than 5% of
 /// the range apart.
+/// `prompt` as one sequence (blocks `table`), then 3 decode steps of it through `forward`:
+/// the steps' logits.
+fn prompt_then_steps(
+    prompt: &[u32],
+    table: &[u32],
+    vocab: usize,
+    forward: &mut dyn FnMut(&[SeqInput<'_>]) -> anyhow::Result<Vec<f32>>,
+) -> anyhow::Result<Vec<f32>> {
+    fn at<'a>(tokens: &'a [u32], start_pos: usize, block_table: &'a [u32]) -> SeqInput<'a> {
+        SeqInput { tokens, start_pos, block_table, logits: LogitsWanted::Last }
+    }
+    forward(&[at(prompt, 0, table)])?;
+    let mut out = Vec::new();
+    for step in 0..3u32 {
+        let tok = [(step * 11 + 4) % vocab as u32];
+        out.extend(forward(&[at(&tok[..], prompt.len() + step as usize, table)])?);
+    }
+    Ok(out)
+}
+
 /// The largest difference between rows of logits, as a share of each `want` row's range.
 fn worst_of_range(got: &[f32], want: &[f32], vocab: usize) -> f32 {
     let mut worst = 0f32;
@@ -1026,38 +1046,15 @@ pub fn forward_parity() -> anyhow::Result<()> {
     for rows in [1, 0] {
         gpu_runner.set_gemv_rows(rows);
         let mut cache = gpu_runner.kv_cache(&model, 16, 8)?;
-        gpu_runner.forward(
-            &model,
-            &mut cache,
-            &[seq(&prompt[..], 0, &table[..], LogitsWanted::Last)],
-        )?;
-        let mut out = Vec::new();
-        for step in 0..3u32 {
-            let tok = [(step * 11 + 4) % vocab as u32];
-            let b = [SeqInput {
-                tokens: &tok[..],
-                start_pos: prompt.len() + step as usize,
-                block_table: &table[..],
-                logits: LogitsWanted::Last,
-            }];
-            out.extend(gpu_runner.forward(&model, &mut cache, &b)?);
-        }
-        paths.push(out);
+        paths.push(prompt_then_steps(&prompt, &table, vocab, &mut |b| {
+            Ok(gpu_runner.forward(&model, &mut cache, b)?)
+        })?);
     }
     gpu_runner.set_gemv_rows(default_rows);
     let mut cpu_cache = KvCache::new(&w, 16, 8);
-    cpu.forward(&w, &mut cpu_cache, &[seq(&prompt[..], 0, &table[..], LogitsWanted::Last)])?;
-    let mut want = Vec::new();
-    for step in 0..3u32 {
-        let tok = [(step * 11 + 4) % vocab as u32];
-        let b = [SeqInput {
-            tokens: &tok[..],
-            start_pos: prompt.len() + step as usize,
-            block_table: &table[..],
-            logits: LogitsWanted::Last,
-        }];
-        want.extend(cpu.forward(&w, &mut cpu_cache, &b)?);
-    }
+    let want = prompt_then_steps(&prompt, &table, vocab, &mut |b| {
+        Ok(cpu.forward(&w, &mut cpu_cache, b)?)
+    })?;
     let worst = worst_of_range(&paths[0], &paths[1], vocab);
     eprintln!("decode through the matrix-vector kernels vs cuBLAS: {worst:.2e} of the range");
     ensure!(worst < 0.01, "the matrix-vector path differs from cuBLAS by {worst} of the range");
