@@ -1252,19 +1252,23 @@ pub fn bench_llama(
     );
 
     // Decode; batch 1 eagerly too, to show what the graph saves.
+    // Decode steps of `d` on `cache` (logits left on the device): seconds a step.
+    let steps = |d: &Decode, cache: &mut sluice_engine::cuda::CudaKvCache| -> anyhow::Result<f64> {
+        time(
+            &mut || {
+                r.forward_device(&model, cache, &d.step())?;
+                Ok(())
+            },
+            shape.reps,
+        )
+    };
     let runs =
         [(1usize, false), (1, true)].into_iter().chain(shape.batches.iter().map(|&b| (b, true)));
     for (batch, graphs) in runs {
         let d = Decode::new(batch, shape.decode_ctx, block, vocab);
         let mut cache = r.kv_cache(&model, block, d.blocks())?;
         cache.set_graphs(graphs);
-        let secs = time(
-            &mut || {
-                r.forward_device(&model, &mut cache, &d.step())?;
-                Ok(())
-            },
-            shape.reps,
-        )?;
+        let secs = steps(&d, &mut cache)?;
         eprintln!(
             "decode batch {batch} at {} tokens of context ({}): {:.2} ms/step, {:.0} tok/s{}",
             d.ctx,
@@ -1321,6 +1325,11 @@ pub fn bench_llama(
         );
     }
 
+    // One decode step of `d` on a fresh cache (its graph captured anew), in ms.
+    let step_ms = |d: &Decode| -> anyhow::Result<f64> {
+        Ok(steps(d, &mut r.kv_cache(&model, block, d.blocks())?)? * 1e3)
+    };
+
     // Small batches' products through our matrix-vector kernels (the default) against cuBLAS.
     let default_rows = r.gemv_rows();
     for &batch in shape.gemv_batches {
@@ -1328,15 +1337,7 @@ pub fn bench_llama(
         let mut ms = Vec::new();
         for gemv_rows in [0, batch] {
             r.set_gemv_rows(gemv_rows);
-            let mut cache = r.kv_cache(&model, block, d.blocks())?;
-            let secs = time(
-                &mut || {
-                    r.forward_device(&model, &mut cache, &d.step())?;
-                    Ok(())
-                },
-                shape.reps,
-            )?;
-            ms.push(secs * 1e3);
+            ms.push(step_ms(&d)?);
         }
         r.set_gemv_rows(default_rows);
         eprintln!(
@@ -1357,14 +1358,7 @@ pub fn bench_llama(
             r.set_gemv_shape(gemv)?;
             let mut cache = r.kv_cache(&model, block, d.blocks())?;
             let logits = r.forward(&model, &mut cache, &d.step())?;
-            let secs = time(
-                &mut || {
-                    r.forward_device(&model, &mut cache, &d.step())?;
-                    Ok(())
-                },
-                shape.reps,
-            )?;
-            Ok((secs * 1e3, logits))
+            Ok((steps(&d, &mut cache)? * 1e3, logits))
         };
         let (base, want) = run(None)?;
         for &(warps, unroll) in shape.gemv_shapes {
@@ -1388,15 +1382,7 @@ pub fn bench_llama(
         let mut ms = Vec::new();
         for max_splits in [1usize, 64] {
             r.set_max_splits(max_splits);
-            let mut cache = r.kv_cache(&model, block, d.blocks())?;
-            let secs = time(
-                &mut || {
-                    r.forward_device(&model, &mut cache, &d.step())?;
-                    Ok(())
-                },
-                shape.reps,
-            )?;
-            ms.push(secs * 1e3);
+            ms.push(step_ms(&d)?);
         }
         eprintln!(
             "decode batch {batch} at {} tokens of context (CUDA graph): {:.2} ms/step split, \
