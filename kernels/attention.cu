@@ -344,6 +344,9 @@ __device__ __forceinline__ void paged_attention_block(
     __shared__ float warp_m[STATES * ATTN_GROUP];
     __shared__ float warp_l[STATES * ATTN_GROUP];
     __shared__ float warp_acc[STATES * ATTN_GROUP * 32 * (PL > 0 ? PL : ATTN_MAX_PER_LANE)];
+    // The output projection after this kernel may start its blocks (and its weight loads)
+    // once every block here has (programmatic dependent launch; it waits for the results).
+    pdl_launch_dependents();
     AttnPart a;
     a.r = row_ids[blockIdx.x];
     a.n = ctx_len[a.r];

@@ -103,6 +103,21 @@ __device__ __forceinline__ void gemv_rows(const bf16_t* __restrict__ x,
     const uint4* g = (const uint4*)norm_w;
     // Loads in flight a step (fewer with more rows: their sums take the registers).
     constexpr int U = (R <= 2 || GEMV_UNROLL < 2) ? GEMV_UNROLL : GEMV_UNROLL / 2;
+    // Launched after another kernel with programmatic dependent launch: the next product may
+    // start now, and this one's first weights are on their way to L2 while the kernel before
+    // finishes (weights are nobody's output); x is read only after that kernel is done.
+    pdl_launch_dependents();
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int c = begin + lane + 32 * u;
+        if (c < end) {
+            prefetch_l2(w0 + c);
+            if (PAIR) {
+                prefetch_l2(w1 + c);
+            }
+        }
+    }
+    pdl_wait();
     float acc0[R];
     float acc1[R];
     float ss[R];

@@ -136,6 +136,28 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// Programmatic dependent launch (sm_90 and newer; no-ops before): `pdl_launch_dependents`
+// lets the next kernel of the stream, when launched so, start its blocks now; `pdl_wait`
+// waits until the kernel before this one (when this one was launched so) has finished and its
+// writes are visible. A kernel launched so writes nothing and reads nothing another kernel
+// wrote before its `pdl_wait`.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Starts bringing the line of `p` into L2 (no register waits on it).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // A 16-byte load of data read once (a matrix-vector product's weights): the read-only path,
 // not kept in L1, where the vector stays. `p` is 16-byte aligned.
 __device__ __forceinline__ uint4 load_stream(const void* p) {

@@ -396,6 +396,9 @@ pub struct CudaRunner {
     /// Batches of up to this many rows take the matrix-vector kernels (at most
     /// [`GEMV_MAX_ROWS`]; 0: cuBLAS always, for comparison).
     gemv_rows: std::cell::Cell<usize>,
+    /// Whether the matrix-vector kernels are launched with programmatic stream serialization
+    /// ([`CudaRunner::set_pdl`]).
+    pdl: std::cell::Cell<bool>,
     /// The matrix-vector kernels in use ([`CudaRunner::set_gemv_shape`]).
     gemv: std::cell::RefCell<GemvKernels>,
     /// The device's architecture (`sm_90`), for kernels compiled again.
@@ -543,6 +546,7 @@ impl CudaRunner {
             max_splits: std::cell::Cell::new(MAX_SPLITS),
             gemv_rows: std::cell::Cell::new(GEMV_DEFAULT_ROWS),
             gemv: std::cell::RefCell::new(gemv),
+            pdl: std::cell::Cell::new(false),
             arch,
             marks: std::cell::RefCell::new(None),
         })
@@ -813,26 +817,63 @@ impl CudaRunner {
         let (out_i, inp_i, mode_i, splits_i) = (dim(out)?, dim(inp)?, mode as i32, splits as i32);
         let eps = norm.map_or(0.0, |(_, e)| e);
         let kernels = self.gemv.borrow();
-        let mut b = match norm {
-            Some((nw, _)) => {
-                let mut b = self.stream.launch_builder(&kernels.norm[rows - 1]);
-                b.arg(x).arg(nw).arg(&eps);
-                b
-            }
-            None => {
-                let mut b = self.stream.launch_builder(&kernels.plain[rows - 1]);
-                b.arg(x);
-                b
-            }
+        let f = match norm {
+            Some(_) => &kernels.norm[rows - 1],
+            None => &kernels.plain[rows - 1],
         };
-        b.arg(w).arg(y).arg(&out_i).arg(&inp_i).arg(&mode_i).arg(&splits_i);
-        // SAFETY: arguments match `gemv<rows>` / `gemv_norm<rows>` in kernels/gemv.cu; the
-        // buffers hold their shapes and in is a multiple of 8 (checked above); cudaMalloc'd
-        // buffers are 16-byte aligned and so are rows of a multiple of 8 bf16.
-        let warps = kernels.warps;
-        unsafe { b.launch(grid((out * splits).div_ceil(warps), 1, warps as u32 * 32)) }
-            .map_err(run_err)?;
-        Ok(())
+        // The operands by hand (cuLaunchKernelEx takes launch attributes; cudarc's builder
+        // does not): a pointer to each parameter's value, in the kernel's order.
+        use cudarc::driver::{DevicePtr, DevicePtrMut, sys};
+        fn param<T>(v: &T) -> *mut std::ffi::c_void {
+            (v as *const T).cast_mut().cast()
+        }
+        let (xp, _x) = x.device_ptr(&self.stream);
+        let (wp, _w) = w.device_ptr(&self.stream);
+        let (yp, _y) = y.device_ptr_mut(&self.stream);
+        let norm_w = norm.map(|(nw, _)| nw.device_ptr(&self.stream));
+        let mut params = vec![param(&xp)];
+        if let Some((nwp, _)) = &norm_w {
+            params.extend([param(nwp), param(&eps)]);
+        }
+        params.extend([param(&wp), param(&yp), param(&out_i), param(&inp_i)]);
+        params.extend([param(&mode_i), param(&splits_i)]);
+        let mut pdl = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
+        };
+        let blocks = u32::try_from((out * splits).div_ceil(kernels.warps))
+            .map_err(|_| run_err("too many matrix-vector blocks"))?;
+        let config = sys::CUlaunchConfig {
+            gridDimX: blocks,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: kernels.warps as u32 * 32,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: self.stream.cu_stream(),
+            attrs: &raw mut pdl,
+            numAttrs: u32::from(self.pdl.get()),
+        };
+        self.ctx.bind_to_thread().map_err(run_err)?;
+        // SAFETY: `params` holds one pointer per parameter of `gemv<rows>` / `gemv_norm<rows>`
+        // in kernels/gemv.cu, in order, each to a live value of the parameter's type (device
+        // pointers from buffers whose guards live to the end of this function); the buffers
+        // hold their shapes and in is a multiple of 8 (checked above); cudaMalloc'd buffers
+        // are 16-byte aligned and so are rows of a multiple of 8 bf16. With programmatic
+        // stream serialization the kernel reads and writes nothing of the kernel before it
+        // until its `pdl_wait`.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                f.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(run_err)
     }
 
     /// `out = rmsnorm(x) * w` over `rows` rows of `dim`; with `residual`, `x += residual`
@@ -1138,6 +1179,24 @@ impl CudaRunner {
     /// The most rows a batch may have to take the matrix-vector kernels.
     pub fn gemv_rows(&self) -> usize {
         self.gemv_rows.get()
+    }
+
+    /// Launches the matrix-vector kernels with programmatic dependent launch (`true`; sm_90
+    /// and newer, else refused): each may start its blocks, and their weights' way into L2,
+    /// while the kernel before it finishes, and reads that kernel's results only once it has.
+    /// Off by default until timed on a GPU (the device bench compares). Decode graphs captured
+    /// before keep how they were launched.
+    pub fn set_pdl(&self, on: bool) -> Result<(), CudaError> {
+        let cc: u32 = self.arch.trim_start_matches("sm_").parse().unwrap_or(0);
+        if on && cc < 90 {
+            return Err(CudaError::Invalid(format!(
+                "programmatic dependent launch needs compute capability 9.0 or newer; this \
+                 device is {}",
+                self.arch
+            )));
+        }
+        self.pdl.set(on);
+        Ok(())
     }
 
     /// Compiles the matrix-vector kernels again with `warps` warps a block (1, 2, 4 or 8) and

@@ -418,6 +418,11 @@ inline void cp_async_wait() {
 
 inline float exp2_approx(float x) { return std::exp2(x); }
 
+// The emulation runs one kernel at a time, in stream order: nothing to overlap.
+inline void pdl_launch_dependents() {}
+inline void pdl_wait() {}
+inline void prefetch_l2(const void*) {}
+
 inline uint4 load_stream(const void* p) {
     if ((uintptr_t)p % 16 != 0) {
         emu::fail("16-byte load from an address not 16-byte aligned");

@@ -478,6 +478,34 @@ int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
     return fake::submit(stream, std::move(op));
 }
 
+// cuLaunchKernelEx's configuration (CUlaunchConfig) and one attribute (CUlaunchAttribute:
+// an id, then a 64-byte value at offset 8).
+struct LaunchAttribute {
+    int id;
+    char pad[4];
+    unsigned char value[64];
+};
+struct LaunchConfig {
+    unsigned grid[3];
+    unsigned block[3];
+    unsigned shared;
+    void* stream;
+    LaunchAttribute* attrs;
+    unsigned count;
+};
+
+// Kernels run one at a time in stream order here, so programmatic stream serialization (id 6,
+// the only attribute taken) changes nothing; any other attribute is refused.
+int cuLaunchKernelEx(const LaunchConfig* c, void* f, void** params, void** extra) {
+    for (unsigned i = 0; i < c->count; ++i) {
+        if (c->attrs[i].id != 6) {
+            return fake::INVALID_VALUE;
+        }
+    }
+    return cuLaunchKernel(f, c->grid[0], c->grid[1], c->grid[2], c->block[0], c->block[1],
+                          c->block[2], c->shared, c->stream, params, extra);
+}
+
 int cuGetErrorString(int rc, const char** s) {
     static thread_local std::string msg;
     msg = "emulated CUDA error " + std::to_string(rc) +

@@ -1035,22 +1035,28 @@ pub fn forward_parity() -> anyhow::Result<()> {
     );
     ensure!(worst < 0.005, "the decode graph differs from the eager pass by {worst} of the range");
 
-    // One sequence's decode steps through the matrix-vector kernels and through cuBLAS: they
-    // differ in summation order and in the norm's rounding (the fused norm does not round x to
-    // bf16 before the product: up to 2^-9 of each element, 0.53% of the range in the
-    // emulation), and agree within 1% of each row's range, and with the CPU backend.
+    // One sequence's decode steps through the matrix-vector kernels (launched plainly and with
+    // programmatic dependent launch) and through cuBLAS: they differ in summation order and in
+    // the norm's rounding (the fused norm does not round x to bf16 before the product: up to
+    // 2^-9 of each element, 0.53% of the range in the emulation), and agree within 1% of each
+    // row's range, and with the CPU backend.
     let default_rows = gpu_runner.gemv_rows();
     let prompt: Vec<u32> = (0..9u32).map(|i| (i * 5 + 2) % vocab as u32).collect();
     let table = [0u32, 1];
     let mut paths = Vec::new();
-    for rows in [1, 0] {
+    for (rows, pdl) in [(1, false), (0, false), (1, true)] {
         gpu_runner.set_gemv_rows(rows);
+        gpu_runner.set_pdl(pdl)?;
         let mut cache = gpu_runner.kv_cache(&model, 16, 8)?;
         paths.push(prompt_then_steps(&prompt, &table, vocab, &mut |b| {
             Ok(gpu_runner.forward(&model, &mut cache, b)?)
         })?);
     }
     gpu_runner.set_gemv_rows(default_rows);
+    gpu_runner.set_pdl(false)?;
+    // Launched with programmatic dependent launch, the same kernels compute the same
+    // numbers: a kernel reading its input before the one before it finished would not.
+    ensure!(paths[2] == paths[0], "the matrix-vector path differs with programmatic launch");
     let mut cpu_cache = KvCache::new(&w, 16, 8);
     let want = prompt_then_steps(&prompt, &table, vocab, &mut |b| {
         Ok(cpu.forward(&w, &mut cpu_cache, b)?)
@@ -1361,6 +1367,16 @@ pub fn bench_llama(
             Ok((steps(&d, &mut cache)? * 1e3, logits))
         };
         let (base, want) = run(None)?;
+        r.set_pdl(true)?;
+        let (pdl, got) = run(None)?;
+        r.set_pdl(false)?;
+        eprintln!(
+            "decode batch 1 (CUDA graph), matrix-vector kernels with programmatic dependent \
+             launch: {pdl:.2} ms/step against {base:.2} without ({:.2}x; logits {})",
+            base / pdl,
+            if got == want { "the same" } else { "DIFFERENT" }
+        );
+        ensure!(got == want, "programmatic dependent launch changed the logits");
         for &(warps, unroll) in shape.gemv_shapes {
             let (ms, got) = run(Some((warps, unroll)))?;
             let diff = worst_of_range(&got, &want, c.vocab_size);
