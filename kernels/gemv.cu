@@ -79,27 +79,14 @@ __device__ __forceinline__ void gemv_load(uint4* a, uint4* b, const uint4* w0, c
     }
 }
 
-// The block's outputs for R rows of x; NORM: gemv_norm; PAIR: GEMV_SILU.
+// One warp's sums over chunks first, first + 32, ... (below `end`) of weight row w0 (and w1
+// when PAIR) against R rows of x (times norm_w when NORM, their squares summed in ss), reduced
+// over the warp: every lane gets each row's acc0, acc1 and ss.
 template <int R, bool PAIR, bool NORM>
-__device__ __forceinline__ void gemv_rows(const bf16_t* __restrict__ x,
-                                          const bf16_t* __restrict__ norm_w, float eps,
-                                          const bf16_t* __restrict__ w, void* out, int out_dim,
-                                          int in_dim, int mode, int splits) {
-    // Each warp's sums for each row (dot, the up row's dot, sum of x^2), for the part's
-    // combination.
-    __shared__ float partial[GEMV_WARPS][3][GEMV_MAX_ROWS];
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int o = blockIdx.x * (GEMV_WARPS / splits) + warp / splits;
-    const int part = warp % splits;
-    const int chunks = in_dim >> 3;
-    const int per_part = (chunks + splits - 1) / splits;
-    const int begin = part * per_part;
-    // A warp past the last output reads nothing (it still meets the barrier).
-    const int end = o < out_dim ? min(chunks, begin + per_part) : begin;
-    const int row0 = min(o, out_dim - 1);
-    const uint4* w0 = (const uint4*)(w + (long long)row0 * in_dim);
-    const uint4* w1 = (const uint4*)(w + (long long)(row0 + (PAIR ? out_dim : 0)) * in_dim);
+__device__ __forceinline__ void gemv_dots(const bf16_t* __restrict__ x,
+                                          const bf16_t* __restrict__ norm_w, const uint4* w0,
+                                          const uint4* w1, int in_dim, int first, int end,
+                                          float* acc0, float* acc1, float* ss) {
     const uint4* g = (const uint4*)norm_w;
     // Loads in flight a step (fewer with more rows: their sums take the registers).
     constexpr int U = (R <= 2 || GEMV_UNROLL < 2) ? GEMV_UNROLL : GEMV_UNROLL / 2;
@@ -109,7 +96,7 @@ __device__ __forceinline__ void gemv_rows(const bf16_t* __restrict__ x,
     pdl_launch_dependents();
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-        const int c = begin + lane + 32 * u;
+        const int c = first + 32 * u;
         if (c < end) {
             prefetch_l2(w0 + c);
             if (PAIR) {
@@ -118,14 +105,11 @@ __device__ __forceinline__ void gemv_rows(const bf16_t* __restrict__ x,
         }
     }
     pdl_wait();
-    float acc0[R];
-    float acc1[R];
-    float ss[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
         acc0[r] = acc1[r] = ss[r] = 0.0f;
     }
-    for (int c0 = begin + lane; c0 < end; c0 += 32 * U) {
+    for (int c0 = first; c0 < end; c0 += 32 * U) {
         uint4 a[U];
         uint4 b[U];
         gemv_load<U, PAIR>(a, b, w0, w1, c0, end);
@@ -161,6 +145,36 @@ __device__ __forceinline__ void gemv_rows(const bf16_t* __restrict__ x,
         acc0[r] = warp_sum(acc0[r]);
         acc1[r] = PAIR ? warp_sum(acc1[r]) : 0.0f;
         ss[r] = NORM ? warp_sum(ss[r]) : 0.0f;
+    }
+}
+
+// The block's outputs for R rows of x; NORM: gemv_norm; PAIR: GEMV_SILU.
+template <int R, bool PAIR, bool NORM>
+__device__ __forceinline__ void gemv_rows(const bf16_t* __restrict__ x,
+                                          const bf16_t* __restrict__ norm_w, float eps,
+                                          const bf16_t* __restrict__ w, void* out, int out_dim,
+                                          int in_dim, int mode, int splits) {
+    // Each warp's sums for each row (dot, the up row's dot, sum of x^2), for the part's
+    // combination.
+    __shared__ float partial[GEMV_WARPS][3][GEMV_MAX_ROWS];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int o = blockIdx.x * (GEMV_WARPS / splits) + warp / splits;
+    const int part = warp % splits;
+    const int chunks = in_dim >> 3;
+    const int per_part = (chunks + splits - 1) / splits;
+    const int begin = part * per_part;
+    // A warp past the last output reads nothing (it still meets the barrier).
+    const int end = o < out_dim ? min(chunks, begin + per_part) : begin;
+    const int row0 = min(o, out_dim - 1);
+    const uint4* w0 = (const uint4*)(w + (long long)row0 * in_dim);
+    const uint4* w1 = (const uint4*)(w + (long long)(row0 + (PAIR ? out_dim : 0)) * in_dim);
+    float acc0[R];
+    float acc1[R];
+    float ss[R];
+    gemv_dots<R, PAIR, NORM>(x, norm_w, w0, w1, in_dim, begin + lane, end, acc0, acc1, ss);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
         if (lane == 0) {
             partial[warp][0][r] = acc0[r];
             partial[warp][1][r] = acc1[r];
@@ -214,6 +228,96 @@ __device__ __forceinline__ void gemv_mode(const bf16_t* __restrict__ x,
     }
 }
 
+// The stacked Q/K/V projection of R rows with RMSNorm before it (as gemv_norm) and RoPE and
+// the K/V cache write after it (as rope_kv), in one pass: the query heads rotated into `qkv`
+// (rows of (heads + 2 kv_heads) head_dim; its key and value parts are not written), the keys
+// rotated and the values into their cache slots (none for a slot < 0). A warp per work item:
+// a rotated pair of a query or key head (two weight rows), then those heads' dimensions past
+// rope_dims, then the value dimensions. Rounded as the two kernels round: the product to bf16,
+// then the rotation. No barriers: a warp past the last item returns.
+template <int R>
+__device__ __forceinline__ void gemv_rope_rows(
+    const bf16_t* __restrict__ x, const bf16_t* __restrict__ norm_w, float eps,
+    const bf16_t* __restrict__ w, bf16_t* __restrict__ qkv, bf16_t* __restrict__ k_cache,
+    bf16_t* __restrict__ v_cache, const int* __restrict__ pos, const int* __restrict__ slots,
+    const float* __restrict__ inv_freq, int heads, int kv_heads, int head_dim, int rope_dims,
+    int interleaved, int in_dim) {
+    const int lane = threadIdx.x & 31;
+    const int item = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    const int rotated = heads + kv_heads;
+    const int half = rope_dims / 2;
+    const int pairs = rotated * half;
+    const int unrotated = rotated * (head_dim - rope_dims);
+    int h;
+    int da;
+    int db = -1;
+    int i = 0;
+    if (item < pairs) {
+        h = item / half;
+        i = item % half;
+        da = interleaved ? 2 * i : i;
+        db = interleaved ? 2 * i + 1 : i + half;
+    } else if (item < pairs + unrotated) {
+        h = (item - pairs) / (head_dim - rope_dims);
+        da = rope_dims + (item - pairs) % (head_dim - rope_dims);
+    } else if (item < pairs + unrotated + kv_heads * head_dim) {
+        h = rotated + (item - pairs - unrotated) / head_dim;
+        da = (item - pairs - unrotated) % head_dim;
+    } else {
+        pdl_launch_dependents();
+        return;
+    }
+    const uint4* w0 = (const uint4*)(w + (long long)(h * head_dim + da) * in_dim);
+    const uint4* w1 = (const uint4*)(w + (long long)(h * head_dim + max(db, da)) * in_dim);
+    float acc0[R];
+    float acc1[R];
+    float ss[R];
+    if (db >= 0) {
+        gemv_dots<R, true, true>(x, norm_w, w0, w1, in_dim, lane, in_dim >> 3, acc0, acc1, ss);
+    } else {
+        gemv_dots<R, false, true>(x, norm_w, w0, w1, in_dim, lane, in_dim >> 3, acc0, acc1, ss);
+    }
+    // Lane r finishes row r.
+    float ya = 0.0f;
+    float yb = 0.0f;
+    float sq = 0.0f;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+        if (r == lane) {
+            ya = acc0[r];
+            yb = acc1[r];
+            sq = ss[r];
+        }
+    }
+    if (lane >= R) {
+        return;
+    }
+    const float scale = rsqrtf(sq / (float)in_dim + eps);
+    ya = bf16_to_f32(f32_to_bf16(ya * scale));
+    yb = bf16_to_f32(f32_to_bf16(yb * scale));
+    const long long kv_dim = (long long)kv_heads * head_dim;
+    const int slot = slots[lane];
+    bf16_t* dst;
+    if (h < heads) {
+        dst = qkv + (long long)lane * (rotated + kv_heads) * head_dim + h * head_dim;
+    } else if (slot < 0) {
+        return;
+    } else if (h < rotated) {
+        dst = k_cache + slot * kv_dim + (long long)(h - heads) * head_dim;
+    } else {
+        dst = v_cache + slot * kv_dim + (long long)(h - rotated) * head_dim;
+    }
+    if (db < 0) {
+        dst[da] = f32_to_bf16(ya);
+        return;
+    }
+    float sn;
+    float cs;
+    sincosf((float)pos[lane] * inv_freq[i], &sn, &cs);
+    dst[da] = f32_to_bf16(ya * cs - yb * sn);
+    dst[db] = f32_to_bf16(ya * sn + yb * cs);
+}
+
 // One kernel per row count (each its own registers: one row needs fewer than four, and more
 // warps in flight keep more loads in flight). gemvR: y = x W^T with the epilogue `mode` for R
 // rows of x; gemv_normR: y = rmsnorm(x) * norm_w, then W^T. Blocks a multiprocessor holds at
@@ -251,4 +355,29 @@ extern "C" __global__ __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_N) void gem
 }
 extern "C" __global__ __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_N) void gemv_norm4(GEMV_NORM_PARAMS) {
     gemv_mode<4, true>(x, norm_w, eps, GEMV_ARGS);
+}
+#define GEMV_ROPE_PARAMS                                                                        \
+    const bf16_t *__restrict__ x, const bf16_t *__restrict__ norm_w, float eps,                 \
+        const bf16_t *__restrict__ w, bf16_t *__restrict__ qkv, bf16_t *__restrict__ k_cache,   \
+        bf16_t *__restrict__ v_cache, const int *__restrict__ pos,                              \
+        const int *__restrict__ slots, const float *__restrict__ inv_freq, int heads,           \
+        int kv_heads, int head_dim, int rope_dims, int interleaved, int in_dim
+#define GEMV_ROPE_ARGS                                                                          \
+    x, norm_w, eps, w, qkv, k_cache, v_cache, pos, slots, inv_freq, heads, kv_heads, head_dim,  \
+        rope_dims, interleaved, in_dim
+extern "C" __global__ __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_1) void gemv_rope1(
+    GEMV_ROPE_PARAMS) {
+    gemv_rope_rows<1>(GEMV_ROPE_ARGS);
+}
+extern "C" __global__ __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_N) void gemv_rope2(
+    GEMV_ROPE_PARAMS) {
+    gemv_rope_rows<2>(GEMV_ROPE_ARGS);
+}
+extern "C" __global__ __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_N) void gemv_rope3(
+    GEMV_ROPE_PARAMS) {
+    gemv_rope_rows<3>(GEMV_ROPE_ARGS);
+}
+extern "C" __global__ __launch_bounds__(GEMV_WARPS * 32, GEMV_BLOCKS_N) void gemv_rope4(
+    GEMV_ROPE_PARAMS) {
+    gemv_rope_rows<4>(GEMV_ROPE_ARGS);
 }

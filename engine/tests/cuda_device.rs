@@ -135,6 +135,12 @@ fn matrix_vector_products_match_their_definitions() -> anyhow::Result<()> {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on one"]
+fn the_fused_projection_matches_the_kernels_it_fuses() -> anyhow::Result<()> {
+    kernel_checks::gemv_rope(&gpu()?)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on one"]
 fn argmax_takes_the_lowest_index_among_equals() -> anyhow::Result<()> {
     kernel_checks::argmax(&gpu()?)
 }

@@ -190,6 +190,11 @@ fn matrix_vector_products_match_their_definitions() -> anyhow::Result<()> {
 }
 
 #[test]
+fn the_fused_projection_matches_the_kernels_it_fuses() -> anyhow::Result<()> {
+    kernel_checks::gemv_rope(&Emulated)
+}
+
+#[test]
 fn argmax_takes_the_lowest_index_among_equals() -> anyhow::Result<()> {
     kernel_checks::argmax(&Emulated)
 }

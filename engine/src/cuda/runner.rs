@@ -72,12 +72,13 @@ const GEMV_DEFAULT_ROWS: usize = 1;
 const GEMV_WARPS: usize = 4;
 const GEMV_UNROLL: usize = 4;
 
-/// The matrix-vector kernels as compiled for one shape: `gemv1..4` and `gemv_norm1..4`, by
-/// rows - 1.
+/// The matrix-vector kernels as compiled for one shape: `gemv1..4`, `gemv_norm1..4` and
+/// `gemv_rope1..4`, by rows - 1.
 struct GemvKernels {
     warps: usize,
     plain: [CudaFunction; GEMV_MAX_ROWS],
     norm: [CudaFunction; GEMV_MAX_ROWS],
+    rope: [CudaFunction; GEMV_MAX_ROWS],
 }
 
 impl GemvKernels {
@@ -87,6 +88,7 @@ impl GemvKernels {
             warps,
             plain: every([1, 2, 3, 4].map(|r| f(format!("gemv{r}"))))?,
             norm: every([1, 2, 3, 4].map(|r| f(format!("gemv_norm{r}"))))?,
+            rope: every([1, 2, 3, 4].map(|r| f(format!("gemv_rope{r}"))))?,
         })
     }
 }
@@ -823,7 +825,7 @@ impl CudaRunner {
         };
         // The operands by hand (cuLaunchKernelEx takes launch attributes; cudarc's builder
         // does not): a pointer to each parameter's value, in the kernel's order.
-        use cudarc::driver::{DevicePtr, DevicePtrMut, sys};
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
         fn param<T>(v: &T) -> *mut std::ffi::c_void {
             (v as *const T).cast_mut().cast()
         }
@@ -837,18 +839,41 @@ impl CudaRunner {
         }
         params.extend([param(&wp), param(&yp), param(&out_i), param(&inp_i)]);
         params.extend([param(&mode_i), param(&splits_i)]);
+        let blocks = (out * splits).div_ceil(kernels.warps);
+        // SAFETY: `params` holds one pointer per parameter of `gemv<rows>` / `gemv_norm<rows>`
+        // in kernels/gemv.cu, in order, each to a live value of the parameter's type (device
+        // pointers from buffers whose guards live to the end of this function); the buffers
+        // hold their shapes and in is a multiple of 8 (checked above); cudaMalloc'd buffers
+        // are 16-byte aligned and so are rows of a multiple of 8 bf16.
+        unsafe { self.launch_gemv(f, blocks, kernels.warps, &mut params) }
+    }
+
+    /// Launches matrix-vector kernel `f` over `blocks` blocks of `warps` warps through
+    /// cuLaunchKernelEx, with programmatic stream serialization when [`CudaRunner::set_pdl`]
+    /// says so (the kernels read and write nothing of the kernel before them until their
+    /// `pdl_wait`).
+    ///
+    /// # Safety
+    /// `params` holds a pointer to a live value of each of `f`'s parameters, in order, and
+    /// the launch stays inside the buffers it names.
+    unsafe fn launch_gemv(
+        &self,
+        f: &CudaFunction,
+        blocks: usize,
+        warps: usize,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<(), CudaError> {
+        use cudarc::driver::sys;
         let mut pdl = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],
             value: sys::CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
         };
-        let blocks = u32::try_from((out * splits).div_ceil(kernels.warps))
-            .map_err(|_| run_err("too many matrix-vector blocks"))?;
         let config = sys::CUlaunchConfig {
-            gridDimX: blocks,
+            gridDimX: u32::try_from(blocks).map_err(|_| run_err("too many blocks"))?,
             gridDimY: 1,
             gridDimZ: 1,
-            blockDimX: kernels.warps as u32 * 32,
+            blockDimX: warps as u32 * 32,
             blockDimY: 1,
             blockDimZ: 1,
             sharedMemBytes: 0,
@@ -857,13 +882,7 @@ impl CudaRunner {
             numAttrs: u32::from(self.pdl.get()),
         };
         self.ctx.bind_to_thread().map_err(run_err)?;
-        // SAFETY: `params` holds one pointer per parameter of `gemv<rows>` / `gemv_norm<rows>`
-        // in kernels/gemv.cu, in order, each to a live value of the parameter's type (device
-        // pointers from buffers whose guards live to the end of this function); the buffers
-        // hold their shapes and in is a multiple of 8 (checked above); cudaMalloc'd buffers
-        // are 16-byte aligned and so are rows of a multiple of 8 bf16. With programmatic
-        // stream serialization the kernel reads and writes nothing of the kernel before it
-        // until its `pdl_wait`.
+        // SAFETY: the caller's promise; the configuration and attribute live through the call.
         unsafe {
             sys::cuLaunchKernelEx(
                 &config,
@@ -874,6 +893,68 @@ impl CudaRunner {
         }
         .result()
         .map_err(run_err)
+    }
+
+    /// The stacked Q/K/V projection of 1..=[`GEMV_MAX_ROWS`] rows of the residual stream `x`
+    /// with the attention norm before it and RoPE and the K/V cache write after it
+    /// (`gemv_rope<rows>`): the rotated queries into `qkv`, keys and values into `kc`/`vc` at
+    /// `slots` (for a layer without Q/K/V biases, which go between the product and RoPE).
+    #[expect(clippy::too_many_arguments, reason = "the kernel's operands")]
+    fn gemv_rope(
+        &self,
+        m: &CudaModel,
+        l: &DeviceLayer,
+        x: &CudaSlice<bf16>,
+        rows: usize,
+        (pos, slots): (&CudaView<'_, i32>, &CudaView<'_, i32>),
+        qkv: &mut CudaSlice<bf16>,
+        (kc, vc): (&mut CudaSlice<bf16>, &mut CudaSlice<bf16>),
+    ) -> Result<(), CudaError> {
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        let c = &m.config;
+        let (hd, rd, hidden) = (c.head_dim, c.rope_dims, c.hidden);
+        let qkv_dim = (c.heads + 2 * c.kv_heads) * hd;
+        if !(1..=GEMV_MAX_ROWS).contains(&rows)
+            || !hidden.is_multiple_of(8)
+            || x.len() < rows * hidden
+            || qkv.len() < rows * qkv_dim
+            || l.wqkv.len() < qkv_dim * hidden
+            || pos.len() < rows
+            || slots.len() < rows
+            || rd % 2 != 0
+            || rd > hd
+        {
+            return Err(run_err("fused projection operands do not fit their shapes"));
+        }
+        let dim = |v: usize| i32::try_from(v).map_err(|_| run_err("dimension over i32"));
+        let [heads, kv_heads, hd_i, rd_i] = every([c.heads, c.kv_heads, hd, rd].map(dim))?;
+        let interleaved = i32::from(c.rope_style == RopeStyle::Interleaved);
+        let (hidden_i, eps) = (dim(hidden)?, c.rms_eps);
+        let kernels = self.gemv.borrow();
+        fn param<T>(v: &T) -> *mut std::ffi::c_void {
+            (v as *const T).cast_mut().cast()
+        }
+        let (xp, _x) = x.device_ptr(&self.stream);
+        let (np, _n) = l.attn_norm.device_ptr(&self.stream);
+        let (wp, _w) = l.wqkv.device_ptr(&self.stream);
+        let (qp, _q) = qkv.device_ptr_mut(&self.stream);
+        let (kp, _k) = kc.device_ptr_mut(&self.stream);
+        let (vp, _v) = vc.device_ptr_mut(&self.stream);
+        let (pp, _p) = pos.device_ptr(&self.stream);
+        let (sp, _s) = slots.device_ptr(&self.stream);
+        let (fp, _f) = m.inv_freq.device_ptr(&self.stream);
+        let mut params = vec![param(&xp), param(&np), param(&eps), param(&wp), param(&qp)];
+        params.extend([param(&kp), param(&vp), param(&pp), param(&sp), param(&fp)]);
+        params.extend([param(&heads), param(&kv_heads), param(&hd_i), param(&rd_i)]);
+        params.extend([param(&interleaved), param(&hidden_i)]);
+        let rotated = c.heads + c.kv_heads;
+        let items = rotated * (rd / 2) + rotated * (hd - rd) + c.kv_heads * hd;
+        let blocks = items.div_ceil(kernels.warps);
+        // SAFETY: `params` holds one pointer per parameter of `gemv_rope<rows>` in
+        // kernels/gemv.cu, in order, each to a live value of its type (device pointers from
+        // buffers whose guards live to the end of this function); the buffers hold their
+        // shapes (checked above), every slot is inside the cache or -1 (checked by `plan`).
+        unsafe { self.launch_gemv(&kernels.rope[rows - 1], blocks, kernels.warps, &mut params) }
     }
 
     /// `out = rmsnorm(x) * w` over `rows` rows of `dim`; with `residual`, `x += residual`
@@ -1409,7 +1490,14 @@ impl CudaRunner {
         }
         let layers = m.layers.iter().zip(k_cache.iter_mut()).zip(v_cache.iter_mut()).enumerate();
         for (i, ((l, kc), vc)) in layers {
-            if small {
+            // RoPE and the K/V write fused into the projection (not with biases, which come
+            // between).
+            let fused_rope = small && l.bias.is_none();
+            if fused_rope {
+                let cache = (&mut *kc, &mut *vc);
+                self.gemv_rope(m, l, &ws.x, n, (&pos, &slots), &mut ws.qkv, cache)?;
+                self.mark("QKV GEMV + norm, RoPE")?;
+            } else if small {
                 let norm = Some((&l.attn_norm, eps));
                 self.gemv(&ws.x, norm, n, &l.wqkv, qkv_dim, hidden, Gemv::Bf16, &mut ws.qkv)?;
                 self.mark("QKV GEMV + norm")?;
@@ -1421,15 +1509,18 @@ impl CudaRunner {
                 self.add_bias(&mut ws.qkv, bias, n, qkv_dim)?;
                 self.mark("QKV bias")?;
             }
-            let mut b = self.stream.launch_builder(&self.k.rope_kv);
-            b.arg(&mut ws.qkv).arg(&mut *kc).arg(&mut *vc).arg(&pos).arg(&slots);
-            b.arg(&m.inv_freq).arg(&heads).arg(&kv_heads).arg(&hd_i).arg(&rd_i).arg(&interleaved);
-            // SAFETY: arguments match `rope_kv`; qkv holds n rows of (heads + 2 kv_heads)
-            // head_dim; every slot is inside the cache or -1 (checked by `plan`).
-            // 1024 threads: at small batches the kernel is a chain of loads, and each thread
-            // then has few of them.
-            unsafe { b.launch(grid(n, 1, 1024)) }.map_err(run_err)?;
-            self.mark("RoPE + K/V write")?;
+            if !fused_rope {
+                let mut b = self.stream.launch_builder(&self.k.rope_kv);
+                b.arg(&mut ws.qkv).arg(&mut *kc).arg(&mut *vc).arg(&pos).arg(&slots);
+                b.arg(&m.inv_freq).arg(&heads).arg(&kv_heads).arg(&hd_i).arg(&rd_i);
+                b.arg(&interleaved);
+                // SAFETY: arguments match `rope_kv`; qkv holds n rows of (heads + 2 kv_heads)
+                // head_dim; every slot is inside the cache or -1 (checked by `plan`).
+                // 1024 threads: at small batches the kernel is a chain of loads, and each
+                // thread then has few of them.
+                unsafe { b.launch(grid(n, 1, 1024)) }.map_err(run_err)?;
+                self.mark("RoPE + K/V write")?;
+            }
             if singles > 0 {
                 let f = self.k.attention_for.iter().find(|(d, _)| *d == c.head_dim);
                 let mut b = self.stream.launch_builder(f.map_or(&self.k.attention, |(_, f)| f));

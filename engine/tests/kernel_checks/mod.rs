@@ -681,6 +681,92 @@ pub fn gemv(d: &dyn Dev) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `gemv_rope` (the Q/K/V projection with the norm before and RoPE with the K/V write after)
+/// against `gemv_norm` then `rope_kv`, the kernels it fuses, for 1..4 rows, both pair layouts,
+/// all or half of each head rotated: the same rotated queries and cache contents (within one
+/// bf16 step: the rotation's multiply-adds may contract differently), the untouched slots and
+/// the padding row's (slot -1) left alone.
+pub fn gemv_rope(d: &dyn Dev) -> anyhow::Result<()> {
+    use Arg::*;
+    let (heads, kv_heads, hd, in_dim, eps) = (3usize, 1usize, 64usize, 328usize, 1e-5f32);
+    let (qkv_dim, kv_dim) = ((heads + 2 * kv_heads) * hd, kv_heads * hd);
+    let pos = [5i32, 17, 9, 3];
+    let slots = [2i32, 0, -1, 3];
+    let nan = 0x7fc0u16;
+    for (rows, (interleaved, rope_dims)) in
+        (1..=4usize).flat_map(|r| [(1i32, 64usize), (0, 64), (1, 32), (0, 32)].map(|p| (r, p)))
+    {
+        let seed = (rows * 10 + rope_dims) as u64 + interleaved as u64;
+        let x = to_bf16(&values(rows * in_dim, seed));
+        let g = to_bf16(&values(in_dim, seed + 1));
+        let w = to_bf16(&values(qkv_dim * in_dim, seed + 2));
+        let inv_freq: Vec<f32> = (0..rope_dims / 2)
+            .map(|i| 10000f32.powf(-((2 * i) as f32) / rope_dims as f32))
+            .collect();
+        // The reference: the product (as gemv_norm computes it), then rope_kv.
+        let mut qkv_ref = vec![nan; rows * qkv_dim];
+        let ints = |v: &[usize]| v.iter().map(|&i| I32(i as i32)).collect::<Vec<_>>();
+        let mut args = vec![In(bytes(&x)), In(bytes(&g)), F32(eps), In(bytes(&w))];
+        args.push(Out(bytes_mut(&mut qkv_ref)));
+        args.extend(ints(&[qkv_dim, in_dim, 0, 1]));
+        d.launch(
+            "gemv",
+            &format!("gemv_norm{rows}"),
+            (qkv_dim.div_ceil(4) as u32, 1),
+            128,
+            &mut args,
+        )?;
+        drop(args);
+        let (mut kc_ref, mut vc_ref) = (vec![nan; 4 * kv_dim], vec![nan; 4 * kv_dim]);
+        let mut args = vec![Out(bytes_mut(&mut qkv_ref)), Out(bytes_mut(&mut kc_ref))];
+        args.extend([
+            Out(bytes_mut(&mut vc_ref)),
+            In(bytes(&pos[..rows])),
+            In(bytes(&slots[..rows])),
+        ]);
+        args.push(In(bytes(&inv_freq)));
+        args.extend(ints(&[heads, kv_heads, hd, rope_dims]));
+        args.push(I32(interleaved));
+        d.launch("elementwise", "rope_kv", (rows as u32, 1), 128, &mut args)?;
+        drop(args);
+        // Fused.
+        let mut qkv = vec![nan; rows * qkv_dim];
+        let (mut kc, mut vc) = (vec![nan; 4 * kv_dim], vec![nan; 4 * kv_dim]);
+        let mut args = vec![In(bytes(&x)), In(bytes(&g)), F32(eps), In(bytes(&w))];
+        args.extend([Out(bytes_mut(&mut qkv)), Out(bytes_mut(&mut kc)), Out(bytes_mut(&mut vc))]);
+        args.extend([In(bytes(&pos[..rows])), In(bytes(&slots[..rows])), In(bytes(&inv_freq))]);
+        args.extend(ints(&[heads, kv_heads, hd, rope_dims]));
+        args.extend([I32(interleaved), I32(in_dim as i32)]);
+        let items = (heads + kv_heads) * hd + kv_heads * hd - (heads + kv_heads) * rope_dims / 2;
+        d.launch(
+            "gemv",
+            &format!("gemv_rope{rows}"),
+            (items.div_ceil(4) as u32, 1),
+            128,
+            &mut args,
+        )?;
+        drop(args);
+        let what = format!("gemv_rope{rows} (interleaved {interleaved}, {rope_dims} dims)");
+        let close = |got: &[u16], want: &[u16], part: &str| -> anyhow::Result<()> {
+            for (i, (a, b)) in from_bf16(got).iter().zip(from_bf16(want)).enumerate() {
+                ensure!(
+                    a.is_nan() == b.is_nan()
+                        && (a.is_nan() || (a - b).abs() <= b.abs() / 128.0 + 1e-6),
+                    "{what}: {part} element {i} is {a}, not {b}"
+                );
+            }
+            Ok(())
+        };
+        for r in 0..rows {
+            let q = |v: &[u16]| v[r * qkv_dim..][..heads * hd].to_vec();
+            close(&q(&qkv), &q(&qkv_ref), &format!("row {r}'s queries"))?;
+        }
+        close(&kc, &kc_ref, "the key cache")?;
+        close(&vc, &vc_ref, "the value cache")?;
+    }
+    Ok(())
+}
+
 pub fn argmax(d: &dyn Dev) -> anyhow::Result<()> {
     let vocab = 49_152usize;
     let mut logits = values(2 * vocab, 9);
