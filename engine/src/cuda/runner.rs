@@ -44,20 +44,16 @@ use crate::quant::{GgmlType, QK};
 /// Element types a GEMM may write, with their CUDA type.
 trait GemmOut: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits {
     const CUDA_TYPE: cudarc::cublas::sys::cudaDataType_t;
-    /// The matrix-vector kernels' plain epilogue for this result type.
-    const GEMV_STORE: Gemv;
 }
 
 impl GemmOut for bf16 {
     const CUDA_TYPE: cudarc::cublas::sys::cudaDataType_t =
         cudarc::cublas::sys::cudaDataType_t::CUDA_R_16BF;
-    const GEMV_STORE: Gemv = Gemv::Bf16;
 }
 
 impl GemmOut for f32 {
     const CUDA_TYPE: cudarc::cublas::sys::cudaDataType_t =
         cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F;
-    const GEMV_STORE: Gemv = Gemv::F32;
 }
 
 /// Batches of up to this many rows can go through our matrix-vector kernels (kernels/gemv.cu)
@@ -116,6 +112,16 @@ enum Gemv {
 
 fn run_err(e: impl std::fmt::Display) -> CudaError {
     CudaError::Run(e.to_string())
+}
+
+/// A size as a kernel's or cuBLAS's `int`.
+fn dim(v: usize) -> Result<i32, CudaError> {
+    i32::try_from(v).map_err(|_| run_err("dimension over i32"))
+}
+
+/// A pointer to a kernel parameter's value, as cuLaunchKernel(Ex) takes each.
+fn param<T>(v: &T) -> *mut std::ffi::c_void {
+    (v as *const T).cast_mut().cast()
 }
 
 /// All of `v`, or its first error.
@@ -750,7 +756,6 @@ impl CudaRunner {
         if x.len() < n * inp || y.len() < n * out || w.len() < out * inp {
             return Err(run_err("GEMM operands smaller than their shapes"));
         }
-        let dim = |v: usize| i32::try_from(v).map_err(|_| run_err("dimension over i32"));
         let (alpha, beta) = (1.0f32, 0.0f32);
         {
             let (a, _ra) = w.device_ptr(&self.stream);
@@ -810,11 +815,11 @@ impl CudaRunner {
             || w.len() < w_rows * inp
             || y.len() < rows * out
             || norm.is_some_and(|(nw, _)| nw.len() < inp)
-            || (mode == Gemv::F32) != (T::GEMV_STORE == Gemv::F32)
+            || (mode == Gemv::F32)
+                != (T::CUDA_TYPE == cudarc::cublas::sys::cudaDataType_t::CUDA_R_32F)
         {
             return Err(run_err("matrix-vector operands do not fit their shapes"));
         }
-        let dim = |v: usize| i32::try_from(v).map_err(|_| run_err("dimension over i32"));
         let splits = gemv_splits(out, self.sms);
         let (out_i, inp_i, mode_i, splits_i) = (dim(out)?, dim(inp)?, mode as i32, splits as i32);
         let eps = norm.map_or(0.0, |(_, e)| e);
@@ -826,9 +831,6 @@ impl CudaRunner {
         // The operands by hand (cuLaunchKernelEx takes launch attributes; cudarc's builder
         // does not): a pointer to each parameter's value, in the kernel's order.
         use cudarc::driver::{DevicePtr, DevicePtrMut};
-        fn param<T>(v: &T) -> *mut std::ffi::c_void {
-            (v as *const T).cast_mut().cast()
-        }
         let (xp, _x) = x.device_ptr(&self.stream);
         let (wp, _w) = w.device_ptr(&self.stream);
         let (yp, _y) = y.device_ptr_mut(&self.stream);
@@ -926,14 +928,10 @@ impl CudaRunner {
         {
             return Err(run_err("fused projection operands do not fit their shapes"));
         }
-        let dim = |v: usize| i32::try_from(v).map_err(|_| run_err("dimension over i32"));
         let [heads, kv_heads, hd_i, rd_i] = every([c.heads, c.kv_heads, hd, rd].map(dim))?;
         let interleaved = i32::from(c.rope_style == RopeStyle::Interleaved);
         let (hidden_i, eps) = (dim(hidden)?, c.rms_eps);
         let kernels = self.gemv.borrow();
-        fn param<T>(v: &T) -> *mut std::ffi::c_void {
-            (v as *const T).cast_mut().cast()
-        }
         let (xp, _x) = x.device_ptr(&self.stream);
         let (np, _n) = l.attn_norm.device_ptr(&self.stream);
         let (wp, _w) = l.wqkv.device_ptr(&self.stream);
