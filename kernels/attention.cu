@@ -10,6 +10,17 @@
 #define ATTN_GROUP 4          // query heads of one KV head per block (= ATTN_WARPS: one merges each)
 #define ATTN_MAX_PER_LANE 8  // head_dim up to 256, a multiple of 32
 #define SPLIT_MIN_KEYS 32    // the fewest keys a part of a split context gets
+// The wide decode kernels (head sizes 64 and 128): rounds of keys whose loads are all issued
+// before any is used, and whether the online softmax is updated once a step of them (one
+// rescale of the running sums for ATTN_ROUNDS keys) rather than once a key. The runner's
+// choice (CudaRunner::set_attention_shape, for the device bench's comparison), these by
+// default.
+#ifndef ATTN_ROUNDS
+#define ATTN_ROUNDS 2
+#endif
+#ifndef ATTN_STEP_SOFTMAX
+#define ATTN_STEP_SOFTMAX 0
+#endif
 
 // Online-softmax states (max m, sum l, weighted values acc of head_dim = 32 * PL floats; a
 // state that saw no key has m = -inf) merged into (m_all, l_all, o) for one head by one warp,
@@ -239,12 +250,10 @@ __device__ __forceinline__ void attend_group_wide(const bf16_t* __restrict__ q,
     for (int g = 0; g < ATTN_GROUP; ++g) {
         const bf16_t* qrow = q + (long long)a.r * (heads + 2 * kv_heads) * HD +
                              (h0 + (g < nh ? g : 0)) * HD + part * 8;
-        const uint4 w = *(const uint4*)qrow;
-        const unsigned words[4] = {w.x, w.y, w.z, w.w};
+        unpack8(*(const uint4*)qrow, qv[g]);
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
-            const bf16_t b = (bf16_t)((e & 1) ? (words[e >> 1] >> 16) : (words[e >> 1] & 0xffffu));
-            qv[g][e] = (g < nh) ? bf16_to_f32(b) * scale : 0.0f;
+            qv[g][e] = (g < nh) ? qv[g][e] * scale : 0.0f;
             acc[g][e] = 0.0f;
         }
         m[g] = -SLUICE_INF;
@@ -253,8 +262,9 @@ __device__ __forceinline__ void attend_group_wide(const bf16_t* __restrict__ q,
     // Every lane runs every step (the shuffles need the whole warp); a lane past the range
     // reads nothing and changes nothing. A step takes ROUNDS rounds of keys, their loads all
     // issued before any is used (more bytes in flight per warp: decode attention waits on
-    // memory, not arithmetic), then used in key order.
-    constexpr int ROUNDS = 2;
+    // memory, not arithmetic), then used in key order: each key's score, and with
+    // ATTN_STEP_SOFTMAX the step's scores first and one rescale of the sums for all of them.
+    constexpr int ROUNDS = ATTN_ROUNDS;
     constexpr int ROUND = ATTN_WARPS * KPW;  // keys per round, the block's warps together
     for (int base = k0 + warp * KPW; base < k1; base += ROUND * ROUNDS) {
         uint4 kw[ROUNDS];
@@ -271,43 +281,86 @@ __device__ __forceinline__ void attend_group_wide(const bf16_t* __restrict__ q,
                 vw[u] = *(const uint4*)(v_cache + off);
             }
         }
+        // s[u][g]: the score of round u's key for head g (summed over the key's LPK lanes:
+        // offsets below LPK stay in the group).
+        float s[ROUNDS][ATTN_GROUP];
 #pragma unroll
         for (int u = 0; u < ROUNDS; ++u) {
-            const bool live = base + u * ROUND + sub < k1;
-            const unsigned kk[4] = {kw[u].x, kw[u].y, kw[u].z, kw[u].w};
-            const unsigned vv[4] = {vw[u].x, vw[u].y, vw[u].z, vw[u].w};
             float kf[8];
-            float vf[8];
+            unpack8(kw[u], kf);
 #pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                kf[e] = bf16_to_f32((bf16_t)((e & 1) ? (kk[e >> 1] >> 16) : (kk[e >> 1] & 0xffffu)));
-                vf[e] = bf16_to_f32((bf16_t)((e & 1) ? (vv[e >> 1] >> 16) : (vv[e >> 1] & 0xffffu)));
+            for (int g = 0; g < ATTN_GROUP; ++g) {
+                s[u][g] = 0.0f;
+                if (g < nh) {  // the same in every lane
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        s[u][g] += qv[g][e] * kf[e];
+                    }
+#pragma unroll
+                    for (int o = LPK / 2; o > 0; o >>= 1) {
+                        s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], o);
+                    }
+                }
+            }
+        }
+        if (ATTN_STEP_SOFTMAX) {
+            // Keys ascend with u: none live in round 0, none live in the step.
+            if (base + sub >= k1) {
+                continue;
             }
 #pragma unroll
             for (int g = 0; g < ATTN_GROUP; ++g) {
-                if (g < nh) {  // the same in every lane
-                    float s = 0.0f;
+                if (g < nh) {
+                    float m_new = m[g];
+#pragma unroll
+                    for (int u = 0; u < ROUNDS; ++u) {
+                        if (base + u * ROUND + sub < k1) {
+                            m_new = fmaxf(m_new, s[u][g]);
+                        }
+                    }
+                    const float corr = __expf(m[g] - m_new);
+                    l[g] *= corr;
 #pragma unroll
                     for (int e = 0; e < 8; ++e) {
-                        s += qv[g][e] * kf[e];
+                        acc[g][e] *= corr;
                     }
-                    // The key's dot product over its LPK lanes (offsets below LPK stay in the
-                    // group).
 #pragma unroll
-                    for (int o = LPK / 2; o > 0; o >>= 1) {
-                        s += __shfl_xor_sync(0xffffffffu, s, o);
-                    }
-                    if (live) {
-                        const float m_new = fmaxf(m[g], s);
-                        const float corr = __expf(m[g] - m_new);
-                        const float p = __expf(s - m_new);
-                        l[g] = l[g] * corr + p;
+                    for (int u = 0; u < ROUNDS; ++u) {
+                        if (base + u * ROUND + sub < k1) {
+                            float vf[8];
+                            unpack8(vw[u], vf);
+                            const float p = __expf(s[u][g] - m_new);
+                            l[g] += p;
 #pragma unroll
-                        for (int e = 0; e < 8; ++e) {
-                            acc[g][e] = acc[g][e] * corr + p * vf[e];
+                            for (int e = 0; e < 8; ++e) {
+                                acc[g][e] = fmaf(p, vf[e], acc[g][e]);
+                            }
                         }
-                        m[g] = m_new;
                     }
+                    m[g] = m_new;
+                }
+            }
+            continue;
+        }
+#pragma unroll
+        for (int u = 0; u < ROUNDS; ++u) {
+            if (base + u * ROUND + sub >= k1) {
+                continue;
+            }
+            float vf[8];
+            unpack8(vw[u], vf);
+#pragma unroll
+            for (int g = 0; g < ATTN_GROUP; ++g) {
+                if (g < nh) {
+                    const float m_new = fmaxf(m[g], s[u][g]);
+                    const float corr = __expf(m[g] - m_new);
+                    const float p = __expf(s[u][g] - m_new);
+                    l[g] = l[g] * corr + p;
+#pragma unroll
+                    for (int e = 0; e < 8; ++e) {
+                        acc[g][e] = acc[g][e] * corr + p * vf[e];
+                    }
+                    m[g] = m_new;
                 }
             }
         }

@@ -28,7 +28,7 @@
 #define GEMV_WARPS 4
 #endif
 #ifndef GEMV_UNROLL
-#define GEMV_UNROLL 4
+#define GEMV_UNROLL 2
 #endif
 #define GEMV_MAX_ROWS 4
 
@@ -47,18 +47,6 @@ __device__ __forceinline__ float dot8(uint4 w, const float* x, float acc) {
     acc = fmaf(hi_f32(w.z), x[5], acc);
     acc = fmaf(lo_f32(w.w), x[6], acc);
     return fmaf(hi_f32(w.w), x[7], acc);
-}
-
-// 16 bytes of bf16 as 8 f32.
-__device__ __forceinline__ void unpack8(uint4 v, float* f) {
-    f[0] = lo_f32(v.x);
-    f[1] = hi_f32(v.x);
-    f[2] = lo_f32(v.y);
-    f[3] = hi_f32(v.y);
-    f[4] = lo_f32(v.z);
-    f[5] = hi_f32(v.z);
-    f[6] = lo_f32(v.w);
-    f[7] = hi_f32(v.w);
 }
 
 // Weight chunks c0, c0 + 32, ... (U of them, below `end`) of one or two rows into registers

@@ -185,6 +185,18 @@ __device__ __forceinline__ unsigned pack_bf16(bf16_t lo, bf16_t hi) {
 __device__ __forceinline__ float lo_f32(unsigned p) { return __uint_as_float(p << 16); }
 __device__ __forceinline__ float hi_f32(unsigned p) { return __uint_as_float(p & 0xffff0000u); }
 
+// 16 bytes of bf16 as 8 f32.
+__device__ __forceinline__ void unpack8(uint4 v, float* f) {
+    f[0] = lo_f32(v.x);
+    f[1] = hi_f32(v.x);
+    f[2] = lo_f32(v.y);
+    f[3] = hi_f32(v.y);
+    f[4] = lo_f32(v.z);
+    f[5] = hi_f32(v.z);
+    f[6] = lo_f32(v.w);
+    f[7] = hi_f32(v.w);
+}
+
 // f(lo, hi) -> packed bf16 pair, over the four pairs of 16 bytes of bf16 (a, b: the operands'
 // 16 bytes).
 template <typename F>

@@ -217,17 +217,25 @@ fn the_device_bench_runs_on_a_small_shape() -> anyhow::Result<()> {
         long_batches: &[1],
         gemv_batches: &[1, 2],
         gemv_shapes: &[],
+        attention_shapes: &[],
         profile_batches: &[2, 8],
         reps: 1,
     };
     let r = CudaRunner::new(0)?;
     // The matrix-vector shapes the GPU bench compares: ones the kernels cannot take are
     // refused with the reason, and the default compiles and loads again.
-    for bad in [(3, 4), (16, 4), (4, 0), (4, 17)] {
+    for bad in [(3, 4), (32, 2), (16, 16), (4, 0), (4, 17)] {
         let e = r.set_gemv_shape(Some(bad)).err().map(|e| e.to_string()).unwrap_or_default();
-        anyhow::ensure!(e.contains("want 1, 2, 4 or 8 warps"), "shape {bad:?}: {e:?}");
+        anyhow::ensure!(e.contains("want 1, 2, 4, 8 or 16 warps"), "shape {bad:?}: {e:?}");
     }
     r.set_gemv_shape(None)?;
+    // ... and the decode attention shapes.
+    for bad in [(0, false), (9, true)] {
+        let e = r.set_attention_shape(Some(bad)).err().map(|e| e.to_string()).unwrap_or_default();
+        anyhow::ensure!(e.contains("want 1..=8"), "attention shape {bad:?}: {e:?}");
+    }
+    r.set_attention_shape(None)?;
+    anyhow::ensure!(r.attention_shape() == (2, false), "{:?}", r.attention_shape());
     kernel_checks::bench_llama(&r, &config, &shape)
 }
 

@@ -64,24 +64,36 @@ const GEMV_MAX_ROWS: usize = 4;
 /// arithmetic per weight byte grows with the rows; cuBLAS's tensor-core kernels do not care).
 const GEMV_DEFAULT_ROWS: usize = 1;
 /// Warps per matrix-vector block (`GEMV_WARPS`) and loads in flight per lane (`GEMV_UNROLL`),
-/// as kernels/gemv.cu sets them unless told otherwise.
+/// as kernels/gemv.cu sets them unless told otherwise. On the H200, an 8B-shaped decode step
+/// at batch 1 took 4.33 ms with 4 x 2, 4.35 with 8 x 2, 4.59 with 4 x 4 and 5.2-5.9 with 8 or
+/// 16 loads (kernels/NOTES.md).
 const GEMV_WARPS: usize = 4;
-const GEMV_UNROLL: usize = 4;
+const GEMV_UNROLL: usize = 2;
+/// Rounds of keys a step of the wide decode attention kernels loads before using them
+/// (`ATTN_ROUNDS`), and whether it updates the online softmax once a step
+/// (`ATTN_STEP_SOFTMAX`), as kernels/attention.cu sets them unless told otherwise.
+const ATTN_ROUNDS: usize = 2;
+const ATTN_STEP_SOFTMAX: bool = false;
 
 /// The matrix-vector kernels as compiled for one shape: `gemv1..4`, `gemv_norm1..4` and
 /// `gemv_rope1..4`, by rows - 1.
 struct GemvKernels {
     warps: usize,
+    unroll: usize,
     plain: [CudaFunction; GEMV_MAX_ROWS],
     norm: [CudaFunction; GEMV_MAX_ROWS],
     rope: [CudaFunction; GEMV_MAX_ROWS],
 }
 
 impl GemvKernels {
-    fn load(module: &Arc<cudarc::driver::CudaModule>, warps: usize) -> Result<Self, CudaError> {
+    fn load(
+        module: &Arc<cudarc::driver::CudaModule>,
+        (warps, unroll): (usize, usize),
+    ) -> Result<Self, CudaError> {
         let f = |name: String| module.load_function(&name).map_err(run_err);
         Ok(GemvKernels {
             warps,
+            unroll,
             plain: every([1, 2, 3, 4].map(|r| f(format!("gemv{r}"))))?,
             norm: every([1, 2, 3, 4].map(|r| f(format!("gemv_norm{r}"))))?,
             rope: every([1, 2, 3, 4].map(|r| f(format!("gemv_rope{r}"))))?,
@@ -137,9 +149,6 @@ struct Kernels {
     rope_kv: CudaFunction,
     silu_mul: CudaFunction,
     add_bias: CudaFunction,
-    /// `paged_attention` for any head size, and built for one head size.
-    attention: CudaFunction,
-    attention_for: [(usize, CudaFunction); 2],
     argmax: CudaFunction,
     sample: CudaFunction,
     /// The tensor-core prefill attention, by head size.
@@ -148,6 +157,30 @@ struct Kernels {
     dequant_q4_0: CudaFunction,
     dequant_q4_1: CudaFunction,
     dequant_q8_0: CudaFunction,
+}
+
+/// The decode attention kernels as compiled for one shape: `paged_attention` for any head size,
+/// and built for one head size (the wide kernels, whose shape is `rounds` and `step_softmax`).
+struct DecodeAttention {
+    rounds: usize,
+    step_softmax: bool,
+    any: CudaFunction,
+    by_head: [(usize, CudaFunction); 2],
+}
+
+impl DecodeAttention {
+    fn load(
+        module: &Arc<cudarc::driver::CudaModule>,
+        (rounds, step_softmax): (usize, bool),
+    ) -> Result<Self, CudaError> {
+        let f = |name: &str| module.load_function(name).map_err(run_err);
+        Ok(DecodeAttention {
+            rounds,
+            step_softmax,
+            any: f("paged_attention")?,
+            by_head: [(64, f("paged_attention_64")?), (128, f("paged_attention_128")?)],
+        })
+    }
 }
 
 /// One layer's weights; the projections that read the same input are stacked into one matrix
@@ -409,6 +442,8 @@ pub struct CudaRunner {
     pdl: std::cell::Cell<bool>,
     /// The matrix-vector kernels in use ([`CudaRunner::set_gemv_shape`]).
     gemv: std::cell::RefCell<GemvKernels>,
+    /// The decode attention kernels in use ([`CudaRunner::set_attention_shape`]).
+    attention: std::cell::RefCell<DecodeAttention>,
     /// The device's architecture (`sm_90`), for kernels compiled again.
     arch: String,
     /// While [`CudaRunner::profile`] runs a pass: an event recorded after each phase.
@@ -510,10 +545,13 @@ impl CudaRunner {
                 .load_function(name)
                 .map_err(run_err)
         };
-        let gemv = match modules.iter().find(|(n, _)| *n == "gemv") {
-            Some((_, m)) => GemvKernels::load(m, GEMV_WARPS)?,
-            None => return Err(run_err("no module gemv")),
+        let module = |name: &str| {
+            let m = modules.iter().find(|(n, _)| *n == name).map(|(_, m)| m);
+            m.ok_or_else(|| run_err(format!("no module {name}")))
         };
+        let gemv = GemvKernels::load(module("gemv")?, (GEMV_WARPS, GEMV_UNROLL))?;
+        let attention =
+            DecodeAttention::load(module("attention")?, (ATTN_ROUNDS, ATTN_STEP_SOFTMAX))?;
         let k = Kernels {
             gather: f("elementwise", "embedding_gather")?,
             rmsnorm: f("elementwise", "rmsnorm")?,
@@ -521,11 +559,6 @@ impl CudaRunner {
             rope_kv: f("elementwise", "rope_kv")?,
             silu_mul: f("elementwise", "silu_mul")?,
             add_bias: f("elementwise", "add_bias")?,
-            attention: f("attention", "paged_attention")?,
-            attention_for: [
-                (64, f("attention", "paged_attention_64")?),
-                (128, f("attention", "paged_attention_128")?),
-            ],
             argmax: f("sampling", "argmax_rows")?,
             sample: f("sampling", "sample_rows")?,
             prefill: [
@@ -554,6 +587,7 @@ impl CudaRunner {
             max_splits: std::cell::Cell::new(MAX_SPLITS),
             gemv_rows: std::cell::Cell::new(GEMV_DEFAULT_ROWS),
             gemv: std::cell::RefCell::new(gemv),
+            attention: std::cell::RefCell::new(attention),
             pdl: std::cell::Cell::new(false),
             arch,
             marks: std::cell::RefCell::new(None),
@@ -1278,26 +1312,73 @@ impl CudaRunner {
         Ok(())
     }
 
-    /// Compiles the matrix-vector kernels again with `warps` warps a block (1, 2, 4 or 8) and
-    /// `unroll` loads in flight a lane (1..=16), and uses them from now on; `None` goes back
-    /// to the defaults (4 and 4). For the device bench's comparison of shapes. Decode graphs
-    /// captured before keep the kernels they were captured with.
+    /// Compiles the matrix-vector kernels again with `warps` warps a block (1, 2, 4, 8 or 16)
+    /// and `unroll` loads in flight a lane (1..=16, at most 128 / warps), and uses them from
+    /// now on; `None` goes back to the defaults ([`CudaRunner::gemv_shape`] on a new runner).
+    /// For the device bench's comparison of shapes. Decode graphs captured before keep the
+    /// kernels they were captured with.
     pub fn set_gemv_shape(&self, shape: Option<(usize, usize)>) -> Result<(), CudaError> {
         let (warps, unroll) = shape.unwrap_or((GEMV_WARPS, GEMV_UNROLL));
-        if ![1, 2, 4, 8].contains(&warps) || !(1..=16).contains(&unroll) {
+        if ![1, 2, 4, 8, 16].contains(&warps) || !(1..=16).contains(&unroll) || warps * unroll > 128
+        {
             return Err(CudaError::Invalid(format!(
-                "matrix-vector shape of {warps} warps and {unroll} loads: want 1, 2, 4 or 8 warps \
-                 and 1..=16 loads"
+                "matrix-vector shape of {warps} warps and {unroll} loads: want 1, 2, 4, 8 or 16 \
+                 warps and 1..=16 loads, at most 128 in all"
             )));
         }
-        let src = KERNELS.iter().find(|(m, _)| *m == "gemv").map(|(_, s)| *s);
-        let src = src.ok_or_else(|| run_err("no module gemv"))?;
-        let defines = [format!("-DGEMV_WARPS={warps}"), format!("-DGEMV_UNROLL={unroll}")];
-        let options: Vec<&str> = defines.iter().map(String::as_str).collect();
-        let compiled = compile_with("gemv", src, &self.arch, &options)?;
-        let module = self.ctx.load_module(Ptx::from_src(compiled.ptx)).map_err(run_err)?;
-        *self.gemv.borrow_mut() = GemvKernels::load(&module, warps)?;
+        let module = self.recompile("gemv", &[("GEMV_WARPS", warps), ("GEMV_UNROLL", unroll)])?;
+        *self.gemv.borrow_mut() = GemvKernels::load(&module, (warps, unroll))?;
         Ok(())
+    }
+
+    /// The matrix-vector kernels' shape in use: warps a block, loads in flight a lane.
+    pub fn gemv_shape(&self) -> (usize, usize) {
+        let k = self.gemv.borrow();
+        (k.warps, k.unroll)
+    }
+
+    /// Compiles the decode attention kernels again with `rounds` rounds of keys loaded a step
+    /// (1..=8) and the online softmax updated once a step (`step_softmax`) or once a key, and
+    /// uses them from now on; `None` goes back to the defaults ([`CudaRunner::attention_shape`]
+    /// on a new runner). For the device bench's comparison. Decode graphs captured before
+    /// keep the kernels they were captured with.
+    pub fn set_attention_shape(&self, shape: Option<(usize, bool)>) -> Result<(), CudaError> {
+        let (rounds, step) = shape.unwrap_or((ATTN_ROUNDS, ATTN_STEP_SOFTMAX));
+        if !(1..=8).contains(&rounds) {
+            return Err(CudaError::Invalid(format!(
+                "decode attention of {rounds} rounds of keys a step: want 1..=8"
+            )));
+        }
+        let module = self.recompile(
+            "attention",
+            &[("ATTN_ROUNDS", rounds), ("ATTN_STEP_SOFTMAX", usize::from(step))],
+        )?;
+        *self.attention.borrow_mut() = DecodeAttention::load(&module, (rounds, step))?;
+        Ok(())
+    }
+
+    /// The decode attention kernels' shape in use: rounds of keys a step, and whether the
+    /// softmax is updated once a step.
+    pub fn attention_shape(&self) -> (usize, bool) {
+        let k = self.attention.borrow();
+        (k.rounds, k.step_softmax)
+    }
+
+    /// Kernel module `name` compiled again for this device with `-D` `defines`, loaded.
+    fn recompile(
+        &self,
+        name: &str,
+        defines: &[(&str, usize)],
+    ) -> Result<Arc<cudarc::driver::CudaModule>, CudaError> {
+        let (module, src) = KERNELS
+            .iter()
+            .find(|(m, _)| *m == name)
+            .map(|&(m, s)| (m, s))
+            .ok_or_else(|| run_err(format!("no module {name}")))?;
+        let defines: Vec<String> = defines.iter().map(|(k, v)| format!("-D{k}={v}")).collect();
+        let options: Vec<&str> = defines.iter().map(String::as_str).collect();
+        let compiled = compile_with(module, src, &self.arch, &options)?;
+        self.ctx.load_module(Ptx::from_src(compiled.ptx)).map_err(run_err)
     }
 
     /// Runs `batch` once eagerly with an event after each phase of the pass and returns the
@@ -1520,8 +1601,9 @@ impl CudaRunner {
                 self.mark("RoPE + K/V write")?;
             }
             if singles > 0 {
-                let f = self.k.attention_for.iter().find(|(d, _)| *d == c.head_dim);
-                let mut b = self.stream.launch_builder(f.map_or(&self.k.attention, |(_, f)| f));
+                let k = self.attention.borrow();
+                let f = k.by_head.iter().find(|(d, _)| *d == c.head_dim);
+                let mut b = self.stream.launch_builder(f.map_or(&k.any, |(_, f)| f));
                 b.arg(&ws.qkv).arg(&*kc).arg(&*vc).arg(&tables).arg(&q_seq);
                 b.arg(&ctx_len).arg(&singles_in).arg(&mut ws.attn);
                 b.arg(&heads).arg(&kv_heads).arg(&hd_i).arg(&bs_i).arg(&mb_i).arg(&scale);

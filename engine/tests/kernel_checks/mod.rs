@@ -1192,6 +1192,10 @@ pub struct BenchShape {
     /// batch 1 against the default (none under the emulation, whose kernels are built once
     /// with the defaults).
     pub gemv_shapes: &'static [(usize, usize)],
+    /// Shapes of the wide decode attention kernels (rounds of keys a step, the softmax
+    /// updated once a step) timed at each of `batches` against the default (none under the
+    /// emulation).
+    pub attention_shapes: &'static [(usize, bool)],
     pub profile_batches: &'static [usize],
     pub reps: usize,
 }
@@ -1205,7 +1209,8 @@ impl BenchShape {
         long_ctx: 8000,
         long_batches: &[1, 8],
         gemv_batches: &[1, 2, 4],
-        gemv_shapes: &[(8, 4), (4, 8), (2, 8), (8, 2), (4, 2), (2, 16)],
+        gemv_shapes: &[(4, 4), (8, 2), (2, 2), (4, 1), (8, 1), (16, 2)],
+        attention_shapes: &[(1, false), (4, false), (2, true), (4, true), (8, true)],
         profile_batches: &[1, 4, 256],
         reps: 10,
     };
@@ -1463,13 +1468,14 @@ pub fn bench_llama(
             if got == want { "the same" } else { "DIFFERENT" }
         );
         ensure!(got == want, "programmatic dependent launch changed the logits");
+        let (dw, du) = r.gemv_shape();
         for &(warps, unroll) in shape.gemv_shapes {
             let (ms, got) = run(Some((warps, unroll)))?;
             let diff = worst_of_range(&got, &want, c.vocab_size);
             eprintln!(
                 "decode batch 1 (CUDA graph), matrix-vector kernels of {warps} warps x {unroll} \
-                 loads: {ms:.2} ms/step against {base:.2} with 4 x 4 ({:.2}x; logits within \
-                 {diff:.1e} of the range)",
+                 loads: {ms:.2} ms/step against {base:.2} with {dw} x {du} ({:.2}x; logits \
+                 within {diff:.1e} of the range)",
                 base / ms
             );
             ensure!(diff < 0.01, "{warps} x {unroll} matrix-vector kernels: logits off by {diff}");
@@ -1477,10 +1483,43 @@ pub fn bench_llama(
         r.set_gemv_shape(None)?;
     }
 
-    // Long contexts: attention split into parts across the device (the default) against one
-    // block per row and head group (max splits 1).
-    for &batch in shape.long_batches {
-        let d = Decode::new(batch, shape.long_ctx, block, vocab);
+    // The wide decode attention kernels' shapes at the larger batches, each also checked
+    // against the default's logits for the same step.
+    if !shape.attention_shapes.is_empty() {
+        let (dr, ds) = r.attention_shape();
+        let softmax = |step: bool| if step { "a step" } else { "a key" };
+        for &batch in shape.batches {
+            let d = Decode::new(batch, shape.decode_ctx, block, vocab);
+            let run = |attn: Option<(usize, bool)>| -> anyhow::Result<(f64, Vec<f32>)> {
+                r.set_attention_shape(attn)?;
+                let mut cache = r.kv_cache(&model, block, d.blocks())?;
+                let logits = r.forward(&model, &mut cache, &d.step())?;
+                Ok((steps(&d, &mut cache)? * 1e3, logits))
+            };
+            let (base, want) = run(None)?;
+            for &(rounds, step) in shape.attention_shapes {
+                let (ms, got) = run(Some((rounds, step)))?;
+                let diff = worst_of_range(&got, &want, c.vocab_size);
+                eprintln!(
+                    "decode batch {batch} (CUDA graph), attention of {rounds} rounds of keys, \
+                     softmax once {}: {ms:.2} ms/step against {base:.2} with {dr}, once {} \
+                     ({:.2}x; logits within {diff:.1e} of the range)",
+                    softmax(step),
+                    softmax(ds),
+                    base / ms
+                );
+                ensure!(diff < 0.01, "attention of {rounds} rounds: logits off by {diff}");
+            }
+        }
+        r.set_attention_shape(None)?;
+    }
+
+    // Attention split into parts across the device (the default) against one block per row
+    // and head group (max splits 1): at batch 1 over the short context, and long contexts.
+    let split_runs = std::iter::once((1, shape.decode_ctx))
+        .chain(shape.long_batches.iter().map(|&b| (b, shape.long_ctx)));
+    for (batch, ctx) in split_runs {
+        let d = Decode::new(batch, ctx, block, vocab);
         let mut ms = Vec::new();
         for max_splits in [1usize, 64] {
             r.set_max_splits(max_splits);
