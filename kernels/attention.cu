@@ -304,13 +304,10 @@ __device__ __forceinline__ void attend_group_wide(const bf16_t* __restrict__ q,
             }
         }
         if (ATTN_STEP_SOFTMAX) {
-            // Keys ascend with u: none live in round 0, none live in the step.
-            if (base + sub >= k1) {
-                continue;
-            }
 #pragma unroll
             for (int g = 0; g < ATTN_GROUP; ++g) {
-                if (g < nh) {
+                // Keys ascend with u: none live in round 0, none live in the step.
+                if (g < nh && base + sub < k1) {
                     float m_new = m[g];
 #pragma unroll
                     for (int u = 0; u < ROUNDS; ++u) {
@@ -340,27 +337,26 @@ __device__ __forceinline__ void attend_group_wide(const bf16_t* __restrict__ q,
                     m[g] = m_new;
                 }
             }
-            continue;
-        }
+        } else {
 #pragma unroll
-        for (int u = 0; u < ROUNDS; ++u) {
-            if (base + u * ROUND + sub >= k1) {
-                continue;
-            }
-            float vf[8];
-            unpack8(vw[u], vf);
+            for (int u = 0; u < ROUNDS; ++u) {
+                if (base + u * ROUND + sub < k1) {
+                    float vf[8];
+                    unpack8(vw[u], vf);
 #pragma unroll
-            for (int g = 0; g < ATTN_GROUP; ++g) {
-                if (g < nh) {
-                    const float m_new = fmaxf(m[g], s[u][g]);
-                    const float corr = __expf(m[g] - m_new);
-                    const float p = __expf(s[u][g] - m_new);
-                    l[g] = l[g] * corr + p;
+                    for (int g = 0; g < ATTN_GROUP; ++g) {
+                        if (g < nh) {
+                            const float m_new = fmaxf(m[g], s[u][g]);
+                            const float corr = __expf(m[g] - m_new);
+                            const float p = __expf(s[u][g] - m_new);
+                            l[g] = l[g] * corr + p;
 #pragma unroll
-                    for (int e = 0; e < 8; ++e) {
-                        acc[g][e] = acc[g][e] * corr + p * vf[e];
+                            for (int e = 0; e < 8; ++e) {
+                                acc[g][e] = acc[g][e] * corr + p * vf[e];
+                            }
+                            m[g] = m_new;
+                        }
                     }
-                    m[g] = m_new;
                 }
             }
         }

@@ -3,9 +3,12 @@
 //! NVRTC from PyPI and sets SLUICE_REQUIRE_NVRTC=1, so a missing NVRTC fails there.
 #![cfg(feature = "cuda")]
 
+mod kernel_checks;
+
 use anyhow::{Context, bail, ensure};
 use sluice_engine::cuda::{
-    CI_ARCHS, KERNELS, compile_all, kernel_names, nvrtc_available, nvrtc_version, resources,
+    CI_ARCHS, KERNELS, attention_options, compile_all, compile_with, gemv_options, kernel_names,
+    nvrtc_available, nvrtc_version, resources,
 };
 
 /// Whether NVRTC can be loaded; an error when CI requires it (SLUICE_REQUIRE_NVRTC=1) and it
@@ -41,6 +44,33 @@ fn every_kernel_compiles_clean_for_sm80_and_sm90() -> anyhow::Result<()> {
                 );
             }
             ensure!(m.ptx.contains(&format!(".target {arch}")), "{arch}: {}", m.module);
+        }
+    }
+    Ok(())
+}
+
+/// The other shapes of the matrix-vector and decode attention kernels the device bench
+/// compiles and times (kernel_checks::BenchShape::ISSUE) compile clean too: a warning there
+/// would end the bench on the device, whose time is short.
+#[test]
+fn every_shape_the_bench_compares_compiles_clean() -> anyhow::Result<()> {
+    if !nvrtc_here()? {
+        return Ok(());
+    }
+    let shape = kernel_checks::BenchShape::ISSUE;
+    let builds = shape
+        .gemv_shapes
+        .iter()
+        .map(|&s| ("gemv", gemv_options(s)))
+        .chain(shape.attention_shapes.iter().map(|&s| ("attention", attention_options(s))));
+    for (module, options) in builds {
+        let options = options?;
+        let src = KERNELS.iter().find(|(m, _)| *m == module).map(|(_, s)| *s);
+        let src = src.with_context(|| format!("no module {module}"))?;
+        let options: Vec<&str> = options.iter().map(String::as_str).collect();
+        for arch in CI_ARCHS {
+            compile_with(module, src, arch, &options)
+                .with_context(|| format!("{module} with {options:?} for {arch}"))?;
         }
     }
     Ok(())

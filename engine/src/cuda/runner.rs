@@ -59,10 +59,11 @@ impl GemmOut for f32 {
 /// Batches of up to this many rows can go through our matrix-vector kernels (kernels/gemv.cu)
 /// rather than cuBLAS: a decode step at such a batch is a stream over the weights.
 const GEMV_MAX_ROWS: usize = 4;
-/// ... and up to this many do by default: on the H200, one row's step was 1.05-1.11x faster
-/// through them than through cuBLAS, two rows' 0.88-0.98x and four rows' 0.60-0.77x (their
-/// arithmetic per weight byte grows with the rows; cuBLAS's tensor-core kernels do not care).
-const GEMV_DEFAULT_ROWS: usize = 1;
+/// ... and up to this many do by default: on the H200 (4 warps x 2 loads), an 8B-shaped step
+/// at one row was 1.10x faster through them than through cuBLAS, at two rows 1.04x, at four
+/// 0.70x (their arithmetic per weight byte grows with the rows; cuBLAS's tensor-core kernels
+/// do not care).
+const GEMV_DEFAULT_ROWS: usize = 2;
 /// Warps per matrix-vector block (`GEMV_WARPS`) and loads in flight per lane (`GEMV_UNROLL`),
 /// as kernels/gemv.cu sets them unless told otherwise. On the H200, an 8B-shaped decode step
 /// at batch 1 took 4.33 ms with 4 x 2, 4.35 with 8 x 2, 4.59 with 4 x 4 and 5.2-5.9 with 8 or
@@ -74,6 +75,31 @@ const GEMV_UNROLL: usize = 2;
 /// (`ATTN_STEP_SOFTMAX`), as kernels/attention.cu sets them unless told otherwise.
 const ATTN_ROUNDS: usize = 2;
 const ATTN_STEP_SOFTMAX: bool = false;
+
+/// The NVRTC options that build kernels/gemv.cu with `warps` warps a block (1, 2, 4, 8 or 16)
+/// and `unroll` loads in flight a lane (1..=16, at most 128 / warps): the shapes
+/// [`CudaRunner::set_gemv_shape`] takes.
+pub fn gemv_options((warps, unroll): (usize, usize)) -> Result<Vec<String>, CudaError> {
+    if ![1, 2, 4, 8, 16].contains(&warps) || !(1..=16).contains(&unroll) || warps * unroll > 128 {
+        return Err(CudaError::Invalid(format!(
+            "matrix-vector shape of {warps} warps and {unroll} loads: want 1, 2, 4, 8 or 16 \
+             warps and 1..=16 loads, at most 128 in all"
+        )));
+    }
+    Ok(vec![format!("-DGEMV_WARPS={warps}"), format!("-DGEMV_UNROLL={unroll}")])
+}
+
+/// The NVRTC options that build kernels/attention.cu's wide decode kernels with `rounds`
+/// rounds of keys a step (1..=8) and the softmax updated once a step or once a key: the
+/// shapes [`CudaRunner::set_attention_shape`] takes.
+pub fn attention_options((rounds, step): (usize, bool)) -> Result<Vec<String>, CudaError> {
+    if !(1..=8).contains(&rounds) {
+        return Err(CudaError::Invalid(format!(
+            "decode attention of {rounds} rounds of keys a step: want 1..=8"
+        )));
+    }
+    Ok(vec![format!("-DATTN_ROUNDS={rounds}"), format!("-DATTN_STEP_SOFTMAX={}", u8::from(step))])
+}
 
 /// The matrix-vector kernels as compiled for one shape: `gemv1..4`, `gemv_norm1..4` and
 /// `gemv_rope1..4`, by rows - 1.
@@ -1282,7 +1308,7 @@ impl CudaRunner {
         self.max_splits.set(max.clamp(1, MAX_SPLITS));
     }
 
-    /// Batches of up to `rows` rows (at most 4; 1 by default) take our matrix-vector kernels,
+    /// Batches of up to `rows` rows (at most 4; 2 by default) take our matrix-vector kernels,
     /// larger ones cuBLAS (0: cuBLAS always; for comparison). Decode graphs captured before
     /// keep the kernels they were captured with.
     pub fn set_gemv_rows(&self, rows: usize) {
@@ -1318,16 +1344,9 @@ impl CudaRunner {
     /// For the device bench's comparison of shapes. Decode graphs captured before keep the
     /// kernels they were captured with.
     pub fn set_gemv_shape(&self, shape: Option<(usize, usize)>) -> Result<(), CudaError> {
-        let (warps, unroll) = shape.unwrap_or((GEMV_WARPS, GEMV_UNROLL));
-        if ![1, 2, 4, 8, 16].contains(&warps) || !(1..=16).contains(&unroll) || warps * unroll > 128
-        {
-            return Err(CudaError::Invalid(format!(
-                "matrix-vector shape of {warps} warps and {unroll} loads: want 1, 2, 4, 8 or 16 \
-                 warps and 1..=16 loads, at most 128 in all"
-            )));
-        }
-        let module = self.recompile("gemv", &[("GEMV_WARPS", warps), ("GEMV_UNROLL", unroll)])?;
-        *self.gemv.borrow_mut() = GemvKernels::load(&module, (warps, unroll))?;
+        let shape = shape.unwrap_or((GEMV_WARPS, GEMV_UNROLL));
+        let module = self.recompile("gemv", &gemv_options(shape)?)?;
+        *self.gemv.borrow_mut() = GemvKernels::load(&module, shape)?;
         Ok(())
     }
 
@@ -1343,17 +1362,9 @@ impl CudaRunner {
     /// on a new runner). For the device bench's comparison. Decode graphs captured before
     /// keep the kernels they were captured with.
     pub fn set_attention_shape(&self, shape: Option<(usize, bool)>) -> Result<(), CudaError> {
-        let (rounds, step) = shape.unwrap_or((ATTN_ROUNDS, ATTN_STEP_SOFTMAX));
-        if !(1..=8).contains(&rounds) {
-            return Err(CudaError::Invalid(format!(
-                "decode attention of {rounds} rounds of keys a step: want 1..=8"
-            )));
-        }
-        let module = self.recompile(
-            "attention",
-            &[("ATTN_ROUNDS", rounds), ("ATTN_STEP_SOFTMAX", usize::from(step))],
-        )?;
-        *self.attention.borrow_mut() = DecodeAttention::load(&module, (rounds, step))?;
+        let shape = shape.unwrap_or((ATTN_ROUNDS, ATTN_STEP_SOFTMAX));
+        let module = self.recompile("attention", &attention_options(shape)?)?;
+        *self.attention.borrow_mut() = DecodeAttention::load(&module, shape)?;
         Ok(())
     }
 
@@ -1364,19 +1375,18 @@ impl CudaRunner {
         (k.rounds, k.step_softmax)
     }
 
-    /// Kernel module `name` compiled again for this device with `-D` `defines`, loaded.
+    /// Kernel module `name` compiled again for this device with NVRTC `options`, loaded.
     fn recompile(
         &self,
         name: &str,
-        defines: &[(&str, usize)],
+        options: &[String],
     ) -> Result<Arc<cudarc::driver::CudaModule>, CudaError> {
         let (module, src) = KERNELS
             .iter()
             .find(|(m, _)| *m == name)
             .map(|&(m, s)| (m, s))
             .ok_or_else(|| run_err(format!("no module {name}")))?;
-        let defines: Vec<String> = defines.iter().map(|(k, v)| format!("-D{k}={v}")).collect();
-        let options: Vec<&str> = defines.iter().map(String::as_str).collect();
+        let options: Vec<&str> = options.iter().map(String::as_str).collect();
         let compiled = compile_with(module, src, &self.arch, &options)?;
         self.ctx.load_module(Ptx::from_src(compiled.ptx)).map_err(run_err)
     }
