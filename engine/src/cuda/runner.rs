@@ -724,12 +724,25 @@ impl CudaRunner {
         offset: f32,
     ) -> Result<CudaSlice<bf16>, CudaError> {
         let mut out = self.stream.alloc_zeros::<bf16>(n).map_err(run_err)?;
+        self.fill_random(&mut out, seed, scale, offset)?;
+        Ok(out)
+    }
+
+    /// Every element of `out` uniform in offset +- scale (`fill_random`, seeded).
+    fn fill_random(
+        &self,
+        out: &mut CudaSlice<bf16>,
+        seed: u64,
+        scale: f32,
+        offset: f32,
+    ) -> Result<(), CudaError> {
+        let n = out.len();
         let n_i = n as i64;
         let mut b = self.stream.launch_builder(&self.k.fill);
-        b.arg(&mut out).arg(&n_i).arg(&seed).arg(&scale).arg(&offset);
+        b.arg(out).arg(&n_i).arg(&seed).arg(&scale).arg(&offset);
         // SAFETY: arguments match `fill_random`.
         unsafe { b.launch(flat(n)) }.map_err(run_err)?;
-        Ok(out)
+        Ok(())
     }
 
     /// A model of `config`'s shape with random bf16 weights made on the device (uniform in
@@ -769,6 +782,23 @@ impl CudaRunner {
     /// Waits for everything queued on the device.
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.stream.synchronize().map_err(run_err)
+    }
+
+    /// [`CudaRunner::kv_cache`] with every key and value uniform in +-1 (seeded): a cache that
+    /// looks as if earlier tokens had filled it, for benchmarks whose attention should see
+    /// scores that differ.
+    pub fn random_kv_cache(
+        &self,
+        m: &CudaModel,
+        block_size: usize,
+        num_blocks: usize,
+        seed: u64,
+    ) -> Result<CudaKvCache, CudaError> {
+        let mut cache = self.kv_cache(m, block_size, num_blocks)?;
+        for (i, t) in cache.k.iter_mut().chain(cache.v.iter_mut()).enumerate() {
+            self.fill_random(t, seed.wrapping_add(i as u64), 1.0, 0.0)?;
+        }
+        Ok(cache)
     }
 
     /// A zeroed cache of `num_blocks` blocks of `block_size` positions for `m`.

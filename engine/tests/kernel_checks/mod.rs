@@ -1193,8 +1193,8 @@ pub struct BenchShape {
     /// with the defaults).
     pub gemv_shapes: &'static [(usize, usize)],
     /// Shapes of the wide decode attention kernels (rounds of keys a step, the softmax
-    /// updated once a step) timed at each of `batches` against the default (none under the
-    /// emulation).
+    /// updated once a step) timed at each of `batches` against the default (under the
+    /// emulation, the default's own).
     pub attention_shapes: &'static [(usize, bool)],
     pub profile_batches: &'static [usize],
     pub reps: usize,
@@ -1484,7 +1484,9 @@ pub fn bench_llama(
     }
 
     // The wide decode attention kernels' shapes at the larger batches, each also checked
-    // against the default's logits for the same step.
+    // against the default's logits for the same step (over a cache of random keys and values:
+    // in a zeroed one every earlier key scores the same, and the order of a softmax's sums
+    // would not show).
     if !shape.attention_shapes.is_empty() {
         let (dr, ds) = r.attention_shape();
         let softmax = |step: bool| if step { "a step" } else { "a key" };
@@ -1492,7 +1494,7 @@ pub fn bench_llama(
             let d = Decode::new(batch, shape.decode_ctx, block, vocab);
             let run = |attn: Option<(usize, bool)>| -> anyhow::Result<(f64, Vec<f32>)> {
                 r.set_attention_shape(attn)?;
-                let mut cache = r.kv_cache(&model, block, d.blocks())?;
+                let mut cache = r.random_kv_cache(&model, block, d.blocks(), 7)?;
                 let logits = r.forward(&model, &mut cache, &d.step())?;
                 Ok((steps(&d, &mut cache)? * 1e3, logits))
             };
