@@ -11,15 +11,14 @@
 #define ATTN_MAX_PER_LANE 8  // head_dim up to 256, a multiple of 32
 #define SPLIT_MIN_KEYS 32    // the fewest keys a part of a split context gets
 // The wide decode kernels (head sizes 64 and 128): rounds of keys whose loads are all issued
-// before any is used, and whether the online softmax is updated once a step of them (one
-// rescale of the running sums for ATTN_ROUNDS keys) rather than once a key. The runner's
-// choice (CudaRunner::set_attention_shape, for the device bench's comparison), these by
-// default.
+// before any is used, and whether each step asks for the next step's keys and values to be
+// brought into L2 first (bytes on their way that hold no registers). The runner's choice
+// (CudaRunner::set_attention_shape, for the device bench's comparison), these by default.
 #ifndef ATTN_ROUNDS
 #define ATTN_ROUNDS 2
 #endif
-#ifndef ATTN_STEP_SOFTMAX
-#define ATTN_STEP_SOFTMAX 0
+#ifndef ATTN_PREFETCH
+#define ATTN_PREFETCH 0
 #endif
 
 // Online-softmax states (max m, sum l, weighted values acc of head_dim = 32 * PL floats; a
@@ -262,11 +261,24 @@ __device__ __forceinline__ void attend_group_wide(const bf16_t* __restrict__ q,
     // Every lane runs every step (the shuffles need the whole warp); a lane past the range
     // reads nothing and changes nothing. A step takes ROUNDS rounds of keys, their loads all
     // issued before any is used (more bytes in flight per warp: decode attention waits on
-    // memory, not arithmetic), then used in key order: each key's score, and with
-    // ATTN_STEP_SOFTMAX the step's scores first and one rescale of the sums for all of them.
+    // memory, not arithmetic), then used in key order. With ATTN_PREFETCH, a step first asks
+    // for the next step's rows to be brought into L2 (one lane of each 128-byte line).
     constexpr int ROUNDS = ATTN_ROUNDS;
     constexpr int ROUND = ATTN_WARPS * KPW;  // keys per round, the block's warps together
     for (int base = k0 + warp * KPW; base < k1; base += ROUND * ROUNDS) {
+        if (ATTN_PREFETCH && (part & 7) == 0) {
+#pragma unroll
+            for (int u = 0; u < ROUNDS; ++u) {
+                const int j = base + (ROUNDS + u) * ROUND + sub;
+                if (j < k1) {
+                    const long long slot =
+                        (long long)table[j / block_size] * block_size + (j % block_size);
+                    const long long off = slot * kv_dim + (long long)kvh * HD + part * 8;
+                    prefetch_l2(k_cache + off);
+                    prefetch_l2(v_cache + off);
+                }
+            }
+        }
         uint4 kw[ROUNDS];
         uint4 vw[ROUNDS];
 #pragma unroll
@@ -281,81 +293,37 @@ __device__ __forceinline__ void attend_group_wide(const bf16_t* __restrict__ q,
                 vw[u] = *(const uint4*)(v_cache + off);
             }
         }
-        // s[u][g]: the score of round u's key for head g (summed over the key's LPK lanes:
-        // offsets below LPK stay in the group).
-        float s[ROUNDS][ATTN_GROUP];
 #pragma unroll
         for (int u = 0; u < ROUNDS; ++u) {
+            const bool live = base + u * ROUND + sub < k1;
             float kf[8];
+            float vf[8];
             unpack8(kw[u], kf);
+            unpack8(vw[u], vf);
 #pragma unroll
             for (int g = 0; g < ATTN_GROUP; ++g) {
-                s[u][g] = 0.0f;
                 if (g < nh) {  // the same in every lane
+                    float s = 0.0f;
 #pragma unroll
                     for (int e = 0; e < 8; ++e) {
-                        s[u][g] += qv[g][e] * kf[e];
+                        s += qv[g][e] * kf[e];
                     }
+                    // The key's dot product over its LPK lanes (offsets below LPK stay in the
+                    // group).
 #pragma unroll
                     for (int o = LPK / 2; o > 0; o >>= 1) {
-                        s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], o);
+                        s += __shfl_xor_sync(0xffffffffu, s, o);
                     }
-                }
-            }
-        }
-        if (ATTN_STEP_SOFTMAX) {
+                    if (live) {
+                        const float m_new = fmaxf(m[g], s);
+                        const float corr = __expf(m[g] - m_new);
+                        const float p = __expf(s - m_new);
+                        l[g] = l[g] * corr + p;
 #pragma unroll
-            for (int g = 0; g < ATTN_GROUP; ++g) {
-                // Keys ascend with u: none live in round 0, none live in the step.
-                if (g < nh && base + sub < k1) {
-                    float m_new = m[g];
-#pragma unroll
-                    for (int u = 0; u < ROUNDS; ++u) {
-                        if (base + u * ROUND + sub < k1) {
-                            m_new = fmaxf(m_new, s[u][g]);
+                        for (int e = 0; e < 8; ++e) {
+                            acc[g][e] = acc[g][e] * corr + p * vf[e];
                         }
-                    }
-                    const float corr = __expf(m[g] - m_new);
-                    l[g] *= corr;
-#pragma unroll
-                    for (int e = 0; e < 8; ++e) {
-                        acc[g][e] *= corr;
-                    }
-#pragma unroll
-                    for (int u = 0; u < ROUNDS; ++u) {
-                        if (base + u * ROUND + sub < k1) {
-                            float vf[8];
-                            unpack8(vw[u], vf);
-                            const float p = __expf(s[u][g] - m_new);
-                            l[g] += p;
-#pragma unroll
-                            for (int e = 0; e < 8; ++e) {
-                                acc[g][e] = fmaf(p, vf[e], acc[g][e]);
-                            }
-                        }
-                    }
-                    m[g] = m_new;
-                }
-            }
-        } else {
-#pragma unroll
-            for (int u = 0; u < ROUNDS; ++u) {
-                if (base + u * ROUND + sub < k1) {
-                    float vf[8];
-                    unpack8(vw[u], vf);
-#pragma unroll
-                    for (int g = 0; g < ATTN_GROUP; ++g) {
-                        if (g < nh) {
-                            const float m_new = fmaxf(m[g], s[u][g]);
-                            const float corr = __expf(m[g] - m_new);
-                            const float p = __expf(s[u][g] - m_new);
-                            l[g] = l[g] * corr + p;
-#pragma unroll
-                            for (int e = 0; e < 8; ++e) {
-                                acc[g][e] = acc[g][e] * corr + p * vf[e];
-                            }
-                            m[g] = m_new;
-                        }
+                        m[g] = m_new;
                     }
                 }
             }

@@ -71,10 +71,10 @@ const GEMV_DEFAULT_ROWS: usize = 2;
 const GEMV_WARPS: usize = 4;
 const GEMV_UNROLL: usize = 2;
 /// Rounds of keys a step of the wide decode attention kernels loads before using them
-/// (`ATTN_ROUNDS`), and whether it updates the online softmax once a step
-/// (`ATTN_STEP_SOFTMAX`), as kernels/attention.cu sets them unless told otherwise.
+/// (`ATTN_ROUNDS`), and whether a step first brings the next one's keys and values into L2
+/// (`ATTN_PREFETCH`), as kernels/attention.cu sets them unless told otherwise.
 const ATTN_ROUNDS: usize = 2;
-const ATTN_STEP_SOFTMAX: bool = false;
+const ATTN_PREFETCH: bool = false;
 
 /// The NVRTC options that build kernels/gemv.cu with `warps` warps a block (1, 2, 4, 8 or 16)
 /// and `unroll` loads in flight a lane (1..=16, at most 128 / warps): the shapes
@@ -90,15 +90,15 @@ pub fn gemv_options((warps, unroll): (usize, usize)) -> Result<Vec<String>, Cuda
 }
 
 /// The NVRTC options that build kernels/attention.cu's wide decode kernels with `rounds`
-/// rounds of keys a step (1..=8) and the softmax updated once a step or once a key: the
-/// shapes [`CudaRunner::set_attention_shape`] takes.
-pub fn attention_options((rounds, step): (usize, bool)) -> Result<Vec<String>, CudaError> {
+/// rounds of keys a step (1..=8), each step first bringing the next one's keys and values into
+/// L2 or not (`prefetch`): the shapes [`CudaRunner::set_attention_shape`] takes.
+pub fn attention_options((rounds, prefetch): (usize, bool)) -> Result<Vec<String>, CudaError> {
     if !(1..=8).contains(&rounds) {
         return Err(CudaError::Invalid(format!(
             "decode attention of {rounds} rounds of keys a step: want 1..=8"
         )));
     }
-    Ok(vec![format!("-DATTN_ROUNDS={rounds}"), format!("-DATTN_STEP_SOFTMAX={}", u8::from(step))])
+    Ok(vec![format!("-DATTN_ROUNDS={rounds}"), format!("-DATTN_PREFETCH={}", u8::from(prefetch))])
 }
 
 /// The matrix-vector kernels as compiled for one shape: `gemv1..4`, `gemv_norm1..4` and
@@ -186,10 +186,10 @@ struct Kernels {
 }
 
 /// The decode attention kernels as compiled for one shape: `paged_attention` for any head size,
-/// and built for one head size (the wide kernels, whose shape is `rounds` and `step_softmax`).
+/// and built for one head size (the wide kernels, whose shape is `rounds` and `prefetch`).
 struct DecodeAttention {
     rounds: usize,
-    step_softmax: bool,
+    prefetch: bool,
     any: CudaFunction,
     by_head: [(usize, CudaFunction); 2],
 }
@@ -197,12 +197,12 @@ struct DecodeAttention {
 impl DecodeAttention {
     fn load(
         module: &Arc<cudarc::driver::CudaModule>,
-        (rounds, step_softmax): (usize, bool),
+        (rounds, prefetch): (usize, bool),
     ) -> Result<Self, CudaError> {
         let f = |name: &str| module.load_function(name).map_err(run_err);
         Ok(DecodeAttention {
             rounds,
-            step_softmax,
+            prefetch,
             any: f("paged_attention")?,
             by_head: [(64, f("paged_attention_64")?), (128, f("paged_attention_128")?)],
         })
@@ -576,8 +576,7 @@ impl CudaRunner {
             m.ok_or_else(|| run_err(format!("no module {name}")))
         };
         let gemv = GemvKernels::load(module("gemv")?, (GEMV_WARPS, GEMV_UNROLL))?;
-        let attention =
-            DecodeAttention::load(module("attention")?, (ATTN_ROUNDS, ATTN_STEP_SOFTMAX))?;
+        let attention = DecodeAttention::load(module("attention")?, (ATTN_ROUNDS, ATTN_PREFETCH))?;
         let k = Kernels {
             gather: f("elementwise", "embedding_gather")?,
             rmsnorm: f("elementwise", "rmsnorm")?,
@@ -1387,22 +1386,22 @@ impl CudaRunner {
     }
 
     /// Compiles the decode attention kernels again with `rounds` rounds of keys loaded a step
-    /// (1..=8) and the online softmax updated once a step (`step_softmax`) or once a key, and
-    /// uses them from now on; `None` goes back to the defaults ([`CudaRunner::attention_shape`]
+    /// (1..=8), each step first bringing the next one's into L2 or not (`prefetch`), and uses
+    /// them from now on; `None` goes back to the defaults ([`CudaRunner::attention_shape`]
     /// on a new runner). For the device bench's comparison. Decode graphs captured before
     /// keep the kernels they were captured with.
     pub fn set_attention_shape(&self, shape: Option<(usize, bool)>) -> Result<(), CudaError> {
-        let shape = shape.unwrap_or((ATTN_ROUNDS, ATTN_STEP_SOFTMAX));
+        let shape = shape.unwrap_or((ATTN_ROUNDS, ATTN_PREFETCH));
         let module = self.recompile("attention", &attention_options(shape)?)?;
         *self.attention.borrow_mut() = DecodeAttention::load(&module, shape)?;
         Ok(())
     }
 
-    /// The decode attention kernels' shape in use: rounds of keys a step, and whether the
-    /// softmax is updated once a step.
+    /// The decode attention kernels' shape in use: rounds of keys a step, and whether a step
+    /// prefetches the next.
     pub fn attention_shape(&self) -> (usize, bool) {
         let k = self.attention.borrow();
-        (k.rounds, k.step_softmax)
+        (k.rounds, k.prefetch)
     }
 
     /// Kernel module `name` compiled again for this device with NVRTC `options`, loaded.
