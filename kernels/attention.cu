@@ -265,15 +265,18 @@ __device__ __forceinline__ void attend_group_wide(const bf16_t* __restrict__ q,
     // for the next step's rows to be brought into L2 (one lane of each 128-byte line).
     constexpr int ROUNDS = ATTN_ROUNDS;
     constexpr int ROUND = ATTN_WARPS * KPW;  // keys per round, the block's warps together
+    // Where this lane's 16 bytes of key j's row (and of its value row) start in the cache.
+    const auto piece = [&](int j) {
+        const long long slot = (long long)table[j / block_size] * block_size + (j % block_size);
+        return slot * kv_dim + (long long)kvh * HD + part * 8;
+    };
     for (int base = k0 + warp * KPW; base < k1; base += ROUND * ROUNDS) {
         if (ATTN_PREFETCH && (part & 7) == 0) {
 #pragma unroll
             for (int u = 0; u < ROUNDS; ++u) {
                 const int j = base + (ROUNDS + u) * ROUND + sub;
                 if (j < k1) {
-                    const long long slot =
-                        (long long)table[j / block_size] * block_size + (j % block_size);
-                    const long long off = slot * kv_dim + (long long)kvh * HD + part * 8;
+                    const long long off = piece(j);
                     prefetch_l2(k_cache + off);
                     prefetch_l2(v_cache + off);
                 }
@@ -286,9 +289,7 @@ __device__ __forceinline__ void attend_group_wide(const bf16_t* __restrict__ q,
             const int j = base + u * ROUND + sub;
             kw[u] = vw[u] = make_uint4(0u, 0u, 0u, 0u);
             if (j < k1) {
-                const long long slot =
-                    (long long)table[j / block_size] * block_size + (j % block_size);
-                const long long off = slot * kv_dim + (long long)kvh * HD + part * 8;
+                const long long off = piece(j);
                 kw[u] = *(const uint4*)(k_cache + off);
                 vw[u] = *(const uint4*)(v_cache + off);
             }

@@ -1447,15 +1447,22 @@ pub fn bench_llama(
         );
     }
 
+    // For comparing kernel shapes: one decode step of `d` on a fresh cache of random keys and
+    // values (in a zeroed one every earlier key scores the same, and the order of a softmax's
+    // sums would not show), its logits and then its time, in ms.
+    let logits_and_ms = |d: &Decode| -> anyhow::Result<(f64, Vec<f32>)> {
+        let mut cache = r.random_kv_cache(&model, block, d.blocks(), 7)?;
+        let logits = r.forward(&model, &mut cache, &d.step())?;
+        Ok((steps(d, &mut cache)? * 1e3, logits))
+    };
+
     // The matrix-vector kernels' shapes at batch 1, each also checked against the default's
     // logits for the same step.
     if !shape.gemv_shapes.is_empty() {
         let d = Decode::new(1, shape.decode_ctx, block, vocab);
         let run = |gemv: Option<(usize, usize)>| -> anyhow::Result<(f64, Vec<f32>)> {
             r.set_gemv_shape(gemv)?;
-            let mut cache = r.kv_cache(&model, block, d.blocks())?;
-            let logits = r.forward(&model, &mut cache, &d.step())?;
-            Ok((steps(&d, &mut cache)? * 1e3, logits))
+            logits_and_ms(&d)
         };
         let (base, want) = run(None)?;
         r.set_pdl(true)?;
@@ -1484,9 +1491,7 @@ pub fn bench_llama(
     }
 
     // The wide decode attention kernels' shapes at the larger batches, each also checked
-    // against the default's logits for the same step (over a cache of random keys and values:
-    // in a zeroed one every earlier key scores the same, and the order of a softmax's sums
-    // would not show).
+    // against the default's logits for the same step.
     if !shape.attention_shapes.is_empty() {
         let (dr, dp) = r.attention_shape();
         let prefetch = |on: bool| if on { "the next step prefetched" } else { "no prefetch" };
@@ -1494,9 +1499,7 @@ pub fn bench_llama(
             let d = Decode::new(batch, shape.decode_ctx, block, vocab);
             let run = |attn: Option<(usize, bool)>| -> anyhow::Result<(f64, Vec<f32>)> {
                 r.set_attention_shape(attn)?;
-                let mut cache = r.random_kv_cache(&model, block, d.blocks(), 7)?;
-                let logits = r.forward(&model, &mut cache, &d.step())?;
-                Ok((steps(&d, &mut cache)? * 1e3, logits))
+                logits_and_ms(&d)
             };
             let (base, want) = run(None)?;
             for &(rounds, on) in shape.attention_shapes {
