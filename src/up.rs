@@ -285,6 +285,31 @@ fn write_private(path: &Path, content: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The state directory holds the ledger, keys and tokens: 0700, and the ledger 0600 before
+/// SQLite opens it (SQLite gives its -wal and -shm files the database file's mode).
+fn private_state_dir(dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let private = |p: &Path, mode: u32| {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
+            .with_context(|| format!("making {} private", p.display()))
+    };
+    private(dir, 0o700)?;
+    let ledger = dir.join("ledger.db");
+    if !ledger.exists() {
+        write_private(&ledger, "")?;
+    }
+    for name in ["ledger.db", "ledger.db-wal", "ledger.db-shm", "tls/ca.pem", "tls/cert.pem"] {
+        let p = dir.join(name);
+        if p.exists() {
+            private(&p, 0o600)?;
+        }
+    }
+    if dir.join("tls").exists() {
+        private(&dir.join("tls"), 0o700)?;
+    }
+    Ok(())
+}
+
 /// A local CA and a certificate for localhost signed by it (created once).
 fn tls_files(dir: &Path) -> anyhow::Result<(PathBuf, PathBuf, PathBuf)> {
     let (ca_path, cert_path, key_path) =
@@ -293,6 +318,7 @@ fn tls_files(dir: &Path) -> anyhow::Result<(PathBuf, PathBuf, PathBuf)> {
         return Ok((ca_path, cert_path, key_path));
     }
     std::fs::create_dir_all(dir.join("tls"))?;
+    private_state_dir(dir)?;
     let ca_key = rcgen::KeyPair::generate()?;
     let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new())?;
     ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
@@ -303,10 +329,39 @@ fn tls_files(dir: &Path) -> anyhow::Result<(PathBuf, PathBuf, PathBuf)> {
         rcgen::CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()])?;
     params.distinguished_name.push(rcgen::DnType::CommonName, "localhost");
     let cert = params.signed_by(&key, &ca, &ca_key)?;
-    std::fs::write(&ca_path, ca.pem())?;
-    std::fs::write(&cert_path, cert.pem())?;
+    write_private(&ca_path, &ca.pem())?;
+    write_private(&cert_path, &cert.pem())?;
     write_private(&key_path, &key.serialize_pem())?;
     Ok((ca_path, cert_path, key_path))
+}
+
+/// One line of an env file: `export KEY=value`, which `source` in bash or zsh exports to the
+/// programs it starts, and which dotenv-style readers (python-dotenv, `sluice`'s tests) accept.
+/// Values are single-quoted when they hold anything a shell would expand or split.
+fn env_line(key: &str, value: &str) -> String {
+    format!("export {key}={}", quote_value(value))
+}
+
+fn quote_value(v: &str) -> String {
+    let plain =
+        !v.is_empty() && v.bytes().all(|b| b.is_ascii_alphanumeric() || b"-_./:@%+=,".contains(&b));
+    if plain { v.to_owned() } else { format!("'{}'", v.replace('\'', "'\\''")) }
+}
+
+fn shell_quote(p: &Path) -> String {
+    quote_value(&p.display().to_string())
+}
+
+/// The value of `key` in an env file written by [`env_line`] (or an older `KEY=value` one).
+fn env_value(file: &str, key: &str) -> Option<String> {
+    file.lines().find_map(|l| {
+        let l = l.trim();
+        let v = l.strip_prefix("export ").unwrap_or(l).strip_prefix(key)?.strip_prefix('=')?;
+        Some(match v.strip_prefix('\'').and_then(|v| v.strip_suffix('\'')) {
+            Some(q) => q.replace("'\\''", "'"),
+            None => v.to_owned(),
+        })
+    })
 }
 
 fn random_secret() -> String {
@@ -319,6 +374,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&args.dir)
         .with_context(|| format!("creating {}", args.dir.display()))?;
     let dir = std::fs::canonicalize(&args.dir)?;
+    private_state_dir(&dir)?;
     let model_path = default_model_path(args.model)?;
     let model = Arc::new(LoadedModel::load(&model_path).context("loading the model")?);
     let tokens = TokenCounter::from_gguf(&model_path)?;
@@ -382,14 +438,13 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     let system = Principal { actor: "sluice-up".into(), role: Role::Ops, tenant: None };
     let demo_env = dir.join("demo.env");
     let scheme = if args.plain_http { "http" } else { "https" };
-    let mut lines = vec![format!("OPENAI_BASE_URL={scheme}://{}/v1", args.listen)];
+    let mut lines = vec![env_line("OPENAI_BASE_URL", &format!("{scheme}://{}/v1", args.listen))];
     let tls = if args.plain_http { None } else { Some(tls_files(&dir)?) };
     if let Some((ca, _, _)) = &tls {
-        lines.push(format!("SSL_CERT_FILE={}", ca.display()));
+        lines.push(env_line("SSL_CERT_FILE", &ca.display().to_string()));
     }
-    let existing_key = std::fs::read_to_string(&demo_env)
-        .ok()
-        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("OPENAI_API_KEY=").map(str::to_owned)));
+    let existing_key =
+        std::fs::read_to_string(&demo_env).ok().and_then(|s| env_value(&s, "OPENAI_API_KEY"));
     let key = io.handle.block_on(async {
         if let Some(k) = existing_key
             && ledger.key_grant(&k).await?.is_some()
@@ -409,7 +464,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         anyhow::Ok((secret, true))
     })?;
     let (key, fresh) = key;
-    lines.push(format!("OPENAI_API_KEY={key}"));
+    lines.push(env_line("OPENAI_API_KEY", &key));
     write_private(&demo_env, &(lines.join("\n") + "\n"))?;
     let ops = Principal { actor: "sluice-up-ops".into(), role: Role::Ops, tenant: None };
     let auditor =
@@ -417,14 +472,20 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     let billing =
         Principal { actor: "sluice-up-billing".into(), role: Role::Billing, tenant: None };
     let day = 24 * 3600;
-    let admin_env = format!(
-        "SLUICE_ADMIN_URL=http://{}\nSLUICE_ADMIN_TOKEN={}\nSLUICE_AUDITOR_TOKEN={}\nSLUICE_BILLING_TOKEN={}\n",
-        args.admin_listen,
-        mint_hs256(jwt_secret.as_bytes(), &ops, day, None, None)?,
-        mint_hs256(jwt_secret.as_bytes(), &auditor, day, None, None)?,
-        mint_hs256(jwt_secret.as_bytes(), &billing, day, None, None)?,
-    );
-    write_private(&dir.join("admin.env"), &admin_env)?;
+    let admin_env = [
+        env_line("SLUICE_ADMIN_URL", &format!("http://{}", args.admin_listen)),
+        env_line("SLUICE_ADMIN_TOKEN", &mint_hs256(jwt_secret.as_bytes(), &ops, day, None, None)?),
+        env_line(
+            "SLUICE_AUDITOR_TOKEN",
+            &mint_hs256(jwt_secret.as_bytes(), &auditor, day, None, None)?,
+        ),
+        env_line(
+            "SLUICE_BILLING_TOKEN",
+            &mint_hs256(jwt_secret.as_bytes(), &billing, day, None, None)?,
+        ),
+    ];
+    let admin_path = dir.join("admin.env");
+    write_private(&admin_path, &(admin_env.join("\n") + "\n"))?;
     let cfg = gateway_config(
         &[engine_addr.to_string()],
         Some(internal_token),
@@ -446,8 +507,9 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     if fresh {
         println!("  demo key   {key}  (shown once)");
     }
-    println!("  env files  {} and {}", demo_env.display(), dir.join("admin.env").display());
-    println!("  use it     source {} && python3 your_openai_app.py", demo_env.display());
+    println!("  env files  {} and {}", demo_env.display(), admin_path.display());
+    println!("  SDK        source {} && python3 your_openai_app.py", shell_quote(&demo_env));
+    println!("  admin      source {} && sluice admin tenants list", shell_quote(&admin_path));
     println!("ready");
     std::io::stdout().flush()?;
     let tls_ref = tls.as_ref().map(|(_, c, k)| (c.as_path(), k.as_path()));

@@ -2,7 +2,9 @@
 
 #![expect(dead_code, reason = "each test binary uses a different subset of the helpers")]
 
+use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -88,4 +90,97 @@ pub async fn private_redis(dir: &std::path::Path) -> anyhow::Result<(Proc, Strin
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     Ok((proc, url))
+}
+
+/// A running `sluice up`, killed when dropped.
+pub struct Up {
+    pub child: Child,
+    /// Its state directory (`--dir`).
+    pub dir: PathBuf,
+}
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Up {
+    /// demo.env and admin.env together.
+    pub fn envs(&self) -> anyhow::Result<HashMap<String, String>> {
+        let mut e = env_file(&self.dir.join("demo.env"))?;
+        e.extend(env_file(&self.dir.join("admin.env"))?);
+        Ok(e)
+    }
+}
+
+/// Starts `sluice up --dir DIR` on free ports and waits for its `ready` line.
+pub fn start_up(dir: &Path) -> anyhow::Result<Up> {
+    let (gw, admin) = (free_port()?, free_port()?);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["up", "--dir", dir.to_str().context("utf-8")?, "--kv-cache-mb", "128"])
+        .args([
+            "--listen",
+            &format!("127.0.0.1:{gw}"),
+            "--admin-listen",
+            &format!("127.0.0.1:{admin}"),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()?;
+    let stdout = child.stdout.take().context("stdout")?;
+    let mut up = Up { child, dir: dir.to_owned() };
+    let mut lines = BufReader::new(stdout).lines();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        match lines.next() {
+            Some(Ok(l)) if l == "ready" => break,
+            Some(Ok(_)) => {}
+            _ => bail!("sluice up exited before it was ready: {:?}", up.child.try_wait()),
+        }
+        ensure!(Instant::now() < deadline, "sluice up not ready in 120 s");
+    }
+    std::thread::spawn(move || for _ in lines {});
+    Ok(up)
+}
+
+/// An env file as `sluice up` writes it (`export KEY=value`, values single-quoted where a
+/// shell would split them), read as a dotenv reader would.
+pub fn env_file(path: &Path) -> anyhow::Result<HashMap<String, String>> {
+    let text = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
+    let mut out = HashMap::new();
+    for line in text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')) {
+        let Some(rest) = line.strip_prefix("export ") else {
+            bail!("{}: {line:?} is not an `export KEY=value` line", path.display());
+        };
+        let (k, v) = rest.split_once('=').context("no `=`")?;
+        let v = match v.strip_prefix('\'').and_then(|v| v.strip_suffix('\'')) {
+            Some(q) => q.replace("'\\''", "'"),
+            None => v.to_owned(),
+        };
+        out.insert(k.to_owned(), v);
+    }
+    Ok(out)
+}
+
+/// Installs the official OpenAI Python SDK when it is missing.
+pub fn ensure_sdk() -> anyhow::Result<()> {
+    let ok = Command::new("python3")
+        .args(["-c", "import openai"])
+        .stderr(Stdio::null())
+        .status()?
+        .success();
+    if !ok {
+        let out = Command::new("python3")
+            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "openai"])
+            .output()?;
+        ensure!(
+            out.status.success(),
+            "pip install openai: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(())
 }
