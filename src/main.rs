@@ -379,8 +379,7 @@ fn run_generate(args: RunArgs) -> anyhow::Result<()> {
     let prompt = match messages {
         Some(msgs) => {
             let t = m.template.as_ref().context("the model has no chat template")?;
-            // The rendered template carries its own BOS when the model wants one.
-            m.tokenizer.encode(&t.render(&msgs, true)?, true)?
+            sluice_engine::template::encode_chat(t, &m.tokenizer, &msgs, true)?.0
         }
         None => m.encode_prompt(&text)?,
     };

@@ -221,7 +221,8 @@ fn specs() -> Vec<Spec> {
         s(1, MODEL_B, "stop", 1_000, 500, 300, 99_999, Some(450.0), Some(42.0)),
         s(1, MODEL_B, "length", 1_200, 0, 512, 150_000, Some(520.0), Some(44.5)),
         s(1, MODEL_A, "stop", 60, 0, 30, 600, Some(55.0), Some(9.75)),
-        s(1, MODEL_B, "timeout", 700, 350, 20, 20_000, Some(900.0), Some(66.0)),
+        // A 504 the client got: refused, so the gateway priced it at 0.
+        s(1, MODEL_B, "timeout", 700, 350, 20, 0, Some(900.0), Some(66.0)),
         s(1, MODEL_A, "stop", 45, 45, 15, 321, Some(48.5), Some(10.5)),
         s(1, MODEL_B, "stop", 900, 100, 200, 80_001, Some(480.0), Some(43.0)),
         // Tenant 2: only rejections at admission: no tokens out, no latency samples.
@@ -290,7 +291,12 @@ fn usage_event(
 /// What one tenant's rows must show.
 #[derive(Debug, Default)]
 struct Expected {
+    /// Billed requests (the token and cost sums are theirs).
     requests: u64,
+    /// Refused requests (an error status: counted apart, nothing billed).
+    refused: u64,
+    /// Every record.
+    records: u64,
     prompt: u64,
     cached: u64,
     completion: u64,
@@ -546,11 +552,16 @@ async fn dashboard_renders_usage_ingested_through_the_pipeline() -> anyhow::Resu
         let event = usage_event(spec, &tenants[spec.tenant], &format!("dash-{tag}-{i}"), arrival)?;
         let _id = sluice_billing::ingest::publish_to(&mut conn, &stream, &event).await?;
         let e = &mut expected[spec.tenant];
-        e.requests += 1;
-        e.prompt += u64::from(spec.prompt);
-        e.cached += u64::from(spec.cached);
-        e.completion += u64::from(spec.completion);
-        e.cost += spec.cost;
+        e.records += 1;
+        if sluice_billing::event::is_refused(event.http_status) {
+            e.refused += 1;
+        } else {
+            e.requests += 1;
+            e.prompt += u64::from(spec.prompt);
+            e.cached += u64::from(spec.cached);
+            e.completion += u64::from(spec.completion);
+            e.cost += spec.cost;
+        }
         *e.finish.entry(spec.finish.to_owned()).or_default() += 1;
         e.ttft.extend(spec.ttft);
         e.tpot.extend(spec.tpot);
@@ -572,7 +583,8 @@ async fn dashboard_renders_usage_ingested_through_the_pipeline() -> anyhow::Resu
         let (status, data) = get_json(&c, &data_url, &billing).await?;
         ensure!(status == 200, "{status}: {data}\n{}", server.log());
         let ingested = tenants.iter().zip(&expected).all(|(t, e)| {
-            row_of(&data["top_tenants"], t).is_some_and(|r| r["requests"] == e.requests)
+            row_of(&data["top_tenants"], t)
+                .is_some_and(|r| r["requests"] == e.requests && r["refused_requests"] == e.refused)
         });
         if ingested {
             break data;
@@ -596,7 +608,7 @@ async fn dashboard_renders_usage_ingested_through_the_pipeline() -> anyhow::Resu
         .map(|k| uint(&top[k]).unwrap_or(u64::MAX));
         ensure!(got == [e.requests, e.prompt, e.cached, e.completion, e.cost], "{tenant}: {top}");
         let latency = row_of(&data["latency"], tenant).context("latency row")?;
-        ensure!(latency["requests"] == e.requests, "{tenant}: {latency}");
+        ensure!(latency["requests"] == e.records, "{tenant}: {latency}");
         for (metric, samples) in [("ttft_ms", &e.ttft), ("tpot_ms", &e.tpot)] {
             for p in [50, 90, 99] {
                 let want = percentile(samples, p);
@@ -693,7 +705,7 @@ async fn dashboard_renders_usage_ingested_through_the_pipeline() -> anyhow::Resu
     for (tenant, e) in tenants.iter().zip(&expected) {
         let row = section(table, &format!("<tr data-tenant=\"{tenant}\""), "</tr>")?;
         let (raw, shown) = cell(row, "requests")?;
-        ensure!(raw == e.requests.to_string() && shown == int(e.requests), "{tenant} requests");
+        ensure!(raw == e.records.to_string() && shown == int(e.records), "{tenant} requests");
         for (metric, samples) in [("ttft", &e.ttft), ("tpot", &e.tpot)] {
             for p in [50, 90, 99] {
                 let want = percentile(samples, p);

@@ -114,11 +114,17 @@ fn authorize(state: &ApiState, headers: &HeaderMap, allowed: &[Role]) -> ApiResu
     let token = headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim)
+        .and_then(|v| v.split_once(' '))
+        // The scheme is case-insensitive (RFC 9110).
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, t)| t.trim())
         .filter(|t| !t.is_empty())
         .ok_or_else(|| AdminError::Unauthorized(AuthError::Missing.to_string()))?;
-    let who = state.verifier.verify(token).map_err(|e| AdminError::Unauthorized(e.to_string()))?;
+    let who = state.verifier.verify(token).map_err(|e| {
+        // Why is for the operator's log; the client hears only that the token was refused.
+        tracing::warn!(reason = %e, "admin token refused");
+        AdminError::Unauthorized("invalid or expired token".into())
+    })?;
     if !allowed.contains(&who.role) {
         return Err(AdminError::Forbidden(format!(
             "role {} may not do this (allowed: {})",
@@ -565,7 +571,8 @@ async fn usage(
             until: time_param(&q, "until")?,
         })
         .await?;
-    let mut totals = json!({"requests": 0i64, "prompt_tokens": 0i64, "cached_prompt_tokens": 0i64, "completion_tokens": 0i64, "cost_micros": 0i64});
+    // `requests` and the sums are billed usage; refused requests are counted apart.
+    let mut totals = json!({"requests": 0i64, "prompt_tokens": 0i64, "cached_prompt_tokens": 0i64, "completion_tokens": 0i64, "cost_micros": 0i64, "refused_requests": 0i64});
     for r in &rows {
         for (k, v) in [
             ("requests", r.requests),
@@ -573,6 +580,7 @@ async fn usage(
             ("cached_prompt_tokens", r.cached_prompt_tokens),
             ("completion_tokens", r.completion_tokens),
             ("cost_micros", r.cost_micros),
+            ("refused_requests", r.refused_requests),
         ] {
             totals[k] = Value::from(totals[k].as_i64().unwrap_or(0).saturating_add(v));
         }

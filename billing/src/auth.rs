@@ -90,7 +90,12 @@ pub enum AuthError {
 pub struct Verifier {
     key: DecodingKey,
     validation: Validation,
+    max_lifetime_secs: u64,
 }
+
+/// The longest a token may still be valid for when it is presented, unless configured
+/// otherwise ([`Verifier::with_max_lifetime`]): a token that never expires is refused.
+pub const MAX_TOKEN_LIFETIME_SECS: u64 = 30 * 24 * 3600;
 
 impl std::fmt::Debug for Verifier {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -101,6 +106,7 @@ impl std::fmt::Debug for Verifier {
 fn validation(alg: Algorithm, issuer: Option<&str>, audience: Option<&str>) -> Validation {
     let mut v = Validation::new(alg);
     v.leeway = 5;
+    v.validate_nbf = true;
     let mut required = vec!["exp", "sub"];
     if let Some(iss) = issuer {
         v.set_issuer(&[iss]);
@@ -132,6 +138,7 @@ impl Verifier {
         Ok(Self {
             key: DecodingKey::from_secret(secret),
             validation: validation(Algorithm::HS256, issuer, audience),
+            max_lifetime_secs: MAX_TOKEN_LIFETIME_SECS,
         })
     }
 
@@ -152,7 +159,17 @@ impl Verifier {
             }
         };
         let key = key.map_err(|e| AuthError::Config(format!("cannot read the public key: {e}")))?;
-        Ok(Self { key, validation: validation(alg, issuer, audience) })
+        Ok(Self {
+            key,
+            validation: validation(alg, issuer, audience),
+            max_lifetime_secs: MAX_TOKEN_LIFETIME_SECS,
+        })
+    }
+
+    /// Refuses tokens whose `exp` is more than `secs` away.
+    pub fn with_max_lifetime(mut self, secs: u64) -> Self {
+        self.max_lifetime_secs = secs;
+        self
     }
 
     /// Verifies a bearer token and returns who it speaks for.
@@ -167,6 +184,13 @@ impl Verifier {
         let data = jsonwebtoken::decode::<Claims>(token, &self.key, &self.validation)
             .map_err(|e| AuthError::Invalid(e.to_string()))?;
         let c = data.claims;
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        if c.exp.saturating_sub(now) > self.max_lifetime_secs + self.validation.leeway {
+            return Err(AuthError::Invalid(format!(
+                "the token is valid for longer than the {} s this service accepts",
+                self.max_lifetime_secs
+            )));
+        }
         if c.sub.is_empty() || c.sub.len() > 256 {
             return Err(AuthError::Invalid("sub must be 1-256 characters".into()));
         }
@@ -287,6 +311,30 @@ mod tests {
         )
         .map_err(|e| AuthError::Config(e.to_string()))?;
         assert!(v.verify(&no_exp).is_err());
+        // Not valid yet (`nbf` an hour ahead), and valid forever (`exp` = u64::MAX).
+        for claims in [
+            serde_json::json!({"sub": "a", "role": "ops", "exp": exp + 7200, "nbf": exp + 3600,
+                "iss": "sluice", "aud": "admin"}),
+            serde_json::json!({"sub": "a", "role": "ops", "exp": u64::MAX, "iss": "sluice",
+                "aud": "admin"}),
+        ] {
+            let t = jsonwebtoken::encode(
+                &Header::new(Algorithm::HS256),
+                &claims,
+                &EncodingKey::from_secret(SECRET),
+            )
+            .map_err(|e| AuthError::Config(e.to_string()))?;
+            assert!(v.verify(&t).is_err(), "{claims}");
+        }
+        // Beyond the configured lifetime (a day here): refused; within it: accepted.
+        let day = Verifier::hs256(SECRET, Some("sluice"), Some("admin"))?.with_max_lifetime(86_400);
+        assert!(
+            day.verify(&mint_hs256(SECRET, &ops(), 2 * 86_400, Some("sluice"), Some("admin"))?)
+                .is_err()
+        );
+        assert!(
+            day.verify(&mint_hs256(SECRET, &ops(), 3600, Some("sluice"), Some("admin"))?).is_ok()
+        );
         let unbound = Principal { actor: "t".into(), role: Role::TenantAdmin, tenant: None };
         let t = mint_hs256(SECRET, &unbound, 60, Some("sluice"), Some("admin"))?;
         assert!(v.verify(&t).is_err());

@@ -374,9 +374,14 @@ impl EventFactory {
             trace_id: Some(trace),
             prompt_sha256: hash,
             prompt_chars: prompt_tokens * 4 + (r >> 36) as u32 % 4,
-            cost_micros: u64::from(prompt_tokens - cached_prompt_tokens) * 2
-                + u64::from(cached_prompt_tokens)
-                + u64::from(completion_tokens) * 8,
+            // Refused requests cost nothing, as the gateway prices them.
+            cost_micros: if crate::event::is_refused(http_status) {
+                0
+            } else {
+                u64::from(prompt_tokens - cached_prompt_tokens) * 2
+                    + u64::from(cached_prompt_tokens)
+                    + u64::from(completion_tokens) * 8
+            },
         }
     }
 }

@@ -897,12 +897,47 @@ impl Ledger {
         })
     }
 
+    /// Billed tokens (prompt + completion, refused requests excluded) of a tenant, or of one
+    /// of its keys, since `day_start` and since `month_start` (`month_start <= day_start`):
+    /// where the admission windows start when their counters are new (a restart, a flushed
+    /// Redis), so a tenant never gets a fresh day or month for free.
+    pub async fn tokens_used(
+        &self,
+        tenant: &str,
+        key: Option<&str>,
+        day_start: DateTime<Utc>,
+        month_start: DateTime<Utc>,
+    ) -> Result<(u64, u64), AdminError> {
+        let (day, month): (i64, i64) = on_pool!(self, pool => {
+            let mut q = QueryBuilder::new(
+                "SELECT CAST(COALESCE(SUM(CASE WHEN arrival_at >= ",
+            );
+            q.push_bind(day_start)
+                .push(
+                    " THEN prompt_tokens + completion_tokens ELSE 0 END), 0) AS BIGINT) AS day, \
+                     CAST(COALESCE(SUM(prompt_tokens + completion_tokens), 0) AS BIGINT) AS month \
+                     FROM request_records WHERE tenant_id = ",
+                )
+                .push_bind(tenant.to_owned())
+                .push(" AND arrival_at >= ")
+                .push_bind(month_start)
+                .push(" AND (http_status < 400 OR http_status = 499)");
+            if let Some(k) = key {
+                q.push(" AND key_id = ").push_bind(k.to_owned());
+            }
+            let row = q.build().fetch_one(pool).await?;
+            (row.try_get("day")?, row.try_get("month")?)
+        });
+        Ok((u64::try_from(day).unwrap_or(0), u64::try_from(month).unwrap_or(0)))
+    }
+
     /// Usage rollup rows for a period, filtered.
     pub async fn usage(&self, filter: &UsageFilter) -> Result<Vec<UsageRow>, AdminError> {
         on_pool!(self, pool => {
             let mut q = QueryBuilder::new(
                 "SELECT bucket_start, tenant_id, model_id, requests, prompt_tokens, \
-                 cached_prompt_tokens, completion_tokens, cost_micros FROM usage_rollups WHERE period = ",
+                 cached_prompt_tokens, completion_tokens, cost_micros, refused_requests \
+                 FROM usage_rollups WHERE period = ",
             );
             q.push_bind(filter.period.clone());
             if let Some(t) = &filter.tenant {
@@ -930,6 +965,7 @@ impl Ledger {
                     cached_prompt_tokens: row.try_get("cached_prompt_tokens")?,
                     completion_tokens: row.try_get("completion_tokens")?,
                     cost_micros: row.try_get("cost_micros")?,
+                    refused_requests: row.try_get("refused_requests")?,
                 });
             }
             Ok(out)
@@ -1021,6 +1057,7 @@ impl Ledger {
             t.cached_prompt_tokens += row.cached_prompt_tokens;
             t.completion_tokens += row.completion_tokens;
             t.cost_micros = t.cost_micros.saturating_add(row.cost_micros);
+            t.refused_requests += row.refused_requests;
         }
         let mut top_tenants: Vec<TenantTotal> = top.into_values().collect();
         top_tenants.sort_by(|a, b| {
@@ -1288,7 +1325,7 @@ pub struct UsageRow {
     pub tenant_id: String,
     /// Model.
     pub model_id: String,
-    /// Requests.
+    /// Billed requests (the tokens and cost below are theirs).
     pub requests: i64,
     /// Prompt tokens.
     pub prompt_tokens: i64,
@@ -1298,6 +1335,9 @@ pub struct UsageRow {
     pub completion_tokens: i64,
     /// Cost, micro-units.
     pub cost_micros: i64,
+    /// Refused requests (an error status; no tokens billed, no cost).
+    #[serde(default)]
+    pub refused_requests: i64,
 }
 
 /// Requests per tenant and finish reason.
@@ -1355,7 +1395,7 @@ pub struct LatencyRow {
 pub struct TenantTotal {
     /// Tenant.
     pub tenant_id: String,
-    /// Requests.
+    /// Billed requests.
     pub requests: i64,
     /// Prompt tokens.
     pub prompt_tokens: i64,
@@ -1365,6 +1405,8 @@ pub struct TenantTotal {
     pub completion_tokens: i64,
     /// Cost, micro-units.
     pub cost_micros: i64,
+    /// Refused requests.
+    pub refused_requests: i64,
 }
 
 /// What the dashboard page draws.

@@ -40,6 +40,11 @@ const POSTGRES_MIGRATIONS: &[EmbeddedMigration] = &[
         description: "key limits",
         sql: include_str!("../../migrations/postgres/0002_key_limits.sql"),
     },
+    EmbeddedMigration {
+        version: 3,
+        description: "refused usage",
+        sql: include_str!("../../migrations/postgres/0003_refused_usage.sql"),
+    },
 ];
 
 const SQLITE_MIGRATIONS: &[EmbeddedMigration] = &[
@@ -52,6 +57,11 @@ const SQLITE_MIGRATIONS: &[EmbeddedMigration] = &[
         version: 2,
         description: "key limits",
         sql: include_str!("../../migrations/sqlite/0002_key_limits.sql"),
+    },
+    EmbeddedMigration {
+        version: 3,
+        description: "refused usage",
+        sql: include_str!("../../migrations/sqlite/0003_refused_usage.sql"),
     },
 ];
 
@@ -85,7 +95,7 @@ impl MigrationSource<'static> for EmbeddedMigrations {
 /// binds for nearly every batch). 33 binds a row keeps the largest well under the bind limits
 /// of both backends (Postgres 65,535; SQLite 32,766).
 const RECORDS_PER_STATEMENT: [usize; 5] = [256, 64, 16, 4, 1];
-/// Rollup rows per upsert statement (9 binds each).
+/// Rollup rows per upsert statement (10 binds each).
 const ROLLUPS_PER_STATEMENT: usize = 1000;
 
 const INSERT_RECORDS_HEAD: &str = "INSERT INTO request_records (request_id, idempotency_key, \
@@ -99,17 +109,19 @@ const INSERT_RECORDS_HEAD: &str = "INSERT INTO request_records (request_id, idem
 // No conflict target: a clash on the request id *or* on (tenant_id, idempotency_key) skips the
 // row, and RETURNING lists only the rows this statement really inserted.
 const INSERT_RECORDS_TAIL: &str = " ON CONFLICT DO NOTHING RETURNING tenant_id, model_id, \
-    arrival_at, prompt_tokens, cached_prompt_tokens, completion_tokens, cost_micros";
+    arrival_at, prompt_tokens, cached_prompt_tokens, completion_tokens, cost_micros, http_status";
 
 const UPSERT_ROLLUPS_HEAD: &str = "INSERT INTO usage_rollups (period, bucket_start, tenant_id, \
-    model_id, requests, prompt_tokens, cached_prompt_tokens, completion_tokens, cost_micros) ";
+    model_id, requests, prompt_tokens, cached_prompt_tokens, completion_tokens, cost_micros, \
+    refused_requests) ";
 
 const UPSERT_ROLLUPS_TAIL: &str = " ON CONFLICT (period, bucket_start, tenant_id, model_id) \
     DO UPDATE SET requests = usage_rollups.requests + excluded.requests, \
     prompt_tokens = usage_rollups.prompt_tokens + excluded.prompt_tokens, \
     cached_prompt_tokens = usage_rollups.cached_prompt_tokens + excluded.cached_prompt_tokens, \
     completion_tokens = usage_rollups.completion_tokens + excluded.completion_tokens, \
-    cost_micros = usage_rollups.cost_micros + excluded.cost_micros";
+    cost_micros = usage_rollups.cost_micros + excluded.cost_micros, \
+    refused_requests = usage_rollups.refused_requests + excluded.refused_requests";
 
 /// Which database a `Ledger` talks to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -197,6 +209,7 @@ struct RollupSums {
     cached_prompt_tokens: i64,
     completion_tokens: i64,
     cost_micros: i64,
+    refused_requests: i64,
 }
 
 /// Adds one inserted `request_records` row (as RETURNING gave it back) to the rollups.
@@ -208,6 +221,7 @@ where
     R: Row,
     for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> DateTime<Utc>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     usize: sqlx::ColumnIndex<R>,
 {
@@ -218,9 +232,16 @@ where
     let cached_prompt_tokens: i64 = row.try_get(4)?;
     let completion_tokens: i64 = row.try_get(5)?;
     let cost_micros: i64 = row.try_get(6)?;
+    let http_status: i32 = row.try_get(7)?;
+    let refused = u16::try_from(http_status).is_ok_and(crate::event::is_refused);
     for period in [Period::Hour, Period::Day] {
         let key = (period, period.bucket_start(arrival_at)?, tenant_id.clone(), model_id.clone());
         let sums = rollups.entry(key).or_default();
+        if refused {
+            // Counted apart; its tokens were never served (and its cost is 0).
+            sums.refused_requests += 1;
+            continue;
+        }
         sums.requests += 1;
         sums.prompt_tokens += prompt_tokens;
         sums.cached_prompt_tokens += cached_prompt_tokens;
@@ -295,7 +316,8 @@ macro_rules! insert_batch_on {
                         .push_bind(sums.prompt_tokens)
                         .push_bind(sums.cached_prompt_tokens)
                         .push_bind(sums.completion_tokens)
-                        .push_bind(sums.cost_micros);
+                        .push_bind(sums.cost_micros)
+                        .push_bind(sums.refused_requests);
                 });
                 query.push(UPSERT_ROLLUPS_TAIL);
                 query.build().execute(&mut *tx).await?;

@@ -206,6 +206,7 @@ async fn ingest_usage(ledger: &Ledger) -> anyhow::Result<()> {
             e.http_status = 429;
             e.finish_reason = FinishReason::Rejected;
             e.completion_tokens = 0;
+            e.cost_micros = 0;
         }
         e.ttft_ms = Some(100.0 + i as f64);
         events.push(e);
@@ -533,7 +534,10 @@ async fn records_and_exports(url: &str) -> anyhow::Result<()> {
     // Usage aggregates (billing role) from the rollups written with the records.
     let billing = token(Role::Billing, None)?;
     let u = api.ok(Method::GET, "/v1/usage?period=hour&since=2026-11-29", &billing, None).await?;
-    ensure!(u["totals"]["requests"] == 25 && u["totals"]["cost_micros"] == 25 * 1234, "{u}");
+    // The two 429s are refused: counted apart, nothing billed.
+    let t = &u["totals"];
+    ensure!(t["requests"] == 23 && t["refused_requests"] == 2, "{u}");
+    ensure!(t["cost_micros"] == 23 * 1234, "{u}");
     // The dashboard's aggregates.
     let path = format!(
         "/v1/dashboard/data?since={}&until={}",

@@ -29,7 +29,10 @@ async fn insert_and_ingest_reports_account_for_every_record() -> anyhow::Result<
     ensure!(insert.records_per_second > 0.0, "{insert:?}");
     ensure!(record_count(&db).await? == 2_000, "rows after the insert run");
     let requests: i64 = db
-        .scalar("SELECT CAST(SUM(requests) AS BIGINT) FROM usage_rollups WHERE period = 'day'")
+        .scalar(
+            "SELECT CAST(SUM(requests + refused_requests) AS BIGINT) FROM usage_rollups \
+             WHERE period = 'day'",
+        )
         .await?;
     ensure!(requests == 2_000, "day rollups count {requests} requests");
 

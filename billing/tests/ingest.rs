@@ -164,7 +164,8 @@ async fn consumer_killed_mid_batch_loses_and_duplicates_nothing() -> anyhow::Res
     for period in ["hour", "day"] {
         let requests = db
             .scalar(&format!(
-                "SELECT CAST(SUM(requests) AS BIGINT) FROM usage_rollups WHERE period = '{period}'"
+                "SELECT CAST(SUM(requests + refused_requests) AS BIGINT) FROM usage_rollups \
+                 WHERE period = '{period}'"
             ))
             .await?;
         ensure!(requests == N as i64, "{period} rollups count {requests}");

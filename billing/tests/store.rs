@@ -60,8 +60,9 @@ async fn check_migrations(url: &str, backend: Backend) -> anyhow::Result<Vec<Vec
     ledger.close().await;
 
     let db = Inspect::open(url).await?;
-    // Every embedded migration applied once (0001 ledger, 0002 key limits), also on reconnect.
-    ensure!(db.scalar("SELECT CAST(COUNT(*) AS BIGINT) FROM _sqlx_migrations").await? == 2);
+    // Every embedded migration applied once (0001 ledger, 0002 key limits, 0003 refused usage),
+    // also on reconnect.
+    ensure!(db.scalar("SELECT CAST(COUNT(*) AS BIGINT) FROM _sqlx_migrations").await? == 3);
     let mut columns = Vec::new();
     for table in TABLES {
         ensure!(db.scalar(&format!("SELECT CAST(COUNT(*) AS BIGINT) FROM {table}")).await? == 0);
@@ -118,11 +119,18 @@ async fn check_idempotency(url: &str) -> anyhow::Result<()> {
     d.client_disconnected = true;
     d.http_status = 499;
     d.completion_tokens = 0;
-    ensure!(ledger.insert_batch(&[d]).await? == 1);
+    // A refused request (429 at admission): its row records the prompt; the rollups count it
+    // apart from billed usage.
+    let mut r = event("req-r", "t2");
+    r.finish_reason = FinishReason::Rejected;
+    r.http_status = 429;
+    r.completion_tokens = 0;
+    r.cost_micros = 0;
+    ensure!(ledger.insert_batch(&[d, r]).await? == 2);
     ledger.close().await;
 
     let db = Inspect::open(url).await?;
-    ensure!(db.scalar("SELECT CAST(COUNT(*) AS BIGINT) FROM request_records").await? == 4);
+    ensure!(db.scalar("SELECT CAST(COUNT(*) AS BIGINT) FROM request_records").await? == 5);
     ensure!(
         db.scalar(
             "SELECT CAST(COUNT(*) AS BIGINT) FROM request_records WHERE request_id = 'req-b-retry'"
@@ -139,6 +147,9 @@ async fn check_idempotency(url: &str) -> anyhow::Result<()> {
     for period in ["hour", "day"] {
         ensure!(db.scalar(&sum(period, "requests", "t1")).await? == 3, "{period} requests t1");
         ensure!(db.scalar(&sum(period, "requests", "t2")).await? == 1, "{period} requests t2");
+        ensure!(db.scalar(&sum(period, "refused_requests", "t2")).await? == 1, "{period} t2");
+        ensure!(db.scalar(&sum(period, "prompt_tokens", "t2")).await? == 100, "{period} t2");
+        ensure!(db.scalar(&sum(period, "refused_requests", "t1")).await? == 0, "{period} t1");
         ensure!(db.scalar(&sum(period, "prompt_tokens", "t1")).await? == 300);
         ensure!(db.scalar(&sum(period, "cached_prompt_tokens", "t1")).await? == 60);
         ensure!(db.scalar(&sum(period, "completion_tokens", "t1")).await? == 100);

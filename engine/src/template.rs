@@ -16,7 +16,7 @@ use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::error::{EngineError, Result};
 use crate::gguf::GgufFile;
-use crate::tokenizer::sha256_hex;
+use crate::tokenizer::{Tokenizer, sha256_hex};
 
 const TEMPLATE_NAME: &str = "chat_template";
 
@@ -79,6 +79,40 @@ fn json_kind(v: &serde_json::Value) -> &'static str {
         serde_json::Value::Array(_) => "an array",
         serde_json::Value::Object(_) => "an object",
     }
+}
+
+/// One piece of a rendered chat prompt.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChatPart {
+    /// The text.
+    pub text: String,
+    /// Whether it is a message's content (text, never control tokens) rather than the
+    /// template's own.
+    pub content: bool,
+}
+
+/// A chat prompt's token ids and its rendered text. Message content is text: a user who writes
+/// `<|im_end|>` gets those characters, not the control token, so nobody can forge another
+/// turn. Only the template's own text is tokenized with special tokens parsed. Where no content
+/// holds a special token's text (nearly always), the whole prompt is tokenized at once, exactly
+/// as before; otherwise piece by piece. The rendered template carries its own BOS when the
+/// model wants one.
+pub fn encode_chat(
+    template: &ChatTemplate,
+    tokenizer: &Tokenizer,
+    messages: &[ChatMessage],
+    add_generation_prompt: bool,
+) -> Result<(Vec<u32>, String)> {
+    let parts = template.render_parts(messages, add_generation_prompt)?;
+    let text: String = parts.iter().map(|p| p.text.as_str()).collect();
+    if !parts.iter().any(|p| p.content && tokenizer.holds_special_text(&p.text)) {
+        return Ok((tokenizer.encode(&text, true)?, text));
+    }
+    let mut ids = Vec::new();
+    for p in &parts {
+        ids.extend(tokenizer.encode(&p.text, !p.content)?);
+    }
+    Ok((ids, text))
 }
 
 /// A compiled chat template with the special-token texts it is rendered with.
@@ -179,6 +213,58 @@ impl ChatTemplate {
             }
             None => EngineError::Template(format!("render: {}", describe(&e))),
         })
+    }
+
+    /// Renders `messages` as [`render`](Self::render) does, in pieces: the template's own text
+    /// and each message's content apart, so content can be tokenized as text while only the
+    /// template's structure yields special tokens. Each content is rendered as a marker padded
+    /// with a space on either side: where the padding survives the template inserted the
+    /// content verbatim, where it is gone the template trimmed it (`| trim`, `.strip()`); a
+    /// template that otherwise changes content is refused rather than rendered unsafely.
+    pub fn render_parts(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<Vec<ChatPart>> {
+        let nonce = uuid::Uuid::new_v4().simple().to_string();
+        let open = format!("\u{E000}{nonce}.");
+        let marked: Vec<ChatMessage> = messages
+            .iter()
+            .enumerate()
+            .map(|(i, m)| ChatMessage {
+                role: m.role.clone(),
+                content: format!(" {open}{i}\u{E001} "),
+            })
+            .collect();
+        let text = self.render(&marked, add_generation_prompt)?;
+        let changed = || {
+            EngineError::Template(
+                "the chat template changes message content beyond trimming it; it cannot keep \
+                 content apart from its own special tokens"
+                    .into(),
+            )
+        };
+        let mut parts = Vec::new();
+        let mut rest = text.as_str();
+        while let Some(at) = rest.find(&open) {
+            let after = &rest[at + open.len()..];
+            let end = after.find('\u{E001}').ok_or_else(changed)?;
+            let i: usize = after[..end].parse().map_err(|_| changed())?;
+            let content = &messages.get(i).ok_or_else(changed)?.content;
+            let (before, after) = (&rest[..at], &after[end + '\u{E001}'.len_utf8()..]);
+            let (before, after, content) = match (before.strip_suffix(' '), after.strip_prefix(' '))
+            {
+                (Some(b), Some(a)) => (b, a, content.as_str()),
+                (None, None) => (before, after, content.trim()),
+                _ => return Err(changed()),
+            };
+            parts.push(ChatPart { text: before.to_owned(), content: false });
+            parts.push(ChatPart { text: content.to_owned(), content: true });
+            rest = after;
+        }
+        parts.push(ChatPart { text: rest.to_owned(), content: false });
+        parts.retain(|p| !p.text.is_empty());
+        Ok(parts)
     }
 
     /// Hex SHA-256 of the template text.

@@ -125,6 +125,8 @@ pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     /// Treats special tokens' text as plain text; cloned from `inner` on first use.
     literal: OnceLock<tokenizers::Tokenizer>,
+    /// The texts of the special tokens; collected on first use.
+    special_texts: OnceLock<Vec<String>>,
     /// The bytes each token stands for when streamed on its own.
     pieces: Vec<Vec<u8>>,
     special: HashSet<u32>,
@@ -442,6 +444,7 @@ impl Tokenizer {
         Ok(Tokenizer {
             inner,
             literal: OnceLock::new(),
+            special_texts: OnceLock::new(),
             pieces,
             special,
             bos,
@@ -518,6 +521,22 @@ impl Tokenizer {
             .encode_fast(text, false)
             .map_err(|e| EngineError::Tokenizer(format!("encode: {e}")))?;
         Ok(encoding.get_ids().to_vec())
+    }
+
+    /// Whether `text` holds the text of a special token (`<|im_end|>`), which tokenizing with
+    /// special parsing would turn into that token.
+    pub fn holds_special_text(&self, text: &str) -> bool {
+        self.special_texts
+            .get_or_init(|| {
+                self.inner
+                    .get_added_tokens_decoder()
+                    .values()
+                    .filter(|t| t.special && !t.content.is_empty())
+                    .map(|t| t.content.clone())
+                    .collect()
+            })
+            .iter()
+            .any(|s| text.contains(s.as_str()))
     }
 
     fn literal(&self) -> &tokenizers::Tokenizer {

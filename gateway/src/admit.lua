@@ -4,17 +4,20 @@
 -- ZSET (member request id, score expiry ms), reservations HASH (request id ->
 -- "tokens minute day month").
 -- ARGV: request id, tokens to reserve, reservation ttl ms, key ttl ms, then per scope its rpm,
--- tpm, daily, monthly and concurrency limits (-1 = unlimited).
+-- tpm, daily, monthly and concurrency limits (-1 = unlimited) and the tokens the ledger
+-- already holds for it today and this month (a day or month window new to these counters
+-- starts from them: a flushed Redis never hands out a fresh month).
 -- Returns {admitted, reason, retry_after_ms, refusing scope (1-based, 0 = none),
 --          reset_ms, then per scope: rpm_limit, rpm_remaining, tpm_limit, tpm_remaining}.
 local id, tokens = ARGV[1], tonumber(ARGV[2])
 local ttl, key_ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
 local scopes = {}
 for i = 1, #KEYS / 3 do
-  local a = 4 + (i - 1) * 5
+  local a = 4 + (i - 1) * 7
   scopes[i] = {win = KEYS[3 * i - 2], inflight = KEYS[3 * i - 1], res = KEYS[3 * i],
     rpm = tonumber(ARGV[a + 1]), tpm = tonumber(ARGV[a + 2]), day = tonumber(ARGV[a + 3]),
-    month = tonumber(ARGV[a + 4]), conc = tonumber(ARGV[a + 5])}
+    month = tonumber(ARGV[a + 4]), conc = tonumber(ARGV[a + 5]),
+    seed = {day = tonumber(ARGV[a + 6]), month = tonumber(ARGV[a + 7])}}
 end
 
 -- Redis's clock, so every gateway replica agrees on the windows.
@@ -44,16 +47,17 @@ local ndoy = math.floor((153 * nmp + 2) / 5)
 local ndoe = nyoe * 365 + math.floor(nyoe / 4) - math.floor(nyoe / 100) + ndoy
 local next_month_day = nera * 146097 + ndoe - 719468
 
-local function counter(win, name, window)
+-- A window these counters have not seen yet starts at `seed` (0 for minutes).
+local function counter(win, name, window, seed)
   local w = tonumber(redis.call('HGET', win, name .. '_w') or '-1')
-  if w ~= window then return 0 end
+  if w ~= window then return seed or 0 end
   return tonumber(redis.call('HGET', win, name .. '_n') or '0')
 end
-local function add(win, name, window, n)
+local function add(win, name, window, n, seed)
   local w = tonumber(redis.call('HGET', win, name .. '_w') or '-1')
   if w ~= window then
     if n < 0 then return end
-    redis.call('HSET', win, name .. '_w', window, name .. '_n', n)
+    redis.call('HSET', win, name .. '_w', window, name .. '_n', (seed or 0) + n)
   else
     local v = tonumber(redis.call('HGET', win, name .. '_n') or '0') + n
     if v < 0 then v = 0 end
@@ -108,7 +112,8 @@ for i, s in ipairs(scopes) do
     if tokens > s.tpm then return refuse('tpm_exceeds_limit', 0) end
     return refuse('tpm', minute_reset)
   end
-  local day_used, month_used = counter(s.win, 'day', day), counter(s.win, 'month', month)
+  local day_used = counter(s.win, 'day', day, s.seed.day)
+  local month_used = counter(s.win, 'month', month, s.seed.month)
   if s.day >= 0 and day_used + tokens > s.day then
     return refuse('daily_tokens', (day + 1) * 86400000 - now_ms)
   end
@@ -120,8 +125,8 @@ end
 for _, s in ipairs(scopes) do
   add(s.win, 'rpm', minute, 1)
   add(s.win, 'tpm', minute, tokens)
-  add(s.win, 'day', day, tokens)
-  add(s.win, 'month', month, tokens)
+  add(s.win, 'day', day, tokens, s.seed.day)
+  add(s.win, 'month', month, tokens, s.seed.month)
   redis.call('ZADD', s.inflight, now_ms + ttl, id)
   redis.call('HSET', s.res, id, tokens .. ' ' .. minute .. ' ' .. day .. ' ' .. month)
 end

@@ -27,6 +27,29 @@ pub struct TenantLimits {
     pub monthly_tokens: Option<u64>,
     /// Requests in flight.
     pub concurrency: Option<u64>,
+    /// What the ledger already holds for this scope in the current day and month.
+    #[serde(default)]
+    pub used: LedgerUsage,
+}
+
+/// Billed tokens the ledger already holds for a scope in the current UTC day and calendar
+/// month. Where a window is new to the counters (a restarted gateway, a flushed Redis) it
+/// starts from these, not from zero; `generation` changes with each fresh read of the ledger.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LedgerUsage {
+    /// Tokens today (UTC).
+    pub day: u64,
+    /// Tokens this calendar month (UTC).
+    pub month: u64,
+    /// Which read of the ledger these figures come from.
+    pub generation: u64,
+}
+
+impl TenantLimits {
+    /// Whether a day or month limit applies (only then is the ledger's usage needed).
+    pub fn has_token_quota(&self) -> bool {
+        self.daily_tokens.is_some() || self.monthly_tokens.is_some()
+    }
 }
 
 /// Why a request was refused.
@@ -220,7 +243,9 @@ impl Limiter {
                 .arg(lim(l.tpm))
                 .arg(lim(l.daily_tokens))
                 .arg(lim(l.monthly_tokens))
-                .arg(lim(l.concurrency));
+                .arg(lim(l.concurrency))
+                .arg(l.used.day)
+                .arg(l.used.month);
         }
         let invocation = inv.invoke_async::<Vec<redis::Value>>(&mut conn);
         let reply = tokio::time::timeout(REDIS_TIMEOUT, invocation)

@@ -1,8 +1,10 @@
 //! Limits kept in this process, for when Redis is unreachable and the tenant's policy says to
 //! keep serving: requests and tokens per minute (GCRA through `governor`) and concurrency,
-//! each divided by the number of gateway replicas so the fleet stays near the quota.
-//! Daily and monthly quotas cannot be enforced without the shared counters; a tenant whose
-//! policy is `refuse` gets 503 instead.
+//! each divided by the number of gateway replicas so the fleet stays near the quota; and daily
+//! and monthly tokens, counted from what the ledger held at its last read ([`LedgerUsage`],
+//! shared by every replica) plus this process's own charges since then (reserved while a
+//! request runs, settled to what it used), so a restart never hands out a fresh day or month.
+//! A tenant whose policy is `refuse` gets 503 instead of local limits.
 
 use std::collections::HashMap;
 use std::num::NonZeroU32;
@@ -12,7 +14,9 @@ use std::time::Duration;
 use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 
-use crate::limits::{Decision, RateState, Refusal, Scope, TenantLimits};
+use chrono::{Datelike, Utc};
+
+use crate::limits::{Decision, LedgerUsage, RateState, Refusal, Scope, TenantLimits};
 
 /// What to do for a tenant when the shared limiter cannot be reached.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -29,6 +33,19 @@ struct Entry {
     requests: Option<DefaultDirectRateLimiter>,
     tokens: Option<DefaultDirectRateLimiter>,
     inflight: u64,
+    /// Tokens reserved by requests in flight.
+    inflight_tokens: u64,
+    /// Tokens settled here since the ledger read `generation`, in `period`.
+    settled: u64,
+    generation: u64,
+    /// (UTC day number, calendar month number) of `settled`.
+    period: (i64, i64),
+}
+
+/// Today's UTC day number and this month's number (year * 12 + month).
+fn current_period() -> (i64, i64) {
+    let now = Utc::now();
+    (now.timestamp().div_euclid(86_400), i64::from(now.year()) * 12 + i64::from(now.month0()))
 }
 
 /// Per-tenant local limiters.
@@ -83,6 +100,7 @@ impl LocalLimiter {
         for name in std::iter::once(tenant).chain(key_scope.as_ref().map(|(n, _)| n.as_str())) {
             if let Some(e) = scopes.get_mut(name) {
                 e.inflight += 1;
+                e.inflight_tokens += tokens;
             }
         }
         Decision::Admitted(state)
@@ -103,9 +121,23 @@ impl LocalLimiter {
             requests: None,
             tokens: None,
             inflight: 0,
+            inflight_tokens: 0,
+            settled: 0,
+            generation: 0,
+            period: (0, 0),
         });
-        if entry.limits != *limits || (entry.requests.is_none() && limits.rpm.is_some()) {
-            entry.limits = *limits;
+        // A new ledger read already holds what was settled here before it; a new day or
+        // month starts over (a read for the new period follows within its refresh).
+        let period = current_period();
+        if entry.generation != limits.used.generation || entry.period != period {
+            entry.generation = limits.used.generation;
+            entry.period = period;
+            entry.settled = 0;
+        }
+        // The ledger's figures change with every read; the rate limiters only with the limits.
+        let rates = TenantLimits { used: LedgerUsage::default(), ..*limits };
+        if entry.limits != rates || (entry.requests.is_none() && limits.rpm.is_some()) {
+            entry.limits = rates;
             entry.requests = per_minute(limits.rpm, self.replicas);
             entry.tokens = per_minute(limits.tpm, self.replicas);
         }
@@ -121,6 +153,20 @@ impl LocalLimiter {
             && entry.inflight >= c.div_ceil(u64::from(self.replicas))
         {
             return refuse(Refusal::Concurrency, Some(Duration::from_secs(1)));
+        }
+        // Day and month: the ledger is shared by every replica, so the limits are not divided.
+        let here = entry.settled + entry.inflight_tokens;
+        let now = Utc::now();
+        if let Some(d) = limits.daily_tokens
+            && limits.used.day + here + tokens > d
+        {
+            let next_day = (period.0 + 1) * 86_400 - now.timestamp();
+            return refuse(Refusal::DailyTokens, Some(Duration::from_secs(next_day.max(1) as u64)));
+        }
+        if let Some(m) = limits.monthly_tokens
+            && limits.used.month + here + tokens > m
+        {
+            return refuse(Refusal::MonthlyTokens, Some(until_next_month(now)));
         }
         if let Some(r) = &entry.requests
             && let Err(not_until) = r.check()
@@ -141,16 +187,30 @@ impl LocalLimiter {
         Ok(state)
     }
 
-    /// Ends an admitted request (`key`: the key id when it was admitted with key limits).
-    pub fn release(&self, tenant: &str, key: Option<&str>) {
+    /// Ends an admitted request (`key`: the key id when it was admitted with key limits):
+    /// of the `reserved` tokens, `used` stay charged to the day and month.
+    pub fn release(&self, tenant: &str, key: Option<&str>, reserved: u64, used: u64) {
         let mut scopes = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
         let key_name = key.map(|k| key_entry(tenant, k));
         for name in std::iter::once(tenant).chain(key_name.as_deref()) {
             if let Some(e) = scopes.get_mut(name) {
                 e.inflight = e.inflight.saturating_sub(1);
+                e.inflight_tokens = e.inflight_tokens.saturating_sub(reserved);
+                e.settled += used;
             }
         }
     }
+}
+
+fn until_next_month(now: chrono::DateTime<Utc>) -> Duration {
+    let (y, m) =
+        if now.month() == 12 { (now.year() + 1, 1) } else { (now.year(), now.month() + 1) };
+    let next = chrono::NaiveDate::from_ymd_opt(y, m, 1)
+        .and_then(|d| d.and_hms_opt(0, 0, 0))
+        .map(|t| t.and_utc());
+    next.map_or(Duration::from_secs(86_400), |n| {
+        (n - now).to_std().unwrap_or(Duration::from_secs(1))
+    })
 }
 
 /// The local entry of one key's scope (tenant ids cannot contain the separator).
@@ -173,13 +233,13 @@ mod tests {
             l.admit("a", None, 1, &limits),
             Decision::Refused { reason: Refusal::Concurrency, .. }
         ));
-        l.release("a", None);
-        l.release("a", None);
+        l.release("a", None, 1, 1);
+        l.release("a", None, 1, 1);
         let mut admitted = 2;
         for _ in 0..10 {
             if matches!(l.admit("a", None, 1, &limits), Decision::Admitted(_)) {
                 admitted += 1;
-                l.release("a", None);
+                l.release("a", None, 1, 1);
             }
         }
         assert_eq!(admitted, 5);
@@ -212,8 +272,48 @@ mod tests {
             Decision::Refused { reason: Refusal::Concurrency, scope: Scope::Tenant, .. } => {}
             other => return Err(format!("expected the tenant's concurrency refusal: {other:?}")),
         }
-        l.release("t", Some("k1"));
+        l.release("t", Some("k1"), 1, 1);
         assert!(matches!(l.admit("t", Some(("k1", &key)), 1, &tenant), Decision::Admitted(_)));
         Ok(())
+    }
+
+    #[test]
+    fn day_and_month_count_from_the_ledger_and_what_ran_here() {
+        let l = LocalLimiter::new(2);
+        let used = LedgerUsage { day: 3_600, month: 3_600, generation: 1 };
+        let capped = TenantLimits { daily_tokens: Some(100), used, ..Default::default() };
+        // 3,600 already in the ledger: a daily cap of 100 refuses at once (a restarted
+        // gateway starts from the ledger, not from zero).
+        assert!(matches!(
+            l.admit("q", None, 10, &capped),
+            Decision::Refused { reason: Refusal::DailyTokens, retry_after: Some(_), .. }
+        ));
+        // Reserved while running, settled to what was used, not divided among replicas.
+        let fresh = TenantLimits {
+            daily_tokens: Some(100),
+            monthly_tokens: Some(150),
+            used: LedgerUsage { day: 0, month: 40, generation: 1 },
+            ..Default::default()
+        };
+        assert!(matches!(l.admit("r", None, 60, &fresh), Decision::Admitted(_)));
+        assert!(matches!(
+            l.admit("r", None, 50, &fresh),
+            Decision::Refused { reason: Refusal::DailyTokens, .. }
+        ));
+        l.release("r", None, 60, 20);
+        assert!(matches!(l.admit("r", None, 80, &fresh), Decision::Admitted(_)));
+        l.release("r", None, 80, 80);
+        // 40 + 20 + 80 this month: 10 left.
+        assert!(matches!(
+            l.admit("r", None, 11, &TenantLimits { daily_tokens: None, ..fresh }),
+            Decision::Refused { reason: Refusal::MonthlyTokens, .. }
+        ));
+        // A new read of the ledger holds what was settled here: it is not counted twice.
+        let reread = TenantLimits {
+            used: LedgerUsage { day: 100, month: 140, generation: 2 },
+            daily_tokens: None,
+            ..fresh
+        };
+        assert!(matches!(l.admit("r", None, 10, &reread), Decision::Admitted(_)));
     }
 }

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use chrono::{DateTime, Utc};
+use chrono::{DateTime, Datelike, DurationRound, Utc};
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::{HttpPeer, Session};
 use pingora::proxy::ProxyHttp;
@@ -26,12 +26,13 @@ use pingora::{Error, ErrorSource, ErrorType, Result};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use sluice_billing::control::{KeyGrant, QuotaSettings};
+use sluice_billing::event::is_refused;
 use sluice_billing::{FinishReason, Ledger, UsageEvent};
 use sluice_engine::template::{ChatMessage, ChatTemplate};
 use sluice_engine::tokenizer::Tokenizer;
 
 use crate::idempotency::{self, Claim, Idempotency, RUNNING_TTL, Stored};
-use crate::limits::{Decision, Limiter, RateState, Refusal, Scope, TenantLimits};
+use crate::limits::{Decision, LedgerUsage, Limiter, RateState, Refusal, Scope, TenantLimits};
 use crate::local::{LocalLimiter, RedisDownPolicy};
 use crate::metrics::{GatewayMetrics, RefusalLabels, RequestLabels};
 use crate::observe::{StreamObserver, Timings};
@@ -64,8 +65,9 @@ impl TokenCounter {
     /// Prompt tokens of a chat request, and the rendered prompt.
     fn chat(&self, messages: &[ChatMessage]) -> std::result::Result<(usize, String), String> {
         let t = self.template.as_ref().ok_or("the model has no chat template")?;
-        let text = t.render(messages, true).map_err(|e| e.to_string())?;
-        Ok((self.encode(&text)?, text))
+        let (ids, text) = sluice_engine::template::encode_chat(t, &self.tokenizer, messages, true)
+            .map_err(|e| e.to_string())?;
+        Ok((ids.len(), text))
     }
 }
 
@@ -118,6 +120,9 @@ pub struct GatewayConfig {
     pub name: String,
 }
 
+/// The ledger's usage by scope: when it was read, for which UTC day, the figures.
+type UsageReads = HashMap<String, (Instant, DateTime<Utc>, LedgerUsage)>;
+
 /// Key lookups by SHA-256 of the secret (never the secret itself), with when they were made.
 type KeyCache = HashMap<[u8; 32], (Instant, Option<Arc<KeyGrant>>)>;
 
@@ -136,6 +141,11 @@ pub struct Gateway {
     identities: Mutex<HashMap<String, Value>>,
     metrics: GatewayMetrics,
     workers: Arc<Workers>,
+    /// The ledger's usage by scope: when read, for which UTC day, the figures.
+    usage_reads: Mutex<UsageReads>,
+    usage_generation: std::sync::atomic::AtomicU64,
+    /// Asks engines what they did for requests whose final count never arrived.
+    http: reqwest::Client,
     /// The async runtime that owns the database and Redis connections.
     io: tokio::runtime::Handle,
 }
@@ -171,6 +181,9 @@ impl Gateway {
             keys: Mutex::new(HashMap::new()),
             identities: Mutex::new(HashMap::new()),
             metrics: GatewayMetrics::default(),
+            http: reqwest::Client::new(),
+            usage_reads: Mutex::new(HashMap::new()),
+            usage_generation: std::sync::atomic::AtomicU64::new(0),
             io,
         }
     }
@@ -238,9 +251,63 @@ impl Gateway {
             daily_tokens: u(q.daily_tokens),
             monthly_tokens: u(q.monthly_tokens),
             concurrency: u(q.concurrency),
+            used: LedgerUsage::default(),
+        }
+    }
+
+    /// The billed tokens the ledger holds for a scope today and this month, read at most
+    /// every [`USAGE_REFRESH`] (and again when the day changes). An unreadable ledger keeps
+    /// the last figures (or none), with a warning: admission does not stop for it.
+    async fn ledger_usage(&self, tenant: &str, key: Option<&str>) -> LedgerUsage {
+        let name = match key {
+            Some(k) => format!("{tenant}/{k}"),
+            None => tenant.to_owned(),
+        };
+        let now = Utc::now();
+        let day_start = now.duration_trunc(chrono::TimeDelta::days(1)).unwrap_or(now);
+        let month_start = day_start.with_day(1).unwrap_or(day_start);
+        let cached = {
+            let reads = self.usage_reads.lock().unwrap_or_else(|e| e.into_inner());
+            reads.get(&name).copied()
+        };
+        if let Some((at, day, u)) = cached
+            && day == day_start
+            && at.elapsed() < USAGE_REFRESH
+        {
+            return u;
+        }
+        let (ledger, t, k) = (self.ledger.clone(), tenant.to_owned(), key.map(str::to_owned));
+        let read = self
+            .on_io(
+                async move { ledger.tokens_used(&t, k.as_deref(), day_start, month_start).await },
+            )
+            .await;
+        match read {
+            Ok(Ok((day, month))) => {
+                let generation =
+                    self.usage_generation.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+                let u = LedgerUsage { day, month, generation };
+                let mut reads = self.usage_reads.lock().unwrap_or_else(|e| e.into_inner());
+                if reads.len() > 100_000 {
+                    reads.clear();
+                }
+                reads.insert(name, (Instant::now(), day_start, u));
+                u
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "reading the ledger's usage failed");
+                cached.map(|c| c.2).unwrap_or_default()
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "reading the ledger's usage failed");
+                cached.map(|c| c.2).unwrap_or_default()
+            }
         }
     }
 }
+
+/// How long the ledger's day and month figures are trusted before they are read again.
+const USAGE_REFRESH: Duration = Duration::from_secs(15);
 
 /// Per-request state.
 pub struct Ctx {
@@ -396,8 +463,10 @@ impl Gateway {
                 .code("invalid_api_key")
         };
         let secret = header(&req, "authorization")
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(str::trim)
+            .and_then(|v| v.split_once(' '))
+            // The scheme is case-insensitive (RFC 9110).
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, t)| t.trim())
             .ok_or_else(bad_key)?
             .to_owned();
         let grant = self
@@ -671,8 +740,11 @@ impl Gateway {
         }
         // Admission by tokens: the prompt and the largest possible output of every choice.
         ctx.reserved = ctx.prompt_tokens + max_tokens * n;
-        let limits = Self::limits(q);
+        let mut limits = Self::limits(q);
         let tenant = grant.tenant_id.clone();
+        if limits.has_token_quota() {
+            limits.used = self.ledger_usage(&tenant, None).await;
+        }
         // A key with limits of its own is held to them too, in the same atomic admission.
         let key_limits = (!grant.key_limits.is_empty()).then(|| {
             let k = &grant.key_limits;
@@ -685,6 +757,13 @@ impl Gateway {
                 ..QuotaSettings::default()
             })
         });
+        let key_limits = match key_limits {
+            Some(mut l) if l.has_token_quota() => {
+                l.used = self.ledger_usage(&tenant, Some(&grant.key_id)).await;
+                Some(l)
+            }
+            other => other,
+        };
         ctx.key_scope = key_limits.map(|l| (grant.key_id.clone(), l));
         let key = ctx.key_scope.as_ref().map(|(k, l)| (k.as_str(), l));
         let decision = match &self.limiter {
@@ -944,7 +1023,12 @@ impl Gateway {
                 ctx.prompt_sha256.clone()
             },
             prompt_chars: u32::try_from(ctx.prompt_chars).unwrap_or(u32::MAX),
-            cost_micros: self.cfg.prices.cost(ctx.prompt_tokens, cached, completion),
+            // A tenant pays for work done: nothing for a request the client was refused.
+            cost_micros: if is_refused(ctx.status) {
+                0
+            } else {
+                self.cfg.prices.cost(ctx.prompt_tokens, cached, completion)
+            },
         })
     }
 
@@ -987,10 +1071,59 @@ impl Gateway {
                     }
                 }
             }
-            Some(AdmitVia::Local) => self
-                .local
-                .release(&grant.tenant_id, ctx.key_scope.as_ref().map(|(k, _)| k.as_str())),
+            Some(AdmitVia::Local) => self.local.release(
+                &grant.tenant_id,
+                ctx.key_scope.as_ref().map(|(k, _)| k.as_str()),
+                ctx.reserved,
+                used,
+            ),
             None => {}
+        }
+    }
+}
+
+/// What an engine says it did for a request (`GET /v1/internal/requests/{id}`).
+#[derive(Debug, serde::Deserialize)]
+struct EngineOutcome {
+    state: String,
+    completion_tokens: u64,
+    cached_tokens: u64,
+}
+
+/// How long the gateway waits for an engine to finish aborting a request it asks about.
+const OUTCOME_WAIT: Duration = Duration::from_secs(10);
+
+impl Gateway {
+    /// The engine's own count for this request, once it has ended there (`None` when the
+    /// worker cannot say: unreachable, or it never ran the request).
+    async fn engine_outcome(&self, ctx: &Ctx) -> Option<EngineOutcome> {
+        let worker = ctx.worker.clone()?;
+        let url = format!(
+            "http://{worker}/v1/internal/requests/{}?wait_ms={}",
+            ctx.request_id,
+            OUTCOME_WAIT.as_millis()
+        );
+        let (http, token) = (self.http.clone(), self.cfg.internal_token.clone());
+        let ask = async move {
+            let mut req = http.get(url).timeout(OUTCOME_WAIT + Duration::from_secs(5));
+            if let Some(t) = token {
+                req = req.bearer_auth(t);
+            }
+            let resp = req.send().await.ok()?.error_for_status().ok()?;
+            resp.json::<EngineOutcome>().await.ok()
+        };
+        let o = self.on_io(ask).await.ok().flatten();
+        match o {
+            Some(o) if o.state == "finished" => Some(o),
+            Some(o) => {
+                tracing::warn!(request_id = %ctx.request_id, state = %o.state,
+                    "engine still running the request; billing its count so far");
+                Some(o)
+            }
+            None => {
+                tracing::warn!(request_id = %ctx.request_id, "the engine's count is unavailable");
+                None
+            }
         }
     }
 }
@@ -1097,6 +1230,44 @@ impl ProxyHttp for Gateway {
         ctx.tried.push(w.addr.clone());
         ctx.worker = Some(w.addr.clone());
         Ok(Box::new(HttpPeer::new(w.addr.as_str(), false, String::new())))
+    }
+
+    async fn fail_to_proxy(
+        &self,
+        session: &mut Session,
+        e: &Error,
+        ctx: &mut Ctx,
+    ) -> pingora::proxy::FailToProxy {
+        let code = match e.etype() {
+            ErrorType::HTTPStatus(code) => *code,
+            // No worker left to try.
+            ErrorType::ConnectNoRoute => 502,
+            _ => match e.esource() {
+                ErrorSource::Upstream => 502,
+                ErrorSource::Downstream => match e.etype() {
+                    // The client is gone: nothing to answer.
+                    ErrorType::WriteError | ErrorType::ReadError | ErrorType::ConnectionClosed => 0,
+                    _ => 400,
+                },
+                ErrorSource::Internal | ErrorSource::Unset => 500,
+            },
+        };
+        // Only while nothing of the response was sent: OpenAI's error JSON, and the status
+        // the client got is the one recorded.
+        if code > 0 && ctx.status == 0 {
+            let (kind, message) = match code {
+                502 => ("server_error", "the engine could not be reached; retry shortly"),
+                504 => ("server_error", "the engine did not answer in time"),
+                400..=499 => ("invalid_request_error", "the request could not be read"),
+                _ => ("server_error", "the gateway failed to proxy the request"),
+            };
+            let body = error_json(message, kind, None, Some("upstream_error"));
+            let headers = [("x-sluice-request-id".to_owned(), ctx.request_id.clone())];
+            if respond(session, code, body, &headers).await.is_ok() {
+                ctx.status = code;
+            }
+        }
+        pingora::proxy::FailToProxy { error_code: code, can_reuse_downstream: false }
     }
 
     fn fail_to_connect(
@@ -1341,12 +1512,23 @@ impl ProxyHttp for Gateway {
         let usage = timings.usage.clone().unwrap_or(Value::Null);
         let downstream_gone = e.is_some_and(|e| matches!(e.esource(), ErrorSource::Downstream))
             || (ctx.stream && !timings.done && ctx.status == 200);
-        let completion = usage["completion_tokens"].as_u64().unwrap_or(timings.streamed_tokens);
-        let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+        let mut completion = usage["completion_tokens"].as_u64().unwrap_or(timings.streamed_tokens);
+        let mut cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
+        if usage.is_null() && (ctx.status == 200 || ctx.status == 0) {
+            // The engine's final count never reached us (the client went away, or the
+            // connection broke): the engine says what it did.
+            if let Some(o) = self.engine_outcome(ctx).await {
+                completion = o.completion_tokens;
+                cached = o.cached_tokens;
+            }
+        }
         let (finish, error) = if downstream_gone {
             (FinishReason::ClientDisconnected, None)
         } else if let Some(e) = e {
             (FinishReason::Error, Some(format!("{:?}", e.etype())))
+        } else if (400..500).contains(&ctx.status) {
+            // The engine refused it (validation) before any work.
+            (FinishReason::Rejected, Some(format!("http_{}", ctx.status)))
         } else if ctx.status >= 400 {
             (FinishReason::Error, Some(format!("http_{}", ctx.status)))
         } else {

@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use sluice_gateway::limits::{Decision, Limiter, Refusal, Scope, TenantLimits};
+use sluice_gateway::limits::{Decision, LedgerUsage, Limiter, Refusal, Scope, TenantLimits};
 
 const REDIS_URL: &str = "redis://127.0.0.1:6379";
 
@@ -207,5 +207,27 @@ async fn headers_show_the_tighter_of_tenant_and_key() -> anyhow::Result<()> {
     ensure!(refused_by(&d) == Some((Refusal::Rpm, Scope::Key)), "{d:?}");
     // The tenant's own requests are not held to the key's limit.
     ensure!(admitted(&l.admit("h", "d", 10, &tenant).await?));
+    Ok(())
+}
+
+#[tokio::test]
+async fn new_day_and_month_windows_start_from_the_ledger() -> anyhow::Result<()> {
+    // A flushed Redis (a fresh prefix: no counters) with 3,600 tokens already billed today.
+    let l = limiter(&prefix(), Duration::from_secs(60)).await?;
+    let used = LedgerUsage { day: 3_600, month: 3_600, generation: 1 };
+    let daily = TenantLimits { daily_tokens: Some(100), used, ..Default::default() };
+    let d = l.admit("d", "a", 10, &daily).await?;
+    ensure!(refused_for(&d) == Some(Refusal::DailyTokens), "{d:?}");
+    // The month starts from the ledger's figure too, and keeps counting on from it.
+    let monthly = TenantLimits {
+        monthly_tokens: Some(4_000),
+        used: LedgerUsage { day: 0, month: 3_900, generation: 1 },
+        ..Default::default()
+    };
+    ensure!(admitted(&l.admit("m", "x", 100, &monthly).await?));
+    ensure!(l.settle("m", None, "x", 60).await?);
+    let d = l.admit("m", "y", 41, &monthly).await?;
+    ensure!(refused_for(&d) == Some(Refusal::MonthlyTokens), "{d:?}");
+    ensure!(admitted(&l.admit("m", "z", 40, &monthly).await?));
     Ok(())
 }

@@ -16,6 +16,7 @@ use crate::sampler::{Sampler, log_softmax, top_n};
 use crate::serve::block_pool::CacheKey;
 use crate::serve::kv_manager::KvManager;
 use crate::serve::metrics::{EngineMetrics, FinishLabel};
+use crate::serve::outcomes::OutcomeLog;
 use crate::serve::scheduler::{Fcfs, Scheduler, SchedulerConfig};
 use crate::serve::stop::{StopOutcome, StopText};
 use crate::serve::{
@@ -103,6 +104,7 @@ pub struct EngineCore {
     sched: Scheduler,
     reqs: HashMap<String, ReqState>,
     metrics: Arc<EngineMetrics>,
+    outcomes: Arc<OutcomeLog>,
 }
 
 impl EngineCore {
@@ -165,6 +167,7 @@ impl EngineCore {
             sched,
             reqs: HashMap::new(),
             metrics,
+            outcomes: Arc::default(),
         })
     }
 
@@ -213,6 +216,11 @@ impl EngineCore {
         self.sched.add(r.request_id.clone(), r.prompt.clone(), r.cache_scope.clone(), r.priority);
         self.reqs.insert(r.request_id.clone(), state);
         self.update_gauges();
+    }
+
+    /// What the engine did for each recent request, shared with readers.
+    pub fn outcomes(&self) -> Arc<OutcomeLog> {
+        Arc::clone(&self.outcomes)
     }
 
     /// Aborts a request: its blocks are freed now; tokens so far count.
@@ -498,6 +506,7 @@ impl EngineCore {
             .finished
             .get_or_create(&FinishLabel { finished_reason: reason.as_str().into() })
             .inc();
+        self.outcomes.ended(id, &usage, reason);
         let _ = st.tx.send(EngineEvent::Finished { reason, text, usage, timings, error });
         self.update_gauges();
     }

@@ -10,6 +10,7 @@ use crate::error::{EngineError, Result};
 use crate::loader::LoadedModel;
 use crate::serve::core::{EngineConfig, EngineCore, EngineStats};
 use crate::serve::metrics::EngineMetrics;
+use crate::serve::outcomes::OutcomeLog;
 use crate::serve::{EngineEvent, ValidRequest};
 
 enum Command {
@@ -25,6 +26,7 @@ struct Inner {
     config: EngineConfig,
     metrics: Arc<EngineMetrics>,
     capacity_tokens: usize,
+    outcomes: Arc<OutcomeLog>,
     thread: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -106,6 +108,7 @@ impl EngineHandle {
         let metrics = Arc::new(EngineMetrics::new());
         let core = EngineCore::new(Arc::clone(&model), config.clone(), Arc::clone(&metrics))?;
         let capacity_tokens = core.capacity_tokens();
+        let outcomes = core.outcomes();
         let (tx, rx) = std_mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("sluice-engine".into())
@@ -118,9 +121,15 @@ impl EngineHandle {
                 config,
                 metrics,
                 capacity_tokens,
+                outcomes,
                 thread: std::sync::Mutex::new(Some(thread)),
             }),
         })
+    }
+
+    /// What the engine did for each recent request (register choices before submitting).
+    pub fn outcomes(&self) -> &Arc<OutcomeLog> {
+        &self.inner.outcomes
     }
 
     /// The served model.

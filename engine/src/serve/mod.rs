@@ -9,6 +9,7 @@ pub mod core;
 pub mod handle;
 pub mod kv_manager;
 pub mod metrics;
+pub mod outcomes;
 pub mod scheduler;
 pub mod stop;
 

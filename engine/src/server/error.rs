@@ -100,6 +100,17 @@ impl ApiError {
         }
     }
 
+    /// 404: no request with this id is remembered.
+    pub fn unknown_request(id: &str) -> ApiError {
+        ApiError {
+            status: StatusCode::NOT_FOUND,
+            message: format!("no request `{id}` is remembered by this engine"),
+            kind: "invalid_request_error",
+            param: None,
+            code: Some("request_not_found"),
+        }
+    }
+
     /// 404: the request names a model this engine does not serve.
     pub fn model_not_found(model: &str) -> ApiError {
         ApiError {

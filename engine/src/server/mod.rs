@@ -116,6 +116,7 @@ pub fn router(handle: EngineHandle, cfg: ServerConfig) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model_card))
+        .route("/v1/internal/requests/{id}", get(outcome))
         // Long-context prompts: above the gateway's 2 MiB cap, so the gateway's is the one hit.
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(Arc::clone(&app), api_layer));
@@ -248,9 +249,16 @@ async fn generate(
         .map_err(|e| ApiError::internal(format!("request validation failed: {e}")))??
     };
     let mut streams = Vec::with_capacity(plan.params.n);
+    let outcomes = app.handle.outcomes();
     for r in plan.requests(&ctx) {
+        // Registered first, so its end is recorded however it ends.
+        let choice = r.request_id.clone();
+        outcomes.register(&ctx.request_id, &choice, ctx.tenant.as_deref());
         // Sizes were checked above, so a refusal here means the engine is gone or full.
-        let s = app.handle.submit(r).map_err(|e| ApiError::from_engine(&e, Some("max_tokens")))?;
+        let s = app.handle.submit(r).map_err(|e| {
+            outcomes.unregister(&choice);
+            ApiError::from_engine(&e, Some("max_tokens"))
+        })?;
         streams.push(s);
     }
     let stream = plan.params.stream;
@@ -270,6 +278,30 @@ async fn generate(
         Ok(respond::stream(shaper, events))
     } else {
         respond::collect(shaper, events).await
+    }
+}
+
+/// `?wait_ms=`: how long to wait for a running request to end (at most 30 s).
+#[derive(serde::Deserialize)]
+struct OutcomeQuery {
+    wait_ms: Option<u64>,
+}
+
+/// `GET /v1/internal/requests/{id}`: the tokens the engine prefilled and generated for a
+/// request and how it ended (behind the internal token like every `/v1` route): the gateway
+/// bills a request whose client went away by it.
+async fn outcome(
+    State(app): State<Arc<App>>,
+    Path(id): Path<String>,
+    axum::extract::Query(q): axum::extract::Query<OutcomeQuery>,
+) -> Response {
+    let wait = Duration::from_millis(q.wait_ms.unwrap_or(0).min(30_000));
+    let log = Arc::clone(app.handle.outcomes());
+    let key = id.clone();
+    match tokio::task::spawn_blocking(move || log.get(&key, wait)).await {
+        Ok(Some(o)) => Json(o).into_response(),
+        Ok(None) => ApiError::unknown_request(&id).into_response(),
+        Err(e) => ApiError::internal(format!("outcome lookup failed: {e}")).into_response(),
     }
 }
 

@@ -10,6 +10,7 @@ use crate::serve::{CacheScope, ValidRequest};
 use crate::server::context::RequestContext;
 use crate::server::error::ApiError;
 use crate::server::openai::{ChatFields, CompletionFields, GenerationParams, SamplingFields};
+use crate::template::encode_chat;
 
 /// Most stop strings per request (OpenAI's cap).
 pub const MAX_STOP: usize = 4;
@@ -174,13 +175,8 @@ pub fn chat_plan(body: &Value, model: &LoadedModel, limits: &Limits) -> Result<P
     let template = model.template.as_ref().ok_or_else(|| {
         ApiError::invalid("messages", "this model has no chat template; use /v1/completions")
     })?;
-    let rendered = template
-        .render(&messages, true)
-        .map_err(|e| ApiError::from_engine(&e, Some("messages")))?;
-    // The rendered template carries its own BOS when the model wants one.
-    let prompt = model
-        .tokenizer
-        .encode(&rendered, true)
+    // Content is text: only the template's own structure yields special tokens.
+    let (prompt, _) = encode_chat(template, &model.tokenizer, &messages, true)
         .map_err(|e| ApiError::from_engine(&e, Some("messages")))?;
     check_prompt_len(prompt.len(), "messages", limits)?;
     let top = match (f.logprobs, f.top_logprobs) {

@@ -1,0 +1,315 @@
+//! The ledger as an auditor reads it, per request id, against what the client got and what the
+//! engine did: `sluice gateway` (no Redis: in-process limits, the usage writer beside it) in
+//! front of a real `sluice engine` running the default model.
+//!
+//! - Refused requests (413, 429, an engine's 400, an unreachable engine's 502) cost nothing;
+//!   each row records the status the client got, and the client got OpenAI's error JSON.
+//! - A non-streamed request whose client hung up is billed for the tokens the engine generated
+//!   (the engine's own count: its outcome record and its Prometheus counter).
+//! - Daily token quotas hold without Redis, counting usage already in the ledger, also across
+//!   a gateway restart.
+
+#[path = "../engine/tests/common/mod.rs"]
+mod common;
+mod support;
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use serde_json::{Value, json};
+use sluice_billing::Ledger;
+use sluice_billing::auth::{Principal, Role};
+use sluice_billing::control::{NewTenant, QuotaSettings, RecordFilter};
+use support::{Proc, free_port, spawn_sluice, wait_healthy};
+
+const MODEL_ID: &str = "smollm2-135m-instruct";
+const TOKEN: &str = "internal-tok";
+
+struct Platform {
+    model: String,
+    db: String,
+    engine: String,
+    _engine_proc: Proc,
+}
+
+impl Platform {
+    fn gateway(&self, engine: &str) -> anyhow::Result<(Proc, String)> {
+        let listen = format!("127.0.0.1:{}", free_port()?);
+        spawn_sluice(
+            &[
+                "gateway",
+                "--plain-http",
+                "--listen",
+                &listen,
+                "--engine",
+                engine,
+                "--model",
+                &self.model,
+            ],
+            &[("SLUICE_DATABASE_URL", self.db.as_str()), ("SLUICE_INTERNAL_TOKEN", TOKEN)],
+        )
+        .map(|(p, a)| (p, format!("http://{a}")))
+    }
+}
+
+async fn records(
+    ledger: &Ledger,
+    tenant: &str,
+) -> anyhow::Result<Vec<serde_json::Map<String, Value>>> {
+    let filter =
+        RecordFilter { tenant: Some(tenant.to_owned()), limit: 1000, ..Default::default() };
+    Ok(ledger.records(&filter).await?.records)
+}
+
+/// Polls the ledger until `tenant` has `n` rows (the usage writer commits in batches).
+async fn wait_rows(
+    ledger: &Ledger,
+    tenant: &str,
+    n: usize,
+) -> anyhow::Result<Vec<serde_json::Map<String, Value>>> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let rows = records(ledger, tenant).await?;
+        if rows.len() >= n {
+            ensure!(rows.len() == n, "{tenant}: {} rows, expected {n}", rows.len());
+            return Ok(rows);
+        }
+        ensure!(Instant::now() < deadline, "{tenant}: {} of {n} rows after 30 s", rows.len());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn engine_generated(c: &reqwest::Client, engine: &str) -> anyhow::Result<u64> {
+    let text = c.get(format!("http://{engine}/metrics")).send().await?.text().await?;
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("sluice_engine_generation_tokens_total "))
+        .context("no generation token counter")?;
+    Ok(line.split_whitespace().nth(1).context("value")?.parse::<f64>()? as u64)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_are_free_abandoned_work_is_billed_and_day_quotas_hold() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let db = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let ledger = Ledger::connect(&db).await?;
+    let ops = Principal { actor: "test".into(), role: Role::Ops, tenant: None };
+    let mut keys = HashMap::new();
+    for id in ["refused", "abandon", "daily"] {
+        let new = NewTenant { id: id.into(), name: None, tier: None, overrides: None };
+        ledger.create_tenant(&ops, &new).await?;
+        keys.insert(id, ledger.issue_key(&ops, id, None, None, Default::default()).await?.1);
+    }
+    let refusing =
+        QuotaSettings { rpm: Some(4), max_prompt_tokens: Some(40), ..Default::default() };
+    ledger.set_quota(&ops, "refused", &refusing).await?;
+
+    let model = common::default_model()?.to_str().context("utf-8")?.to_owned();
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    let (engine_proc, engine) = spawn_sluice(
+        &[
+            "engine",
+            "--model",
+            &model,
+            "--listen",
+            &listen,
+            "--internal-token",
+            TOKEN,
+            "--served-model-name",
+            MODEL_ID,
+            "--kv-cache-mb",
+            "64",
+        ],
+        &[],
+    )?;
+    let p = Platform { model, db: db.clone(), engine, _engine_proc: engine_proc };
+    let (gw_proc, gw) = p.gateway(&p.engine)?;
+    let c = reqwest::Client::builder().timeout(Duration::from_secs(120)).build()?;
+    wait_healthy(&c, &format!("{gw}/health")).await?;
+
+    // ---- refusals: what the client got, and what the ledger charged ----
+    let post = |body: Value, key: &str, base: &str| {
+        let (c, url, key) = (c.clone(), format!("{base}/v1/completions"), key.to_owned());
+        async move {
+            let r = c.post(url).bearer_auth(key).json(&body).send().await?;
+            let status = r.status().as_u16();
+            let id = r.headers().get("x-sluice-request-id").and_then(|v| v.to_str().ok());
+            let id = id.map(str::to_owned);
+            let body: Value = serde_json::from_slice(&r.bytes().await?).unwrap_or(Value::Null);
+            anyhow::Ok((status, id, body))
+        }
+    };
+    let k = keys["refused"].clone();
+    let ok = json!({"model": MODEL_ID, "prompt": "One, two,", "max_tokens": 3});
+    let long = json!({"model": MODEL_ID, "prompt": "word ".repeat(60), "max_tokens": 3});
+    let bad_temp = json!({"model": MODEL_ID, "prompt": "Hi", "max_tokens": 3, "temperature": -1});
+    let mut seen = Vec::new();
+    seen.push(("served", post(ok.clone(), &k, &gw).await?));
+    seen.push(("prompt_too_long", post(long, &k, &gw).await?));
+    seen.push(("engine_400", post(bad_temp, &k, &gw).await?));
+    for _ in 0..3 {
+        seen.push(("rpm", post(ok.clone(), &k, &gw).await?));
+    }
+    // A gateway whose only engine is gone: 502 with a body the SDKs can read.
+    let dead = format!("127.0.0.1:{}", free_port()?);
+    let (mut dead_gw, dead_url) = p.gateway(&dead)?;
+    wait_healthy(&c, &format!("{dead_url}/health")).await?;
+    seen.push(("unreachable", post(ok.clone(), &keys["abandon"], &dead_url).await?));
+    dead_gw.stop()?;
+    let statuses: Vec<(&str, u16)> = seen.iter().map(|(k, (s, _, _))| (*k, *s)).collect();
+    ensure!(
+        statuses
+            == [
+                ("served", 200),
+                ("prompt_too_long", 413),
+                ("engine_400", 400),
+                ("rpm", 200),
+                ("rpm", 200),
+                ("rpm", 429),
+                ("unreachable", 502),
+            ],
+        "{statuses:?}"
+    );
+    for (kind, (status, id, body)) in &seen {
+        ensure!(id.is_some(), "{kind}: no request id");
+        if *status != 200 {
+            ensure!(
+                body["error"]["message"].as_str().is_some_and(|m| !m.is_empty()),
+                "{kind}: {body}"
+            );
+        }
+    }
+    let rows = wait_rows(&ledger, "refused", 6).await?;
+    let mut rows_by_id: HashMap<String, _> = rows
+        .into_iter()
+        .map(|r| (r["request_id"].as_str().unwrap_or_default().to_owned(), r))
+        .collect();
+    rows_by_id.extend(
+        wait_rows(&ledger, "abandon", 1)
+            .await?
+            .into_iter()
+            .map(|r| (r["request_id"].as_str().unwrap_or_default().to_owned(), r)),
+    );
+    for (kind, (status, id, _)) in &seen {
+        let r = rows_by_id
+            .get(id.as_deref().unwrap_or_default())
+            .with_context(|| format!("{kind}: no row"))?;
+        ensure!(
+            r["http_status"] == *status,
+            "{kind}: the row says {} to a client that got {status}",
+            r["http_status"]
+        );
+        ensure!(
+            r["prompt_tokens"].as_u64().is_some_and(|n| n > 0),
+            "{kind}: prompt not recorded: {r:?}"
+        );
+        if *status == 200 {
+            ensure!(
+                r["cost_micros"].as_u64().is_some_and(|c| c > 0),
+                "{kind}: served for free: {r:?}"
+            );
+        } else {
+            ensure!(r["cost_micros"] == 0, "{kind}: a refused request was charged: {r:?}");
+            ensure!(r["completion_tokens"] == 0, "{kind}: {r:?}");
+            let want = if *status == 502 { "error" } else { "rejected" };
+            ensure!(r["finish_reason"] == want, "{kind}: {r:?}");
+        }
+    }
+    // Usage: billed requests apart from refused ones.
+    let usage = ledger
+        .usage(&sluice_billing::control::UsageFilter {
+            period: "day".into(),
+            tenant: Some("refused".into()),
+            model: None,
+            since: None,
+            until: None,
+        })
+        .await?;
+    let (billed, refused): (i64, i64) =
+        usage.iter().fold((0, 0), |(b, r), u| (b + u.requests, r + u.refused_requests));
+    ensure!((billed, refused) == (3, 3), "usage: {usage:?}");
+
+    // ---- abandoned non-streamed requests: billed for what the engine generated ----
+    let before = engine_generated(&c, &p.engine).await?;
+    let impatient = reqwest::Client::builder().timeout(Duration::from_millis(1500)).build()?;
+    let long_answer = json!({
+        "model": MODEL_ID, "prompt": "Write a long story about a dragon.", "max_tokens": 400,
+        "ignore_eos": true
+    });
+    let mut tasks = Vec::new();
+    for _ in 0..3 {
+        let (c, url, key, body) = (
+            impatient.clone(),
+            format!("{gw}/v1/completions"),
+            keys["abandon"].clone(),
+            long_answer.clone(),
+        );
+        tasks.push(tokio::spawn(
+            async move { c.post(url).bearer_auth(key).json(&body).send().await },
+        ));
+    }
+    for t in tasks {
+        ensure!(t.await?.is_err(), "a 400-token answer arrived within 1.5 s");
+    }
+    let rows = wait_rows(&ledger, "abandon", 4).await?;
+    let abandoned: Vec<_> = rows.iter().filter(|r| r["http_status"] != 502).collect();
+    ensure!(abandoned.len() == 3, "{rows:?}");
+    let mut billed = 0;
+    for r in &abandoned {
+        let id = r["request_id"].as_str().context("id")?;
+        let o: Value = c
+            .get(format!("http://{}/v1/internal/requests/{id}", p.engine))
+            .bearer_auth(TOKEN)
+            .send()
+            .await?
+            .json()
+            .await?;
+        ensure!(o["state"] == "finished" && o["finish_reason"] == "abort", "{o}");
+        let generated = o["completion_tokens"].as_u64().context("count")?;
+        ensure!(generated > 0, "the engine generated nothing in 1.5 s: {o}");
+        ensure!(
+            r["completion_tokens"] == generated,
+            "billed {} of the {generated} tokens the engine generated: {r:?}",
+            r["completion_tokens"]
+        );
+        ensure!(r["finish_reason"] == "client_disconnected" && r["http_status"] == 499, "{r:?}");
+        ensure!(r["cost_micros"].as_u64().is_some_and(|c| c > 0), "{r:?}");
+        billed += generated;
+    }
+    let generated = engine_generated(&c, &p.engine).await? - before;
+    ensure!(
+        billed == generated,
+        "billed {billed} tokens; the engine's counter rose by {generated}"
+    );
+
+    // ---- a daily quota, with usage already in the ledger, across a restart ----
+    let d = keys["daily"].clone();
+    for _ in 0..2 {
+        ensure!(post(ok.clone(), &d, &gw).await?.0 == 200);
+    }
+    let used: u64 = wait_rows(&ledger, "daily", 2)
+        .await?
+        .iter()
+        .map(|r| {
+            r["prompt_tokens"].as_u64().unwrap_or(0) + r["completion_tokens"].as_u64().unwrap_or(0)
+        })
+        .sum();
+    let cap = QuotaSettings { daily_tokens: Some(i64::try_from(used)? + 5), ..Default::default() };
+    ledger.set_quota(&ops, "daily", &cap).await?;
+    // Key grants are cached for 2 s.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let (status, _, body) = post(ok.clone(), &d, &gw).await?;
+    ensure!(status == 429 && body["error"]["code"] == "insufficient_quota", "{status} {body}");
+    let mut gw_proc = gw_proc;
+    gw_proc.stop()?;
+    let (_gw2, gw2) = p.gateway(&p.engine)?;
+    wait_healthy(&c, &format!("{gw2}/health")).await?;
+    let (status, _, body) = post(ok.clone(), &d, &gw2).await?;
+    ensure!(
+        status == 429 && body["error"]["code"] == "insufficient_quota",
+        "a restarted gateway handed out a fresh day: {status} {body}"
+    );
+    ledger.close().await;
+    Ok(())
+}
