@@ -280,6 +280,10 @@ struct EngineArgs {
     /// Where the forward pass runs: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: sluice_engine::backend::Device,
+    /// On SIGINT or SIGTERM: how long running requests may go on before they are aborted
+    /// (each still answers with the tokens it has), in seconds.
+    #[arg(long, default_value_t = 30)]
+    drain_timeout: u64,
 }
 
 #[derive(Args, Debug)]
@@ -470,7 +474,7 @@ fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
     let handle = EngineHandle::start(model, config)
         .with_context(|| format!("starting the engine on {}", args.device))?;
     let app = router(
-        handle,
+        handle.clone(),
         ServerConfig {
             served_model_name: args.served_model_name,
             internal_token: args.internal_token,
@@ -491,7 +495,8 @@ fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
         let addr = listener.local_addr()?;
         println!("listening on http://{addr}");
         std::io::stdout().flush()?;
-        serve(listener, app, shutdown_signal()).await.context("serving")?;
+        let drain = std::time::Duration::from_secs(args.drain_timeout);
+        serve(listener, app, handle, shutdown_signal(), drain).await.context("serving")?;
         eprintln!("shut down");
         anyhow::Ok(())
     })

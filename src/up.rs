@@ -19,6 +19,7 @@ use sluice_engine::loader::LoadedModel;
 use sluice_engine::serve::core::EngineConfig;
 use sluice_engine::serve::handle::EngineHandle;
 use sluice_engine::server::{ServerConfig, router as engine_router};
+use sluice_gateway::drain::DrainOnSignal;
 use sluice_gateway::limits::Limiter;
 use sluice_gateway::local::RedisDownPolicy;
 use sluice_gateway::proxy::{Gateway, GatewayConfig, Prices, TokenCounter, Worker};
@@ -65,6 +66,10 @@ pub struct GatewayArgs {
     /// When Redis is unreachable: `local` limits or `refuse` (503).
     #[arg(long, default_value = "local")]
     redis_down: String,
+    /// On SIGINT or SIGTERM: how long running requests may go on before they are cancelled
+    /// (each still billed for what it generated), in seconds.
+    #[arg(long, default_value_t = 30)]
+    drain_timeout: u64,
     /// Usage stream (tests isolate themselves with their own).
     #[arg(long, hide = true, default_value = sluice_billing::ingest::USAGE_STREAM)]
     usage_stream: String,
@@ -123,8 +128,16 @@ pub(crate) fn server_conf() -> pingora::server::configuration::ServerConf {
     }
 }
 
-/// Runs pingora until SIGINT/SIGTERM.
-fn run_proxy(gateway: Gateway, listen: &str, tls: Option<(&Path, &Path)>) -> anyhow::Result<()> {
+/// Runs pingora until SIGINT/SIGTERM, then drains: running requests have `drain` to finish,
+/// what is left is cancelled with the tokens it has, and each gets its ledger row.
+fn run_proxy(
+    gateway: Gateway,
+    listen: &str,
+    tls: Option<(&Path, &Path)>,
+    drain: Duration,
+    internal_token: Option<String>,
+) -> anyhow::Result<()> {
+    let watch = DrainOnSignal::new(gateway.drain(), drain, internal_token);
     let mut server = pingora::server::Server::new_with_opt_and_conf(None, server_conf());
     server.bootstrap();
     let mut service = pingora::proxy::http_proxy_service(&server.configuration, gateway);
@@ -139,7 +152,7 @@ fn run_proxy(gateway: Gateway, listen: &str, tls: Option<(&Path, &Path)>) -> any
         None => service.add_tcp(listen),
     }
     server.add_service(service);
-    server.run(pingora::server::RunArgs::default());
+    server.run(pingora::server::RunArgs { shutdown_signal: Box::new(watch) });
     Ok(())
 }
 
@@ -230,12 +243,14 @@ pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
             }
         })
     })?;
+    let token = args.internal_token.clone();
     let cfg = gateway_config(&args.engines, args.internal_token, &args.model_id, redis_down);
     let gateway = Gateway::new(cfg, ledger.clone(), limiter, tokens, usage, io.handle.clone());
     println!("listening on {}://{}", if tls.is_some() { "https" } else { "http" }, args.listen);
     std::io::stdout().flush()?;
     let tls_ref = tls.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
-    run_proxy(gateway, &args.listen, tls_ref)?;
+    let drain = Duration::from_secs(args.drain_timeout);
+    run_proxy(gateway, &args.listen, tls_ref, drain, token)?;
     finish(&io, ingest.as_deref(), &ledger);
     eprintln!("shut down");
     Ok(())
@@ -270,6 +285,10 @@ pub struct UpArgs {
     /// unless --kv-cache-mb].
     #[arg(long)]
     gpu_memory_utilization: Option<f64>,
+    /// On SIGINT or SIGTERM: how long running requests may go on before they are cancelled
+    /// (each still billed for what it generated), in seconds.
+    #[arg(long, default_value_t = 30)]
+    drain_timeout: u64,
 }
 
 fn write_private(path: &Path, content: &str) -> anyhow::Result<()> {
@@ -488,7 +507,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     write_private(&admin_path, &(admin_env.join("\n") + "\n"))?;
     let cfg = gateway_config(
         &[engine_addr.to_string()],
-        Some(internal_token),
+        Some(internal_token.clone()),
         DEFAULT_MODEL_ID,
         RedisDownPolicy::Local,
     );
@@ -513,7 +532,8 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     println!("ready");
     std::io::stdout().flush()?;
     let tls_ref = tls.as_ref().map(|(_, c, k)| (c.as_path(), k.as_path()));
-    run_proxy(gateway, &args.listen, tls_ref)?;
+    let drain = Duration::from_secs(args.drain_timeout);
+    run_proxy(gateway, &args.listen, tls_ref, drain, Some(internal_token))?;
     finish(&io, Some(&ingest), &ledger);
     eprintln!("shut down");
     Ok(())

@@ -5,6 +5,7 @@
 //! usage-event sink ([`sink`]), and `Idempotency-Key` claims with response replay
 //! ([`idempotency`]).
 
+pub mod drain;
 pub mod idempotency;
 pub mod limits;
 pub mod local;

@@ -31,6 +31,7 @@ use sluice_billing::{FinishReason, Ledger, UsageEvent};
 use sluice_engine::template::{ChatMessage, ChatTemplate};
 use sluice_engine::tokenizer::Tokenizer;
 
+use crate::drain::Drain;
 use crate::idempotency::{self, Claim, Idempotency, RUNNING_TTL, Stored};
 use crate::limits::{Decision, LedgerUsage, Limiter, RateState, Refusal, Scope, TenantLimits};
 use crate::local::{LocalLimiter, RedisDownPolicy};
@@ -144,6 +145,8 @@ pub struct Gateway {
     /// The ledger's usage by scope: when read, for which UTC day, the figures.
     usage_reads: Mutex<UsageReads>,
     usage_generation: std::sync::atomic::AtomicU64,
+    /// Requests in flight, for the shutdown's drain.
+    drain: Arc<Drain>,
     /// Asks engines what they did for requests whose final count never arrived.
     http: reqwest::Client,
     /// The async runtime that owns the database and Redis connections.
@@ -182,10 +185,16 @@ impl Gateway {
             identities: Mutex::new(HashMap::new()),
             metrics: GatewayMetrics::default(),
             http: reqwest::Client::new(),
+            drain: Arc::default(),
             usage_reads: Mutex::new(HashMap::new()),
             usage_generation: std::sync::atomic::AtomicU64::new(0),
             io,
         }
+    }
+
+    /// The drain state its shutdown watch ([`crate::drain::DrainOnSignal`]) works on.
+    pub fn drain(&self) -> Arc<Drain> {
+        Arc::clone(&self.drain)
     }
 
     /// Records an engine's execution identity (the `sluice` object's `execution_identity`),
@@ -348,6 +357,8 @@ pub struct Ctx {
     model_revision: Option<String>,
     tried: Vec<String>,
     settled: bool,
+    /// Cancelled by the shutdown's drain.
+    cancelled: bool,
     /// The request's span: child of the client's trace context, parent of the engine's.
     span: tracing::Span,
 }
@@ -1168,6 +1179,7 @@ impl ProxyHttp for Gateway {
             model_revision: None,
             tried: Vec::new(),
             settled: false,
+            cancelled: false,
             span: tracing::Span::none(),
         }
     }
@@ -1190,6 +1202,21 @@ impl ProxyHttp for Gateway {
         // Entering once starts the exported span, fixing the id the engine's span will name
         // as its parent.
         ctx.span.in_scope(|| ());
+        if self.drain.draining() {
+            let body = error_json(
+                "the gateway is shutting down; retry on another replica",
+                "server_error",
+                None,
+                Some("shutting_down"),
+            );
+            let headers = [
+                ("retry-after".to_owned(), "1".to_owned()),
+                ("connection".to_owned(), "close".to_owned()),
+            ];
+            respond(session, 503, body, &headers).await?;
+            return Ok(true);
+        }
+        self.drain.begin(&ctx.request_id);
         let path = session.req_header().uri.path().to_owned();
         if path == "/health" {
             respond(session, 200, Bytes::from_static(b"{\"status\":\"ok\"}"), &[]).await?;
@@ -1229,6 +1256,7 @@ impl ProxyHttp for Gateway {
         })?;
         ctx.tried.push(w.addr.clone());
         ctx.worker = Some(w.addr.clone());
+        self.drain.routed(&ctx.request_id, &w.addr);
         Ok(Box::new(HttpPeer::new(w.addr.as_str(), false, String::new())))
     }
 
@@ -1376,6 +1404,15 @@ impl ProxyHttp for Gateway {
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        if !ctx.stream && self.drain.draining() && self.drain.was_cancelled(&ctx.request_id) {
+            // Cancelled at shutdown before its answer went out: the client gets a 503 (the
+            // engine's partial answer is read for its usage only).
+            ctx.cancelled = true;
+            resp.set_status(503)?;
+            resp.insert_header("content-type", "application/json")?;
+            resp.insert_header("content-length", shutdown_body().len().to_string())?;
+            resp.remove_header("transfer-encoding");
+        }
         ctx.status = resp.status.as_u16();
         ctx.content_type = resp
             .headers
@@ -1406,9 +1443,66 @@ impl ProxyHttp for Gateway {
         &self,
         _session: &mut Session,
         body: &mut Option<Bytes>,
-        _end_of_stream: bool,
+        end_of_stream: bool,
         ctx: &mut Ctx,
     ) -> Result<Option<Duration>> {
+        self.observe_body(body, ctx);
+        if ctx.cancelled && !ctx.stream {
+            *body = end_of_stream.then(shutdown_body);
+        } else if ctx.stream
+            && (ctx.cancelled || self.drain.draining() && self.drain.was_cancelled(&ctx.request_id))
+        {
+            // Cancelled at shutdown mid-stream: the client's last event is an error, then
+            // [DONE] (the engine's own [DONE] is held back).
+            ctx.cancelled = true;
+            let mut out = body.take().map(|b| strip_done(&b)).unwrap_or_default();
+            if end_of_stream {
+                out.extend_from_slice(b"data: ");
+                out.extend_from_slice(&shutdown_body());
+                out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+            }
+            *body = Some(Bytes::from(out));
+        }
+        Ok(None)
+    }
+
+    async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
+        self.log_request(session, e, ctx).await;
+        self.drain.end(&ctx.request_id);
+    }
+}
+
+/// The error a request cancelled at shutdown ends with.
+fn shutdown_body() -> Bytes {
+    error_json(
+        "the server shut down before this request finished; the tokens generated so far are \
+         billed",
+        "server_error",
+        None,
+        Some("shutting_down"),
+    )
+}
+
+/// A stream's bytes without its `data: [DONE]` event.
+fn strip_done(b: &[u8]) -> Vec<u8> {
+    const DONE: &[u8] = b"data: [DONE]\n\n";
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i..].starts_with(DONE) {
+            i += DONE.len();
+        } else {
+            out.push(b[i]);
+            i += 1;
+        }
+    }
+    out
+}
+
+impl Gateway {
+    /// Keeps what the response body tells (for idempotent replay, the stream observer, the
+    /// whole body's usage).
+    fn observe_body(&self, body: &Option<Bytes>, ctx: &mut Ctx) {
         if let Some(b) = body {
             // Kept for idempotent retries only while a claim is held and it stays small.
             if ctx.idempotency_claim.is_some()
@@ -1429,10 +1523,10 @@ impl ProxyHttp for Gateway {
                 None => {}
             }
         }
-        Ok(None)
     }
 
-    async fn logging(&self, _session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
+    /// Settles the request and emits its one usage event.
+    async fn log_request(&self, _session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
         let end = Instant::now();
         ctx.span.record("status", ctx.status);
         if let Some(g) = &ctx.grant {
@@ -1522,7 +1616,9 @@ impl ProxyHttp for Gateway {
                 cached = o.cached_tokens;
             }
         }
-        let (finish, error) = if downstream_gone {
+        let (finish, error) = if ctx.cancelled {
+            (FinishReason::Error, Some("cancelled_at_shutdown".to_owned()))
+        } else if downstream_gone {
             (FinishReason::ClientDisconnected, None)
         } else if let Some(e) = e {
             (FinishReason::Error, Some(format!("{:?}", e.etype())))

@@ -117,9 +117,15 @@ impl Up {
 
 /// Starts `sluice up --dir DIR` on free ports and waits for its `ready` line.
 pub fn start_up(dir: &Path) -> anyhow::Result<Up> {
+    start_up_with(dir, &["--kv-cache-mb", "128"])
+}
+
+/// [`start_up`] with other arguments (which must include `--kv-cache-mb`).
+pub fn start_up_with(dir: &Path, extra: &[&str]) -> anyhow::Result<Up> {
     let (gw, admin) = (free_port()?, free_port()?);
     let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["up", "--dir", dir.to_str().context("utf-8")?, "--kv-cache-mb", "128"])
+        .args(["up", "--dir", dir.to_str().context("utf-8")?])
+        .args(extra)
         .args([
             "--listen",
             &format!("127.0.0.1:{gw}"),
@@ -143,6 +149,12 @@ pub fn start_up(dir: &Path) -> anyhow::Result<Up> {
         ensure!(Instant::now() < deadline, "sluice up not ready in 120 s");
     }
     std::thread::spawn(move || for _ in lines {});
+    // `ready` comes as pingora starts; its listener follows within moments.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", gw)).is_err() {
+        ensure!(Instant::now() < deadline, "the gateway did not listen within 20 s of ready");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     Ok(up)
 }
 

@@ -230,6 +230,14 @@ impl EngineCore {
         }
     }
 
+    /// Aborts every request (the end of a shutdown's drain).
+    pub fn abort_all(&mut self) {
+        let ids: Vec<String> = self.reqs.keys().cloned().collect();
+        for id in ids {
+            self.finish(&id, FinishReason::Abort, None);
+        }
+    }
+
     fn update_gauges(&self) {
         self.metrics.running.set(self.sched.num_running() as i64);
         self.metrics.waiting.set(self.sched.num_waiting() as i64);

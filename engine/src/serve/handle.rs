@@ -16,6 +16,7 @@ use crate::serve::{EngineEvent, ValidRequest};
 enum Command {
     Add(Box<ValidRequest>, mpsc::UnboundedSender<EngineEvent>),
     Abort(String),
+    AbortAll,
     Stats(std_mpsc::Sender<EngineStats>),
     Shutdown,
 }
@@ -27,6 +28,7 @@ struct Inner {
     metrics: Arc<EngineMetrics>,
     capacity_tokens: usize,
     outcomes: Arc<OutcomeLog>,
+    draining: std::sync::atomic::AtomicBool,
     thread: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -122,6 +124,7 @@ impl EngineHandle {
                 metrics,
                 capacity_tokens,
                 outcomes,
+                draining: std::sync::atomic::AtomicBool::new(false),
                 thread: std::sync::Mutex::new(Some(thread)),
             }),
         })
@@ -181,6 +184,26 @@ impl EngineHandle {
         Ok(RequestStream { rx: erx, request_id, tx: self.inner.tx.clone(), finished: false })
     }
 
+    /// Aborts one engine request (a choice id): it ends at once with the tokens it has.
+    pub fn abort(&self, choice_id: &str) {
+        let _ = self.inner.tx.send(Command::Abort(choice_id.to_owned()));
+    }
+
+    /// Aborts every request the engine holds (the end of a drain).
+    pub fn abort_all(&self) {
+        let _ = self.inner.tx.send(Command::AbortAll);
+    }
+
+    /// Marks the engine as draining (its `/health` says so; gateways route elsewhere).
+    pub fn set_draining(&self) {
+        self.inner.draining.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether shutdown has begun.
+    pub fn is_draining(&self) -> bool {
+        self.inner.draining.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// A snapshot of queue and cache state.
     pub fn stats(&self) -> Option<EngineStats> {
         let (tx, rx) = std_mpsc::channel();
@@ -209,6 +232,7 @@ fn run(mut core: EngineCore, rx: std_mpsc::Receiver<Command>) {
             match cmd {
                 Command::Add(req, tx) => core.add_request(*req, tx),
                 Command::Abort(id) => core.abort(&id),
+                Command::AbortAll => core.abort_all(),
                 Command::Stats(tx) => {
                     let _ = tx.send(core.stats());
                 }

@@ -168,6 +168,12 @@ impl OutcomeLog {
         }
     }
 
+    /// The choices of `request_id` still running.
+    pub fn running_choices(&self, request_id: &str) -> Vec<String> {
+        let g = self.lock();
+        g.choices.iter().filter(|(_, r)| r.as_str() == request_id).map(|(c, _)| c.clone()).collect()
+    }
+
     /// Every remembered request created at or after `since` (seconds since the Unix epoch).
     pub fn since(&self, since: u64) -> Vec<Outcome> {
         let g = self.lock();

@@ -45,8 +45,11 @@ use crate::server::validate::Limits;
 /// Largest request body accepted.
 pub const MAX_BODY_BYTES: usize = 4 << 20;
 
-/// How long shutdown waits for open requests before dropping them (which aborts them).
-pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// How long shutdown waits for open requests before aborting them, unless configured.
+pub const DEFAULT_DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// After the drain, how long aborted requests have to send their last events.
+const AFTER_ABORT: Duration = Duration::from_secs(5);
 
 /// Server settings (engine sizes are the engine's own config).
 #[derive(Clone)]
@@ -117,6 +120,7 @@ pub fn router(handle: EngineHandle, cfg: ServerConfig) -> Router {
         .route("/v1/models", get(models))
         .route("/v1/models/{id}", get(model_card))
         .route("/v1/internal/requests/{id}", get(outcome))
+        .route("/v1/internal/requests/{id}/abort", post(abort))
         // Long-context prompts: above the gateway's 2 MiB cap, so the gateway's is the one hit.
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(Arc::clone(&app), api_layer));
@@ -129,26 +133,42 @@ pub fn router(handle: EngineHandle, cfg: ServerConfig) -> Router {
         .with_state(app)
 }
 
-/// Serves `router` on `listener` until `shutdown` resolves; then stops accepting, waits up
-/// to [`SHUTDOWN_GRACE`] for open requests and drops the rest.
+/// Serves `router` on `listener` until `shutdown` resolves; then drains: stops accepting
+/// connections, `/health` says `draining` on connections still open (gateways route
+/// elsewhere), open requests run on for up to `drain_timeout`; then what is left is aborted, so
+/// each ends with the tokens it has (a stream with its last chunk and usage), and the server
+/// waits a moment for those answers to go out.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     router: Router,
+    handle: EngineHandle,
     shutdown: impl Future<Output = ()> + Send + 'static,
+    drain_timeout: Duration,
 ) -> std::io::Result<()> {
     let stopping = Arc::new(tokio::sync::Notify::new());
     let notify = Arc::clone(&stopping);
-    let server = axum::serve(listener, router).with_graceful_shutdown(async move {
-        shutdown.await;
-        notify.notify_one();
-    });
+    let draining = handle.clone();
+    let server = axum::serve(listener, router)
+        .with_graceful_shutdown(async move {
+            shutdown.await;
+            draining.set_draining();
+            notify.notify_one();
+        })
+        .into_future();
+    tokio::pin!(server);
     tokio::select! {
-        r = server => r,
+        r = &mut server => return r,
         () = async {
             stopping.notified().await;
-            tokio::time::sleep(SHUTDOWN_GRACE).await;
-        } => {
-            eprintln!("requests still open {SHUTDOWN_GRACE:?} after shutdown began; dropping them");
+            tokio::time::sleep(drain_timeout).await;
+        } => {}
+    }
+    eprintln!("requests still open {drain_timeout:?} after shutdown began; aborting them");
+    handle.abort_all();
+    match tokio::time::timeout(AFTER_ABORT, &mut server).await {
+        Ok(r) => r,
+        Err(_) => {
+            eprintln!("answers still open {AFTER_ABORT:?} after the abort; dropping them");
             Ok(())
         }
     }
@@ -305,6 +325,16 @@ async fn outcome(
     }
 }
 
+/// `POST /v1/internal/requests/{id}/abort`: ends a request's running choices now, with the
+/// tokens they have (a gateway's drain cancelling what is left at shutdown).
+async fn abort(State(app): State<Arc<App>>, Path(id): Path<String>) -> Response {
+    let choices = app.handle.outcomes().running_choices(&id);
+    for c in &choices {
+        app.handle.abort(c);
+    }
+    Json(serde_json::json!({"request_id": id, "aborted": choices.len()})).into_response()
+}
+
 #[derive(Serialize)]
 struct ModelList {
     object: &'static str,
@@ -350,6 +380,11 @@ async fn health(State(app): State<Arc<App>>) -> Response {
     let handle = app.handle.clone();
     // `stats` waits for the engine thread to finish its current step.
     match tokio::task::spawn_blocking(move || handle.stats()).await {
+        Ok(Some(stats)) if app.handle.is_draining() => (
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            Json(Health { status: "draining", model: app.served_name.clone(), stats }),
+        )
+            .into_response(),
         Ok(Some(stats)) => {
             Json(Health { status: "ok", model: app.served_name.clone(), stats }).into_response()
         }
