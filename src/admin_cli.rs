@@ -336,6 +336,20 @@ pub enum AuditCommand {
         #[arg(long, default_value_t = 100)]
         limit: u64,
     },
+    /// Checks the ledger: the hour rollups against the rows they count, and with `--engine`,
+    /// every request an engine ran against its row (tokens by request id, totals per tenant
+    /// and model). Prints each difference; exits non-zero when there is any.
+    Reconcile {
+        /// From (RFC 3339, YYYY-MM-DD, or an age like 24h).
+        #[arg(long, default_value = "24h")]
+        since: String,
+        /// An engine worker `host:port` as the gateway names it (repeat for several).
+        #[arg(long = "engine")]
+        engines: Vec<String>,
+        /// Bearer token the engines require.
+        #[arg(long, env = "SLUICE_INTERNAL_TOKEN", hide_env_values = true)]
+        internal_token: Option<String>,
+    },
     /// Aggregate usage per bucket, tenant and model.
     Usage {
         #[arg(long)]
@@ -352,7 +366,7 @@ pub enum AuditCommand {
     },
 }
 
-struct Client {
+pub(crate) struct Client {
     base: String,
     token: String,
     http: reqwest::Client,
@@ -375,7 +389,7 @@ impl Client {
         Ok(Self { base: base.trim_end_matches('/').to_owned(), token, http })
     }
 
-    async fn send(
+    pub(crate) async fn send(
         &self,
         method: reqwest::Method,
         path: &str,
@@ -410,7 +424,7 @@ impl Client {
         bail!("{} {}: {msg}", status.as_u16(), status.canonical_reason().unwrap_or(""))
     }
 
-    async fn json(
+    pub(crate) async fn json(
         &self,
         method: reqwest::Method,
         path: &str,
@@ -623,6 +637,9 @@ pub fn run_audit(cmd: AuditCommand, client: &ClientArgs) -> anyhow::Result<()> {
                     }
                 }
                 Ok(())
+            }
+            AuditCommand::Reconcile { since, engines, internal_token } => {
+                crate::reconcile::run(&c, &since, &engines, internal_token.as_deref()).await
             }
             AuditCommand::Usage { tenant, model, period, since, until } => {
                 let mut q = vec![("period", period)];

@@ -4,6 +4,7 @@ mod admin_cli;
 mod bench_gateway;
 mod bench_serve;
 mod bench_sweep;
+mod reconcile;
 mod telemetry;
 mod up;
 

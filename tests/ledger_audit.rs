@@ -310,6 +310,53 @@ async fn refusals_are_free_abandoned_work_is_billed_and_day_quotas_hold() -> any
         status == 429 && body["error"]["code"] == "insufficient_quota",
         "a restarted gateway handed out a fresh day: {status} {body}"
     );
+
+    // ---- the auditor's reconciliation: no difference, then one tampered row ----
+    let (_billing, admin_url) = spawn_sluice(
+        &["billing", "--database-url", &db, "--listen", "127.0.0.1:0"],
+        &[("SLUICE_JWT_SECRET", JWT_SECRET)],
+    )?;
+    let admin_url = format!("http://{admin_url}");
+    let auditor =
+        sluice(&["admin", "token", "--role", "auditor", "--sub", "audit"], &admin_url, "")?;
+    let auditor = String::from_utf8(auditor.stdout)?.trim().to_owned();
+    let reconcile = ["audit", "reconcile", "--since", "1h", "--engine", p.engine.as_str()];
+    let out = sluice(&reconcile, &admin_url, &auditor)?;
+    let report = String::from_utf8_lossy(&out.stdout).into_owned();
+    ensure!(
+        out.status.success() && report.contains("reconciled: no difference"),
+        "{report}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    ensure!(report.contains("abandon") && report.contains("refused"), "{report}");
+    eprintln!("{report}");
+    // One row altered behind the ledger's back: the rollup and the engine both disagree.
+    let tampered = abandoned[0]["request_id"].as_str().context("id")?.to_owned();
+    sqlx::query("UPDATE request_records SET completion_tokens = completion_tokens + 1 WHERE request_id = $1")
+        .bind(&tampered)
+        .execute(&sqlx::SqlitePool::connect(&db).await?)
+        .await?;
+    let out = sluice(&reconcile, &admin_url, &auditor)?;
+    let report = String::from_utf8_lossy(&out.stdout).into_owned();
+    ensure!(!out.status.success(), "a tampered row reconciled: {report}");
+    let diffs: Vec<&str> = report.lines().filter(|l| l.contains("DIFF")).collect();
+    ensure!(
+        diffs.iter().any(|l| l.contains("rollup") && l.contains("abandon"))
+            && diffs.iter().any(|l| l.contains(&tampered)),
+        "{report}"
+    );
     ledger.close().await;
     Ok(())
+}
+
+const JWT_SECRET: &str = "ledger-audit-secret-ledger-audit-0123";
+
+fn sluice(args: &[&str], admin_url: &str, token: &str) -> anyhow::Result<std::process::Output> {
+    Ok(std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args)
+        .env("SLUICE_ADMIN_URL", admin_url)
+        .env("SLUICE_ADMIN_TOKEN", token)
+        .env("SLUICE_JWT_SECRET", JWT_SECRET)
+        .env("SLUICE_INTERNAL_TOKEN", TOKEN)
+        .output()?)
 }

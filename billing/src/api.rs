@@ -62,6 +62,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/v1/tenants/{tenant}/quota", get(get_quota).put(set_quota))
         .route("/v1/records", get(records))
         .route("/v1/audit-log", get(audit_log))
+        .route("/v1/audit/reconcile", get(reconcile))
         .route("/v1/usage", get(usage))
         .fallback(|| async { ApiError(AdminError::NotFound("no such route".into())) })
         .with_state(state)
@@ -509,6 +510,18 @@ async fn records(
         resp.headers_mut().insert("x-next-cursor", c);
     }
     Ok(resp)
+}
+
+/// `GET /v1/audit/reconcile?since=`: the hour rollups against the rows they count.
+async fn reconcile(
+    State(s): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> ApiResult<Response> {
+    authorize(&s, &headers, &[Role::Auditor, Role::Billing])?;
+    let q = query(q, &["since"])?;
+    let since = time_param(&q, "since")?.unwrap_or_else(|| Utc::now() - TimeDelta::days(1));
+    Ok(axum::Json(s.ledger.reconcile_rollups(since).await?).into_response())
 }
 
 async fn audit_log(

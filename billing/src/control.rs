@@ -931,6 +931,91 @@ impl Ledger {
         Ok((u64::try_from(day).unwrap_or(0), u64::try_from(month).unwrap_or(0)))
     }
 
+    /// The hour rollups since `since` (from the start of its hour) recomputed from the rows
+    /// they count, by the same rule the writer uses (billed requests and their sums, refused
+    /// ones apart): every bucket where the two differ.
+    pub async fn reconcile_rollups(
+        &self,
+        since: DateTime<Utc>,
+    ) -> Result<RollupReconciliation, AdminError> {
+        let hour = TimeDelta::hours(1);
+        let start =
+            since.duration_trunc(hour).map_err(|_| AdminError::invalid("since", "out of range"))?;
+        let mut from_rows: BTreeMap<(DateTime<Utc>, String, String), RollupSums> = BTreeMap::new();
+        let mut records = 0u64;
+        on_pool!(self, pool => {
+            let rows = sqlx::query(
+                "SELECT tenant_id, model_id, arrival_at, prompt_tokens, cached_prompt_tokens, \
+                 completion_tokens, cost_micros, http_status FROM request_records \
+                 WHERE arrival_at >= $1",
+            )
+            .bind(start)
+            .fetch_all(pool)
+            .await?;
+            for row in &rows {
+                records += 1;
+                let at: DateTime<Utc> = row.try_get("arrival_at")?;
+                let bucket = at
+                    .duration_trunc(hour)
+                    .map_err(|_| AdminError::invalid("since", "a record is out of range"))?;
+                let key = (bucket, row.try_get("tenant_id")?, row.try_get("model_id")?);
+                let sums = from_rows.entry(key).or_default();
+                let status: i32 = row.try_get("http_status")?;
+                if u16::try_from(status).is_ok_and(crate::event::is_refused) {
+                    sums.refused_requests += 1;
+                } else {
+                    sums.requests += 1;
+                    sums.prompt_tokens += row.try_get::<i64, _>("prompt_tokens")?;
+                    sums.cached_prompt_tokens += row.try_get::<i64, _>("cached_prompt_tokens")?;
+                    sums.completion_tokens += row.try_get::<i64, _>("completion_tokens")?;
+                    sums.cost_micros += row.try_get::<i64, _>("cost_micros")?;
+                }
+            }
+        });
+        let rollups = self
+            .usage(&UsageFilter {
+                period: "hour".into(),
+                tenant: None,
+                model: None,
+                since: Some(start),
+                until: None,
+            })
+            .await?;
+        let mut from_rollups: BTreeMap<(DateTime<Utc>, String, String), RollupSums> =
+            BTreeMap::new();
+        for r in rollups {
+            from_rollups.insert(
+                (r.bucket_start, r.tenant_id, r.model_id),
+                RollupSums {
+                    requests: r.requests,
+                    refused_requests: r.refused_requests,
+                    prompt_tokens: r.prompt_tokens,
+                    cached_prompt_tokens: r.cached_prompt_tokens,
+                    completion_tokens: r.completion_tokens,
+                    cost_micros: r.cost_micros,
+                },
+            );
+        }
+        let mut differences = Vec::new();
+        let keys: std::collections::BTreeSet<_> =
+            from_rows.keys().chain(from_rollups.keys()).cloned().collect();
+        let buckets = keys.len();
+        for k in keys {
+            let rows = from_rows.get(&k).copied().unwrap_or_default();
+            let rollup = from_rollups.get(&k).copied().unwrap_or_default();
+            if rows != rollup {
+                differences.push(RollupDifference {
+                    bucket_start: k.0,
+                    tenant_id: k.1,
+                    model_id: k.2,
+                    rows,
+                    rollup,
+                });
+            }
+        }
+        Ok(RollupReconciliation { since: start, records, buckets, differences })
+    }
+
     /// Usage rollup rows for a period, filtered.
     pub async fn usage(&self, filter: &UsageFilter) -> Result<Vec<UsageRow>, AdminError> {
         on_pool!(self, pool => {
@@ -1338,6 +1423,51 @@ pub struct UsageRow {
     /// Refused requests (an error status; no tokens billed, no cost).
     #[serde(default)]
     pub refused_requests: i64,
+}
+
+/// The sums a usage rollup holds.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct RollupSums {
+    /// Billed requests.
+    pub requests: i64,
+    /// Refused requests.
+    pub refused_requests: i64,
+    /// Prompt tokens of billed requests.
+    pub prompt_tokens: i64,
+    /// Of which cached.
+    pub cached_prompt_tokens: i64,
+    /// Completion tokens.
+    pub completion_tokens: i64,
+    /// Cost, micro-units.
+    pub cost_micros: i64,
+}
+
+/// One hour bucket whose rollup does not match its rows.
+#[derive(Clone, Debug, Serialize)]
+pub struct RollupDifference {
+    /// Bucket start (UTC hour).
+    pub bucket_start: DateTime<Utc>,
+    /// Tenant.
+    pub tenant_id: String,
+    /// Model.
+    pub model_id: String,
+    /// What the rows add up to.
+    pub rows: RollupSums,
+    /// What the rollup holds.
+    pub rollup: RollupSums,
+}
+
+/// The rollups checked against the rows since an hour.
+#[derive(Clone, Debug, Serialize)]
+pub struct RollupReconciliation {
+    /// Start of the first hour checked.
+    pub since: DateTime<Utc>,
+    /// Rows read.
+    pub records: u64,
+    /// (hour, tenant, model) buckets compared.
+    pub buckets: usize,
+    /// Where they differ (empty when they agree).
+    pub differences: Vec<RollupDifference>,
 }
 
 /// Requests per tenant and finish reason.

@@ -125,6 +125,7 @@ fn routes() -> Vec<(Method, &'static str, Option<Value>, Vec<Role>)> {
         (Method::PUT, "/v1/tenants/acme/quota", Some(json!({"rpm": 10})), vec![Ops]),
         (Method::GET, "/v1/records", None, vec![Auditor]),
         (Method::GET, "/v1/audit-log", None, vec![Auditor]),
+        (Method::GET, "/v1/audit/reconcile", None, vec![Auditor, Billing]),
         (Method::GET, "/v1/usage", None, vec![Billing, TenantAdmin]),
         (Method::GET, "/v1/dashboard/data", None, vec![Billing]),
     ]
@@ -538,6 +539,11 @@ async fn records_and_exports(url: &str) -> anyhow::Result<()> {
     let t = &u["totals"];
     ensure!(t["requests"] == 23 && t["refused_requests"] == 2, "{u}");
     ensure!(t["cost_micros"] == 23 * 1234, "{u}");
+    // The rollups written with the rows add up to them, bucket by bucket.
+    let auditor_r =
+        api.ok(Method::GET, "/v1/audit/reconcile?since=2026-11-29", &auditor, None).await?;
+    ensure!(auditor_r["records"] == 25 && auditor_r["differences"] == json!([]), "{auditor_r}");
+    ensure!(auditor_r["buckets"].as_u64().is_some_and(|b| b >= 2), "{auditor_r}");
     // The dashboard's aggregates.
     let path = format!(
         "/v1/dashboard/data?since={}&until={}",

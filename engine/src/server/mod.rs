@@ -121,6 +121,7 @@ pub fn router(handle: EngineHandle, cfg: ServerConfig) -> Router {
         .route("/v1/models/{id}", get(model_card))
         .route("/v1/internal/requests/{id}", get(outcome))
         .route("/v1/internal/requests/{id}/abort", post(abort))
+        .route("/v1/internal/outcomes", get(outcomes))
         // Long-context prompts: above the gateway's 2 MiB cap, so the gateway's is the one hit.
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(Arc::clone(&app), api_layer));
@@ -323,6 +324,24 @@ async fn outcome(
         Ok(None) => ApiError::unknown_request(&id).into_response(),
         Err(e) => ApiError::internal(format!("outcome lookup failed: {e}")).into_response(),
     }
+}
+
+/// `?since=`: seconds since the Unix epoch.
+#[derive(serde::Deserialize)]
+struct OutcomesQuery {
+    since: Option<u64>,
+}
+
+/// `GET /v1/internal/outcomes?since=`: every remembered request registered since then, with
+/// the served model and when this engine started (it remembers nothing from before), for an
+/// auditor's reconciliation against the ledger.
+async fn outcomes(
+    State(app): State<Arc<App>>,
+    axum::extract::Query(q): axum::extract::Query<OutcomesQuery>,
+) -> Response {
+    let data = app.handle.outcomes().since(q.since.unwrap_or(0));
+    Json(serde_json::json!({"model": app.served_name, "started": app.started, "data": data}))
+        .into_response()
 }
 
 /// `POST /v1/internal/requests/{id}/abort`: ends a request's running choices now, with the
