@@ -70,6 +70,9 @@ pub struct GatewayArgs {
     /// (each still billed for what it generated), in seconds.
     #[arg(long, default_value_t = 30)]
     drain_timeout: u64,
+    /// Where `/metrics` is served (never on the tenants' port: it shows every tenant).
+    #[arg(long, default_value = "127.0.0.1:9464")]
+    metrics_listen: String,
     /// Usage stream (tests isolate themselves with their own).
     #[arg(long, hide = true, default_value = sluice_billing::ingest::USAGE_STREAM)]
     usage_stream: String,
@@ -126,6 +129,32 @@ pub(crate) fn server_conf() -> pingora::server::configuration::ServerConf {
         graceful_shutdown_timeout_seconds: Some(2),
         ..Default::default()
     }
+}
+
+/// Serves the gateway's `/metrics` on `listen` (the I/O runtime); returns the bound address.
+fn serve_metrics(
+    io: &IoRuntime,
+    listen: &str,
+    gateway: &Gateway,
+) -> anyhow::Result<std::net::SocketAddr> {
+    let metrics = gateway.metrics();
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let m = Arc::clone(&metrics);
+            async move { ([("content-type", "text/plain; version=0.0.4")], m.encode()) }
+        }),
+    );
+    io.handle.block_on(async {
+        let listener = tokio::net::TcpListener::bind(listen)
+            .await
+            .with_context(|| format!("binding --metrics-listen {listen}"))?;
+        let addr = listener.local_addr()?;
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, app).await;
+        });
+        anyhow::Ok(addr)
+    })
 }
 
 /// Runs pingora until SIGINT/SIGTERM, then drains: running requests have `drain` to finish,
@@ -246,7 +275,10 @@ pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
     let token = args.internal_token.clone();
     let cfg = gateway_config(&args.engines, args.internal_token, &args.model_id, redis_down);
     let gateway = Gateway::new(cfg, ledger.clone(), limiter, tokens, usage, io.handle.clone());
+    let metrics = serve_metrics(&io, &args.metrics_listen, &gateway)?;
     println!("listening on {}://{}", if tls.is_some() { "https" } else { "http" }, args.listen);
+    // On stderr: stdout's first line is the listening address, which is all some readers take.
+    eprintln!("metrics on http://{metrics}/metrics");
     std::io::stdout().flush()?;
     let tls_ref = tls.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
     let drain = Duration::from_secs(args.drain_timeout);
@@ -289,6 +321,9 @@ pub struct UpArgs {
     /// (each still billed for what it generated), in seconds.
     #[arg(long, default_value_t = 30)]
     drain_timeout: u64,
+    /// Where the gateway's `/metrics` is served (never on the tenants' port).
+    #[arg(long, default_value = "127.0.0.1:9464")]
+    metrics_listen: String,
 }
 
 fn write_private(path: &Path, content: &str) -> anyhow::Result<()> {
@@ -520,9 +555,15 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         io.handle.clone(),
     );
     gateway.seed_identity(serde_json::to_value(&model.identity)?);
+    let metrics = serve_metrics(&io, &args.metrics_listen, &gateway)?;
+    let metrics_url = format!("http://{metrics}/metrics");
+    let mut admin_env = std::fs::read_to_string(&admin_path)?;
+    admin_env.push_str(&(env_line("SLUICE_METRICS_URL", &metrics_url) + "\n"));
+    write_private(&admin_path, &admin_env)?;
     println!("sluice is up");
     println!("  gateway    {scheme}://{}/v1  (model {DEFAULT_MODEL_ID})", args.listen);
     println!("  admin API  http://{}  (dashboard: /dashboard)", args.admin_listen);
+    println!("  metrics    {metrics_url}");
     if fresh {
         println!("  demo key   {key}  (shown once)");
     }

@@ -360,3 +360,95 @@ fn sluice(args: &[&str], admin_url: &str, token: &str) -> anyhow::Result<std::pr
         .env("SLUICE_INTERNAL_TOKEN", TOKEN)
         .output()?)
 }
+
+/// The front door as an OpenAI client sees it: the scheme's case, one model's card, 405s,
+/// OpenAI's parameter ranges, refusals of what is not implemented, streams without the
+/// gateway's own usage chunk, client headers kept from the engine, no metrics for tenants.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_front_door_speaks_openai() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let db = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let ledger = Ledger::connect(&db).await?;
+    let ops = Principal { actor: "test".into(), role: Role::Ops, tenant: None };
+    let new = NewTenant { id: "door".into(), name: None, tier: None, overrides: None };
+    ledger.create_tenant(&ops, &new).await?;
+    let key = ledger.issue_key(&ops, "door", None, None, Default::default()).await?.1;
+    let model = common::default_model()?.to_str().context("utf-8")?.to_owned();
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    let (_engine, engine) = spawn_sluice(
+        &["engine", "--model", &model, "--listen", &listen, "--internal-token", TOKEN]
+            .into_iter()
+            .chain(["--served-model-name", MODEL_ID, "--kv-cache-mb", "32"])
+            .collect::<Vec<_>>(),
+        &[],
+    )?;
+    let p = Platform { model, db, engine, _engine_proc: _engine };
+    let (_gw, gw) = p.gateway(&p.engine)?;
+    let c = reqwest::Client::builder().timeout(Duration::from_secs(60)).build()?;
+    wait_healthy(&c, &format!("{gw}/health")).await?;
+
+    let r = c
+        .get(format!("{gw}/v1/models/{MODEL_ID}"))
+        .header("authorization", format!("bearer {key}"))
+        .send()
+        .await?;
+    let card: Value = r.json().await?;
+    ensure!(
+        card["id"] == MODEL_ID && card["object"] == "model",
+        "lowercase bearer, one model: {card}"
+    );
+    let r = c.get(format!("{gw}/v1/models/gpt-4o")).bearer_auth(&key).send().await?;
+    ensure!(r.status() == 404, "{}", r.status());
+    let r = c.get(format!("{gw}/v1/chat/completions")).bearer_auth(&key).send().await?;
+    ensure!(r.status() == 405 && r.headers().get("allow").is_some(), "{}", r.status());
+    let body: Value = r.json().await?;
+    ensure!(body["error"]["code"] == "method_not_allowed", "{body}");
+    let r = c.get(format!("{gw}/metrics")).send().await?;
+    ensure!(r.status() == 404, "tenants can read /metrics: {}", r.status());
+
+    let chat = |extra: Value| {
+        let mut b = json!({"model": MODEL_ID, "max_tokens": 4,
+            "messages": [{"role": "user", "content": "Hi"}]});
+        for (k, v) in extra.as_object().into_iter().flatten() {
+            b[k] = v.clone();
+        }
+        c.post(format!("{gw}/v1/chat/completions")).bearer_auth(&key).json(&b)
+    };
+    for (extra, param) in [
+        (json!({"temperature": 2.5}), "temperature"),
+        (json!({"tools": [{"type": "function", "function": {"name": "f"}}]}), "tools"),
+        (json!({"response_format": {"type": "json_object"}}), "response_format"),
+    ] {
+        let r = chat(extra.clone()).send().await?;
+        let status = r.status();
+        let body: Value = r.json().await?;
+        ensure!(status == 400 && body["error"]["param"] == param, "{extra}: {status} {body}");
+    }
+    // 100 extra client headers (and cookies, forwarding headers) stay at the gateway.
+    let mut many =
+        chat(json!({})).header("cookie", "session=secret").header("x-forwarded-for", "10.0.0.1");
+    for i in 0..100 {
+        many = many.header(format!("x-extra-{i}"), "1");
+    }
+    let r = many.send().await?;
+    ensure!(r.status() == 200, "a request with 100 extra headers: {}", r.status());
+    // A stream carries a usage chunk only when the client asked for one.
+    for asked in [false, true] {
+        let mut extra = json!({"stream": true});
+        if asked {
+            extra["stream_options"] = json!({"include_usage": true});
+        }
+        let text = chat(extra).send().await?.text().await?;
+        let usage = text
+            .lines()
+            .filter(|l| l.contains("\"choices\":[]") && l.contains("\"usage\""))
+            .count();
+        ensure!(
+            usage == usize::from(asked),
+            "include_usage {asked}: {usage} usage chunks:\n{text}"
+        );
+        ensure!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    }
+    ledger.close().await;
+    Ok(())
+}

@@ -43,6 +43,10 @@ use crate::workers::Workers;
 /// Largest request body accepted (long-context prompts; the engine takes up to 4 MiB).
 pub const MAX_BODY_BYTES: usize = 2 << 20;
 
+/// The client headers forwarded to an engine; every other one is dropped.
+const FORWARDED_HEADERS: [&str; 5] =
+    ["host", "content-type", "content-length", "accept", "user-agent"];
+
 /// pingora's retry buffer: the part of the body it keeps to forward again.
 const RETRY_BUFFER: usize = 64 * 1024;
 
@@ -140,7 +144,7 @@ pub struct Gateway {
     /// Full execution identities by model revision, from complete responses (a stream cut
     /// short never carries its own).
     identities: Mutex<HashMap<String, Value>>,
-    metrics: GatewayMetrics,
+    metrics: Arc<GatewayMetrics>,
     workers: Arc<Workers>,
     /// The ledger's usage by scope: when read, for which UTC day, the figures.
     usage_reads: Mutex<UsageReads>,
@@ -183,13 +187,18 @@ impl Gateway {
             usage,
             keys: Mutex::new(HashMap::new()),
             identities: Mutex::new(HashMap::new()),
-            metrics: GatewayMetrics::default(),
+            metrics: Arc::default(),
             http: reqwest::Client::new(),
             drain: Arc::default(),
             usage_reads: Mutex::new(HashMap::new()),
             usage_generation: std::sync::atomic::AtomicU64::new(0),
             io,
         }
+    }
+
+    /// Its Prometheus metrics, for a listener of their own (never the tenants' port).
+    pub fn metrics(&self) -> Arc<GatewayMetrics> {
+        Arc::clone(&self.metrics)
     }
 
     /// The drain state its shutdown watch ([`crate::drain::DrainOnSignal`]) works on.
@@ -359,6 +368,10 @@ pub struct Ctx {
     settled: bool,
     /// Cancelled by the shutdown's drain.
     cancelled: bool,
+    /// The stream's usage-only chunk is the gateway's, not the client's: held back.
+    strip_usage: bool,
+    /// The part of the stream after its last complete event (while `strip_usage`).
+    sse_tail: Vec<u8>,
     /// The request's span: child of the client's trace context, parent of the engine's.
     span: tracing::Span,
 }
@@ -460,6 +473,18 @@ impl Gateway {
             ("POST", "/v1/chat/completions") => "chat",
             ("POST", "/v1/completions") => "completions",
             ("GET", "/v1/models") => "models",
+            ("GET", p) if p.strip_prefix("/v1/models/").is_some_and(|id| !id.is_empty()) => "model",
+            (_, "/v1/chat/completions" | "/v1/completions" | "/v1/models") => {
+                let allow = if path == "/v1/models" { "GET" } else { "POST" };
+                let mut r = Refuse::new(
+                    405,
+                    "invalid_request_error",
+                    format!("{path} does not accept {method}; use {allow}"),
+                )
+                .code("method_not_allowed");
+                r.headers.push(("allow".into(), allow.into()));
+                return Err(r);
+            }
             _ => {
                 return Err(Refuse::new(
                     404,
@@ -493,7 +518,9 @@ impl Gateway {
             return Err(Refuse::new(403, "permission_error", "this tenant is suspended")
                 .code("tenant_suspended"));
         }
-        if !grant.scopes.iter().any(|s| s == scope) {
+        // Reading one model needs the scope that lists them.
+        let needed = if scope == "model" { "models" } else { scope };
+        if !grant.scopes.iter().any(|s| s == needed) {
             ctx.grant = Some(grant);
             return Err(Refuse::new(
                 403,
@@ -506,12 +533,27 @@ impl Gateway {
             grant.quota.allowed_models.is_empty()
                 || grant.quota.allowed_models.iter().any(|a| a == m)
         };
+        let card =
+            |m: &str| json!({"id": m, "object": "model", "created": 0, "owned_by": "sluice"});
+        if scope == "model" {
+            let id = path.trim_start_matches("/v1/models/");
+            if id != self.cfg.model_id || !allowed(id) {
+                return Err(Refuse::new(
+                    404,
+                    "invalid_request_error",
+                    format!("The model `{id}` does not exist"),
+                )
+                .param("model")
+                .code("model_not_found"));
+            }
+            respond(session, 200, Bytes::from(card(id).to_string()), &[])
+                .await
+                .map_err(|_| Refuse::new(500, "server_error", "write failed"))?;
+            return Ok(true);
+        }
         if scope == "models" {
-            let data: Vec<Value> = [self.cfg.model_id.as_str()]
-                .into_iter()
-                .filter(|m| allowed(m))
-                .map(|m| json!({"id": m, "object": "model", "created": 0, "owned_by": "sluice"}))
-                .collect();
+            let data: Vec<Value> =
+                [self.cfg.model_id.as_str()].into_iter().filter(|m| allowed(m)).map(card).collect();
             let body = Bytes::from(json!({"object": "list", "data": data}).to_string());
             respond(session, 200, body, &[])
                 .await
@@ -730,7 +772,10 @@ impl Gateway {
         }
         ctx.stream = obj.get("stream").and_then(Value::as_bool).unwrap_or(false);
         if ctx.stream {
-            // Usage in the final chunk, so the tokens produced are known even for streams.
+            // Usage in the final chunk, so the tokens produced are known even for streams; a
+            // client that did not ask for it does not get it.
+            let asked = obj.get("stream_options").and_then(|o| o.get("include_usage"));
+            ctx.strip_usage = asked != Some(&Value::Bool(true));
             obj.insert("stream_options".into(), json!({"include_usage": true}));
         }
         ctx.body = Some(Bytes::from(v.to_string()));
@@ -1180,6 +1225,8 @@ impl ProxyHttp for Gateway {
             tried: Vec::new(),
             settled: false,
             cancelled: false,
+            strip_usage: false,
+            sse_tail: Vec::new(),
             span: tracing::Span::none(),
         }
     }
@@ -1220,15 +1267,6 @@ impl ProxyHttp for Gateway {
         let path = session.req_header().uri.path().to_owned();
         if path == "/health" {
             respond(session, 200, Bytes::from_static(b"{\"status\":\"ok\"}"), &[]).await?;
-            return Ok(true);
-        }
-        if path == "/metrics" {
-            let body = Bytes::from(self.metrics.encode());
-            let mut h = ResponseHeader::build(200, Some(2))?;
-            h.insert_header("content-type", "text/plain; version=0.0.4")?;
-            h.insert_header("content-length", body.len().to_string())?;
-            session.write_response_header(Box::new(h), false).await?;
-            session.write_response_body(Some(body), true).await?;
             return Ok(true);
         }
         match self.admit(session, ctx).await {
@@ -1333,11 +1371,13 @@ impl ProxyHttp for Gateway {
         req: &mut RequestHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        // Only what the engine needs passes: never the client's cookies, forwarding headers,
+        // credentials or x-sluice-* (the trusted ones are set below).
         let names: Vec<String> = req
             .headers
             .keys()
             .map(|k| k.as_str().to_owned())
-            .filter(|k| k.starts_with("x-sluice-") || k == "authorization" || k == "traceparent")
+            .filter(|k| !FORWARDED_HEADERS.contains(&k.as_str()))
             .collect();
         for n in names {
             req.remove_header(&n);
@@ -1447,6 +1487,12 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
     ) -> Result<Option<Duration>> {
         self.observe_body(body, ctx);
+        if ctx.strip_usage && ctx.status == 200 {
+            let chunk = body.take().unwrap_or_default();
+            let out = without_usage_chunk(&mut ctx.sse_tail, &chunk, end_of_stream);
+            // Never an empty chunk: in chunked encoding that ends the response.
+            *body = (!out.is_empty()).then(|| Bytes::from(out));
+        }
         if ctx.cancelled && !ctx.stream {
             *body = end_of_stream.then(shutdown_body);
         } else if ctx.stream
@@ -1461,7 +1507,7 @@ impl ProxyHttp for Gateway {
                 out.extend_from_slice(&shutdown_body());
                 out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
             }
-            *body = Some(Bytes::from(out));
+            *body = (!out.is_empty()).then(|| Bytes::from(out));
         }
         Ok(None)
     }
@@ -1481,6 +1527,32 @@ fn shutdown_body() -> Bytes {
         None,
         Some("shutting_down"),
     )
+}
+
+/// The complete SSE events of `tail` + `chunk` but a usage-only chunk (`"choices":[]`); what
+/// follows the last complete event stays in `tail` (all of it goes out at the end).
+fn without_usage_chunk(tail: &mut Vec<u8>, chunk: &[u8], end: bool) -> Vec<u8> {
+    tail.extend_from_slice(chunk);
+    let mut out = Vec::with_capacity(tail.len());
+    let mut start = 0;
+    while let Some(i) = tail[start..].windows(2).position(|w| w == b"\n\n") {
+        let event = &tail[start..start + i + 2];
+        if !is_usage_only(event) {
+            out.extend_from_slice(event);
+        }
+        start += i + 2;
+    }
+    if end {
+        out.extend_from_slice(&tail[start..]);
+        start = tail.len();
+    }
+    tail.drain(..start);
+    out
+}
+
+fn is_usage_only(event: &[u8]) -> bool {
+    let has = |needle: &[u8]| event.windows(needle.len()).any(|w| w == needle);
+    event.starts_with(b"data: {") && has(b"\"choices\":[]") && has(b"\"usage\":")
 }
 
 /// A stream's bytes without its `data: [DONE]` event.
@@ -1651,6 +1723,32 @@ impl Gateway {
         }
         if let Some(ev) = self.event(ctx, Some(&timings), completion, cached, finish, error) {
             self.emit(ev).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_usage_chunk_is_held_back_across_chunk_boundaries() {
+        let stream = concat!(
+            "data: {\"choices\":[{\"text\":\"a\"}]}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"completion_tokens\":1}}\n\n",
+            "data: [DONE]\n\n"
+        )
+        .as_bytes();
+        // Every split point: the client gets the text and [DONE], never the usage.
+        for cut in 0..stream.len() {
+            let mut tail = Vec::new();
+            let mut out = without_usage_chunk(&mut tail, &stream[..cut], false);
+            out.extend(without_usage_chunk(&mut tail, &stream[cut..], true));
+            assert_eq!(
+                String::from_utf8_lossy(&out),
+                "data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: [DONE]\n\n",
+                "cut at {cut}"
+            );
         }
     }
 }

@@ -181,9 +181,16 @@ def metrics():
     import os
     import ssl
     import urllib.request
+    import urllib.error
     ctx = ssl.create_default_context(cafile=os.environ["SSL_CERT_FILE"])
-    url = str(client.base_url).rstrip("/").removesuffix("/v1") + "/metrics"
-    text = urllib.request.urlopen(url, context=ctx).read().decode()
+    # Not on the tenants' port: it shows every tenant's traffic.
+    tenant_port = str(client.base_url).rstrip("/").removesuffix("/v1") + "/metrics"
+    try:
+        urllib.request.urlopen(tenant_port, context=ctx)
+        check(False, "/metrics is served on the tenants' port")
+    except urllib.error.HTTPError as e:
+        check(e.code in (401, 404), e.code)
+    text = urllib.request.urlopen(os.environ["SLUICE_METRICS_URL"]).read().decode()
     for needle in ['sluice_gateway_requests_total{status="200",tier="standard"}',
                    'sluice_gateway_requests_total{status="429",tier="standard"}',
                    'sluice_gateway_admission_refusals_total{reason="rpm"}',

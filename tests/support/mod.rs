@@ -40,9 +40,14 @@ pub fn free_port() -> anyhow::Result<u16> {
 
 /// Starts `sluice ARGS` with extra environment variables and returns it with the address of
 /// its first `listening on SCHEME://ADDR` line.
+/// A gateway's `/metrics` listener goes on a free port unless the test names one.
 pub fn spawn_sluice(args: &[&str], envs: &[(&str, &str)]) -> anyhow::Result<(Proc, String)> {
+    let mut args = args.to_vec();
+    if args.first() == Some(&"gateway") && !args.contains(&"--metrics-listen") {
+        args.extend(["--metrics-listen", "127.0.0.1:0"]);
+    }
     let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(args)
+        .args(&args)
         .envs(envs.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -124,7 +129,7 @@ pub fn start_up(dir: &Path) -> anyhow::Result<Up> {
 pub fn start_up_with(dir: &Path, extra: &[&str]) -> anyhow::Result<Up> {
     let (gw, admin) = (free_port()?, free_port()?);
     let mut child = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["up", "--dir", dir.to_str().context("utf-8")?])
+        .args(["up", "--dir", dir.to_str().context("utf-8")?, "--metrics-listen", "127.0.0.1:0"])
         .args(extra)
         .args([
             "--listen",

@@ -155,8 +155,35 @@ pub fn completion_plan(
     Ok(plan)
 }
 
+/// Parameters this server does not implement yet: refused by name rather than ignored (an
+/// answer that ignores `tools` or a JSON schema is a wrong answer, not a degraded one). The
+/// values that ask for nothing (`tool_choice: "none"`, `response_format: {"type": "text"}`,
+/// empty `tools`) pass.
+fn unsupported(body: &Value) -> Result<(), ApiError> {
+    let asks = |name: &str| match body.get(name) {
+        None | Some(Value::Null) => false,
+        Some(Value::Array(a)) => !a.is_empty(),
+        Some(Value::String(s)) => name != "tool_choice" || s != "none",
+        Some(Value::Object(o)) => {
+            name != "response_format" || o.get("type") != Some(&"text".into())
+        }
+        Some(_) => true,
+    };
+    for name in ["tools", "tool_choice", "functions", "function_call", "response_format"] {
+        if asks(name) {
+            return Err(ApiError::invalid(
+                name,
+                format!("{name} is not supported by this server yet"),
+            )
+            .with_code("unsupported_parameter"));
+        }
+    }
+    Ok(())
+}
+
 /// A `/v1/chat/completions` body.
 pub fn chat_plan(body: &Value, model: &LoadedModel, limits: &Limits) -> Result<Plan, ApiError> {
+    unsupported(body)?;
     let f: ChatFields = fields(body)?;
     let s: SamplingFields = fields(body)?;
     let messages =
@@ -358,7 +385,14 @@ fn sampling_plan(
             m
         }
     };
-    let temperature = in_f32("temperature", s.temperature, 1.0, |x| x >= 0.0, "a number >= 0")?;
+    // OpenAI's range.
+    let temperature = in_f32(
+        "temperature",
+        s.temperature,
+        1.0,
+        |x| (0.0..=2.0).contains(&x),
+        "a number from 0 to 2",
+    )?;
     let top_p = in_f32("top_p", s.top_p, 1.0, |x| x > 0.0 && x <= 1.0, "in (0, 1]")?;
     let min_p = in_f32("min_p", s.min_p, 0.0, |x| (0.0..=1.0).contains(&x), "in [0, 1]")?;
     let penalty = |x: f64| (-2.0..=2.0).contains(&x);
@@ -466,9 +500,26 @@ mod tests {
     }
 
     #[test]
+    fn unsupported_parameters_are_refused_by_name() {
+        let tool = json!([{"type": "function", "function": {"name": "f"}}]);
+        for (body, param) in [
+            (json!({"tools": tool}), Some("tools")),
+            (json!({"tool_choice": "auto"}), Some("tool_choice")),
+            (json!({"response_format": {"type": "json_object"}}), Some("response_format")),
+            (json!({"functions": [{"name": "f"}]}), Some("functions")),
+            (json!({"tools": [], "tool_choice": "none"}), None),
+            (json!({"response_format": {"type": "text"}}), None),
+            (json!({"tools": null}), None),
+        ] {
+            assert_eq!(unsupported(&body).err().and_then(|e| e.param).as_deref(), param, "{body}");
+        }
+    }
+
+    #[test]
     fn bad_fields_name_their_parameter() {
         let cases = [
             (json!({"temperature": -0.5}), "temperature"),
+            (json!({"temperature": 2.5}), "temperature"),
             (json!({"temperature": "hot"}), "temperature"),
             (json!({"top_p": 0}), "top_p"),
             (json!({"top_p": 1.5}), "top_p"),
