@@ -27,9 +27,35 @@ impl Drop for Telemetry {
     }
 }
 
+/// Crates whose debug and trace events print request or response headers and bodies (API
+/// keys, the internal token, prompt and completion text): held at `info` whatever `RUST_LOG`
+/// asks, so no log level prints a secret or a prompt.
+const REVEALING: [&str; 9] = [
+    "pingora",
+    "pingora_core",
+    "pingora_proxy",
+    "pingora_http",
+    "hyper",
+    "hyper_util",
+    "h2",
+    "reqwest",
+    "rustls",
+];
+
+fn log_filter() -> EnvFilter {
+    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    for target in REVEALING {
+        // Added after RUST_LOG's directives: for the same target, the later one wins.
+        if let Ok(d) = format!("{target}=info").parse() {
+            filter = filter.add_directive(d);
+        }
+    }
+    filter
+}
+
 /// Installs the subscriber for a process named `service` (`sluice-gateway`, `sluice-engine`).
 pub fn init(service: &str) -> anyhow::Result<Telemetry> {
-    let filter = || EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    let filter = log_filter;
     let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr).with_filter(filter());
     let endpoint = std::env::var("OTEL_EXPORTER_OTLP_ENDPOINT").ok().filter(|e| !e.is_empty());
     let Some(endpoint) = endpoint else {

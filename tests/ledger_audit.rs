@@ -452,3 +452,92 @@ async fn the_front_door_speaks_openai() -> anyhow::Result<()> {
     ledger.close().await;
     Ok(())
 }
+
+/// No log level prints a secret or a prompt: gateway and engine at `RUST_LOG=trace`, every
+/// line searched for the API key, the internal token, words of the prompts and the answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trace_logs_hold_no_secret_and_no_text() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let db = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let ledger = Ledger::connect(&db).await?;
+    let ops = Principal { actor: "test".into(), role: Role::Ops, tenant: None };
+    let new = NewTenant { id: "quiet".into(), name: None, tier: None, overrides: None };
+    ledger.create_tenant(&ops, &new).await?;
+    let key = ledger.issue_key(&ops, "quiet", None, None, Default::default()).await?.1;
+    let model = common::default_model()?.to_str().context("utf-8")?.to_owned();
+    let trace = [("RUST_LOG", "trace")];
+    let (engine_log, gw_log) = (dir.path().join("engine.log"), dir.path().join("gateway.log"));
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    let (_engine, engine) = support::spawn_sluice_logged(
+        &["engine", "--model", &model, "--listen", &listen, "--internal-token", TOKEN]
+            .into_iter()
+            .chain(["--served-model-name", MODEL_ID, "--kv-cache-mb", "32"])
+            .collect::<Vec<_>>(),
+        &trace,
+        &engine_log,
+    )?;
+    let gw_listen = format!("127.0.0.1:{}", free_port()?);
+    let (_gw, gw) = support::spawn_sluice_logged(
+        &[
+            "gateway",
+            "--plain-http",
+            "--listen",
+            &gw_listen,
+            "--engine",
+            &engine,
+            "--model",
+            &model,
+        ],
+        // Asking for the revealing crates by name changes nothing either.
+        &[
+            ("SLUICE_DATABASE_URL", db.as_str()),
+            ("SLUICE_INTERNAL_TOKEN", TOKEN),
+            ("RUST_LOG", "trace,pingora_proxy=trace,pingora_core=trace,h2=trace"),
+        ],
+        &gw_log,
+    )?;
+    let gw = format!("http://{gw}");
+    let c = reqwest::Client::builder().timeout(Duration::from_secs(60)).build()?;
+    wait_healthy(&c, &format!("{gw}/health")).await?;
+    let marker = "zebrakumquat";
+    let mut answers = Vec::new();
+    for stream in [false, true] {
+        let body = json!({"model": MODEL_ID, "max_tokens": 24, "stream": stream,
+            "messages": [{"role": "user", "content": format!("Say {marker} twice.")}]});
+        let r = c
+            .post(format!("{gw}/v1/chat/completions"))
+            .bearer_auth(&key)
+            .json(&body)
+            .send()
+            .await?;
+        ensure!(r.status() == 200, "{}", r.status());
+        answers.push(r.text().await?);
+        let body = json!({"model": MODEL_ID, "max_tokens": 24, "stream": stream,
+            "prompt": format!("The word {marker} means")});
+        let r = c.post(format!("{gw}/v1/completions")).bearer_auth(&key).json(&body).send().await?;
+        ensure!(r.status() == 200, "{}", r.status());
+    }
+    let wrong = "sk-sluice-deadbeef-0000000000000000wrongsecret";
+    let r = c.get(format!("{gw}/v1/models")).bearer_auth(wrong).send().await?;
+    ensure!(r.status() == 401, "{}", r.status());
+    // The whole answer's text (more than a word or two, so it cannot occur by chance).
+    let v: Value = serde_json::from_str(&answers[0])?;
+    let answer = v["choices"][0]["message"]["content"].as_str().context("answer")?.to_owned();
+    ensure!(answer.len() >= 12, "a short answer proves nothing: {answer:?}");
+    let needles = [key.as_str(), TOKEN, marker, wrong, answer.as_str()];
+    for log in [&engine_log, &gw_log] {
+        let text = std::fs::read_to_string(log)?;
+        ensure!(
+            text.lines().count() > 20,
+            "{} is nearly empty: trace logging is off",
+            log.display()
+        );
+        for needle in needles {
+            if let Some(line) = text.lines().find(|l| l.contains(needle)) {
+                anyhow::bail!("{} logs {needle:?}: {line}", log.display());
+            }
+        }
+    }
+    ledger.close().await;
+    Ok(())
+}

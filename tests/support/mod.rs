@@ -42,6 +42,23 @@ pub fn free_port() -> anyhow::Result<u16> {
 /// its first `listening on SCHEME://ADDR` line.
 /// A gateway's `/metrics` listener goes on a free port unless the test names one.
 pub fn spawn_sluice(args: &[&str], envs: &[(&str, &str)]) -> anyhow::Result<(Proc, String)> {
+    spawn_sluice_to(args, envs, Stdio::null())
+}
+
+/// [`spawn_sluice`] with its stderr (the logs) written to `log`.
+pub fn spawn_sluice_logged(
+    args: &[&str],
+    envs: &[(&str, &str)],
+    log: &Path,
+) -> anyhow::Result<(Proc, String)> {
+    spawn_sluice_to(args, envs, Stdio::from(std::fs::File::create(log)?))
+}
+
+fn spawn_sluice_to(
+    args: &[&str],
+    envs: &[(&str, &str)],
+    stderr: Stdio,
+) -> anyhow::Result<(Proc, String)> {
     let mut args = args.to_vec();
     if args.first() == Some(&"gateway") && !args.contains(&"--metrics-listen") {
         args.extend(["--metrics-listen", "127.0.0.1:0"]);
@@ -51,7 +68,7 @@ pub fn spawn_sluice(args: &[&str], envs: &[(&str, &str)]) -> anyhow::Result<(Pro
         .envs(envs.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(stderr)
         .spawn()?;
     let out = child.stdout.take().context("stdout")?;
     let proc = Proc(child);
