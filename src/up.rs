@@ -73,6 +73,12 @@ pub struct GatewayArgs {
     /// Where `/metrics` is served (never on the tenants' port: it shows every tenant).
     #[arg(long, default_value = "127.0.0.1:9464")]
     metrics_listen: String,
+    /// Seconds a kept-alive client connection may sit idle between requests.
+    #[arg(long, default_value_t = 30)]
+    idle_timeout: u64,
+    /// Seconds a request body may take to arrive, in all (then 408).
+    #[arg(long, default_value_t = 30)]
+    body_timeout: u64,
     /// Usage stream (tests isolate themselves with their own).
     #[arg(long, hide = true, default_value = sluice_billing::ingest::USAGE_STREAM)]
     usage_stream: String,
@@ -225,6 +231,8 @@ pub(crate) fn gateway_config(
         redis_down,
         prices: prices(),
         name: "gateway".into(),
+        idle_timeout: Duration::from_secs(30),
+        body_timeout: Duration::from_secs(30),
     }
 }
 
@@ -273,7 +281,11 @@ pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
         })
     })?;
     let token = args.internal_token.clone();
-    let cfg = gateway_config(&args.engines, args.internal_token, &args.model_id, redis_down);
+    let cfg = GatewayConfig {
+        idle_timeout: Duration::from_secs(args.idle_timeout),
+        body_timeout: Duration::from_secs(args.body_timeout),
+        ..gateway_config(&args.engines, args.internal_token, &args.model_id, redis_down)
+    };
     let gateway = Gateway::new(cfg, ledger.clone(), limiter, tokens, usage, io.handle.clone());
     let metrics = serve_metrics(&io, &args.metrics_listen, &gateway)?;
     println!("listening on {}://{}", if tls.is_some() { "https" } else { "http" }, args.listen);
@@ -324,6 +336,12 @@ pub struct UpArgs {
     /// Where the gateway's `/metrics` is served (never on the tenants' port).
     #[arg(long, default_value = "127.0.0.1:9464")]
     metrics_listen: String,
+    /// Seconds a kept-alive client connection may sit idle between requests.
+    #[arg(long, default_value_t = 30)]
+    idle_timeout: u64,
+    /// Seconds a request body may take to arrive, in all (then 408).
+    #[arg(long, default_value_t = 30)]
+    body_timeout: u64,
 }
 
 fn write_private(path: &Path, content: &str) -> anyhow::Result<()> {
@@ -540,12 +558,16 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     ];
     let admin_path = dir.join("admin.env");
     write_private(&admin_path, &(admin_env.join("\n") + "\n"))?;
-    let cfg = gateway_config(
-        &[engine_addr.to_string()],
-        Some(internal_token.clone()),
-        DEFAULT_MODEL_ID,
-        RedisDownPolicy::Local,
-    );
+    let cfg = GatewayConfig {
+        idle_timeout: Duration::from_secs(args.idle_timeout),
+        body_timeout: Duration::from_secs(args.body_timeout),
+        ..gateway_config(
+            &[engine_addr.to_string()],
+            Some(internal_token.clone()),
+            DEFAULT_MODEL_ID,
+            RedisDownPolicy::Local,
+        )
+    };
     let gateway = Gateway::new(
         cfg,
         ledger.clone(),

@@ -449,7 +449,76 @@ async fn the_front_door_speaks_openai() -> anyhow::Result<()> {
         );
         ensure!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     }
+
+    // Slow and idle clients: a gateway with 2 s limits.
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    let (_strict, strict) = spawn_sluice(
+        &["gateway", "--plain-http", "--listen", &listen, "--engine", &p.engine]
+            .into_iter()
+            .chain(["--model", &p.model, "--idle-timeout", "2", "--body-timeout", "2"])
+            .collect::<Vec<_>>(),
+        &[("SLUICE_DATABASE_URL", p.db.as_str()), ("SLUICE_INTERNAL_TOKEN", TOKEN)],
+    )?;
+    wait_healthy(&c, &format!("http://{strict}/health")).await?;
+    let key2 = key.clone();
+    let strict2 = strict.clone();
+    tokio::task::spawn_blocking(move || slow_clients(&strict2, &key2)).await??;
+    // 200 idle connections do not keep anyone else from being served.
+    let idle: Vec<std::net::TcpStream> =
+        (0..200).map(|_| std::net::TcpStream::connect(&strict)).collect::<Result<_, _>>()?;
+    let r = c
+        .post(format!("http://{strict}/v1/completions"))
+        .bearer_auth(&key)
+        .json(&json!({"model": MODEL_ID, "prompt": "Hi", "max_tokens": 2}))
+        .send()
+        .await?;
+    ensure!(r.status() == 200, "served beside 200 idle connections: {}", r.status());
+    drop(idle);
     ledger.close().await;
+    Ok(())
+}
+
+/// An idle kept-alive connection is closed; a body trickled at 2 bytes/s gets a 408 when its
+/// deadline passes, and its connection is closed.
+fn slow_clients(addr: &str, key: &str) -> anyhow::Result<()> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(15)))?;
+    s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")?;
+    let mut buf = [0u8; 4096];
+    let n = s.read(&mut buf)?;
+    ensure!(buf[..n].starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&buf[..n]));
+    let t = Instant::now();
+    let n = s.read(&mut buf)?;
+    ensure!(n == 0, "an idle kept-alive connection sent {n} bytes");
+    ensure!(t.elapsed() < Duration::from_secs(10), "closed only after {:?}", t.elapsed());
+
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_millis(500)))?;
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\
+         Content-Type: application/json\r\nContent-Length: 200\r\n\r\n{{"
+    );
+    s.write_all(head.as_bytes())?;
+    let t = Instant::now();
+    let mut got = Vec::new();
+    while t.elapsed() < Duration::from_secs(15) {
+        if s.write_all(b" ").is_err() {
+            break;
+        }
+        match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+            Err(_) => {}
+        }
+        if got.windows(4).any(|w| w == b"\r\n\r\n") && got.ends_with(b"}") {
+            break;
+        }
+    }
+    let text = String::from_utf8_lossy(&got);
+    ensure!(text.starts_with("HTTP/1.1 408"), "a trickled body got: {text:?}");
+    ensure!(text.contains("request_timeout"), "{text}");
+    ensure!(t.elapsed() < Duration::from_secs(8), "cut off only after {:?}", t.elapsed());
     Ok(())
 }
 

@@ -123,6 +123,10 @@ pub struct GatewayConfig {
     pub prices: Prices,
     /// This gateway's name in usage events.
     pub name: String,
+    /// How long a kept-alive client connection may sit idle between requests.
+    pub idle_timeout: Duration,
+    /// How long a request body may take to arrive, in all (a client trickling it is cut off).
+    pub body_timeout: Duration,
 }
 
 /// The ledger's usage by scope: when it was read, for which UTC day, the figures.
@@ -586,11 +590,32 @@ impl Gateway {
             return Err(too_big());
         }
         let mut body = Vec::with_capacity(length.unwrap_or(0).min(MAX_BODY_BYTES));
+        let deadline = tokio::time::Instant::now() + self.cfg.body_timeout;
         loop {
             if length.is_none_or(|n| n.saturating_sub(body.len()) <= RETRY_BUFFER) {
                 session.enable_retry_buffering();
             }
-            match session.read_request_body().await {
+            let slow = |session: &mut Session| {
+                // A client trickling its body holds a connection and a task: cut it off.
+                session.set_keepalive(None);
+                Refuse::new(
+                    408,
+                    "invalid_request_error",
+                    format!(
+                        "the request body did not arrive within {} s",
+                        self.cfg.body_timeout.as_secs()
+                    ),
+                )
+                .code("request_timeout")
+            };
+            let Ok(read) = tokio::time::timeout_at(deadline, session.read_request_body()).await
+            else {
+                return Err(slow(session));
+            };
+            match read {
+                Err(e) if matches!(e.etype(), ErrorType::ReadTimedout) => {
+                    return Err(slow(session));
+                }
                 Ok(Some(chunk)) => {
                     body.extend_from_slice(&chunk);
                     if body.len() > MAX_BODY_BYTES {
@@ -1264,6 +1289,10 @@ impl ProxyHttp for Gateway {
             return Ok(true);
         }
         self.drain.begin(&ctx.request_id);
+        // Idle kept-alive connections close; each read of the body has the body's deadline
+        // (and admit bounds the body's whole arrival by it).
+        session.set_keepalive(Some(self.cfg.idle_timeout.as_secs().max(1)));
+        session.set_read_timeout(Some(self.cfg.body_timeout));
         let path = session.req_header().uri.path().to_owned();
         if path == "/health" {
             respond(session, 200, Bytes::from_static(b"{\"status\":\"ok\"}"), &[]).await?;
