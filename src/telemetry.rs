@@ -42,15 +42,20 @@ const REVEALING: [&str; 9] = [
     "rustls",
 ];
 
-fn log_filter() -> EnvFilter {
-    let mut filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
-    for target in REVEALING {
-        // Added after RUST_LOG's directives: for the same target, the later one wins.
-        if let Ok(d) = format!("{target}=info").parse() {
-            filter = filter.add_directive(d);
-        }
-    }
-    filter
+/// Whether an event may be logged: nothing below `info` from a revealing crate (or any of its
+/// modules), whatever `RUST_LOG` enables.
+fn safe(meta: &tracing::Metadata<'_>) -> bool {
+    let target = meta.target();
+    let revealing = REVEALING.iter().any(|c| {
+        target.strip_prefix(c).is_some_and(|rest| rest.is_empty() || rest.starts_with("::"))
+    });
+    !revealing || *meta.level() <= tracing::Level::INFO
+}
+
+fn log_filter() -> impl tracing_subscriber::layer::Filter<tracing_subscriber::Registry> {
+    use tracing_subscriber::filter::FilterExt;
+    let env = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
+    env.and(tracing_subscriber::filter::filter_fn(safe))
 }
 
 /// Installs the subscriber for a process named `service` (`sluice-gateway`, `sluice-engine`).

@@ -66,19 +66,8 @@ pub struct GatewayArgs {
     /// When Redis is unreachable: `local` limits or `refuse` (503).
     #[arg(long, default_value = "local")]
     redis_down: String,
-    /// On SIGINT or SIGTERM: how long running requests may go on before they are cancelled
-    /// (each still billed for what it generated), in seconds.
-    #[arg(long, default_value_t = 30)]
-    drain_timeout: u64,
-    /// Where `/metrics` is served (never on the tenants' port: it shows every tenant).
-    #[arg(long, default_value = "127.0.0.1:9464")]
-    metrics_listen: String,
-    /// Seconds a kept-alive client connection may sit idle between requests.
-    #[arg(long, default_value_t = 30)]
-    idle_timeout: u64,
-    /// Seconds a request body may take to arrive, in all (then 408).
-    #[arg(long, default_value_t = 30)]
-    body_timeout: u64,
+    #[command(flatten)]
+    front: FrontDoorArgs,
     /// Usage stream (tests isolate themselves with their own).
     #[arg(long, hide = true, default_value = sluice_billing::ingest::USAGE_STREAM)]
     usage_stream: String,
@@ -233,6 +222,7 @@ pub(crate) fn gateway_config(
         name: "gateway".into(),
         idle_timeout: Duration::from_secs(30),
         body_timeout: Duration::from_secs(30),
+        max_per_client: 512,
     }
 }
 
@@ -281,20 +271,20 @@ pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
         })
     })?;
     let token = args.internal_token.clone();
-    let cfg = GatewayConfig {
-        idle_timeout: Duration::from_secs(args.idle_timeout),
-        body_timeout: Duration::from_secs(args.body_timeout),
-        ..gateway_config(&args.engines, args.internal_token, &args.model_id, redis_down)
-    };
+    let cfg = args.front.apply(gateway_config(
+        &args.engines,
+        args.internal_token,
+        &args.model_id,
+        redis_down,
+    ));
     let gateway = Gateway::new(cfg, ledger.clone(), limiter, tokens, usage, io.handle.clone());
-    let metrics = serve_metrics(&io, &args.metrics_listen, &gateway)?;
+    let metrics = serve_metrics(&io, &args.front.metrics_listen, &gateway)?;
     println!("listening on {}://{}", if tls.is_some() { "https" } else { "http" }, args.listen);
     // On stderr: stdout's first line is the listening address, which is all some readers take.
     eprintln!("metrics on http://{metrics}/metrics");
     std::io::stdout().flush()?;
     let tls_ref = tls.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
-    let drain = Duration::from_secs(args.drain_timeout);
-    run_proxy(gateway, &args.listen, tls_ref, drain, token)?;
+    run_proxy(gateway, &args.listen, tls_ref, args.front.drain(), token)?;
     finish(&io, ingest.as_deref(), &ledger);
     eprintln!("shut down");
     Ok(())
@@ -329,11 +319,18 @@ pub struct UpArgs {
     /// unless --kv-cache-mb].
     #[arg(long)]
     gpu_memory_utilization: Option<f64>,
+    #[command(flatten)]
+    front: FrontDoorArgs,
+}
+
+/// How the gateway's front door behaves: `sluice gateway` and `sluice up` alike.
+#[derive(Args, Debug)]
+pub struct FrontDoorArgs {
     /// On SIGINT or SIGTERM: how long running requests may go on before they are cancelled
     /// (each still billed for what it generated), in seconds.
     #[arg(long, default_value_t = 30)]
     drain_timeout: u64,
-    /// Where the gateway's `/metrics` is served (never on the tenants' port).
+    /// Where `/metrics` is served (never on the tenants' port: it shows every tenant).
     #[arg(long, default_value = "127.0.0.1:9464")]
     metrics_listen: String,
     /// Seconds a kept-alive client connection may sit idle between requests.
@@ -342,6 +339,25 @@ pub struct UpArgs {
     /// Seconds a request body may take to arrive, in all (then 408).
     #[arg(long, default_value_t = 30)]
     body_timeout: u64,
+    /// Requests one client address may have in flight at once (then 429).
+    #[arg(long, default_value_t = 512)]
+    max_per_client: u32,
+}
+
+impl FrontDoorArgs {
+    /// `cfg` with these timeouts.
+    fn apply(&self, cfg: GatewayConfig) -> GatewayConfig {
+        GatewayConfig {
+            idle_timeout: Duration::from_secs(self.idle_timeout),
+            body_timeout: Duration::from_secs(self.body_timeout),
+            max_per_client: self.max_per_client,
+            ..cfg
+        }
+    }
+
+    fn drain(&self) -> Duration {
+        Duration::from_secs(self.drain_timeout)
+    }
 }
 
 fn write_private(path: &Path, content: &str) -> anyhow::Result<()> {
@@ -558,16 +574,12 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     ];
     let admin_path = dir.join("admin.env");
     write_private(&admin_path, &(admin_env.join("\n") + "\n"))?;
-    let cfg = GatewayConfig {
-        idle_timeout: Duration::from_secs(args.idle_timeout),
-        body_timeout: Duration::from_secs(args.body_timeout),
-        ..gateway_config(
-            &[engine_addr.to_string()],
-            Some(internal_token.clone()),
-            DEFAULT_MODEL_ID,
-            RedisDownPolicy::Local,
-        )
-    };
+    let cfg = args.front.apply(gateway_config(
+        &[engine_addr.to_string()],
+        Some(internal_token.clone()),
+        DEFAULT_MODEL_ID,
+        RedisDownPolicy::Local,
+    ));
     let gateway = Gateway::new(
         cfg,
         ledger.clone(),
@@ -577,7 +589,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         io.handle.clone(),
     );
     gateway.seed_identity(serde_json::to_value(&model.identity)?);
-    let metrics = serve_metrics(&io, &args.metrics_listen, &gateway)?;
+    let metrics = serve_metrics(&io, &args.front.metrics_listen, &gateway)?;
     let metrics_url = format!("http://{metrics}/metrics");
     let mut admin_env = std::fs::read_to_string(&admin_path)?;
     admin_env.push_str(&(env_line("SLUICE_METRICS_URL", &metrics_url) + "\n"));
@@ -595,8 +607,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     println!("ready");
     std::io::stdout().flush()?;
     let tls_ref = tls.as_ref().map(|(_, c, k)| (c.as_path(), k.as_path()));
-    let drain = Duration::from_secs(args.drain_timeout);
-    run_proxy(gateway, &args.listen, tls_ref, drain, Some(internal_token))?;
+    run_proxy(gateway, &args.listen, tls_ref, args.front.drain(), Some(internal_token))?;
     finish(&io, Some(&ingest), &ledger);
     eprintln!("shut down");
     Ok(())

@@ -33,43 +33,6 @@ const TOKEN: &str = "drill-internal-token";
 const JWT_SECRET: &str = "drill-secret-drill-secret-drill-0123";
 const REQUESTS: usize = 80;
 
-/// The machine's Postgres cluster, started again when dropped if a test stopped it.
-struct Cluster {
-    version: String,
-    stopped: bool,
-}
-
-impl Cluster {
-    fn new() -> anyhow::Result<Self> {
-        let version = std::fs::read_dir("/etc/postgresql")?
-            .filter_map(Result::ok)
-            .filter_map(|e| e.file_name().into_string().ok())
-            .max()
-            .context("no cluster under /etc/postgresql")?;
-        Ok(Self { version, stopped: false })
-    }
-
-    fn run(&mut self, action: &str) -> anyhow::Result<()> {
-        // The daemon outlives the test: it must not keep this process's descriptors.
-        const CLOSE_AND_RUN: &str = r#"for fd in /proc/self/fd/*; do n=${fd##*/}; [ "$n" -gt 2 ] && eval "exec $n>&-"; done; exec pg_ctlcluster --skip-systemctl-redirect "$0" main "$1""#;
-        let ok = Command::new("bash")
-            .args(["-c", CLOSE_AND_RUN, &self.version, action])
-            .status()?
-            .success();
-        ensure!(ok, "pg_ctlcluster {action} failed");
-        self.stopped = action == "stop";
-        Ok(())
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        if self.stopped && self.run("start").is_err() {
-            eprintln!("could not restart Postgres: pg_ctlcluster {} main start", self.version);
-        }
-    }
-}
-
 /// A Redis of the test's own with an append-only file, so a restart keeps the usage stream
 /// (as a production Redis holding it must).
 fn redis(dir: &std::path::Path, port: u16) -> anyhow::Result<Proc> {
@@ -161,7 +124,6 @@ fn gateway(engine: &str, db: &str, redis: &str, model: &str) -> anyhow::Result<(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_ledger_survives_restarts_disconnects_and_a_shutdown() -> anyhow::Result<()> {
     let _lock = billing_common::postgres_lock(true).await?;
-    let mut cluster = Cluster::new()?;
     let pg = billing_common::PgDatabase::create_unlocked().await?;
     let ledger = Ledger::connect(&pg.url).await?;
     let ops = Principal { actor: "drill".into(), role: Role::Ops, tenant: None };
@@ -257,9 +219,9 @@ async fn the_ledger_survives_restarts_disconnects_and_a_shutdown() -> anyhow::Re
     }
     until(3 * REQUESTS / 5).await?;
     // Postgres restarts under load.
-    cluster.run("stop")?;
+    let mut stopped = billing_common::PostgresStopped::stop()?;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    cluster.run("start")?;
+    stopped.start()?;
     for t in clients {
         t.await?;
     }

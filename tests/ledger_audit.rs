@@ -312,6 +312,8 @@ async fn refusals_are_free_abandoned_work_is_billed_and_day_quotas_hold() -> any
     );
 
     // ---- the auditor's reconciliation: no difference, then one tampered row ----
+    // Everything above is in the ledger first (the last refusal too).
+    wait_rows(&ledger, "daily", 4).await?;
     let (_billing, admin_url) = spawn_sluice(
         &["billing", "--database-url", &db, "--listen", "127.0.0.1:0"],
         &[("SLUICE_JWT_SECRET", JWT_SECRET)],
@@ -450,12 +452,20 @@ async fn the_front_door_speaks_openai() -> anyhow::Result<()> {
         ensure!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     }
 
+    // Two pipelined requests get two answers, in order; a long query string is not the
+    // engine's business.
+    let (addr, key2) = (gw.trim_start_matches("http://").to_owned(), key.clone());
+    tokio::task::spawn_blocking(move || pipelined(&addr, &key2)).await??;
+    let (addr, key2) = (gw.trim_start_matches("http://").to_owned(), key.clone());
+    tokio::task::spawn_blocking(move || long_query(&addr, &key2)).await??;
+
     // Slow and idle clients: a gateway with 2 s limits.
     let listen = format!("127.0.0.1:{}", free_port()?);
     let (_strict, strict) = spawn_sluice(
         &["gateway", "--plain-http", "--listen", &listen, "--engine", &p.engine]
             .into_iter()
             .chain(["--model", &p.model, "--idle-timeout", "2", "--body-timeout", "2"])
+            .chain(["--max-per-client", "2"])
             .collect::<Vec<_>>(),
         &[("SLUICE_DATABASE_URL", p.db.as_str()), ("SLUICE_INTERNAL_TOKEN", TOKEN)],
     )?;
@@ -475,6 +485,61 @@ async fn the_front_door_speaks_openai() -> anyhow::Result<()> {
     ensure!(r.status() == 200, "served beside 200 idle connections: {}", r.status());
     drop(idle);
     ledger.close().await;
+    Ok(())
+}
+
+/// A long query string (60,000 bytes; pingora itself refuses request lines much longer) never
+/// reaches the engine, whose URI limit answered an empty 414 that was billed.
+fn long_query(addr: &str, key: &str) -> anyhow::Result<()> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    let body = json!({"model": MODEL_ID, "prompt": "Hi", "max_tokens": 2}).to_string();
+    let head = format!(
+        "POST /v1/completions?pad={} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\
+         Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "x".repeat(60_000),
+        body.len()
+    );
+    s.write_all(head.as_bytes())?;
+    s.write_all(body.as_bytes())?;
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    ensure!(
+        out.starts_with("HTTP/1.1 200"),
+        "a long query string got: {}",
+        &out[..out.len().min(300)]
+    );
+    Ok(())
+}
+
+/// Two requests written at once on one connection: both answered, in order.
+fn pipelined(addr: &str, key: &str) -> anyhow::Result<()> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let one = |id: &str| {
+        format!("GET /v1/models/{id} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\r\n")
+    };
+    s.write_all(format!("{}{}", one(MODEL_ID), one("nope")).as_bytes())?;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 8192];
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(10) {
+        let text = String::from_utf8_lossy(&got);
+        if text.matches("HTTP/1.1 ").count() >= 2 && text.trim_end().ends_with('}') {
+            break;
+        }
+        match s.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+    let text = String::from_utf8_lossy(&got);
+    let first = text.find("HTTP/1.1 200").context(format!("no first answer: {text}"))?;
+    let second =
+        text.find("HTTP/1.1 404").context(format!("the pipelined request was dropped: {text}"))?;
+    ensure!(first < second, "answers out of order: {text}");
     Ok(())
 }
 
@@ -519,6 +584,30 @@ fn slow_clients(addr: &str, key: &str) -> anyhow::Result<()> {
     ensure!(text.starts_with("HTTP/1.1 408"), "a trickled body got: {text:?}");
     ensure!(text.contains("request_timeout"), "{text}");
     ensure!(t.elapsed() < Duration::from_secs(8), "cut off only after {:?}", t.elapsed());
+
+    // Two slow bodies hold this address's two slots: a third request is refused at once.
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut s = std::net::TcpStream::connect(addr)?;
+        s.write_all(head.as_bytes())?;
+        held.push(s);
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut refused = String::new();
+    while Instant::now() < deadline {
+        let mut s = std::net::TcpStream::connect(addr)?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")?;
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        if out.starts_with("HTTP/1.1 429") {
+            refused = out;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    ensure!(refused.contains("too_many_connections"), "no per-address cap: {refused:?}");
+    drop(held);
     Ok(())
 }
 

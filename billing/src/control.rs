@@ -897,8 +897,9 @@ impl Ledger {
         })
     }
 
-    /// Billed tokens (prompt + completion, refused requests excluded) of a tenant, or of one
-    /// of its keys, since `day_start` and since `month_start` (`month_start <= day_start`):
+    /// Billed tokens (prompt + completion, refused requests excluded) of a tenant (from its day
+    /// rollups), or of one of its keys (from its rows), since `day_start` and since
+    /// `month_start` (`month_start <= day_start`, both UTC midnights):
     /// where the admission windows start when their counters are new (a restart, a flushed
     /// Redis), so a tenant never gets a fresh day or month for free.
     pub async fn tokens_used(
@@ -909,6 +910,26 @@ impl Ledger {
         month_start: DateTime<Utc>,
     ) -> Result<(u64, u64), AdminError> {
         let (day, month): (i64, i64) = on_pool!(self, pool => {
+            if key.is_none() {
+                // A tenant's: its day rollups (a month is at most 31 rows).
+                let row = sqlx::query(
+                    "SELECT CAST(COALESCE(SUM(CASE WHEN bucket_start >= $1 \
+                     THEN prompt_tokens + completion_tokens ELSE 0 END), 0) AS BIGINT) AS day, \
+                     CAST(COALESCE(SUM(prompt_tokens + completion_tokens), 0) AS BIGINT) AS month \
+                     FROM usage_rollups WHERE period = 'day' AND tenant_id = $2 \
+                     AND bucket_start >= $3",
+                )
+                .bind(day_start)
+                .bind(tenant)
+                .bind(month_start)
+                .fetch_one(pool)
+                .await?;
+                return Ok((
+                    u64::try_from(row.try_get::<i64, _>("day")?).unwrap_or(0),
+                    u64::try_from(row.try_get::<i64, _>("month")?).unwrap_or(0),
+                ));
+            }
+            // A key's: its rows (rollups are per tenant).
             let mut q = QueryBuilder::new(
                 "SELECT CAST(COALESCE(SUM(CASE WHEN arrival_at >= ",
             );
@@ -943,15 +964,33 @@ impl Ledger {
             since.duration_trunc(hour).map_err(|_| AdminError::invalid("since", "out of range"))?;
         let mut from_rows: BTreeMap<(DateTime<Utc>, String, String), RollupSums> = BTreeMap::new();
         let mut records = 0u64;
-        on_pool!(self, pool => {
+        let postgres = self.backend() == crate::Backend::Postgres;
+        let rollup_rows = on_pool!(self, pool => {
+            // Rows and rollups from one snapshot: a batch committed between two reads would
+            // look like a difference.
+            let mut tx = pool.begin().await?;
+            if postgres {
+                sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+                    .execute(&mut *tx)
+                    .await?;
+            }
             let rows = sqlx::query(
                 "SELECT tenant_id, model_id, arrival_at, prompt_tokens, cached_prompt_tokens, \
                  completion_tokens, cost_micros, http_status FROM request_records \
                  WHERE arrival_at >= $1",
             )
             .bind(start)
-            .fetch_all(pool)
+            .fetch_all(&mut *tx)
             .await?;
+            let rollups = sqlx::query(
+                "SELECT bucket_start, tenant_id, model_id, requests, prompt_tokens, \
+                 cached_prompt_tokens, completion_tokens, cost_micros, refused_requests \
+                 FROM usage_rollups WHERE period = 'hour' AND bucket_start >= $1",
+            )
+            .bind(start)
+            .fetch_all(&mut *tx)
+            .await?;
+            tx.rollback().await?;
             for row in &rows {
                 records += 1;
                 let at: DateTime<Utc> = row.try_get("arrival_at")?;
@@ -971,31 +1010,24 @@ impl Ledger {
                     sums.cost_micros += row.try_get::<i64, _>("cost_micros")?;
                 }
             }
+            let mut out = Vec::with_capacity(rollups.len());
+            for r in &rollups {
+                out.push((
+                    (r.try_get("bucket_start")?, r.try_get("tenant_id")?, r.try_get("model_id")?),
+                    RollupSums {
+                        requests: r.try_get("requests")?,
+                        refused_requests: r.try_get("refused_requests")?,
+                        prompt_tokens: r.try_get("prompt_tokens")?,
+                        cached_prompt_tokens: r.try_get("cached_prompt_tokens")?,
+                        completion_tokens: r.try_get("completion_tokens")?,
+                        cost_micros: r.try_get("cost_micros")?,
+                    },
+                ));
+            }
+            out
         });
-        let rollups = self
-            .usage(&UsageFilter {
-                period: "hour".into(),
-                tenant: None,
-                model: None,
-                since: Some(start),
-                until: None,
-            })
-            .await?;
-        let mut from_rollups: BTreeMap<(DateTime<Utc>, String, String), RollupSums> =
-            BTreeMap::new();
-        for r in rollups {
-            from_rollups.insert(
-                (r.bucket_start, r.tenant_id, r.model_id),
-                RollupSums {
-                    requests: r.requests,
-                    refused_requests: r.refused_requests,
-                    prompt_tokens: r.prompt_tokens,
-                    cached_prompt_tokens: r.cached_prompt_tokens,
-                    completion_tokens: r.completion_tokens,
-                    cost_micros: r.cost_micros,
-                },
-            );
-        }
+        let from_rollups: BTreeMap<(DateTime<Utc>, String, String), RollupSums> =
+            rollup_rows.into_iter().collect();
         let mut differences = Vec::new();
         let keys: std::collections::BTreeSet<_> =
             from_rows.keys().chain(from_rollups.keys()).cloned().collect();

@@ -7,65 +7,16 @@
 
 mod common;
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, bail, ensure};
+use anyhow::ensure;
 use common::{
-    Inspect, PgDatabase, REDIS_URL, delete_keys, event, pending, stream_names, wait_until,
+    Inspect, PgDatabase, PostgresStopped, REDIS_URL, delete_keys, event, pending, stream_names,
+    wait_until,
 };
 use sluice_billing::ingest::{IngestConfig, UsageConsumer, publish_to};
 use sluice_billing::{Ledger, LedgerOptions};
 use tokio::sync::watch;
-
-/// Stops the local Postgres cluster; starts it again when dropped unless already started.
-struct PostgresStopped {
-    version: String,
-    running: bool,
-}
-
-impl PostgresStopped {
-    fn stop() -> anyhow::Result<Self> {
-        let version = std::fs::read_dir("/etc/postgresql")?
-            .filter_map(Result::ok)
-            .filter_map(|entry| entry.file_name().into_string().ok())
-            .max()
-            .context("no cluster under /etc/postgresql")?;
-        let mut guard = Self { version, running: true };
-        guard.cluster("stop")?;
-        guard.running = false;
-        Ok(guard)
-    }
-
-    fn start(&mut self) -> anyhow::Result<()> {
-        self.cluster("start")?;
-        self.running = true;
-        Ok(())
-    }
-
-    /// Runs `pg_ctlcluster` with every inherited descriptor above stderr closed: the server it
-    /// starts is a daemon that outlives the test, and it must not keep our parent's open files
-    /// (a `flock` held around `cargo test`, say) and with them their locks.
-    fn cluster(&self, action: &str) -> anyhow::Result<()> {
-        const CLOSE_INHERITED_AND_RUN: &str = r#"for fd in /proc/self/fd/*; do n=${fd##*/}; [ "$n" -gt 2 ] && eval "exec $n>&-"; done; exec pg_ctlcluster --skip-systemctl-redirect "$0" main "$1""#;
-        // bash, not sh: dash cannot redirect descriptors above 9.
-        let status = Command::new("bash")
-            .args(["-c", CLOSE_INHERITED_AND_RUN, &self.version, action])
-            .status()?;
-        if !status.success() {
-            bail!("pg_ctlcluster {action} failed: {status}");
-        }
-        Ok(())
-    }
-}
-
-impl Drop for PostgresStopped {
-    fn drop(&mut self) {
-        if !self.running && self.start().is_err() {
-            eprintln!("could not restart Postgres: run pg_ctlcluster {} main start", self.version);
-        }
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_outage_delays_ingestion_but_loses_and_duplicates_nothing() -> anyhow::Result<()> {

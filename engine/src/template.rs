@@ -93,20 +93,29 @@ pub struct ChatPart {
 
 /// A chat prompt's token ids and its rendered text. Message content is text: a user who writes
 /// `<|im_end|>` gets those characters, not the control token, so nobody can forge another
-/// turn. Only the template's own text is tokenized with special tokens parsed. Where no content
-/// holds a special token's text (nearly always), the whole prompt is tokenized at once, exactly
-/// as before; otherwise piece by piece. The rendered template carries its own BOS when the
-/// model wants one.
+/// turn. Where no content holds a special token's text (nearly always), the prompt is rendered
+/// and tokenized exactly as before; otherwise it is rendered in pieces ([`ChatTemplate::
+/// render_parts`]) and only the template's own text is tokenized with special tokens parsed.
+/// A template under which the pieces do not add up to the plain rendering (one that branches on
+/// content, say) is refused for such content rather than rendered another way. The rendered
+/// template carries its own BOS when the model wants one.
 pub fn encode_chat(
     template: &ChatTemplate,
     tokenizer: &Tokenizer,
     messages: &[ChatMessage],
     add_generation_prompt: bool,
 ) -> Result<(Vec<u32>, String)> {
-    let parts = template.render_parts(messages, add_generation_prompt)?;
-    let text: String = parts.iter().map(|p| p.text.as_str()).collect();
-    if !parts.iter().any(|p| p.content && tokenizer.holds_special_text(&p.text)) {
+    let text = template.render(messages, add_generation_prompt)?;
+    if !messages.iter().any(|m| tokenizer.holds_special_text(&m.content)) {
         return Ok((tokenizer.encode(&text, true)?, text));
+    }
+    let parts = template.render_parts(messages, add_generation_prompt)?;
+    if parts.iter().map(|p| p.text.as_str()).collect::<String>() != text {
+        return Err(EngineError::Template(
+            "a message holds a special token's text, and this chat template renders content in \
+             a way that cannot keep it apart from its own special tokens"
+                .into(),
+        ));
     }
     let mut ids = Vec::new();
     for p in &parts {

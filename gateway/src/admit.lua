@@ -5,19 +5,21 @@
 -- "tokens minute day month").
 -- ARGV: request id, tokens to reserve, reservation ttl ms, key ttl ms, then per scope its rpm,
 -- tpm, daily, monthly and concurrency limits (-1 = unlimited) and the tokens the ledger
--- already holds for it today and this month (a day or month window new to these counters
--- starts from them: a flushed Redis never hands out a fresh month).
+-- already holds for it today and this month with the day and month they count (a day or month
+-- window new to these counters starts from them when they are its own: a flushed Redis never
+-- hands out a fresh month, and a figure read just before midnight never seeds the next day).
 -- Returns {admitted, reason, retry_after_ms, refusing scope (1-based, 0 = none),
 --          reset_ms, then per scope: rpm_limit, rpm_remaining, tpm_limit, tpm_remaining}.
 local id, tokens = ARGV[1], tonumber(ARGV[2])
 local ttl, key_ttl = tonumber(ARGV[3]), tonumber(ARGV[4])
 local scopes = {}
 for i = 1, #KEYS / 3 do
-  local a = 4 + (i - 1) * 7
+  local a = 4 + (i - 1) * 9
   scopes[i] = {win = KEYS[3 * i - 2], inflight = KEYS[3 * i - 1], res = KEYS[3 * i],
     rpm = tonumber(ARGV[a + 1]), tpm = tonumber(ARGV[a + 2]), day = tonumber(ARGV[a + 3]),
     month = tonumber(ARGV[a + 4]), conc = tonumber(ARGV[a + 5]),
-    seed = {day = tonumber(ARGV[a + 6]), month = tonumber(ARGV[a + 7])}}
+    seed = {day = tonumber(ARGV[a + 6]), month = tonumber(ARGV[a + 7]),
+      day_no = tonumber(ARGV[a + 8]), month_no = tonumber(ARGV[a + 9])}}
 end
 
 -- Redis's clock, so every gateway replica agrees on the windows.
@@ -46,6 +48,11 @@ local nmp = (next_m + 9) % 12
 local ndoy = math.floor((153 * nmp + 2) / 5)
 local ndoe = nyoe * 365 + math.floor(nyoe / 4) - math.floor(nyoe / 100) + ndoy
 local next_month_day = nera * 146097 + ndoe - 719468
+
+for _, s in ipairs(scopes) do
+  if s.seed.day_no ~= day then s.seed.day = 0 end
+  if s.seed.month_no ~= month then s.seed.month = 0 end
+end
 
 -- A window these counters have not seen yet starts at `seed` (0 for minutes).
 local function counter(win, name, window, seed)

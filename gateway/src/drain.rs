@@ -113,17 +113,21 @@ impl DrainOnSignal {
         tracing::warn!(requests = left.len(), "drain timeout reached; cancelling what is left");
         let http = reqwest::Client::builder().timeout(Duration::from_secs(2)).build();
         let Ok(http) = http else { return };
-        for (id, worker) in left {
-            // Not routed yet: it ends on its own once refused upstream.
-            let Some(worker) = worker else { continue };
+        // All at once, under one deadline: an unreachable engine costs 2 s, not 2 s each.
+        let aborts = left.into_iter().filter_map(|(id, worker)| {
+            // Not routed yet: upstream_peer refuses it.
+            let worker = worker?;
             let mut req = http.post(format!("http://{worker}/v1/internal/requests/{id}/abort"));
             if let Some(t) = &self.internal_token {
                 req = req.bearer_auth(t);
             }
-            if let Err(e) = req.send().await {
-                tracing::warn!(error = %e, request_id = %id, "could not cancel at the engine");
-            }
-        }
+            Some(async move {
+                if let Err(e) = req.send().await {
+                    tracing::warn!(error = %e, request_id = %id, "could not cancel at the engine");
+                }
+            })
+        });
+        futures_util::future::join_all(aborts).await;
     }
 }
 

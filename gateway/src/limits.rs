@@ -43,6 +43,27 @@ pub struct LedgerUsage {
     pub month: u64,
     /// Which read of the ledger these figures come from.
     pub generation: u64,
+    /// The UTC day (days since the epoch) `day` counts, and the month (year * 12 + month - 1)
+    /// `month` counts: a window of another day or month does not start from them.
+    pub day_number: i64,
+    /// See `day_number`.
+    pub month_number: i64,
+}
+
+/// Today's UTC day number (days since the epoch) and this month's (year * 12 + month - 1), as
+/// the admission script counts them.
+pub fn current_periods() -> (i64, i64) {
+    use chrono::Datelike;
+    let now = chrono::Utc::now();
+    (now.timestamp().div_euclid(86_400), i64::from(now.year()) * 12 + i64::from(now.month0()))
+}
+
+impl LedgerUsage {
+    /// Figures for the current day and month.
+    pub fn current(day: u64, month: u64, generation: u64) -> Self {
+        let (day_number, month_number) = current_periods();
+        Self { day, month, generation, day_number, month_number }
+    }
 }
 
 impl TenantLimits {
@@ -245,7 +266,9 @@ impl Limiter {
                 .arg(lim(l.monthly_tokens))
                 .arg(lim(l.concurrency))
                 .arg(l.used.day)
-                .arg(l.used.month);
+                .arg(l.used.month)
+                .arg(l.used.day_number)
+                .arg(l.used.month_number);
         }
         let invocation = inv.invoke_async::<Vec<redis::Value>>(&mut conn);
         let reply = tokio::time::timeout(REDIS_TIMEOUT, invocation)

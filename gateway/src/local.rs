@@ -16,7 +16,9 @@ use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 
 use chrono::{Datelike, Utc};
 
-use crate::limits::{Decision, LedgerUsage, RateState, Refusal, Scope, TenantLimits};
+use crate::limits::{
+    Decision, LedgerUsage, RateState, Refusal, Scope, TenantLimits, current_periods,
+};
 
 /// What to do for a tenant when the shared limiter cannot be reached.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -40,12 +42,6 @@ struct Entry {
     generation: u64,
     /// (UTC day number, calendar month number) of `settled`.
     period: (i64, i64),
-}
-
-/// Today's UTC day number and this month's number (year * 12 + month).
-fn current_period() -> (i64, i64) {
-    let now = Utc::now();
-    (now.timestamp().div_euclid(86_400), i64::from(now.year()) * 12 + i64::from(now.month0()))
 }
 
 /// Per-tenant local limiters.
@@ -100,7 +96,7 @@ impl LocalLimiter {
         for name in std::iter::once(tenant).chain(key_scope.as_ref().map(|(n, _)| n.as_str())) {
             if let Some(e) = scopes.get_mut(name) {
                 e.inflight += 1;
-                e.inflight_tokens += tokens;
+                e.inflight_tokens = e.inflight_tokens.saturating_add(tokens);
             }
         }
         Decision::Admitted(state)
@@ -128,7 +124,7 @@ impl LocalLimiter {
         });
         // A new ledger read already holds what was settled here before it; a new day or
         // month starts over (a read for the new period follows within its refresh).
-        let period = current_period();
+        let period = current_periods();
         if entry.generation != limits.used.generation || entry.period != period {
             entry.generation = limits.used.generation;
             entry.period = period;
@@ -155,16 +151,19 @@ impl LocalLimiter {
             return refuse(Refusal::Concurrency, Some(Duration::from_secs(1)));
         }
         // Day and month: the ledger is shared by every replica, so the limits are not divided.
-        let here = entry.settled + entry.inflight_tokens;
+        // Figures of another day or month (read just before midnight) count for nothing.
+        let here = entry.settled.saturating_add(entry.inflight_tokens);
+        let used_day = if limits.used.day_number == period.0 { limits.used.day } else { 0 };
+        let used_month = if limits.used.month_number == period.1 { limits.used.month } else { 0 };
         let now = Utc::now();
         if let Some(d) = limits.daily_tokens
-            && limits.used.day + here + tokens > d
+            && used_day.saturating_add(here).saturating_add(tokens) > d
         {
             let next_day = (period.0 + 1) * 86_400 - now.timestamp();
             return refuse(Refusal::DailyTokens, Some(Duration::from_secs(next_day.max(1) as u64)));
         }
         if let Some(m) = limits.monthly_tokens
-            && limits.used.month + here + tokens > m
+            && used_month.saturating_add(here).saturating_add(tokens) > m
         {
             return refuse(Refusal::MonthlyTokens, Some(until_next_month(now)));
         }
@@ -196,7 +195,7 @@ impl LocalLimiter {
             if let Some(e) = scopes.get_mut(name) {
                 e.inflight = e.inflight.saturating_sub(1);
                 e.inflight_tokens = e.inflight_tokens.saturating_sub(reserved);
-                e.settled += used;
+                e.settled = e.settled.saturating_add(used);
             }
         }
     }
@@ -280,7 +279,7 @@ mod tests {
     #[test]
     fn day_and_month_count_from_the_ledger_and_what_ran_here() {
         let l = LocalLimiter::new(2);
-        let used = LedgerUsage { day: 3_600, month: 3_600, generation: 1 };
+        let used = LedgerUsage::current(3_600, 3_600, 1);
         let capped = TenantLimits { daily_tokens: Some(100), used, ..Default::default() };
         // 3,600 already in the ledger: a daily cap of 100 refuses at once (a restarted
         // gateway starts from the ledger, not from zero).
@@ -292,7 +291,7 @@ mod tests {
         let fresh = TenantLimits {
             daily_tokens: Some(100),
             monthly_tokens: Some(150),
-            used: LedgerUsage { day: 0, month: 40, generation: 1 },
+            used: LedgerUsage::current(0, 40, 1),
             ..Default::default()
         };
         assert!(matches!(l.admit("r", None, 60, &fresh), Decision::Admitted(_)));
@@ -309,11 +308,12 @@ mod tests {
             Decision::Refused { reason: Refusal::MonthlyTokens, .. }
         ));
         // A new read of the ledger holds what was settled here: it is not counted twice.
-        let reread = TenantLimits {
-            used: LedgerUsage { day: 100, month: 140, generation: 2 },
-            daily_tokens: None,
-            ..fresh
-        };
+        let reread =
+            TenantLimits { used: LedgerUsage::current(100, 140, 2), daily_tokens: None, ..fresh };
         assert!(matches!(l.admit("r", None, 10, &reread), Decision::Admitted(_)));
+        // Figures read for yesterday (just before midnight) count nothing today.
+        let stale = LedgerUsage { day_number: used.day_number - 1, ..used };
+        let capped = TenantLimits { daily_tokens: Some(100), used: stale, ..Default::default() };
+        assert!(matches!(l.admit("s", None, 10, &capped), Decision::Admitted(_)));
     }
 }

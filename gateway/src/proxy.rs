@@ -33,7 +33,9 @@ use sluice_engine::tokenizer::Tokenizer;
 
 use crate::drain::Drain;
 use crate::idempotency::{self, Claim, Idempotency, RUNNING_TTL, Stored};
-use crate::limits::{Decision, LedgerUsage, Limiter, RateState, Refusal, Scope, TenantLimits};
+use crate::limits::{
+    Decision, LedgerUsage, Limiter, RateState, Refusal, Scope, TenantLimits, current_periods,
+};
 use crate::local::{LocalLimiter, RedisDownPolicy};
 use crate::metrics::{GatewayMetrics, RefusalLabels, RequestLabels};
 use crate::observe::{StreamObserver, Timings};
@@ -127,6 +129,8 @@ pub struct GatewayConfig {
     pub idle_timeout: Duration,
     /// How long a request body may take to arrive, in all (a client trickling it is cut off).
     pub body_timeout: Duration,
+    /// Requests one client address may have in flight at once.
+    pub max_per_client: u32,
 }
 
 /// The ledger's usage by scope: when it was read, for which UTC day, the figures.
@@ -155,6 +159,8 @@ pub struct Gateway {
     usage_generation: std::sync::atomic::AtomicU64,
     /// Requests in flight, for the shutdown's drain.
     drain: Arc<Drain>,
+    /// Requests in flight per client address.
+    per_client: PerClient,
     /// Asks engines what they did for requests whose final count never arrived.
     http: reqwest::Client,
     /// The async runtime that owns the database and Redis connections.
@@ -194,6 +200,7 @@ impl Gateway {
             metrics: Arc::default(),
             http: reqwest::Client::new(),
             drain: Arc::default(),
+            per_client: PerClient::default(),
             usage_reads: Mutex::new(HashMap::new()),
             usage_generation: std::sync::atomic::AtomicU64::new(0),
             io,
@@ -300,15 +307,17 @@ impl Gateway {
         }
         let (ledger, t, k) = (self.ledger.clone(), tenant.to_owned(), key.map(str::to_owned));
         let read = self
-            .on_io(
-                async move { ledger.tokens_used(&t, k.as_deref(), day_start, month_start).await },
-            )
+            .on_io(async move {
+                let used = ledger.tokens_used(&t, k.as_deref(), day_start, month_start);
+                tokio::time::timeout(USAGE_READ_TIMEOUT, used).await
+            })
             .await;
+        let (day_number, month_number) = current_periods();
         match read {
-            Ok(Ok((day, month))) => {
+            Ok(Ok(Ok((day, month)))) => {
                 let generation =
                     self.usage_generation.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
-                let u = LedgerUsage { day, month, generation };
+                let u = LedgerUsage { day, month, generation, day_number, month_number };
                 let mut reads = self.usage_reads.lock().unwrap_or_else(|e| e.into_inner());
                 if reads.len() > 100_000 {
                     reads.clear();
@@ -316,17 +325,24 @@ impl Gateway {
                 reads.insert(name, (Instant::now(), day_start, u));
                 u
             }
-            Ok(Err(e)) => {
-                tracing::warn!(error = %e, "reading the ledger's usage failed");
-                cached.map(|c| c.2).unwrap_or_default()
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "reading the ledger's usage failed");
+            failed => {
+                let why = match failed {
+                    Ok(Ok(Err(e))) => e.to_string(),
+                    Ok(Err(_)) => format!("no answer within {USAGE_READ_TIMEOUT:?}"),
+                    Err(e) => e,
+                    Ok(Ok(Ok(_))) => String::new(),
+                };
+                tracing::warn!(error = %why, "reading the ledger's usage failed; using the last figures");
+                // The last figures carry the day and month they count: of another day they
+                // count nothing today (the limiters check).
                 cached.map(|c| c.2).unwrap_or_default()
             }
         }
     }
 }
+
+/// How long admission waits for the ledger's day and month figures.
+const USAGE_READ_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How long the ledger's day and month figures are trusted before they are read again.
 const USAGE_REFRESH: Duration = Duration::from_secs(15);
@@ -372,6 +388,8 @@ pub struct Ctx {
     settled: bool,
     /// Cancelled by the shutdown's drain.
     cancelled: bool,
+    /// The client's address, while it counts against its in-flight cap.
+    client_ip: Option<std::net::IpAddr>,
     /// The stream's usage-only chunk is the gateway's, not the client's: held back.
     strip_usage: bool,
     /// The part of the stream after its last complete event (while `strip_usage`).
@@ -820,7 +838,7 @@ impl Gateway {
             return Err(r);
         }
         // Admission by tokens: the prompt and the largest possible output of every choice.
-        ctx.reserved = ctx.prompt_tokens + max_tokens * n;
+        ctx.reserved = ctx.prompt_tokens.saturating_add(max_tokens.saturating_mul(n));
         let mut limits = Self::limits(q);
         let tenant = grant.tenant_id.clone();
         if limits.has_token_quota() {
@@ -1184,12 +1202,17 @@ impl Gateway {
             ctx.request_id,
             OUTCOME_WAIT.as_millis()
         );
+        let abort = format!("http://{worker}/v1/internal/requests/{}/abort", ctx.request_id);
         let (http, token) = (self.http.clone(), self.cfg.internal_token.clone());
         let ask = async move {
-            let mut req = http.get(url).timeout(OUTCOME_WAIT + Duration::from_secs(5));
-            if let Some(t) = token {
-                req = req.bearer_auth(t);
-            }
+            let auth = |r: reqwest::RequestBuilder| match &token {
+                Some(t) => r.bearer_auth(t),
+                None => r,
+            };
+            // Whatever still runs for it is stopped first (nothing reads it any more), so the
+            // count below is final.
+            let _ = auth(http.post(abort).timeout(Duration::from_secs(5))).send().await;
+            let req = auth(http.get(url).timeout(OUTCOME_WAIT + Duration::from_secs(5)));
             let resp = req.send().await.ok()?.error_for_status().ok()?;
             resp.json::<EngineOutcome>().await.ok()
         };
@@ -1198,7 +1221,7 @@ impl Gateway {
             Some(o) if o.state == "finished" => Some(o),
             Some(o) => {
                 tracing::warn!(request_id = %ctx.request_id, state = %o.state,
-                    "engine still running the request; billing its count so far");
+                    "the engine did not end the request in time; billing its count so far");
                 Some(o)
             }
             None => {
@@ -1250,6 +1273,7 @@ impl ProxyHttp for Gateway {
             tried: Vec::new(),
             settled: false,
             cancelled: false,
+            client_ip: None,
             strip_usage: false,
             sse_tail: Vec::new(),
             span: tracing::Span::none(),
@@ -1274,6 +1298,9 @@ impl ProxyHttp for Gateway {
         // Entering once starts the exported span, fixing the id the engine's span will name
         // as its parent.
         ctx.span.in_scope(|| ());
+        // In flight from here to `logging`: registered before the drain is checked, so a drain
+        // that begins now waits for this request.
+        self.drain.begin(&ctx.request_id);
         if self.drain.draining() {
             let body = error_json(
                 "the gateway is shutting down; retry on another replica",
@@ -1288,11 +1315,31 @@ impl ProxyHttp for Gateway {
             respond(session, 503, body, &headers).await?;
             return Ok(true);
         }
-        self.drain.begin(&ctx.request_id);
+        // One address cannot hold every task (a flood of slow bodies, say).
+        ctx.client_ip = session.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip());
+        if let Some(ip) = ctx.client_ip
+            && !self.per_client.enter(ip, self.cfg.max_per_client)
+        {
+            ctx.client_ip = None;
+            let body = error_json(
+                "too many requests in flight from this address",
+                "rate_limit_error",
+                None,
+                Some("too_many_connections"),
+            );
+            respond(session, 429, body, &[("retry-after".to_owned(), "1".to_owned())]).await?;
+            return Ok(true);
+        }
         // Idle kept-alive connections close; each read of the body has the body's deadline
         // (and admit bounds the body's whole arrival by it).
         session.set_keepalive(Some(self.cfg.idle_timeout.as_secs().max(1)));
         session.set_read_timeout(Some(self.cfg.body_timeout));
+        // A client that pipelines gets its responses in order (pingora drops request N+1
+        // by default).
+        if let pingora::protocols::http::ServerSession::H1(h1) = session.downstream_session.as_mut()
+        {
+            h1.set_pipelining_enabled(true);
+        }
         let path = session.req_header().uri.path().to_owned();
         if path == "/health" {
             respond(session, 200, Bytes::from_static(b"{\"status\":\"ok\"}"), &[]).await?;
@@ -1316,6 +1363,11 @@ impl ProxyHttp for Gateway {
     }
 
     async fn upstream_peer(&self, _session: &mut Session, ctx: &mut Ctx) -> Result<Box<HttpPeer>> {
+        if self.drain.draining() && self.drain.was_cancelled(&ctx.request_id) {
+            // Cancelled by the drain before it reached an engine: it never will.
+            ctx.cancelled = true;
+            return Err(Error::explain(ErrorType::HTTPStatus(503), "cancelled at shutdown"));
+        }
         let tenant = ctx.grant.as_ref().map(|g| g.tenant_id.as_str()).unwrap_or("");
         let key = format!("{tenant}\n{}", ctx.affinity);
         let w = self.workers.choose(&key, &ctx.tried).ok_or_else(|| {
@@ -1400,6 +1452,11 @@ impl ProxyHttp for Gateway {
         req: &mut RequestHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
+        // The route alone: a query string means nothing to the engine (and a long one got an
+        // empty 414 from it).
+        if let Ok(uri) = http::Uri::try_from(req.uri.path()) {
+            req.set_uri(uri);
+        }
         // Only what the engine needs passes: never the client's cookies, forwarding headers,
         // credentials or x-sluice-* (the trusted ones are set below).
         let names: Vec<String> = req
@@ -1516,26 +1573,28 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
     ) -> Result<Option<Duration>> {
         self.observe_body(body, ctx);
-        if ctx.strip_usage && ctx.status == 200 {
-            let chunk = body.take().unwrap_or_default();
-            let out = without_usage_chunk(&mut ctx.sse_tail, &chunk, end_of_stream);
-            // Never an empty chunk: in chunked encoding that ends the response.
-            *body = (!out.is_empty()).then(|| Bytes::from(out));
-        }
         if ctx.cancelled && !ctx.stream {
             *body = end_of_stream.then(shutdown_body);
-        } else if ctx.stream
-            && (ctx.cancelled || self.drain.draining() && self.drain.was_cancelled(&ctx.request_id))
-        {
-            // Cancelled at shutdown mid-stream: the client's last event is an error, then
-            // [DONE] (the engine's own [DONE] is held back).
-            ctx.cancelled = true;
-            let mut out = body.take().map(|b| strip_done(&b)).unwrap_or_default();
-            if end_of_stream {
+            return Ok(None);
+        }
+        if ctx.stream && !ctx.cancelled && self.drain.draining() {
+            ctx.cancelled = self.drain.was_cancelled(&ctx.request_id);
+        }
+        if ctx.stream && ctx.status == 200 && (ctx.strip_usage || ctx.cancelled) {
+            // Whole events only: the usage-only chunk the client did not ask for, and once
+            // cancelled at shutdown the engine's [DONE] (the client's last events are an error,
+            // then [DONE]), are held back.
+            let (usage, done) = (ctx.strip_usage, ctx.cancelled);
+            let chunk = body.take().unwrap_or_default();
+            let mut out = whole_events(&mut ctx.sse_tail, &chunk, end_of_stream, |e| {
+                !(usage && is_usage_only(e) || done && e.starts_with(b"data: [DONE]"))
+            });
+            if done && end_of_stream {
                 out.extend_from_slice(b"data: ");
                 out.extend_from_slice(&shutdown_body());
                 out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
             }
+            // Never an empty chunk: in chunked encoding that ends the response.
             *body = (!out.is_empty()).then(|| Bytes::from(out));
         }
         Ok(None)
@@ -1544,29 +1603,63 @@ impl ProxyHttp for Gateway {
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
         self.log_request(session, e, ctx).await;
         self.drain.end(&ctx.request_id);
+        if let Some(ip) = ctx.client_ip.take() {
+            self.per_client.leave(ip);
+        }
+    }
+}
+
+/// Requests in flight per client address.
+#[derive(Default)]
+struct PerClient(Mutex<HashMap<std::net::IpAddr, u32>>);
+
+impl PerClient {
+    /// Counts one more for `ip` unless it has `max` already.
+    fn enter(&self, ip: std::net::IpAddr, max: u32) -> bool {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let n = m.entry(ip).or_insert(0);
+        if *n >= max {
+            return false;
+        }
+        *n += 1;
+        true
+    }
+
+    fn leave(&self, ip: std::net::IpAddr) {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = m.get_mut(&ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                m.remove(&ip);
+            }
+        }
     }
 }
 
 /// The error a request cancelled at shutdown ends with.
 fn shutdown_body() -> Bytes {
     error_json(
-        "the server shut down before this request finished; the tokens generated so far are \
-         billed",
+        "the server shut down before this request finished; retry it",
         "server_error",
         None,
         Some("shutting_down"),
     )
 }
 
-/// The complete SSE events of `tail` + `chunk` but a usage-only chunk (`"choices":[]`); what
-/// follows the last complete event stays in `tail` (all of it goes out at the end).
-fn without_usage_chunk(tail: &mut Vec<u8>, chunk: &[u8], end: bool) -> Vec<u8> {
+/// The complete SSE events of `tail` + `chunk` that `keep` keeps; what follows the last
+/// complete event stays in `tail` (all of it goes out at the end).
+fn whole_events(
+    tail: &mut Vec<u8>,
+    chunk: &[u8],
+    end: bool,
+    keep: impl Fn(&[u8]) -> bool,
+) -> Vec<u8> {
     tail.extend_from_slice(chunk);
     let mut out = Vec::with_capacity(tail.len());
     let mut start = 0;
     while let Some(i) = tail[start..].windows(2).position(|w| w == b"\n\n") {
         let event = &tail[start..start + i + 2];
-        if !is_usage_only(event) {
+        if keep(event) {
             out.extend_from_slice(event);
         }
         start += i + 2;
@@ -1582,22 +1675,6 @@ fn without_usage_chunk(tail: &mut Vec<u8>, chunk: &[u8], end: bool) -> Vec<u8> {
 fn is_usage_only(event: &[u8]) -> bool {
     let has = |needle: &[u8]| event.windows(needle.len()).any(|w| w == needle);
     event.starts_with(b"data: {") && has(b"\"choices\":[]") && has(b"\"usage\":")
-}
-
-/// A stream's bytes without its `data: [DONE]` event.
-fn strip_done(b: &[u8]) -> Vec<u8> {
-    const DONE: &[u8] = b"data: [DONE]\n\n";
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        if b[i..].starts_with(DONE) {
-            i += DONE.len();
-        } else {
-            out.push(b[i]);
-            i += 1;
-        }
-    }
-    out
 }
 
 impl Gateway {
@@ -1739,7 +1816,10 @@ impl Gateway {
         if ctx.status == 0 {
             ctx.status = 499;
         }
-        self.settle(ctx, ctx.prompt_tokens + completion).await;
+        // A refused request used nothing of the quota (as the ledger, which seeds the windows,
+        // counts it).
+        let used = if is_refused(ctx.status) { 0 } else { ctx.prompt_tokens + completion };
+        self.settle(ctx, used).await;
         // Only a whole answer small enough to keep is replayed to retries; anything else lets a
         // retry run anew.
         if ctx.status == 200
@@ -1771,8 +1851,9 @@ mod tests {
         // Every split point: the client gets the text and [DONE], never the usage.
         for cut in 0..stream.len() {
             let mut tail = Vec::new();
-            let mut out = without_usage_chunk(&mut tail, &stream[..cut], false);
-            out.extend(without_usage_chunk(&mut tail, &stream[cut..], true));
+            let keep = |e: &[u8]| !is_usage_only(e);
+            let mut out = whole_events(&mut tail, &stream[..cut], false, keep);
+            out.extend(whole_events(&mut tail, &stream[cut..], true, keep));
             assert_eq!(
                 String::from_utf8_lossy(&out),
                 "data: {\"choices\":[{\"text\":\"a\"}]}\n\ndata: [DONE]\n\n",

@@ -46,37 +46,32 @@ fn observe(chunks: &[&[u8]]) -> (u64, Option<serde_json::Value>, Option<String>,
     (t.streamed_tokens, t.usage, t.finish_reason, t.done)
 }
 
+/// `bytes` cut at `cuts` (taken modulo its length), in order.
+fn cut<'a>(bytes: &'a [u8], cuts: &[usize]) -> Vec<&'a [u8]> {
+    let mut at: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
+    at.sort_unstable();
+    let mut chunks = Vec::new();
+    let mut prev = 0;
+    for a in at {
+        chunks.push(&bytes[prev..a]);
+        prev = a;
+    }
+    chunks.push(&bytes[prev..]);
+    chunks
+}
+
 proptest! {
     #![proptest_config(config())]
 
     #[test]
     fn any_bytes_cut_anywhere_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..512),
                                            cuts in prop::collection::vec(any::<usize>(), 0..8)) {
-        let mut at: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
-        at.sort_unstable();
-        let mut chunks = Vec::new();
-        let mut prev = 0;
-        for a in at {
-            chunks.push(&bytes[prev..a]);
-            prev = a;
-        }
-        chunks.push(&bytes[prev..]);
-        let _ = observe(&chunks);
+        let _ = observe(&cut(&bytes, &cuts));
     }
 
     #[test]
     fn where_the_stream_is_cut_changes_nothing(bytes in stream(),
                                               cuts in prop::collection::vec(any::<usize>(), 1..10)) {
-        let whole = observe(&[&bytes]);
-        let mut at: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
-        at.sort_unstable();
-        let mut chunks = Vec::new();
-        let mut prev = 0;
-        for a in at {
-            chunks.push(&bytes[prev..a]);
-            prev = a;
-        }
-        chunks.push(&bytes[prev..]);
-        prop_assert_eq!(observe(&chunks), whole);
+        prop_assert_eq!(observe(&cut(&bytes, &cuts)), observe(&[&bytes]));
     }
 }

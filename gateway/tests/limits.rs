@@ -214,14 +214,14 @@ async fn headers_show_the_tighter_of_tenant_and_key() -> anyhow::Result<()> {
 async fn new_day_and_month_windows_start_from_the_ledger() -> anyhow::Result<()> {
     // A flushed Redis (a fresh prefix: no counters) with 3,600 tokens already billed today.
     let l = limiter(&prefix(), Duration::from_secs(60)).await?;
-    let used = LedgerUsage { day: 3_600, month: 3_600, generation: 1 };
+    let used = LedgerUsage::current(3_600, 3_600, 1);
     let daily = TenantLimits { daily_tokens: Some(100), used, ..Default::default() };
     let d = l.admit("d", "a", 10, &daily).await?;
     ensure!(refused_for(&d) == Some(Refusal::DailyTokens), "{d:?}");
     // The month starts from the ledger's figure too, and keeps counting on from it.
     let monthly = TenantLimits {
         monthly_tokens: Some(4_000),
-        used: LedgerUsage { day: 0, month: 3_900, generation: 1 },
+        used: LedgerUsage::current(0, 3_900, 1),
         ..Default::default()
     };
     ensure!(admitted(&l.admit("m", "x", 100, &monthly).await?));
@@ -229,5 +229,9 @@ async fn new_day_and_month_windows_start_from_the_ledger() -> anyhow::Result<()>
     let d = l.admit("m", "y", 41, &monthly).await?;
     ensure!(refused_for(&d) == Some(Refusal::MonthlyTokens), "{d:?}");
     ensure!(admitted(&l.admit("m", "z", 40, &monthly).await?));
+    // Figures read for another day (just before midnight) seed nothing.
+    let stale = LedgerUsage { day_number: used.day_number - 1, ..used };
+    let daily = TenantLimits { daily_tokens: Some(100), used: stale, ..Default::default() };
+    ensure!(admitted(&l.admit("y", "a", 10, &daily).await?));
     Ok(())
 }

@@ -81,12 +81,13 @@ impl OutcomeLog {
         self.inner.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Registers choice `choice_id` of request `request_id` before it is submitted.
-    pub fn register(&self, request_id: &str, choice_id: &str, tenant: Option<&str>) {
+    /// Registers choice `choice_id` of request `request_id` before it is submitted; false for
+    /// a duplicate of a running choice (the core refuses it without running it), which must
+    /// not be unregistered.
+    pub fn register(&self, request_id: &str, choice_id: &str, tenant: Option<&str>) -> bool {
         let mut g = self.lock();
         if g.choices.contains_key(choice_id) {
-            // A duplicate of a running choice: the core refuses it without running it.
-            return;
+            return false;
         }
         if !g.by_id.contains_key(request_id) {
             if g.order.len() >= CAPACITY
@@ -120,6 +121,7 @@ impl OutcomeLog {
             o.state = "running";
         }
         g.choices.insert(choice_id.to_owned(), request_id.to_owned());
+        true
     }
 
     /// A choice that was registered but could not be submitted.
@@ -197,8 +199,9 @@ mod tests {
     #[test]
     fn a_request_finishes_when_every_submitted_choice_ended() -> Result<(), &'static str> {
         let log = OutcomeLog::default();
-        log.register("r", "r-0", Some("t"));
-        log.register("r", "r-1", Some("t"));
+        assert!(log.register("r", "r-0", Some("t")));
+        assert!(log.register("r", "r-1", Some("t")));
+        assert!(!log.register("r", "r-1", Some("t")), "a duplicate of a running choice");
         log.ended("r-0", &usage(5, 0, 3), FinishReason::Stop);
         let o = log.get("r", Duration::ZERO).ok_or("registered")?;
         assert_eq!((o.state, o.ended, o.completion_tokens), ("running", 1, 3));

@@ -274,10 +274,12 @@ async fn generate(
     for r in plan.requests(&ctx) {
         // Registered first, so its end is recorded however it ends.
         let choice = r.request_id.clone();
-        outcomes.register(&ctx.request_id, &choice, ctx.tenant.as_deref());
+        let registered = outcomes.register(&ctx.request_id, &choice, ctx.tenant.as_deref());
         // Sizes were checked above, so a refusal here means the engine is gone or full.
         let s = app.handle.submit(r).map_err(|e| {
-            outcomes.unregister(&choice);
+            if registered {
+                outcomes.unregister(&choice);
+            }
             ApiError::from_engine(&e, Some("max_tokens"))
         })?;
         streams.push(s);
@@ -316,13 +318,16 @@ async fn outcome(
     Path(id): Path<String>,
     axum::extract::Query(q): axum::extract::Query<OutcomeQuery>,
 ) -> Response {
-    let wait = Duration::from_millis(q.wait_ms.unwrap_or(0).min(30_000));
-    let log = Arc::clone(app.handle.outcomes());
-    let key = id.clone();
-    match tokio::task::spawn_blocking(move || log.get(&key, wait)).await {
-        Ok(Some(o)) => Json(o).into_response(),
-        Ok(None) => ApiError::unknown_request(&id).into_response(),
-        Err(e) => ApiError::internal(format!("outcome lookup failed: {e}")).into_response(),
+    let deadline = Instant::now() + Duration::from_millis(q.wait_ms.unwrap_or(0).min(30_000));
+    // Polled, not waited on a thread: a burst of lookups holds no blocking threads.
+    loop {
+        match app.handle.outcomes().get(&id, Duration::ZERO) {
+            None => return ApiError::unknown_request(&id).into_response(),
+            Some(o) if o.state == "finished" || Instant::now() >= deadline => {
+                return Json(o).into_response();
+            }
+            Some(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+        }
     }
 }
 
