@@ -13,7 +13,7 @@ use anyhow::{Context, ensure};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 use sluice_billing::Ledger;
-use sluice_billing::control::RecordFilter;
+use sluice_billing::query::RecordFilter;
 use support::{Up, start_up_with};
 
 const MODEL: &str = "smollm2-135m-instruct";

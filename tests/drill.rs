@@ -25,7 +25,8 @@ use futures_util::StreamExt;
 use serde_json::{Value, json};
 use sluice_billing::Ledger;
 use sluice_billing::auth::{Principal, Role};
-use sluice_billing::control::{NewTenant, QuotaSettings, RecordFilter};
+use sluice_billing::control::{NewTenant, QuotaSettings};
+use sluice_billing::query::RecordFilter;
 use support::{Proc, free_port, spawn_sluice, wait_healthy};
 
 const MODEL_ID: &str = "smollm2-135m-instruct";

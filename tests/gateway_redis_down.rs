@@ -12,7 +12,8 @@ use anyhow::{Context, ensure};
 use serde_json::json;
 use sluice_billing::Ledger;
 use sluice_billing::auth::{Principal, Role};
-use sluice_billing::control::{NewTenant, RecordFilter};
+use sluice_billing::control::NewTenant;
+use sluice_billing::query::RecordFilter;
 use support::{free_port, private_redis, spawn_sluice, wait_healthy};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

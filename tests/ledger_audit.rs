@@ -20,7 +20,8 @@ use anyhow::{Context, ensure};
 use serde_json::{Value, json};
 use sluice_billing::Ledger;
 use sluice_billing::auth::{Principal, Role};
-use sluice_billing::control::{NewTenant, QuotaSettings, RecordFilter};
+use sluice_billing::control::{NewTenant, QuotaSettings};
+use sluice_billing::query::RecordFilter;
 use support::{Proc, free_port, spawn_sluice, wait_healthy};
 
 const MODEL_ID: &str = "smollm2-135m-instruct";
@@ -218,7 +219,7 @@ async fn refusals_are_free_abandoned_work_is_billed_and_day_quotas_hold() -> any
     }
     // Usage: billed requests apart from refused ones.
     let usage = ledger
-        .usage(&sluice_billing::control::UsageFilter {
+        .usage(&sluice_billing::query::UsageFilter {
             period: "day".into(),
             tenant: Some("refused".into()),
             model: None,

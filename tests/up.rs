@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, ensure};
 use serde_json::Value;
 use sluice_billing::Ledger;
-use sluice_billing::control::RecordFilter;
+use sluice_billing::query::RecordFilter;
 use support::{Up, ensure_sdk, env_file, start_up};
 
 /// What a test does with a running `sluice up`.

@@ -20,10 +20,8 @@ use serde_json::{Value, json};
 
 use crate::Ledger;
 use crate::auth::{AuthError, Principal, Role, Verifier};
-use crate::control::{
-    AdminError, AuditFilter, KeyLimits, NewTenant, QuotaSettings, RECORD_COLUMNS, RecordFilter,
-    UsageFilter, decode_cursor,
-};
+use crate::control::{AdminError, KeyLimits, NewTenant, QuotaSettings};
+use crate::query::{AuditFilter, RECORD_COLUMNS, RecordFilter, UsageFilter, decode_cursor};
 
 /// Redis pub/sub channel announcing control-plane changes to gateways.
 pub const CONTROL_CHANNEL: &str = "{sluice}:control";

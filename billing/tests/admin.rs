@@ -15,7 +15,7 @@ use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use sluice_billing::api::{ApiState, CONTROL_CHANNEL, CONTROL_VERSION_KEY, router};
 use sluice_billing::auth::{Principal, Role, Verifier, mint_hs256};
-use sluice_billing::control::RECORD_COLUMNS;
+use sluice_billing::query::RECORD_COLUMNS;
 use sluice_billing::{FinishReason, Ledger};
 
 const SECRET: &[u8] = b"test-secret-test-secret-test-secret!";

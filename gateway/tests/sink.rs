@@ -105,7 +105,7 @@ async fn events_reach_the_ledger_when_redis_is_gone() -> anyhow::Result<()> {
     ensure!(ledger.insert_batch(&[event("a")]).await? == 1);
     ensure!(ledger.insert_batch(&[event("a")]).await? == 0);
     let page = ledger
-        .records(&sluice_billing::control::RecordFilter { limit: 10, ..Default::default() })
+        .records(&sluice_billing::query::RecordFilter { limit: 10, ..Default::default() })
         .await?;
     let ids: Vec<&str> = page.records.iter().filter_map(|r| r["request_id"].as_str()).collect();
     ensure!(ids.len() == 3 && ["a", "b", "c"].iter().all(|i| ids.contains(i)), "{ids:?}");
