@@ -485,6 +485,8 @@ async fn the_front_door_speaks_openai() -> anyhow::Result<()> {
         .await?;
     ensure!(r.status() == 200, "served beside 200 idle connections: {}", r.status());
     drop(idle);
+    let key2 = key.clone();
+    tokio::task::spawn_blocking(move || address_cap(&strict, &key2)).await??;
     ledger.close().await;
     Ok(())
 }
@@ -512,6 +514,44 @@ fn long_query(addr: &str, key: &str) -> anyhow::Result<()> {
         &out[..out.len().min(300)]
     );
     Ok(())
+}
+
+/// Two long answers hold this address's two slots (`--max-per-client 2`): a third request is
+/// refused at once.
+fn address_cap(addr: &str, key: &str) -> anyhow::Result<()> {
+    use std::io::{Read, Write};
+    // Within the engine's KV capacity, long enough to stay in flight while we probe.
+    let long = json!({"model": MODEL_ID, "prompt": "Tell a long story.", "max_tokens": 400,
+        "ignore_eos": true})
+    .to_string();
+    let mut held = Vec::new();
+    for _ in 0..2 {
+        let mut s = std::net::TcpStream::connect(addr)?;
+        let head = format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{long}",
+            long.len()
+        );
+        s.write_all(head.as_bytes())?;
+        held.push(s);
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut last = String::new();
+    while Instant::now() < deadline {
+        let mut s = std::net::TcpStream::connect(addr)?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")?;
+        let mut buf = [0u8; 2048];
+        let n = s.read(&mut buf).unwrap_or(0);
+        last = String::from_utf8_lossy(&buf[..n]).into_owned();
+        if last.starts_with("HTTP/1.1 429") {
+            ensure!(last.contains("too_many_connections"), "{last}");
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(held);
+    anyhow::bail!("no per-address cap; the last probe got: {last:?}")
 }
 
 /// Two requests written at once on one connection: both answered, in order.
@@ -586,29 +626,6 @@ fn slow_clients(addr: &str, key: &str) -> anyhow::Result<()> {
     ensure!(text.contains("request_timeout"), "{text}");
     ensure!(t.elapsed() < Duration::from_secs(8), "cut off only after {:?}", t.elapsed());
 
-    // Two slow bodies hold this address's two slots: a third request is refused at once.
-    let mut held = Vec::new();
-    for _ in 0..2 {
-        let mut s = std::net::TcpStream::connect(addr)?;
-        s.write_all(head.as_bytes())?;
-        held.push(s);
-    }
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let mut refused = String::new();
-    while Instant::now() < deadline {
-        let mut s = std::net::TcpStream::connect(addr)?;
-        s.set_read_timeout(Some(Duration::from_secs(5)))?;
-        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")?;
-        let mut out = String::new();
-        let _ = s.read_to_string(&mut out);
-        if out.starts_with("HTTP/1.1 429") {
-            refused = out;
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    ensure!(refused.contains("too_many_connections"), "no per-address cap: {refused:?}");
-    drop(held);
     Ok(())
 }
 
@@ -661,7 +678,9 @@ async fn trace_logs_hold_no_secret_and_no_text() -> anyhow::Result<()> {
     let marker = "zebrakumquat";
     let mut answers = Vec::new();
     for stream in [false, true] {
+        // Greedy and 24 tokens long: an answer too long to turn up in a log by chance.
         let body = json!({"model": MODEL_ID, "max_tokens": 24, "stream": stream,
+            "temperature": 0, "ignore_eos": true,
             "messages": [{"role": "user", "content": format!("Say {marker} twice.")}]});
         let r = c
             .post(format!("{gw}/v1/chat/completions"))
