@@ -578,3 +578,64 @@ async fn official_openai_python_sdk_works_unmodified() -> anyhow::Result<()> {
     );
     Ok(())
 }
+
+/// SIGTERM drains: the engine stops accepting, the running stream and whole answer go on until
+/// `--drain-timeout`, then both are aborted and still end properly (the stream with its last
+/// chunk, usage and [DONE]; the whole answer with its counts), and the process exits.
+#[tokio::test]
+async fn sigterm_drains_then_aborts_with_counts() -> anyhow::Result<()> {
+    let mut server = Server::start(&["--drain-timeout", "1"])?;
+    let c = client()?;
+    let body = json!({"prompt": "Tell me a long story.", "max_tokens": 600, "ignore_eos": true,
+                      "stream": true, "stream_options": {"include_usage": true}});
+    let resp = c.post(server.at("/v1/completions")).json(&body).send().await?;
+    ensure!(resp.status() == 200);
+    let mut bytes = resp.bytes_stream();
+    let mut seen = String::new();
+    while !seen.contains("data: ") {
+        let chunk = bytes.next().await.context("the stream ended early")??;
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    let whole = {
+        let (c, url) = (c.clone(), server.at("/v1/completions"));
+        let mut body = body.clone();
+        body["stream"] = json!(false);
+        body.as_object_mut().map(|o| o.remove("stream_options"));
+        tokio::spawn(async move { c.post(url).json(&body).send().await?.json::<Value>().await })
+    };
+    wait_running_n(&c, &server, 2).await?;
+    ensure!(
+        Command::new("kill").args(["-TERM", &server.child.id().to_string()]).status()?.success()
+    );
+    while let Some(chunk) = bytes.next().await {
+        seen.push_str(&String::from_utf8_lossy(&chunk?));
+    }
+    let events = sse_events(&seen)?;
+    ensure!(events.last().map(String::as_str) == Some("[DONE]"), "{seen}");
+    let values: Vec<Value> = events.iter().filter_map(|e| serde_json::from_str(e).ok()).collect();
+    let finish = values.iter().find_map(|v| v["choices"][0]["finish_reason"].as_str());
+    ensure!(finish == Some("abort"), "finish reason {finish:?}");
+    let generated = values.iter().find_map(|v| v["usage"]["completion_tokens"].as_u64());
+    ensure!(generated.is_some_and(|n| n > 0 && n < 600), "usage {generated:?}");
+    let whole = whole.await??;
+    ensure!(whole["choices"][0]["finish_reason"] == "abort", "{whole}");
+    ensure!(whole["usage"]["completion_tokens"].as_u64().is_some_and(|n| n > 0 && n < 600));
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while server.child.try_wait()?.is_none() {
+        ensure!(Instant::now() < deadline, "the engine did not exit after its drain");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Ok(())
+}
+
+async fn wait_running_n(c: &reqwest::Client, server: &Server, n: u64) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let h: Value = c.get(server.at("/health")).send().await?.json().await?;
+        if h["running"].as_u64().is_some_and(|r| r >= n) {
+            return Ok(());
+        }
+        ensure!(Instant::now() < deadline, "the requests never ran together: {h}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
