@@ -432,37 +432,14 @@ fn run_generate(args: RunArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// The KV cache's size from `--kv-cache-mb` and `--gpu-memory-utilization` on `device`: bytes
-/// (512 MiB unless given), and on a GPU without `--kv-cache-mb` the share of its memory the
-/// engine may take (0.9 unless given), which then sizes the cache instead.
-pub(crate) fn kv_cache_size(
-    device: sluice_engine::backend::Device,
-    kv_cache_mb: Option<usize>,
-    gpu_memory_utilization: Option<f64>,
-) -> anyhow::Result<(usize, Option<f64>)> {
-    let on_gpu = matches!(device, sluice_engine::backend::Device::Cuda(_));
-    if !on_gpu && gpu_memory_utilization.is_some() {
-        bail!("--gpu-memory-utilization sizes a GPU's KV cache; on the CPU give --kv-cache-mb");
-    }
-    let share = match (on_gpu, kv_cache_mb) {
-        (true, None) => Some(gpu_memory_utilization.unwrap_or(0.9)),
-        _ => None,
-    };
-    if let Some(share) = share
-        && !(share > 0.0 && share <= 1.0)
-    {
-        bail!("--gpu-memory-utilization must be in (0, 1], not {share}");
-    }
-    let bytes =
-        kv_cache_mb.unwrap_or(512).checked_mul(1 << 20).context("--kv-cache-mb is too large")?;
-    Ok((bytes, share))
-}
-
 fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
     let _telemetry = telemetry::init("sluice-engine")?;
     let model = Arc::new(args.model.load()?);
-    let (kv_cache_bytes, gpu_memory_utilization) =
-        kv_cache_size(args.device, args.kv_cache_mb, args.gpu_memory_utilization)?;
+    let (kv_cache_bytes, gpu_memory_utilization) = sluice_engine::backend::kv_cache_size(
+        args.device,
+        args.kv_cache_mb,
+        args.gpu_memory_utilization,
+    )?;
     let config = EngineConfig {
         block_size: args.block_size,
         kv_cache_bytes,

@@ -477,8 +477,11 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     };
     let internal_token = random_secret();
     let io = IoRuntime::start()?;
-    let (kv_cache_bytes, gpu_memory_utilization) =
-        crate::kv_cache_size(args.device, args.kv_cache_mb, args.gpu_memory_utilization)?;
+    let (kv_cache_bytes, gpu_memory_utilization) = sluice_engine::backend::kv_cache_size(
+        args.device,
+        args.kv_cache_mb,
+        args.gpu_memory_utilization,
+    )?;
     let handle = EngineHandle::start(
         Arc::clone(&model),
         EngineConfig {

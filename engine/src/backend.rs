@@ -44,6 +44,38 @@ impl std::fmt::Display for Device {
     }
 }
 
+/// The KV cache's size as `--kv-cache-mb` and `--gpu-memory-utilization` ask on `device`:
+/// bytes (512 MiB unless given), and on a GPU without `--kv-cache-mb` the share of its memory
+/// the engine may take (0.9 unless given), which then sizes the cache instead.
+pub fn kv_cache_size(
+    device: Device,
+    kv_cache_mb: Option<usize>,
+    gpu_memory_utilization: Option<f64>,
+) -> Result<(usize, Option<f64>)> {
+    let on_gpu = matches!(device, Device::Cuda(_));
+    if !on_gpu && gpu_memory_utilization.is_some() {
+        return Err(EngineError::InvalidRequest(
+            "--gpu-memory-utilization sizes a GPU's KV cache; on the CPU give --kv-cache-mb".into(),
+        ));
+    }
+    let share = match (on_gpu, kv_cache_mb) {
+        (true, None) => Some(gpu_memory_utilization.unwrap_or(0.9)),
+        _ => None,
+    };
+    if let Some(share) = share
+        && !(share > 0.0 && share <= 1.0)
+    {
+        return Err(EngineError::InvalidRequest(format!(
+            "--gpu-memory-utilization must be in (0, 1], not {share}"
+        )));
+    }
+    let bytes = kv_cache_mb
+        .unwrap_or(512)
+        .checked_mul(1 << 20)
+        .ok_or_else(|| EngineError::InvalidRequest("--kv-cache-mb is too large".into()))?;
+    Ok((bytes, share))
+}
+
 impl Device {
     /// KV bytes one block of `block_size` positions takes on this device (f32 on the CPU, bf16
     /// on a GPU).
@@ -357,6 +389,17 @@ pub fn wanted_rows(batch: &[SeqInput<'_>], picks: &[Pick]) -> Vec<Option<usize>>
 mod tests {
     use super::*;
     use crate::gguf::GgufFile;
+
+    #[test]
+    fn kv_cache_sizes_follow_the_flags() {
+        assert_eq!(kv_cache_size(Device::Cpu, None, None).ok(), Some((512 << 20, None)));
+        assert_eq!(kv_cache_size(Device::Cpu, Some(64), None).ok(), Some((64 << 20, None)));
+        assert!(kv_cache_size(Device::Cpu, None, Some(0.5)).is_err());
+        assert_eq!(kv_cache_size(Device::Cuda(0), None, None).ok(), Some((512 << 20, Some(0.9))));
+        assert_eq!(kv_cache_size(Device::Cuda(0), Some(64), None).ok(), Some((64 << 20, None)));
+        assert!(kv_cache_size(Device::Cuda(0), None, Some(1.5)).is_err());
+        assert!(kv_cache_size(Device::Cpu, Some(usize::MAX), None).is_err());
+    }
     use crate::model::load_gguf_weights;
     use crate::quant::GgmlType;
     use crate::synth::{SynthSpec, write_gguf};
