@@ -14,7 +14,7 @@ use futures_util::StreamExt;
 use serde_json::{Value, json};
 use sluice_billing::Ledger;
 use sluice_billing::query::RecordFilter;
-use support::{Up, start_up_with};
+use support::{Up, signal_and_wait, start_up_with, wait_exit};
 
 const MODEL: &str = "smollm2-135m-instruct";
 
@@ -114,19 +114,6 @@ fn take_events(buf: &mut String, out: &mut Vec<String>) {
     }
 }
 
-/// SIGINT, then the exit status within `within`.
-fn interrupt(up: &mut Up, within: Duration) -> anyhow::Result<std::process::ExitStatus> {
-    ensure!(Command::new("kill").args(["-INT", &up.child.id().to_string()]).status()?.success());
-    let deadline = Instant::now() + within;
-    loop {
-        if let Some(s) = up.child.try_wait()? {
-            return Ok(s);
-        }
-        ensure!(Instant::now() < deadline, "sluice up did not exit {within:?} after SIGINT");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 async fn ledger_rows(up: &Up) -> anyhow::Result<HashMap<String, serde_json::Map<String, Value>>> {
     let ledger =
         Ledger::connect(&format!("sqlite://{}", up.dir.join("ledger.db").display())).await?;
@@ -148,7 +135,8 @@ async fn running_requests_finish_within_the_drain_timeout() -> anyhow::Result<()
     for _ in 0..3 {
         running.push(c.start(true, 120).await?);
     }
-    ensure!(Command::new("kill").args(["-INT", &up.child.id().to_string()]).status()?.success());
+    let sent = Command::new("kill").args(["-INT", &up.child.id().to_string()]).status()?;
+    ensure!(sent.success());
     // While it drains, new requests are refused (nothing runs, nothing is billed).
     let deadline = Instant::now() + Duration::from_secs(20);
     let refused = loop {
@@ -164,7 +152,7 @@ async fn running_requests_finish_within_the_drain_timeout() -> anyhow::Result<()
     for r in running {
         seen.push(r.await??);
     }
-    let status = interrupt(&mut up, Duration::from_secs(60))?;
+    let status = wait_exit(&mut up.child, Duration::from_secs(60), "INT")?;
     ensure!(status.success(), "sluice up exited with {status}");
     let rows = ledger_rows(&up).await?;
     ensure!(rows.len() == 3, "{} rows for 3 requests: {rows:?}", rows.len());
@@ -191,7 +179,7 @@ async fn what_outlasts_the_drain_is_cancelled_and_billed() -> anyhow::Result<()>
     for _ in 0..5 {
         running.push(c.start(true, 1500).await?);
     }
-    let status = interrupt(&mut up, Duration::from_secs(40))?;
+    let status = signal_and_wait(&mut up.child, "INT", Duration::from_secs(40))?;
     ensure!(status.success(), "sluice up exited with {status}");
     let mut seen = Vec::new();
     for r in running {

@@ -16,7 +16,7 @@ mod common;
 mod support;
 
 use std::collections::HashMap;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -27,32 +27,14 @@ use sluice_billing::Ledger;
 use sluice_billing::auth::{Principal, Role};
 use sluice_billing::control::{NewTenant, QuotaSettings};
 use sluice_billing::query::RecordFilter;
-use support::{Proc, free_port, spawn_sluice, wait_healthy};
+use support::{
+    Proc, free_port, redis_server, signal_and_wait, spawn_engine, spawn_sluice, wait_healthy,
+};
 
 const MODEL_ID: &str = "smollm2-135m-instruct";
 const TOKEN: &str = "drill-internal-token";
 const JWT_SECRET: &str = "drill-secret-drill-secret-drill-0123";
 const REQUESTS: usize = 80;
-
-/// A Redis of the test's own with an append-only file, so a restart keeps the usage stream
-/// (as a production Redis holding it must).
-fn redis(dir: &std::path::Path, port: u16) -> anyhow::Result<Proc> {
-    let proc = Proc(
-        Command::new("redis-server")
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
-            .args(["--appendonly", "yes", "--appendfsync", "always", "--dir"])
-            .arg(dir)
-            .stdout(Stdio::null())
-            .spawn()
-            .context("redis-server is needed for this test")?,
-    );
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        ensure!(Instant::now() < deadline, "redis-server did not start");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    Ok(proc)
-}
 
 /// What a client saw of one request.
 #[derive(Debug, Default, Clone)]
@@ -140,16 +122,9 @@ async fn the_ledger_survives_restarts_disconnects_and_a_shutdown() -> anyhow::Re
     let dir = tempfile::tempdir()?;
     let redis_port = free_port()?;
     let redis_url = format!("redis://127.0.0.1:{redis_port}");
-    let mut redis_proc = redis(dir.path(), redis_port)?;
+    let mut redis_proc = redis_server(dir.path(), redis_port, true)?;
     let model = common::default_model()?.to_str().context("utf-8")?.to_owned();
-    let listen = format!("127.0.0.1:{}", free_port()?);
-    let (_engine, engine) = spawn_sluice(
-        &["engine", "--model", &model, "--listen", &listen, "--internal-token", TOKEN]
-            .into_iter()
-            .chain(["--served-model-name", MODEL_ID, "--kv-cache-mb", "64"])
-            .collect::<Vec<_>>(),
-        &[],
-    )?;
+    let (_engine, engine) = spawn_engine(&model, TOKEN, "64", &[], None)?;
     let (_billing, admin) = spawn_sluice(
         &[
             "billing",
@@ -204,7 +179,7 @@ async fn the_ledger_survives_restarts_disconnects_and_a_shutdown() -> anyhow::Re
     until(REQUESTS / 5).await?;
     // Redis restarts (its append-only file keeps the usage stream).
     drop(redis_proc);
-    redis_proc = redis(dir.path(), redis_port)?;
+    redis_proc = redis_server(dir.path(), redis_port, true)?;
     until(2 * REQUESTS / 5).await?;
     // A new gateway takes the traffic and the old one is stopped with SIGINT mid-load (what it
     // is running drains; what reaches it meanwhile gets 503).
@@ -212,12 +187,9 @@ async fn the_ledger_survives_restarts_disconnects_and_a_shutdown() -> anyhow::Re
     wait_healthy(&c, &format!("{gw2}/health")).await?;
     *base.lock().unwrap_or_else(|e| e.into_inner()) = gw2;
     let mut gw_proc = gw_proc;
-    ensure!(Command::new("kill").args(["-INT", &gw_proc.0.id().to_string()]).status()?.success());
-    let deadline = Instant::now() + Duration::from_secs(40);
-    while gw_proc.0.try_wait()?.is_none() {
-        ensure!(Instant::now() < deadline, "the gateway did not drain and exit on SIGINT");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    tokio::task::block_in_place(|| {
+        signal_and_wait(&mut gw_proc.0, "INT", Duration::from_secs(40))
+    })?;
     until(3 * REQUESTS / 5).await?;
     // Postgres restarts under load.
     let mut stopped = billing_common::PostgresStopped::stop()?;
@@ -231,7 +203,7 @@ async fn the_ledger_survives_restarts_disconnects_and_a_shutdown() -> anyhow::Re
 
     // Every request a tenant was answered for, by id, has exactly its row (ingestion catches
     // up after the restarts).
-    let redis_proc = redis(dir.path(), redis_port)?;
+    let redis_proc = redis_server(dir.path(), redis_port, true)?;
     let ledger = Ledger::connect(&pg.url).await?;
     let billed: Vec<&Seen> =
         seen.iter().filter(|s| s.request_id.is_some() && !s.auth_unavailable).collect();

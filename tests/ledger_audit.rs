@@ -107,23 +107,7 @@ async fn refusals_are_free_abandoned_work_is_billed_and_day_quotas_hold() -> any
     ledger.set_quota(&ops, "refused", &refusing).await?;
 
     let model = common::default_model()?.to_str().context("utf-8")?.to_owned();
-    let listen = format!("127.0.0.1:{}", free_port()?);
-    let (engine_proc, engine) = spawn_sluice(
-        &[
-            "engine",
-            "--model",
-            &model,
-            "--listen",
-            &listen,
-            "--internal-token",
-            TOKEN,
-            "--served-model-name",
-            MODEL_ID,
-            "--kv-cache-mb",
-            "64",
-        ],
-        &[],
-    )?;
+    let (engine_proc, engine) = support::spawn_engine(&model, TOKEN, "64", &[], None)?;
     let p = Platform { model, db: db.clone(), engine, _engine_proc: engine_proc };
     let (gw_proc, gw) = p.gateway(&p.engine)?;
     let c = reqwest::Client::builder().timeout(Duration::from_secs(120)).build()?;
@@ -377,14 +361,7 @@ async fn the_front_door_speaks_openai() -> anyhow::Result<()> {
     ledger.create_tenant(&ops, &new).await?;
     let key = ledger.issue_key(&ops, "door", None, None, Default::default()).await?.1;
     let model = common::default_model()?.to_str().context("utf-8")?.to_owned();
-    let listen = format!("127.0.0.1:{}", free_port()?);
-    let (_engine, engine) = spawn_sluice(
-        &["engine", "--model", &model, "--listen", &listen, "--internal-token", TOKEN]
-            .into_iter()
-            .chain(["--served-model-name", MODEL_ID, "--kv-cache-mb", "32"])
-            .collect::<Vec<_>>(),
-        &[],
-    )?;
+    let (_engine, engine) = support::spawn_engine(&model, TOKEN, "32", &[], None)?;
     let p = Platform { model, db, engine, _engine_proc: _engine };
     let (_gw, gw) = p.gateway(&p.engine)?;
     let c = reqwest::Client::builder().timeout(Duration::from_secs(60)).build()?;
@@ -643,15 +620,7 @@ async fn trace_logs_hold_no_secret_and_no_text() -> anyhow::Result<()> {
     let model = common::default_model()?.to_str().context("utf-8")?.to_owned();
     let trace = [("RUST_LOG", "trace")];
     let (engine_log, gw_log) = (dir.path().join("engine.log"), dir.path().join("gateway.log"));
-    let listen = format!("127.0.0.1:{}", free_port()?);
-    let (_engine, engine) = support::spawn_sluice_logged(
-        &["engine", "--model", &model, "--listen", &listen, "--internal-token", TOKEN]
-            .into_iter()
-            .chain(["--served-model-name", MODEL_ID, "--kv-cache-mb", "32"])
-            .collect::<Vec<_>>(),
-        &trace,
-        &engine_log,
-    )?;
+    let (_engine, engine) = support::spawn_engine(&model, TOKEN, "32", &trace, Some(&engine_log))?;
     let gw_listen = format!("127.0.0.1:{}", free_port()?);
     let (_gw, gw) = support::spawn_sluice_logged(
         &[

@@ -8,13 +8,13 @@ mod support;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, ensure};
 use serde_json::Value;
 use sluice_billing::Ledger;
 use sluice_billing::query::RecordFilter;
-use support::{Up, ensure_sdk, env_file, start_up};
+use support::{Up, ensure_sdk, env_file, signal_and_wait, start_up};
 
 /// What a test does with a running `sluice up`.
 trait UpExt {
@@ -111,17 +111,8 @@ fn sluice_up_serves_bills_and_administers_through_the_gateway() -> anyhow::Resul
     seen.extend(up.sdk("revoked")?);
 
     // Ctrl-C: everything billed reaches the ledger, then the process exits cleanly.
-    let pid = up.child.id().to_string();
-    ensure!(Command::new("kill").args(["-INT", &pid]).status()?.success());
     let mut up = up;
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(s) = up.child.try_wait()? {
-            break s;
-        }
-        ensure!(Instant::now() < deadline, "sluice up did not stop on SIGINT");
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let status = signal_and_wait(&mut up.child, "INT", Duration::from_secs(30))?;
     ensure!(status.success(), "sluice up exited with {status}");
 
     let db = format!("sqlite://{}", up.dir.join("ledger.db").display());

@@ -23,13 +23,55 @@ impl Drop for Proc {
 impl Proc {
     /// SIGTERM, then waits for a clean exit (which flushes what the process buffers).
     pub fn stop(&mut self) -> anyhow::Result<()> {
-        ensure!(Command::new("kill").args(["-TERM", &self.0.id().to_string()]).status()?.success());
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while self.0.try_wait()?.is_none() {
-            ensure!(Instant::now() < deadline, "did not exit on SIGTERM");
-            std::thread::sleep(Duration::from_millis(50));
+        signal_and_wait(&mut self.0, "TERM", Duration::from_secs(20)).map(|_| ())
+    }
+}
+
+/// Sends `signal` (`INT`, `TERM`) to `child` and waits up to `within` for it to exit.
+pub fn signal_and_wait(
+    child: &mut Child,
+    signal: &str,
+    within: Duration,
+) -> anyhow::Result<std::process::ExitStatus> {
+    let sent =
+        Command::new("kill").arg(format!("-{signal}")).arg(child.id().to_string()).status()?;
+    ensure!(sent.success(), "kill -{signal} failed");
+    wait_exit(child, within, signal)
+}
+
+/// Waits up to `within` for `child` to exit (after `why`, for the message).
+pub fn wait_exit(
+    child: &mut Child,
+    within: Duration,
+    why: &str,
+) -> anyhow::Result<std::process::ExitStatus> {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(s) = child.try_wait()? {
+            return Ok(s);
         }
-        Ok(())
+        ensure!(Instant::now() < deadline, "did not exit within {within:?} of SIG{why}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `sluice engine` on `model` on a free port, behind `token`, serving the default model id with
+/// a KV cache of `kv_mb` MiB; its logs go to `log` when given.
+pub fn spawn_engine(
+    model: &str,
+    token: &str,
+    kv_mb: &str,
+    envs: &[(&str, &str)],
+    log: Option<&Path>,
+) -> anyhow::Result<(Proc, String)> {
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    let args = ["engine", "--model", model, "--listen", &listen, "--internal-token", token]
+        .into_iter()
+        .chain(["--served-model-name", "smollm2-135m-instruct", "--kv-cache-mb", kv_mb])
+        .collect::<Vec<_>>();
+    match log {
+        Some(l) => spawn_sluice_logged(&args, envs, l),
+        None => spawn_sluice(&args, envs),
     }
 }
 
@@ -96,22 +138,35 @@ pub async fn wait_healthy(c: &reqwest::Client, url: &str) -> anyhow::Result<()> 
 /// A `redis-server` of the test's own on a free port (stopping it disturbs nothing else).
 pub async fn private_redis(dir: &std::path::Path) -> anyhow::Result<(Proc, String)> {
     let port = free_port()?;
+    let proc = redis_server(dir, port, false)?;
+    Ok((proc, format!("redis://127.0.0.1:{port}")))
+}
+
+/// `redis-server` on `port` with its files in `dir`, once it accepts connections; with
+/// `persistent`, an append-only file fsynced on every write, so a restart on the same `dir`
+/// keeps its streams (as a production Redis holding the usage stream must).
+pub fn redis_server(dir: &Path, port: u16, persistent: bool) -> anyhow::Result<Proc> {
+    let aof: &[&str] = if persistent {
+        &["--appendonly", "yes", "--appendfsync", "always"]
+    } else {
+        &["--appendonly", "no"]
+    };
     let proc = Proc(
         Command::new("redis-server")
             .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
-            .args(["--appendonly", "no", "--dir"])
+            .args(aof)
+            .arg("--dir")
             .arg(dir)
             .stdout(Stdio::null())
             .spawn()
             .context("redis-server is needed for this test")?,
     );
-    let url = format!("redis://127.0.0.1:{port}");
     let deadline = Instant::now() + Duration::from_secs(10);
-    while redis::Client::open(url.as_str())?.get_multiplexed_async_connection().await.is_err() {
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         ensure!(Instant::now() < deadline, "redis-server did not start");
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        std::thread::sleep(Duration::from_millis(20));
     }
-    Ok((proc, url))
+    Ok(proc)
 }
 
 /// A running `sluice up`, killed when dropped.
