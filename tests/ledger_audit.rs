@@ -348,18 +348,24 @@ fn sluice(args: &[&str], admin_url: &str, token: &str) -> anyhow::Result<std::pr
         .output()?)
 }
 
+/// A SQLite ledger in a directory of its own with one tenant and its key.
+async fn one_tenant(id: &str) -> anyhow::Result<(tempfile::TempDir, String, Ledger, String)> {
+    let dir = tempfile::tempdir()?;
+    let db = format!("sqlite://{}", dir.path().join("ledger.db").display());
+    let ledger = Ledger::connect(&db).await?;
+    let ops = Principal { actor: "test".into(), role: Role::Ops, tenant: None };
+    let new = NewTenant { id: id.into(), name: None, tier: None, overrides: None };
+    ledger.create_tenant(&ops, &new).await?;
+    let key = ledger.issue_key(&ops, id, None, None, Default::default()).await?.1;
+    Ok((dir, db, ledger, key))
+}
+
 /// The front door as an OpenAI client sees it: the scheme's case, one model's card, 405s,
 /// OpenAI's parameter ranges, refusals of what is not implemented, streams without the
 /// gateway's own usage chunk, client headers kept from the engine, no metrics for tenants.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_front_door_speaks_openai() -> anyhow::Result<()> {
-    let dir = tempfile::tempdir()?;
-    let db = format!("sqlite://{}", dir.path().join("ledger.db").display());
-    let ledger = Ledger::connect(&db).await?;
-    let ops = Principal { actor: "test".into(), role: Role::Ops, tenant: None };
-    let new = NewTenant { id: "door".into(), name: None, tier: None, overrides: None };
-    ledger.create_tenant(&ops, &new).await?;
-    let key = ledger.issue_key(&ops, "door", None, None, Default::default()).await?.1;
+    let (_dir, db, ledger, key) = one_tenant("door").await?;
     let model = common::default_model()?.to_str().context("utf-8")?.to_owned();
     let (_engine, engine) = support::spawn_engine(&model, TOKEN, "32", &[], None)?;
     let p = Platform { model, db, engine, _engine_proc: _engine };
@@ -610,13 +616,7 @@ fn slow_clients(addr: &str, key: &str) -> anyhow::Result<()> {
 /// line searched for the API key, the internal token, words of the prompts and the answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn trace_logs_hold_no_secret_and_no_text() -> anyhow::Result<()> {
-    let dir = tempfile::tempdir()?;
-    let db = format!("sqlite://{}", dir.path().join("ledger.db").display());
-    let ledger = Ledger::connect(&db).await?;
-    let ops = Principal { actor: "test".into(), role: Role::Ops, tenant: None };
-    let new = NewTenant { id: "quiet".into(), name: None, tier: None, overrides: None };
-    ledger.create_tenant(&ops, &new).await?;
-    let key = ledger.issue_key(&ops, "quiet", None, None, Default::default()).await?.1;
+    let (dir, db, ledger, key) = one_tenant("quiet").await?;
     let model = common::default_model()?.to_str().context("utf-8")?.to_owned();
     let trace = [("RUST_LOG", "trace")];
     let (engine_log, gw_log) = (dir.path().join("engine.log"), dir.path().join("gateway.log"));
