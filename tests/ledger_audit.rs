@@ -529,6 +529,12 @@ fn address_cap(addr: &str, key: &str) -> anyhow::Result<()> {
         last = String::from_utf8_lossy(&buf[..n]).into_owned();
         if last.starts_with("HTTP/1.1 429") {
             ensure!(last.contains("too_many_connections"), "{last}");
+            // A client quietly waiting longer than --body-timeout for its answer gets it.
+            let mut s = held.swap_remove(0);
+            s.set_read_timeout(Some(Duration::from_secs(60)))?;
+            let n = s.read(&mut buf)?;
+            let answer = String::from_utf8_lossy(&buf[..n]);
+            ensure!(answer.starts_with("HTTP/1.1 200"), "a long answer: {answer}");
             return Ok(());
         }
         std::thread::sleep(Duration::from_millis(50));

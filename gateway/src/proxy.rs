@@ -631,9 +631,6 @@ impl Gateway {
                 return Err(slow(session));
             };
             match read {
-                Err(e) if matches!(e.etype(), ErrorType::ReadTimedout) => {
-                    return Err(slow(session));
-                }
                 Ok(Some(chunk)) => {
                     body.extend_from_slice(&chunk);
                     if body.len() > MAX_BODY_BYTES {
@@ -1330,10 +1327,10 @@ impl ProxyHttp for Gateway {
             respond(session, 429, body, &[("retry-after".to_owned(), "1".to_owned())]).await?;
             return Ok(true);
         }
-        // Idle kept-alive connections close; each read of the body has the body's deadline
-        // (and admit bounds the body's whole arrival by it).
+        // Idle kept-alive connections close. The body's deadline is admit's, over its whole
+        // arrival: not pingora's downstream read timeout, which would also cut off a client
+        // quietly waiting for a long answer.
         session.set_keepalive(Some(self.cfg.idle_timeout.as_secs().max(1)));
-        session.set_read_timeout(Some(self.cfg.body_timeout));
         // A client that pipelines gets its responses in order (pingora drops request N+1
         // by default).
         if let pingora::protocols::http::ServerSession::H1(h1) = session.downstream_session.as_mut()
