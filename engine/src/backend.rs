@@ -5,7 +5,10 @@
 use std::str::FromStr;
 
 use crate::error::{EngineError, Result};
-use crate::forward::{KvCache, LogitsWanted, Runner, SeqInput};
+use crate::forward::{KvCache, Runner, SeqInput};
+// The types a step speaks live below every backend (the CPU runner, the CUDA runner, the
+// sampler), so none of them imports upward from here.
+pub use crate::forward::{Pick, StepOutput, wanted_rows};
 use crate::model::LlamaWeights;
 
 /// A compute device.
@@ -335,59 +338,10 @@ fn blocks_for_share(
     Ok(blocks)
 }
 
-/// What [`Backend::forward_picking`] gives back.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct StepOutput {
-    /// The logits of the wanted rows whose token was not picked, `vocab` floats each, in
-    /// batch order.
-    pub logits: Vec<f32>,
-    /// Per sequence of the batch, the token picked for it.
-    pub picked: Vec<Option<u32>>,
-}
-
-/// How the backend may choose a sequence's next token.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub enum Pick {
-    /// It does not: the logits go back.
-    #[default]
-    Logits,
-    /// The largest logit (the lowest id among equals).
-    Argmax,
-    /// A draw from softmax(logits / temperature), cut to the `top_k` largest (0: all) and then
-    /// to the smallest set of the largest whose probability reaches `top_p`, walking tokens in
-    /// id order to `uniform` (in [0, 1)) of the kept mass (kernels/sampling.cu).
-    Draw {
-        /// Above 0.
-        temperature: f32,
-        /// 0: no cut.
-        top_k: u32,
-        /// 1: no cut.
-        top_p: f32,
-        /// From the request's seeded generator.
-        uniform: f32,
-    },
-}
-
-/// The batch's wanted logit rows in order: `Some(i)` for the last row of sequence `i` when its
-/// token is picked, `None` for a row whose logits go back.
-pub fn wanted_rows(batch: &[SeqInput<'_>], picks: &[Pick]) -> Vec<Option<usize>> {
-    let mut rows = Vec::new();
-    for (i, s) in batch.iter().enumerate() {
-        match s.logits {
-            LogitsWanted::None => {}
-            LogitsWanted::Last => {
-                let pick = picks.get(i).copied().unwrap_or_default();
-                rows.push((pick != Pick::Logits).then_some(i));
-            }
-            LogitsWanted::All => rows.extend(std::iter::repeat_n(None, s.tokens.len())),
-        }
-    }
-    rows
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::forward::LogitsWanted;
     use crate::gguf::GgufFile;
 
     #[test]

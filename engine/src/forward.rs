@@ -107,6 +107,56 @@ pub struct SeqInput<'a> {
     pub logits: LogitsWanted,
 }
 
+/// What [`Backend::forward_picking`](crate::backend::Backend::forward_picking) gives back.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepOutput {
+    /// The logits of the wanted rows whose token was not picked, `vocab` floats each, in
+    /// batch order.
+    pub logits: Vec<f32>,
+    /// Per sequence of the batch, the token picked for it.
+    pub picked: Vec<Option<u32>>,
+}
+
+/// How the backend may choose a sequence's next token.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum Pick {
+    /// It does not: the logits go back.
+    #[default]
+    Logits,
+    /// The largest logit (the lowest id among equals).
+    Argmax,
+    /// A draw from softmax(logits / temperature), cut to the `top_k` largest (0: all) and then
+    /// to the smallest set of the largest whose probability reaches `top_p`, walking tokens in
+    /// id order to `uniform` (in [0, 1)) of the kept mass (kernels/sampling.cu).
+    Draw {
+        /// Above 0.
+        temperature: f32,
+        /// 0: no cut.
+        top_k: u32,
+        /// 1: no cut.
+        top_p: f32,
+        /// From the request's seeded generator.
+        uniform: f32,
+    },
+}
+
+/// The batch's wanted logit rows in order: `Some(i)` for the last row of sequence `i` when its
+/// token is picked, `None` for a row whose logits go back.
+pub fn wanted_rows(batch: &[SeqInput<'_>], picks: &[Pick]) -> Vec<Option<usize>> {
+    let mut rows = Vec::new();
+    for (i, s) in batch.iter().enumerate() {
+        match s.logits {
+            LogitsWanted::None => {}
+            LogitsWanted::Last => {
+                let pick = picks.get(i).copied().unwrap_or_default();
+                rows.push((pick != Pick::Logits).then_some(i));
+            }
+            LogitsWanted::All => rows.extend(std::iter::repeat_n(None, s.tokens.len())),
+        }
+    }
+    rows
+}
+
 /// Runs forward passes; owns the compute threads and scratch space.
 pub struct Runner {
     pool: ThreadPool,
@@ -396,34 +446,6 @@ fn attention(
     });
 }
 
-#[cfg(target_arch = "x86_64")]
-mod x86_attention {
-    use std::arch::x86_64::*;
-
-    /// Scores of 16 consecutive slots: `s[i] = sum_d q[d] * k[d * stride + i]`, with four
-    /// independent accumulators over interleaved dimensions (combined in a fixed order).
-    ///
-    /// # Safety
-    /// AVX-512F must be available; `k` must be valid for `q.len()` rows of 16 floats at
-    /// `stride`, and `q.len()` a multiple of 4.
-    #[target_feature(enable = "avx512f,fma")]
-    pub(super) unsafe fn scores16(q: &[f32], k: *const f32, stride: usize) -> [f32; 16] {
-        let mut a = [_mm512_setzero_ps(); 4];
-        for d in (0..q.len()).step_by(4) {
-            for (u, acc) in a.iter_mut().enumerate() {
-                // SAFETY: row d + u < q.len() lies inside `k` (caller's contract).
-                let kv = unsafe { _mm512_loadu_ps(k.add((d + u) * stride)) };
-                *acc = _mm512_fmadd_ps(_mm512_set1_ps(q[d + u]), kv, *acc);
-            }
-        }
-        let s = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
-        let mut out = [0f32; 16];
-        // SAFETY: `out` holds 16 floats.
-        unsafe { _mm512_storeu_ps(out.as_mut_ptr(), s) };
-        out
-    }
-}
-
 /// `a[..v.len()] += p * v`, vectorized when `v` is a full 64-wide chunk.
 #[inline(always)]
 fn axpy_dims(a: &mut [f32; 64], p: f32, v: &[f32]) {
@@ -513,7 +535,8 @@ fn attend(job: &HeadJob<'_>, scratch: &mut AttendScratch, out: &mut [f32]) {
                 if job.avx512 && w == SLOTS && hd % 4 == 0 {
                     // SAFETY: AVX-512F was detected (`job.avx512`); the kernel reads hd rows
                     // of 16 floats at stride bs starting at kb[g], all inside `kb`.
-                    let s16 = unsafe { x86_attention::scores16(q, kb[g..].as_ptr(), bs) };
+                    let s16 =
+                        unsafe { crate::cpu::x86::attention_scores16(q, kb[g..].as_ptr(), bs) };
                     chunk[g..g + w].copy_from_slice(&s16);
                     g += w;
                     continue;

@@ -99,11 +99,11 @@ impl Sampler {
 
     /// When the next token is a plain draw (temperature above 0, top-k/top-p cuts only, no
     /// penalties, no min-p, no log-probabilities), the draw for a device to make
-    /// ([`Pick::Draw`](crate::backend::Pick::Draw)), with its uniform taken from this
+    /// ([`Pick::Draw`](crate::forward::Pick::Draw)), with its uniform taken from this
     /// request's seeded generator (one value per token, as a host draw takes). The device
     /// walks tokens in id order, the host in probability order: the same seed gives the same
     /// tokens on one backend, not across backends.
-    pub fn device_draw(&mut self, logprobs: Option<usize>) -> Option<crate::backend::Pick> {
+    pub fn device_draw(&mut self, logprobs: Option<usize>) -> Option<crate::forward::Pick> {
         let p = &self.params;
         if p.temperature.is_nan()
             || p.temperature <= 0.0
@@ -115,7 +115,7 @@ impl Sampler {
             return None;
         }
         let uniform = (self.rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
-        Some(crate::backend::Pick::Draw {
+        Some(crate::forward::Pick::Draw {
             temperature: p.temperature,
             top_k: u32::try_from(p.top_k).unwrap_or(u32::MAX),
             top_p: p.top_p,

@@ -16,13 +16,10 @@
 
 use half::f16;
 
+use crate::cpu::layout::{BlockView, GROUP, group_block_bytes, slot};
+pub use crate::cpu::layout::{Offset, QuantizedActs};
 use crate::cpu::pool::{SharedOut, ThreadPool, split_range};
 use crate::quant::{GgmlType, QK, dequantize_row};
-
-/// Rows per interleaved group (the lanes of one 512-bit register of int32).
-pub(crate) const GROUP: usize = 16;
-/// Activation rows (tokens) per kernel tile.
-pub(crate) const TILE_COLS: usize = 4;
 
 /// Instruction set chosen once per process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,18 +59,6 @@ pub fn detect_isa() -> Isa {
     Isa::Scalar
 }
 
-/// How a packed 4/8-bit format's per-block offset enters the dot product:
-/// `dot = sum_b (d_w d_a isum_b + c_b sa_b)`, with `sa_b = d_a * sum(q_a)`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Offset {
-    /// Q4_1: `c_b = m_b` (the stored minimum).
-    Min,
-    /// Q4_0: nibbles are stored with +8, `c_b = -8 d_b`.
-    Minus8,
-    /// Q8_0: stored as `q ^ 0x80` (unsigned), `c_b = -128 d_b`.
-    Minus128,
-}
-
 /// A weight matrix in its compute layout.
 #[derive(Debug)]
 pub struct PackedWeight {
@@ -94,23 +79,6 @@ enum PackedData {
     Blocks { offset: Offset, qs: Vec<u8>, d: Vec<f16>, m: Vec<f16> },
     /// Everything else: rows as stored in the file, dequantized on the fly.
     Raw { bytes: Vec<u8>, row_bytes: usize },
-}
-
-/// Bytes of one (group, block): 16 rows x 32 elements at 4 or 8 bits.
-pub(crate) fn group_block_bytes(offset: Offset) -> usize {
-    if offset == Offset::Minus128 { GROUP * QK } else { GROUP * QK / 2 }
-}
-
-/// Where element `i` of row lane `l` sits in a (group, block) and, for 4-bit values,
-/// whether it is the high nibble. Quads 0-3 are the low nibbles of the four 64-byte chunks
-/// and quads 4-7 the high nibbles, so one shift and one mask unpack two quads.
-fn slot(offset: Offset, l: usize, i: usize) -> (usize, bool) {
-    let (k, e) = (i / 4, i % 4);
-    if offset == Offset::Minus128 {
-        (k * 64 + l * 4 + e, false)
-    } else {
-        ((k % 4) * 64 + l * 4 + e, k >= 4)
-    }
 }
 
 impl PackedWeight {
@@ -224,23 +192,6 @@ impl PackedWeight {
             }
         }
     }
-}
-
-/// Activations quantized to 8 bits per 32-element block.
-#[derive(Debug, Default)]
-pub struct QuantizedActs {
-    /// Rows (tokens).
-    pub rows: usize,
-    /// Blocks per row (unpadded).
-    pub nb: usize,
-    /// Blocks per row in `qs`, padded to pairs.
-    pub(crate) nb_pad: usize,
-    /// Quantized values, `rows x nb_pad x 32`.
-    pub(crate) qs: Vec<i8>,
-    /// Per-block scales, `rows x nb`.
-    pub(crate) d: Vec<f32>,
-    /// Per-block `d * sum(q)`, `rows x nb`.
-    pub(crate) sa: Vec<f32>,
 }
 
 impl QuantizedActs {
@@ -420,32 +371,6 @@ pub fn matmul_many(
                 });
             }
         }
-    }
-}
-
-/// Borrowed view of a packed 4/8-bit weight for the kernels.
-pub(crate) struct BlockView<'a> {
-    pub(crate) rows: usize,
-    pub(crate) nb: usize,
-    pub(crate) offset: Offset,
-    pub(crate) qs: &'a [u8],
-    pub(crate) d: &'a [f16],
-    pub(crate) m: &'a [f16],
-}
-
-impl BlockView<'_> {
-    /// The stored (unsigned, offset) value of element `i` of block `b` of row `r`.
-    fn stored(&self, r: usize, b: usize, i: usize) -> i32 {
-        let gbb = group_block_bytes(self.offset);
-        let (at, high) = slot(self.offset, r % GROUP, i);
-        let byte = self.qs[((r / GROUP) * self.nb + b) * gbb + at];
-        i32::from(if self.offset == Offset::Minus128 {
-            byte
-        } else if high {
-            byte >> 4
-        } else {
-            byte & 0xF
-        })
     }
 }
 

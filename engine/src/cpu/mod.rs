@@ -1,6 +1,7 @@
-//! CPU compute: the thread pool and the matrix-product kernels.
+//! CPU compute: the thread pool, the packed layout and the matrix-product kernels.
 
+mod layout;
 pub mod matmul;
 pub mod pool;
 #[cfg(target_arch = "x86_64")]
-mod x86;
+pub(crate) mod x86;

@@ -35,9 +35,9 @@ use cudarc::nvrtc::Ptx;
 use half::bf16;
 
 use super::{CudaError, KERNELS, compile, compile_with, probe};
-use crate::backend::{Pick, StepOutput};
 use crate::cpu::matmul::PackedWeight;
 use crate::forward::{LogitsWanted, SeqInput};
+use crate::forward::{Pick, StepOutput};
 use crate::model::{LlamaConfig, LlamaWeights, RopeStyle};
 use crate::quant::{GgmlType, QK};
 
@@ -1107,7 +1107,7 @@ impl CudaRunner {
     }
 
     /// Runs the batch; `rows` lists its wanted logit rows in order
-    /// ([`wanted_rows`](crate::backend::wanted_rows)): for a `Some(i)` row the token is chosen
+    /// ([`wanted_rows`](crate::forward::wanted_rows)): for a `Some(i)` row the token is chosen
     /// on the device as `picks[i]` says (argmax, or a draw) and only the token comes back (as
     /// sequence `i`'s pick); the other rows' logits come back.
     pub fn forward_picking(
