@@ -35,8 +35,9 @@ use sluice_engine::serve::core::EngineConfig;
 use sluice_engine::serve::handle::EngineHandle;
 use sluice_engine::server::{ServerConfig, router as engine_router};
 use sluice_engine::synth::{SynthSpec, write_gguf};
+use sluice_gateway::admission::TokenCounter;
 use sluice_gateway::local::RedisDownPolicy;
-use sluice_gateway::proxy::{Gateway, GatewayConfig, TokenCounter};
+use sluice_gateway::proxy::{Gateway, GatewayConfig};
 use sluice_gateway::sink::UsageSink;
 
 use crate::up::{IoRuntime, finish, gateway_config, server_conf};
@@ -355,7 +356,7 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
     let proxy = std::thread::spawn(move || {
         let mut server = pingora::server::Server::new_with_opt_and_conf(None, server_conf());
         server.bootstrap();
-        let mut service = pingora::proxy::http_proxy_service(&server.configuration, gateway);
+        let mut service = sluice_gateway::door::service(&server.configuration, gateway);
         service.add_tcp(&listen);
         server.add_service(service);
         server

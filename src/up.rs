@@ -19,10 +19,11 @@ use sluice_engine::loader::LoadedModel;
 use sluice_engine::serve::core::EngineConfig;
 use sluice_engine::serve::handle::EngineHandle;
 use sluice_engine::server::{ServerConfig, router as engine_router};
+use sluice_gateway::admission::TokenCounter;
 use sluice_gateway::drain::DrainOnSignal;
 use sluice_gateway::limits::Limiter;
 use sluice_gateway::local::RedisDownPolicy;
-use sluice_gateway::proxy::{Gateway, GatewayConfig, Prices, TokenCounter, Worker};
+use sluice_gateway::proxy::{Gateway, GatewayConfig, Prices, Worker};
 use sluice_gateway::sink::UsageSink;
 
 /// The model id clients name when the platform serves the default model.
@@ -164,7 +165,7 @@ fn run_proxy(
     let watch = DrainOnSignal::new(gateway.drain(), drain, internal_token);
     let mut server = pingora::server::Server::new_with_opt_and_conf(None, server_conf());
     server.bootstrap();
-    let mut service = pingora::proxy::http_proxy_service(&server.configuration, gateway);
+    let mut service = sluice_gateway::door::service(&server.configuration, gateway);
     match tls {
         Some((cert, key)) => service
             .add_tls(
@@ -221,6 +222,7 @@ pub(crate) fn gateway_config(
         prices: prices(),
         name: "gateway".into(),
         idle_timeout: Duration::from_secs(30),
+        header_timeout: Duration::from_secs(10),
         body_timeout: Duration::from_secs(30),
         max_per_client: 512,
     }
@@ -336,6 +338,10 @@ pub struct FrontDoorArgs {
     /// Seconds a kept-alive client connection may sit idle between requests.
     #[arg(long, default_value_t = 30)]
     idle_timeout: u64,
+    /// Seconds a request head may take to arrive, in all (then 408); a new connection that
+    /// sends nothing for this long is closed.
+    #[arg(long, default_value_t = 10)]
+    header_timeout: u64,
     /// Seconds a request body may take to arrive, in all (then 408).
     #[arg(long, default_value_t = 30)]
     body_timeout: u64,
@@ -349,6 +355,7 @@ impl FrontDoorArgs {
     fn apply(&self, cfg: GatewayConfig) -> GatewayConfig {
         GatewayConfig {
             idle_timeout: Duration::from_secs(self.idle_timeout),
+            header_timeout: Duration::from_secs(self.header_timeout),
             body_timeout: Duration::from_secs(self.body_timeout),
             max_per_client: self.max_per_client,
             ..cfg

@@ -449,7 +449,7 @@ async fn the_front_door_speaks_openai() -> anyhow::Result<()> {
         &["gateway", "--plain-http", "--listen", &listen, "--engine", &p.engine]
             .into_iter()
             .chain(["--model", &p.model, "--idle-timeout", "2", "--body-timeout", "2"])
-            .chain(["--max-per-client", "2"])
+            .chain(["--header-timeout", "2", "--max-per-client", "2"])
             .collect::<Vec<_>>(),
         &[("SLUICE_DATABASE_URL", p.db.as_str()), ("SLUICE_INTERNAL_TOKEN", TOKEN)],
     )?;
@@ -573,8 +573,9 @@ fn pipelined(addr: &str, key: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// An idle kept-alive connection is closed; a body trickled at 2 bytes/s gets a 408 when its
-/// deadline passes, and its connection is closed.
+/// An idle kept-alive connection is closed; a body or a head trickled in gets a 408 when its
+/// deadline passes, and its connection is closed; so is a connection that sends nothing; heads
+/// pingora cannot parse get OpenAI error JSON.
 fn slow_clients(addr: &str, key: &str) -> anyhow::Result<()> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr)?;
@@ -588,17 +589,71 @@ fn slow_clients(addr: &str, key: &str) -> anyhow::Result<()> {
     ensure!(n == 0, "an idle kept-alive connection sent {n} bytes");
     ensure!(t.elapsed() < Duration::from_secs(10), "closed only after {:?}", t.elapsed());
 
-    let mut s = std::net::TcpStream::connect(addr)?;
-    s.set_read_timeout(Some(Duration::from_millis(500)))?;
+    // A body trickled at 2 bytes/s gets a 408 when --body-timeout (2 s) passes.
     let head = format!(
         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\
          Content-Type: application/json\r\nContent-Length: 200\r\n\r\n{{"
     );
-    s.write_all(head.as_bytes())?;
     let t = Instant::now();
-    let mut got = Vec::new();
+    let got = trickle(addr, head.as_bytes(), b" ", Duration::from_millis(500))?;
+    let text = String::from_utf8_lossy(&got);
+    ensure!(text.starts_with("HTTP/1.1 408"), "a trickled body got: {text:?}");
+    ensure!(text.contains("request_timeout"), "{text}");
+    ensure!(t.elapsed() < Duration::from_secs(8), "cut off only after {:?}", t.elapsed());
+
+    // A head trickled a byte at a time gets a 408 when --header-timeout (2 s) passes, though
+    // every single read is quick.
+    let t = Instant::now();
+    let head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: ";
+    let got = trickle(addr, head, b"a", Duration::from_millis(200))?;
+    let text = String::from_utf8_lossy(&got);
+    ensure!(text.starts_with("HTTP/1.1 408"), "a trickled head got: {text:?}");
+    ensure!(text.contains("request_timeout"), "{text}");
+    ensure!(t.elapsed() < Duration::from_secs(8), "cut off only after {:?}", t.elapsed());
+
+    // A connection that never sends a byte is closed at the same deadline.
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(15)))?;
+    let t = Instant::now();
+    ensure!(s.read(&mut buf)? == 0, "a silent connection got bytes");
+    ensure!(t.elapsed() < Duration::from_secs(8), "closed only after {:?}", t.elapsed());
+
+    // Heads pingora cannot parse get OpenAI error JSON, not an empty 400.
+    let no_colon = b"GET /health HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n".to_vec();
+    let fields: String = (0..300).map(|i| format!("X-Field-{i}: v\r\n")).collect();
+    let many = format!("GET /health HTTP/1.1\r\nHost: x\r\n{fields}\r\n").into_bytes();
+    let line = format!("GET /health?pad={} HTTP/1.1\r\nHost: x\r\n\r\n", "x".repeat(70_000));
+    for (head, status, code) in [
+        (no_colon, 400, "malformed_request"),
+        (many, 431, "request_header_fields_too_large"),
+        (line.into_bytes(), 414, "uri_too_long"),
+    ] {
+        let mut s = std::net::TcpStream::connect(addr)?;
+        s.set_read_timeout(Some(Duration::from_secs(15)))?;
+        // The server may close before all of an over-long head is written.
+        let _ = s.write_all(&head);
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        let text = String::from_utf8_lossy(&out);
+        let (top, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+        ensure!(top.starts_with(&format!("HTTP/1.1 {status} ")), "{status} expected: {text:?}");
+        let body: Value = serde_json::from_str(body).context(format!("not JSON: {text:?}"))?;
+        ensure!(body["error"]["code"] == code, "{status}: {body}");
+    }
+    Ok(())
+}
+
+/// Sends `start`, then `byte` once per `pace` until the server answers whole or closes (at
+/// most 15 s): what it answered.
+fn trickle(addr: &str, start: &[u8], byte: &[u8], pace: Duration) -> anyhow::Result<Vec<u8>> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(pace))?;
+    s.write_all(start)?;
+    let t = Instant::now();
+    let (mut got, mut buf) = (Vec::new(), [0u8; 4096]);
     while t.elapsed() < Duration::from_secs(15) {
-        if s.write_all(b" ").is_err() {
+        if s.write_all(byte).is_err() {
             break;
         }
         match s.read(&mut buf) {
@@ -610,12 +665,7 @@ fn slow_clients(addr: &str, key: &str) -> anyhow::Result<()> {
             break;
         }
     }
-    let text = String::from_utf8_lossy(&got);
-    ensure!(text.starts_with("HTTP/1.1 408"), "a trickled body got: {text:?}");
-    ensure!(text.contains("request_timeout"), "{text}");
-    ensure!(t.elapsed() < Duration::from_secs(8), "cut off only after {:?}", t.elapsed());
-
-    Ok(())
+    Ok(got)
 }
 
 /// No log level prints a secret or a prompt: gateway and engine at `RUST_LOG=trace`, every

@@ -73,10 +73,10 @@ impl TenantLimits {
     }
 }
 
-/// Why a request was refused.
+/// The limit that refused a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
-pub enum Refusal {
+pub enum Limit {
     /// Requests per minute used up.
     Rpm,
     /// Tokens per minute used up.
@@ -91,7 +91,7 @@ pub enum Refusal {
     Concurrency,
 }
 
-impl Refusal {
+impl Limit {
     /// Label for metrics and error messages.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -139,7 +139,7 @@ pub enum Decision {
     /// Refused: why, and when trying again can succeed (`None`: never, as configured).
     Refused {
         /// The limit that refused.
-        reason: Refusal,
+        reason: Limit,
         /// Whose limit it was.
         scope: Scope,
         /// `Retry-After`.
@@ -360,16 +360,16 @@ fn parse_decision(reply: &[redis::Value]) -> Result<Decision, LimitError> {
         return Ok(Decision::Admitted(state));
     }
     let reason = match reason.as_str() {
-        "rpm" => Refusal::Rpm,
-        "tpm" => Refusal::Tpm,
-        "tpm_exceeds_limit" => Refusal::TpmExceedsLimit,
-        "daily_tokens" => Refusal::DailyTokens,
-        "monthly_tokens" => Refusal::MonthlyTokens,
-        "concurrency" => Refusal::Concurrency,
+        "rpm" => Limit::Rpm,
+        "tpm" => Limit::Tpm,
+        "tpm_exceeds_limit" => Limit::TpmExceedsLimit,
+        "daily_tokens" => Limit::DailyTokens,
+        "monthly_tokens" => Limit::MonthlyTokens,
+        "concurrency" => Limit::Concurrency,
         other => return Err(LimitError::Reply(other.to_owned())),
     };
     let retry = ms(retry)?;
-    let retry_after = (reason != Refusal::TpmExceedsLimit).then_some(retry);
+    let retry_after = (reason != Limit::TpmExceedsLimit).then_some(retry);
     let scope = if int(refusing)? >= 2 { Scope::Key } else { Scope::Tenant };
     Ok(Decision::Refused { reason, scope, retry_after, state })
 }

@@ -17,7 +17,7 @@ use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use chrono::{Datelike, Utc};
 
 use crate::limits::{
-    Decision, LedgerUsage, RateState, Refusal, Scope, TenantLimits, current_periods,
+    Decision, LedgerUsage, Limit, RateState, Scope, TenantLimits, current_periods,
 };
 
 /// What to do for a tenant when the shared limiter cannot be reached.
@@ -148,7 +148,7 @@ impl LocalLimiter {
         if let Some(c) = limits.concurrency
             && entry.inflight >= c.div_ceil(u64::from(self.replicas))
         {
-            return refuse(Refusal::Concurrency, Some(Duration::from_secs(1)));
+            return refuse(Limit::Concurrency, Some(Duration::from_secs(1)));
         }
         // Day and month: the ledger is shared by every replica, so the limits are not divided.
         // Figures of another day or month (read just before midnight) count for nothing.
@@ -160,17 +160,17 @@ impl LocalLimiter {
             && used_day.saturating_add(here).saturating_add(tokens) > d
         {
             let next_day = (period.0 + 1) * 86_400 - now.timestamp();
-            return refuse(Refusal::DailyTokens, Some(Duration::from_secs(next_day.max(1) as u64)));
+            return refuse(Limit::DailyTokens, Some(Duration::from_secs(next_day.max(1) as u64)));
         }
         if let Some(m) = limits.monthly_tokens
             && used_month.saturating_add(here).saturating_add(tokens) > m
         {
-            return refuse(Refusal::MonthlyTokens, Some(until_next_month(now)));
+            return refuse(Limit::MonthlyTokens, Some(until_next_month(now)));
         }
         if let Some(r) = &entry.requests
             && let Err(not_until) = r.check()
         {
-            return refuse(Refusal::Rpm, Some(not_until.wait_time_from(self.clock.now())));
+            return refuse(Limit::Rpm, Some(not_until.wait_time_from(self.clock.now())));
         }
         if let Some(t) = &entry.tokens
             && let Some(n) = NonZeroU32::new(u32::try_from(tokens).unwrap_or(u32::MAX))
@@ -178,9 +178,9 @@ impl LocalLimiter {
             match t.check_n(n) {
                 Ok(Ok(())) => {}
                 Ok(Err(not_until)) => {
-                    return refuse(Refusal::Tpm, Some(not_until.wait_time_from(self.clock.now())));
+                    return refuse(Limit::Tpm, Some(not_until.wait_time_from(self.clock.now())));
                 }
-                Err(_) => return refuse(Refusal::TpmExceedsLimit, None),
+                Err(_) => return refuse(Limit::TpmExceedsLimit, None),
             }
         }
         Ok(state)
@@ -230,7 +230,7 @@ mod tests {
         assert!(matches!(l.admit("a", None, 1, &limits), Decision::Admitted(_)));
         assert!(matches!(
             l.admit("a", None, 1, &limits),
-            Decision::Refused { reason: Refusal::Concurrency, .. }
+            Decision::Refused { reason: Limit::Concurrency, .. }
         ));
         l.release("a", None, 1, 1);
         l.release("a", None, 1, 1);
@@ -246,11 +246,11 @@ mod tests {
         assert!(matches!(l.admit("b", None, 50, &tokens), Decision::Admitted(_)));
         assert!(matches!(
             l.admit("b", None, 10, &tokens),
-            Decision::Refused { reason: Refusal::Tpm, .. }
+            Decision::Refused { reason: Limit::Tpm, .. }
         ));
         assert!(matches!(
             l.admit("c", None, 80, &tokens),
-            Decision::Refused { reason: Refusal::TpmExceedsLimit, retry_after: None, .. }
+            Decision::Refused { reason: Limit::TpmExceedsLimit, retry_after: None, .. }
         ));
     }
 
@@ -261,14 +261,14 @@ mod tests {
         let key = TenantLimits { concurrency: Some(1), ..Default::default() };
         assert!(matches!(l.admit("t", Some(("k1", &key)), 1, &tenant), Decision::Admitted(_)));
         match l.admit("t", Some(("k1", &key)), 1, &tenant) {
-            Decision::Refused { reason: Refusal::Concurrency, scope: Scope::Key, .. } => {}
+            Decision::Refused { reason: Limit::Concurrency, scope: Scope::Key, .. } => {}
             other => return Err(format!("expected the key's concurrency refusal: {other:?}")),
         }
         // Another key of the tenant has its own slot; the tenant's third slot is the last.
         assert!(matches!(l.admit("t", Some(("k2", &key)), 1, &tenant), Decision::Admitted(_)));
         assert!(matches!(l.admit("t", None, 1, &tenant), Decision::Admitted(_)));
         match l.admit("t", Some(("k3", &key)), 1, &tenant) {
-            Decision::Refused { reason: Refusal::Concurrency, scope: Scope::Tenant, .. } => {}
+            Decision::Refused { reason: Limit::Concurrency, scope: Scope::Tenant, .. } => {}
             other => return Err(format!("expected the tenant's concurrency refusal: {other:?}")),
         }
         l.release("t", Some("k1"), 1, 1);
@@ -285,7 +285,7 @@ mod tests {
         // gateway starts from the ledger, not from zero).
         assert!(matches!(
             l.admit("q", None, 10, &capped),
-            Decision::Refused { reason: Refusal::DailyTokens, retry_after: Some(_), .. }
+            Decision::Refused { reason: Limit::DailyTokens, retry_after: Some(_), .. }
         ));
         // Reserved while running, settled to what was used, not divided among replicas.
         let fresh = TenantLimits {
@@ -297,7 +297,7 @@ mod tests {
         assert!(matches!(l.admit("r", None, 60, &fresh), Decision::Admitted(_)));
         assert!(matches!(
             l.admit("r", None, 50, &fresh),
-            Decision::Refused { reason: Refusal::DailyTokens, .. }
+            Decision::Refused { reason: Limit::DailyTokens, .. }
         ));
         l.release("r", None, 60, 20);
         assert!(matches!(l.admit("r", None, 80, &fresh), Decision::Admitted(_)));
@@ -305,7 +305,7 @@ mod tests {
         // 40 + 20 + 80 this month: 10 left.
         assert!(matches!(
             l.admit("r", None, 11, &TenantLimits { daily_tokens: None, ..fresh }),
-            Decision::Refused { reason: Refusal::MonthlyTokens, .. }
+            Decision::Refused { reason: Limit::MonthlyTokens, .. }
         ));
         // A new read of the ledger holds what was settled here: it is not counted twice.
         let reread =

@@ -1,10 +1,10 @@
 //! The gateway's pingora `ProxyHttp`: each phase calls the small modules of this crate.
 //!
-//! - `request_filter`: authenticate the key (cached [`KeyGrant`]s), read and check the body,
-//!   count prompt tokens with the model's own template and tokenizer, enforce the tenant's
-//!   caps, admit by tokens ([`Limiter`], or the local fallback), rewrite the body (defaults,
-//!   usage in streams, no client `cache_salt`). Refusals are answered here, in OpenAI's
-//!   shapes, and billed as refused requests.
+//! - `request_filter`: the steps of [`crate::admission`] in order: route, authenticate the key
+//!   (cached [`KeyGrant`]s), read the body, check and rewrite it with its prompt tokens counted
+//!   off the I/O thread, resolve an `Idempotency-Key`, admit by tokens ([`Limiter`], or the
+//!   local fallback). Each [`Refusal`] is answered here, in OpenAI's shapes, and billed as a
+//!   refused request.
 //! - `upstream_peer`: prefix affinity over the engine workers.
 //! - `upstream_request_filter` / `request_body_filter`: the trusted headers and the rewritten
 //!   body; client-sent `x-sluice-*` headers never pass.
@@ -28,22 +28,19 @@ use sha2::{Digest, Sha256};
 use sluice_billing::control::{KeyGrant, QuotaSettings};
 use sluice_billing::event::is_refused;
 use sluice_billing::{FinishReason, Ledger, UsageEvent};
-use sluice_engine::template::{ChatMessage, ChatTemplate};
-use sluice_engine::tokenizer::Tokenizer;
 
+use crate::admission::{
+    self, Checked, Endpoint, MAX_BODY_BYTES, Refusal, Route, Served, TokenCounter, error_json,
+    hex_digest, rate_headers,
+};
 use crate::drain::Drain;
 use crate::idempotency::{self, Claim, Idempotency, RUNNING_TTL, Stored};
-use crate::limits::{
-    Decision, LedgerUsage, Limiter, RateState, Refusal, Scope, TenantLimits, current_periods,
-};
+use crate::limits::{Decision, LedgerUsage, Limiter, RateState, TenantLimits, current_periods};
 use crate::local::{LocalLimiter, RedisDownPolicy};
 use crate::metrics::{GatewayMetrics, RefusalLabels, RequestLabels};
 use crate::observe::{StreamObserver, Timings};
 use crate::sink::UsageSink;
 use crate::workers::Workers;
-
-/// Largest request body accepted (long-context prompts; the engine takes up to 4 MiB).
-pub const MAX_BODY_BYTES: usize = 2 << 20;
 
 /// The client headers forwarded to an engine; every other one is dropped.
 const FORWARDED_HEADERS: [&str; 5] =
@@ -51,32 +48,6 @@ const FORWARDED_HEADERS: [&str; 5] =
 
 /// pingora's retry buffer: the part of the body it keeps to forward again.
 const RETRY_BUFFER: usize = 64 * 1024;
-
-/// Counts prompt tokens exactly as the engine will: the model's chat template and tokenizer.
-pub struct TokenCounter {
-    tokenizer: Tokenizer,
-    template: Option<ChatTemplate>,
-}
-
-impl TokenCounter {
-    /// From a GGUF file's metadata (the weights are not read).
-    pub fn from_gguf(path: &std::path::Path) -> sluice_engine::error::Result<Self> {
-        let f = sluice_engine::gguf::GgufFile::open(path)?;
-        Ok(Self { tokenizer: Tokenizer::from_gguf(&f)?, template: ChatTemplate::from_gguf(&f)? })
-    }
-
-    fn encode(&self, text: &str) -> std::result::Result<usize, String> {
-        Ok(self.tokenizer.encode_prompt(text).map_err(|e| e.to_string())?.len())
-    }
-
-    /// Prompt tokens of a chat request, and the rendered prompt.
-    fn chat(&self, messages: &[ChatMessage]) -> std::result::Result<(usize, String), String> {
-        let t = self.template.as_ref().ok_or("the model has no chat template")?;
-        let (ids, text) = sluice_engine::template::encode_chat(t, &self.tokenizer, messages, true)
-            .map_err(|e| e.to_string())?;
-        Ok((ids.len(), text))
-    }
-}
 
 /// One engine worker.
 #[derive(Clone, Debug)]
@@ -127,6 +98,8 @@ pub struct GatewayConfig {
     pub name: String,
     /// How long a kept-alive client connection may sit idle between requests.
     pub idle_timeout: Duration,
+    /// How long a request head may take to arrive, in all (the first one from the accept).
+    pub header_timeout: Duration,
     /// How long a request body may take to arrive, in all (a client trickling it is cut off).
     pub body_timeout: Duration,
     /// Requests one client address may have in flight at once.
@@ -145,7 +118,9 @@ pub struct Gateway {
     ledger: Ledger,
     limiter: Option<Limiter>,
     local: LocalLimiter,
-    tokens: TokenCounter,
+    tokens: Arc<TokenCounter>,
+    /// The model and defaults [`admission::check`] holds requests to.
+    served: Served,
     usage: UsageSink,
     idempotency: Arc<Idempotency>,
     keys: Mutex<KeyCache>,
@@ -186,14 +161,17 @@ impl Gateway {
             idempotency::WINDOW,
             RUNNING_TTL,
         );
+        let served =
+            Served { model_id: cfg.model_id.clone(), default_max_tokens: cfg.default_max_tokens };
         Self {
             idempotency: Arc::new(idempotency),
+            served,
             cfg,
             workers,
             ledger,
             limiter,
             local: LocalLimiter::new(1),
-            tokens,
+            tokens: Arc::new(tokens),
             usage,
             keys: Mutex::new(HashMap::new()),
             identities: Mutex::new(HashMap::new()),
@@ -210,6 +188,11 @@ impl Gateway {
     /// Its Prometheus metrics, for a listener of their own (never the tenants' port).
     pub fn metrics(&self) -> Arc<GatewayMetrics> {
         Arc::clone(&self.metrics)
+    }
+
+    /// How long a request head may take to arrive ([`crate::door`] enforces it).
+    pub fn header_timeout(&self) -> Duration {
+        self.cfg.header_timeout
     }
 
     /// The drain state its shutdown watch ([`crate::drain::DrainOnSignal`]) works on.
@@ -352,6 +335,8 @@ pub struct Ctx {
     arrival: Instant,
     arrival_at: DateTime<Utc>,
     request_id: String,
+    /// Where the request stands: what `logging` bills it as.
+    outcome: Outcome,
     grant: Option<Arc<KeyGrant>>,
     /// The key id and its limits, when the key has limits of its own.
     key_scope: Option<(String, TenantLimits)>,
@@ -359,25 +344,18 @@ pub struct Ctx {
     affinity: String,
     prompt_tokens: u64,
     reserved: u64,
-    admitted: Option<AdmitVia>,
     rate: RateState,
     stream: bool,
     observer: Option<StreamObserver>,
     response_body: Vec<u8>,
     status: u16,
-    /// Answered in `request_filter` (refused or unknown route); `status` says how.
-    refused: bool,
-    /// Answered from an idempotency claim's stored response (nothing ran, nothing billed).
-    replayed: bool,
     overhead: Duration,
     prompt_sha256: String,
     prompt_chars: u64,
     /// The client's `Idempotency-Key`.
     idempotency_key: Option<String>,
-    /// The claim this request made with it: the ledger idempotency key it is billed under.
-    idempotency_claim: Option<String>,
-    /// Whether that claim lives in Redis (else in this process).
-    idempotency_shared: bool,
+    /// The claim this request made with it.
+    claim: Option<HeldClaim>,
     /// The response as sent, kept for idempotent replay (`None` once over the limit).
     replay_body: Option<Vec<u8>>,
     content_type: String,
@@ -385,7 +363,6 @@ pub struct Ctx {
     worker: Option<String>,
     model_revision: Option<String>,
     tried: Vec<String>,
-    settled: bool,
     /// Cancelled by the shutdown's drain.
     cancelled: bool,
     /// The client's address, while it counts against its in-flight cap.
@@ -398,7 +375,29 @@ pub struct Ctx {
     span: tracing::Span,
 }
 
-#[derive(Clone, Copy, PartialEq, Eq)]
+/// Where a request stands, as far as billing is concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outcome {
+    /// Not admitted: still being judged, or answered without a tenant's work (health, model
+    /// listings).
+    Open,
+    /// Refused by the gateway: billed at 0, with this finish reason.
+    Refused(FinishReason),
+    /// Answered from an idempotency claim's stored response: nothing ran, nothing billed.
+    Replayed,
+    /// Admitted through `via`; `settled` once its reservation is settled.
+    Admitted { via: AdmitVia, settled: bool },
+}
+
+/// An `Idempotency-Key` claim this request holds.
+struct HeldClaim {
+    /// The ledger idempotency key it is billed under.
+    ledger_key: String,
+    /// Whether the claim lives in Redis (else in this process).
+    shared: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum AdmitVia {
     Redis,
     Local,
@@ -406,13 +405,6 @@ enum AdmitVia {
 
 fn header<'a>(req: &'a RequestHeader, name: &str) -> Option<&'a str> {
     req.headers.get(name).and_then(|v| v.to_str().ok())
-}
-
-fn error_json(message: &str, kind: &str, param: Option<&str>, code: Option<&str>) -> Bytes {
-    Bytes::from(
-        json!({"error": {"message": message, "type": kind, "param": param, "code": code}})
-            .to_string(),
-    )
 }
 
 async fn respond(
@@ -431,395 +423,68 @@ async fn respond(
     session.write_response_body(Some(body), true).await
 }
 
-fn rate_headers(r: &RateState) -> Vec<(String, String)> {
-    let mut v = Vec::new();
-    let secs = |d: Duration| format!("{:.3}s", d.as_secs_f64());
-    // The local fallback knows the limits but not the fleet's remaining counts.
-    if let Some(l) = r.limit_requests {
-        v.push(("x-ratelimit-limit-requests".into(), l.to_string()));
-        if let Some(rem) = r.remaining_requests {
-            v.push(("x-ratelimit-remaining-requests".into(), rem.to_string()));
-            v.push(("x-ratelimit-reset-requests".into(), secs(r.reset_requests)));
-        }
-    }
-    if let Some(l) = r.limit_tokens {
-        v.push(("x-ratelimit-limit-tokens".into(), l.to_string()));
-        if let Some(rem) = r.remaining_tokens {
-            v.push(("x-ratelimit-remaining-tokens".into(), rem.to_string()));
-            v.push(("x-ratelimit-reset-tokens".into(), secs(r.reset_tokens)));
-        }
-    }
-    v
-}
-
-/// A refusal the client hears about; billed as a refused request once authenticated.
-struct Refuse {
-    status: u16,
-    message: String,
-    kind: &'static str,
-    param: Option<&'static str>,
-    code: Option<&'static str>,
-    headers: Vec<(String, String)>,
-}
-
-impl Refuse {
-    fn new(status: u16, kind: &'static str, message: impl Into<String>) -> Self {
-        Self { status, message: message.into(), kind, param: None, code: None, headers: Vec::new() }
-    }
-    fn param(mut self, p: &'static str) -> Self {
-        self.param = Some(p);
-        self
-    }
-    fn code(mut self, c: &'static str) -> Self {
-        self.code = Some(c);
-        self
-    }
-}
-
 impl Gateway {
-    /// Everything before the request may go upstream; `Err` is answered to the client.
+    /// Everything before the request may go upstream, as the steps of [`admission`]:
+    /// `Ok(true)` when it was answered here (a model listing, an idempotent replay), `Ok(false)`
+    /// to send it on, `Err` to refuse it.
     async fn admit(
         &self,
         session: &mut Session,
         ctx: &mut Ctx,
-    ) -> std::result::Result<bool, Refuse> {
-        let req = session.req_header().clone();
-        let path = req.uri.path().to_owned();
-        let method = req.method.as_str().to_owned();
-        ctx.trace_id = header(&req, "traceparent")
+    ) -> std::result::Result<bool, Refusal> {
+        let req = session.req_header();
+        ctx.trace_id = header(req, "traceparent")
             .and_then(|t| t.split('-').nth(1))
             .filter(|id| id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()))
             .map(str::to_owned);
-        ctx.idempotency_key = header(&req, "idempotency-key").map(str::to_owned);
-        let scope = match (method.as_str(), path.as_str()) {
-            ("POST", "/v1/chat/completions") => "chat",
-            ("POST", "/v1/completions") => "completions",
-            ("GET", "/v1/models") => "models",
-            ("GET", p) if p.strip_prefix("/v1/models/").is_some_and(|id| !id.is_empty()) => "model",
-            (_, "/v1/chat/completions" | "/v1/completions" | "/v1/models") => {
-                let allow = if path == "/v1/models" { "GET" } else { "POST" };
-                let mut r = Refuse::new(
-                    405,
-                    "invalid_request_error",
-                    format!("{path} does not accept {method}; use {allow}"),
-                )
-                .code("method_not_allowed");
-                r.headers.push(("allow".into(), allow.into()));
-                return Err(r);
-            }
-            _ => {
-                return Err(Refuse::new(
-                    404,
-                    "invalid_request_error",
-                    format!("unknown route {method} {path}"),
-                )
-                .code("unknown_route"));
-            }
-        };
-        let bad_key = || {
-            Refuse::new(401, "invalid_request_error", "Incorrect API key provided.")
-                .code("invalid_api_key")
-        };
-        let secret = header(&req, "authorization")
-            .and_then(|v| v.split_once(' '))
-            // The scheme is case-insensitive (RFC 9110).
-            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
-            .map(|(_, t)| t.trim())
-            .ok_or_else(bad_key)?
-            .to_owned();
-        let grant = self
-            .grant(&secret)
-            .await
-            .map_err(|e| {
-                tracing::error!(error = %e, "key lookup failed");
-                Refuse::new(503, "server_error", "authentication is unavailable; retry shortly")
-            })?
-            .ok_or_else(bad_key)?;
-        if grant.tenant_status != "active" {
+        ctx.idempotency_key = header(req, "idempotency-key").map(str::to_owned);
+        let (method, path) = (req.method.as_str().to_owned(), req.uri.path().to_owned());
+        let route = admission::route(&method, &path)?;
+        let secret = admission::bearer(header(req, "authorization"))?.to_owned();
+        let grant = self.authenticate(&secret).await?;
+        if let Err(r) = admission::authorize(&grant, &route, &path) {
+            // Billed as a refused request of this tenant.
             ctx.grant = Some(grant);
-            return Err(Refuse::new(403, "permission_error", "this tenant is suspended")
-                .code("tenant_suspended"));
+            return Err(r);
         }
-        // Reading one model needs the scope that lists them.
-        let needed = if scope == "model" { "models" } else { scope };
-        if !grant.scopes.iter().any(|s| s == needed) {
-            ctx.grant = Some(grant);
-            return Err(Refuse::new(
-                403,
-                "permission_error",
-                format!("this key may not call {path}"),
-            )
-            .code("insufficient_scope"));
-        }
-        let allowed = |m: &str| {
-            grant.quota.allowed_models.is_empty()
-                || grant.quota.allowed_models.iter().any(|a| a == m)
-        };
-        let card =
-            |m: &str| json!({"id": m, "object": "model", "created": 0, "owned_by": "sluice"});
-        if scope == "model" {
-            let id = path.trim_start_matches("/v1/models/");
-            if id != self.cfg.model_id || !allowed(id) {
-                return Err(Refuse::new(
-                    404,
-                    "invalid_request_error",
-                    format!("The model `{id}` does not exist"),
-                )
-                .param("model")
-                .code("model_not_found"));
+        let endpoint = match route {
+            Route::Model(id) => {
+                if id != self.cfg.model_id || !admission::model_allowed(&grant, &id) {
+                    return Err(Refusal::ModelNotFound { model: id });
+                }
+                self.answer(session, ctx, 200, Bytes::from(model_card(&id).to_string())).await?;
+                return Ok(true);
             }
-            respond(session, 200, Bytes::from(card(id).to_string()), &[])
-                .await
-                .map_err(|_| Refuse::new(500, "server_error", "write failed"))?;
-            return Ok(true);
-        }
-        if scope == "models" {
-            let data: Vec<Value> =
-                [self.cfg.model_id.as_str()].into_iter().filter(|m| allowed(m)).map(card).collect();
-            let body = Bytes::from(json!({"object": "list", "data": data}).to_string());
-            respond(session, 200, body, &[])
-                .await
-                .map_err(|_| Refuse::new(500, "server_error", "write failed"))?;
-            return Ok(true);
-        }
+            Route::Models => {
+                let data: Vec<Value> = [self.cfg.model_id.as_str()]
+                    .into_iter()
+                    .filter(|m| admission::model_allowed(&grant, m))
+                    .map(model_card)
+                    .collect();
+                let body = Bytes::from(json!({"object": "list", "data": data}).to_string());
+                self.answer(session, ctx, 200, body).await?;
+                return Ok(true);
+            }
+            Route::Generate(endpoint) => endpoint,
+        };
         ctx.grant = Some(Arc::clone(&grant));
         if ctx.idempotency_key.as_deref().is_some_and(|k| !idempotency::valid_key(k)) {
             ctx.idempotency_key = None;
-            return Err(Refuse::new(
-                400,
-                "invalid_request_error",
-                "Idempotency-Key must be 1-200 visible ASCII characters",
-            )
-            .code("invalid_idempotency_key"));
+            return Err(Refusal::InvalidIdempotencyKey);
         }
-
-        // The body, whole. What goes upstream is the rewritten body, handed over in
-        // request_body_filter, which pingora calls only with a retry buffer to forward: it is
-        // enabled for the last 64 KiB (a chunked body of unknown length must fit in it).
-        let length = header(&req, "content-length").and_then(|v| v.parse::<usize>().ok());
-        let too_big = || {
-            Refuse::new(
-                413,
-                "invalid_request_error",
-                format!("request body over {MAX_BODY_BYTES} bytes"),
-            )
-        };
-        if length.is_some_and(|n| n > MAX_BODY_BYTES) {
-            return Err(too_big());
-        }
-        let mut body = Vec::with_capacity(length.unwrap_or(0).min(MAX_BODY_BYTES));
-        let deadline = tokio::time::Instant::now() + self.cfg.body_timeout;
-        loop {
-            if length.is_none_or(|n| n.saturating_sub(body.len()) <= RETRY_BUFFER) {
-                session.enable_retry_buffering();
-            }
-            let slow = |session: &mut Session| {
-                // A client trickling its body holds a connection and a task: cut it off.
-                session.set_keepalive(None);
-                Refuse::new(
-                    408,
-                    "invalid_request_error",
-                    format!(
-                        "the request body did not arrive within {} s",
-                        self.cfg.body_timeout.as_secs()
-                    ),
-                )
-                .code("request_timeout")
-            };
-            let Ok(read) = tokio::time::timeout_at(deadline, session.read_request_body()).await
-            else {
-                return Err(slow(session));
-            };
-            match read {
-                Ok(Some(chunk)) => {
-                    body.extend_from_slice(&chunk);
-                    if body.len() > MAX_BODY_BYTES {
-                        return Err(too_big());
-                    }
-                }
-                Ok(None) => break,
-                Err(_) => {
-                    return Err(Refuse::new(
-                        400,
-                        "invalid_request_error",
-                        "could not read the request body",
-                    ));
-                }
-            }
-        }
-        if session.retry_buffer_truncated() {
-            return Err(Refuse::new(
-                411,
-                "invalid_request_error",
-                format!("a body over {RETRY_BUFFER} bytes needs a Content-Length header"),
-            ));
-        }
-        if !body.is_empty() && session.get_retry_buffer().is_none() {
-            // pingora would forward nothing and the upstream would wait for the body.
-            return Err(Refuse::new(
-                500,
-                "server_error",
-                "the request body could not be forwarded",
-            ));
-        }
-        let mut v: Value = serde_json::from_slice(&body).map_err(|e| {
-            Refuse::new(
-                400,
-                "invalid_request_error",
-                format!("We could not parse the JSON body of your request: {e}"),
-            )
-        })?;
-        let Some(obj) = v.as_object_mut() else {
-            return Err(Refuse::new(
-                400,
-                "invalid_request_error",
-                "the body must be a JSON object",
-            ));
-        };
-        // The cache scope comes from the tenant, never from the client.
-        obj.remove("cache_salt");
-        let model = obj.get("model").and_then(Value::as_str).unwrap_or_default().to_owned();
-        if model.is_empty() {
-            return Err(Refuse::new(
-                400,
-                "invalid_request_error",
-                "you must provide a model parameter",
-            )
-            .param("model"));
-        }
-        if model != self.cfg.model_id {
-            return Err(Refuse::new(
-                404,
-                "invalid_request_error",
-                format!("The model `{model}` does not exist"),
-            )
-            .param("model")
-            .code("model_not_found"));
-        }
-        if !allowed(&model) {
-            return Err(Refuse::new(
-                403,
-                "permission_error",
-                format!("this tenant may not use `{model}`"),
-            )
-            .param("model")
-            .code("model_not_allowed"));
-        }
-        let q = &grant.quota;
-        let n = match obj.get("n") {
-            None | Some(Value::Null) => 1,
-            Some(x) => x.as_u64().filter(|n| *n >= 1).ok_or_else(|| {
-                Refuse::new(400, "invalid_request_error", "n must be a positive integer").param("n")
-            })?,
-        };
-        if let Some(max_n) = q.max_n.and_then(|m| u64::try_from(m).ok())
-            && n > max_n
-        {
-            return Err(Refuse::new(
-                400,
-                "invalid_request_error",
-                format!("n is over this tenant's cap of {max_n}"),
-            )
-            .param("n"));
-        }
-        let max_field = if scope == "chat" && obj.contains_key("max_completion_tokens") {
-            "max_completion_tokens"
-        } else {
-            "max_tokens"
-        };
-        let cap = q.max_output_tokens.and_then(|m| u64::try_from(m).ok());
-        let max_tokens = match obj.get(max_field) {
-            None | Some(Value::Null) => {
-                cap.unwrap_or(self.cfg.default_max_tokens).min(self.cfg.default_max_tokens)
-            }
-            Some(x) => x.as_u64().ok_or_else(|| {
-                Refuse::new(
-                    400,
-                    "invalid_request_error",
-                    format!("{max_field} must be a non-negative integer"),
-                )
-                .param("max_tokens")
-            })?,
-        };
-        if let Some(c) = cap
-            && max_tokens > c
-        {
-            return Err(Refuse::new(
-                400,
-                "invalid_request_error",
-                format!("{max_field} is over this tenant's cap of {c}"),
-            )
-            .param("max_tokens"));
-        }
-        obj.insert(max_field.into(), Value::from(max_tokens));
-        // Prompt tokens, as the engine will count them.
-        let (prompt_tokens, prompt_text) = if scope == "chat" {
-            let messages: Vec<ChatMessage> =
-                serde_json::from_value(obj.get("messages").cloned().unwrap_or(Value::Null))
-                    .map_err(|e| {
-                        Refuse::new(400, "invalid_request_error", format!("invalid messages: {e}"))
-                            .param("messages")
-                    })?;
-            if messages.is_empty() {
-                return Err(Refuse::new(
-                    400,
-                    "invalid_request_error",
-                    "messages must not be empty",
-                )
-                .param("messages"));
-            }
-            self.tokens
-                .chat(&messages)
-                .map_err(|e| Refuse::new(400, "invalid_request_error", e).param("messages"))?
-        } else {
-            match obj.get("prompt") {
-                Some(Value::String(s)) => (
-                    self.tokens.encode(s).map_err(|e| {
-                        Refuse::new(400, "invalid_request_error", e).param("prompt")
-                    })?,
-                    s.clone(),
-                ),
-                Some(Value::Array(a)) if a.iter().all(Value::is_u64) && !a.is_empty() => {
-                    (a.len(), Value::Array(a.clone()).to_string())
-                }
-                _ => {
-                    return Err(Refuse::new(
-                        400,
-                        "invalid_request_error",
-                        "prompt must be a string or an array of token ids",
-                    )
-                    .param("prompt"));
-                }
-            }
-        };
-        ctx.prompt_tokens = prompt_tokens as u64;
-        ctx.prompt_sha256 = hex_digest(prompt_text.as_bytes());
-        ctx.prompt_chars = prompt_text.chars().count() as u64;
-        ctx.affinity = prompt_text.chars().take(512).collect();
-        if let Some(m) = q.max_prompt_tokens.and_then(|m| u64::try_from(m).ok())
-            && ctx.prompt_tokens > m
-        {
-            return Err(Refuse::new(
-                413,
-                "invalid_request_error",
-                format!(
-                    "the prompt has {} tokens, over this tenant's limit of {m}",
-                    ctx.prompt_tokens
-                ),
-            )
-            .param(if scope == "chat" { "messages" } else { "prompt" })
-            .code("context_length_exceeded"));
-        }
-        ctx.stream = obj.get("stream").and_then(Value::as_bool).unwrap_or(false);
-        if ctx.stream {
-            // Usage in the final chunk, so the tokens produced are known even for streams; a
-            // client that did not ask for it does not get it.
-            let asked = obj.get("stream_options").and_then(|o| o.get("include_usage"));
-            ctx.strip_usage = asked != Some(&Value::Bool(true));
-            obj.insert("stream_options".into(), json!({"include_usage": true}));
-        }
-        ctx.body = Some(Bytes::from(v.to_string()));
-
+        let body = self.read_body(session).await?;
+        let checked = self.check(endpoint, &grant, &body).await?;
+        // Judged after the prompt's facts are kept: a refused row still records them.
+        let within_limit = admission::within_prompt_limit(&grant, &checked);
+        ctx.prompt_tokens = checked.prompt_tokens;
+        ctx.reserved = checked.reserved;
+        ctx.prompt_sha256 = checked.prompt_sha256;
+        ctx.prompt_chars = checked.prompt_chars;
+        ctx.affinity = checked.affinity;
+        ctx.stream = checked.stream;
+        ctx.strip_usage = checked.strip_usage;
+        within_limit?;
+        ctx.body = Some(checked.body);
         // A replay needs no engine: resolved before the overload check (a refusal after a
         // claim releases it in `logging`).
         if let Some(key) = ctx.idempotency_key.clone()
@@ -828,14 +493,117 @@ impl Gateway {
             return Ok(true);
         }
         if self.workers.overloaded(self.cfg.max_waiting) {
-            let mut r =
-                Refuse::new(503, "server_error", "the engines are at capacity; retry shortly")
-                    .code("overloaded");
-            r.headers.push(("retry-after".into(), "1".into()));
-            return Err(r);
+            return Err(Refusal::Overloaded);
         }
-        // Admission by tokens: the prompt and the largest possible output of every choice.
-        ctx.reserved = ctx.prompt_tokens.saturating_add(max_tokens.saturating_mul(n));
+        self.admit_tokens(ctx, &grant).await?;
+        Ok(false)
+    }
+
+    /// The key's grant, from the cache or the ledger.
+    async fn authenticate(&self, secret: &str) -> std::result::Result<Arc<KeyGrant>, Refusal> {
+        self.grant(secret)
+            .await
+            .map_err(|e| {
+                tracing::error!(error = %e, "key lookup failed");
+                Refusal::AuthUnavailable
+            })?
+            .ok_or(Refusal::InvalidApiKey)
+    }
+
+    /// Answers `r` to the client; `logging` bills it as a refused request (once authenticated).
+    async fn refuse(&self, session: &mut Session, ctx: &mut Ctx, r: Refusal) -> Result<bool> {
+        self.metrics.refusals.get_or_create(&RefusalLabels { reason: r.label() }).inc();
+        ctx.status = r.status();
+        ctx.outcome = Outcome::Refused(r.finish_reason());
+        let mut headers = r.headers();
+        headers.push(("x-sluice-request-id".into(), ctx.request_id.clone()));
+        respond(session, r.status(), r.body(), &headers).await?;
+        Ok(true)
+    }
+
+    /// Answers the request here with a JSON body.
+    async fn answer(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+        status: u16,
+        body: Bytes,
+    ) -> std::result::Result<(), Refusal> {
+        respond(session, status, body, &[]).await.map_err(|_| Refusal::WriteFailed)?;
+        ctx.status = status;
+        Ok(())
+    }
+
+    /// The body, whole, within the body deadline. What goes upstream is the rewritten body,
+    /// handed over in `request_body_filter`, which pingora calls only with a retry buffer to
+    /// forward: it is enabled for the last 64 KiB (a chunked body of unknown length must fit).
+    async fn read_body(&self, session: &mut Session) -> std::result::Result<Vec<u8>, Refusal> {
+        let length =
+            header(session.req_header(), "content-length").and_then(|v| v.parse::<usize>().ok());
+        if length.is_some_and(|n| n > MAX_BODY_BYTES) {
+            return Err(Refusal::BodyTooLarge);
+        }
+        let mut body = Vec::with_capacity(length.unwrap_or(0).min(MAX_BODY_BYTES));
+        let deadline = tokio::time::Instant::now() + self.cfg.body_timeout;
+        loop {
+            if length.is_none_or(|n| n.saturating_sub(body.len()) <= RETRY_BUFFER) {
+                session.enable_retry_buffering();
+            }
+            let Ok(read) = tokio::time::timeout_at(deadline, session.read_request_body()).await
+            else {
+                // A client trickling its body holds a connection and a task: cut it off.
+                session.set_keepalive(None);
+                return Err(Refusal::BodyTimeout { deadline: self.cfg.body_timeout });
+            };
+            match read {
+                Ok(Some(chunk)) => {
+                    body.extend_from_slice(&chunk);
+                    if body.len() > MAX_BODY_BYTES {
+                        return Err(Refusal::BodyTooLarge);
+                    }
+                }
+                Ok(None) => break,
+                Err(_) => return Err(Refusal::BodyUnreadable),
+            }
+        }
+        if session.retry_buffer_truncated() {
+            return Err(Refusal::LengthRequired { over: RETRY_BUFFER });
+        }
+        if !body.is_empty() && session.get_retry_buffer().is_none() {
+            // pingora would forward nothing and the upstream would wait for the body.
+            return Err(Refusal::BodyNotForwardable);
+        }
+        Ok(body)
+    }
+
+    /// [`admission::check`] on the blocking pool: tokenizing a long prompt must not stall
+    /// the I/O thread's other connections.
+    async fn check(
+        &self,
+        endpoint: Endpoint,
+        grant: &Arc<KeyGrant>,
+        body: &[u8],
+    ) -> std::result::Result<Checked, Refusal> {
+        let (grant, body) = (Arc::clone(grant), body.to_vec());
+        let (served, tokens) = (self.served.clone(), Arc::clone(&self.tokens));
+        tokio::task::spawn_blocking(move || {
+            admission::check(endpoint, &grant, &body, &served, &tokens)
+        })
+        .await
+        .unwrap_or_else(|e| {
+            tracing::error!(error = %e, "admission check failed");
+            Err(Refusal::BodyNotForwardable)
+        })
+    }
+
+    /// Admission by tokens: the prompt and the largest possible output of every choice,
+    /// reserved against the tenant's limits (and the key's own, in the same atomic step).
+    async fn admit_tokens(
+        &self,
+        ctx: &mut Ctx,
+        grant: &KeyGrant,
+    ) -> std::result::Result<(), Refusal> {
+        let q = &grant.quota;
         let mut limits = Self::limits(q);
         let tenant = grant.tenant_id.clone();
         if limits.has_token_quota() {
@@ -898,54 +666,25 @@ impl Gateway {
             }
             None => {
                 self.release_claim(ctx).await;
-                let mut r =
-                    Refuse::new(503, "server_error", "rate limiting is unavailable; retry shortly");
-                r.headers.push(("retry-after".into(), "1".into()));
-                return Err(r);
+                return Err(Refusal::LimiterUnavailable);
             }
         };
         match decision {
             Decision::Admitted(state) => {
                 ctx.rate = state;
-                ctx.admitted = Some(via);
-                Ok(false)
+                ctx.outcome = Outcome::Admitted { via, settled: false };
+                Ok(())
             }
             Decision::Refused { reason, scope, retry_after, state } => {
                 ctx.rate = state;
                 self.release_claim(ctx).await;
-                let (label, whose) = match scope {
-                    Scope::Tenant => (reason.as_str().to_owned(), ""),
-                    Scope::Key => (format!("key_{}", reason.as_str()), "this API key's "),
-                };
-                self.metrics.refusals.get_or_create(&RefusalLabels { reason: label }).inc();
-                let (status, kind, code) = match reason {
-                    Refusal::TpmExceedsLimit => (429, "tokens", "rate_limit_exceeded"),
-                    Refusal::DailyTokens | Refusal::MonthlyTokens => {
-                        (429, "insufficient_quota", "insufficient_quota")
-                    }
-                    Refusal::Rpm => (429, "requests", "rate_limit_exceeded"),
-                    Refusal::Tpm => (429, "tokens", "rate_limit_exceeded"),
-                    Refusal::Concurrency => (429, "requests", "rate_limit_exceeded"),
-                };
-                let mut r = Refuse::new(
-                    status,
-                    if code == "insufficient_quota" {
-                        "insufficient_quota"
-                    } else {
-                        "rate_limit_error"
-                    },
-                    format!(
-                        "Rate limit reached for {whose}{kind} ({}); this request needs {} tokens.",
-                        reason.as_str(),
-                        ctx.reserved
-                    ),
-                )
-                .code(code);
-                r.headers = rate_headers(&state);
-                if let Some(after) = retry_after {
-                    r.headers.push(("retry-after".into(), after.as_secs().max(1).to_string()));
-                }
-                Err(r)
+                Err(Refusal::Limited {
+                    limit: reason,
+                    scope,
+                    reserved: ctx.reserved,
+                    retry_after,
+                    rate: state,
+                })
             }
         }
     }
@@ -961,7 +700,7 @@ impl Gateway {
         method: &str,
         path: &str,
         body: &[u8],
-    ) -> std::result::Result<bool, Refuse> {
+    ) -> std::result::Result<bool, Refusal> {
         let Some(grant) = &ctx.grant else { return Ok(false) };
         let mut fingerprint = format!("{method} {path}\n").into_bytes();
         fingerprint.extend_from_slice(body);
@@ -974,33 +713,18 @@ impl Gateway {
         let claim = self
             .on_io(async move { store.claim(&tenant, &key_owned, &fingerprint, &id).await })
             .await
-            .map_err(|_| Refuse::new(500, "server_error", "idempotency check failed"))?;
+            .map_err(|_| Refusal::IdempotencyUnavailable)?;
         match claim {
             Claim::First { ledger_key, shared } => {
-                ctx.idempotency_claim = Some(ledger_key);
-                ctx.idempotency_shared = shared;
+                ctx.claim = Some(HeldClaim { ledger_key, shared });
                 Ok(false)
             }
-            Claim::InProgress => {
-                let mut r = Refuse::new(
-                    409,
-                    "invalid_request_error",
-                    "a request with this Idempotency-Key is still in progress; retry later",
-                )
-                .code("idempotency_key_in_use");
-                r.headers.push(("retry-after".into(), "1".into()));
-                Err(r)
-            }
-            Claim::Mismatch => Err(Refuse::new(
-                422,
-                "invalid_request_error",
-                "this Idempotency-Key was used with a different request body",
-            )
-            .code("idempotency_key_reused")),
+            Claim::InProgress => Err(Refusal::IdempotencyInProgress),
+            Claim::Mismatch => Err(Refusal::IdempotencyMismatch),
             Claim::Replay { first_request_id, response } => {
                 self.metrics.idempotent_replays.inc();
                 ctx.status = response.status;
-                ctx.replayed = true;
+                ctx.outcome = Outcome::Replayed;
                 let headers = [
                     ("content-type".to_owned(), response.content_type.clone()),
                     ("idempotent-replayed".to_owned(), "true".to_owned()),
@@ -1008,7 +732,7 @@ impl Gateway {
                 ];
                 respond(session, response.status, response.body, &headers)
                     .await
-                    .map_err(|_| Refuse::new(500, "server_error", "write failed"))?;
+                    .map_err(|_| Refusal::WriteFailed)?;
                 Ok(true)
             }
         }
@@ -1017,8 +741,7 @@ impl Gateway {
     /// Ends this request's idempotency claim, if it holds one: `Some(response)` keeps the
     /// completed response for retries; `None` drops the claim so a retry runs anew.
     async fn end_claim(&self, ctx: &Ctx, response: Option<Stored>) {
-        let (Some(_), Some(grant), Some(key)) =
-            (&ctx.idempotency_claim, &ctx.grant, &ctx.idempotency_key)
+        let (Some(claim), Some(grant), Some(key)) = (&ctx.claim, &ctx.grant, &ctx.idempotency_key)
         else {
             return;
         };
@@ -1028,7 +751,7 @@ impl Gateway {
             key.clone(),
             ctx.request_id.clone(),
         );
-        let shared = ctx.idempotency_shared;
+        let shared = claim.shared;
         let _ = self
             .on_io(async move {
                 match response {
@@ -1084,7 +807,7 @@ impl Gateway {
         });
         Some(UsageEvent {
             request_id: ctx.request_id.clone(),
-            idempotency_key: ctx.idempotency_claim.clone(),
+            idempotency_key: ctx.claim.as_ref().map(|c| c.ledger_key.clone()),
             tenant_id: grant.tenant_id.clone(),
             key_id: grant.key_id.clone(),
             model_id: self.cfg.model_id.clone(),
@@ -1149,13 +872,11 @@ impl Gateway {
     }
 
     async fn settle(&self, ctx: &mut Ctx, used: u64) {
-        if ctx.settled {
-            return;
-        }
-        ctx.settled = true;
+        let Outcome::Admitted { via, settled: false } = ctx.outcome else { return };
+        ctx.outcome = Outcome::Admitted { via, settled: true };
         let Some(grant) = &ctx.grant else { return };
-        match ctx.admitted {
-            Some(AdmitVia::Redis) => {
+        match via {
+            AdmitVia::Redis => {
                 if let Some(l) = &self.limiter {
                     let (l, t, id) = (l.clone(), grant.tenant_id.clone(), ctx.request_id.clone());
                     let key = ctx.key_scope.as_ref().map(|(k, _)| k.clone());
@@ -1167,13 +888,12 @@ impl Gateway {
                     }
                 }
             }
-            Some(AdmitVia::Local) => self.local.release(
+            AdmitVia::Local => self.local.release(
                 &grant.tenant_id,
                 ctx.key_scope.as_ref().map(|(k, _)| k.as_str()),
                 ctx.reserved,
                 used,
             ),
-            None => {}
         }
     }
 }
@@ -1229,8 +949,9 @@ impl Gateway {
     }
 }
 
-fn hex_digest(b: &[u8]) -> String {
-    Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
+/// The OpenAI model object for `id`.
+fn model_card(id: &str) -> Value {
+    json!({"id": id, "object": "model", "created": 0, "owned_by": "sluice"})
 }
 
 #[async_trait]
@@ -1242,33 +963,29 @@ impl ProxyHttp for Gateway {
             arrival: Instant::now(),
             arrival_at: Utc::now(),
             request_id: format!("req_{}", uuid::Uuid::new_v4().simple()),
+            outcome: Outcome::Open,
             grant: None,
             key_scope: None,
             body: None,
             affinity: String::new(),
             prompt_tokens: 0,
             reserved: 0,
-            admitted: None,
             rate: RateState::default(),
             stream: false,
             observer: None,
             response_body: Vec::new(),
             status: 0,
-            refused: false,
-            replayed: false,
             overhead: Duration::ZERO,
             prompt_sha256: String::new(),
             prompt_chars: 0,
             idempotency_key: None,
-            idempotency_claim: None,
-            idempotency_shared: false,
+            claim: None,
             replay_body: Some(Vec::new()),
             content_type: String::new(),
             trace_id: None,
             worker: None,
             model_revision: None,
             tried: Vec::new(),
-            settled: false,
             cancelled: false,
             client_ip: None,
             strip_usage: false,
@@ -1299,18 +1016,7 @@ impl ProxyHttp for Gateway {
         // that begins now waits for this request.
         self.drain.begin(&ctx.request_id);
         if self.drain.draining() {
-            let body = error_json(
-                "the gateway is shutting down; retry on another replica",
-                "server_error",
-                None,
-                Some("shutting_down"),
-            );
-            let headers = [
-                ("retry-after".to_owned(), "1".to_owned()),
-                ("connection".to_owned(), "close".to_owned()),
-            ];
-            respond(session, 503, body, &headers).await?;
-            return Ok(true);
+            return self.refuse(session, ctx, Refusal::ShuttingDown).await;
         }
         // One address cannot hold every task (a flood of slow bodies, say).
         ctx.client_ip = session.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip());
@@ -1318,14 +1024,7 @@ impl ProxyHttp for Gateway {
             && !self.per_client.enter(ip, self.cfg.max_per_client)
         {
             ctx.client_ip = None;
-            let body = error_json(
-                "too many requests in flight from this address",
-                "rate_limit_error",
-                None,
-                Some("too_many_connections"),
-            );
-            respond(session, 429, body, &[("retry-after".to_owned(), "1".to_owned())]).await?;
-            return Ok(true);
+            return self.refuse(session, ctx, Refusal::TooManyConnections).await;
         }
         // Idle kept-alive connections close. The body's deadline is admit's, over its whole
         // arrival: not pingora's downstream read timeout, which would also cut off a client
@@ -1340,6 +1039,7 @@ impl ProxyHttp for Gateway {
         let path = session.req_header().uri.path().to_owned();
         if path == "/health" {
             respond(session, 200, Bytes::from_static(b"{\"status\":\"ok\"}"), &[]).await?;
+            ctx.status = 200;
             return Ok(true);
         }
         match self.admit(session, ctx).await {
@@ -1347,15 +1047,7 @@ impl ProxyHttp for Gateway {
                 ctx.overhead = ctx.arrival.elapsed();
                 Ok(done)
             }
-            Err(r) => {
-                ctx.status = r.status;
-                ctx.refused = true;
-                let mut headers = r.headers.clone();
-                headers.push(("x-sluice-request-id".into(), ctx.request_id.clone()));
-                let body = error_json(&r.message, r.kind, r.param, r.code);
-                respond(session, r.status, body, &headers).await?;
-                Ok(true)
-            }
+            Err(r) => self.refuse(session, ctx, r).await,
         }
     }
 
@@ -1680,7 +1372,7 @@ impl Gateway {
     fn observe_body(&self, body: &Option<Bytes>, ctx: &mut Ctx) {
         if let Some(b) = body {
             // Kept for idempotent retries only while a claim is held and it stays small.
-            if ctx.idempotency_claim.is_some()
+            if ctx.claim.is_some()
                 && let Some(keep) = &mut ctx.replay_body
             {
                 if keep.len() + b.len() <= idempotency::MAX_STORED {
@@ -1713,29 +1405,20 @@ impl Gateway {
             .requests
             .get_or_create(&RequestLabels { status: status.to_string(), tier })
             .inc();
-        if ctx.admitted.is_some() && !ctx.refused {
+        if matches!(ctx.outcome, Outcome::Admitted { .. }) {
             self.metrics.overhead.observe(ctx.overhead.as_secs_f64());
         }
-        if ctx.grant.is_none() || ctx.replayed {
+        if ctx.grant.is_none() {
             return;
         }
-        if ctx.refused {
+        let admitted = match ctx.outcome {
+            Outcome::Open | Outcome::Replayed => return,
+            Outcome::Refused(reason) => Err(reason),
+            Outcome::Admitted { .. } => Ok(()),
+        };
+        if let Err(reason) = admitted {
             let status = ctx.status;
             self.release_claim(ctx).await;
-            self.settle(ctx, 0).await;
-            let reason = if status == 429
-                || status == 409
-                || status == 422
-                || status == 503
-                || status == 413
-                || status == 400
-                || status == 403
-                || status == 404
-            {
-                FinishReason::Rejected
-            } else {
-                FinishReason::Error
-            };
             let t = Timings {
                 e2e_ms: end.saturating_duration_since(ctx.arrival).as_secs_f64() * 1000.0,
                 ..Timings::default()
@@ -1745,9 +1428,6 @@ impl Gateway {
             {
                 self.emit(ev).await;
             }
-            return;
-        }
-        if ctx.admitted.is_none() {
             return;
         }
         let timings = match ctx.observer.take() {

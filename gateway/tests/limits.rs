@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use sluice_gateway::limits::{Decision, LedgerUsage, Limiter, Refusal, Scope, TenantLimits};
+use sluice_gateway::limits::{Decision, LedgerUsage, Limit, Limiter, Scope, TenantLimits};
 
 const REDIS_URL: &str = "redis://127.0.0.1:6379";
 
@@ -19,7 +19,7 @@ fn prefix() -> String {
     format!("test-{}", uuid::Uuid::new_v4().simple())
 }
 
-fn refused_by(d: &Decision) -> Option<(Refusal, Scope)> {
+fn refused_by(d: &Decision) -> Option<(Limit, Scope)> {
     match d {
         Decision::Refused { reason, scope, .. } => Some((*reason, *scope)),
         Decision::Admitted(_) => None,
@@ -30,7 +30,7 @@ fn admitted(d: &Decision) -> bool {
     matches!(d, Decision::Admitted(_))
 }
 
-fn refused_for(d: &Decision) -> Option<Refusal> {
+fn refused_for(d: &Decision) -> Option<Limit> {
     match d {
         Decision::Refused { reason, .. } => Some(*reason),
         Decision::Admitted(_) => None,
@@ -56,7 +56,7 @@ async fn two_replicas_racing_never_overdraw_a_quota() -> anyhow::Result<()> {
         if admitted(&d) {
             ok += 1;
         } else {
-            ensure!(refused_for(&d) == Some(Refusal::DailyTokens), "{d:?}");
+            ensure!(refused_for(&d) == Some(Limit::DailyTokens), "{d:?}");
         }
     }
     ensure!(ok == 10, "{ok} admitted against a quota for exactly 10");
@@ -69,7 +69,7 @@ async fn settlement_refunds_what_was_not_used_and_frees_the_slot() -> anyhow::Re
     let limits = TenantLimits { tpm: Some(1_000), concurrency: Some(2), ..Default::default() };
     ensure!(admitted(&l.admit("t", "a", 600, &limits).await?));
     let d = l.admit("t", "b", 600, &limits).await?;
-    ensure!(refused_for(&d) == Some(Refusal::Tpm), "{d:?}");
+    ensure!(refused_for(&d) == Some(Limit::Tpm), "{d:?}");
     if let Decision::Refused { retry_after, state, .. } = d {
         ensure!(retry_after.is_some_and(|r| r <= Duration::from_secs(60)), "{retry_after:?}");
         ensure!(
@@ -83,13 +83,13 @@ async fn settlement_refunds_what_was_not_used_and_frees_the_slot() -> anyhow::Re
     ensure!(admitted(&l.admit("t", "b", 600, &limits).await?));
     ensure!(admitted(&l.admit("t", "c", 200, &limits).await?));
     let d = l.admit("t", "d", 1, &limits).await?;
-    ensure!(refused_for(&d) == Some(Refusal::Concurrency), "{d:?}");
+    ensure!(refused_for(&d) == Some(Limit::Concurrency), "{d:?}");
     ensure!(l.settle("t", None, "b", 600).await?);
     ensure!(admitted(&l.admit("t", "d", 1, &limits).await?));
     // The same request admitted twice holds one slot.
     ensure!(admitted(&l.admit("t", "d", 1, &limits).await?));
     let d = l.admit("t", "e", 1, &limits).await?;
-    ensure!(refused_for(&d) == Some(Refusal::Concurrency), "{d:?}");
+    ensure!(refused_for(&d) == Some(Limit::Concurrency), "{d:?}");
     Ok(())
 }
 
@@ -118,17 +118,17 @@ async fn each_limit_refuses_with_its_reason() -> anyhow::Result<()> {
         }
     }
     let d = l.admit("r", "q3", 1, &rpm).await?;
-    ensure!(refused_for(&d) == Some(Refusal::Rpm), "{d:?}");
+    ensure!(refused_for(&d) == Some(Limit::Rpm), "{d:?}");
     let big = TenantLimits { tpm: Some(100), ..Default::default() };
     let d = l.admit("b", "huge", 101, &big).await?;
     ensure!(matches!(
         d,
-        Decision::Refused { reason: Refusal::TpmExceedsLimit, retry_after: None, .. }
+        Decision::Refused { reason: Limit::TpmExceedsLimit, retry_after: None, .. }
     ));
     let monthly = TenantLimits { monthly_tokens: Some(50), ..Default::default() };
     ensure!(admitted(&l.admit("m", "x", 50, &monthly).await?));
     let d = l.admit("m", "y", 1, &monthly).await?;
-    ensure!(refused_for(&d) == Some(Refusal::MonthlyTokens), "{d:?}");
+    ensure!(refused_for(&d) == Some(Limit::MonthlyTokens), "{d:?}");
     if let Decision::Refused { retry_after: Some(r), .. } = d {
         ensure!(r <= Duration::from_secs(31 * 86_400) && r > Duration::ZERO, "{r:?}");
     }
@@ -163,7 +163,7 @@ async fn a_keys_own_limits_hold_beside_its_tenants_across_replicas() -> anyhow::
             ok += 1;
             first_admitted.get_or_insert(format!("r{i}"));
         } else {
-            ensure!(refused_by(&d) == Some((Refusal::DailyTokens, Scope::Key)), "{d:?}");
+            ensure!(refused_by(&d) == Some((Limit::DailyTokens, Scope::Key)), "{d:?}");
         }
     }
     ensure!(ok == 3, "{ok} admitted against a key quota for exactly 3");
@@ -179,7 +179,7 @@ async fn a_keys_own_limits_hold_beside_its_tenants_across_replicas() -> anyhow::
     for i in 0..10 {
         let d = a.admit("acme", &format!("u{i}"), 100, &tenant).await?;
         if !admitted(&d) {
-            ensure!(refused_by(&d) == Some((Refusal::DailyTokens, Scope::Tenant)), "{d:?}");
+            ensure!(refused_by(&d) == Some((Limit::DailyTokens, Scope::Tenant)), "{d:?}");
             ensure!(i == 4, "the tenant refused after {i} more, expected 4");
             break;
         }
@@ -204,7 +204,7 @@ async fn headers_show_the_tighter_of_tenant_and_key() -> anyhow::Result<()> {
     ensure!(s.limit_tokens == Some(10_000) && s.remaining_tokens == Some(9_990), "{s:?}");
     ensure!(admitted(&l.admit_key("h", Some(("k", &key)), "b", 10, &tenant).await?));
     let d = l.admit_key("h", Some(("k", &key)), "c", 10, &tenant).await?;
-    ensure!(refused_by(&d) == Some((Refusal::Rpm, Scope::Key)), "{d:?}");
+    ensure!(refused_by(&d) == Some((Limit::Rpm, Scope::Key)), "{d:?}");
     // The tenant's own requests are not held to the key's limit.
     ensure!(admitted(&l.admit("h", "d", 10, &tenant).await?));
     Ok(())
@@ -217,7 +217,7 @@ async fn new_day_and_month_windows_start_from_the_ledger() -> anyhow::Result<()>
     let used = LedgerUsage::current(3_600, 3_600, 1);
     let daily = TenantLimits { daily_tokens: Some(100), used, ..Default::default() };
     let d = l.admit("d", "a", 10, &daily).await?;
-    ensure!(refused_for(&d) == Some(Refusal::DailyTokens), "{d:?}");
+    ensure!(refused_for(&d) == Some(Limit::DailyTokens), "{d:?}");
     // The month starts from the ledger's figure too, and keeps counting on from it.
     let monthly = TenantLimits {
         monthly_tokens: Some(4_000),
@@ -227,7 +227,7 @@ async fn new_day_and_month_windows_start_from_the_ledger() -> anyhow::Result<()>
     ensure!(admitted(&l.admit("m", "x", 100, &monthly).await?));
     ensure!(l.settle("m", None, "x", 60).await?);
     let d = l.admit("m", "y", 41, &monthly).await?;
-    ensure!(refused_for(&d) == Some(Refusal::MonthlyTokens), "{d:?}");
+    ensure!(refused_for(&d) == Some(Limit::MonthlyTokens), "{d:?}");
     ensure!(admitted(&l.admit("m", "z", 40, &monthly).await?));
     // Figures read for another day (just before midnight) seed nothing.
     let stale = LedgerUsage { day_number: used.day_number - 1, ..used };

@@ -1,0 +1,869 @@
+//! Admission as data: what the gateway decides about a request before it goes upstream, with
+//! no pingora in it. [`route`] names the endpoint, [`bearer`] and [`authorize`] judge the key,
+//! [`check`] validates and rewrites a generation request and counts its prompt tokens, and
+//! every way of saying no is one [`Refusal`], which maps exhaustively to the HTTP status, the
+//! OpenAI error type and code, the metric label and the ledger's finish reason. The proxy's
+//! phases ([`crate::proxy`]) only run these steps in order and do the I/O between them.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+use sluice_billing::FinishReason;
+use sluice_billing::control::KeyGrant;
+use sluice_engine::template::{ChatMessage, ChatTemplate};
+use sluice_engine::tokenizer::Tokenizer;
+
+use crate::limits::{Limit, RateState, Scope};
+
+/// Largest request body accepted (long-context prompts; the engine takes up to 4 MiB).
+pub const MAX_BODY_BYTES: usize = 2 << 20;
+
+/// Counts prompt tokens exactly as the engine will: the model's chat template and tokenizer.
+pub struct TokenCounter {
+    tokenizer: Tokenizer,
+    template: Option<ChatTemplate>,
+}
+
+impl TokenCounter {
+    /// From a GGUF file's metadata (the weights are not read).
+    pub fn from_gguf(path: &std::path::Path) -> sluice_engine::error::Result<Self> {
+        let f = sluice_engine::gguf::GgufFile::open(path)?;
+        Ok(Self { tokenizer: Tokenizer::from_gguf(&f)?, template: ChatTemplate::from_gguf(&f)? })
+    }
+
+    fn encode(&self, text: &str) -> Result<usize, String> {
+        Ok(self.tokenizer.encode_prompt(text).map_err(|e| e.to_string())?.len())
+    }
+
+    /// Prompt tokens of a chat request, and the rendered prompt.
+    fn chat(&self, messages: &[ChatMessage]) -> Result<(usize, String), String> {
+        let t = self.template.as_ref().ok_or("the model has no chat template")?;
+        let (ids, text) = sluice_engine::template::encode_chat(t, &self.tokenizer, messages, true)
+            .map_err(|e| e.to_string())?;
+        Ok((ids.len(), text))
+    }
+}
+
+/// A generation endpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `POST /v1/chat/completions`.
+    Chat,
+    /// `POST /v1/completions`.
+    Completions,
+}
+
+/// What a request asks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// A generation, sent to an engine.
+    Generate(Endpoint),
+    /// `GET /v1/models`.
+    Models,
+    /// `GET /v1/models/{id}`.
+    Model(String),
+}
+
+impl Route {
+    /// The key scope that may call it (reading one model needs the scope that lists them).
+    fn scope(&self) -> &'static str {
+        match self {
+            Self::Generate(Endpoint::Chat) => "chat",
+            Self::Generate(Endpoint::Completions) => "completions",
+            Self::Models | Self::Model(_) => "models",
+        }
+    }
+}
+
+/// Every answer the gateway gives instead of sending a request upstream.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Refusal {
+    /// A known path with another method.
+    MethodNotAllowed { method: String, path: String, allow: &'static str },
+    /// No such route.
+    UnknownRoute { method: String, path: String },
+    /// No bearer key, or one that is unknown, wrong, revoked or expired (never which).
+    InvalidApiKey,
+    /// The key store cannot be reached.
+    AuthUnavailable,
+    /// The tenant is suspended.
+    TenantSuspended,
+    /// The key's scopes do not include this route.
+    InsufficientScope { path: String },
+    /// The model is not served (or not visible to this tenant, for `GET /v1/models/{id}`).
+    ModelNotFound { model: String },
+    /// The tenant may not use this model.
+    ModelNotAllowed { model: String },
+    /// A malformed `Idempotency-Key`.
+    InvalidIdempotencyKey,
+    /// The body is over [`MAX_BODY_BYTES`].
+    BodyTooLarge,
+    /// The body did not arrive within the body deadline.
+    BodyTimeout { deadline: Duration },
+    /// The body could not be read.
+    BodyUnreadable,
+    /// A body too long to forward without a `Content-Length`.
+    LengthRequired { over: usize },
+    /// pingora kept nothing of the body to forward.
+    BodyNotForwardable,
+    /// The body is not JSON.
+    InvalidJson(String),
+    /// The body is JSON but not an object.
+    NotAnObject,
+    /// No `model`.
+    MissingModel,
+    /// `n` is not a positive integer.
+    InvalidN,
+    /// `n` over the tenant's cap.
+    NOverCap { cap: u64 },
+    /// `max_tokens` (or `max_completion_tokens`) is not a non-negative integer.
+    InvalidMaxTokens { field: &'static str },
+    /// `max_tokens` over the tenant's cap.
+    MaxTokensOverCap { field: &'static str, cap: u64 },
+    /// `messages` does not parse.
+    InvalidMessages(String),
+    /// `messages` is empty.
+    EmptyMessages,
+    /// The prompt cannot be rendered or tokenized.
+    Untokenizable { param: &'static str, reason: String },
+    /// `prompt` is neither a string nor an array of token ids.
+    InvalidPrompt,
+    /// The prompt is over the tenant's limit.
+    PromptTooLong { tokens: u64, limit: u64, param: &'static str },
+    /// A request with this `Idempotency-Key` is still running.
+    IdempotencyInProgress,
+    /// This `Idempotency-Key` came with another body.
+    IdempotencyMismatch,
+    /// The idempotency store failed.
+    IdempotencyUnavailable,
+    /// Every engine's queue is full.
+    Overloaded,
+    /// The shared limiter cannot be reached and the policy is to refuse.
+    LimiterUnavailable,
+    /// A rate limit or quota: which, whose, what the request needed, the header figures.
+    Limited {
+        /// The limit.
+        limit: Limit,
+        /// The tenant's or the key's.
+        scope: Scope,
+        /// The tokens the request would have reserved.
+        reserved: u64,
+        /// When trying again can succeed (`None`: never, as configured).
+        retry_after: Option<Duration>,
+        /// The `x-ratelimit-*` figures.
+        rate: RateState,
+    },
+    /// The gateway is draining for shutdown.
+    ShuttingDown,
+    /// The client's address has too many requests in flight.
+    TooManyConnections,
+    /// Writing a direct answer failed.
+    WriteFailed,
+}
+
+impl Refusal {
+    /// The HTTP status.
+    pub fn status(&self) -> u16 {
+        match self {
+            Self::InvalidIdempotencyKey
+            | Self::BodyUnreadable
+            | Self::InvalidJson(_)
+            | Self::NotAnObject
+            | Self::MissingModel
+            | Self::InvalidN
+            | Self::NOverCap { .. }
+            | Self::InvalidMaxTokens { .. }
+            | Self::MaxTokensOverCap { .. }
+            | Self::InvalidMessages(_)
+            | Self::EmptyMessages
+            | Self::Untokenizable { .. }
+            | Self::InvalidPrompt => 400,
+            Self::InvalidApiKey => 401,
+            Self::TenantSuspended
+            | Self::InsufficientScope { .. }
+            | Self::ModelNotAllowed { .. } => 403,
+            Self::UnknownRoute { .. } | Self::ModelNotFound { .. } => 404,
+            Self::MethodNotAllowed { .. } => 405,
+            Self::BodyTimeout { .. } => 408,
+            Self::IdempotencyInProgress => 409,
+            Self::LengthRequired { .. } => 411,
+            Self::BodyTooLarge | Self::PromptTooLong { .. } => 413,
+            Self::IdempotencyMismatch => 422,
+            Self::Limited { .. } | Self::TooManyConnections => 429,
+            Self::BodyNotForwardable | Self::IdempotencyUnavailable | Self::WriteFailed => 500,
+            Self::AuthUnavailable
+            | Self::Overloaded
+            | Self::LimiterUnavailable
+            | Self::ShuttingDown => 503,
+        }
+    }
+
+    /// OpenAI's error `type`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::TenantSuspended
+            | Self::InsufficientScope { .. }
+            | Self::ModelNotAllowed { .. } => "permission_error",
+            Self::Limited { limit: Limit::DailyTokens | Limit::MonthlyTokens, .. } => {
+                "insufficient_quota"
+            }
+            Self::Limited { .. } | Self::TooManyConnections => "rate_limit_error",
+            Self::AuthUnavailable
+            | Self::BodyNotForwardable
+            | Self::IdempotencyUnavailable
+            | Self::Overloaded
+            | Self::LimiterUnavailable
+            | Self::ShuttingDown
+            | Self::WriteFailed => "server_error",
+            _ => "invalid_request_error",
+        }
+    }
+
+    /// OpenAI's error `code`, where there is one.
+    pub fn code(&self) -> Option<&'static str> {
+        Some(match self {
+            Self::MethodNotAllowed { .. } => "method_not_allowed",
+            Self::UnknownRoute { .. } => "unknown_route",
+            Self::InvalidApiKey => "invalid_api_key",
+            Self::TenantSuspended => "tenant_suspended",
+            Self::InsufficientScope { .. } => "insufficient_scope",
+            Self::ModelNotFound { .. } => "model_not_found",
+            Self::ModelNotAllowed { .. } => "model_not_allowed",
+            Self::InvalidIdempotencyKey => "invalid_idempotency_key",
+            Self::BodyTimeout { .. } => "request_timeout",
+            Self::PromptTooLong { .. } => "context_length_exceeded",
+            Self::IdempotencyInProgress => "idempotency_key_in_use",
+            Self::IdempotencyMismatch => "idempotency_key_reused",
+            Self::Overloaded => "overloaded",
+            Self::Limited { limit: Limit::DailyTokens | Limit::MonthlyTokens, .. } => {
+                "insufficient_quota"
+            }
+            Self::Limited { .. } => "rate_limit_exceeded",
+            Self::ShuttingDown => "shutting_down",
+            Self::TooManyConnections => "too_many_connections",
+            Self::AuthUnavailable
+            | Self::BodyTooLarge
+            | Self::BodyUnreadable
+            | Self::LengthRequired { .. }
+            | Self::BodyNotForwardable
+            | Self::InvalidJson(_)
+            | Self::NotAnObject
+            | Self::MissingModel
+            | Self::InvalidN
+            | Self::NOverCap { .. }
+            | Self::InvalidMaxTokens { .. }
+            | Self::MaxTokensOverCap { .. }
+            | Self::InvalidMessages(_)
+            | Self::EmptyMessages
+            | Self::Untokenizable { .. }
+            | Self::InvalidPrompt
+            | Self::IdempotencyUnavailable
+            | Self::LimiterUnavailable
+            | Self::WriteFailed => return None,
+        })
+    }
+
+    /// The request parameter at fault, where there is one.
+    pub fn param(&self) -> Option<&'static str> {
+        match self {
+            Self::ModelNotFound { .. } | Self::ModelNotAllowed { .. } | Self::MissingModel => {
+                Some("model")
+            }
+            Self::InvalidN | Self::NOverCap { .. } => Some("n"),
+            Self::InvalidMaxTokens { .. } | Self::MaxTokensOverCap { .. } => Some("max_tokens"),
+            Self::InvalidMessages(_) | Self::EmptyMessages => Some("messages"),
+            Self::InvalidPrompt => Some("prompt"),
+            Self::Untokenizable { param, .. } | Self::PromptTooLong { param, .. } => Some(param),
+            _ => None,
+        }
+    }
+
+    /// What the client is told.
+    pub fn message(&self) -> String {
+        match self {
+            Self::MethodNotAllowed { method, path, allow } => {
+                format!("{path} does not accept {method}; use {allow}")
+            }
+            Self::UnknownRoute { method, path } => format!("unknown route {method} {path}"),
+            Self::InvalidApiKey => "Incorrect API key provided.".into(),
+            Self::AuthUnavailable => "authentication is unavailable; retry shortly".into(),
+            Self::TenantSuspended => "this tenant is suspended".into(),
+            Self::InsufficientScope { path } => format!("this key may not call {path}"),
+            Self::ModelNotFound { model } => format!("The model `{model}` does not exist"),
+            Self::ModelNotAllowed { model } => format!("this tenant may not use `{model}`"),
+            Self::InvalidIdempotencyKey => {
+                "Idempotency-Key must be 1-200 visible ASCII characters".into()
+            }
+            Self::BodyTooLarge => format!("request body over {MAX_BODY_BYTES} bytes"),
+            Self::BodyTimeout { deadline } => {
+                format!("the request body did not arrive within {} s", deadline.as_secs())
+            }
+            Self::BodyUnreadable => "could not read the request body".into(),
+            Self::LengthRequired { over } => {
+                format!("a body over {over} bytes needs a Content-Length header")
+            }
+            Self::BodyNotForwardable => "the request body could not be forwarded".into(),
+            Self::InvalidJson(e) => {
+                format!("We could not parse the JSON body of your request: {e}")
+            }
+            Self::NotAnObject => "the body must be a JSON object".into(),
+            Self::MissingModel => "you must provide a model parameter".into(),
+            Self::InvalidN => "n must be a positive integer".into(),
+            Self::NOverCap { cap } => format!("n is over this tenant's cap of {cap}"),
+            Self::InvalidMaxTokens { field } => format!("{field} must be a non-negative integer"),
+            Self::MaxTokensOverCap { field, cap } => {
+                format!("{field} is over this tenant's cap of {cap}")
+            }
+            Self::InvalidMessages(e) => format!("invalid messages: {e}"),
+            Self::EmptyMessages => "messages must not be empty".into(),
+            Self::Untokenizable { reason, .. } => reason.clone(),
+            Self::InvalidPrompt => "prompt must be a string or an array of token ids".into(),
+            Self::PromptTooLong { tokens, limit, .. } => {
+                format!("the prompt has {tokens} tokens, over this tenant's limit of {limit}")
+            }
+            Self::IdempotencyInProgress => {
+                "a request with this Idempotency-Key is still in progress; retry later".into()
+            }
+            Self::IdempotencyMismatch => {
+                "this Idempotency-Key was used with a different request body".into()
+            }
+            Self::IdempotencyUnavailable => "idempotency check failed".into(),
+            Self::Overloaded => "the engines are at capacity; retry shortly".into(),
+            Self::LimiterUnavailable => "rate limiting is unavailable; retry shortly".into(),
+            Self::Limited { limit, scope, reserved, .. } => {
+                let whose = match scope {
+                    Scope::Tenant => "",
+                    Scope::Key => "this API key's ",
+                };
+                let what = match limit {
+                    Limit::Rpm | Limit::Concurrency => "requests",
+                    _ => "tokens",
+                };
+                format!(
+                    "Rate limit reached for {whose}{what} ({}); this request needs {reserved} \
+                     tokens.",
+                    limit.as_str()
+                )
+            }
+            Self::ShuttingDown => "the gateway is shutting down; retry on another replica".into(),
+            Self::TooManyConnections => "too many requests in flight from this address".into(),
+            Self::WriteFailed => "write failed".into(),
+        }
+    }
+
+    /// Headers the answer carries beside the error body.
+    pub fn headers(&self) -> Vec<(String, String)> {
+        let retry_soon = || vec![("retry-after".to_owned(), "1".to_owned())];
+        match self {
+            Self::MethodNotAllowed { allow, .. } => vec![("allow".into(), (*allow).into())],
+            Self::Overloaded
+            | Self::LimiterUnavailable
+            | Self::IdempotencyInProgress
+            | Self::TooManyConnections => retry_soon(),
+            Self::ShuttingDown => {
+                let mut h = retry_soon();
+                h.push(("connection".into(), "close".into()));
+                h
+            }
+            Self::Limited { retry_after, rate, .. } => {
+                let mut h = rate_headers(rate);
+                if let Some(after) = retry_after {
+                    h.push(("retry-after".into(), after.as_secs().max(1).to_string()));
+                }
+                h
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// The OpenAI error body.
+    pub fn body(&self) -> Bytes {
+        error_json(&self.message(), self.kind(), self.param(), self.code())
+    }
+
+    /// The label of `sluice_gateway_admission_refusals_total`.
+    pub fn label(&self) -> String {
+        match self {
+            Self::Limited { limit, scope: Scope::Tenant, .. } => limit.as_str().to_owned(),
+            Self::Limited { limit, scope: Scope::Key, .. } => format!("key_{}", limit.as_str()),
+            Self::MethodNotAllowed { .. } => "method_not_allowed".into(),
+            Self::UnknownRoute { .. } => "unknown_route".into(),
+            Self::InvalidApiKey => "invalid_api_key".into(),
+            Self::AuthUnavailable => "auth_unavailable".into(),
+            Self::TenantSuspended => "tenant_suspended".into(),
+            Self::InsufficientScope { .. } => "insufficient_scope".into(),
+            Self::ModelNotFound { .. } => "model_not_found".into(),
+            Self::ModelNotAllowed { .. } => "model_not_allowed".into(),
+            Self::InvalidIdempotencyKey => "invalid_idempotency_key".into(),
+            Self::BodyTooLarge => "body_too_large".into(),
+            Self::BodyTimeout { .. } => "body_timeout".into(),
+            Self::BodyUnreadable
+            | Self::LengthRequired { .. }
+            | Self::BodyNotForwardable
+            | Self::InvalidJson(_)
+            | Self::NotAnObject => "invalid_body".into(),
+            Self::MissingModel
+            | Self::InvalidN
+            | Self::NOverCap { .. }
+            | Self::InvalidMaxTokens { .. }
+            | Self::MaxTokensOverCap { .. }
+            | Self::InvalidMessages(_)
+            | Self::EmptyMessages
+            | Self::Untokenizable { .. }
+            | Self::InvalidPrompt => "invalid_parameter".into(),
+            Self::PromptTooLong { .. } => "context_length_exceeded".into(),
+            Self::IdempotencyInProgress => "idempotency_key_in_use".into(),
+            Self::IdempotencyMismatch => "idempotency_key_reused".into(),
+            Self::IdempotencyUnavailable => "idempotency_unavailable".into(),
+            Self::Overloaded => "overloaded".into(),
+            Self::LimiterUnavailable => "limiter_unavailable".into(),
+            Self::ShuttingDown => "shutting_down".into(),
+            Self::TooManyConnections => "too_many_connections".into(),
+            Self::WriteFailed => "write_failed".into(),
+        }
+    }
+
+    /// How the ledger records it: `rejected` for a request judged and declined, `error` for
+    /// one the gateway failed to take (its body never came whole, a write failed).
+    pub fn finish_reason(&self) -> FinishReason {
+        match self {
+            Self::BodyTimeout { .. }
+            | Self::LengthRequired { .. }
+            | Self::BodyNotForwardable
+            | Self::IdempotencyUnavailable
+            | Self::WriteFailed
+            | Self::InvalidApiKey
+            | Self::MethodNotAllowed { .. } => FinishReason::Error,
+            _ => FinishReason::Rejected,
+        }
+    }
+}
+
+/// An OpenAI error body.
+pub fn error_json(message: &str, kind: &str, param: Option<&str>, code: Option<&str>) -> Bytes {
+    Bytes::from(
+        json!({"error": {"message": message, "type": kind, "param": param, "code": code}})
+            .to_string(),
+    )
+}
+
+/// The `x-ratelimit-*` headers for `r`.
+pub fn rate_headers(r: &RateState) -> Vec<(String, String)> {
+    let mut v = Vec::new();
+    let secs = |d: Duration| format!("{:.3}s", d.as_secs_f64());
+    // The local fallback knows the limits but not the fleet's remaining counts.
+    if let Some(l) = r.limit_requests {
+        v.push(("x-ratelimit-limit-requests".into(), l.to_string()));
+        if let Some(rem) = r.remaining_requests {
+            v.push(("x-ratelimit-remaining-requests".into(), rem.to_string()));
+            v.push(("x-ratelimit-reset-requests".into(), secs(r.reset_requests)));
+        }
+    }
+    if let Some(l) = r.limit_tokens {
+        v.push(("x-ratelimit-limit-tokens".into(), l.to_string()));
+        if let Some(rem) = r.remaining_tokens {
+            v.push(("x-ratelimit-remaining-tokens".into(), rem.to_string()));
+            v.push(("x-ratelimit-reset-tokens".into(), secs(r.reset_tokens)));
+        }
+    }
+    v
+}
+
+/// The route of `method` `path`.
+pub fn route(method: &str, path: &str) -> Result<Route, Refusal> {
+    match (method, path) {
+        ("POST", "/v1/chat/completions") => Ok(Route::Generate(Endpoint::Chat)),
+        ("POST", "/v1/completions") => Ok(Route::Generate(Endpoint::Completions)),
+        ("GET", "/v1/models") => Ok(Route::Models),
+        ("GET", p) if p.strip_prefix("/v1/models/").is_some_and(|id| !id.is_empty()) => {
+            Ok(Route::Model(p.trim_start_matches("/v1/models/").to_owned()))
+        }
+        (_, "/v1/chat/completions" | "/v1/completions" | "/v1/models") => {
+            Err(Refusal::MethodNotAllowed {
+                method: method.to_owned(),
+                path: path.to_owned(),
+                allow: if path == "/v1/models" { "GET" } else { "POST" },
+            })
+        }
+        _ => Err(Refusal::UnknownRoute { method: method.to_owned(), path: path.to_owned() }),
+    }
+}
+
+/// The key in an `Authorization` header (the scheme is case-insensitive, RFC 9110).
+pub fn bearer(authorization: Option<&str>) -> Result<&str, Refusal> {
+    authorization
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, t)| t.trim())
+        .ok_or(Refusal::InvalidApiKey)
+}
+
+/// Whether `grant` may call `route` at all.
+pub fn authorize(grant: &KeyGrant, route: &Route, path: &str) -> Result<(), Refusal> {
+    if grant.tenant_status != "active" {
+        return Err(Refusal::TenantSuspended);
+    }
+    if !grant.scopes.iter().any(|s| s == route.scope()) {
+        return Err(Refusal::InsufficientScope { path: path.to_owned() });
+    }
+    Ok(())
+}
+
+/// Whether the tenant may see and use `model`.
+pub fn model_allowed(grant: &KeyGrant, model: &str) -> bool {
+    let allowed = &grant.quota.allowed_models;
+    allowed.is_empty() || allowed.iter().any(|a| a == model)
+}
+
+/// What this gateway serves, for [`check`].
+#[derive(Clone, Debug)]
+pub struct Served {
+    /// The model id clients name.
+    pub model_id: String,
+    /// `max_tokens` when a request gives none and the tenant sets no cap.
+    pub default_max_tokens: u64,
+}
+
+/// A generation request that passed [`check`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct Checked {
+    /// The body to forward: defaults filled in, usage asked for in streams, no `cache_salt`.
+    pub body: Bytes,
+    /// Prompt tokens, as the engine will count them.
+    pub prompt_tokens: u64,
+    /// The most the request can use: its prompt and the largest output of every choice.
+    pub reserved: u64,
+    /// SHA-256 of the prompt (the rendered chat, the raw prompt or its token ids), hex.
+    pub prompt_sha256: String,
+    /// The prompt's length in characters.
+    pub prompt_chars: u64,
+    /// The prompt's first 512 characters, for prefix affinity over the engines.
+    pub affinity: String,
+    /// Streamed.
+    pub stream: bool,
+    /// The stream's usage-only chunk is the gateway's, not the client's: held back.
+    pub strip_usage: bool,
+    /// The parameter that holds the prompt (`messages` or `prompt`).
+    pub prompt_param: &'static str,
+}
+
+/// Validates and rewrites a generation request against the tenant's caps, and counts its
+/// prompt tokens: the pure part of admission (it tokenizes, so run it off the I/O thread).
+/// The prompt limit is [`within_prompt_limit`]'s.
+pub fn check(
+    endpoint: Endpoint,
+    grant: &KeyGrant,
+    body: &[u8],
+    served: &Served,
+    counter: &TokenCounter,
+) -> Result<Checked, Refusal> {
+    let mut v: Value =
+        serde_json::from_slice(body).map_err(|e| Refusal::InvalidJson(e.to_string()))?;
+    let obj = v.as_object_mut().ok_or(Refusal::NotAnObject)?;
+    // The cache scope comes from the tenant, never from the client.
+    obj.remove("cache_salt");
+    let model = obj.get("model").and_then(Value::as_str).unwrap_or_default().to_owned();
+    if model.is_empty() {
+        return Err(Refusal::MissingModel);
+    }
+    if model != served.model_id {
+        return Err(Refusal::ModelNotFound { model });
+    }
+    if !model_allowed(grant, &model) {
+        return Err(Refusal::ModelNotAllowed { model });
+    }
+    let q = &grant.quota;
+    let n = match obj.get("n") {
+        None | Some(Value::Null) => 1,
+        Some(x) => x.as_u64().filter(|n| *n >= 1).ok_or(Refusal::InvalidN)?,
+    };
+    if let Some(cap) = q.max_n.and_then(|m| u64::try_from(m).ok())
+        && n > cap
+    {
+        return Err(Refusal::NOverCap { cap });
+    }
+    let field = if endpoint == Endpoint::Chat && obj.contains_key("max_completion_tokens") {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
+    let cap = q.max_output_tokens.and_then(|m| u64::try_from(m).ok());
+    let max_tokens = match obj.get(field) {
+        None | Some(Value::Null) => {
+            cap.unwrap_or(served.default_max_tokens).min(served.default_max_tokens)
+        }
+        Some(x) => x.as_u64().ok_or(Refusal::InvalidMaxTokens { field })?,
+    };
+    if let Some(cap) = cap
+        && max_tokens > cap
+    {
+        return Err(Refusal::MaxTokensOverCap { field, cap });
+    }
+    obj.insert(field.into(), Value::from(max_tokens));
+    let (prompt_tokens, prompt_text, param) = match endpoint {
+        Endpoint::Chat => {
+            let messages: Vec<ChatMessage> =
+                serde_json::from_value(obj.get("messages").cloned().unwrap_or(Value::Null))
+                    .map_err(|e| Refusal::InvalidMessages(e.to_string()))?;
+            if messages.is_empty() {
+                return Err(Refusal::EmptyMessages);
+            }
+            let param = "messages";
+            let (n, text) = counter
+                .chat(&messages)
+                .map_err(|reason| Refusal::Untokenizable { param, reason })?;
+            (n, text, param)
+        }
+        Endpoint::Completions => {
+            let param = "prompt";
+            match obj.get("prompt") {
+                Some(Value::String(s)) => {
+                    let n = counter
+                        .encode(s)
+                        .map_err(|reason| Refusal::Untokenizable { param, reason })?;
+                    (n, s.clone(), param)
+                }
+                Some(Value::Array(a)) if a.iter().all(Value::is_u64) && !a.is_empty() => {
+                    (a.len(), Value::Array(a.clone()).to_string(), param)
+                }
+                _ => return Err(Refusal::InvalidPrompt),
+            }
+        }
+    };
+    let prompt_tokens = prompt_tokens as u64;
+    let stream = obj.get("stream").and_then(Value::as_bool).unwrap_or(false);
+    let mut strip_usage = false;
+    if stream {
+        // Usage in the final chunk, so the tokens produced are known even for streams; a
+        // client that did not ask for it does not get it.
+        let asked = obj.get("stream_options").and_then(|o| o.get("include_usage"));
+        strip_usage = asked != Some(&Value::Bool(true));
+        obj.insert("stream_options".into(), json!({"include_usage": true}));
+    }
+    Ok(Checked {
+        body: Bytes::from(v.to_string()),
+        prompt_tokens,
+        reserved: prompt_tokens.saturating_add(max_tokens.saturating_mul(n)),
+        prompt_sha256: hex_digest(prompt_text.as_bytes()),
+        prompt_chars: prompt_text.chars().count() as u64,
+        affinity: prompt_text.chars().take(512).collect(),
+        stream,
+        strip_usage,
+        prompt_param: param,
+    })
+}
+
+/// Whether the checked prompt is within the tenant's prompt limit (a separate step, so that
+/// the refused request's row still records the prompt it brought).
+pub fn within_prompt_limit(grant: &KeyGrant, checked: &Checked) -> Result<(), Refusal> {
+    match grant.quota.max_prompt_tokens.and_then(|m| u64::try_from(m).ok()) {
+        Some(limit) if checked.prompt_tokens > limit => Err(Refusal::PromptTooLong {
+            tokens: checked.prompt_tokens,
+            limit,
+            param: checked.prompt_param,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Hex SHA-256 of `b`.
+pub fn hex_digest(b: &[u8]) -> String {
+    Sha256::digest(b).iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use sluice_billing::control::QuotaSettings;
+    use sluice_engine::quant::GgmlType;
+    use sluice_engine::synth::{SynthSpec, write_gguf};
+
+    type TestResult = Result<(), Box<dyn std::error::Error>>;
+
+    fn counter() -> Result<TokenCounter, Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let path = dir.path().join("tiny.gguf");
+        write_gguf(&SynthSpec::tiny(), GgmlType::F32, &path)?;
+        Ok(TokenCounter::from_gguf(&path)?)
+    }
+
+    fn grant(quota: QuotaSettings) -> KeyGrant {
+        KeyGrant {
+            key_id: "key_1".into(),
+            tenant_id: "acme".into(),
+            tenant_status: "active".into(),
+            tier: "standard".into(),
+            scopes: vec!["chat".into(), "completions".into(), "models".into()],
+            quota,
+            key_limits: Default::default(),
+            overrides: Value::Null,
+        }
+    }
+
+    fn served() -> Served {
+        Served { model_id: "m".into(), default_max_tokens: 512 }
+    }
+
+    /// `check` of `body` as a completions request under `quota`.
+    fn completions(quota: QuotaSettings, body: Value) -> Result<Checked, Refusal> {
+        let c = counter()
+            .map_err(|e| Refusal::Untokenizable { param: "test", reason: e.to_string() })?;
+        check(Endpoint::Completions, &grant(quota), body.to_string().as_bytes(), &served(), &c)
+    }
+
+    #[test]
+    fn routes_and_their_refusals() {
+        assert_eq!(route("POST", "/v1/chat/completions"), Ok(Route::Generate(Endpoint::Chat)));
+        assert_eq!(route("GET", "/v1/models/m"), Ok(Route::Model("m".into())));
+        let r = route("GET", "/v1/completions").err();
+        assert!(
+            r.as_ref().is_some_and(|r| r.status() == 405
+                && r.headers() == vec![("allow".to_owned(), "POST".to_owned())])
+        );
+        let r = route("GET", "/v1/models/").err();
+        assert!(r.is_some_and(|r| r.status() == 404 && r.code() == Some("unknown_route")));
+    }
+
+    #[test]
+    fn keys_scopes_and_suspension() {
+        assert_eq!(bearer(Some("bearer sk-1")), Ok("sk-1"));
+        assert_eq!(bearer(Some("Basic sk-1")), Err(Refusal::InvalidApiKey));
+        assert_eq!(bearer(None), Err(Refusal::InvalidApiKey));
+        let mut g = grant(QuotaSettings::default());
+        g.scopes = vec!["chat".into()];
+        let r = authorize(&g, &Route::Models, "/v1/models");
+        assert!(r.is_err_and(|r| r.status() == 403 && r.code() == Some("insufficient_scope")));
+        g.tenant_status = "suspended".into();
+        let r = authorize(&g, &Route::Generate(Endpoint::Chat), "/v1/chat/completions");
+        assert_eq!(r, Err(Refusal::TenantSuspended));
+    }
+
+    #[test]
+    fn every_body_refusal_names_its_parameter() -> TestResult {
+        let q = QuotaSettings::default;
+        let capped = QuotaSettings {
+            max_n: Some(2),
+            max_output_tokens: Some(10),
+            ..QuotaSettings::default()
+        };
+        let cases = [
+            (q(), json!([1]), 400, None),
+            (q(), json!({"prompt": "hi"}), 400, Some("model")),
+            (q(), json!({"model": "other", "prompt": "hi"}), 404, Some("model")),
+            (
+                QuotaSettings { allowed_models: vec!["x".into()], ..QuotaSettings::default() },
+                json!({"model": "m", "prompt": "hi"}),
+                403,
+                Some("model"),
+            ),
+            (q(), json!({"model": "m", "prompt": "hi", "n": 0}), 400, Some("n")),
+            (capped.clone(), json!({"model": "m", "prompt": "hi", "n": 3}), 400, Some("n")),
+            (q(), json!({"model": "m", "prompt": "hi", "max_tokens": -1}), 400, Some("max_tokens")),
+            (
+                capped,
+                json!({"model": "m", "prompt": "hi", "max_tokens": 11}),
+                400,
+                Some("max_tokens"),
+            ),
+            (q(), json!({"model": "m", "prompt": 7}), 400, Some("prompt")),
+            (q(), json!({"model": "m", "prompt": []}), 400, Some("prompt")),
+        ];
+        for (quota, body, status, param) in cases {
+            let r = completions(quota, body.clone()).err().ok_or(format!("{body} passed"))?;
+            assert_eq!((r.status(), r.param()), (status, param), "{body}: {r:?}");
+            let e: Value = serde_json::from_slice(&r.body())?;
+            assert_eq!(e["error"]["message"], r.message().as_str());
+            assert_eq!(r.finish_reason(), FinishReason::Rejected, "{body}");
+        }
+        let r = completions(q(), Value::Null).err();
+        assert!(matches!(r, Some(Refusal::NotAnObject)));
+        let c = counter()?;
+        let g = grant(QuotaSettings::default());
+        let r = check(Endpoint::Completions, &g, b"{", &served(), &c).err();
+        assert!(r.is_some_and(|r| r.status() == 400 && r.message().contains("JSON")));
+        for messages in [json!([]), json!("hi")] {
+            let body = json!({"model": "m", "messages": messages}).to_string();
+            let r = check(Endpoint::Chat, &g, body.as_bytes(), &served(), &c).err();
+            assert!(r.is_some_and(|r| r.param() == Some("messages")), "{messages}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn a_checked_request_is_rewritten_and_counted() -> TestResult {
+        let quota = QuotaSettings { max_prompt_tokens: Some(3), ..QuotaSettings::default() };
+        let body = json!({"model": "m", "prompt": "hello world", "n": 2, "stream": true,
+            "cache_salt": "client-chosen"});
+        let checked = completions(quota.clone(), body).map_err(|r| r.message())?;
+        let sent: Value = serde_json::from_slice(&checked.body)?;
+        assert!(sent.get("cache_salt").is_none());
+        assert_eq!(sent["max_tokens"], 512);
+        assert_eq!(sent["stream_options"]["include_usage"], true);
+        assert!(checked.stream && checked.strip_usage);
+        assert!(checked.prompt_tokens > 0);
+        assert_eq!(checked.reserved, checked.prompt_tokens + 2 * 512);
+        assert_eq!(checked.prompt_sha256, hex_digest(b"hello world"));
+        // The prompt limit is its own step, after the prompt was counted.
+        let r = within_prompt_limit(&grant(quota), &checked);
+        if checked.prompt_tokens > 3 {
+            let r = r.err().ok_or("over the prompt limit, yet passed")?;
+            assert_eq!(
+                (r.status(), r.code(), r.param()),
+                (413, Some("context_length_exceeded"), Some("prompt"))
+            );
+        } else {
+            assert!(r.is_ok());
+        }
+        let ids = completions(QuotaSettings::default(), json!({"model": "m", "prompt": [1, 2, 3]}))
+            .map_err(|r| r.message())?;
+        assert_eq!(ids.prompt_tokens, 3);
+        assert!(!ids.strip_usage);
+        Ok(())
+    }
+
+    #[test]
+    fn limits_map_to_429s_with_their_headers() {
+        let rate = RateState {
+            limit_requests: Some(5),
+            remaining_requests: Some(0),
+            ..RateState::default()
+        };
+        let r = Refusal::Limited {
+            limit: Limit::Rpm,
+            scope: Scope::Key,
+            reserved: 40,
+            retry_after: Some(Duration::from_millis(200)),
+            rate,
+        };
+        assert_eq!(
+            (r.status(), r.kind(), r.code()),
+            (429, "rate_limit_error", Some("rate_limit_exceeded"))
+        );
+        assert_eq!(r.label(), "key_rpm");
+        assert!(
+            r.message().contains("this API key's requests (rpm)") && r.message().contains("40")
+        );
+        let h = r.headers();
+        assert!(h.contains(&("retry-after".to_owned(), "1".to_owned())), "{h:?}");
+        assert!(h.contains(&("x-ratelimit-limit-requests".to_owned(), "5".to_owned())), "{h:?}");
+        let q = Refusal::Limited {
+            limit: Limit::MonthlyTokens,
+            scope: Scope::Tenant,
+            reserved: 1,
+            retry_after: None,
+            rate: RateState::default(),
+        };
+        assert_eq!(
+            (q.kind(), q.code(), q.label().as_str()),
+            ("insufficient_quota", Some("insufficient_quota"), "monthly_tokens")
+        );
+        // A request the gateway failed to take is an error, not a judgement.
+        assert_eq!(
+            Refusal::BodyTimeout { deadline: Duration::from_secs(3) }.finish_reason(),
+            FinishReason::Error
+        );
+        assert_eq!(Refusal::Overloaded.headers(), vec![("retry-after".to_owned(), "1".to_owned())]);
+    }
+}
