@@ -281,6 +281,10 @@ struct EngineArgs {
     /// Where the forward pass runs: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: sluice_engine::backend::Device,
+    /// The order in which waiting requests are admitted: `fair` (each tenant its weighted
+    /// share of service, priorities first) or `fcfs` (arrival order).
+    #[arg(long, default_value = "fair")]
+    scheduling: sluice_engine::serve::core::Scheduling,
     /// On SIGINT or SIGTERM: how long running requests may go on before they are aborted
     /// (each still answers with the tokens it has), in seconds.
     #[arg(long, default_value_t = 30)]
@@ -448,6 +452,7 @@ fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
         max_num_seqs: args.max_num_seqs,
         threads: args.threads,
         device: args.device,
+        scheduling: args.scheduling,
     };
     let handle = EngineHandle::start(model, config)
         .with_context(|| format!("starting the engine on {}", args.device))?;

@@ -321,6 +321,10 @@ pub struct UpArgs {
     /// unless --kv-cache-mb].
     #[arg(long)]
     gpu_memory_utilization: Option<f64>,
+    /// The order in which waiting requests are admitted: `fair` (each tenant its weighted
+    /// share of service, priorities first) or `fcfs` (arrival order).
+    #[arg(long, default_value = "fair")]
+    scheduling: sluice_engine::serve::core::Scheduling,
     #[command(flatten)]
     front: FrontDoorArgs,
 }
@@ -495,6 +499,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             kv_cache_bytes,
             gpu_memory_utilization,
             device: args.device,
+            scheduling: args.scheduling,
             ..EngineConfig::default()
         },
     )

@@ -639,3 +639,59 @@ async fn wait_running_n(c: &reqwest::Client, server: &Server, n: u64) -> anyhow:
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// The fair order over HTTP: two running slots taken by a flood and six of its requests
+/// waiting, a quiet tenant's request is among the next to start; under `--scheduling fcfs` it
+/// starts after all six. An ordering property, not a timing threshold.
+#[tokio::test]
+async fn a_quiet_tenant_goes_ahead_of_a_floods_backlog() -> anyhow::Result<()> {
+    for (policy, fair) in [("fair", true), ("fcfs", false)] {
+        let server = Server::start(&["--max-num-seqs", "2", "--scheduling", policy])?;
+        let c = client()?;
+        let started = Arc::new(Mutex::new(Vec::<String>::new()));
+        let send = |name: String, tenant: &'static str| {
+            let (c, url, started) = (c.clone(), server.at("/v1/completions"), started.clone());
+            tokio::spawn(async move {
+                let body = json!({"prompt": "Count slowly.", "max_tokens": 24,
+                                  "ignore_eos": true, "stream": true});
+                let resp = c.post(url).header("x-sluice-tenant", tenant).json(&body).send().await?;
+                ensure!(resp.status() == 200, "{name}: {}", resp.status());
+                let mut bytes = resp.bytes_stream();
+                let mut seen = String::new();
+                while !seen.contains("data: ") {
+                    let chunk = bytes.next().await.context("the stream ended early")??;
+                    seen.push_str(&String::from_utf8_lossy(&chunk));
+                }
+                started.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.push(name);
+                while let Some(chunk) = bytes.next().await {
+                    chunk?;
+                }
+                anyhow::Ok(())
+            })
+        };
+        let mut tasks: Vec<_> = (0..8).map(|i| send(format!("flood-{i}"), "flood")).collect();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let h: Value = c.get(server.at("/health")).send().await?.json().await?;
+            if h["running"] == 2 && h["waiting"] == 6 {
+                break;
+            }
+            ensure!(Instant::now() < deadline, "the flood never queued: {h}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tasks.push(send("quiet".into(), "quiet"));
+        for t in tasks {
+            t.await??;
+        }
+        let order = started.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.clone();
+        let at = order.iter().position(|n| n == "quiet").context("quiet never started")?;
+        if fair {
+            // The flood's two running requests end in the same step; the quiet request takes
+            // one of the two slots they leave.
+            ensure!(at <= 3, "fair: the quiet request started {at}th of 9: {order:?}");
+        } else {
+            ensure!(at == 8, "fcfs: the quiet request started {at}th of 9: {order:?}");
+        }
+    }
+    Ok(())
+}

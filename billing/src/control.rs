@@ -253,6 +253,29 @@ pub static TIERS: LazyLock<BTreeMap<String, QuotaSettings>> = LazyLock::new(|| {
         .collect()
 });
 
+/// A tier's scheduling policy (`policies/scheduling.json`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TierScheduling {
+    /// The tier's share of service in the engines' fair order, relative to others waiting.
+    pub weight: u32,
+}
+
+/// The tiers' scheduling policies of `policies/scheduling.json`, compiled in.
+pub static TIER_SCHEDULING: LazyLock<BTreeMap<String, TierScheduling>> = LazyLock::new(|| {
+    let raw: BTreeMap<String, Value> =
+        serde_json::from_str(include_str!("../../policies/scheduling.json")).unwrap_or_default();
+    raw.into_iter()
+        .filter(|(k, _)| !k.starts_with('_'))
+        .filter_map(|(k, v)| serde_json::from_value(v).ok().map(|s| (k, s)))
+        .collect()
+});
+
+/// The fair-order weight of `tier` (1 for a tier the policy does not name), 1 to 1000.
+pub fn tier_weight(tier: &str) -> u32 {
+    TIER_SCHEDULING.get(tier).map_or(1, |s| s.weight.clamp(1, 1000))
+}
+
 /// A tenant as listed.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 pub struct Tenant {
@@ -891,5 +914,24 @@ impl Ledger {
             key_limits,
             overrides,
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_tier_has_a_scheduling_weight_and_the_file_parses_whole() {
+        let raw: BTreeMap<String, Value> =
+            serde_json::from_str(include_str!("../../policies/scheduling.json"))
+                .unwrap_or_default();
+        let named = raw.keys().filter(|k| !k.starts_with('_')).count();
+        assert_eq!(TIER_SCHEDULING.len(), named, "an entry of scheduling.json does not parse");
+        for tier in TIERS.keys() {
+            assert!(TIER_SCHEDULING.contains_key(tier), "{tier} has no scheduling entry");
+        }
+        assert_eq!(tier_weight("enterprise"), 4);
+        assert_eq!(tier_weight("no-such-tier"), 1);
     }
 }

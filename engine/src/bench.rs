@@ -235,6 +235,7 @@ pub fn bench_engine(
                             prompt_logprobs: None,
                             cache_scope: CacheScope::Private(id),
                             priority: 0,
+                            weight: 1,
                             arrival: Instant::now(),
                         };
                         let mut stream = handle.submit(req)?;

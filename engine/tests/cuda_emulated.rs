@@ -369,6 +369,7 @@ fn the_serving_engine_runs_on_the_emulated_device() -> anyhow::Result<()> {
         prompt_logprobs: None,
         cache_scope: CacheScope::Private(id.into()),
         priority: 0,
+        weight: 1,
         arrival: Instant::now(),
     };
     let request = |id: &str, prompt: &[u32], logprobs: Option<usize>| {

@@ -30,6 +30,7 @@ fn request(id: &str, prompt: Vec<u32>, max_tokens: usize, scope: CacheScope) -> 
         prompt_logprobs: None,
         cache_scope: scope,
         priority: 0,
+        weight: 1,
         arrival: Instant::now(),
     }
 }

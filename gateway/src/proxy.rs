@@ -1161,6 +1161,8 @@ impl ProxyHttp for Gateway {
             req.insert_header("x-sluice-tenant", g.tenant_id.as_str())?;
             let priority = g.quota.priority.unwrap_or(0);
             req.insert_header("x-sluice-priority", priority.to_string())?;
+            let weight = sluice_billing::control::tier_weight(&g.tier);
+            req.insert_header("x-sluice-weight", weight.to_string())?;
         }
         req.insert_header("x-sluice-request-id", ctx.request_id.as_str())?;
         // The gateway span's context when traces are exported; otherwise the client's trace

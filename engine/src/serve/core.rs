@@ -14,10 +14,11 @@ use crate::generate::IncrementalDecoder;
 use crate::loader::LoadedModel;
 use crate::sampler::{Sampler, log_softmax, top_n};
 use crate::serve::block_pool::CacheKey;
+use crate::serve::fair::{FairConfig, Vtc};
 use crate::serve::kv_manager::KvManager;
 use crate::serve::metrics::{EngineMetrics, FinishLabel};
 use crate::serve::outcomes::OutcomeLog;
-use crate::serve::scheduler::{Fcfs, Scheduler, SchedulerConfig};
+use crate::serve::scheduler::{Fcfs, Scheduler, SchedulerConfig, WaitingPolicy};
 use crate::serve::stop::{StopOutcome, StopText};
 use crate::serve::{
     EngineEvent, EngineTimings, FinishReason, PromptLogprob, TokenOutput, Usage, ValidRequest,
@@ -42,6 +43,40 @@ pub struct EngineConfig {
     pub threads: usize,
     /// Where the forward pass runs.
     pub device: Device,
+    /// The order in which waiting requests are admitted.
+    pub scheduling: Scheduling,
+}
+
+/// The order in which waiting requests are admitted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Scheduling {
+    /// Tenant-fair: the Virtual Token Counter ([`crate::serve::fair`]), priorities as bands.
+    #[default]
+    Fair,
+    /// First come, first served.
+    Fcfs,
+}
+
+impl std::str::FromStr for Scheduling {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "fair" => Ok(Scheduling::Fair),
+            "fcfs" => Ok(Scheduling::Fcfs),
+            other => Err(format!("unknown scheduling policy {other:?} (expected fair or fcfs)")),
+        }
+    }
+}
+
+impl Scheduling {
+    /// The waiting queue of this policy.
+    pub fn waiting(self) -> Box<dyn WaitingPolicy> {
+        match self {
+            Scheduling::Fair => Box::new(Vtc::new(FairConfig::default())),
+            Scheduling::Fcfs => Box::new(Fcfs::default()),
+        }
+    }
 }
 
 impl Default for EngineConfig {
@@ -54,6 +89,7 @@ impl Default for EngineConfig {
             max_num_seqs: 64,
             threads: 0,
             device: Device::Cpu,
+            scheduling: Scheduling::default(),
         }
     }
 }
@@ -157,7 +193,7 @@ impl EngineCore {
                 max_num_seqs: config.max_num_seqs,
             },
             KvManager::new(num_blocks, config.block_size, keys),
-            Box::new(Fcfs::default()),
+            config.scheduling.waiting(),
         );
         Ok(EngineCore {
             backend,
@@ -213,7 +249,13 @@ impl EngineCore {
             req,
         };
         let r = &state.req;
-        self.sched.add(r.request_id.clone(), r.prompt.clone(), r.cache_scope.clone(), r.priority);
+        self.sched.add_weighted(
+            r.request_id.clone(),
+            r.prompt.clone(),
+            r.cache_scope.clone(),
+            r.priority,
+            r.weight,
+        );
         self.reqs.insert(r.request_id.clone(), state);
         self.update_gauges();
     }

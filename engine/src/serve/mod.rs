@@ -1,11 +1,13 @@
 //! The serving engine: validated requests in, token events out.
 //!
-//! The synchronous core (`block_pool`, `kv_manager`, `scheduler`, `core`) is plain code
+//! The synchronous core (`block_pool`, `kv_manager`, `scheduler` with its tenant-fair order in
+//! `fair`, `core`) is plain code
 //! tested without threads or HTTP; `handle` runs it on one thread that owns all state and
 //! gives out cloneable handles; the HTTP layer (`server`) only ever talks to a handle.
 
 pub mod block_pool;
 pub mod core;
+pub mod fair;
 pub mod handle;
 pub mod kv_manager;
 pub mod metrics;
@@ -54,6 +56,8 @@ pub struct ValidRequest {
     pub cache_scope: CacheScope,
     /// Larger runs first among waiting requests; the lowest is preempted first.
     pub priority: i32,
+    /// The tenant's weight in the fair order (its tier's share; at least 1).
+    pub weight: u32,
     /// When the request arrived at the engine.
     pub arrival: Instant,
 }

@@ -1,6 +1,8 @@
 //! Continuous batching in the manner of vLLM v1: one token budget per step, running requests
 //! first, chunked prefill, a cap on running sequences, preemption by recompute when blocks
-//! run out. Plain synchronous state, tested without threads or a model.
+//! run out. Waiting requests are admitted in the order of a [`WaitingPolicy`]: tenant-fair
+//! ([`crate::serve::fair::Vtc`], the default) or first come, first served ([`Fcfs`]). Plain
+//! synchronous state, tested without threads or a model.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -16,12 +18,25 @@ pub struct SchedulerConfig {
     pub max_num_seqs: usize,
 }
 
+/// A waiting request, as a [`WaitingPolicy`] sees it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Waiter {
+    /// Request id.
+    pub id: String,
+    /// The tenant it is served for (empty: requests that named none, together).
+    pub tenant: String,
+    /// Priority (higher first).
+    pub priority: i32,
+    /// The tenant's weight (its tier's share; at least 1).
+    pub weight: u32,
+}
+
 /// The order in which waiting requests are admitted.
 pub trait WaitingPolicy: std::fmt::Debug + Send {
     /// A new request.
-    fn push(&mut self, id: String, priority: i32);
-    /// A preempted request, to go before the others.
-    fn push_front(&mut self, id: String, priority: i32);
+    fn push(&mut self, w: Waiter);
+    /// A preempted request, to go before the others of its kind.
+    fn push_front(&mut self, w: Waiter);
     /// The next request to admit.
     fn peek(&self) -> Option<&str>;
     /// Removes the request [`peek`](Self::peek) returned.
@@ -34,20 +49,30 @@ pub trait WaitingPolicy: std::fmt::Debug + Send {
     fn is_empty(&self) -> bool {
         self.len() == 0
     }
+    /// A step computed `prefill` prompt (or recomputed) tokens and `decode` new tokens of a
+    /// request of `tenant`, whose weight is `weight`.
+    fn served(&mut self, _tenant: &str, _weight: u32, _prefill: usize, _decode: usize) {}
+    /// A step is being planned.
+    fn tick(&mut self) {}
+    /// How far above its fair share `tenant` stands (larger: further; preemption takes from
+    /// the furthest first). Policies without shares say 0 for everyone.
+    fn standing(&self, _tenant: &str) -> f64 {
+        0.0
+    }
 }
 
-/// First come, first served (tenant-fair policies implement the same trait).
+/// First come, first served, whatever the tenant or priority.
 #[derive(Debug, Default)]
 pub struct Fcfs {
     queue: VecDeque<String>,
 }
 
 impl WaitingPolicy for Fcfs {
-    fn push(&mut self, id: String, _priority: i32) {
-        self.queue.push_back(id);
+    fn push(&mut self, w: Waiter) {
+        self.queue.push_back(w.id);
     }
-    fn push_front(&mut self, id: String, _priority: i32) {
-        self.queue.push_front(id);
+    fn push_front(&mut self, w: Waiter) {
+        self.queue.push_front(w.id);
     }
     fn peek(&self) -> Option<&str> {
         self.queue.front().map(String::as_str)
@@ -79,6 +104,10 @@ pub struct SeqState {
     pub cached_prompt: usize,
     /// Prefix-cache scope.
     pub scope: CacheScope,
+    /// The tenant it is served for (empty when it named none).
+    pub tenant: String,
+    /// The tenant's weight in the fair order.
+    pub weight: u32,
     /// Priority (higher first; lowest preempted first).
     pub priority: i32,
     /// Arrival order, for "newest" among equal priorities.
@@ -137,22 +166,40 @@ impl Scheduler {
         &self.kv
     }
 
-    /// Queues a request.
+    /// Queues a request of weight 1.
     pub fn add(&mut self, id: String, prompt: Vec<u32>, scope: CacheScope, priority: i32) {
+        self.add_weighted(id, prompt, scope, priority, 1);
+    }
+
+    /// Queues a request whose tenant (the one of its cache scope) has `weight`.
+    pub fn add_weighted(
+        &mut self,
+        id: String,
+        prompt: Vec<u32>,
+        scope: CacheScope,
+        priority: i32,
+        weight: u32,
+    ) {
         self.next_seq += 1;
+        let tenant = match &scope {
+            CacheScope::Tenant(t) => t.clone(),
+            CacheScope::Private(_) => String::new(),
+        };
         let st = SeqState {
             prompt_len: prompt.len(),
             tokens: prompt,
             computed: 0,
             cached_prompt: 0,
             scope,
+            tenant: tenant.clone(),
+            weight: weight.max(1),
             priority,
             seq_no: self.next_seq,
             preemptions: 0,
             admitted: false,
         };
         self.seqs.insert(id.clone(), st);
-        self.waiting.push(id, priority);
+        self.waiting.push(Waiter { id, tenant, priority, weight: weight.max(1) });
     }
 
     /// A request's state.
@@ -167,9 +214,15 @@ impl Scheduler {
         }
     }
 
-    /// Records that a step computed `len` more tokens of `id`, and caches full blocks.
+    /// Records that a step computed `len` more tokens of `id`, and caches full blocks; the
+    /// waiting policy counts the service.
     pub fn mark_computed(&mut self, id: &str, len: usize) {
         if let Some(s) = self.seqs.get_mut(id) {
+            // One new token of a sequence past its prompt is decode; anything else (prompt,
+            // or generated tokens recomputed after a preemption) is prefill.
+            let decode = len == 1 && s.computed >= s.prompt_len;
+            let (prefill, decode) = if decode { (0, 1) } else { (len, 0) };
+            self.waiting.served(&s.tenant, s.weight, prefill, decode);
             s.computed += len;
             self.kv.cache_computed(id, &s.tokens, s.computed, &s.scope);
         }
@@ -200,6 +253,7 @@ impl Scheduler {
 
     /// Plans one step.
     pub fn schedule(&mut self) -> StepPlan {
+        self.waiting.tick();
         let mut plan = StepPlan::default();
         let mut budget = self.config.max_num_batched_tokens;
         let mut i = 0;
@@ -252,12 +306,17 @@ impl Scheduler {
         plan
     }
 
+    /// The running request to preempt: the lowest priority, then the tenant furthest above
+    /// its fair share, then the newest.
     fn pick_victim(&self) -> Option<String> {
         self.running
             .iter()
-            .filter_map(|id| self.seqs.get(id).map(|s| (id, s.priority, s.seq_no)))
-            .min_by(|a, b| a.1.cmp(&b.1).then(b.2.cmp(&a.2)))
-            .map(|(id, _, _)| id.clone())
+            .filter_map(|id| {
+                let s = self.seqs.get(id)?;
+                Some((id, s.priority, self.waiting.standing(&s.tenant), s.seq_no))
+            })
+            .min_by(|a, b| a.1.cmp(&b.1).then(b.2.total_cmp(&a.2)).then(b.3.cmp(&a.3)))
+            .map(|(id, ..)| id.clone())
     }
 
     fn preempt(&mut self, id: &str, plan: &mut StepPlan) {
@@ -266,7 +325,12 @@ impl Scheduler {
         if let Some(s) = self.seqs.get_mut(id) {
             s.computed = 0;
             s.preemptions += 1;
-            self.waiting.push_front(id.to_string(), s.priority);
+            self.waiting.push_front(Waiter {
+                id: id.to_string(),
+                tenant: s.tenant.clone(),
+                priority: s.priority,
+                weight: s.weight,
+            });
         }
         plan.preempted.push(id.to_string());
     }
@@ -428,6 +492,84 @@ mod tests {
         s.remove("old");
         s.remove("new");
         assert_eq!(s.blocks(), (4, 4), "every block is free again");
+    }
+
+    fn fair(blocks: usize, budget: usize, seqs: usize) -> Scheduler {
+        use crate::serve::fair::{FairConfig, Vtc};
+        Scheduler::new(
+            SchedulerConfig { max_num_batched_tokens: budget, max_num_seqs: seqs },
+            KvManager::new(blocks, 4, vec![]),
+            Box::new(Vtc::new(FairConfig::default())),
+        )
+    }
+
+    #[test]
+    fn a_quiet_tenant_is_admitted_ahead_of_a_floods_backlog() {
+        // Two running slots; the flood queues six requests before the quiet tenant's one.
+        let mut s = fair(64, 100, 2);
+        for i in 0..6 {
+            s.add(format!("flood-{i}"), vec![1, 2, 3], tenant("flood"), 0);
+        }
+        let p = s.schedule();
+        run_step(&mut s, &p, 9);
+        s.add("quiet-0".into(), vec![4, 5, 6], tenant("quiet"), 0);
+        // A flood request finishes: its slot goes to the quiet tenant, not to flood-2.
+        s.remove("flood-0");
+        let p = s.schedule();
+        assert_eq!(p.newly_admitted, vec!["quiet-0".to_string()]);
+        // Under first come, first served it would have gone to flood-2.
+        let mut f = sched(64, 100, 2);
+        for i in 0..6 {
+            f.add(format!("flood-{i}"), vec![1, 2, 3], tenant("flood"), 0);
+        }
+        let p = f.schedule();
+        run_step(&mut f, &p, 9);
+        f.add("quiet-0".into(), vec![4, 5, 6], tenant("quiet"), 0);
+        f.remove("flood-0");
+        assert_eq!(f.schedule().newly_admitted, vec!["flood-2".to_string()]);
+    }
+
+    #[test]
+    fn weights_share_admissions() {
+        // One slot, both tenants always waiting: a weight-2 tenant is admitted twice as often.
+        let mut s = fair(256, 100, 1);
+        for i in 0..12 {
+            s.add_weighted(format!("gold-{i}"), vec![1, 2, 3, 4], tenant("gold"), 0, 2);
+            s.add_weighted(format!("plain-{i}"), vec![1, 2, 3, 4], tenant("plain"), 0, 1);
+        }
+        let mut order = Vec::new();
+        for _ in 0..9 {
+            let p = s.schedule();
+            run_step(&mut s, &p, 7);
+            let id = p.scheduled[0].id.clone();
+            order.push(id.split('-').next().unwrap_or_default().to_owned());
+            s.remove(&id);
+        }
+        let gold = order.iter().filter(|t| *t == "gold").count();
+        assert_eq!((gold, order.len() - gold), (6, 3), "{order:?}");
+    }
+
+    #[test]
+    fn preemption_takes_from_the_tenant_furthest_above_its_share() {
+        // 4 blocks of 4 tokens. `heavy` has had far more service, so although `light`'s
+        // request is the newest, the victim is heavy's.
+        let mut s = fair(4, 100, 4);
+        s.waiting.served("heavy", 1, 1000, 0);
+        s.add("light".into(), (0..6).collect(), tenant("light"), 0);
+        s.add("heavy".into(), (10..16).collect(), tenant("heavy"), 0);
+        let p = s.schedule();
+        assert_eq!(p.scheduled.len(), 2);
+        run_step(&mut s, &p, 7);
+        let mut preempted = Vec::new();
+        for step in 0..6 {
+            let p = s.schedule();
+            preempted.extend(p.preempted.clone());
+            run_step(&mut s, &p, 7 + step);
+            if !preempted.is_empty() {
+                break;
+            }
+        }
+        assert_eq!(preempted, vec!["heavy".to_string()]);
     }
 
     #[test]

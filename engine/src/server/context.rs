@@ -16,6 +16,10 @@ pub const TENANT_HEADER: &str = "x-sluice-tenant";
 pub const REQUEST_ID_HEADER: &str = "x-sluice-request-id";
 /// Scheduling priority (i32, larger first).
 pub const PRIORITY_HEADER: &str = "x-sluice-priority";
+/// The tenant's weight in the fair order (1 to [`MAX_WEIGHT`]).
+pub const WEIGHT_HEADER: &str = "x-sluice-weight";
+/// The largest weight a tenant can have.
+pub const MAX_WEIGHT: u32 = 1000;
 /// W3C trace context.
 pub const TRACEPARENT_HEADER: &str = "traceparent";
 /// The execution identity, compact form.
@@ -72,6 +76,8 @@ pub struct RequestContext {
     pub tenant: Option<String>,
     /// Scheduling priority.
     pub priority: i32,
+    /// The tenant's weight in the fair order.
+    pub weight: u32,
     /// Trace context, when a valid one came in.
     pub trace: Option<TraceContext>,
     /// When the request reached the engine: the origin of every engine-side timing.
@@ -124,9 +130,20 @@ impl RequestContext {
             })?,
             None => 0,
         };
+        let weight = match text(WEIGHT_HEADER)? {
+            Some(w) => {
+                w.parse::<u32>().ok().filter(|w| (1..=MAX_WEIGHT).contains(w)).ok_or_else(|| {
+                    ApiError::invalid(
+                        WEIGHT_HEADER,
+                        format!("{WEIGHT_HEADER} must be 1 to {MAX_WEIGHT}"),
+                    )
+                })?
+            }
+            None => 1,
+        };
         let trace = text(TRACEPARENT_HEADER).ok().flatten().and_then(|t| parse_traceparent(&t));
         let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        Ok(RequestContext { request_id, tenant, priority, trace, arrival, created })
+        Ok(RequestContext { request_id, tenant, priority, weight, trace, arrival, created })
     }
 
     /// The trace id, when a trace context came in.
@@ -236,6 +253,7 @@ mod tests {
                 ("x-sluice-tenant", "acme"),
                 ("x-sluice-request-id", "req-1"),
                 ("x-sluice-priority", "-3"),
+                ("x-sluice-weight", "4"),
                 ("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
             ]),
             now,
@@ -243,14 +261,17 @@ mod tests {
         assert_eq!(c.tenant.as_deref(), Some("acme"));
         assert_eq!(c.request_id, "req-1");
         assert_eq!(c.priority, -3);
+        assert_eq!(c.weight, 4);
         assert_eq!(c.trace_id(), Some("4bf92f3577b34da6a3ce929d0e0e4736"));
 
         let c = RequestContext::from_headers(&HeaderMap::new(), now)?;
-        assert_eq!((c.tenant, c.priority, c.trace), (None, 0, None));
+        assert_eq!((c.tenant, c.priority, c.weight, c.trace), (None, 0, 1, None));
         assert_eq!(c.request_id.len(), 32);
 
         for (name, value) in [
             ("x-sluice-priority", "high"),
+            ("x-sluice-weight", "0"),
+            ("x-sluice-weight", "1001"),
             ("x-sluice-request-id", "has space"),
             ("x-sluice-request-id", ""),
         ] {

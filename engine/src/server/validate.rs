@@ -86,6 +86,7 @@ impl Plan {
                 prompt_logprobs: self.prompt_logprobs,
                 cache_scope: scope.clone(),
                 priority: ctx.priority,
+                weight: ctx.weight,
                 arrival: ctx.arrival,
             })
             .collect()
