@@ -259,6 +259,9 @@ pub static TIERS: LazyLock<BTreeMap<String, QuotaSettings>> = LazyLock::new(|| {
 pub struct TierScheduling {
     /// The tier's share of service in the engines' fair order, relative to others waiting.
     pub weight: u32,
+    /// The time per output token the tier's requests are kept within, in milliseconds.
+    #[serde(default)]
+    pub tpot_ms: Option<u32>,
 }
 
 /// The tiers' scheduling policies of `policies/scheduling.json`, compiled in.
@@ -274,6 +277,11 @@ pub static TIER_SCHEDULING: LazyLock<BTreeMap<String, TierScheduling>> = LazyLoc
 /// The fair-order weight of `tier` (1 for a tier the policy does not name), 1 to 1000.
 pub fn tier_weight(tier: &str) -> u32 {
     TIER_SCHEDULING.get(tier).map_or(1, |s| s.weight.clamp(1, 1000))
+}
+
+/// The TPOT target of `tier`, in milliseconds (1 to 60,000), if it has one.
+pub fn tier_tpot_ms(tier: &str) -> Option<u32> {
+    TIER_SCHEDULING.get(tier).and_then(|s| s.tpot_ms).map(|ms| ms.clamp(1, 60_000))
 }
 
 /// A tenant as listed.
@@ -933,5 +941,7 @@ mod tests {
         }
         assert_eq!(tier_weight("enterprise"), 4);
         assert_eq!(tier_weight("no-such-tier"), 1);
+        assert_eq!(tier_tpot_ms("standard"), Some(100));
+        assert_eq!(tier_tpot_ms("no-such-tier"), None);
     }
 }

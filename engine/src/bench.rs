@@ -236,6 +236,7 @@ pub fn bench_engine(
                             cache_scope: CacheScope::Private(id),
                             priority: 0,
                             weight: 1,
+                            tpot_target: None,
                             arrival: Instant::now(),
                         };
                         let mut stream = handle.submit(req)?;

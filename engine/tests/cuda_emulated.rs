@@ -370,6 +370,7 @@ fn the_serving_engine_runs_on_the_emulated_device() -> anyhow::Result<()> {
         cache_scope: CacheScope::Private(id.into()),
         priority: 0,
         weight: 1,
+        tpot_target: None,
         arrival: Instant::now(),
     };
     let request = |id: &str, prompt: &[u32], logprobs: Option<usize>| {

@@ -31,6 +31,7 @@ fn request(id: &str, prompt: Vec<u32>, max_tokens: usize, scope: CacheScope) -> 
         cache_scope: scope,
         priority: 0,
         weight: 1,
+        tpot_target: None,
         arrival: Instant::now(),
     }
 }

@@ -1163,6 +1163,9 @@ impl ProxyHttp for Gateway {
             req.insert_header("x-sluice-priority", priority.to_string())?;
             let weight = sluice_billing::control::tier_weight(&g.tier);
             req.insert_header("x-sluice-weight", weight.to_string())?;
+            if let Some(ms) = sluice_billing::control::tier_tpot_ms(&g.tier) {
+                req.insert_header("x-sluice-tpot-ms", ms.to_string())?;
+            }
         }
         req.insert_header("x-sluice-request-id", ctx.request_id.as_str())?;
         // The gateway span's context when traces are exported; otherwise the client's trace

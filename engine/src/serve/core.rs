@@ -16,9 +16,9 @@ use crate::sampler::{Sampler, log_softmax, top_n};
 use crate::serve::block_pool::CacheKey;
 use crate::serve::fair::{FairConfig, Vtc};
 use crate::serve::kv_manager::KvManager;
-use crate::serve::metrics::{EngineMetrics, FinishLabel};
+use crate::serve::metrics::{EngineMetrics, FinishLabel, TenantLabels, TenantSample};
 use crate::serve::outcomes::OutcomeLog;
-use crate::serve::scheduler::{Fcfs, Scheduler, SchedulerConfig, WaitingPolicy};
+use crate::serve::scheduler::{Fcfs, Scheduler, SchedulerConfig, SeqPolicy, WaitingPolicy};
 use crate::serve::stop::{StopOutcome, StopText};
 use crate::serve::{
     EngineEvent, EngineTimings, FinishReason, PromptLogprob, TokenOutput, Usage, ValidRequest,
@@ -141,6 +141,8 @@ pub struct EngineCore {
     reqs: HashMap<String, ReqState>,
     metrics: Arc<EngineMetrics>,
     outcomes: Arc<OutcomeLog>,
+    /// Which tenants the per-tenant metrics name.
+    tenant_labels: TenantLabels,
 }
 
 impl EngineCore {
@@ -204,6 +206,7 @@ impl EngineCore {
             reqs: HashMap::new(),
             metrics,
             outcomes: Arc::default(),
+            tenant_labels: TenantLabels::default(),
         })
     }
 
@@ -249,13 +252,12 @@ impl EngineCore {
             req,
         };
         let r = &state.req;
-        self.sched.add_weighted(
-            r.request_id.clone(),
-            r.prompt.clone(),
-            r.cache_scope.clone(),
-            r.priority,
-            r.weight,
-        );
+        let policy = SeqPolicy {
+            priority: r.priority,
+            weight: r.weight,
+            tpot_target: r.tpot_target.map(|t| t.as_secs_f64()),
+        };
+        self.sched.add_with(r.request_id.clone(), r.prompt.clone(), r.cache_scope.clone(), policy);
         self.reqs.insert(r.request_id.clone(), state);
         self.update_gauges();
     }
@@ -367,7 +369,12 @@ impl EngineCore {
                 _ => Pick::Logits,
             })
             .collect();
+        let began = Instant::now();
         let result = self.backend.forward_picking(&self.model.weights, &inputs, &picks);
+        // The step-time model behind the TPOT limit learns from every pass.
+        let tokens = work.iter().map(|w| w.tokens.len()).sum();
+        let context = work.iter().map(|w| w.start + w.tokens.len()).sum();
+        self.sched.observe_step(tokens, context, work.len(), began.elapsed().as_secs_f64());
         let StepOutput { logits, picked } = match result {
             Ok(out) => out,
             Err(e) => {
@@ -552,6 +559,20 @@ impl EngineCore {
         }
         self.metrics.e2e.observe(timings.e2e);
         self.metrics.prompt_tokens.inc_by(usage.prompt_tokens as u64);
+        let tenant = match &st.req.cache_scope {
+            crate::serve::CacheScope::Tenant(t) => t.as_str(),
+            crate::serve::CacheScope::Private(_) => "",
+        };
+        let (label, dropped) = self.tenant_labels.label(tenant, now);
+        let sample = TenantSample {
+            queue: st.first_scheduled.map(|_| timings.queue),
+            ttft: st.first_token.map(|_| timings.ttft),
+            tpot: (st.output > 1).then(|| timings.decode / (st.output - 1) as f64),
+            prompt_tokens: usage.prompt_tokens as u64,
+            generation_tokens: st.output as u64,
+            preemptions: u64::from(timings.preemptions),
+        };
+        self.metrics.record_tenant(&label, &sample, &dropped);
         self.metrics
             .finished
             .get_or_create(&FinishLabel { finished_reason: reason.as_str().into() })

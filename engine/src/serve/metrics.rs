@@ -1,6 +1,9 @@
-//! Prometheus metrics, named after vLLM's with a `sluice_engine_` prefix.
+//! Prometheus metrics, named after vLLM's with a `sluice_engine_` prefix, and per-tenant
+//! ones (`sluice_engine_tenant_*`) under a label of bounded cardinality ([`TenantLabels`]).
 
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicU64;
+use std::time::{Duration, Instant};
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -14,6 +17,95 @@ use prometheus_client::registry::Registry;
 pub struct FinishLabel {
     /// `stop`, `length`, `abort` or `error`.
     pub finished_reason: String,
+}
+
+/// Label of the per-tenant metrics.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantLabel {
+    /// A tenant id, `other` (beyond the busiest [`TENANT_LABELS`]) or `none` (no tenant).
+    pub tenant: String,
+}
+
+/// Tenants named in the per-tenant metrics; the rest are `other`.
+pub const TENANT_LABELS: usize = 20;
+
+/// How often the named tenants are chosen anew, by their requests in the last window.
+const TENANT_WINDOW: Duration = Duration::from_secs(60);
+
+/// Which tenants the per-tenant metrics name: up to `capacity` of them, chosen at the end of
+/// each window as the busiest of that window (by finished requests); in between, a tenant new
+/// to the metrics gets a name while there is room. Everyone else is `other`, so the number of
+/// series stays bounded whatever tenants send.
+#[derive(Debug)]
+pub struct TenantLabels {
+    capacity: usize,
+    window: Duration,
+    named: HashSet<String>,
+    counts: HashMap<String, u64>,
+    since: Instant,
+}
+
+impl TenantLabels {
+    /// Labels for up to `capacity` tenants, chosen anew every `window`.
+    pub fn new(capacity: usize, window: Duration, now: Instant) -> Self {
+        TenantLabels { capacity, window, named: HashSet::new(), counts: HashMap::new(), since: now }
+    }
+
+    /// The label of a request of `tenant` (empty: none) finishing at `now`, and the tenants
+    /// whose series end because a new window named others.
+    pub fn label(&mut self, tenant: &str, now: Instant) -> (TenantLabel, Vec<String>) {
+        let mut dropped = Vec::new();
+        if now.duration_since(self.since) >= self.window {
+            let mut ranked: Vec<(&String, &u64)> = self.counts.iter().collect();
+            ranked.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+            let busiest: HashSet<String> =
+                ranked.into_iter().take(self.capacity).map(|(t, _)| t.clone()).collect();
+            dropped = self.named.difference(&busiest).cloned().collect();
+            dropped.sort();
+            self.named = busiest;
+            self.counts.clear();
+            self.since = now;
+        }
+        if tenant.is_empty() {
+            return (TenantLabel { tenant: "none".into() }, dropped);
+        }
+        *self.counts.entry(tenant.to_owned()).or_insert(0) += 1;
+        if !self.named.contains(tenant) && self.named.len() < self.capacity {
+            self.named.insert(tenant.to_owned());
+        }
+        let name = if self.named.contains(tenant) { tenant } else { "other" };
+        (TenantLabel { tenant: name.to_owned() }, dropped)
+    }
+}
+
+impl Default for TenantLabels {
+    fn default() -> Self {
+        TenantLabels::new(TENANT_LABELS, TENANT_WINDOW, Instant::now())
+    }
+}
+
+/// A per-tenant histogram family.
+type TenantHistograms = Family<TenantLabel, Histogram, fn() -> Histogram>;
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(latency_buckets())
+}
+
+/// What a finished request adds to its tenant's metrics.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TenantSample {
+    /// Arrival to first scheduled, seconds (`None`: never scheduled).
+    pub queue: Option<f64>,
+    /// Arrival to first token, seconds.
+    pub ttft: Option<f64>,
+    /// Mean time per output token after the first, seconds.
+    pub tpot: Option<f64>,
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Generated tokens.
+    pub generation_tokens: u64,
+    /// Times it was preempted.
+    pub preemptions: u64,
 }
 
 /// All engine metrics.
@@ -50,6 +142,18 @@ pub struct EngineMetrics {
     pub generation_tokens: Counter,
     /// Finished requests by reason.
     pub finished: Family<FinishLabel, Counter>,
+    /// Per tenant: arrival to first scheduled.
+    pub tenant_queue: TenantHistograms,
+    /// Per tenant: arrival to first token.
+    pub tenant_ttft: TenantHistograms,
+    /// Per tenant: mean time per output token of each request.
+    pub tenant_tpot: TenantHistograms,
+    /// Per tenant: prompt tokens of finished requests.
+    pub tenant_prompt_tokens: Family<TenantLabel, Counter>,
+    /// Per tenant: generated tokens of finished requests.
+    pub tenant_generation_tokens: Family<TenantLabel, Counter>,
+    /// Per tenant: preemptions of finished requests.
+    pub tenant_preemptions: Family<TenantLabel, Counter>,
 }
 
 fn latency_buckets() -> impl Iterator<Item = f64> {
@@ -81,6 +185,12 @@ impl EngineMetrics {
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
             finished: Family::default(),
+            tenant_queue: Family::new_with_constructor(latency_histogram),
+            tenant_ttft: Family::new_with_constructor(latency_histogram),
+            tenant_tpot: Family::new_with_constructor(latency_histogram),
+            tenant_prompt_tokens: Family::default(),
+            tenant_generation_tokens: Family::default(),
+            tenant_preemptions: Family::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -131,7 +241,62 @@ impl EngineMetrics {
         r.register("prompt_tokens", "Prompt tokens of finished requests", m.prompt_tokens.clone());
         r.register("generation_tokens", "Generated tokens", m.generation_tokens.clone());
         r.register("request_success", "Finished requests by finish reason", m.finished.clone());
+        r.register(
+            "tenant_request_queue_time_seconds",
+            "Arrival to first scheduled, by tenant",
+            m.tenant_queue.clone(),
+        );
+        r.register(
+            "tenant_time_to_first_token_seconds",
+            "Arrival to first token, by tenant",
+            m.tenant_ttft.clone(),
+        );
+        r.register(
+            "tenant_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request, by tenant",
+            m.tenant_tpot.clone(),
+        );
+        r.register(
+            "tenant_prompt_tokens",
+            "Prompt tokens of finished requests, by tenant",
+            m.tenant_prompt_tokens.clone(),
+        );
+        r.register(
+            "tenant_generation_tokens",
+            "Generated tokens of finished requests, by tenant",
+            m.tenant_generation_tokens.clone(),
+        );
+        r.register(
+            "tenant_preemptions",
+            "Preemptions of finished requests, by tenant",
+            m.tenant_preemptions.clone(),
+        );
         EngineMetrics { registry, ..m }
+    }
+
+    /// Adds a finished request to its tenant's series; ends the series of `dropped` tenants.
+    pub fn record_tenant(&self, label: &TenantLabel, sample: &TenantSample, dropped: &[String]) {
+        for tenant in dropped {
+            let gone = TenantLabel { tenant: tenant.clone() };
+            self.tenant_queue.remove(&gone);
+            self.tenant_ttft.remove(&gone);
+            self.tenant_tpot.remove(&gone);
+            self.tenant_prompt_tokens.remove(&gone);
+            self.tenant_generation_tokens.remove(&gone);
+            self.tenant_preemptions.remove(&gone);
+        }
+        if let Some(q) = sample.queue {
+            self.tenant_queue.get_or_create(label).observe(q);
+        }
+        if let Some(t) = sample.ttft {
+            self.tenant_ttft.get_or_create(label).observe(t);
+        }
+        if let Some(t) = sample.tpot {
+            self.tenant_tpot.get_or_create(label).observe(t);
+        }
+        self.tenant_prompt_tokens.get_or_create(label).inc_by(sample.prompt_tokens);
+        self.tenant_generation_tokens.get_or_create(label).inc_by(sample.generation_tokens);
+        self.tenant_preemptions.get_or_create(label).inc_by(sample.preemptions);
     }
 
     /// The text exposition format.
@@ -147,5 +312,57 @@ impl EngineMetrics {
 impl Default for EngineMetrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tenant_labels_stay_bounded_and_follow_the_busiest() {
+        let t0 = Instant::now();
+        let mut l = TenantLabels::new(2, Duration::from_secs(60), t0);
+        let name = |l: &mut TenantLabels, t: &str, at: u64| {
+            l.label(t, t0 + Duration::from_secs(at)).0.tenant
+        };
+        assert_eq!(name(&mut l, "a", 0), "a");
+        assert_eq!(name(&mut l, "b", 1), "b");
+        assert_eq!(name(&mut l, "c", 2), "other", "no room for a third name");
+        assert_eq!(name(&mut l, "", 3), "none");
+        for _ in 0..5 {
+            name(&mut l, "c", 10);
+        }
+        // The next window names the busiest of the last one: c (6) and a (1, before b by
+        // name at equal counts); b's series end.
+        let (label, dropped) = l.label("b", t0 + Duration::from_secs(61));
+        assert_eq!((label.tenant.as_str(), dropped), ("other", vec!["b".to_string()]));
+        assert_eq!(name(&mut l, "c", 62), "c");
+    }
+
+    #[test]
+    fn a_finished_request_lands_in_its_tenants_series_and_dropped_ones_vanish() {
+        let m = EngineMetrics::new();
+        let sample = TenantSample {
+            queue: Some(0.2),
+            ttft: Some(0.3),
+            tpot: Some(0.02),
+            prompt_tokens: 12,
+            generation_tokens: 5,
+            preemptions: 1,
+        };
+        m.record_tenant(&TenantLabel { tenant: "acme".into() }, &sample, &[]);
+        let text = m.encode();
+        assert!(
+            text.contains("sluice_engine_tenant_prompt_tokens_total{tenant=\"acme\"} 12"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "sluice_engine_tenant_time_to_first_token_seconds_count{tenant=\"acme\"} 1"
+            )
+        );
+        m.record_tenant(&TenantLabel { tenant: "other".into() }, &sample, &["acme".into()]);
+        assert!(!m.encode().contains("tenant=\"acme\""));
     }
 }

@@ -13,9 +13,10 @@ pub mod kv_manager;
 pub mod metrics;
 pub mod outcomes;
 pub mod scheduler;
+pub mod step_model;
 pub mod stop;
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
@@ -58,6 +59,9 @@ pub struct ValidRequest {
     pub priority: i32,
     /// The tenant's weight in the fair order (its tier's share; at least 1).
     pub weight: u32,
+    /// The time per output token to keep it within (its tier's target): the running batch
+    /// grows only while the predicted step time allows it.
+    pub tpot_target: Option<Duration>,
     /// When the request arrived at the engine.
     pub arrival: Instant,
 }

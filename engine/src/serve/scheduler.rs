@@ -1,13 +1,21 @@
 //! Continuous batching in the manner of vLLM v1: one token budget per step, running requests
 //! first, chunked prefill, a cap on running sequences, preemption by recompute when blocks
 //! run out. Waiting requests are admitted in the order of a [`WaitingPolicy`]: tenant-fair
-//! ([`crate::serve::fair::Vtc`], the default) or first come, first served ([`Fcfs`]). Plain
-//! synchronous state, tested without threads or a model.
+//! ([`crate::serve::fair::Vtc`], the default) or first come, first served ([`Fcfs`]). The
+//! running batch grows only while the predicted step time ([`StepModel`], fitted from the
+//! engine's own steps) keeps every running request within its TPOT target: beyond that,
+//! requests wait in the policy's order instead of slowing everyone down. Plain synchronous
+//! state, tested without threads or a model.
 
 use std::collections::{HashMap, VecDeque};
 
 use crate::serve::CacheScope;
 use crate::serve::kv_manager::KvManager;
+use crate::serve::step_model::StepModel;
+
+/// The share of a TPOT target the batch is filled to: the rest absorbs the variance of real
+/// steps around the model's mean.
+const TPOT_HEADROOM: f64 = 0.9;
 
 /// Scheduler limits.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -91,6 +99,23 @@ impl WaitingPolicy for Fcfs {
     }
 }
 
+/// How a request is to be scheduled, beside its tokens.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SeqPolicy {
+    /// Priority (higher first; lowest preempted first).
+    pub priority: i32,
+    /// The tenant's weight in the fair order (at least 1).
+    pub weight: u32,
+    /// The time per output token this request must be kept within, in seconds.
+    pub tpot_target: Option<f64>,
+}
+
+impl Default for SeqPolicy {
+    fn default() -> Self {
+        SeqPolicy { priority: 0, weight: 1, tpot_target: None }
+    }
+}
+
 /// What the scheduler knows of a request.
 #[derive(Debug)]
 pub struct SeqState {
@@ -110,6 +135,8 @@ pub struct SeqState {
     pub weight: u32,
     /// Priority (higher first; lowest preempted first).
     pub priority: i32,
+    /// The time per output token to keep it within, in seconds.
+    pub tpot_target: Option<f64>,
     /// Arrival order, for "newest" among equal priorities.
     pub seq_no: u64,
     /// Times preempted.
@@ -138,6 +165,8 @@ pub struct StepPlan {
     pub preempted: Vec<String>,
     /// Requests admitted for the first time this step.
     pub newly_admitted: Vec<String>,
+    /// Whether a waiting request was held back because the batch is at its TPOT limit.
+    pub held_for_tpot: bool,
 }
 
 /// The scheduler.
@@ -149,6 +178,8 @@ pub struct Scheduler {
     seqs: HashMap<String, SeqState>,
     kv: KvManager,
     next_seq: u64,
+    /// Step times learned from the engine's own steps.
+    step_model: StepModel,
 }
 
 impl Scheduler {
@@ -158,7 +189,15 @@ impl Scheduler {
         kv: KvManager,
         waiting: Box<dyn WaitingPolicy>,
     ) -> Scheduler {
-        Scheduler { config, waiting, running: Vec::new(), seqs: HashMap::new(), kv, next_seq: 0 }
+        Scheduler {
+            config,
+            waiting,
+            running: Vec::new(),
+            seqs: HashMap::new(),
+            kv,
+            next_seq: 0,
+            step_model: StepModel::default(),
+        }
     }
 
     /// The KV manager (block tables).
@@ -166,20 +205,14 @@ impl Scheduler {
         &self.kv
     }
 
-    /// Queues a request of weight 1.
+    /// Queues a request of weight 1 and no TPOT target.
     pub fn add(&mut self, id: String, prompt: Vec<u32>, scope: CacheScope, priority: i32) {
-        self.add_weighted(id, prompt, scope, priority, 1);
+        self.add_with(id, prompt, scope, SeqPolicy { priority, ..SeqPolicy::default() });
     }
 
-    /// Queues a request whose tenant (the one of its cache scope) has `weight`.
-    pub fn add_weighted(
-        &mut self,
-        id: String,
-        prompt: Vec<u32>,
-        scope: CacheScope,
-        priority: i32,
-        weight: u32,
-    ) {
+    /// Queues a request; its tenant is the one of its cache scope.
+    pub fn add_with(&mut self, id: String, prompt: Vec<u32>, scope: CacheScope, policy: SeqPolicy) {
+        let SeqPolicy { priority, weight, tpot_target } = policy;
         self.next_seq += 1;
         let tenant = match &scope {
             CacheScope::Tenant(t) => t.clone(),
@@ -194,6 +227,7 @@ impl Scheduler {
             tenant: tenant.clone(),
             weight: weight.max(1),
             priority,
+            tpot_target,
             seq_no: self.next_seq,
             preemptions: 0,
             admitted: false,
@@ -335,6 +369,28 @@ impl Scheduler {
         plan.preempted.push(id.to_string());
     }
 
+    /// Records that a step of `seqs` sequences computing `tokens` tokens and reading
+    /// `context` cached ones took `seconds` (the step-time model learns from it).
+    pub fn observe_step(&mut self, tokens: usize, context: usize, seqs: usize, seconds: f64) {
+        self.step_model.observe(tokens, context, seqs, seconds);
+    }
+
+    /// Whether `candidate` may join the running batch: the time per output token the batch
+    /// would give (its decode step, with the recent share of prefill work) is predicted to
+    /// stay within the tightest TPOT target of the batch and the candidate.
+    /// Until the model is warm, or when nobody has a target, it may.
+    fn within_tpot(&self, candidate: &SeqState) -> bool {
+        let running = || self.running.iter().filter_map(|id| self.seqs.get(id));
+        let target = running()
+            .filter_map(|s| s.tpot_target)
+            .chain(candidate.tpot_target)
+            .min_by(f64::total_cmp);
+        let Some(target) = target else { return true };
+        let context = running().map(|s| s.tokens.len()).sum::<usize>() + candidate.tokens.len();
+        let predicted = self.step_model.predict_tpot(self.running.len() + 1, context);
+        predicted.is_none_or(|t| t <= TPOT_HEADROOM * target)
+    }
+
     fn admit_waiting(&mut self, budget: &mut usize, plan: &mut StepPlan) {
         while *budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(id) = self.waiting.peek().map(str::to_string) else { break };
@@ -342,6 +398,12 @@ impl Scheduler {
                 self.waiting.pop();
                 continue;
             };
+            // A batch at its TPOT limit takes no one else: the rest wait, in the policy's
+            // order (a lone request always runs).
+            if !self.running.is_empty() && !self.within_tpot(s) {
+                plan.held_for_tpot = true;
+                break;
+            }
             let n = s.tokens.len();
             // At least one token is always computed, so a fully cached prompt still yields
             // logits: hits cover at most n - 1 tokens.
@@ -529,13 +591,74 @@ mod tests {
         assert_eq!(f.schedule().newly_admitted, vec!["flood-2".to_string()]);
     }
 
+    fn weight(weight: u32) -> SeqPolicy {
+        SeqPolicy { weight, ..SeqPolicy::default() }
+    }
+
+    /// A scheduler whose step-time model has learned `0.01 s + 0.01 s per token`.
+    fn trained(seqs: usize) -> Scheduler {
+        let mut s = fair(256, 100, seqs);
+        for i in 0..40 {
+            let tokens = 1 + i % 8;
+            s.observe_step(tokens, 50 * (i % 7), tokens, 0.01 + 0.01 * tokens as f64);
+        }
+        s
+    }
+
+    #[test]
+    fn the_batch_grows_only_while_the_predicted_step_keeps_the_tpot_target() {
+        let tight = SeqPolicy { tpot_target: Some(0.06), ..SeqPolicy::default() };
+        let mut s = trained(64);
+        for i in 0..10 {
+            s.add_with(format!("r-{i}"), vec![1, 2, 3], tenant("t"), tight);
+        }
+        // 4 running make a 0.05 s step; a fifth would make 0.06 s, over 90% of the 0.06 s
+        // target (the headroom).
+        let p = s.schedule();
+        assert_eq!((p.newly_admitted.len(), p.held_for_tpot), (4, true));
+        assert_eq!((s.num_running(), s.num_waiting()), (4, 6));
+        // One finishes: one more joins.
+        run_step(&mut s, &p, 5);
+        s.remove("r-0");
+        let p = s.schedule();
+        assert_eq!(p.newly_admitted, vec!["r-4".to_string()]);
+        // Without targets the batch is bounded by max_num_seqs only.
+        let mut s = trained(64);
+        for i in 0..10 {
+            s.add(format!("r-{i}"), vec![1, 2, 3], tenant("t"), 0);
+        }
+        let p = s.schedule();
+        assert_eq!((p.newly_admitted.len(), p.held_for_tpot), (10, false));
+    }
+
+    #[test]
+    fn the_tightest_target_in_the_batch_holds_for_everyone_and_a_lone_request_runs() {
+        let loose = SeqPolicy { tpot_target: Some(1.0), ..SeqPolicy::default() };
+        let tight = SeqPolicy { tpot_target: Some(0.025), ..SeqPolicy::default() };
+        let mut s = trained(64);
+        // The tight request is first in the fair order (the shorter queue).
+        s.add_with("tight".into(), vec![1, 2, 3], tenant("a"), tight);
+        for i in 0..5 {
+            s.add_with(format!("loose-{i}"), vec![1, 2, 3], tenant("b"), loose);
+        }
+        let p = s.schedule();
+        // tight + 1 more = 0.03 s > 0.9 x 0.025 s: tight runs alone.
+        assert_eq!(p.newly_admitted.len(), 1, "{:?}", p.newly_admitted);
+        assert!(p.held_for_tpot);
+        run_step(&mut s, &p, 5);
+        s.remove(&p.newly_admitted[0]);
+        // Once it is gone, the loose requests fill the batch.
+        let p = s.schedule();
+        assert_eq!(p.newly_admitted.len(), 5);
+    }
+
     #[test]
     fn weights_share_admissions() {
         // One slot, both tenants always waiting: a weight-2 tenant is admitted twice as often.
         let mut s = fair(256, 100, 1);
         for i in 0..12 {
-            s.add_weighted(format!("gold-{i}"), vec![1, 2, 3, 4], tenant("gold"), 0, 2);
-            s.add_weighted(format!("plain-{i}"), vec![1, 2, 3, 4], tenant("plain"), 0, 1);
+            s.add_with(format!("gold-{i}"), vec![1, 2, 3, 4], tenant("gold"), weight(2));
+            s.add_with(format!("plain-{i}"), vec![1, 2, 3, 4], tenant("plain"), weight(1));
         }
         let mut order = Vec::new();
         for _ in 0..9 {

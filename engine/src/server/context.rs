@@ -20,6 +20,8 @@ pub const PRIORITY_HEADER: &str = "x-sluice-priority";
 pub const WEIGHT_HEADER: &str = "x-sluice-weight";
 /// The largest weight a tenant can have.
 pub const MAX_WEIGHT: u32 = 1000;
+/// The time per output token to keep the request within, in milliseconds (1 to 60,000).
+pub const TPOT_HEADER: &str = "x-sluice-tpot-ms";
 /// W3C trace context.
 pub const TRACEPARENT_HEADER: &str = "traceparent";
 /// The execution identity, compact form.
@@ -78,6 +80,8 @@ pub struct RequestContext {
     pub priority: i32,
     /// The tenant's weight in the fair order.
     pub weight: u32,
+    /// The TPOT target to keep the request within.
+    pub tpot_target: Option<std::time::Duration>,
     /// Trace context, when a valid one came in.
     pub trace: Option<TraceContext>,
     /// When the request reached the engine: the origin of every engine-side timing.
@@ -141,9 +145,30 @@ impl RequestContext {
             }
             None => 1,
         };
+        let tpot_target = match text(TPOT_HEADER)? {
+            Some(ms) => Some(
+                ms.parse::<u64>()
+                    .ok()
+                    .filter(|ms| (1..=60_000).contains(ms))
+                    .map(std::time::Duration::from_millis)
+                    .ok_or_else(|| {
+                        ApiError::invalid(TPOT_HEADER, format!("{TPOT_HEADER} must be 1 to 60000"))
+                    })?,
+            ),
+            None => None,
+        };
         let trace = text(TRACEPARENT_HEADER).ok().flatten().and_then(|t| parse_traceparent(&t));
         let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-        Ok(RequestContext { request_id, tenant, priority, weight, trace, arrival, created })
+        Ok(RequestContext {
+            request_id,
+            tenant,
+            priority,
+            weight,
+            tpot_target,
+            trace,
+            arrival,
+            created,
+        })
     }
 
     /// The trace id, when a trace context came in.
@@ -254,6 +279,7 @@ mod tests {
                 ("x-sluice-request-id", "req-1"),
                 ("x-sluice-priority", "-3"),
                 ("x-sluice-weight", "4"),
+                ("x-sluice-tpot-ms", "80"),
                 ("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
             ]),
             now,
@@ -262,6 +288,7 @@ mod tests {
         assert_eq!(c.request_id, "req-1");
         assert_eq!(c.priority, -3);
         assert_eq!(c.weight, 4);
+        assert_eq!(c.tpot_target, Some(std::time::Duration::from_millis(80)));
         assert_eq!(c.trace_id(), Some("4bf92f3577b34da6a3ce929d0e0e4736"));
 
         let c = RequestContext::from_headers(&HeaderMap::new(), now)?;
@@ -272,6 +299,8 @@ mod tests {
             ("x-sluice-priority", "high"),
             ("x-sluice-weight", "0"),
             ("x-sluice-weight", "1001"),
+            ("x-sluice-tpot-ms", "0"),
+            ("x-sluice-tpot-ms", "fast"),
             ("x-sluice-request-id", "has space"),
             ("x-sluice-request-id", ""),
         ] {

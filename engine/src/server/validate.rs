@@ -87,6 +87,7 @@ impl Plan {
                 cache_scope: scope.clone(),
                 priority: ctx.priority,
                 weight: ctx.weight,
+                tpot_target: ctx.tpot_target,
                 arrival: ctx.arrival,
             })
             .collect()
