@@ -1,11 +1,16 @@
 //! The connection layer under pingora's HTTP/1 parser. pingora bounds each read of a request
 //! head, not the head as a whole, so a client trickling header bytes could hold a connection
 //! forever; and it answers a head it cannot parse with an empty-bodied 400 before any
-//! [`pingora::proxy::ProxyHttp`] phase runs. [`HeadGuard`] wraps every client stream: each
-//! request head must arrive whole within `--header-timeout` (the first one counted from the
-//! accept, later ones from their first byte), at most [`MAX_HEAD`] bytes, and well-formed; a
-//! head that is not gets a 408, 414, 431 or 400 with an OpenAI error body, and the connection
-//! closes. The guard only looks at heads: bodies and responses pass through untouched.
+//! [`pingora::proxy::ProxyHttp`] phase runs. [`HeadGuard`] wraps every client stream.
+//!
+//! The connection's first request head must arrive whole within `--header-timeout` (counted
+//! from the accept), at most [`MAX_HEAD`] bytes, and well-formed; one that is not gets a 408,
+//! 414, 431 or 400 with an OpenAI error body, and the connection closes. A later head on a
+//! kept-alive connection gets the same deadline from its first byte, but past it the
+//! connection just closes, and a malformed one is left to pingora: the guard does not follow
+//! body framing, so after the first request it cannot tell a head from the rest of a body or
+//! a pipelined request read in the middle, and must never write into a response that may
+//! still be under way. Bodies and responses pass through untouched.
 
 use std::future::Future;
 use std::io;
@@ -83,8 +88,9 @@ impl ServerApp for FrontDoor {
 /// Where a connection is in its request/response cycle, as far as heads are concerned.
 #[derive(Debug)]
 enum State {
-    /// A request head is arriving: its bytes so far and its deadline.
-    Head { head: Vec<u8>, deadline: Pin<Box<Sleep>> },
+    /// A request head is arriving: its bytes so far, its deadline, and whether it is the
+    /// connection's first (only that one is refused with an answer; see the module docs).
+    Head { head: Vec<u8>, deadline: Pin<Box<Sleep>>, first: bool },
     /// The head passed; the body goes through until the response starts.
     Message,
     /// The response has started: the next bytes that arrive begin a new head.
@@ -109,14 +115,18 @@ pub struct HeadGuard {
 impl HeadGuard {
     /// Guards `inner`; its first head's deadline starts now.
     pub fn new(inner: Stream, timeout: Duration) -> Self {
-        let state =
-            State::Head { head: Vec::new(), deadline: Box::pin(tokio::time::sleep(timeout)) };
+        let state = State::Head {
+            head: Vec::new(),
+            deadline: Box::pin(tokio::time::sleep(timeout)),
+            first: true,
+        };
         Self { inner, timeout, state }
     }
 
     /// Looks at the `fresh` bytes just read into `buf` (from `before`) while a head arrives.
     fn scan(&mut self, buf: &mut ReadBuf<'_>, before: usize) {
-        let State::Head { head, .. } = &mut self.state else { return };
+        let State::Head { head, first, .. } = &mut self.state else { return };
+        let first = *first;
         let from = head.len().saturating_sub(2);
         let fresh = &buf.filled()[before..];
         let new_line = fresh.contains(&b'\n');
@@ -133,6 +143,8 @@ impl HeadGuard {
         match verdict {
             Ok(true) => self.state = State::Message,
             Ok(false) => {}
+            // A later head: pingora judges it.
+            Err(_) if !first => self.state = State::Message,
             Err(answer) => {
                 // pingora never sees the bytes that broke the rule.
                 buf.set_filled(before);
@@ -259,14 +271,15 @@ impl AsyncRead for HeadGuard {
                         return Poll::Ready(Ok(()));
                     }
                     let deadline = Box::pin(tokio::time::sleep(this.timeout));
-                    this.state = State::Head { head: Vec::new(), deadline };
+                    this.state = State::Head { head: Vec::new(), deadline, first: false };
                 }
-                State::Head { head, deadline } => {
+                State::Head { head, deadline, first } => {
                     match Pin::new(&mut this.inner).poll_read(cx, buf) {
                         Poll::Pending => {
                             ready!(deadline.as_mut().poll(cx));
-                            if head.is_empty() {
-                                // Nothing was sent: close as an idle connection is closed.
+                            if head.is_empty() || !*first {
+                                // Nothing was sent, or a later head (a response may be under
+                                // way): close as an idle connection is closed.
                                 this.state = State::Closed;
                                 return Poll::Ready(Ok(()));
                             }

@@ -513,8 +513,16 @@ impl Gateway {
     /// Answers `r` to the client; `logging` bills it as a refused request (once authenticated).
     async fn refuse(&self, session: &mut Session, ctx: &mut Ctx, r: Refusal) -> Result<bool> {
         self.metrics.refusals.get_or_create(&RefusalLabels { reason: r.label() }).inc();
+        // A body left unread is not drained for another request on this connection: it closes
+        // after the answer.
+        if !session.is_body_done() {
+            session.set_keepalive(None);
+        }
         ctx.status = r.status();
-        ctx.outcome = Outcome::Refused(r.finish_reason());
+        // A replay whose write failed ran nothing and bills nothing, as before.
+        if ctx.outcome != Outcome::Replayed {
+            ctx.outcome = Outcome::Refused(r.finish_reason());
+        }
         let mut headers = r.headers();
         headers.push(("x-sluice-request-id".into(), ctx.request_id.clone()));
         respond(session, r.status(), r.body(), &headers).await?;

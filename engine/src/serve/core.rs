@@ -19,6 +19,7 @@ use crate::serve::kv_manager::KvManager;
 use crate::serve::metrics::{EngineMetrics, FinishLabel, TenantLabels, TenantSample};
 use crate::serve::outcomes::OutcomeLog;
 use crate::serve::scheduler::{Fcfs, Scheduler, SchedulerConfig, SeqPolicy, WaitingPolicy};
+use crate::serve::step_model::StepShape;
 use crate::serve::stop::{StopOutcome, StopText};
 use crate::serve::{
     EngineEvent, EngineTimings, FinishReason, PromptLogprob, TokenOutput, Usage, ValidRequest,
@@ -372,9 +373,16 @@ impl EngineCore {
         let began = Instant::now();
         let result = self.backend.forward_picking(&self.model.weights, &inputs, &picks);
         // The step-time model behind the TPOT limit learns from every pass.
-        let tokens = work.iter().map(|w| w.tokens.len()).sum();
-        let context = work.iter().map(|w| w.start + w.tokens.len()).sum();
-        self.sched.observe_step(tokens, context, work.len(), began.elapsed().as_secs_f64());
+        let shape = StepShape {
+            tokens: work.iter().map(|w| w.tokens.len()).sum(),
+            context: work.iter().map(|w| w.start + w.tokens.len()).sum(),
+            seqs: work.len(),
+            decoding: work
+                .iter()
+                .filter(|w| w.tokens.len() == 1 && w.start >= w.prompt_len)
+                .count(),
+        };
+        self.sched.observe_step(shape, began.elapsed().as_secs_f64());
         let StepOutput { logits, picked } = match result {
             Ok(out) => out,
             Err(e) => {

@@ -18,7 +18,7 @@
 //! ([`WaitingPolicy::served`]), so a tenant's long generations raise its counter while they
 //! run. Plain synchronous state, tested without threads or a model.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 
 use crate::serve::scheduler::{Waiter, WaitingPolicy};
 
@@ -62,6 +62,11 @@ pub struct Vtc {
     bands: BTreeMap<i32, HashMap<String, VecDeque<Entry>>>,
     /// Each waiting request's (priority, tenant), for removal by id.
     index: HashMap<String, (i32, String)>,
+    /// The step at which each live request first started waiting (kept across preemptions,
+    /// so the starvation bound counts from the first wait).
+    first_wait: HashMap<String, u64>,
+    /// Admitted requests and their tenants: a tenant still running keeps its counter.
+    running: HashMap<String, String>,
     /// The counter of the tenant whose queue emptied last (the lift when nobody waits).
     last_left: f64,
     /// Steps so far.
@@ -129,7 +134,9 @@ impl Vtc {
             *c = c.max(floor);
         }
         self.pushed += 1;
-        let entry = Entry { id: w.id.clone(), since: self.step, seq: self.pushed };
+        self.running.remove(&w.id);
+        let since = *self.first_wait.entry(w.id.clone()).or_insert(self.step);
+        let entry = Entry { id: w.id.clone(), since, seq: self.pushed };
         let queue = self.bands.entry(w.priority).or_default().entry(w.tenant.clone()).or_default();
         if front {
             queue.push_front(entry);
@@ -153,11 +160,14 @@ impl Vtc {
         }
     }
 
-    /// Forgets counters that a return from idle would lift anyway (bounded memory).
+    /// Forgets counters that a return from idle would lift anyway (bounded memory); those of
+    /// tenants waiting or running stay.
     fn prune(&mut self) {
         let floor = self.min_waiting().unwrap_or(self.last_left);
-        let waiting: Vec<String> = self.bands.values().flat_map(|b| b.keys().cloned()).collect();
-        self.counters.retain(|t, c| *c > floor || waiting.contains(t));
+        let mut live: HashSet<String> =
+            self.bands.values().flat_map(|b| b.keys().cloned()).collect();
+        live.extend(self.running.values().cloned());
+        self.counters.retain(|t, c| *c > floor || live.contains(t));
     }
 }
 
@@ -180,11 +190,15 @@ impl WaitingPolicy for Vtc {
         let t = t.to_owned();
         let entry = self.bands.get_mut(&p)?.get_mut(&t)?.pop_front()?;
         self.index.remove(&entry.id);
+        self.running.insert(entry.id.clone(), t.clone());
         self.tidy(p, &t);
         Some(entry.id)
     }
 
     fn remove(&mut self, id: &str) -> bool {
+        // The request is gone for good (finished or aborted), whether it waited or ran.
+        self.first_wait.remove(id);
+        self.running.remove(id);
         let Some((p, t)) = self.index.remove(id) else { return false };
         if let Some(q) = self.bands.get_mut(&p).and_then(|b| b.get_mut(&t)) {
             q.retain(|e| e.id != id);
@@ -318,6 +332,45 @@ mod tests {
         assert_eq!(v.len(), 2);
         assert_eq!(drain(&mut v, 1), ["a-0", "a-1"]);
         assert!(v.is_empty());
+    }
+
+    #[test]
+    fn a_preempted_request_keeps_its_first_wait_for_the_starvation_bound() {
+        let mut v = Vtc::new(FairConfig { starvation_steps: 5, ..FairConfig::default() });
+        v.push(waiter("heavy-0", "heavy", 0));
+        assert_eq!(v.pop().as_deref(), Some("heavy-0"));
+        v.served("heavy", 1, 0, 1000);
+        for _ in 0..4 {
+            v.tick();
+        }
+        v.push(waiter("light-0", "light", 0));
+        // heavy-0 is preempted back to the front of heavy's queue; it first waited at step 0,
+        // so two steps later it is past the bound, though light has the smaller counter.
+        v.push_front(waiter("heavy-0", "heavy", 0));
+        assert_eq!(v.peek(), Some("light-0"));
+        v.tick();
+        v.tick();
+        assert_eq!(v.peek(), Some("heavy-0"));
+    }
+
+    #[test]
+    fn a_running_tenants_counter_survives_pruning() {
+        let mut v = Vtc::new(FairConfig::default());
+        v.push(waiter("run-0", "run", 0));
+        assert_eq!(v.pop().as_deref(), Some("run-0"));
+        v.served("run", 1, 10, 0);
+        v.push(waiter("w-0", "w", 0));
+        v.served("w", 1, 50, 0);
+        for _ in 0..PRUNE_EVERY {
+            v.tick();
+        }
+        // run's 10 is below the waiting floor (w's 50), but run-0 is still running.
+        assert_eq!(v.counter("run"), 10.0);
+        v.remove("run-0");
+        for _ in 0..PRUNE_EVERY {
+            v.tick();
+        }
+        assert_eq!(v.counter("run"), 0.0, "forgotten once it no longer runs");
     }
 
     #[test]

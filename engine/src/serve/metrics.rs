@@ -22,7 +22,8 @@ pub struct FinishLabel {
 /// Label of the per-tenant metrics.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TenantLabel {
-    /// A tenant id, `other` (beyond the busiest [`TENANT_LABELS`]) or `none` (no tenant).
+    /// A tenant id, `~other` (beyond the busiest [`TENANT_LABELS`]) or `~none` (no tenant);
+    /// `~` is not allowed in tenant ids, so neither can be taken by a tenant.
     pub tenant: String,
 }
 
@@ -34,7 +35,7 @@ const TENANT_WINDOW: Duration = Duration::from_secs(60);
 
 /// Which tenants the per-tenant metrics name: up to `capacity` of them, chosen at the end of
 /// each window as the busiest of that window (by finished requests); in between, a tenant new
-/// to the metrics gets a name while there is room. Everyone else is `other`, so the number of
+/// to the metrics gets a name while there is room. Everyone else is `~other`, so the number of
 /// series stays bounded whatever tenants send.
 #[derive(Debug)]
 pub struct TenantLabels {
@@ -67,13 +68,13 @@ impl TenantLabels {
             self.since = now;
         }
         if tenant.is_empty() {
-            return (TenantLabel { tenant: "none".into() }, dropped);
+            return (TenantLabel { tenant: "~none".into() }, dropped);
         }
         *self.counts.entry(tenant.to_owned()).or_insert(0) += 1;
         if !self.named.contains(tenant) && self.named.len() < self.capacity {
             self.named.insert(tenant.to_owned());
         }
-        let name = if self.named.contains(tenant) { tenant } else { "other" };
+        let name = if self.named.contains(tenant) { tenant } else { "~other" };
         (TenantLabel { tenant: name.to_owned() }, dropped)
     }
 }
@@ -328,15 +329,15 @@ mod tests {
         };
         assert_eq!(name(&mut l, "a", 0), "a");
         assert_eq!(name(&mut l, "b", 1), "b");
-        assert_eq!(name(&mut l, "c", 2), "other", "no room for a third name");
-        assert_eq!(name(&mut l, "", 3), "none");
+        assert_eq!(name(&mut l, "c", 2), "~other", "no room for a third name");
+        assert_eq!(name(&mut l, "", 3), "~none");
         for _ in 0..5 {
             name(&mut l, "c", 10);
         }
         // The next window names the busiest of the last one: c (6) and a (1, before b by
         // name at equal counts); b's series end.
         let (label, dropped) = l.label("b", t0 + Duration::from_secs(61));
-        assert_eq!((label.tenant.as_str(), dropped), ("other", vec!["b".to_string()]));
+        assert_eq!((label.tenant.as_str(), dropped), ("~other", vec!["b".to_string()]));
         assert_eq!(name(&mut l, "c", 62), "c");
     }
 
@@ -362,7 +363,7 @@ mod tests {
                 "sluice_engine_tenant_time_to_first_token_seconds_count{tenant=\"acme\"} 1"
             )
         );
-        m.record_tenant(&TenantLabel { tenant: "other".into() }, &sample, &["acme".into()]);
+        m.record_tenant(&TenantLabel { tenant: "~other".into() }, &sample, &["acme".into()]);
         assert!(!m.encode().contains("tenant=\"acme\""));
     }
 }

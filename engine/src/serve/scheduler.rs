@@ -11,7 +11,7 @@ use std::collections::{HashMap, VecDeque};
 
 use crate::serve::CacheScope;
 use crate::serve::kv_manager::KvManager;
-use crate::serve::step_model::StepModel;
+use crate::serve::step_model::{StepModel, StepShape};
 
 /// The share of a TPOT target the batch is filled to: the rest absorbs the variance of real
 /// steps around the model's mean.
@@ -369,10 +369,9 @@ impl Scheduler {
         plan.preempted.push(id.to_string());
     }
 
-    /// Records that a step of `seqs` sequences computing `tokens` tokens and reading
-    /// `context` cached ones took `seconds` (the step-time model learns from it).
-    pub fn observe_step(&mut self, tokens: usize, context: usize, seqs: usize, seconds: f64) {
-        self.step_model.observe(tokens, context, seqs, seconds);
+    /// Records that a step of this shape took `seconds` (the step-time model learns from it).
+    pub fn observe_step(&mut self, shape: StepShape, seconds: f64) {
+        self.step_model.observe(shape, seconds);
     }
 
     /// Whether `candidate` may join the running batch: the time per output token the batch
@@ -600,7 +599,8 @@ mod tests {
         let mut s = fair(256, 100, seqs);
         for i in 0..40 {
             let tokens = 1 + i % 8;
-            s.observe_step(tokens, 50 * (i % 7), tokens, 0.01 + 0.01 * tokens as f64);
+            let shape = crate::serve::step_model::decode(tokens, 50 * (i % 7));
+            s.observe_step(shape, 0.01 + 0.01 * tokens as f64);
         }
         s
     }

@@ -27,6 +27,25 @@ const RIDGE: f64 = 1e-9;
 /// Weight of each new step in the prefill slowdown's running mean.
 const SLOWDOWN_ALPHA: f64 = 0.02;
 
+/// The shape of one step.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StepShape {
+    /// Tokens computed.
+    pub tokens: usize,
+    /// Cached tokens read by their attention.
+    pub context: usize,
+    /// Sequences in the step.
+    pub seqs: usize,
+    /// Of them, sequences decoding (one new token past their prompt).
+    pub decoding: usize,
+}
+
+/// A pure decode step of `seqs` sequences (test helper and shorthand).
+#[cfg(test)]
+pub(crate) fn decode(seqs: usize, context: usize) -> StepShape {
+    StepShape { tokens: seqs, context, seqs, decoding: seqs }
+}
+
 /// The online step-time model (see the module docs).
 #[derive(Clone, Debug, Default)]
 pub struct StepModel {
@@ -45,9 +64,10 @@ fn features(tokens: usize, context: usize) -> [f64; 3] {
 }
 
 impl StepModel {
-    /// Records that a step of `seqs` sequences, computing `tokens` tokens and reading
-    /// `context` cached ones, took `seconds`.
-    pub fn observe(&mut self, tokens: usize, context: usize, seqs: usize, seconds: f64) {
+    /// Records that a step of `seqs` sequences (`decoding` of them producing a token each),
+    /// computing `tokens` tokens and reading `context` cached ones, took `seconds`.
+    pub fn observe(&mut self, shape: StepShape, seconds: f64) {
+        let StepShape { tokens, context, seqs, decoding } = shape;
         if !seconds.is_finite() || seconds < 0.0 {
             return;
         }
@@ -65,6 +85,10 @@ impl StepModel {
                 // features moving together) counts as none.
                 [c[0], c[1].max(0.0), c[2].max(0.0)]
             });
+        }
+        // Only steps that a decoding request sat through say what the batch feels.
+        if decoding == 0 {
+            return;
         }
         if let Some(decode) = self.predict(seqs, context).filter(|d| *d > 0.0) {
             let ratio = (seconds / decode).clamp(0.5, 1000.0);
@@ -127,11 +151,11 @@ mod tests {
         let mut m = StepModel::default();
         let shapes = [(1, 100), (8, 900), (3, 5000), (16, 2000), (64, 300), (2, 12_000)];
         for (i, &(t, c)) in shapes.iter().cycle().take(WARM_UP as usize - 1).enumerate() {
-            m.observe(t, c + i, t, law(t, c + i));
+            m.observe(decode(t, c + i), law(t, c + i));
         }
         assert_eq!(m.predict(4, 400), None, "no prediction before the warm-up");
         for &(t, c) in shapes.iter().cycle().take(60) {
-            m.observe(t, c, t, law(t, c));
+            m.observe(decode(t, c), law(t, c));
         }
         for (t, c) in [(5, 700), (32, 20_000), (1, 0)] {
             let p = m.predict(t, c).unwrap_or(f64::NAN);
@@ -143,13 +167,13 @@ mod tests {
     fn it_follows_a_machine_that_slows_down_and_ignores_bad_samples() {
         let mut m = StepModel::default();
         for i in 0..200 {
-            m.observe(1 + i % 8, 100 * (i % 5), 1 + i % 8, 0.01);
+            m.observe(decode(1 + i % 8, 100 * (i % 5)), 0.01);
         }
         for i in 0..2000 {
-            m.observe(1 + i % 8, 100 * (i % 5), 1 + i % 8, 0.03);
+            m.observe(decode(1 + i % 8, 100 * (i % 5)), 0.03);
         }
-        m.observe(4, 100, 4, f64::NAN);
-        m.observe(4, 100, 4, -1.0);
+        m.observe(decode(4, 100), f64::NAN);
+        m.observe(decode(4, 100), -1.0);
         let p = m.predict(4, 200).unwrap_or(f64::NAN);
         assert!((p - 0.03).abs() < 1e-3, "{p}");
     }
@@ -160,7 +184,7 @@ mod tests {
         let mut m = StepModel::default();
         for i in 0..100 {
             let t = 1 + i % 10;
-            m.observe(t, 1000, t, 0.02 - 0.0001 * t as f64);
+            m.observe(decode(t, 1000), 0.02 - 0.0001 * t as f64);
         }
         let (few, many) = (m.predict(1, 1000), m.predict(10, 1000));
         assert!(few.zip(many).is_some_and(|(f, n)| n >= f), "{few:?} {many:?}");
@@ -172,8 +196,9 @@ mod tests {
         let law = |tokens: usize| 0.004 + 0.004 * tokens as f64;
         let mut m = StepModel::default();
         for i in 0..400 {
-            let (tokens, ctx) = if i % 2 == 0 { (4, 400 + i) } else { (4 + 128, 400 + 128 + i) };
-            m.observe(tokens, ctx, 4, law(tokens));
+            let (tokens, context) =
+                if i % 2 == 0 { (4, 400 + i) } else { (4 + 128, 400 + 128 + i) };
+            m.observe(StepShape { tokens, context, seqs: 4, decoding: 4 }, law(tokens));
         }
         let decode = m.predict(4, 800).unwrap_or(f64::NAN);
         assert!((decode - law(4)).abs() < 1e-4, "{decode}");
@@ -181,5 +206,10 @@ mod tests {
         let felt = (law(4) + law(132)) / 2.0;
         let tpot = m.predict_tpot(4, 800).unwrap_or(f64::NAN);
         assert!((tpot - felt).abs() / felt < 0.05, "{tpot} vs {felt}");
+        // A long prompt prefilled alone, which nobody decoding sat through, changes nothing.
+        let shape = StepShape { tokens: 2048, context: 2048, seqs: 1, decoding: 0 };
+        m.observe(shape, law(2048));
+        let after = m.predict_tpot(4, 800).unwrap_or(f64::NAN);
+        assert!((after - tpot).abs() / tpot < 0.05, "{after} vs {tpot}");
     }
 }
