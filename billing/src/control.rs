@@ -243,15 +243,19 @@ impl KeyLimits {
     }
 }
 
-/// The quota tiers of `policies/tiers.json`, compiled in.
-pub static TIERS: LazyLock<BTreeMap<String, QuotaSettings>> = LazyLock::new(|| {
-    let raw: BTreeMap<String, Value> =
-        serde_json::from_str(include_str!("../../policies/tiers.json")).unwrap_or_default();
+/// The per-tier entries of a `policies/` file: every key but `_comment`-style ones, each that
+/// parses as `T`.
+fn tier_entries<T: serde::de::DeserializeOwned>(file: &str) -> BTreeMap<String, T> {
+    let raw: BTreeMap<String, Value> = serde_json::from_str(file).unwrap_or_default();
     raw.into_iter()
         .filter(|(k, _)| !k.starts_with('_'))
-        .filter_map(|(k, v)| serde_json::from_value(v).ok().map(|q| (k, q)))
+        .filter_map(|(k, v)| serde_json::from_value(v).ok().map(|t| (k, t)))
         .collect()
-});
+}
+
+/// The quota tiers of `policies/tiers.json`, compiled in.
+pub static TIERS: LazyLock<BTreeMap<String, QuotaSettings>> =
+    LazyLock::new(|| tier_entries(include_str!("../../policies/tiers.json")));
 
 /// A tier's scheduling policy (`policies/scheduling.json`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
@@ -265,14 +269,8 @@ pub struct TierScheduling {
 }
 
 /// The tiers' scheduling policies of `policies/scheduling.json`, compiled in.
-pub static TIER_SCHEDULING: LazyLock<BTreeMap<String, TierScheduling>> = LazyLock::new(|| {
-    let raw: BTreeMap<String, Value> =
-        serde_json::from_str(include_str!("../../policies/scheduling.json")).unwrap_or_default();
-    raw.into_iter()
-        .filter(|(k, _)| !k.starts_with('_'))
-        .filter_map(|(k, v)| serde_json::from_value(v).ok().map(|s| (k, s)))
-        .collect()
-});
+pub static TIER_SCHEDULING: LazyLock<BTreeMap<String, TierScheduling>> =
+    LazyLock::new(|| tier_entries(include_str!("../../policies/scheduling.json")));
 
 /// The fair-order weight of `tier` (1 for a tier the policy does not name), 1 to 1000.
 pub fn tier_weight(tier: &str) -> u32 {

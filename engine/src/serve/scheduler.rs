@@ -528,6 +528,20 @@ mod tests {
         assert!(p.scheduled.contains(&Scheduled { id: "c".into(), start: 0, len: 4 }));
     }
 
+    /// Decodes (a few steps at most) until a step preempts someone; who.
+    fn decode_until_preempted(s: &mut Scheduler) -> Vec<String> {
+        let mut preempted = Vec::new();
+        for step in 0..6 {
+            let p = s.schedule();
+            preempted.extend(p.preempted.clone());
+            run_step(s, &p, 7 + step);
+            if !preempted.is_empty() {
+                break;
+            }
+        }
+        preempted
+    }
+
     #[test]
     fn preemption_recomputes_the_newest_and_blocks_come_back() {
         // 4 blocks of 4 tokens: two requests of 6 prompt tokens take 2 blocks each.
@@ -538,15 +552,7 @@ mod tests {
         assert_eq!(p.scheduled.len(), 2);
         run_step(&mut s, &p, 7);
         // Decode until someone needs a third block: tokens 7 and 8 fit, the 9th does not.
-        let mut preempted = Vec::new();
-        for step in 0..6 {
-            let p = s.schedule();
-            preempted.extend(p.preempted.clone());
-            run_step(&mut s, &p, 7 + step);
-            if !preempted.is_empty() {
-                break;
-            }
-        }
+        let preempted = decode_until_preempted(&mut s);
         assert_eq!(preempted, vec!["new".to_string()]);
         assert_eq!(s.seq("new").map(|q| (q.computed, q.preemptions)), Some((0, 1)));
         assert_eq!(s.num_waiting(), 1);
@@ -683,15 +689,7 @@ mod tests {
         let p = s.schedule();
         assert_eq!(p.scheduled.len(), 2);
         run_step(&mut s, &p, 7);
-        let mut preempted = Vec::new();
-        for step in 0..6 {
-            let p = s.schedule();
-            preempted.extend(p.preempted.clone());
-            run_step(&mut s, &p, 7 + step);
-            if !preempted.is_empty() {
-                break;
-            }
-        }
+        let preempted = decode_until_preempted(&mut s);
         assert_eq!(preempted, vec!["heavy".to_string()]);
     }
 
