@@ -221,36 +221,39 @@ impl Refusal {
         }
     }
 
-    /// OpenAI's error `code`, where there is one.
-    pub fn code(&self) -> Option<&'static str> {
-        Some(match self {
-            Self::MethodNotAllowed { .. } => "method_not_allowed",
-            Self::UnknownRoute { .. } => "unknown_route",
-            Self::InvalidApiKey => "invalid_api_key",
-            Self::TenantSuspended => "tenant_suspended",
-            Self::InsufficientScope { .. } => "insufficient_scope",
-            Self::ModelNotFound { .. } => "model_not_found",
-            Self::ModelNotAllowed { .. } => "model_not_allowed",
-            Self::InvalidIdempotencyKey => "invalid_idempotency_key",
-            Self::BodyTimeout { .. } => "request_timeout",
-            Self::PromptTooLong { .. } => "context_length_exceeded",
-            Self::IdempotencyInProgress => "idempotency_key_in_use",
-            Self::IdempotencyMismatch => "idempotency_key_reused",
-            Self::Overloaded => "overloaded",
+    /// OpenAI's error `code` (where there is one) and the metric label, in one exhaustive
+    /// table: most refusals are labelled by their code.
+    fn names(&self) -> (Option<&'static str>, &'static str) {
+        let code = |c| (Some(c), c);
+        match self {
+            Self::MethodNotAllowed { .. } => code("method_not_allowed"),
+            Self::UnknownRoute { .. } => code("unknown_route"),
+            Self::InvalidApiKey => code("invalid_api_key"),
+            Self::TenantSuspended => code("tenant_suspended"),
+            Self::InsufficientScope { .. } => code("insufficient_scope"),
+            Self::ModelNotFound { .. } => code("model_not_found"),
+            Self::ModelNotAllowed { .. } => code("model_not_allowed"),
+            Self::InvalidIdempotencyKey => code("invalid_idempotency_key"),
+            Self::BodyTimeout { .. } => (Some("request_timeout"), "body_timeout"),
+            Self::PromptTooLong { .. } => code("context_length_exceeded"),
+            Self::IdempotencyInProgress => code("idempotency_key_in_use"),
+            Self::IdempotencyMismatch => code("idempotency_key_reused"),
+            Self::Overloaded => code("overloaded"),
+            // Labelled by the limit and its scope ([`Self::label`]).
             Self::Limited { limit: Limit::DailyTokens | Limit::MonthlyTokens, .. } => {
-                "insufficient_quota"
+                code("insufficient_quota")
             }
-            Self::Limited { .. } => "rate_limit_exceeded",
-            Self::ShuttingDown => "shutting_down",
-            Self::TooManyConnections => "too_many_connections",
-            Self::AuthUnavailable
-            | Self::BodyTooLarge
-            | Self::BodyUnreadable
+            Self::Limited { .. } => code("rate_limit_exceeded"),
+            Self::ShuttingDown => code("shutting_down"),
+            Self::TooManyConnections => code("too_many_connections"),
+            Self::AuthUnavailable => (None, "auth_unavailable"),
+            Self::BodyTooLarge => (None, "body_too_large"),
+            Self::BodyUnreadable
             | Self::LengthRequired { .. }
             | Self::BodyNotForwardable
             | Self::InvalidJson(_)
-            | Self::NotAnObject
-            | Self::MissingModel
+            | Self::NotAnObject => (None, "invalid_body"),
+            Self::MissingModel
             | Self::InvalidN
             | Self::NOverCap { .. }
             | Self::InvalidMaxTokens { .. }
@@ -258,11 +261,16 @@ impl Refusal {
             | Self::InvalidMessages(_)
             | Self::EmptyMessages
             | Self::Untokenizable { .. }
-            | Self::InvalidPrompt
-            | Self::IdempotencyUnavailable
-            | Self::LimiterUnavailable
-            | Self::WriteFailed => return None,
-        })
+            | Self::InvalidPrompt => (None, "invalid_parameter"),
+            Self::IdempotencyUnavailable => (None, "idempotency_unavailable"),
+            Self::LimiterUnavailable => (None, "limiter_unavailable"),
+            Self::WriteFailed => (None, "write_failed"),
+        }
+    }
+
+    /// OpenAI's error `code`, where there is one.
+    pub fn code(&self) -> Option<&'static str> {
+        self.names().0
     }
 
     /// The request parameter at fault, where there is one.
@@ -388,40 +396,7 @@ impl Refusal {
         match self {
             Self::Limited { limit, scope: Scope::Tenant, .. } => limit.as_str().to_owned(),
             Self::Limited { limit, scope: Scope::Key, .. } => format!("key_{}", limit.as_str()),
-            Self::MethodNotAllowed { .. } => "method_not_allowed".into(),
-            Self::UnknownRoute { .. } => "unknown_route".into(),
-            Self::InvalidApiKey => "invalid_api_key".into(),
-            Self::AuthUnavailable => "auth_unavailable".into(),
-            Self::TenantSuspended => "tenant_suspended".into(),
-            Self::InsufficientScope { .. } => "insufficient_scope".into(),
-            Self::ModelNotFound { .. } => "model_not_found".into(),
-            Self::ModelNotAllowed { .. } => "model_not_allowed".into(),
-            Self::InvalidIdempotencyKey => "invalid_idempotency_key".into(),
-            Self::BodyTooLarge => "body_too_large".into(),
-            Self::BodyTimeout { .. } => "body_timeout".into(),
-            Self::BodyUnreadable
-            | Self::LengthRequired { .. }
-            | Self::BodyNotForwardable
-            | Self::InvalidJson(_)
-            | Self::NotAnObject => "invalid_body".into(),
-            Self::MissingModel
-            | Self::InvalidN
-            | Self::NOverCap { .. }
-            | Self::InvalidMaxTokens { .. }
-            | Self::MaxTokensOverCap { .. }
-            | Self::InvalidMessages(_)
-            | Self::EmptyMessages
-            | Self::Untokenizable { .. }
-            | Self::InvalidPrompt => "invalid_parameter".into(),
-            Self::PromptTooLong { .. } => "context_length_exceeded".into(),
-            Self::IdempotencyInProgress => "idempotency_key_in_use".into(),
-            Self::IdempotencyMismatch => "idempotency_key_reused".into(),
-            Self::IdempotencyUnavailable => "idempotency_unavailable".into(),
-            Self::Overloaded => "overloaded".into(),
-            Self::LimiterUnavailable => "limiter_unavailable".into(),
-            Self::ShuttingDown => "shutting_down".into(),
-            Self::TooManyConnections => "too_many_connections".into(),
-            Self::WriteFailed => "write_failed".into(),
+            _ => self.names().1.to_owned(),
         }
     }
 

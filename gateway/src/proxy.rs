@@ -120,7 +120,7 @@ pub struct Gateway {
     local: LocalLimiter,
     tokens: Arc<TokenCounter>,
     /// The model and defaults [`admission::check`] holds requests to.
-    served: Served,
+    served: Arc<Served>,
     usage: UsageSink,
     idempotency: Arc<Idempotency>,
     keys: Mutex<KeyCache>,
@@ -161,8 +161,10 @@ impl Gateway {
             idempotency::WINDOW,
             RUNNING_TTL,
         );
-        let served =
-            Served { model_id: cfg.model_id.clone(), default_max_tokens: cfg.default_max_tokens };
+        let served = Arc::new(Served {
+            model_id: cfg.model_id.clone(),
+            default_max_tokens: cfg.default_max_tokens,
+        });
         Self {
             idempotency: Arc::new(idempotency),
             served,
@@ -545,7 +547,7 @@ impl Gateway {
     /// The body, whole, within the body deadline. What goes upstream is the rewritten body,
     /// handed over in `request_body_filter`, which pingora calls only with a retry buffer to
     /// forward: it is enabled for the last 64 KiB (a chunked body of unknown length must fit).
-    async fn read_body(&self, session: &mut Session) -> std::result::Result<Vec<u8>, Refusal> {
+    async fn read_body(&self, session: &mut Session) -> std::result::Result<Bytes, Refusal> {
         let length =
             header(session.req_header(), "content-length").and_then(|v| v.parse::<usize>().ok());
         if length.is_some_and(|n| n > MAX_BODY_BYTES) {
@@ -581,7 +583,7 @@ impl Gateway {
             // pingora would forward nothing and the upstream would wait for the body.
             return Err(Refusal::BodyNotForwardable);
         }
-        Ok(body)
+        Ok(Bytes::from(body))
     }
 
     /// [`admission::check`] on the blocking pool: tokenizing a long prompt must not stall
@@ -590,10 +592,11 @@ impl Gateway {
         &self,
         endpoint: Endpoint,
         grant: &Arc<KeyGrant>,
-        body: &[u8],
+        body: &Bytes,
     ) -> std::result::Result<Checked, Refusal> {
-        let (grant, body) = (Arc::clone(grant), body.to_vec());
-        let (served, tokens) = (self.served.clone(), Arc::clone(&self.tokens));
+        // Shared, not copied: the idempotency fingerprint reads the same bytes afterwards.
+        let (grant, body) = (Arc::clone(grant), body.clone());
+        let (served, tokens) = (Arc::clone(&self.served), Arc::clone(&self.tokens));
         tokio::task::spawn_blocking(move || {
             admission::check(endpoint, &grant, &body, &served, &tokens)
         })

@@ -567,11 +567,7 @@ impl EngineCore {
         }
         self.metrics.e2e.observe(timings.e2e);
         self.metrics.prompt_tokens.inc_by(usage.prompt_tokens as u64);
-        let tenant = match &st.req.cache_scope {
-            crate::serve::CacheScope::Tenant(t) => t.as_str(),
-            crate::serve::CacheScope::Private(_) => "",
-        };
-        let (label, dropped) = self.tenant_labels.label(tenant, now);
+        let (label, dropped) = self.tenant_labels.label(st.req.cache_scope.tenant(), now);
         let sample = TenantSample {
             queue: st.first_scheduled.map(|_| timings.queue),
             ttft: st.first_token.map(|_| timings.ttft),

@@ -32,6 +32,17 @@ pub enum CacheScope {
     Private(String),
 }
 
+impl CacheScope {
+    /// The tenant a request is served for: its scope's tenant, or empty for a private scope
+    /// (requests that named no tenant count together in the fair order).
+    pub fn tenant(&self) -> &str {
+        match self {
+            CacheScope::Tenant(t) => t,
+            CacheScope::Private(_) => "",
+        }
+    }
+}
+
 /// A request the engine can run: every field checked by the request layer.
 #[derive(Clone, Debug)]
 pub struct ValidRequest {

@@ -129,8 +129,6 @@ pub struct SeqState {
     pub cached_prompt: usize,
     /// Prefix-cache scope.
     pub scope: CacheScope,
-    /// The tenant it is served for (empty when it named none).
-    pub tenant: String,
     /// The tenant's weight in the fair order.
     pub weight: u32,
     /// Priority (higher first; lowest preempted first).
@@ -213,19 +211,16 @@ impl Scheduler {
     /// Queues a request; its tenant is the one of its cache scope.
     pub fn add_with(&mut self, id: String, prompt: Vec<u32>, scope: CacheScope, policy: SeqPolicy) {
         let SeqPolicy { priority, weight, tpot_target } = policy;
+        let weight = weight.max(1);
         self.next_seq += 1;
-        let tenant = match &scope {
-            CacheScope::Tenant(t) => t.clone(),
-            CacheScope::Private(_) => String::new(),
-        };
+        let tenant = scope.tenant().to_owned();
         let st = SeqState {
             prompt_len: prompt.len(),
             tokens: prompt,
             computed: 0,
             cached_prompt: 0,
             scope,
-            tenant: tenant.clone(),
-            weight: weight.max(1),
+            weight,
             priority,
             tpot_target,
             seq_no: self.next_seq,
@@ -233,7 +228,7 @@ impl Scheduler {
             admitted: false,
         };
         self.seqs.insert(id.clone(), st);
-        self.waiting.push(Waiter { id, tenant, priority, weight: weight.max(1) });
+        self.waiting.push(Waiter { id, tenant, priority, weight });
     }
 
     /// A request's state.
@@ -256,7 +251,7 @@ impl Scheduler {
             // or generated tokens recomputed after a preemption) is prefill.
             let decode = len == 1 && s.computed >= s.prompt_len;
             let (prefill, decode) = if decode { (0, 1) } else { (len, 0) };
-            self.waiting.served(&s.tenant, s.weight, prefill, decode);
+            self.waiting.served(s.scope.tenant(), s.weight, prefill, decode);
             s.computed += len;
             self.kv.cache_computed(id, &s.tokens, s.computed, &s.scope);
         }
@@ -347,7 +342,7 @@ impl Scheduler {
             .iter()
             .filter_map(|id| {
                 let s = self.seqs.get(id)?;
-                Some((id, s.priority, self.waiting.standing(&s.tenant), s.seq_no))
+                Some((id, s.priority, self.waiting.standing(s.scope.tenant()), s.seq_no))
             })
             .min_by(|a, b| a.1.cmp(&b.1).then(b.2.total_cmp(&a.2)).then(b.3.cmp(&a.3)))
             .map(|(id, ..)| id.clone())
@@ -361,7 +356,7 @@ impl Scheduler {
             s.preemptions += 1;
             self.waiting.push_front(Waiter {
                 id: id.to_string(),
-                tenant: s.tenant.clone(),
+                tenant: s.scope.tenant().to_owned(),
                 priority: s.priority,
                 weight: s.weight,
             });
