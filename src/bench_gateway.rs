@@ -28,7 +28,6 @@ use sluice_bench::metrics::Dist;
 use sluice_billing::Ledger;
 use sluice_billing::auth::{Principal, Role};
 use sluice_billing::control::NewTenant;
-use sluice_billing::local::{LocalIngest, LocalIngestConfig};
 use sluice_engine::loader::LoadedModel;
 use sluice_engine::quant::GgmlType;
 use sluice_engine::serve::core::EngineConfig;
@@ -38,9 +37,8 @@ use sluice_engine::synth::{SynthSpec, write_gguf};
 use sluice_gateway::admission::TokenCounter;
 use sluice_gateway::local::RedisDownPolicy;
 use sluice_gateway::proxy::{Gateway, GatewayConfig};
-use sluice_gateway::sink::UsageSink;
 
-use crate::up::{IoRuntime, finish, gateway_config, server_conf};
+use sluice_gateway::platform::{IoRuntime, Usage, finish, run_proxy_until};
 
 /// `sluice bench gateway`.
 #[derive(Args, Debug)]
@@ -289,7 +287,7 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
     write_gguf(&SynthSpec::tiny(), GgmlType::Q8_0, &model_path)
         .context("writing the synthetic model")?;
     let model = Arc::new(LoadedModel::load(&model_path)?);
-    let tokens = TokenCounter::from_gguf(&model_path)?;
+    let tokens = TokenCounter::open(&model_path)?;
     let io = IoRuntime::start()?;
     let handle = EngineHandle::start(
         Arc::clone(&model),
@@ -315,7 +313,7 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
     // The gateway's own I/O runtime (ledger, usage writer, health checks), apart from the
     // engine's HTTP server, so the layout can place each.
     let gw_io = IoRuntime::named("sluice-gw-io")?;
-    let (ledger, ingest, key) = gw_io.handle.block_on(async {
+    let (ledger, usage, key) = gw_io.handle.block_on(async {
         let ledger = Ledger::connect(&db).await?;
         let ops = Principal { actor: "bench".into(), role: Role::Ops, tenant: None };
         let new = NewTenant {
@@ -327,40 +325,26 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
         ledger.create_tenant(&ops, &new).await?;
         let (_, key) = ledger.issue_key(&ops, "bench", None, None, Default::default()).await?;
         // As in `sluice up`: the usage writer at background priority on a thread of its own.
-        let ingest =
-            Arc::new(LocalIngest::start_background(&db, LocalIngestConfig::default()).await?);
-        anyhow::Ok((ledger, ingest, key))
+        anyhow::Ok((ledger, Usage::local(&db).await?, key))
     })?;
     let gw_port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let gw_addr = format!("127.0.0.1:{gw_port}");
     let cfg = GatewayConfig {
         default_max_tokens: 16,
         name: "bench".into(),
-        ..gateway_config(
+        ..GatewayConfig::platform(
             &[engine_addr.to_string()],
             Some("bench-token".into()),
             "bench",
             RedisDownPolicy::Local,
         )
     };
-    let gateway = Gateway::new(
-        cfg,
-        ledger.clone(),
-        None,
-        tokens,
-        UsageSink::Local(ingest.clone()),
-        gw_io.handle.clone(),
-    );
+    let gateway =
+        Gateway::new(cfg, ledger.clone(), usage.limiter, tokens, usage.sink, gw_io.handle.clone());
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let listen = gw_addr.clone();
     let proxy = std::thread::spawn(move || {
-        let mut server = pingora::server::Server::new_with_opt_and_conf(None, server_conf());
-        server.bootstrap();
-        let mut service = sluice_gateway::door::service(&server.configuration, gateway);
-        service.add_tcp(&listen);
-        server.add_service(service);
-        server
-            .run(pingora::server::RunArgs { shutdown_signal: Box::new(ChannelShutdown(stop_rx)) });
+        run_proxy_until(gateway, &listen, None, Box::new(ChannelShutdown(stop_rx)))
     });
     let client_rt =
         tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
@@ -403,9 +387,13 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
         anyhow::Ok(points)
     })?;
     let _ = stop_tx.send(true);
-    let _ = proxy.join();
-    finish(&gw_io, Some(&ingest), &ledger);
+    let stopped = proxy.join();
+    finish(&gw_io, usage.ingest.as_deref(), &ledger);
     let _ = std::fs::remove_dir_all(&dir);
+    match stopped {
+        Ok(r) => r.context("running the gateway")?,
+        Err(_) => anyhow::bail!("the gateway's thread panicked"),
+    }
     if args.json {
         println!("{}", serde_json::json!({"layout": layout, "cpus": cpus}));
         for (d, g) in &points {

@@ -2,8 +2,6 @@
 
 mod admin_cli;
 mod bench_gateway;
-mod bench_serve;
-mod bench_sweep;
 mod reconcile;
 mod telemetry;
 mod up;
@@ -23,7 +21,7 @@ use sluice_engine::sampler::SamplingParams;
 use sluice_engine::serve::core::EngineConfig;
 use sluice_engine::serve::handle::EngineHandle;
 use sluice_engine::server::{ServerConfig, router, serve};
-use sluice_engine::template::ChatMessage;
+use sluice_text::template::ChatMessage;
 
 /// mimalloc for every allocation of the process: per-thread free lists instead of glibc's
 /// arenas, whose frees and consolidations were a visible share of the gateway's CPU per request.
@@ -121,10 +119,10 @@ enum BenchCommand {
     /// The gateway's own added time and its end-to-end cost, at several request rates.
     Gateway(bench_gateway::BenchGatewayArgs),
     /// Open-loop load against any OpenAI-compatible endpoint, with the serving metrics.
-    Serve(Box<bench_serve::BenchServeArgs>),
+    Serve(Box<sluice_bench::serve::BenchServeArgs>),
     /// The highest arrival rate meeting an SLO-attainment target (DistServe's capacity):
     /// doubling, then bisection, each rate repeated; JSON, Markdown and SVG plots.
-    Sweep(Box<bench_sweep::BenchSweepArgs>),
+    Sweep(Box<sluice_bench::sweep::BenchSweepArgs>),
 }
 
 #[derive(Args, Debug)]
@@ -350,8 +348,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args)?,
         Command::Bench(BenchCommand::Billing(args)) => run_bench_billing(args)?,
         Command::Bench(BenchCommand::Gateway(args)) => bench_gateway::run_bench_gateway(args)?,
-        Command::Bench(BenchCommand::Serve(args)) => bench_serve::run_bench_serve(*args)?,
-        Command::Bench(BenchCommand::Sweep(args)) => bench_sweep::run_bench_sweep(*args)?,
+        Command::Bench(BenchCommand::Serve(args)) => sluice_bench::serve::run_bench_serve(*args)?,
+        Command::Bench(BenchCommand::Sweep(args)) => sluice_bench::sweep::run_bench_sweep(*args)?,
         Command::Engine(args) => run_engine(args)?,
         #[cfg(feature = "cuda")]
         Command::Cuda { archs, device } => run_cuda_info(archs, device)?,
@@ -388,7 +386,7 @@ fn run_generate(args: RunArgs) -> anyhow::Result<()> {
     let prompt = match messages {
         Some(msgs) => {
             let t = m.template.as_ref().context("the model has no chat template")?;
-            sluice_engine::template::encode_chat(t, &m.tokenizer, &msgs, true)?.0
+            sluice_text::template::encode_chat(t, &m.tokenizer, &msgs, true)?.0
         }
         None => m.encode_prompt(&text)?,
     };

@@ -12,7 +12,6 @@ use clap::Args;
 use sluice_billing::api::{ApiState, router as billing_router};
 use sluice_billing::auth::{Principal, Role, Verifier, mint_hs256};
 use sluice_billing::control::NewTenant;
-use sluice_billing::local::{LocalIngest, LocalIngestConfig};
 use sluice_billing::{Ledger, LedgerOptions};
 use sluice_engine::fetch::{DEFAULT_MODEL, fetch, model_dir};
 use sluice_engine::loader::LoadedModel;
@@ -20,11 +19,9 @@ use sluice_engine::serve::core::EngineConfig;
 use sluice_engine::serve::handle::EngineHandle;
 use sluice_engine::server::{ServerConfig, router as engine_router};
 use sluice_gateway::admission::TokenCounter;
-use sluice_gateway::drain::DrainOnSignal;
-use sluice_gateway::limits::Limiter;
 use sluice_gateway::local::RedisDownPolicy;
-use sluice_gateway::proxy::{Gateway, GatewayConfig, Prices, Worker};
-use sluice_gateway::sink::UsageSink;
+use sluice_gateway::platform::{IoRuntime, Usage, finish, run_proxy, serve_metrics};
+use sluice_gateway::proxy::{Gateway, GatewayConfig};
 
 /// The model id clients name when the platform serves the default model.
 const DEFAULT_MODEL_ID: &str = "smollm2-135m-instruct";
@@ -74,158 +71,11 @@ pub struct GatewayArgs {
     usage_stream: String,
 }
 
-/// Keeps an I/O runtime running on its own thread for as long as it lives.
-pub(crate) struct IoRuntime {
-    pub(crate) handle: tokio::runtime::Handle,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl IoRuntime {
-    pub(crate) fn start() -> anyhow::Result<Self> {
-        Self::named("sluice-io")
-    }
-
-    /// An I/O runtime whose threads are called `name` (so a profile or `bench gateway`'s
-    /// core layout can tell runtimes apart).
-    pub(crate) fn named(name: &str) -> anyhow::Result<Self> {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name(name)
-            .enable_all()
-            .build()
-            .context("starting the async runtime")?;
-        let handle = rt.handle().clone();
-        let (stop, rx) = tokio::sync::oneshot::channel::<()>();
-        let thread = std::thread::Builder::new()
-            .name(format!("{name}-main"))
-            .spawn(move || {
-                let _ = rt.block_on(rx);
-            })
-            .context("starting the I/O thread")?;
-        Ok(Self { handle, stop: Some(stop), thread: Some(thread) })
-    }
-}
-
-impl Drop for IoRuntime {
-    fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-pub(crate) fn server_conf() -> pingora::server::configuration::ServerConf {
-    pingora::server::configuration::ServerConf {
-        threads: 2,
-        grace_period_seconds: Some(0),
-        graceful_shutdown_timeout_seconds: Some(2),
-        ..Default::default()
-    }
-}
-
-/// Serves the gateway's `/metrics` on `listen` (the I/O runtime); returns the bound address.
-fn serve_metrics(
-    io: &IoRuntime,
-    listen: &str,
-    gateway: &Gateway,
-) -> anyhow::Result<std::net::SocketAddr> {
-    let metrics = gateway.metrics();
-    let app = axum::Router::new().route(
-        "/metrics",
-        axum::routing::get(move || {
-            let m = Arc::clone(&metrics);
-            async move { ([("content-type", "text/plain; version=0.0.4")], m.encode()) }
-        }),
-    );
-    io.handle.block_on(async {
-        let listener = tokio::net::TcpListener::bind(listen)
-            .await
-            .with_context(|| format!("binding --metrics-listen {listen}"))?;
-        let addr = listener.local_addr()?;
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
-        anyhow::Ok(addr)
-    })
-}
-
-/// Runs pingora until SIGINT/SIGTERM, then drains: running requests have `drain` to finish,
-/// what is left is cancelled with the tokens it has, and each gets its ledger row.
-fn run_proxy(
-    gateway: Gateway,
-    listen: &str,
-    tls: Option<(&Path, &Path)>,
-    drain: Duration,
-    internal_token: Option<String>,
-) -> anyhow::Result<()> {
-    let watch = DrainOnSignal::new(gateway.drain(), drain, internal_token);
-    let mut server = pingora::server::Server::new_with_opt_and_conf(None, server_conf());
-    server.bootstrap();
-    let mut service = sluice_gateway::door::service(&server.configuration, gateway);
-    match tls {
-        Some((cert, key)) => service
-            .add_tls(
-                listen,
-                cert.to_str().context("certificate path is not UTF-8")?,
-                key.to_str().context("key path is not UTF-8")?,
-            )
-            .context("configuring TLS")?,
-        None => service.add_tcp(listen),
-    }
-    server.add_service(service);
-    server.run(pingora::server::RunArgs { shutdown_signal: Box::new(watch) });
-    Ok(())
-}
-
 fn default_model_path(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     Ok(match model {
         Some(p) => p,
         None => fetch(&DEFAULT_MODEL, &model_dir(), &|s| eprintln!("{s}"))?,
     })
-}
-
-pub(crate) fn prices() -> Prices {
-    // Micro-dollars per million tokens: $0.10 in, $0.05 cached in, $0.20 out.
-    Prices { input: 100_000, cached_input: 50_000, output: 200_000 }
-}
-
-/// After the proxy stopped: everything billed so far reaches the ledger, then it closes.
-pub(crate) fn finish(io: &IoRuntime, ingest: Option<&LocalIngest>, ledger: &Ledger) {
-    io.handle.block_on(async {
-        if let Some(ingest) = ingest {
-            ingest.flush().await;
-        }
-        ledger.close().await;
-    });
-}
-
-/// The gateway settings every entry point shares: 2 s key cache, 512 default output tokens,
-/// 256 queued requests per worker before 503, the fixed price table.
-pub(crate) fn gateway_config(
-    workers: &[String],
-    internal_token: Option<String>,
-    model_id: &str,
-    redis_down: RedisDownPolicy,
-) -> GatewayConfig {
-    GatewayConfig {
-        workers: workers.iter().map(|a| Worker { addr: a.clone() }).collect(),
-        max_waiting: 256,
-        internal_token,
-        model_id: model_id.to_owned(),
-        default_max_tokens: 512,
-        key_cache_ttl: Duration::from_secs(2),
-        redis_down,
-        prices: prices(),
-        name: "gateway".into(),
-        idle_timeout: Duration::from_secs(30),
-        header_timeout: Duration::from_secs(10),
-        body_timeout: Duration::from_secs(30),
-        max_per_client: 512,
-    }
 }
 
 /// Runs `sluice gateway`.
@@ -241,45 +91,31 @@ pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
         (None, None, true) => None,
         _ => bail!("give --tls-cert and --tls-key, or --plain-http"),
     };
-    let tokens = TokenCounter::from_gguf(&default_model_path(args.model)?)
+    let tokens = TokenCounter::open(&default_model_path(args.model)?)
         .context("reading the model's tokenizer and chat template")?;
     let io = IoRuntime::start()?;
-    let (ledger, limiter, usage, ingest) = io.handle.block_on(async {
+    let (ledger, usage) = io.handle.block_on(async {
         let ledger = Ledger::connect_with(&args.database_url, &LedgerOptions::default())
             .await
             .context("connecting to --database-url")?;
-        Ok::<_, anyhow::Error>(match &args.redis_url {
-            Some(url) => {
-                let client = redis::Client::open(url.as_str()).context("--redis-url")?;
-                let conn = redis::aio::ConnectionManager::new(client)
-                    .await
-                    .context("connecting to --redis-url")?;
-                let limiter = Limiter::new(conn.clone(), "sluice", Duration::from_secs(600));
-                let sink = UsageSink::Redis {
-                    conn,
-                    stream: args.usage_stream.clone(),
-                    fallback: ledger.clone(),
-                };
-                (ledger, Some(limiter), sink, None)
-            }
-            None => {
-                let ingest =
-                    LocalIngest::start_background(&args.database_url, LocalIngestConfig::default())
-                        .await
-                        .context("starting the usage writer")?;
-                let ingest = Arc::new(ingest);
-                (ledger, None, UsageSink::Local(ingest.clone()), Some(ingest))
-            }
-        })
+        let usage = Usage::connect(
+            &ledger,
+            &args.database_url,
+            args.redis_url.as_deref(),
+            &args.usage_stream,
+        )
+        .await?;
+        anyhow::Ok((ledger, usage))
     })?;
+    let Usage { limiter, sink, ingest } = usage;
     let token = args.internal_token.clone();
-    let cfg = args.front.apply(gateway_config(
+    let cfg = args.front.apply(GatewayConfig::platform(
         &args.engines,
         args.internal_token,
         &args.model_id,
         redis_down,
     ));
-    let gateway = Gateway::new(cfg, ledger.clone(), limiter, tokens, usage, io.handle.clone());
+    let gateway = Gateway::new(cfg, ledger.clone(), limiter, tokens, sink, io.handle.clone());
     let metrics = serve_metrics(&io, &args.front.metrics_listen, &gateway)?;
     println!("listening on {}://{}", if tls.is_some() { "https" } else { "http" }, args.listen);
     // On stderr: stdout's first line is the listening address, which is all some readers take.
@@ -476,7 +312,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     private_state_dir(&dir)?;
     let model_path = default_model_path(args.model)?;
     let model = Arc::new(LoadedModel::load(&model_path).context("loading the model")?);
-    let tokens = TokenCounter::from_gguf(&model_path)?;
+    let tokens = TokenCounter::open(&model_path)?;
     let secret_path = dir.join("jwt-secret");
     let jwt_secret = match std::fs::read_to_string(&secret_path) {
         Ok(s) if s.trim().len() >= 32 => s.trim().to_owned(),
@@ -513,7 +349,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         },
     );
     let db_url = format!("sqlite://{}", dir.join("ledger.db").display());
-    let (engine_addr, ledger, ingest) = io.handle.block_on(async {
+    let (engine_addr, ledger, usage) = io.handle.block_on(async {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let engine_addr = listener.local_addr()?;
         tokio::spawn(async move {
@@ -531,11 +367,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         tokio::spawn(async move {
             let _ = axum::serve(admin, billing_router(state)).await;
         });
-        // Usage is written on a background-priority thread of its own: serving goes first.
-        let ingest = LocalIngest::start_background(&db_url, LocalIngestConfig::default())
-            .await
-            .context("starting the usage writer")?;
-        anyhow::Ok((engine_addr, ledger, Arc::new(ingest)))
+        anyhow::Ok((engine_addr, ledger, Usage::local(&db_url).await?))
     })?;
     // The demo tenant and key: created once; the key is shown only when issued.
     let system = Principal { actor: "sluice-up".into(), role: Role::Ops, tenant: None };
@@ -589,20 +421,14 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     ];
     let admin_path = dir.join("admin.env");
     write_private(&admin_path, &(admin_env.join("\n") + "\n"))?;
-    let cfg = args.front.apply(gateway_config(
+    let cfg = args.front.apply(GatewayConfig::platform(
         &[engine_addr.to_string()],
         Some(internal_token.clone()),
         DEFAULT_MODEL_ID,
         RedisDownPolicy::Local,
     ));
-    let gateway = Gateway::new(
-        cfg,
-        ledger.clone(),
-        None,
-        tokens,
-        UsageSink::Local(ingest.clone()),
-        io.handle.clone(),
-    );
+    let gateway =
+        Gateway::new(cfg, ledger.clone(), usage.limiter, tokens, usage.sink, io.handle.clone());
     gateway.seed_identity(serde_json::to_value(&model.identity)?);
     let metrics = serve_metrics(&io, &args.front.metrics_listen, &gateway)?;
     let metrics_url = format!("http://{metrics}/metrics");
@@ -623,7 +449,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     std::io::stdout().flush()?;
     let tls_ref = tls.as_ref().map(|(_, c, k)| (c.as_path(), k.as_path()));
     run_proxy(gateway, &args.listen, tls_ref, args.front.drain(), Some(internal_token))?;
-    finish(&io, Some(&ingest), &ledger);
+    finish(&io, usage.ingest.as_deref(), &ledger);
     eprintln!("shut down");
     Ok(())
 }

@@ -432,6 +432,22 @@ async fn internal_token_is_required_when_configured() -> anyhow::Result<()> {
     // Probes and scrapers need no token.
     ensure!(c.get(server.at("/health")).send().await?.status() == 200);
     ensure!(!server.log().contains("s3cret"));
+    // Token ids handed over with the prompt (as the gateway does) are used as sent behind the
+    // token, and ignored by an engine that has none: there anybody could send them.
+    let revision = v["sluice"]["execution_identity"]["tokenizer_revision"].clone();
+    ensure!(revision.is_string(), "{v}");
+    let prompt = "The capital of France is a city of many bridges";
+    let handed = json!({"prompt": prompt, "max_tokens": 1,
+        "sluice_prompt": {"ids": [1, 2], "tokenizer_revision": revision}});
+    let auth = [("authorization", "Bearer s3cret-token")];
+    let (status, _, v) = post(&c, &server.at("/v1/completions"), &handed, &auth).await?;
+    ensure!(status == 200 && v["usage"]["prompt_tokens"] == 2, "{v}");
+    let open = Server::start(&[])?;
+    let (status, _, v) = post(&c, &open.at("/v1/completions"), &handed, &[]).await?;
+    let own = json!({"prompt": prompt, "max_tokens": 1});
+    let (_, _, mine) = post(&c, &open.at("/v1/completions"), &own, &[]).await?;
+    let n = &mine["usage"]["prompt_tokens"];
+    ensure!(status == 200 && v["usage"]["prompt_tokens"] == *n && n.as_u64() > Some(2), "{v}");
     Ok(())
 }
 

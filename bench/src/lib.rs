@@ -1,9 +1,13 @@
-//! `sluice bench serve` building blocks (issue 6): arrival schedules generated up front from a
-//! seed ([`arrivals`]), what each request asks for ([`workload`]), the serving metrics exactly
-//! as MISSION.md defines them ([`metrics`]) and the report's charts ([`svg`]), kept free of
-//! I/O so they are tested on hand-made traces.
+//! Sluice's load generator. The building blocks are free of I/O and tested on hand-made
+//! traces: arrival schedules generated up front from a seed ([`arrivals`]), what each request
+//! asks for ([`workload`]), the serving metrics exactly as MISSION.md defines them
+//! ([`metrics`], over `sluice_text::stream`'s definitions) and the report's charts ([`svg`]).
+//! On them: `sluice bench serve`, the open-loop driver against any OpenAI-compatible endpoint
+//! ([`serve`]), and `sluice bench sweep`, the capacity search over it ([`sweep`]).
 
 pub mod arrivals;
 pub mod metrics;
+pub mod serve;
 pub mod svg;
+pub mod sweep;
 pub mod workload;

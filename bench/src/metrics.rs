@@ -1,11 +1,11 @@
-//! Per-request measurements and their aggregates, with MISSION.md's definitions:
-//! TTFT = t_1 - t_a; TPOT = (t_O - t_1) / (O - 1) for O > 1 (undefined, and left out of TPOT
-//! aggregates, for O = 1); ITL = every gap between token-carrying events, a chunk of k tokens
-//! being one gap (never p99 ITL in place of p99 TPOT); E2E = t_O - t_a. Times are taken from
-//! each request's scheduled send (no coordinated omission). SLO attainment counts failed,
+//! Per-request measurements and their aggregates, with MISSION.md's definitions as
+//! `sluice_text::stream` states them (shared with the gateway's ledger): a one-token response
+//! has no TPOT and stays out of TPOT aggregates; ITL is every chunk gap (never p99 ITL in place
+//! of p99 TPOT). Times are taken from each request's scheduled send (no coordinated omission). SLO attainment counts failed,
 //! timed-out and rejected requests in its denominator. Field names follow `vllm bench serve`.
 
 use serde::Serialize;
+use sluice_text::stream::TokenEvents;
 
 /// What the client saw of one request.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -23,7 +23,7 @@ pub struct Outcome {
     /// Output tokens (the server's usage when given, else the events' counts).
     pub output_len: u64,
     /// Each token-carrying event: seconds since the scheduled send, and tokens it carried.
-    pub events: Vec<(f64, u64)>,
+    pub events: TokenEvents,
     /// End of the response, seconds since the scheduled send.
     pub end_s: f64,
     /// How late the client sent it, seconds after the scheduled send (a client that could
@@ -36,24 +36,22 @@ pub struct Outcome {
 impl Outcome {
     /// Time to first token, seconds.
     pub fn ttft(&self) -> Option<f64> {
-        self.events.first().map(|e| e.0)
+        self.events.ttft()
     }
 
     /// Tokens the events carried.
     pub fn streamed_tokens(&self) -> u64 {
-        self.events.iter().map(|e| e.1).sum()
+        self.events.tokens()
     }
 
     /// Time per output token after the first, seconds; `None` for one token.
     pub fn tpot(&self) -> Option<f64> {
-        let o = self.streamed_tokens();
-        let (first, last) = (self.events.first()?, self.events.last()?);
-        (o > 1).then(|| (last.0 - first.0) / (o - 1) as f64)
+        self.events.tpot()
     }
 
     /// Gaps between token-carrying events, seconds, each with the tokens of the later event.
     pub fn itls(&self) -> Vec<(f64, u64)> {
-        self.events.windows(2).map(|w| (w[1].0 - w[0].0, w[1].1)).collect()
+        self.events.itls()
     }
 }
 
@@ -273,7 +271,7 @@ mod tests {
             ok: true,
             input_len: 10,
             output_len: events.iter().map(|e| e.1).sum(),
-            events: events.to_vec(),
+            events: TokenEvents(events.to_vec()),
             end_s: end,
             ..Outcome::default()
         }

@@ -342,7 +342,7 @@ fn blocks_for_share(
 mod tests {
     use super::*;
     use crate::forward::LogitsWanted;
-    use crate::gguf::GgufFile;
+    use sluice_text::gguf::GgufFile;
 
     #[test]
     fn kv_cache_sizes_follow_the_flags() {

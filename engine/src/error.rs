@@ -71,5 +71,19 @@ impl EngineError {
     }
 }
 
+impl From<sluice_text::TextError> for EngineError {
+    /// The text crate's errors keep their kind (a bad tokenizer is still a format error of its
+    /// file, a refusing template still a template error).
+    fn from(e: sluice_text::TextError) -> Self {
+        use sluice_text::TextError;
+        match e {
+            TextError::Io { path, source } => EngineError::Io { path, source },
+            TextError::Format { path, message } => EngineError::Format { path, message },
+            TextError::Tokenizer(m) => EngineError::Tokenizer(m),
+            TextError::Template(m) => EngineError::Template(m),
+        }
+    }
+}
+
 /// Result with [`EngineError`].
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

@@ -9,7 +9,7 @@ use crate::error::{EngineError, Result};
 use crate::forward::{KvCache, LogitsWanted, Runner, SeqInput};
 use crate::loader::LoadedModel;
 use crate::sampler::{Sampler, SamplingParams};
-use crate::tokenizer::Tokenizer;
+use sluice_text::tokenizer::Tokenizer;
 
 /// Turns a growing token sequence into text deltas without ever emitting a broken UTF-8
 /// character: text whose last character is still incomplete is held back.

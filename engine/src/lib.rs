@@ -1,5 +1,6 @@
-//! Sluice engine: model loading (GGUF, safetensors), tokenizer, chat template, execution
-//! identity and the CPU forward pass of Llama-family models.
+//! Sluice engine: model loading (GGUF, safetensors), execution identity, the CPU and CUDA
+//! forward passes of Llama-family models and the serving core. The text side (GGUF metadata,
+//! tokenizer, chat template) is `sluice_text`'s.
 
 pub mod backend;
 pub mod bench;
@@ -10,7 +11,6 @@ pub mod error;
 pub mod fetch;
 pub mod forward;
 pub mod generate;
-pub mod gguf;
 pub mod identity;
 pub mod loader;
 pub mod model;
@@ -20,7 +20,5 @@ pub mod sampler;
 pub mod serve;
 pub mod server;
 pub mod synth;
-pub mod template;
-pub mod tokenizer;
 
 pub use error::{EngineError, Result};

@@ -2,8 +2,8 @@
 
 use crate::cpu::matmul::PackedWeight;
 use crate::error::{EngineError, Result};
-use crate::gguf::GgufFile;
 use crate::quant::{GgmlType, dequantize_row};
+use sluice_text::gguf::GgufFile;
 
 /// How rotary embedding pairs dimensions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

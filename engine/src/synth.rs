@@ -10,62 +10,16 @@ use std::path::Path;
 
 use serde_json::json;
 
+use sluice_text::gguf::{GgufWriter, MetaValue};
+use sluice_text::synth::{SynthVocabulary, tokenizer_token_count};
+
 use crate::error::{EngineError, Result};
-use crate::gguf::{GgufWriter, MetaValue};
 use crate::model::{LlamaConfig, RopeStyle, gguf_names, hf_names};
 use crate::quant::{GgmlType, quantize_row};
 use crate::safetensors::{CONFIG_FILE, INDEX_FILE, SINGLE_FILE, write_safetensors};
 
 /// RMSNorm epsilon of every synthetic model.
 pub const RMS_EPS: f32 = 1e-5;
-/// Special tokens, in id order after the byte-level and merged tokens.
-pub const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
-/// The ChatML template both formats carry.
-pub const CHAT_TEMPLATE: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
-/// `tokenizer.ggml.pre` of the GGUF file: llama.cpp's fallback pre-tokenizer.
-pub const GGUF_PRE_TOKENIZER: &str = "default";
-
-/// The regexes llama.cpp's `default` pre-tokenizer applies in turn; tokenizer.json repeats
-/// them as `Split` steps so both files tokenize alike.
-const DEFAULT_PRE_REGEXES: [&str; 4] = [
-    r"[\p{P}\$\+<=>\^~\|]+",
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
-    r"\p{N}+",
-    "[0-9][0-9][0-9]",
-];
-
-/// BPE merges in priority order, in the byte-level alphabet (`Ġ` is a space, `Ċ` a newline).
-const MERGES: [(&str, &str); 23] = [
-    ("Ġ", "t"),
-    ("h", "e"),
-    ("i", "n"),
-    ("Ġ", "a"),
-    ("e", "r"),
-    ("o", "n"),
-    ("Ġt", "he"),
-    ("r", "e"),
-    ("a", "t"),
-    ("e", "n"),
-    ("l", "l"),
-    ("Ġ", "s"),
-    ("i", "s"),
-    ("o", "r"),
-    ("Ġ", "w"),
-    ("H", "e"),
-    ("He", "ll"),
-    ("Hell", "o"),
-    ("Ġw", "or"),
-    ("Ġwor", "l"),
-    ("Ġworl", "d"),
-    ("Ċ", "Ċ"),
-    ("Ġ", "Ġ"),
-];
-
-/// llama.cpp token types written to `tokenizer.ggml.token_type`.
-const TYPE_NORMAL: u64 = 1;
-const TYPE_CONTROL: u64 = 3;
-const TYPE_UNUSED: u64 = 5;
-
 /// Shape and seed of a synthetic model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SynthSpec {
@@ -346,50 +300,6 @@ fn par_chunks_mut<T: Send>(out: &mut [T], chunk: usize, f: impl Fn(usize, &mut [
     });
 }
 
-/// The GPT-2 byte-level alphabet: the character standing for each byte.
-pub fn byte_level_chars() -> [char; 256] {
-    let mut chars = ['\0'; 256];
-    let mut next = 256u32;
-    for (b, c) in chars.iter_mut().enumerate() {
-        let printable = matches!(b, 0x21..=0x7E | 0xA1..=0xAC | 0xAE..=0xFF);
-        let code = if printable { b as u32 } else { next };
-        next += u32::from(!printable);
-        // Codes are below 0x150, all valid scalar values.
-        *c = char::from_u32(code).unwrap_or(char::REPLACEMENT_CHARACTER);
-    }
-    chars
-}
-
-/// Tokens the synthetic tokenizer defines before `<unused_N>` padding.
-pub fn tokenizer_token_count() -> usize {
-    256 + MERGES.len() + SPECIAL_TOKENS.len()
-}
-
-/// The synthetic tokenizer's vocabulary, padded to `vocab` tokens.
-struct Vocabulary {
-    tokens: Vec<String>,
-    types: Vec<u64>,
-    bos: usize,
-    eos: usize,
-}
-
-fn vocabulary(vocab: usize) -> Vocabulary {
-    let mut tokens: Vec<String> = byte_level_chars().iter().map(|c| c.to_string()).collect();
-    tokens.extend(MERGES.iter().map(|(a, b)| format!("{a}{b}")));
-    let mut types = vec![TYPE_NORMAL; tokens.len()];
-    let first_special = tokens.len();
-    tokens.extend(SPECIAL_TOKENS.iter().map(|s| s.to_string()));
-    types.resize(tokens.len(), TYPE_CONTROL);
-    let n = tokens.len();
-    tokens.extend((0..vocab.saturating_sub(n)).map(|i| format!("<unused_{i}>")));
-    types.resize(tokens.len(), TYPE_UNUSED);
-    Vocabulary { tokens, types, bos: first_special, eos: first_special + 2 }
-}
-
-fn strings<S: AsRef<str>>(items: impl IntoIterator<Item = S>) -> MetaValue {
-    MetaValue::Array(items.into_iter().map(|s| MetaValue::String(s.as_ref().into())).collect())
-}
-
 /// Writes `spec` as a GGUF file with matrices in `ty` (norms and biases stay F32), the
 /// `{arch}.*` hyper-parameters `gguf_config` reads and a byte-level BPE tokenizer.
 pub fn write_gguf(spec: &SynthSpec, ty: GgmlType, path: &Path) -> Result<()> {
@@ -413,19 +323,7 @@ pub fn write_gguf(spec: &SynthSpec, ty: GgmlType, path: &Path) -> Result<()> {
         .meta(&key("rope.dimension_count"), u(spec.head_dim()))
         .meta(&key("rope.freq_base"), MetaValue::F64(f64::from(spec.rope_theta)));
 
-    let v = vocabulary(spec.vocab);
-    w.meta("tokenizer.ggml.model", MetaValue::String("gpt2".into()))
-        .meta("tokenizer.ggml.pre", MetaValue::String(GGUF_PRE_TOKENIZER.into()))
-        .meta("tokenizer.ggml.tokens", strings(&v.tokens))
-        .meta(
-            "tokenizer.ggml.token_type",
-            MetaValue::Array(v.types.iter().map(|&t| MetaValue::U64(t)).collect()),
-        )
-        .meta("tokenizer.ggml.merges", strings(MERGES.iter().map(|(a, b)| format!("{a} {b}"))))
-        .meta("tokenizer.ggml.bos_token_id", u(v.bos))
-        .meta("tokenizer.ggml.eos_token_id", u(v.eos))
-        .meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(false))
-        .meta("tokenizer.chat_template", MetaValue::String(CHAT_TEMPLATE.into()));
+    SynthVocabulary::new(spec.vocab).write_gguf_meta(&mut w);
 
     // llama.cpp's qwen2 uses NeoX (halves) RoPE and its converter leaves Q and K alone.
     let permute = arch == "llama";
@@ -442,7 +340,7 @@ pub fn write_gguf(spec: &SynthSpec, ty: GgmlType, path: &Path) -> Result<()> {
         let dims: Vec<usize> = t.shape.iter().rev().copied().collect();
         w.tensor(&t.gguf, &dims, ty, bytes);
     }
-    w.write(path)
+    Ok(w.write(path)?)
 }
 
 /// Writes `spec` as a Hugging Face directory: `config.json`, weights in `ty` (F32, F16 or
@@ -467,7 +365,7 @@ pub fn write_safetensors_dir(
         }
     };
     std::fs::create_dir_all(dir).map_err(|e| EngineError::io(dir, e))?;
-    let v = vocabulary(spec.vocab);
+    let v = SynthVocabulary::new(spec.vocab);
     let (hf_arch, model_type) =
         if spec.qkv_bias { ("Qwen2ForCausalLM", "qwen2") } else { ("LlamaForCausalLM", "llama") };
     let config = json!({
@@ -488,23 +386,13 @@ pub fn write_safetensors_dir(
         "use_sliding_window": false,
         "tie_word_embeddings": spec.tied,
         "vocab_size": spec.vocab,
-        "bos_token_id": v.bos,
-        "eos_token_id": v.eos,
+        "bos_token_id": v.bos(),
+        "eos_token_id": v.eos(),
         "torch_dtype": dtype,
     });
     write_json(&dir.join(CONFIG_FILE), &config)?;
-    write_json(&dir.join("tokenizer.json"), &tokenizer_json(&v))?;
-    let tokenizer_config = json!({
-        "add_bos_token": false,
-        "add_eos_token": false,
-        "bos_token": SPECIAL_TOKENS[0],
-        "eos_token": SPECIAL_TOKENS[2],
-        "chat_template": CHAT_TEMPLATE,
-        "model_max_length": spec.context,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "clean_up_tokenization_spaces": false,
-    });
-    write_json(&dir.join("tokenizer_config.json"), &tokenizer_config)?;
+    write_json(&dir.join("tokenizer.json"), &v.tokenizer_json())?;
+    write_json(&dir.join("tokenizer_config.json"), &v.tokenizer_config_json(spec.context))?;
 
     let tensors = spec.tensors();
     let bytes = |t: &SynthTensor| t.shape.iter().product::<usize>() * ty.block_bytes();
@@ -567,82 +455,9 @@ fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
     std::fs::write(path, text).map_err(|e| EngineError::io(path, e))
 }
 
-/// A Hugging Face byte-level BPE `tokenizer.json` equivalent to the GGUF metadata.
-fn tokenizer_json(v: &Vocabulary) -> serde_json::Value {
-    let mut vocab = serde_json::Map::new();
-    let mut added = Vec::new();
-    for (id, (text, &ty)) in v.tokens.iter().zip(&v.types).enumerate() {
-        // Specials are in the model's vocabulary too: `tokenizers` renumbers added tokens
-        // that would leave holes in it.
-        vocab.insert(text.clone(), json!(id));
-        if ty == TYPE_CONTROL {
-            added.push(json!({
-                "id": id, "content": text, "single_word": false, "lstrip": false,
-                "rstrip": false, "normalized": false, "special": true,
-            }));
-        }
-    }
-    let mut pre: Vec<serde_json::Value> = DEFAULT_PRE_REGEXES
-        .iter()
-        .map(|r| {
-            json!({"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": false})
-        })
-        .collect();
-    let byte_level = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false});
-    pre.push(byte_level.clone());
-    json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": pre},
-        "post_processor": null,
-        "decoder": byte_level,
-        "model": {
-            "type": "BPE",
-            "dropout": null,
-            "unk_token": null,
-            "continuing_subword_prefix": null,
-            "end_of_word_suffix": null,
-            "fuse_unk": false,
-            "byte_fallback": false,
-            "ignore_merges": false,
-            "vocab": vocab,
-            "merges": MERGES.iter().map(|(a, b)| json!([a, b])).collect::<Vec<_>>(),
-        },
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn byte_level_alphabet_is_gpt2s() {
-        let chars = byte_level_chars();
-        assert_eq!((chars[b' ' as usize], chars[b'\n' as usize]), ('Ġ', 'Ċ'));
-        assert_eq!((chars[b'a' as usize], chars[0], chars[0xAD]), ('a', 'Ā', 'Ń'));
-        let mut sorted = chars.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
-        assert_eq!(sorted.len(), 256);
-    }
-
-    #[test]
-    fn every_merge_joins_existing_tokens() {
-        let v = vocabulary(SynthSpec::tiny().vocab);
-        for (i, (a, b)) in MERGES.iter().enumerate() {
-            let known = |t: &str| v.tokens[..256 + i].iter().any(|x| x == t);
-            assert!(known(a) && known(b), "merge {i}: {a} {b}");
-        }
-        assert_eq!(v.tokens.len(), 320);
-        assert_eq!(
-            [v.tokens[v.bos].as_str(), v.tokens[v.eos].as_str()],
-            [SPECIAL_TOKENS[0], SPECIAL_TOKENS[2]]
-        );
-        assert_eq!(v.tokens[319], format!("<unused_{}>", 319 - tokenizer_token_count()));
-    }
 
     #[test]
     fn permutation_matches_llama_cpp_converter() {

@@ -12,14 +12,14 @@ use std::sync::{Arc, OnceLock};
 
 use proptest::prelude::*;
 use serde_json::{Value, json};
-use sluice_engine::gguf::GgufFile;
 use sluice_engine::loader::LoadedModel;
 use sluice_engine::quant::GgmlType;
 use sluice_engine::safetensors::SafetensorsModel;
 use sluice_engine::server::validate::{Limits, chat_plan, completion_plan};
 use sluice_engine::synth::{SynthSpec, write_gguf, write_safetensors_dir};
-use sluice_engine::template::{ChatMessage, ChatTemplate, encode_chat};
-use sluice_engine::tokenizer::Tokenizer;
+use sluice_text::gguf::GgufFile;
+use sluice_text::template::{ChatMessage, ChatTemplate, encode_chat};
+use sluice_text::tokenizer::{PROMPT_FIELD, Tokenizer};
 
 /// 64 cases a property unless `PROPTEST_CASES` says otherwise.
 fn config() -> ProptestConfig {
@@ -196,13 +196,7 @@ proptest! {
     #[test]
     fn any_request_body_is_a_plan_or_a_400(body in request_body()) {
         let Some(model) = tiny_model() else { return Err(TestCaseError::fail("no tiny model")) };
-        let limits = Limits {
-            context_length: model.weights.config.context_length,
-            capacity_tokens: 4096,
-            vocab_size: model.tokenizer.vocab_size(),
-            max_n: 8,
-            max_logprobs: 20,
-        };
+        let limits = tiny_limits(model);
         for plan in [completion_plan(&body, model, &limits), chat_plan(&body, model, &limits)] {
             match plan {
                 Ok(p) => {
@@ -254,4 +248,68 @@ fn default_chat() -> &'static (ChatTemplate, Tokenizer) {
 fn panic_free_exit(e: &anyhow::Error) -> ! {
     eprintln!("the default model is needed: {e}");
     std::process::exit(1)
+}
+
+/// The tiny model's limits, as the server derives them.
+fn tiny_limits(model: &LoadedModel) -> Limits {
+    Limits {
+        context_length: model.weights.config.context_length,
+        capacity_tokens: 4096,
+        vocab_size: model.tokenizer.vocab_size(),
+        max_n: 8,
+        max_logprobs: 20,
+    }
+}
+
+#[test]
+fn the_gateways_token_ids_stand_in_for_tokenizing_only_under_the_same_tokenizer()
+-> anyhow::Result<()> {
+    let model = tiny_model().as_ref().ok_or_else(|| anyhow::anyhow!("no tiny model"))?;
+    let limits = tiny_limits(model);
+    let revision = model.identity.tokenizer_revision.clone();
+    let template = model.identity.chat_template_version.clone().unwrap_or_default();
+    let own = |ids: &[u32], revision: &str| json!({"ids": ids, "tokenizer_revision": revision});
+    let prompt = |body: &Value| completion_plan(body, model, &limits).map(|p| p.prompt).ok();
+    let chat_prompt = |body: &Value| chat_plan(body, model, &limits).map(|p| p.prompt).ok();
+    // Ids unlike the text's own tokens show which were used.
+    let ids = [5u32, 6, 7, 8];
+    let body = json!({"prompt": "Hello world", PROMPT_FIELD: own(&ids, &revision)});
+    assert_eq!(prompt(&body), Some(ids.to_vec()));
+    let messages = json!([{"role": "user", "content": "hi"}]);
+    let mut sent = own(&ids, &revision);
+    sent["chat_template_version"] = json!(template);
+    let chat = json!({"messages": messages, PROMPT_FIELD: sent});
+    assert_eq!(chat_prompt(&chat), Some(ids.to_vec()));
+    // Anything else is tokenized here: another tokenizer, a chat rendered by another template
+    // (or by none named), a completion's ids claiming a template, unreadable or
+    // out-of-vocabulary ids, and an unknown field is no reason to refuse.
+    let mine = model.encode_prompt("Hello world")?;
+    let vocab = u32::try_from(limits.vocab_size)?;
+    let mut with_template = own(&ids, &revision);
+    with_template["chat_template_version"] = json!(template);
+    for sent in [
+        own(&ids, "sha256:other"),
+        json!({"ids": "x", "tokenizer_revision": revision}),
+        own(&[1, vocab], &revision),
+        own(&[], &revision),
+        with_template,
+    ] {
+        let body = json!({"prompt": "Hello world", PROMPT_FIELD: sent});
+        assert_eq!(prompt(&body), Some(mine.clone()), "{body}");
+    }
+    let mut newer = own(&ids, &revision);
+    newer["a_later_field"] = json!(1);
+    assert_eq!(prompt(&json!({"prompt": "Hello world", PROMPT_FIELD: newer})), Some(ids.to_vec()));
+    let chat_mine = chat_prompt(&json!({"messages": messages}));
+    for version in [json!("sha256:other"), Value::Null] {
+        let mut sent = own(&ids, &revision);
+        sent["chat_template_version"] = version;
+        let chat = json!({"messages": messages, PROMPT_FIELD: sent});
+        assert_eq!(chat_prompt(&chat), chat_mine, "{chat}");
+    }
+    // A client's own token ids are checked as always, whatever else the body holds.
+    let body = json!({"prompt": [1, vocab], PROMPT_FIELD: own(&ids, &revision)});
+    let e = completion_plan(&body, model, &limits).err();
+    assert_eq!(e.and_then(|e| e.param), Some("prompt[1]".to_owned()));
+    Ok(())
 }

@@ -3,8 +3,8 @@
 mod common;
 
 use sluice_engine::forward::{KvCache, LogitsWanted, Runner, SeqInput};
-use sluice_engine::gguf::GgufFile;
 use sluice_engine::model::load_gguf_weights;
+use sluice_text::gguf::GgufFile;
 
 fn log_softmax(logits: &[f32]) -> Vec<f32> {
     let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));

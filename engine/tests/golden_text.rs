@@ -4,9 +4,9 @@
 mod common;
 
 use anyhow::Context as _;
-use sluice_engine::gguf::GgufFile;
-use sluice_engine::template::{ChatMessage, ChatTemplate, encode_chat};
-use sluice_engine::tokenizer::Tokenizer;
+use sluice_text::gguf::GgufFile;
+use sluice_text::template::{ChatMessage, ChatTemplate, encode_chat};
+use sluice_text::tokenizer::Tokenizer;
 
 fn items<'a>(
     golden: &'a serde_json::Value,

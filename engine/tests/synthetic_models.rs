@@ -8,7 +8,6 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, ensure};
 use sluice_engine::EngineError;
 use sluice_engine::forward::{KvCache, LogitsWanted, Runner, SeqInput};
-use sluice_engine::gguf::GgufFile;
 use sluice_engine::model::{
     LlamaConfig, LlamaWeights, RopeStyle, TensorSource, hf_names, load_gguf_weights, load_weights,
 };
@@ -18,7 +17,8 @@ use sluice_engine::safetensors::{
     write_safetensors,
 };
 use sluice_engine::synth::{SynthSpec, write_gguf, write_safetensors_dir};
-use sluice_engine::tokenizer::Tokenizer;
+use sluice_text::gguf::GgufFile;
+use sluice_text::tokenizer::Tokenizer;
 
 /// Tokens per KV cache block: small, so sequences span several blocks.
 const BLOCK: usize = 4;

@@ -12,37 +12,59 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use sluice_billing::FinishReason;
 use sluice_billing::control::KeyGrant;
-use sluice_engine::template::{ChatMessage, ChatTemplate};
-use sluice_engine::tokenizer::Tokenizer;
+use sluice_text::model::ModelText;
+use sluice_text::template::{ChatMessage, ChatTemplate, encode_chat};
+use sluice_text::tokenizer::{MAX_PROMPT_IDS, PROMPT_FIELD, Tokenizer};
 
 use crate::limits::{Limit, RateState, Scope};
 
-/// Largest request body accepted (long-context prompts; the engine takes up to 4 MiB).
+/// Largest request body accepted (long-context prompts; the engine takes up to 4 MiB, room for
+/// this and the prompt's token ids the gateway adds).
 pub const MAX_BODY_BYTES: usize = 2 << 20;
 
-/// Counts prompt tokens exactly as the engine will: the model's chat template and tokenizer.
+/// Counts prompt tokens exactly as the engine will: the model's chat template and tokenizer,
+/// read from the same files the engine loads (a GGUF file or a Hugging Face directory).
 pub struct TokenCounter {
     tokenizer: Tokenizer,
     template: Option<ChatTemplate>,
+    revision: String,
+    template_version: Option<String>,
 }
 
 impl TokenCounter {
-    /// From a GGUF file's metadata (the weights are not read).
-    pub fn from_gguf(path: &std::path::Path) -> sluice_engine::error::Result<Self> {
-        let f = sluice_engine::gguf::GgufFile::open(path)?;
-        Ok(Self { tokenizer: Tokenizer::from_gguf(&f)?, template: ChatTemplate::from_gguf(&f)? })
+    /// From a model's text side (a GGUF file's weights are mapped, never read).
+    pub fn open(path: &std::path::Path) -> sluice_text::Result<Self> {
+        let ModelText { tokenizer, template } = ModelText::open(path)?;
+        let revision = format!("sha256:{}", tokenizer.revision());
+        let template_version = template.as_ref().map(|t| format!("sha256:{}", t.version()));
+        Ok(Self { tokenizer, template, revision, template_version })
     }
 
-    fn encode(&self, text: &str) -> Result<usize, String> {
-        Ok(self.tokenizer.encode_prompt(text).map_err(|e| e.to_string())?.len())
+    /// The tokenizer's revision, as the engine's execution identity names it.
+    pub fn revision(&self) -> &str {
+        &self.revision
     }
 
-    /// Prompt tokens of a chat request, and the rendered prompt.
-    fn chat(&self, messages: &[ChatMessage]) -> Result<(usize, String), String> {
+    /// What the engine is told about a prompt's token ids: the ids, the tokenizer's revision
+    /// and, for a chat, the template's version; `None` past [`MAX_PROMPT_IDS`].
+    fn handed_over(&self, ids: Vec<u32>, chat: bool) -> Option<Value> {
+        (ids.len() <= MAX_PROMPT_IDS).then(|| {
+            let mut v = json!({"ids": ids, "tokenizer_revision": self.revision});
+            if chat && let Some(t) = &self.template_version {
+                v["chat_template_version"] = json!(t);
+            }
+            v
+        })
+    }
+
+    fn encode(&self, text: &str) -> Result<Vec<u32>, String> {
+        self.tokenizer.encode_prompt(text).map_err(|e| e.to_string())
+    }
+
+    /// Prompt token ids of a chat request, and the rendered prompt.
+    fn chat(&self, messages: &[ChatMessage]) -> Result<(Vec<u32>, String), String> {
         let t = self.template.as_ref().ok_or("the model has no chat template")?;
-        let (ids, text) = sluice_engine::template::encode_chat(t, &self.tokenizer, messages, true)
-            .map_err(|e| e.to_string())?;
-        Ok((ids.len(), text))
+        encode_chat(t, &self.tokenizer, messages, true).map_err(|e| e.to_string())
     }
 }
 
@@ -537,8 +559,10 @@ pub fn check(
     let mut v: Value =
         serde_json::from_slice(body).map_err(|e| Refusal::InvalidJson(e.to_string()))?;
     let obj = v.as_object_mut().ok_or(Refusal::NotAnObject)?;
-    // The cache scope comes from the tenant, never from the client.
+    // The cache scope comes from the tenant and the prompt's token ids from the gateway,
+    // never from the client.
     obj.remove("cache_salt");
+    obj.remove(PROMPT_FIELD);
     let model = obj.get("model").and_then(Value::as_str).unwrap_or_default().to_owned();
     if model.is_empty() {
         return Err(Refusal::MissingModel);
@@ -577,7 +601,7 @@ pub fn check(
         return Err(Refusal::MaxTokensOverCap { field, cap });
     }
     obj.insert(field.into(), Value::from(max_tokens));
-    let (prompt_tokens, prompt_text, param) = match endpoint {
+    let (ids, prompt_text, param) = match endpoint {
         Endpoint::Chat => {
             let messages: Vec<ChatMessage> =
                 serde_json::from_value(obj.get("messages").cloned().unwrap_or(Value::Null))
@@ -586,27 +610,36 @@ pub fn check(
                 return Err(Refusal::EmptyMessages);
             }
             let param = "messages";
-            let (n, text) = counter
+            let (ids, text) = counter
                 .chat(&messages)
                 .map_err(|reason| Refusal::Untokenizable { param, reason })?;
-            (n, text, param)
+            (Some(ids), text, param)
         }
         Endpoint::Completions => {
             let param = "prompt";
             match obj.get("prompt") {
                 Some(Value::String(s)) => {
-                    let n = counter
+                    let ids = counter
                         .encode(s)
                         .map_err(|reason| Refusal::Untokenizable { param, reason })?;
-                    (n, s.clone(), param)
+                    (Some(ids), s.clone(), param)
                 }
+                // Token ids are the client's own: the engine checks them against its vocabulary.
                 Some(Value::Array(a)) if a.iter().all(Value::is_u64) && !a.is_empty() => {
-                    (a.len(), Value::Array(a.clone()).to_string(), param)
+                    (None, Value::Array(a.clone()).to_string(), param)
                 }
                 _ => return Err(Refusal::InvalidPrompt),
             }
         }
     };
+    let prompt_tokens = match &ids {
+        Some(ids) => ids.len(),
+        None => obj.get("prompt").and_then(Value::as_array).map_or(0, Vec::len),
+    };
+    // The engine uses these instead of tokenizing again when its tokenizer is this one.
+    if let Some(sent) = ids.and_then(|ids| counter.handed_over(ids, endpoint == Endpoint::Chat)) {
+        obj.insert(PROMPT_FIELD.into(), sent);
+    }
     let prompt_tokens = prompt_tokens as u64;
     let stream = obj.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let mut strip_usage = false;
@@ -652,16 +685,15 @@ pub fn hex_digest(b: &[u8]) -> String {
 mod tests {
     use super::*;
     use sluice_billing::control::QuotaSettings;
-    use sluice_engine::quant::GgmlType;
-    use sluice_engine::synth::{SynthSpec, write_gguf};
+    use sluice_text::synth::write_vocab_gguf;
 
     type TestResult = Result<(), Box<dyn std::error::Error>>;
 
     fn counter() -> Result<TokenCounter, Box<dyn std::error::Error>> {
         let dir = tempfile::tempdir()?;
         let path = dir.path().join("tiny.gguf");
-        write_gguf(&SynthSpec::tiny(), GgmlType::F32, &path)?;
-        Ok(TokenCounter::from_gguf(&path)?)
+        write_vocab_gguf(320, &path)?;
+        Ok(TokenCounter::open(&path)?)
     }
 
     fn grant(quota: QuotaSettings) -> KeyGrant {
@@ -770,10 +802,19 @@ mod tests {
     fn a_checked_request_is_rewritten_and_counted() -> TestResult {
         let quota = QuotaSettings { max_prompt_tokens: Some(3), ..QuotaSettings::default() };
         let body = json!({"model": "m", "prompt": "hello world", "n": 2, "stream": true,
-            "cache_salt": "client-chosen"});
+            "cache_salt": "client-chosen",
+            PROMPT_FIELD: {"ids": [7], "tokenizer_revision": "sha256:client"}});
         let checked = completions(quota.clone(), body).map_err(|r| r.message())?;
         let sent: Value = serde_json::from_slice(&checked.body)?;
         assert!(sent.get("cache_salt").is_none());
+        // The gateway's own token ids replace whatever the client put there.
+        let c = counter()?;
+        let carried: sluice_text::tokenizer::PromptTokens =
+            serde_json::from_value(sent[PROMPT_FIELD].clone())?;
+        assert_eq!(carried.ids, c.encode("hello world")?);
+        assert_eq!(carried.ids.len() as u64, checked.prompt_tokens);
+        assert_eq!(carried.tokenizer_revision, c.revision());
+        assert_eq!(carried.chat_template_version, None, "a completion has no template");
         assert_eq!(sent["max_tokens"], 512);
         assert_eq!(sent["stream_options"]["include_usage"], true);
         assert!(checked.stream && checked.strip_usage);
@@ -795,6 +836,23 @@ mod tests {
             .map_err(|r| r.message())?;
         assert_eq!(ids.prompt_tokens, 3);
         assert!(!ids.strip_usage);
+        let sent: Value = serde_json::from_slice(&ids.body)?;
+        assert!(sent.get(PROMPT_FIELD).is_none(), "client token ids are the engine's to check");
+        // A chat's ids name the template that rendered it, too.
+        let chat = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+        let g = grant(QuotaSettings::default());
+        let checked = check(Endpoint::Chat, &g, chat.to_string().as_bytes(), &served(), &c)
+            .map_err(|r| r.message())?;
+        let sent: Value = serde_json::from_slice(&checked.body)?;
+        assert_eq!(
+            sent[PROMPT_FIELD]["ids"].as_array().map(Vec::len),
+            Some(checked.prompt_tokens as usize)
+        );
+        assert!(
+            sent[PROMPT_FIELD]["chat_template_version"]
+                .as_str()
+                .is_some_and(|v| v.starts_with("sha256:"))
+        );
         Ok(())
     }
 

@@ -13,6 +13,7 @@ pub mod limits;
 pub mod local;
 pub mod metrics;
 pub mod observe;
+pub mod platform;
 pub mod proxy;
 pub mod sink;
 pub mod workers;

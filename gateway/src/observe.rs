@@ -3,72 +3,13 @@
 //! the gateway's arrival to the first event carrying a token, each gap between token-carrying
 //! events with its token count, TPOT over the tokens after the first, E2E to the end.
 //!
-//! Events may be split across reads in any way; the parser keeps the incomplete tail. A chunk
-//! carrying k tokens (Sluice engines say so in `sluice.tokens`; otherwise one per choice that
-//! carries text) counts k tokens, and its gap is a chunk gap, not k token gaps.
+//! The definitions and the event parser are `sluice_text::stream`'s, shared with the load
+//! generator; this adds what the ledger keeps beside them (usage, finish reason, identity).
 
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-
-/// Incremental SSE parser: feed bytes, get complete events' `data` fields.
-#[derive(Debug, Default)]
-pub struct SseParser {
-    buf: Vec<u8>,
-}
-
-impl SseParser {
-    /// Appends `bytes` and returns the data of every event completed by them.
-    pub fn feed(&mut self, bytes: &[u8]) -> Vec<String> {
-        self.buf.extend_from_slice(bytes);
-        let mut out = Vec::new();
-        while let Some((end, sep)) = find_event_end(&self.buf) {
-            let event: Vec<u8> = self.buf.drain(..end + sep).take(end).collect();
-            let text = String::from_utf8_lossy(&event);
-            let mut data: Vec<&str> = Vec::new();
-            for line in text.split('\n') {
-                let line = line.strip_suffix('\r').unwrap_or(line);
-                if let Some(v) = line.strip_prefix("data:") {
-                    data.push(v.strip_prefix(' ').unwrap_or(v));
-                }
-            }
-            if !data.is_empty() {
-                out.push(data.join("\n"));
-            }
-        }
-        out
-    }
-}
-
-/// Position and length of the first blank-line separator (`\n\n`, `\r\n\r\n`, `\r\r`).
-fn find_event_end(buf: &[u8]) -> Option<(usize, usize)> {
-    let mut i = 0;
-    while i < buf.len() {
-        if buf[i..].starts_with(b"\r\n\r\n") {
-            return Some((i, 4));
-        }
-        if buf[i..].starts_with(b"\n\n") || buf[i..].starts_with(b"\r\r") {
-            return Some((i, 2));
-        }
-        i += 1;
-    }
-    None
-}
-
-/// Tokens one stream event carries: the server's own count when it gives one (Sluice's
-/// `sluice.tokens`), otherwise one per choice that carries text.
-pub fn tokens_carried(event: &Value) -> u64 {
-    event["sluice"]["tokens"].as_u64().unwrap_or_else(|| {
-        event["choices"].as_array().map_or(0, |cs| {
-            cs.iter()
-                .filter(|c| {
-                    let text = c["text"].as_str().or_else(|| c["delta"]["content"].as_str());
-                    text.is_some_and(|t| !t.is_empty())
-                })
-                .count() as u64
-        })
-    })
-}
+use sluice_text::stream::{SseParser, TokenEvents, tokens_carried};
 
 /// What the gateway measured for one request.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -104,9 +45,7 @@ pub struct Timings {
 pub struct StreamObserver {
     arrival: Instant,
     parser: SseParser,
-    first: Option<Instant>,
-    last: Option<Instant>,
-    gaps: Vec<(Duration, u64)>,
+    events: TokenEvents,
     out: Timings,
 }
 
@@ -120,9 +59,7 @@ impl StreamObserver {
         Self {
             arrival,
             parser: SseParser::default(),
-            first: None,
-            last: None,
-            gaps: Vec::new(),
+            events: TokenEvents::default(),
             out: Timings::default(),
         }
     }
@@ -155,36 +92,20 @@ impl StreamObserver {
         if v["sluice"]["execution_identity"].is_object() {
             self.out.execution_identity = Some(v["sluice"]["execution_identity"].clone());
         }
-        if carried == 0 {
-            return;
-        }
-        match self.last {
-            None => self.first = Some(now),
-            Some(prev) => self.gaps.push((now.saturating_duration_since(prev), carried)),
-        }
-        self.last = Some(now);
-        self.out.streamed_tokens += carried;
+        self.events.push(ms(now.saturating_duration_since(self.arrival)), carried);
     }
 
     /// The timings, with the response ending at `end`.
     pub fn finish(mut self, end: Instant) -> Timings {
+        let e = &self.events;
         self.out.e2e_ms = ms(end.saturating_duration_since(self.arrival));
-        if let Some(first) = self.first {
-            self.out.ttft_ms = Some(ms(first.saturating_duration_since(self.arrival)));
-            let n = self.out.streamed_tokens;
-            if let (Some(last), true) = (self.last, n > 1) {
-                // Tokens after the first one carried by the first event count too: a first
-                // chunk of k tokens contributes k - 1 to the denominator at zero time.
-                self.out.tpot_ms = Some(ms(last.saturating_duration_since(first)) / (n - 1) as f64);
-            }
-        }
-        self.out.gaps_ms = self.gaps.iter().map(|(d, k)| (ms(*d), *k)).collect();
-        if !self.gaps.is_empty() {
-            let mut g: Vec<f64> = self.gaps.iter().map(|(d, _)| ms(*d)).collect();
-            g.sort_by(f64::total_cmp);
-            let rank = ((0.99 * g.len() as f64).ceil() as usize).clamp(1, g.len());
-            self.out.itl_p99_ms = Some(g[rank - 1]);
-            self.out.itl_max_ms = g.last().copied();
+        self.out.ttft_ms = e.ttft();
+        self.out.tpot_ms = e.tpot();
+        self.out.streamed_tokens = e.tokens();
+        self.out.gaps_ms = e.itls();
+        if let Some((p99, max)) = e.itl_p99_and_max() {
+            self.out.itl_p99_ms = Some(p99);
+            self.out.itl_max_ms = Some(max);
         }
         self.out
     }

@@ -31,6 +31,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Serialize;
 use serde_json::Value;
+use sluice_text::tokenizer::PROMPT_FIELD;
 
 use crate::serve::core::EngineStats;
 use crate::serve::handle::EngineHandle;
@@ -252,7 +253,14 @@ async fn generate(
         let app = Arc::clone(&app);
         let model = Arc::clone(&model);
         tokio::task::spawn_blocking(move || {
-            let value = validate::parse_body(&body)?;
+            let mut value = validate::parse_body(&body)?;
+            // Token ids come from the gateway, which holds the internal token: without one
+            // configured, anybody could send ids that are not the prompt's.
+            if app.token.is_none()
+                && let Some(obj) = value.as_object_mut()
+            {
+                obj.remove(PROMPT_FIELD);
+            }
             match value.get("model") {
                 None | Some(Value::Null) => {}
                 Some(Value::String(m)) => validate::check_model(

@@ -8,7 +8,7 @@ use serde::{Deserialize, Serialize, Serializer};
 
 use crate::identity::ExecutionIdentity;
 use crate::serve::{EngineTimings, Usage};
-use crate::template::ChatMessage;
+use sluice_text::template::ChatMessage;
 
 /// `stream_options`.
 #[derive(Clone, Debug, Default, Deserialize)]

@@ -1,6 +1,7 @@
 //! Parse, don't validate: a request body becomes a [`Plan`] (and from it the engine's
 //! [`ValidRequest`]s) or a 400 naming the parameter at fault.
 
+use serde::Deserialize as _;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
@@ -10,7 +11,8 @@ use crate::serve::{CacheScope, ValidRequest};
 use crate::server::context::RequestContext;
 use crate::server::error::ApiError;
 use crate::server::openai::{ChatFields, CompletionFields, GenerationParams, SamplingFields};
-use crate::template::encode_chat;
+use sluice_text::template::encode_chat;
+use sluice_text::tokenizer::{PROMPT_FIELD, PromptTokens};
 
 /// Most stop strings per request (OpenAI's cap).
 pub const MAX_STOP: usize = 4;
@@ -140,7 +142,12 @@ pub fn completion_plan(
 ) -> Result<Plan, ApiError> {
     let f: CompletionFields = fields(body)?;
     let s: SamplingFields = fields(body)?;
-    let (prompt, text) = completion_prompt(f.prompt.as_ref(), model, limits)?;
+    // Only a text prompt was tokenized by the gateway.
+    let tokenized = match &f.prompt {
+        Some(Value::String(s)) if !s.is_empty() => gateway_tokens(body, model, None, limits),
+        _ => None,
+    };
+    let (prompt, text) = completion_prompt(f.prompt.as_ref(), tokenized, model, limits)?;
     let logprobs = match f.logprobs {
         None => None,
         Some(k) => Some(in_range("logprobs", k, 0, limits.max_logprobs)?),
@@ -205,8 +212,15 @@ pub fn chat_plan(body: &Value, model: &LoadedModel, limits: &Limits) -> Result<P
         ApiError::invalid("messages", "this model has no chat template; use /v1/completions")
     })?;
     // Content is text: only the template's own structure yields special tokens.
-    let (prompt, _) = encode_chat(template, &model.tokenizer, &messages, true)
-        .map_err(|e| ApiError::from_engine(&e, Some("messages")))?;
+    let version = model.identity.chat_template_version.as_deref();
+    let prompt = match gateway_tokens(body, model, version, limits) {
+        Some(ids) => ids,
+        None => {
+            encode_chat(template, &model.tokenizer, &messages, true)
+                .map_err(|e| ApiError::from_engine(&e.into(), Some("messages")))?
+                .0
+        }
+    };
     check_prompt_len(prompt.len(), "messages", limits)?;
     let top = match (f.logprobs, f.top_logprobs) {
         (Some(true), k) => Some(match k {
@@ -230,11 +244,47 @@ pub fn chat_plan(body: &Value, model: &LoadedModel, limits: &Limits) -> Result<P
     Ok(plan)
 }
 
+/// The prompt's token ids as the gateway sent them ([`PROMPT_FIELD`]), when they were made
+/// with this model's tokenizer (and, for a chat, `template`): the engine then does not
+/// tokenize the same prompt again. `None` means tokenize here: the gateway sent none, counted
+/// with another tokenizer or template, or sent something unreadable or outside the vocabulary
+/// (the gateway's fault, never the client's, so not a 400). The server removes the field from
+/// bodies that did not come with the internal token.
+fn gateway_tokens(
+    body: &Value,
+    model: &LoadedModel,
+    template: Option<&str>,
+    limits: &Limits,
+) -> Option<Vec<u32>> {
+    let sent = PromptTokens::deserialize(body.get(PROMPT_FIELD)?);
+    let sent = match sent {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!("ignoring an unreadable {PROMPT_FIELD}: {e}");
+            return None;
+        }
+    };
+    let same = sent.tokenizer_revision == model.identity.tokenizer_revision
+        && sent.chat_template_version.as_deref() == template;
+    let known = sent.ids.iter().all(|id| (*id as usize) < limits.vocab_size);
+    if same && !known {
+        tracing::warn!("ignoring {PROMPT_FIELD}: a token id outside the vocabulary");
+    }
+    (same && known && !sent.ids.is_empty()).then_some(sent.ids)
+}
+
+/// The completion prompt's token ids and text; a string prompt uses the gateway's ids when
+/// it sent them (`tokenized`).
 fn completion_prompt(
     prompt: Option<&Value>,
+    tokenized: Option<Vec<u32>>,
     model: &LoadedModel,
     limits: &Limits,
 ) -> Result<(Vec<u32>, String), ApiError> {
+    if let (Some(Value::String(s)), Some(ids)) = (prompt, tokenized) {
+        check_prompt_len(ids.len(), "prompt", limits)?;
+        return Ok((ids, s.clone()));
+    }
     let shape = "prompt must be a string or an array of token ids";
     let one = |p: &Value, param: &str| -> Result<(Vec<u32>, String), ApiError> {
         match p {
@@ -254,7 +304,7 @@ fn completion_prompt(
                 let text = model
                     .tokenizer
                     .decode(&ids, false)
-                    .map_err(|e| ApiError::from_engine(&e, Some(param)))?;
+                    .map_err(|e| ApiError::from_engine(&e.into(), Some(param)))?;
                 Ok((ids, text))
             }
             _ => Err(ApiError::invalid(param, shape)),

@@ -10,10 +10,10 @@ use anyhow::ensure;
 use half::bf16;
 use sluice_engine::cuda::CudaRunner;
 use sluice_engine::forward::{KvCache, LogitsWanted, Runner, SeqInput};
-use sluice_engine::gguf::GgufFile;
 use sluice_engine::model::load_gguf_weights;
 use sluice_engine::quant::{GgmlType, dequantize_row, quantize_row};
 use sluice_engine::synth::{SynthSpec, write_gguf};
+use sluice_text::gguf::GgufFile;
 
 /// One kernel parameter: a buffer (host memory, copied in, and back out for `Out`) or a scalar.
 pub enum Arg<'a> {

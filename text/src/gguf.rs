@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use memmap2::Mmap;
 
-use crate::error::{EngineError, Result};
-use crate::quant::GgmlType;
+use crate::error::{Result, TextError};
+use crate::ggml::GgmlType;
 
 const MAGIC: &[u8; 4] = b"GGUF";
 const DEFAULT_ALIGNMENT: usize = 32;
@@ -118,8 +118,8 @@ struct Cursor<'a> {
 }
 
 impl<'a> Cursor<'a> {
-    fn err(&self, what: &str) -> EngineError {
-        EngineError::format(self.path, format!("{what} (at byte {})", self.pos))
+    fn err(&self, what: &str) -> TextError {
+        TextError::format(self.path, format!("{what} (at byte {})", self.pos))
     }
 
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
@@ -199,28 +199,28 @@ impl<'a> Cursor<'a> {
 impl GgufFile {
     /// Opens and validates a GGUF file.
     pub fn open(path: &Path) -> Result<GgufFile> {
-        let file = std::fs::File::open(path).map_err(|e| EngineError::io(path, e))?;
+        let file = std::fs::File::open(path).map_err(|e| TextError::io(path, e))?;
         // SAFETY: the map is read-only; a file truncated underneath us by another process is
         // outside what any mmap-based loader can defend against (llama.cpp and safetensors
         // make the same assumption).
-        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| EngineError::io(path, e))?;
+        let mmap = unsafe { Mmap::map(&file) }.map_err(|e| TextError::io(path, e))?;
         Self::parse(path, Arc::new(mmap))
     }
 
     fn parse(path: &Path, mmap: Arc<Mmap>) -> Result<GgufFile> {
         let mut c = Cursor { buf: &mmap[..], pos: 0, path };
         if c.take(4, "magic")? != MAGIC {
-            return Err(EngineError::format(path, "not a GGUF file (bad magic)"));
+            return Err(TextError::format(path, "not a GGUF file (bad magic)"));
         }
         let version = c.u32("version")?;
         if !(2..=3).contains(&version) {
-            return Err(EngineError::format(path, format!("unsupported GGUF version {version}")));
+            return Err(TextError::format(path, format!("unsupported GGUF version {version}")));
         }
         let n_tensors = c.len("tensor count")?;
         let n_kv = c.len("metadata count")?;
         // A tensor info and a key-value take at least 8 bytes each.
         if n_tensors.saturating_add(n_kv) > c.buf.len() / 8 {
-            return Err(EngineError::format(path, "tensor or metadata count exceeds file size"));
+            return Err(TextError::format(path, "tensor or metadata count exceeds file size"));
         }
         let mut metadata = BTreeMap::new();
         for _ in 0..n_kv {
@@ -236,7 +236,7 @@ impl GgufFile {
                 .and_then(|a| usize::try_from(a).ok())
                 .filter(|a| a.is_power_of_two())
                 .ok_or_else(|| {
-                    EngineError::format(path, "general.alignment is not a power of two")
+                    TextError::format(path, "general.alignment is not a power of two")
                 })?,
         };
         let mut raw = Vec::with_capacity(n_tensors);
@@ -244,10 +244,7 @@ impl GgufFile {
             let name = c.string("tensor name")?;
             let n_dims = c.u32(&name)? as usize;
             if n_dims == 0 || n_dims > MAX_DIMS {
-                return Err(EngineError::format(
-                    path,
-                    format!("tensor {name}: {n_dims} dimensions"),
-                ));
+                return Err(TextError::format(path, format!("tensor {name}: {n_dims} dimensions")));
             }
             let mut dims = Vec::with_capacity(n_dims);
             for _ in 0..n_dims {
@@ -261,7 +258,7 @@ impl GgufFile {
         let file_len = mmap.len();
         let mut tensors = Vec::with_capacity(raw.len());
         for (name, dims, ty_id, rel) in raw {
-            let fail = |m: String| EngineError::format(path, format!("tensor {name}: {m}"));
+            let fail = |m: String| TextError::format(path, format!("tensor {name}: {m}"));
             let ty = GgmlType::from_gguf_id(ty_id)
                 .ok_or_else(|| fail(format!("unsupported tensor type id {ty_id}")))?;
             let elems = dims
@@ -322,21 +319,19 @@ impl GgufFile {
     /// A required unsigned metadata value.
     pub fn get_u64(&self, key: &str) -> Result<u64> {
         self.get(key)
-            .ok_or_else(|| EngineError::format(&self.path, format!("missing metadata {key}")))?
+            .ok_or_else(|| TextError::format(&self.path, format!("missing metadata {key}")))?
             .as_u64()
             .ok_or_else(|| {
-                EngineError::format(&self.path, format!("metadata {key} is not an integer"))
+                TextError::format(&self.path, format!("metadata {key} is not an integer"))
             })
     }
 
     /// A required string metadata value.
     pub fn get_str(&self, key: &str) -> Result<&str> {
         self.get(key)
-            .ok_or_else(|| EngineError::format(&self.path, format!("missing metadata {key}")))?
+            .ok_or_else(|| TextError::format(&self.path, format!("missing metadata {key}")))?
             .as_str()
-            .ok_or_else(|| {
-                EngineError::format(&self.path, format!("metadata {key} is not a string"))
-            })
+            .ok_or_else(|| TextError::format(&self.path, format!("metadata {key} is not a string")))
     }
 }
 
@@ -402,8 +397,8 @@ impl GgufWriter {
 
     /// Writes the file.
     pub fn write(&self, path: &Path) -> Result<()> {
-        let mut f = std::fs::File::create(path).map_err(|e| EngineError::io(path, e))?;
-        f.write_all(&self.to_bytes()).map_err(|e| EngineError::io(path, e))
+        let mut f = std::fs::File::create(path).map_err(|e| TextError::io(path, e))?;
+        f.write_all(&self.to_bytes()).map_err(|e| TextError::io(path, e))
     }
 }
 
@@ -453,7 +448,6 @@ fn write_value(out: &mut Vec<u8>, v: &MetaValue) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::quantize_row;
 
     fn sample() -> GgufWriter {
         let mut w = GgufWriter::new();
@@ -464,18 +458,19 @@ mod tests {
             MetaValue::Array(vec![MetaValue::String("a".into()), MetaValue::String("b".into())]),
         );
         for ty in GgmlType::ALL {
+            // The container does not read tensor bytes: any pattern of the right size will do.
             let n = ty.block_elems().max(32) * 2;
-            let x: Vec<f32> = (0..n * 3).map(|i| (i as f32 * 0.1).sin()).collect();
-            let data: Vec<u8> = x.chunks(n).flat_map(|r| quantize_row(ty, r)).collect();
+            let bytes = ty.row_bytes(n).unwrap_or_default() * 3;
+            let data: Vec<u8> = (0..bytes).map(|i| (i * 7 % 251) as u8).collect();
             w.tensor(&format!("t.{}", ty.name()), &[n, 3], ty, data);
         }
         w
     }
 
     fn parse_bytes(bytes: Vec<u8>) -> Result<GgufFile> {
-        let dir = tempfile::tempdir().map_err(|e| EngineError::io("tempdir", e))?;
+        let dir = tempfile::tempdir().map_err(|e| TextError::io("tempdir", e))?;
         let p = dir.path().join("m.gguf");
-        std::fs::write(&p, bytes).map_err(|e| EngineError::io(&p, e))?;
+        std::fs::write(&p, bytes).map_err(|e| TextError::io(&p, e))?;
         GgufFile::open(&p)
     }
 

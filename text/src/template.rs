@@ -5,7 +5,7 @@
 //! methods templates call (`.strip()`, `.startswith()`, `.split()`, `.items()`, `.get()`, ...).
 //!
 //! A template's `raise_exception` (how templates refuse illegal role sequences) becomes an
-//! [`EngineError::Template`] carrying the template's own message.
+//! [`TextError::Template`] carrying the template's own message.
 
 use std::fmt::Write as _;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -14,7 +14,7 @@ use minijinja::value::{Kwargs, Value, ValueKind, from_args};
 use minijinja::{Environment, Error, ErrorKind, Output, State, context};
 use serde::{Deserialize, Deserializer, Serialize};
 
-use crate::error::{EngineError, Result};
+use crate::error::{Result, TextError};
 use crate::gguf::GgufFile;
 use crate::tokenizer::{Tokenizer, sha256_hex};
 
@@ -111,7 +111,7 @@ pub fn encode_chat(
     }
     let parts = template.render_parts(messages, add_generation_prompt)?;
     if parts.iter().map(|p| p.text.as_str()).collect::<String>() != text {
-        return Err(EngineError::Template(
+        return Err(TextError::Template(
             "a message holds a special token's text, and this chat template renders content in \
              a way that cannot keep it apart from its own special tokens"
                 .into(),
@@ -163,7 +163,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(python_method);
         env.set_formatter(python_formatter);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
-            .map_err(|e| EngineError::Template(format!("compile: {}", describe(&e))))?;
+            .map_err(|e| TextError::Template(format!("compile: {}", describe(&e))))?;
         Ok(ChatTemplate {
             env,
             bos_token: bos_token.to_string(),
@@ -177,7 +177,7 @@ impl ChatTemplate {
     pub fn from_gguf(file: &GgufFile) -> Result<Option<ChatTemplate>> {
         let Some(value) = file.get("tokenizer.chat_template") else { return Ok(None) };
         let source = value.as_str().ok_or_else(|| {
-            EngineError::format(file.path(), "metadata tokenizer.chat_template is not a string")
+            TextError::format(file.path(), "metadata tokenizer.chat_template is not a string")
         })?;
         let tokens =
             file.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()).unwrap_or_default();
@@ -189,7 +189,7 @@ impl ChatTemplate {
                 .and_then(|t| t.as_str())
                 .map(str::to_string)
                 .ok_or_else(|| {
-                    EngineError::format(
+                    TextError::format(
                         file.path(),
                         format!("metadata {key} is not a token of the vocabulary"),
                     )
@@ -203,10 +203,8 @@ impl ChatTemplate {
     /// Renders `messages`; with `add_generation_prompt`, ends with the header that opens the
     /// assistant's turn.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        let template = self
-            .env
-            .get_template(TEMPLATE_NAME)
-            .map_err(|e| EngineError::Template(describe(&e)))?;
+        let template =
+            self.env.get_template(TEMPLATE_NAME).map_err(|e| TextError::Template(describe(&e)))?;
         // `transformers` passes `tools` and `documents` as None when absent.
         let ctx = context! {
             messages => Value::from_serialize(messages),
@@ -218,9 +216,9 @@ impl ChatTemplate {
         };
         template.render(ctx).map_err(|e| match raised_message(&e) {
             Some(message) => {
-                EngineError::Template(format!("template refused the messages: {message}"))
+                TextError::Template(format!("template refused the messages: {message}"))
             }
-            None => EngineError::Template(format!("render: {}", describe(&e))),
+            None => TextError::Template(format!("render: {}", describe(&e))),
         })
     }
 
@@ -247,7 +245,7 @@ impl ChatTemplate {
             .collect();
         let text = self.render(&marked, add_generation_prompt)?;
         let changed = || {
-            EngineError::Template(
+            TextError::Template(
                 "the chat template changes message content beyond trimming it; it cannot keep \
                  content apart from its own special tokens"
                     .into(),
@@ -943,7 +941,7 @@ mod tests {
         let m: ChatMessage = serde_json::from_str(
             r#"{"role":"user","content":[{"type":"text","text":"first"},{"type":"text","text":"second"}]}"#,
         )
-        .map_err(|e| EngineError::Template(e.to_string()))?;
+        .map_err(|e| TextError::Template(e.to_string()))?;
         assert_eq!(m, msg("user", "first\nsecond"));
         let image = serde_json::from_str::<ChatMessage>(
             r#"{"role":"user","content":[{"type":"image_url","image_url":{"url":"x"}}]}"#,

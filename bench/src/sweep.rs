@@ -6,12 +6,13 @@
 
 use std::path::PathBuf;
 
+use crate::svg::{Series, line_chart};
 use anyhow::{Context, bail};
 use clap::Args;
 use serde_json::{Value, json};
-use sluice_bench::svg::{Series, line_chart};
 
-use crate::bench_serve::{BenchServeArgs, measure, parse_slo};
+use crate::metrics::Summary;
+use crate::serve::{BenchServeArgs, measure, parse_slo};
 
 /// `sluice bench sweep`.
 #[derive(Args, Debug)]
@@ -38,11 +39,83 @@ pub struct BenchSweepArgs {
     out: PathBuf,
 }
 
+/// A figure of a run, as `sweep.json` names it.
+#[derive(Clone, Copy, Debug)]
+enum Stat {
+    Attainment,
+    RequestThroughput,
+    OutputThroughput,
+    RequestGoodput,
+    OutputGoodput,
+    RejectionRate,
+    ErrorRate,
+    TtftP50,
+    TtftP99,
+    TpotP50,
+    TpotP99,
+    E2elP50,
+    E2elP99,
+}
+
+impl Stat {
+    const ALL: [Stat; 13] = [
+        Stat::Attainment,
+        Stat::RequestThroughput,
+        Stat::OutputThroughput,
+        Stat::RequestGoodput,
+        Stat::OutputGoodput,
+        Stat::RejectionRate,
+        Stat::ErrorRate,
+        Stat::TtftP50,
+        Stat::TtftP99,
+        Stat::TpotP50,
+        Stat::TpotP99,
+        Stat::E2elP50,
+        Stat::E2elP99,
+    ];
+
+    fn key(self) -> &'static str {
+        match self {
+            Stat::Attainment => "slo_attainment",
+            Stat::RequestThroughput => "request_throughput",
+            Stat::OutputThroughput => "output_throughput",
+            Stat::RequestGoodput => "request_goodput",
+            Stat::OutputGoodput => "output_goodput",
+            Stat::RejectionRate => "rejection_rate",
+            Stat::ErrorRate => "error_rate",
+            Stat::TtftP50 => "median_ttft_ms",
+            Stat::TtftP99 => "p99_ttft_ms",
+            Stat::TpotP50 => "median_tpot_ms",
+            Stat::TpotP99 => "p99_tpot_ms",
+            Stat::E2elP50 => "median_e2el_ms",
+            Stat::E2elP99 => "p99_e2el_ms",
+        }
+    }
+
+    fn of(self, s: &Summary) -> f64 {
+        match self {
+            Stat::Attainment => s.slo_attainment,
+            Stat::RequestThroughput => s.request_throughput,
+            Stat::OutputThroughput => s.output_throughput,
+            Stat::RequestGoodput => s.request_goodput,
+            Stat::OutputGoodput => s.output_goodput,
+            Stat::RejectionRate => s.rejection_rate,
+            Stat::ErrorRate => s.error_rate,
+            Stat::TtftP50 => s.ttft_ms.median,
+            Stat::TtftP99 => s.ttft_ms.p99,
+            Stat::TpotP50 => s.tpot_ms.median,
+            Stat::TpotP99 => s.tpot_ms.p99,
+            Stat::E2elP50 => s.e2el_ms.median,
+            Stat::E2elP99 => s.e2el_ms.p99,
+        }
+    }
+}
+
 /// One rate's runs, summarized.
 #[derive(Clone, Debug)]
 struct Point {
     rate: f64,
-    runs: Vec<Value>,
+    runs: Vec<Summary>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -56,28 +129,15 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 impl Point {
-    fn stat(&self, key: &str) -> f64 {
-        median(self.runs.iter().filter_map(|r| r[key].as_f64()).collect())
+    /// The median of `stat` over the point's runs.
+    fn stat(&self, stat: Stat) -> f64 {
+        median(self.runs.iter().map(|r| stat.of(r)).collect())
     }
 
     fn json(&self) -> Value {
         let mut v = json!({"rate": self.rate, "runs": self.runs.len()});
-        for k in [
-            "slo_attainment",
-            "request_throughput",
-            "output_throughput",
-            "request_goodput",
-            "output_goodput",
-            "rejection_rate",
-            "error_rate",
-            "median_ttft_ms",
-            "p99_ttft_ms",
-            "median_tpot_ms",
-            "p99_tpot_ms",
-            "median_e2el_ms",
-            "p99_e2el_ms",
-        ] {
-            v[k] = json!(self.stat(k));
+        for stat in Stat::ALL {
+            v[stat.key()] = json!(self.stat(stat));
         }
         v
     }
@@ -90,7 +150,7 @@ fn capacity(points: &[Point], target: f64) -> f64 {
     sorted.sort_by(|a, b| a.rate.total_cmp(&b.rate));
     let mut cap = 0.0;
     for p in sorted {
-        if p.stat("slo_attainment") >= target {
+        if p.stat(Stat::Attainment) >= target {
             cap = p.rate;
         } else {
             break;
@@ -105,11 +165,11 @@ fn capacity(points: &[Point], target: f64) -> f64 {
 fn knee(points: &[Point]) -> Option<f64> {
     let mut sorted: Vec<&Point> = points.iter().collect();
     sorted.sort_by(|a, b| a.rate.total_cmp(&b.rate));
-    let base = sorted.first()?.stat("median_ttft_ms");
+    let base = sorted.first()?.stat(Stat::TtftP50);
     let mut last = None;
     for p in sorted {
-        let saturated = p.stat("request_throughput") < 0.8 * p.rate
-            || (base.is_finite() && p.stat("median_ttft_ms") > 2.0 * base.max(1.0));
+        let saturated = p.stat(Stat::RequestThroughput) < 0.8 * p.rate
+            || (base.is_finite() && p.stat(Stat::TtftP50) > 2.0 * base.max(1.0));
         if saturated {
             break;
         }
@@ -153,16 +213,16 @@ pub fn run_bench_sweep(args: BenchSweepArgs) -> anyhow::Result<()> {
             a.request_rate = rate;
             a.seed = base.seed.wrapping_add(k as u64).wrapping_add((rate * 1000.0) as u64);
             let run = measure(&a, true)?;
-            runs.push(run.result);
+            runs.push(run.summary);
         }
         let p = Point { rate, runs };
-        let att = p.stat("slo_attainment");
+        let att = p.stat(Stat::Attainment);
         println!(
             "rate {rate:>8.2} req/s: attainment {att:.3}, throughput {:.2} req/s, goodput {:.2} req/s, TTFT p50 {:.1} ms, TPOT p50 {:.1} ms",
-            p.stat("request_throughput"),
-            p.stat("request_goodput"),
-            p.stat("median_ttft_ms"),
-            p.stat("median_tpot_ms"),
+            p.stat(Stat::RequestThroughput),
+            p.stat(Stat::RequestGoodput),
+            p.stat(Stat::TtftP50),
+            p.stat(Stat::TpotP50),
         );
         points.push(p);
         Ok(att)
@@ -203,12 +263,12 @@ pub fn run_bench_sweep(args: BenchSweepArgs) -> anyhow::Result<()> {
         "capacity_is_ceiling": bad.is_none(), "points": curve,
     });
     std::fs::write(args.out.join("sweep.json"), serde_json::to_string_pretty(&result)?)?;
-    let series = |pairs: &[(&str, &str)]| -> Vec<Series> {
+    let series = |pairs: &[(&str, Stat)]| -> Vec<Series> {
         pairs
             .iter()
-            .map(|(name, key)| Series {
+            .map(|(name, stat)| Series {
                 name: (*name).to_owned(),
-                points: points.iter().map(|p| (p.rate, p.stat(key))).collect(),
+                points: points.iter().map(|p| (p.rate, p.stat(*stat))).collect(),
             })
             .collect()
     };
@@ -216,7 +276,8 @@ pub fn run_bench_sweep(args: BenchSweepArgs) -> anyhow::Result<()> {
         name: "offered".into(),
         points: points.iter().map(|p| (p.rate, p.rate)).collect(),
     };
-    let mut tput = series(&[("achieved", "request_throughput"), ("goodput", "request_goodput")]);
+    let mut tput =
+        series(&[("achieved", Stat::RequestThroughput), ("goodput", Stat::RequestGoodput)]);
     tput.push(offered);
     let plots = [
         ("throughput.svg", line_chart("Throughput", "offered rate (req/s)", "req/s", &tput)),
@@ -227,10 +288,10 @@ pub fn run_bench_sweep(args: BenchSweepArgs) -> anyhow::Result<()> {
                 "offered rate (req/s)",
                 "ms",
                 &series(&[
-                    ("TTFT p50", "median_ttft_ms"),
-                    ("TTFT p99", "p99_ttft_ms"),
-                    ("TPOT p50", "median_tpot_ms"),
-                    ("TPOT p99", "p99_tpot_ms"),
+                    ("TTFT p50", Stat::TtftP50),
+                    ("TTFT p99", Stat::TtftP99),
+                    ("TPOT p50", Stat::TpotP50),
+                    ("TPOT p99", Stat::TpotP99),
                 ]),
             ),
         ),
@@ -240,7 +301,7 @@ pub fn run_bench_sweep(args: BenchSweepArgs) -> anyhow::Result<()> {
                 "SLO attainment",
                 "offered rate (req/s)",
                 "fraction within SLO",
-                &series(&[("attainment", "slo_attainment")]),
+                &series(&[("attainment", Stat::Attainment)]),
             ),
         ),
         (
@@ -249,7 +310,10 @@ pub fn run_bench_sweep(args: BenchSweepArgs) -> anyhow::Result<()> {
                 "Goodput",
                 "offered rate (req/s)",
                 "output tokens/s",
-                &series(&[("output goodput", "output_goodput"), ("output", "output_throughput")]),
+                &series(&[
+                    ("output goodput", Stat::OutputGoodput),
+                    ("output", Stat::OutputThroughput),
+                ]),
             ),
         ),
     ];
@@ -274,15 +338,15 @@ pub fn run_bench_sweep(args: BenchSweepArgs) -> anyhow::Result<()> {
         md.push_str(&format!(
             "| {:.2} | {:.3} | {:.2} | {:.2} | {:.1} | {:.1} / {:.1} | {:.1} / {:.1} | {:.3} |\n",
             p.rate,
-            p.stat("slo_attainment"),
-            p.stat("request_throughput"),
-            p.stat("request_goodput"),
-            p.stat("output_throughput"),
-            p.stat("median_ttft_ms"),
-            p.stat("p99_ttft_ms"),
-            p.stat("median_tpot_ms"),
-            p.stat("p99_tpot_ms"),
-            p.stat("rejection_rate"),
+            p.stat(Stat::Attainment),
+            p.stat(Stat::RequestThroughput),
+            p.stat(Stat::RequestGoodput),
+            p.stat(Stat::OutputThroughput),
+            p.stat(Stat::TtftP50),
+            p.stat(Stat::TtftP99),
+            p.stat(Stat::TpotP50),
+            p.stat(Stat::TpotP99),
+            p.stat(Stat::RejectionRate),
         ));
     }
     md.push_str("\n![throughput](throughput.svg)\n![latency](latency.svg)\n![attainment](attainment.svg)\n![goodput](goodput.svg)\n");
@@ -302,11 +366,10 @@ mod tests {
     use super::*;
 
     fn point(rate: f64, attainment: f64, tput: f64, ttft: f64) -> Point {
-        Point {
-            rate,
-            runs: vec![json!({"slo_attainment": attainment, "request_throughput": tput,
-                "median_ttft_ms": ttft})],
-        }
+        let mut s =
+            Summary { slo_attainment: attainment, request_throughput: tput, ..Summary::default() };
+        s.ttft_ms.median = ttft;
+        Point { rate, runs: vec![s] }
     }
 
     #[test]

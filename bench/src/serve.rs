@@ -7,14 +7,14 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::arrivals::{Arrival, schedule};
+use crate::metrics::{Dist, Outcome, Slo, Summary, summarize};
+use crate::svg::{Series, cdf, line_chart};
+use crate::workload::{Content, Lengths, Request, Workload, generate, parse_sharegpt};
 use anyhow::{Context, bail};
 use clap::Args;
 use serde_json::{Value, json};
-use sluice_bench::arrivals::{Arrival, schedule};
-use sluice_bench::metrics::{Dist, Outcome, Slo, Summary, summarize};
-use sluice_bench::svg::{Series, cdf, line_chart};
-use sluice_bench::workload::{Content, Lengths, Request, Workload, generate, parse_sharegpt};
-use sluice_gateway::observe::{SseParser, tokens_carried};
+use sluice_text::stream::{SseParser, tokens_carried};
 
 /// `sluice bench serve`.
 #[derive(Args, Debug, Clone)]
@@ -438,7 +438,7 @@ async fn one(
                     }
                     let k = tokens_carried(&v);
                     if k > 0 {
-                        o.events.push((now, k));
+                        o.events.push(now, k);
                     }
                 }
             }
@@ -596,13 +596,32 @@ pub struct Run {
     /// Every request of the window.
     pub outcomes: Vec<Outcome>,
     tenants: Vec<Tenant>,
-    per_tenant: serde_json::Map<String, Value>,
-    buckets: Vec<(String, Value)>,
-    server: std::collections::BTreeMap<String, f64>,
+    /// Each tenant's aggregates, in the mix's order (empty with one tenant).
+    pub per_tenant: Vec<(String, Summary)>,
+    /// Aggregates per input-length bucket, shortest first.
+    pub buckets: Vec<(String, Summary)>,
+    /// The server's metrics over the run: counters as deltas, gauges at the end.
+    pub server: std::collections::BTreeMap<String, f64>,
 }
 
 /// Plans, sends and measures one run (`quiet`: no progress bar).
 pub fn measure(args: &BenchServeArgs, quiet: bool) -> anyhow::Result<Run> {
+    measure_tenants(args, None, quiet)
+}
+
+/// The tenants of the run, by name, in the mix's order.
+pub fn tenant_names(args: &BenchServeArgs) -> anyhow::Result<Vec<String>> {
+    Ok(tenants(args)?.into_iter().map(|t| t.name).collect())
+}
+
+/// As [`measure`], with only the mix's tenant `only` when given: its schedule and requests are
+/// the ones it has in the whole mix (the same seed), so a run alone and a run together offer
+/// it the same load.
+pub fn measure_tenants(
+    args: &BenchServeArgs,
+    only: Option<usize>,
+    quiet: bool,
+) -> anyhow::Result<Run> {
     if args.endpoint != "chat" && args.endpoint != "completions" {
         bail!("--endpoint must be chat or completions");
     }
@@ -613,7 +632,15 @@ pub fn measure(args: &BenchServeArgs, quiet: bool) -> anyhow::Result<Run> {
         bail!("--ramp-up must be a non-negative number of seconds");
     }
     let slo = parse_slo(args.goodput.as_deref())?;
-    let tenants = tenants(args)?;
+    // Each tenant keeps its index in the mix: its seed comes from it.
+    let (indices, tenants): (Vec<usize>, Vec<Tenant>) = tenants(args)?
+        .into_iter()
+        .enumerate()
+        .filter(|(i, _)| only.is_none_or(|o| o == *i))
+        .unzip();
+    if tenants.is_empty() {
+        bail!("the mix has no tenant {}", only.unwrap_or_default());
+    }
     let chat = args.endpoint == "chat";
     let stream = !args.no_stream;
     let base = args.base_url.trim_end_matches('/');
@@ -622,8 +649,8 @@ pub fn measure(args: &BenchServeArgs, quiet: bool) -> anyhow::Result<Run> {
     // The whole plan, before anything is sent: each tenant's schedule and requests.
     let mut plan = Vec::new();
     let mut schedules = Vec::new();
-    for (i, t) in tenants.iter().enumerate() {
-        let seed = args.seed ^ (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    for (i, (t, index)) in tenants.iter().zip(&indices).enumerate() {
+        let seed = args.seed ^ (*index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let mut times = schedule(Arrival::Gamma { burstiness: t.burstiness }, t.rate, t.num, seed);
         ramp(&mut times, args.ramp_up);
         let reqs = generate(&t.workload, t.num, &t.input, &t.output, chat, seed ^ 0x5eed);
@@ -767,7 +794,7 @@ pub fn measure(args: &BenchServeArgs, quiet: bool) -> anyhow::Result<Run> {
     result["identity"] = json!(ident);
     result["server_metrics"] = json!(server);
     // Breakdowns: per tenant (with several) and per input-length bucket.
-    let mut per_tenant = serde_json::Map::new();
+    let mut per_tenant = Vec::new();
     if tenants.len() > 1 {
         for (i, t) in tenants.iter().enumerate() {
             let mine: Vec<Outcome> = plan
@@ -776,9 +803,11 @@ pub fn measure(args: &BenchServeArgs, quiet: bool) -> anyhow::Result<Run> {
                 .filter(|(p, _)| p.tenant == i)
                 .map(|(_, o)| o.clone())
                 .collect();
-            per_tenant.insert(t.name.clone(), brief(&summarize(&mine, t.rate, slo)));
+            per_tenant.push((t.name.clone(), summarize(&mine, t.rate, slo)));
         }
-        result["tenants"] = Value::Object(per_tenant.clone());
+        let by_name: serde_json::Map<String, Value> =
+            per_tenant.iter().map(|(n, s)| (n.clone(), brief(s))).collect();
+        result["tenants"] = Value::Object(by_name);
     }
     let mut per_bucket = std::collections::BTreeMap::<(usize, String), Vec<Outcome>>::new();
     for (p, o) in plan.iter().zip(&outcomes) {
@@ -787,15 +816,13 @@ pub fn measure(args: &BenchServeArgs, quiet: bool) -> anyhow::Result<Run> {
         per_bucket.entry((order, b)).or_default().push(o.clone());
     }
     // In length order (an array: JSON objects do not keep it).
-    let buckets: Vec<(String, Value)> = per_bucket
-        .iter()
-        .map(|((_, b), os)| (b.clone(), brief(&summarize(os, f64::NAN, slo))))
-        .collect();
+    let buckets: Vec<(String, Summary)> =
+        per_bucket.iter().map(|((_, b), os)| (b.clone(), summarize(os, f64::NAN, slo))).collect();
     result["length_buckets"] = json!(
         buckets
             .iter()
-            .map(|(b, v)| {
-                let mut v = v.clone();
+            .map(|(b, s)| {
+                let mut v = brief(s);
                 v["bucket"] = json!(b);
                 v
             })
@@ -855,13 +882,13 @@ pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
     print_summary(&summary);
     if tenants.len() > 1 {
         println!("per tenant:");
-        for (name, v) in &per_tenant {
-            println!("  {name:<12} {}", brief_line(v));
+        for (name, s) in &per_tenant {
+            println!("  {name:<12} {}", brief_line(s));
         }
     }
     println!("per input length (tokens):");
-    for (b, v) in &buckets {
-        println!("  {b:<12} {}", brief_line(v));
+    for (b, s) in &buckets {
+        println!("  {b:<12} {}", brief_line(s));
     }
     if let Some(g) = result.get("gateway_ttft") {
         println!(
@@ -893,7 +920,7 @@ pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
 }
 
 /// A breakdown's figures.
-fn brief(s: &Summary) -> Value {
+pub(crate) fn brief(s: &Summary) -> Value {
     json!({
         "completed": s.completed, "failed": s.failed, "rejected": s.rejected,
         "request_throughput": s.request_throughput, "output_throughput": s.output_throughput,
@@ -904,18 +931,19 @@ fn brief(s: &Summary) -> Value {
     })
 }
 
-fn brief_line(v: &Value) -> String {
-    let f = |k: &str| v[k].as_f64().unwrap_or(0.0);
+pub(crate) fn brief_line(s: &Summary) -> String {
+    // An empty group's percentiles print as 0, as they did from the JSON result.
+    let f = |x: f64| if x.is_finite() { x } else { 0.0 };
     format!(
         "ok {} failed {} rejected {}  TTFT p50/p99 {:.1}/{:.1} ms  TPOT p50/p99 {:.1}/{:.1} ms  attainment {:.3}",
-        v["completed"],
-        v["failed"],
-        v["rejected"],
-        f("median_ttft_ms"),
-        f("p99_ttft_ms"),
-        f("median_tpot_ms"),
-        f("p99_tpot_ms"),
-        f("slo_attainment")
+        s.completed,
+        s.failed,
+        s.rejected,
+        f(s.ttft_ms.median),
+        f(s.ttft_ms.p99),
+        f(s.tpot_ms.median),
+        f(s.tpot_ms.p99),
+        f(s.slo_attainment)
     )
 }
 

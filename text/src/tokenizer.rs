@@ -29,8 +29,31 @@ use tokenizers::pre_tokenizers::sequence::Sequence as PreTokenizerSequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, SplitDelimiterBehavior};
 
-use crate::error::{EngineError, Result};
+use crate::error::{Result, TextError};
 use crate::gguf::{GgufFile, MetaValue};
+
+/// The body field in which the gateway hands the engine a prompt's token ids.
+pub const PROMPT_FIELD: &str = "sluice_prompt";
+
+/// The most token ids the gateway hands over: beyond every served context length (a longer
+/// prompt is the engine's to refuse), and small enough that the ids (at most 11 bytes each)
+/// and the largest body the gateway accepts stay within the engine's body limit.
+pub const MAX_PROMPT_IDS: usize = 131_072;
+
+/// A prompt the gateway has already tokenized, as it travels to the engine: the engine uses
+/// the ids instead of tokenizing again only when its own tokenizer has this revision (and, for
+/// a chat, its chat template this version). Fields may be added: a reader ignores those it
+/// does not know, and one it cannot read makes the engine tokenize itself.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct PromptTokens {
+    /// The prompt's token ids: the rendered chat, or the completion prompt with its BOS.
+    pub ids: Vec<u32>,
+    /// `sha256:` and the tokenizer's revision.
+    pub tokenizer_revision: String,
+    /// `sha256:` and the chat template's version, for a chat.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub chat_template_version: Option<String>,
+}
 
 /// llama.cpp's token types (`tokenizer.ggml.token_type`).
 mod token_type {
@@ -94,7 +117,7 @@ impl PreTokenization {
             "llama-bpe" | "llama3" | "llama-v3" => (&[LLAMA3_REGEX], true, true),
             "qwen2" | "stablelm2" | "deepseek-r1-qwen" => (&[QWEN2_REGEX], false, false),
             other => {
-                return Err(EngineError::Tokenizer(format!(
+                return Err(TextError::Tokenizer(format!(
                     "unsupported pre-tokenizer tokenizer.ggml.pre = {other:?} (supported: {SUPPORTED_PRE})"
                 )));
             }
@@ -110,7 +133,7 @@ impl PreTokenization {
                 SplitDelimiterBehavior::Isolated,
                 false,
             )
-            .map_err(|e| EngineError::Tokenizer(format!("pre-tokenizer regex {regex:?}: {e}")))?;
+            .map_err(|e| TextError::Tokenizer(format!("pre-tokenizer regex {regex:?}: {e}")))?;
             steps.push(split.into());
         }
         // Bytes to the GPT-2 printable alphabet; the splitting is already done.
@@ -154,8 +177,8 @@ impl std::fmt::Debug for Tokenizer {
 struct Meta<'a>(&'a GgufFile);
 
 impl<'a> Meta<'a> {
-    fn bad(&self, key: &str, what: &str) -> EngineError {
-        EngineError::format(self.0.path(), format!("metadata {key}: {what}"))
+    fn bad(&self, key: &str, what: &str) -> TextError {
+        TextError::format(self.0.path(), format!("metadata {key}: {what}"))
     }
 
     fn array(&self, key: &str) -> Result<Option<&'a [MetaValue]>> {
@@ -240,7 +263,7 @@ impl Tokenizer {
             "gpt2" => VocabKind::ByteLevelBpe,
             "llama" => VocabKind::SentencePiece,
             other => {
-                return Err(EngineError::Tokenizer(format!(
+                return Err(TextError::Tokenizer(format!(
                     "unsupported tokenizer model tokenizer.ggml.model = {other:?} (supported: gpt2, llama)"
                 )));
             }
@@ -349,7 +372,7 @@ impl Tokenizer {
         tokenizer_config: Option<&serde_json::Value>,
     ) -> Result<Tokenizer> {
         let inner = tokenizers::Tokenizer::from_file(path)
-            .map_err(|e| EngineError::format(path, format!("tokenizer.json: {e}")))?;
+            .map_err(|e| TextError::format(path, format!("tokenizer.json: {e}")))?;
         let vocab = inner.get_vocab(true);
         let n_vocab = vocab.values().max().map_or(0, |&m| m as usize + 1);
         let config_token = |key: &str| -> Result<Option<u32>> {
@@ -358,14 +381,14 @@ impl Tokenizer {
                 serde_json::Value::Null => return Ok(None),
                 serde_json::Value::String(s) => s.as_str(),
                 other => other.get("content").and_then(|c| c.as_str()).ok_or_else(|| {
-                    EngineError::format(
+                    TextError::format(
                         path,
                         format!("tokenizer_config.json {key} is neither a string nor {{content}}"),
                     )
                 })?,
             };
             inner.token_to_id(text).map(Some).ok_or_else(|| {
-                EngineError::format(
+                TextError::format(
                     path,
                     format!("tokenizer_config.json {key} {text:?} is not in the vocabulary"),
                 )
@@ -375,13 +398,13 @@ impl Tokenizer {
         let eos = config_token("eos_token")?;
         let add_bos = match tokenizer_config.and_then(|c| c.get("add_bos_token")) {
             Some(v) => v.as_bool().ok_or_else(|| {
-                EngineError::format(path, "tokenizer_config.json add_bos_token is not a boolean")
+                TextError::format(path, "tokenizer_config.json add_bos_token is not a boolean")
             })?,
             None => match bos {
                 Some(bos) => {
                     let probe = inner
                         .encode_fast("a", true)
-                        .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+                        .map_err(|e| TextError::Tokenizer(e.to_string()))?;
                     probe.get_ids().first() == Some(&bos)
                 }
                 None => false,
@@ -414,7 +437,7 @@ impl Tokenizer {
             } else {
                 inner
                     .decode(&[id], false)
-                    .map_err(|e| EngineError::Tokenizer(e.to_string()))?
+                    .map_err(|e| TextError::Tokenizer(e.to_string()))?
                     .into_bytes()
             };
             if let Some(slot) = pieces.get_mut(id as usize) {
@@ -433,9 +456,8 @@ impl Tokenizer {
         add_bos: bool,
         stop_ids: Vec<u32>,
     ) -> Result<Tokenizer> {
-        let serialized = inner
-            .to_string(false)
-            .map_err(|e| EngineError::Tokenizer(format!("serialize: {e}")))?;
+        let serialized =
+            inner.to_string(false).map_err(|e| TextError::Tokenizer(format!("serialize: {e}")))?;
         let mut canonical = serialized.into_bytes();
         // What the serialization does not hold but tokenization depends on.
         let extra = format!("\nbos={bos:?} eos={eos:?} add_bos={add_bos} stop_ids={stop_ids:?}");
@@ -519,7 +541,7 @@ impl Tokenizer {
         let tokenizer = if parse_special { &self.inner } else { self.literal() };
         let encoding = tokenizer
             .encode_fast(text, false)
-            .map_err(|e| EngineError::Tokenizer(format!("encode: {e}")))?;
+            .map_err(|e| TextError::Tokenizer(format!("encode: {e}")))?;
         Ok(encoding.get_ids().to_vec())
     }
 
@@ -550,14 +572,14 @@ impl Tokenizer {
     /// Turns ids back into text; invalid UTF-8 becomes U+FFFD.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
         if let Some(bad) = ids.iter().find(|&&id| id as usize >= self.pieces.len()) {
-            return Err(EngineError::Tokenizer(format!(
+            return Err(TextError::Tokenizer(format!(
                 "token id {bad} is outside the vocabulary of {}",
                 self.pieces.len()
             )));
         }
         self.inner
             .decode(ids, skip_special)
-            .map_err(|e| EngineError::Tokenizer(format!("decode: {e}")))
+            .map_err(|e| TextError::Tokenizer(format!("decode: {e}")))
     }
 
     /// Hex SHA-256 of the tokenizer's canonical serialization and its BOS/EOS/stop settings.
@@ -594,7 +616,7 @@ fn byte_level_bpe(
         .vocab_and_merges(vocab, merges)
         .ignore_merges(pre.ignore_merges)
         .build()
-        .map_err(|e| EngineError::Tokenizer(format!("byte-level BPE: {e}")))?;
+        .map_err(|e| TextError::Tokenizer(format!("byte-level BPE: {e}")))?;
     let mut tokenizer = tokenizers::Tokenizer::new(bpe);
     tokenizer.with_pre_tokenizer(Some(pre.pre_tokenizer()?));
     tokenizer.with_decoder(Some(ByteLevel::new(false, false, false)));
@@ -658,10 +680,10 @@ fn sentence_piece(
         builder = builder.unk_token(tokens[unk].to_string());
     }
     let bpe =
-        builder.build().map_err(|e| EngineError::Tokenizer(format!("SentencePiece BPE: {e}")))?;
+        builder.build().map_err(|e| TextError::Tokenizer(format!("SentencePiece BPE: {e}")))?;
 
     let replace = |from: &str, to: &str| {
-        Replace::new(from, to).map_err(|e| EngineError::Tokenizer(format!("replace {from:?}: {e}")))
+        Replace::new(from, to).map_err(|e| TextError::Tokenizer(format!("replace {from:?}: {e}")))
     };
     let mut normalizers: Vec<NormalizerWrapper> = Vec::new();
     if add_space_prefix {
@@ -746,7 +768,7 @@ mod tests {
     }
 
     fn load(w: &GgufWriter) -> Result<GgufFile> {
-        let dir = tempfile::tempdir().map_err(|e| EngineError::io("tempdir", e))?;
+        let dir = tempfile::tempdir().map_err(|e| TextError::io("tempdir", e))?;
         let path = dir.path().join("tok.gguf");
         w.write(&path)?;
         GgufFile::open(&path)
@@ -881,10 +903,10 @@ mod tests {
 
     /// Writes `tok`'s Hugging Face serialization and loads it back with `config`.
     fn via_hf_file(tok: &Tokenizer, config: &serde_json::Value) -> Result<Tokenizer> {
-        let dir = tempfile::tempdir().map_err(|e| EngineError::io("tempdir", e))?;
+        let dir = tempfile::tempdir().map_err(|e| TextError::io("tempdir", e))?;
         let path = dir.path().join("tokenizer.json");
-        let json = tok.inner.to_string(false).map_err(|e| EngineError::Tokenizer(e.to_string()))?;
-        std::fs::write(&path, json).map_err(|e| EngineError::io(&path, e))?;
+        let json = tok.inner.to_string(false).map_err(|e| TextError::Tokenizer(e.to_string()))?;
+        std::fs::write(&path, json).map_err(|e| TextError::io(&path, e))?;
         Tokenizer::from_hf_file(&path, Some(config))
     }
 
