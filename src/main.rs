@@ -123,6 +123,9 @@ enum BenchCommand {
     /// The highest arrival rate meeting an SLO-attainment target (DistServe's capacity):
     /// doubling, then bisection, each rate repeated; JSON, Markdown and SVG plots.
     Sweep(Box<sluice_bench::sweep::BenchSweepArgs>),
+    /// Tenant isolation: each tenant of a mix alone, then all together, against one target;
+    /// per tenant the ratios together / alone, and the policy's throughput against FCFS.
+    Isolation(Box<sluice_bench::isolation::BenchIsolationArgs>),
 }
 
 #[derive(Args, Debug)]
@@ -350,6 +353,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Gateway(args)) => bench_gateway::run_bench_gateway(args)?,
         Command::Bench(BenchCommand::Serve(args)) => sluice_bench::serve::run_bench_serve(*args)?,
         Command::Bench(BenchCommand::Sweep(args)) => sluice_bench::sweep::run_bench_sweep(*args)?,
+        Command::Bench(BenchCommand::Isolation(args)) => {
+            sluice_bench::isolation::run_bench_isolation(*args)?
+        }
         Command::Engine(args) => run_engine(args)?,
         #[cfg(feature = "cuda")]
         Command::Cuda { archs, device } => run_cuda_info(archs, device)?,

@@ -188,16 +188,23 @@ pub struct FrontDoorArgs {
     /// Requests one client address may have in flight at once (then 429).
     #[arg(long, default_value_t = 512)]
     max_per_client: u32,
+    /// While the engines are backlogged: `fair` admits each tenant up to its weighted share
+    /// of their places and past it only as far as its tier's TTFT target allows (the rest get
+    /// 429 at once); `fcfs` lets every request queue at the engines. `sluice up --scheduling
+    /// fcfs` implies `fcfs`.
+    #[arg(long, default_value = "fair", value_parser = ["fair", "fcfs"])]
+    admission: String,
 }
 
 impl FrontDoorArgs {
-    /// `cfg` with these timeouts.
+    /// `cfg` with these timeouts, limits and the admission policy.
     fn apply(&self, cfg: GatewayConfig) -> GatewayConfig {
         GatewayConfig {
             idle_timeout: Duration::from_secs(self.idle_timeout),
             header_timeout: Duration::from_secs(self.header_timeout),
             body_timeout: Duration::from_secs(self.body_timeout),
             max_per_client: self.max_per_client,
+            fair_admission: self.admission == "fair",
             ..cfg
         }
     }
@@ -421,12 +428,14 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     ];
     let admin_path = dir.join("admin.env");
     write_private(&admin_path, &(admin_env.join("\n") + "\n"))?;
-    let cfg = args.front.apply(GatewayConfig::platform(
+    let mut cfg = args.front.apply(GatewayConfig::platform(
         &[engine_addr.to_string()],
         Some(internal_token.clone()),
         DEFAULT_MODEL_ID,
         RedisDownPolicy::Local,
     ));
+    // First come, first served all the way: the gateway does not share places out either.
+    cfg.fair_admission &= args.scheduling == sluice_engine::serve::core::Scheduling::Fair;
     let gateway =
         Gateway::new(cfg, ledger.clone(), usage.limiter, tokens, usage.sink, io.handle.clone());
     gateway.seed_identity(serde_json::to_value(&model.identity)?);

@@ -302,6 +302,8 @@ struct Expected {
     completion: u64,
     cost: u64,
     finish: BTreeMap<String, u64>,
+    /// Records that ended normally within the tier's targets.
+    good: u64,
     ttft: Vec<f64>,
     tpot: Vec<f64>,
 }
@@ -544,6 +546,21 @@ async fn dashboard_renders_usage_ingested_through_the_pipeline() -> anyhow::Resu
     let tenants: Vec<String> = ["a", "b", "c"].iter().map(|s| format!("dash-{tag}-{s}")).collect();
     let now_ms = i64::try_from(SystemTime::now().duration_since(UNIX_EPOCH)?.as_millis())?;
     let mut expected: Vec<Expected> = tenants.iter().map(|_| Expected::default()).collect();
+    // Two of the tenants exist, with tiers whose targets judge their attainment; the third
+    // exists only in the usage rows and is judged by nothing.
+    let tiers = [Some("enterprise"), Some("standard"), None];
+    let ops = mint(&secret, "ops")?;
+    let c = reqwest::Client::builder().timeout(Duration::from_secs(30)).build()?;
+    for (tenant, tier) in tenants.iter().zip(tiers) {
+        let Some(tier) = tier else { continue };
+        let r = c
+            .post(format!("{}/v1/tenants", server.url))
+            .bearer_auth(&ops)
+            .json(&json!({"id": tenant, "tier": tier}))
+            .send()
+            .await?;
+        ensure!(r.status().is_success(), "creating {tenant}: {}", r.text().await?);
+    }
     let redis = redis::Client::open(REDIS_URL)?;
     let mut conn = redis.get_multiplexed_async_connection().await?;
     for (i, spec) in specs().iter().enumerate() {
@@ -563,6 +580,16 @@ async fn dashboard_renders_usage_ingested_through_the_pipeline() -> anyhow::Resu
             e.cost += spec.cost;
         }
         *e.finish.entry(spec.finish.to_owned()).or_default() += 1;
+        // Good: ended normally within the tier's targets (a missing figure is not judged).
+        if let Some(tier) = tiers[spec.tenant] {
+            let ttft_target = sluice_billing::control::tier_ttft_ms(tier).map(f64::from);
+            let tpot_target = sluice_billing::control::tier_tpot_ms(tier).map(f64::from);
+            let within = |v: Option<f64>, t: Option<f64>| v.zip(t).is_none_or(|(v, t)| v <= t);
+            let normal = ["stop", "length", "tool_calls", "content_filter"].contains(&spec.finish);
+            e.good += u64::from(
+                normal && within(spec.ttft, ttft_target) && within(spec.tpot, tpot_target),
+            );
+        }
         e.ttft.extend(spec.ttft);
         e.tpot.extend(spec.tpot);
     }
@@ -575,7 +602,6 @@ async fn dashboard_renders_usage_ingested_through_the_pipeline() -> anyhow::Resu
     let until = rfc3339_s(now_ms / 1000 + 1);
     let window = format!("since={since}&until={until}");
     let data_url = format!("{}/v1/dashboard/data?{window}", server.url);
-    let c = reqwest::Client::builder().timeout(Duration::from_secs(30)).build()?;
 
     // Wait until the consumer committed all of them (polling bounds the rate, it is no sync).
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -596,7 +622,7 @@ async fn dashboard_renders_usage_ingested_through_the_pipeline() -> anyhow::Resu
         redis::AsyncCommands::del(&mut conn, &[stream.clone(), format!("{stream}:dead")]).await?;
 
     // The API's answer for this test's tenants.
-    for (tenant, e) in tenants.iter().zip(&expected) {
+    for ((tenant, e), tier) in tenants.iter().zip(&expected).zip(tiers) {
         let top = row_of(&data["top_tenants"], tenant).context("top_tenants row")?;
         let got = [
             "requests",
@@ -609,6 +635,9 @@ async fn dashboard_renders_usage_ingested_through_the_pipeline() -> anyhow::Resu
         ensure!(got == [e.requests, e.prompt, e.cached, e.completion, e.cost], "{tenant}: {top}");
         let latency = row_of(&data["latency"], tenant).context("latency row")?;
         ensure!(latency["requests"] == e.records, "{tenant}: {latency}");
+        let attainment = latency["attainment"].as_f64();
+        let want = tier.map(|_| e.good as f64 / e.records as f64);
+        ensure!(attainment == want, "{tenant}: attainment {attainment:?} != {want:?}: {latency}");
         for (metric, samples) in [("ttft_ms", &e.ttft), ("tpot_ms", &e.tpot)] {
             for p in [50, 90, 99] {
                 let want = percentile(samples, p);
@@ -702,10 +731,16 @@ async fn dashboard_renders_usage_ingested_through_the_pipeline() -> anyhow::Resu
 
     // Latency: nearest-rank percentiles of the samples sent; a dash where there are none.
     let table = section(&dom, "data-testid=\"latency-table\"", "</table>")?;
-    for (tenant, e) in tenants.iter().zip(&expected) {
+    for ((tenant, e), tier) in tenants.iter().zip(&expected).zip(tiers) {
         let row = section(table, &format!("<tr data-tenant=\"{tenant}\""), "</tr>")?;
         let (raw, shown) = cell(row, "requests")?;
         ensure!(raw == e.records.to_string() && shown == int(e.records), "{tenant} requests");
+        // Attainment as a percentage of the tier's good requests; a dash without a tier.
+        let (raw, shown) = cell(row, "attainment")?;
+        let want = tier.map(|_| e.good as f64 / e.records as f64);
+        let want_raw = want.map(|v| v.to_string()).unwrap_or_default();
+        let want_shown = want.map_or("-".to_owned(), |v| format!("{:.1}%", 100.0 * v));
+        ensure!(raw == want_raw && shown == want_shown, "{tenant} attainment {raw:?} {shown:?}");
         for (metric, samples) in [("ttft", &e.ttft), ("tpot", &e.tpot)] {
             for p in [50, 90, 99] {
                 let want = percentile(samples, p);

@@ -702,8 +702,8 @@ async fn a_quiet_tenant_goes_ahead_of_a_floods_backlog() -> anyhow::Result<()> {
         let order = started.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.clone();
         let at = order.iter().position(|n| n == "quiet").context("quiet never started")?;
         if fair {
-            // The flood's two running requests end in the same step; the quiet request takes
-            // one of the two slots they leave.
+            // The quiet request starts among the next ones: it takes a place one of the flood's
+            // running requests leaves, or one a flood request is preempted for.
             ensure!(at <= 3, "fair: the quiet request started {at}th of 9: {order:?}");
         } else {
             ensure!(at == 8, "fcfs: the quiet request started {at}th of 9: {order:?}");

@@ -3,9 +3,11 @@
 //! asks for ([`workload`]), the serving metrics exactly as MISSION.md defines them
 //! ([`metrics`], over `sluice_text::stream`'s definitions) and the report's charts ([`svg`]).
 //! On them: `sluice bench serve`, the open-loop driver against any OpenAI-compatible endpoint
-//! ([`serve`]), and `sluice bench sweep`, the capacity search over it ([`sweep`]).
+//! ([`serve`]), `sluice bench sweep`, the capacity search over it ([`sweep`]), and `sluice
+//! bench isolation`, each tenant of a mix alone and then together ([`isolation`]).
 
 pub mod arrivals;
+pub mod isolation;
 pub mod metrics;
 pub mod serve;
 pub mod svg;

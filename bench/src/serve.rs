@@ -21,7 +21,7 @@ use sluice_text::stream::{SseParser, tokens_carried};
 pub struct BenchServeArgs {
     /// Server base URL (`.../v1` is appended when missing).
     #[arg(long)]
-    base_url: String,
+    pub(crate) base_url: String,
     /// API key (Authorization: Bearer).
     #[arg(long, env = "OPENAI_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
@@ -94,7 +94,7 @@ pub struct BenchServeArgs {
     pub(crate) seed: u64,
     /// Write the JSON result here.
     #[arg(long)]
-    save_result: Option<std::path::PathBuf>,
+    pub(crate) save_result: Option<std::path::PathBuf>,
     /// Include per-request arrays in the JSON result.
     #[arg(long)]
     save_detailed: bool,
@@ -684,7 +684,12 @@ pub fn measure_tenants(
                 if let Some(k) = &tenants[0].key {
                     req = req.bearer_auth(k);
                 }
-                let v: Value = req.send().await.context("GET /v1/models")?.json().await?;
+                let resp = req.send().await.context("GET /v1/models")?;
+                let status = resp.status();
+                let v: Value = resp.json().await.context("GET /v1/models: not JSON")?;
+                if !status.is_success() {
+                    bail!("GET /v1/models: {status}: {v}");
+                }
                 v["data"][0]["id"]
                     .as_str()
                     .context("the server lists no model; pass --model")?

@@ -266,6 +266,9 @@ pub struct TierScheduling {
     /// The time per output token the tier's requests are kept within, in milliseconds.
     #[serde(default)]
     pub tpot_ms: Option<u32>,
+    /// The time to first token the tier's requests are judged by, in milliseconds.
+    #[serde(default)]
+    pub ttft_ms: Option<u32>,
 }
 
 /// The tiers' scheduling policies of `policies/scheduling.json`, compiled in.
@@ -280,6 +283,11 @@ pub fn tier_weight(tier: &str) -> u32 {
 /// The TPOT target of `tier`, in milliseconds (1 to 60,000), if it has one.
 pub fn tier_tpot_ms(tier: &str) -> Option<u32> {
     TIER_SCHEDULING.get(tier).and_then(|s| s.tpot_ms).map(|ms| ms.clamp(1, 60_000))
+}
+
+/// The TTFT target of `tier`, in milliseconds (1 to 600,000), if it has one.
+pub fn tier_ttft_ms(tier: &str) -> Option<u32> {
+    TIER_SCHEDULING.get(tier).and_then(|s| s.ttft_ms).map(|ms| ms.clamp(1, 600_000))
 }
 
 /// A tenant as listed.

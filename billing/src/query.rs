@@ -12,7 +12,7 @@ use sqlx::types::Json;
 use sqlx::{QueryBuilder, Row};
 
 use crate::Ledger;
-use crate::control::{AdminError, AuditEntry, on_pool, rfc3339};
+use crate::control::{AdminError, AuditEntry, on_pool, rfc3339, tier_tpot_ms, tier_ttft_ms};
 use crate::store::Pool;
 
 impl Ledger {
@@ -357,33 +357,47 @@ impl Ledger {
                 });
             }
             let rows = sqlx::query(
-                "SELECT tenant_id, ttft_ms, tpot_ms FROM request_records \
-                 WHERE arrival_at >= $1 AND arrival_at < $2 ORDER BY arrival_at DESC LIMIT 200000",
+                "SELECT r.tenant_id, r.ttft_ms, r.tpot_ms, r.finish_reason, t.tier \
+                 FROM request_records r LEFT JOIN tenants t ON t.id = r.tenant_id \
+                 WHERE r.arrival_at >= $1 AND r.arrival_at < $2 \
+                 ORDER BY r.arrival_at DESC LIMIT 200000",
             )
             .bind(since)
             .bind(until)
             .fetch_all(pool)
             .await?;
-            let mut samples: BTreeMap<String, (u64, Vec<f64>, Vec<f64>)> = BTreeMap::new();
+            let mut samples: BTreeMap<String, Samples> = BTreeMap::new();
             for row in &rows {
                 let e = samples.entry(row.try_get("tenant_id")?).or_default();
-                e.0 += 1;
-                if let Some(v) = row.try_get::<Option<f64>, _>("ttft_ms")? {
-                    e.1.push(v);
+                let ttft = row.try_get::<Option<f64>, _>("ttft_ms")?;
+                let tpot = row.try_get::<Option<f64>, _>("tpot_ms")?;
+                let finish: String = row.try_get("finish_reason")?;
+                if e.requests == 0 {
+                    // The tenant's tier today: its targets judge the window.
+                    let tier: Option<String> = row.try_get("tier")?;
+                    let tier = tier.unwrap_or_default();
+                    e.targets = (tier_ttft_ms(&tier), tier_tpot_ms(&tier));
                 }
-                if let Some(v) = row.try_get::<Option<f64>, _>("tpot_ms")? {
-                    e.2.push(v);
-                }
+                e.requests += 1;
+                e.good += u64::from(good(&finish, ttft, tpot, e.targets));
+                e.ttft.extend(ttft);
+                e.tpot.extend(tpot);
             }
             (finish, samples)
         });
         let latency = samples
             .into_iter()
-            .map(|(tenant_id, (requests, ttft, tpot))| LatencyRow {
-                tenant_id,
-                requests,
-                ttft_ms: Percentiles::of(ttft),
-                tpot_ms: Percentiles::of(tpot),
+            .map(|(tenant_id, s)| {
+                let judged = s.targets != (None, None);
+                LatencyRow {
+                    tenant_id,
+                    requests: s.requests,
+                    ttft_ms: Percentiles::of(s.ttft),
+                    tpot_ms: Percentiles::of(s.tpot),
+                    ttft_target_ms: s.targets.0,
+                    tpot_target_ms: s.targets.1,
+                    attainment: judged.then(|| s.good as f64 / s.requests.max(1) as f64),
+                }
             })
             .collect();
         let mut top: BTreeMap<String, TenantTotal> = BTreeMap::new();
@@ -639,6 +653,35 @@ pub struct FinishCount {
     pub requests: i64,
 }
 
+/// One tenant's latency samples in a dashboard window.
+#[derive(Default)]
+struct Samples {
+    requests: u64,
+    good: u64,
+    ttft: Vec<f64>,
+    tpot: Vec<f64>,
+    /// The tier's TTFT and TPOT targets, ms.
+    targets: (Option<u32>, Option<u32>),
+}
+
+/// Whether a request was good (MISSION.md's SLO attainment): it ended normally and within its
+/// tier's targets. A request without a TTFT (a whole answer) or TPOT (one token) is judged by
+/// what it has; every other ending, refusals included, is not good.
+fn good(
+    finish: &str,
+    ttft: Option<f64>,
+    tpot: Option<f64>,
+    targets: (Option<u32>, Option<u32>),
+) -> bool {
+    let within = |v: Option<f64>, t: Option<u32>| match (v, t) {
+        (Some(v), Some(t)) => v <= f64::from(t),
+        _ => true,
+    };
+    matches!(finish, "stop" | "length" | "tool_calls" | "content_filter")
+        && within(ttft, targets.0)
+        && within(tpot, targets.1)
+}
+
 /// Nearest-rank percentiles of a sample.
 #[derive(Clone, Copy, Debug, Serialize)]
 pub struct Percentiles {
@@ -676,6 +719,13 @@ pub struct LatencyRow {
     pub ttft_ms: Option<Percentiles>,
     /// Time per output token.
     pub tpot_ms: Option<Percentiles>,
+    /// The tenant's tier's TTFT target, ms.
+    pub ttft_target_ms: Option<u32>,
+    /// The tenant's tier's TPOT target, ms.
+    pub tpot_target_ms: Option<u32>,
+    /// Good requests over all of the window's requests (refused and failed ones included), by
+    /// the tier's targets; `None` when the tier has none.
+    pub attainment: Option<f64>,
 }
 
 /// Totals of one tenant over the window.

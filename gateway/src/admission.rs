@@ -177,6 +177,12 @@ pub enum Refusal {
         /// The `x-ratelimit-*` figures.
         rate: RateState,
     },
+    /// The engines are backlogged and the tenant is past its share of them, further than its
+    /// TTFT target allows it to queue.
+    OverShare {
+        /// When trying again can succeed.
+        retry_after: Duration,
+    },
     /// The gateway is draining for shutdown.
     ShuttingDown,
     /// The client's address has too many requests in flight.
@@ -213,7 +219,7 @@ impl Refusal {
             Self::LengthRequired { .. } => 411,
             Self::BodyTooLarge | Self::PromptTooLong { .. } => 413,
             Self::IdempotencyMismatch => 422,
-            Self::Limited { .. } | Self::TooManyConnections => 429,
+            Self::Limited { .. } | Self::OverShare { .. } | Self::TooManyConnections => 429,
             Self::BodyNotForwardable | Self::IdempotencyUnavailable | Self::WriteFailed => 500,
             Self::AuthUnavailable
             | Self::Overloaded
@@ -231,7 +237,9 @@ impl Refusal {
             Self::Limited { limit: Limit::DailyTokens | Limit::MonthlyTokens, .. } => {
                 "insufficient_quota"
             }
-            Self::Limited { .. } | Self::TooManyConnections => "rate_limit_error",
+            Self::Limited { .. } | Self::OverShare { .. } | Self::TooManyConnections => {
+                "rate_limit_error"
+            }
             Self::AuthUnavailable
             | Self::BodyNotForwardable
             | Self::IdempotencyUnavailable
@@ -266,6 +274,7 @@ impl Refusal {
                 code("insufficient_quota")
             }
             Self::Limited { .. } => code("rate_limit_exceeded"),
+            Self::OverShare { .. } => code("fair_share_exceeded"),
             Self::ShuttingDown => code("shutting_down"),
             Self::TooManyConnections => code("too_many_connections"),
             Self::AuthUnavailable => (None, "auth_unavailable"),
@@ -377,6 +386,11 @@ impl Refusal {
                     limit.as_str()
                 )
             }
+            Self::OverShare { retry_after } => format!(
+                "the engines are busy and this tenant's requests past its share of them would not \
+                 start in time; retry after {} s",
+                seconds_up(*retry_after)
+            ),
             Self::ShuttingDown => "the gateway is shutting down; retry on another replica".into(),
             Self::TooManyConnections => "too many requests in flight from this address".into(),
             Self::WriteFailed => "write failed".into(),
@@ -396,6 +410,9 @@ impl Refusal {
                 let mut h = retry_soon();
                 h.push(("connection".into(), "close".into()));
                 h
+            }
+            Self::OverShare { retry_after } => {
+                vec![("retry-after".into(), seconds_up(*retry_after).to_string())]
             }
             Self::Limited { retry_after, rate, .. } => {
                 let mut h = rate_headers(rate);
@@ -436,6 +453,11 @@ impl Refusal {
             _ => FinishReason::Rejected,
         }
     }
+}
+
+/// Whole seconds, rounded up, at least 1 (`Retry-After` never invites an early retry).
+fn seconds_up(d: Duration) -> u64 {
+    (d.as_secs_f64().ceil() as u64).max(1)
 }
 
 /// An OpenAI error body.
@@ -530,6 +552,8 @@ pub struct Checked {
     pub body: Bytes,
     /// Prompt tokens, as the engine will count them.
     pub prompt_tokens: u64,
+    /// Choices asked for (`n`): the sequences the engine will run.
+    pub choices: u64,
     /// The most the request can use: its prompt and the largest output of every choice.
     pub reserved: u64,
     /// SHA-256 of the prompt (the rendered chat, the raw prompt or its token ids), hex.
@@ -653,6 +677,7 @@ pub fn check(
     Ok(Checked {
         body: Bytes::from(v.to_string()),
         prompt_tokens,
+        choices: n,
         reserved: prompt_tokens.saturating_add(max_tokens.saturating_mul(n)),
         prompt_sha256: hex_digest(prompt_text.as_bytes()),
         prompt_chars: prompt_text.chars().count() as u64,
@@ -898,5 +923,17 @@ mod tests {
             FinishReason::Error
         );
         assert_eq!(Refusal::Overloaded.headers(), vec![("retry-after".to_owned(), "1".to_owned())]);
+        // Past its fair share: a 429 that says when, judged (rejected), never billed.
+        let f = Refusal::OverShare { retry_after: Duration::from_millis(2500) };
+        assert_eq!(
+            (f.status(), f.kind(), f.code()),
+            (429, "rate_limit_error", Some("fair_share_exceeded"))
+        );
+        assert_eq!(f.headers(), vec![("retry-after".to_owned(), "3".to_owned())]);
+        assert_eq!(
+            (f.label().as_str(), f.finish_reason()),
+            ("fair_share_exceeded", FinishReason::Rejected)
+        );
+        assert!(f.message().contains("retry after 3 s"), "{}", f.message());
     }
 }

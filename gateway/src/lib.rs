@@ -8,6 +8,7 @@
 pub mod admission;
 pub mod door;
 pub mod drain;
+pub mod fair;
 pub mod idempotency;
 pub mod limits;
 pub mod local;

@@ -140,6 +140,7 @@ impl GatewayConfig {
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(30),
             max_per_client: 512,
+            fair_admission: true,
         }
     }
 }

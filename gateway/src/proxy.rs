@@ -25,7 +25,7 @@ use pingora::proxy::ProxyHttp;
 use pingora::{Error, ErrorSource, ErrorType, Result};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-use sluice_billing::control::{KeyGrant, QuotaSettings};
+use sluice_billing::control::{KeyGrant, QuotaSettings, tier_ttft_ms, tier_weight};
 use sluice_billing::event::is_refused;
 use sluice_billing::{FinishReason, Ledger, UsageEvent};
 
@@ -34,6 +34,7 @@ use crate::admission::{
     hex_digest, rate_headers,
 };
 use crate::drain::Drain;
+use crate::fair::{FairShare, Slot};
 use crate::idempotency::{self, Claim, Idempotency, RUNNING_TTL, Stored};
 use crate::limits::{Decision, LedgerUsage, Limiter, RateState, TenantLimits, current_periods};
 use crate::local::{LocalLimiter, RedisDownPolicy};
@@ -104,6 +105,8 @@ pub struct GatewayConfig {
     pub body_timeout: Duration,
     /// Requests one client address may have in flight at once.
     pub max_per_client: u32,
+    /// Fair admission ([`crate::fair`]): off, every tenant queues at the engines as it comes.
+    pub fair_admission: bool,
 }
 
 /// The ledger's usage by scope: when it was read, for which UTC day, the figures.
@@ -136,6 +139,8 @@ pub struct Gateway {
     drain: Arc<Drain>,
     /// Requests in flight per client address.
     per_client: PerClient,
+    /// Requests in flight per tenant, for fair admission.
+    fair: Arc<FairShare>,
     /// Asks engines what they did for requests whose final count never arrived.
     http: reqwest::Client,
     /// The async runtime that owns the database and Redis connections.
@@ -181,6 +186,7 @@ impl Gateway {
             http: reqwest::Client::new(),
             drain: Arc::default(),
             per_client: PerClient::default(),
+            fair: Arc::new(FairShare::default()),
             usage_reads: Mutex::new(HashMap::new()),
             usage_generation: std::sync::atomic::AtomicU64::new(0),
             io,
@@ -375,6 +381,8 @@ pub struct Ctx {
     sse_tail: Vec<u8>,
     /// The request's span: child of the client's trace context, parent of the engine's.
     span: tracing::Span,
+    /// Its place in its tenant's count of requests in flight (fair admission).
+    fair_slot: Option<Slot>,
 }
 
 /// Where a request stands, as far as billing is concerned.
@@ -480,6 +488,7 @@ impl Gateway {
         let within_limit = admission::within_prompt_limit(&grant, &checked);
         ctx.prompt_tokens = checked.prompt_tokens;
         ctx.reserved = checked.reserved;
+        let choices = checked.choices;
         ctx.prompt_sha256 = checked.prompt_sha256;
         ctx.prompt_chars = checked.prompt_chars;
         ctx.affinity = checked.affinity;
@@ -497,7 +506,16 @@ impl Gateway {
         if self.workers.overloaded(self.cfg.max_waiting) {
             return Err(Refusal::Overloaded);
         }
+        // Past its share of backlogged engines, a tenant queues only as far as its TTFT target
+        // allows; the place is held until the request's context is dropped.
+        let ttft_target = tier_ttft_ms(&grant.tier).map(|ms| Duration::from_millis(ms.into()));
+        let backlog = self.workers.backlog().filter(|_| self.cfg.fair_admission);
+        let slot = self
+            .fair
+            .admit(&grant.tenant_id, tier_weight(&grant.tier), choices, ttft_target, backlog)
+            .map_err(|retry_after| Refusal::OverShare { retry_after })?;
         self.admit_tokens(ctx, &grant).await?;
+        ctx.fair_slot = Some(slot);
         Ok(false)
     }
 
@@ -1002,6 +1020,7 @@ impl ProxyHttp for Gateway {
             strip_usage: false,
             sse_tail: Vec::new(),
             span: tracing::Span::none(),
+            fair_slot: None,
         }
     }
 
@@ -1172,7 +1191,7 @@ impl ProxyHttp for Gateway {
             req.insert_header("x-sluice-tenant", g.tenant_id.as_str())?;
             let priority = g.quota.priority.unwrap_or(0);
             req.insert_header("x-sluice-priority", priority.to_string())?;
-            let weight = sluice_billing::control::tier_weight(&g.tier);
+            let weight = tier_weight(&g.tier);
             req.insert_header("x-sluice-weight", weight.to_string())?;
             if let Some(ms) = sluice_billing::control::tier_tpot_ms(&g.tier) {
                 req.insert_header("x-sluice-tpot-ms", ms.to_string())?;
@@ -1474,6 +1493,14 @@ impl Gateway {
             self.metrics.itl.observe(secs(*gap));
         }
         self.metrics.e2e.observe(secs(timings.e2e_ms));
+        // How long the request held its place in the batch (the engine's own prefill and
+        // decode), for fair admission.
+        if let Some(t) = &timings.engine_timings
+            && let (Some(prefill), Some(decode)) = (t["prefill"].as_f64(), t["decode"].as_f64())
+        {
+            self.fair.served(prefill + decode);
+        }
+        ctx.fair_slot = None;
         let usage = timings.usage.clone().unwrap_or(Value::Null);
         let downstream_gone = e.is_some_and(|e| matches!(e.esource(), ErrorSource::Downstream))
             || (ctx.stream && !timings.done && ctx.status == 200);

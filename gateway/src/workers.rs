@@ -17,6 +17,7 @@ pub struct WorkerState {
     healthy: AtomicBool,
     running: AtomicU64,
     waiting: AtomicU64,
+    batch_full: AtomicBool,
 }
 
 impl WorkerState {
@@ -65,6 +66,7 @@ impl Workers {
                         healthy: AtomicBool::new(true),
                         running: AtomicU64::new(0),
                         waiting: AtomicU64::new(0),
+                        batch_full: AtomicBool::new(false),
                     })
                 })
                 .collect(),
@@ -111,6 +113,9 @@ impl Workers {
                         if let Some(n) = gauge(&text, "sluice_engine_num_requests_waiting") {
                             w.waiting.store(n, Ordering::Relaxed);
                         }
+                        // An engine that does not say is never taken for full.
+                        let full = gauge(&text, "sluice_engine_batch_full").is_some_and(|n| n > 0);
+                        w.batch_full.store(full, Ordering::Relaxed);
                     }
                 }
                 tokio::time::sleep(interval).await;
@@ -142,6 +147,18 @@ impl Workers {
         !healthy.is_empty()
             && healthy.iter().all(|w| w.waiting.load(Ordering::Relaxed) >= max_waiting)
     }
+
+    /// The places the engines are running, when every healthy one has requests waiting
+    /// because its batch is as large as it may grow (`sluice_engine_batch_full`); `None`
+    /// while some engine has room.
+    pub fn backlog(&self) -> Option<u64> {
+        let healthy: Vec<&Arc<WorkerState>> = self.list.iter().filter(|w| w.healthy()).collect();
+        let backlogged = !healthy.is_empty()
+            && healthy.iter().all(|w| {
+                w.waiting.load(Ordering::Relaxed) > 0 && w.batch_full.load(Ordering::Relaxed)
+            });
+        backlogged.then(|| healthy.iter().map(|w| w.running.load(Ordering::Relaxed)).sum())
+    }
 }
 
 #[cfg(test)]
@@ -152,6 +169,22 @@ mod tests {
         w.healthy.store(healthy, Ordering::Relaxed);
         w.running.store(running, Ordering::Relaxed);
         w.waiting.store(waiting, Ordering::Relaxed);
+        w.batch_full.store(waiting > 0, Ordering::Relaxed);
+    }
+
+    #[test]
+    fn a_backlog_is_every_healthy_worker_waiting() {
+        let w = Workers::new(&["a:1".into(), "b:1".into()]);
+        set(&w.list[0], true, 8, 3);
+        set(&w.list[1], true, 6, 0);
+        assert_eq!(w.backlog(), None, "b has room");
+        set(&w.list[1], true, 6, 1);
+        assert_eq!(w.backlog(), Some(14));
+        set(&w.list[1], false, 6, 0);
+        assert_eq!(w.backlog(), Some(8), "an unhealthy worker does not count");
+        // Requests waiting between steps, the batch not full: room.
+        w.list[0].batch_full.store(false, Ordering::Relaxed);
+        assert_eq!(w.backlog(), None);
     }
 
     #[test]

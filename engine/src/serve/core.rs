@@ -286,6 +286,9 @@ impl EngineCore {
     fn update_gauges(&self) {
         self.metrics.running.set(self.sched.num_running() as i64);
         self.metrics.waiting.set(self.sched.num_waiting() as i64);
+        if self.sched.num_waiting() == 0 {
+            self.metrics.batch_full.set(0);
+        }
         let (free, total) = self.sched.blocks();
         self.metrics.kv_usage.set(if total == 0 { 0.0 } else { 1.0 - free as f64 / total as f64 });
     }
@@ -295,6 +298,8 @@ impl EngineCore {
         let plan = self.sched.schedule();
         let now = Instant::now();
         self.metrics.preemptions.inc_by(plan.preempted.len() as u64);
+        self.metrics.fairness_preemptions.inc_by(plan.fairness_preemptions as u64);
+        self.metrics.batch_full.set(i64::from(plan.batch_full));
         for id in &plan.newly_admitted {
             if let (Some(st), Some(seq)) = (self.reqs.get_mut(id), self.sched.seq(id)) {
                 st.first_scheduled.get_or_insert(now);

@@ -176,6 +176,10 @@ impl WaitingPolicy for Vtc {
         self.enqueue(w, false);
     }
 
+    fn shares_places(&self) -> bool {
+        true
+    }
+
     fn push_front(&mut self, w: Waiter) {
         self.enqueue(w, true);
     }
@@ -193,6 +197,18 @@ impl WaitingPolicy for Vtc {
         self.running.insert(entry.id.clone(), t.clone());
         self.tidy(p, &t);
         Some(entry.id)
+    }
+
+    fn take(&mut self, id: &str) -> bool {
+        let Some((p, t)) = self.index.get(id).cloned() else { return false };
+        let Some(q) = self.bands.get_mut(&p).and_then(|b| b.get_mut(&t)) else { return false };
+        // Wherever it stands in its tenant's queue (it is the front one when made room for).
+        let Some(at) = q.iter().position(|e| e.id == id) else { return false };
+        q.remove(at);
+        self.index.remove(id);
+        self.running.insert(id.to_owned(), t.clone());
+        self.tidy(p, &t);
+        true
     }
 
     fn remove(&mut self, id: &str) -> bool {

@@ -129,6 +129,9 @@ pub struct EngineMetrics {
     pub running: Gauge,
     /// Requests waiting to be scheduled.
     pub waiting: Gauge,
+    /// 1 while requests wait because the running batch is as large as it may grow (its TPOT
+    /// limit, `max_num_seqs` or the KV cache): the engine is at capacity, not between steps.
+    pub batch_full: Gauge,
     /// Fraction of KV blocks in use.
     pub kv_usage: Gauge<f64, AtomicU64>,
     /// Prompt tokens looked up in the prefix cache.
@@ -137,6 +140,8 @@ pub struct EngineMetrics {
     pub prefix_hits: Counter,
     /// Preemptions.
     pub preemptions: Counter,
+    /// Of those, the ones that made room for a tenant below its share of a full batch.
+    pub fairness_preemptions: Counter,
     /// Prompt tokens of finished requests.
     pub prompt_tokens: Counter,
     /// Generated tokens.
@@ -179,10 +184,12 @@ impl EngineMetrics {
             decode: h(),
             running: Gauge::default(),
             waiting: Gauge::default(),
+            batch_full: Gauge::default(),
             kv_usage: Gauge::default(),
             prefix_queries: Counter::default(),
             prefix_hits: Counter::default(),
             preemptions: Counter::default(),
+            fairness_preemptions: Counter::default(),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
             finished: Family::default(),
@@ -220,6 +227,11 @@ impl EngineMetrics {
         r.register("num_requests_running", "Requests in the running batch", m.running.clone());
         r.register("num_requests_waiting", "Requests waiting to be scheduled", m.waiting.clone());
         r.register(
+            "batch_full",
+            "1 while requests wait because the running batch is as large as it may grow",
+            m.batch_full.clone(),
+        );
+        r.register(
             "kv_cache_usage_perc",
             "Fraction of KV cache blocks in use (0-1)",
             m.kv_usage.clone(),
@@ -238,6 +250,11 @@ impl EngineMetrics {
             "num_preemptions",
             "Requests preempted (recomputed later)",
             m.preemptions.clone(),
+        );
+        r.register(
+            "num_fairness_preemptions",
+            "Of the preemptions, those that made room in a full batch for a tenant below its share",
+            m.fairness_preemptions.clone(),
         );
         r.register("prompt_tokens", "Prompt tokens of finished requests", m.prompt_tokens.clone());
         r.register("generation_tokens", "Generated tokens", m.generation_tokens.clone());

@@ -49,6 +49,9 @@ pub trait WaitingPolicy: std::fmt::Debug + Send {
     fn peek(&self) -> Option<&str>;
     /// Removes the request [`peek`](Self::peek) returned.
     fn pop(&mut self) -> Option<String>;
+    /// Admits `id`, the front request of its tenant's queue, as [`pop`](Self::pop) would
+    /// have had it been chosen (the request a full batch made room for).
+    fn take(&mut self, id: &str) -> bool;
     /// Removes a request wherever it is (abort).
     fn remove(&mut self, id: &str) -> bool;
     /// Number waiting.
@@ -66,6 +69,11 @@ pub trait WaitingPolicy: std::fmt::Debug + Send {
     /// the furthest first). Policies without shares say 0 for everyone.
     fn standing(&self, _tenant: &str) -> f64 {
         0.0
+    }
+    /// Whether a full batch makes room for a waiting tenant below its weighted share of the
+    /// running places, by preempting from the tenant furthest above (policies with shares).
+    fn shares_places(&self) -> bool {
+        false
     }
 }
 
@@ -87,6 +95,9 @@ impl WaitingPolicy for Fcfs {
     }
     fn pop(&mut self) -> Option<String> {
         self.queue.pop_front()
+    }
+    fn take(&mut self, id: &str) -> bool {
+        self.remove(id)
     }
     fn remove(&mut self, id: &str) -> bool {
         match self.queue.iter().position(|x| x == id) {
@@ -165,6 +176,11 @@ pub struct StepPlan {
     pub newly_admitted: Vec<String>,
     /// Whether a waiting request was held back because the batch is at its TPOT limit.
     pub held_for_tpot: bool,
+    /// Running requests preempted this step to make room for a tenant below its share.
+    pub fairness_preemptions: usize,
+    /// A waiting request was left waiting because the batch is as large as it may grow (its
+    /// TPOT limit, `max_num_seqs` or the KV cache), not for this step's token budget.
+    pub batch_full: bool,
 }
 
 /// The scheduler.
@@ -332,6 +348,13 @@ impl Scheduler {
         if plan.preempted.is_empty() {
             self.admit_waiting(&mut budget, &mut plan);
         }
+        // Requests wait for a full batch, not for the next step: it holds `max_num_seqs`, is at
+        // its TPOT limit, or is out of KV blocks (a preemption, or an admission that failed).
+        plan.batch_full = self.num_waiting() > 0
+            && (plan.batch_full
+                || plan.held_for_tpot
+                || !plan.preempted.is_empty()
+                || self.running.len() >= self.config.max_num_seqs);
         plan
     }
 
@@ -374,29 +397,108 @@ impl Scheduler {
     /// stay within the tightest TPOT target of the batch and the candidate.
     /// Until the model is warm, or when nobody has a target, it may.
     fn within_tpot(&self, candidate: &SeqState) -> bool {
-        let running = || self.running.iter().filter_map(|id| self.seqs.get(id));
+        self.within_tpot_without(candidate, None)
+    }
+
+    /// [`within_tpot`](Self::within_tpot) with the running request `without` left out.
+    fn within_tpot_without(&self, candidate: &SeqState, without: Option<&str>) -> bool {
+        let running = || {
+            self.running
+                .iter()
+                .filter(move |id| Some(id.as_str()) != without)
+                .filter_map(|id| self.seqs.get(id))
+        };
         let target = running()
             .filter_map(|s| s.tpot_target)
             .chain(candidate.tpot_target)
             .min_by(f64::total_cmp);
         let Some(target) = target else { return true };
         let context = running().map(|s| s.tokens.len()).sum::<usize>() + candidate.tokens.len();
-        let predicted = self.step_model.predict_tpot(self.running.len() + 1, context);
+        let predicted = self.step_model.predict_tpot(running().count() + 1, context);
         predicted.is_none_or(|t| t <= TPOT_HEADROOM * target)
     }
 
+    /// The running request to make room with for `candidate` when the batch is full (at its
+    /// TPOT limit or `max_num_seqs`): the newest of the tenant with the most running requests
+    /// per unit of weight, when it keeps at least `candidate`'s tenant's share after the swap,
+    /// i.e. `(its count - 1) / its weight >= (candidate's count + 1) / candidate's weight`,
+    /// and has no higher priority; never one admitted this step, and only when the candidate
+    /// then fits the batch's TPOT limit. Swaps only ever move the batch toward the weighted
+    /// shares, so two tenants never take a place back and forth. Requests without a tenant
+    /// (private scopes: not through the gateway) count as one tenant.
+    fn fair_victim(&self, candidate: &SeqState, plan: &StepPlan) -> Option<String> {
+        let mine = candidate.scope.tenant();
+        // Per tenant: running count and weight (the largest its requests carry).
+        let mut per: HashMap<&str, (u64, u64)> = HashMap::new();
+        for s in self.running.iter().filter_map(|id| self.seqs.get(id)) {
+            let e = per.entry(s.scope.tenant()).or_insert((0, 1));
+            e.0 += 1;
+            e.1 = e.1.max(u64::from(s.weight.max(1)));
+        }
+        let mine_count = per.get(mine).map_or(0, |e| e.0);
+        let mine_weight = u64::from(candidate.weight.max(1));
+        // The most running per weight: count_a / w_a > count_b / w_b, cross-multiplied.
+        let (tenant, &(count, weight)) = per
+            .iter()
+            .filter(|(t, _)| **t != mine)
+            .max_by(|a, b| (a.1.0 * b.1.1).cmp(&(b.1.0 * a.1.1)).then(b.0.cmp(a.0)))?;
+        if (count - 1) * mine_weight < (mine_count + 1) * weight {
+            return None;
+        }
+        let victim = self
+            .running
+            .iter()
+            .filter(|id| !plan.newly_admitted.contains(id))
+            .filter_map(|id| self.seqs.get(id).map(|s| (id, s)))
+            .filter(|(_, s)| s.scope.tenant() == *tenant && s.priority <= candidate.priority)
+            .max_by_key(|(_, s)| s.seq_no)
+            .map(|(id, _)| id.clone())?;
+        self.within_tpot_without(candidate, Some(&victim)).then_some(victim)
+    }
+
+    /// Preempts `victim` to make room for a waiting request of a tenant below its share; a
+    /// victim scheduled earlier this step gives its budget back.
+    fn swap_out(&mut self, victim: &str, budget: &mut usize, plan: &mut StepPlan) {
+        self.preempt(victim, plan);
+        plan.fairness_preemptions += 1;
+        if let Some(pos) = plan.scheduled.iter().position(|x| x.id == victim) {
+            *budget += plan.scheduled.remove(pos).len;
+        }
+    }
+
     fn admit_waiting(&mut self, budget: &mut usize, plan: &mut StepPlan) {
-        while *budget > 0 && self.running.len() < self.config.max_num_seqs {
-            let Some(id) = self.waiting.peek().map(str::to_string) else { break };
+        // At most one place changes hands per step, and it goes to the request it was made
+        // for (not to whoever the policy would name next: perhaps the victim itself).
+        let mut swapped = false;
+        let mut made_room_for: Option<String> = None;
+        while *budget > 0 {
+            let next = made_room_for.take().or_else(|| self.waiting.peek().map(str::to_string));
+            let Some(id) = next else { break };
             let Some(s) = self.seqs.get(&id) else {
-                self.waiting.pop();
+                self.waiting.take(&id);
                 continue;
             };
             // A batch at its TPOT limit takes no one else: the rest wait, in the policy's
-            // order (a lone request always runs).
-            if !self.running.is_empty() && !self.within_tpot(s) {
-                plan.held_for_tpot = true;
-                break;
+            // order (a lone request always runs), unless a tenant above its share makes room.
+            let full = self.running.len() >= self.config.max_num_seqs;
+            let held = !full && !self.running.is_empty() && !self.within_tpot(s);
+            if full || held {
+                plan.held_for_tpot |= held;
+                let victim = (!swapped && self.waiting.shares_places())
+                    .then(|| self.fair_victim(s, plan))
+                    .flatten();
+                match victim {
+                    Some(victim) => {
+                        self.swap_out(&victim, budget, plan);
+                        swapped = true;
+                        made_room_for = Some(id);
+                        continue;
+                    }
+                    None => {
+                        plan.batch_full = true;
+                        break;
+                    }
+                }
             }
             let n = s.tokens.len();
             // At least one token is always computed, so a fully cached prompt still yields
@@ -407,9 +509,10 @@ impl Scheduler {
             let hit_tokens = hits.len() * self.kv.block_size();
             let len = (n - hit_tokens).min(*budget);
             if !self.kv.allocate(&id, &hits, hit_tokens + len) {
+                plan.batch_full = true;
                 break;
             }
-            self.waiting.pop();
+            self.waiting.take(&id);
             if let Some(s) = self.seqs.get_mut(&id) {
                 s.computed = hit_tokens;
                 if !s.admitted {
@@ -618,6 +721,7 @@ mod tests {
         let p = s.schedule();
         assert_eq!((p.newly_admitted.len(), p.held_for_tpot), (4, true));
         assert_eq!((s.num_running(), s.num_waiting()), (4, 6));
+        assert!(p.batch_full, "requests wait because the batch is at its limit");
         // One finishes: one more joins.
         run_step(&mut s, &p, 5);
         s.remove("r-0");
@@ -629,7 +733,7 @@ mod tests {
             s.add(format!("r-{i}"), vec![1, 2, 3], tenant("t"), 0);
         }
         let p = s.schedule();
-        assert_eq!((p.newly_admitted.len(), p.held_for_tpot), (10, false));
+        assert_eq!((p.newly_admitted.len(), p.held_for_tpot, p.batch_full), (10, false, false));
     }
 
     #[test]
@@ -686,6 +790,96 @@ mod tests {
         run_step(&mut s, &p, 7);
         let preempted = decode_until_preempted(&mut s);
         assert_eq!(preempted, vec!["heavy".to_string()]);
+    }
+
+    #[test]
+    fn a_full_batch_makes_room_for_a_tenant_below_its_share() {
+        // Four places, all the flood's, and quiet requests arrive one at a time (the quiet
+        // tenant, lifted to the flood's counter, goes first by its shorter queue).
+        let mut s = fair(256, 100, 4);
+        for i in 0..6 {
+            s.add(format!("flood-{i}"), vec![1, 2, 3], tenant("flood"), 0);
+        }
+        let p = s.schedule();
+        run_step(&mut s, &p, 9);
+        s.add("quiet-0".into(), vec![4, 5, 6], tenant("quiet"), 0);
+        // One place changes hands: the flood's newest running request goes back.
+        let p = s.schedule();
+        assert_eq!((p.preempted.clone(), p.fairness_preemptions), (vec!["flood-3".into()], 1));
+        assert_eq!(p.newly_admitted, vec!["quiet-0".to_string()]);
+        run_step(&mut s, &p, 9);
+        s.add("quiet-1".into(), vec![4, 5, 6], tenant("quiet"), 0);
+        // 3 against 1 still leaves the flood with at least the quiet tenant's share after a swap.
+        let p = s.schedule();
+        assert_eq!(p.preempted, vec!["flood-2".to_string()]);
+        assert_eq!(p.newly_admitted, vec!["quiet-1".to_string()]);
+        run_step(&mut s, &p, 9);
+        // 2 and 2: nothing moves back, though the flood's requests wait.
+        let p = s.schedule();
+        assert!(p.preempted.is_empty() && p.newly_admitted.is_empty(), "{p:?}");
+        assert_eq!((s.num_running(), s.num_waiting()), (4, 4));
+        // A weight-3 tenant keeps three places against a weight-1 one.
+        let mut s = fair(256, 100, 4);
+        for i in 0..6 {
+            s.add_with(format!("gold-{i}"), vec![1, 2, 3], tenant("gold"), weight(3));
+        }
+        let p = s.schedule();
+        run_step(&mut s, &p, 9);
+        s.add("plain-0".into(), vec![4, 5, 6], tenant("plain"), 0);
+        let p = s.schedule();
+        assert_eq!(p.newly_admitted, vec!["plain-0".to_string()], "(4-1)/3 >= (0+1)/1");
+        run_step(&mut s, &p, 9);
+        s.add("plain-1".into(), vec![4, 5, 6], tenant("plain"), 0);
+        let p = s.schedule();
+        assert!(p.preempted.is_empty(), "(3-1)/3 < (1+1)/1: {p:?}");
+        // First come, first served makes no room for anybody.
+        let mut f = sched(256, 100, 4);
+        for i in 0..6 {
+            f.add(format!("flood-{i}"), vec![1, 2, 3], tenant("flood"), 0);
+        }
+        let p = f.schedule();
+        run_step(&mut f, &p, 9);
+        f.add("quiet-0".into(), vec![4, 5, 6], tenant("quiet"), 0);
+        let p = f.schedule();
+        assert!(p.preempted.is_empty() && p.newly_admitted.is_empty(), "{p:?}");
+    }
+
+    #[test]
+    fn the_place_made_goes_to_the_request_it_was_made_for() {
+        use crate::serve::fair::{FairConfig, Vtc};
+        // The flood's requests are long past the starvation bound, so a preempted one would be
+        // the policy's next choice: the place still goes to the quiet request, and the victim
+        // waits until a place frees.
+        let config = FairConfig { starvation_steps: 3, ..FairConfig::default() };
+        let mut s = Scheduler::new(
+            SchedulerConfig { max_num_batched_tokens: 100, max_num_seqs: 4 },
+            KvManager::new(256, 4, vec![]),
+            Box::new(Vtc::new(config)),
+        );
+        for i in 0..4 {
+            s.add(format!("flood-{i}"), vec![1, 2, 3], tenant("flood"), 0);
+        }
+        for _ in 0..5 {
+            let p = s.schedule();
+            run_step(&mut s, &p, 9);
+        }
+        s.add("quiet-0".into(), vec![4, 5, 6], tenant("quiet"), 0);
+        let p = s.schedule();
+        assert_eq!(
+            (p.preempted.clone(), p.newly_admitted.clone()),
+            (vec!["flood-3".into()], vec!["quiet-0".into()])
+        );
+        run_step(&mut s, &p, 9);
+        for _ in 0..5 {
+            let p = s.schedule();
+            assert!(p.preempted.is_empty() && p.newly_admitted.is_empty(), "{p:?}");
+            assert!(p.batch_full, "flood-3 waits for a full batch");
+            run_step(&mut s, &p, 9);
+        }
+        s.remove("flood-0");
+        let p = s.schedule();
+        assert_eq!(p.newly_admitted, Vec::<String>::new(), "flood-3 was admitted before");
+        assert_eq!(p.scheduled.iter().filter(|x| x.id == "flood-3").count(), 1);
     }
 
     #[test]

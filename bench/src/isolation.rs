@@ -1,0 +1,218 @@
+//! `sluice bench isolation`: what one tenant's load does to another's. Each tenant of a mix
+//! runs alone, then all run together, against the same target in one run, each tenant with the
+//! same schedule and requests both times; per tenant the ratios mixed / alone of TTFT p50 and
+//! p99, TPOT p50 and p99 and SLO attainment, its share of the tokens served together, and how
+//! much of the capacity the others left it got. With `--fcfs-url` (a second target whose
+//! engines schedule first come, first served: `sluice up --scheduling fcfs`) the mix runs
+//! there too, and the aggregate throughput of the target's policy is set against FCFS's.
+
+use anyhow::{Context, bail};
+use clap::Args;
+use serde_json::{Value, json};
+
+use crate::metrics::Summary;
+use crate::serve::{BenchServeArgs, brief, brief_line, measure_tenants, tenant_names};
+
+/// `sluice bench isolation`.
+#[derive(Args, Debug)]
+pub struct BenchIsolationArgs {
+    /// The load: `--mix` with at least two tenants, and the usual `bench serve` flags.
+    #[command(flatten)]
+    serve: BenchServeArgs,
+    /// A second target whose engines schedule FCFS: the mix runs there too, for the aggregate
+    /// throughput of the first target's policy against FCFS in the same run.
+    #[arg(long)]
+    fcfs_url: Option<String>,
+    /// The mix for `--fcfs-url`, when its keys differ (the same tenants, in the same order).
+    #[arg(long, requires = "fcfs_url")]
+    fcfs_mix: Option<std::path::PathBuf>,
+}
+
+/// One tenant's figures: alone, together, and together under FCFS.
+#[derive(Debug)]
+struct TenantFigures {
+    name: String,
+    alone: Summary,
+    mixed: Summary,
+    fcfs: Option<Summary>,
+}
+
+/// `mixed / alone`, or NaN when either is not a number or the base is zero.
+fn ratio(mixed: f64, alone: f64) -> f64 {
+    if mixed.is_finite() && alone.is_finite() && alone != 0.0 { mixed / alone } else { f64::NAN }
+}
+
+/// Output tokens per second the tenant was served.
+fn served(s: &Summary) -> f64 {
+    s.output_throughput
+}
+
+impl TenantFigures {
+    fn ratios(&self) -> Value {
+        let (a, m) = (&self.alone, &self.mixed);
+        json!({
+            "ttft_p50": ratio(m.ttft_ms.median, a.ttft_ms.median),
+            "ttft_p99": ratio(m.ttft_ms.p99, a.ttft_ms.p99),
+            "tpot_p50": ratio(m.tpot_ms.median, a.tpot_ms.median),
+            "tpot_p99": ratio(m.tpot_ms.p99, a.tpot_ms.p99),
+            "attainment": ratio(m.slo_attainment, a.slo_attainment),
+        })
+    }
+}
+
+/// Each tenant's share of the output tokens served together, and for the tenant that was
+/// served the most alone (the one that shows the target's capacity, as far as this load can)
+/// what it got of the capacity the others left it: that capacity less what the others were
+/// served together. NaN for the other tenants: their demand, not the capacity, bounds them.
+fn shares(figures: &[TenantFigures]) -> Vec<(f64, f64)> {
+    let total: f64 = figures.iter().map(|f| served(&f.mixed)).sum();
+    let capacity = figures.iter().map(|f| served(&f.alone)).fold(0.0, f64::max);
+    figures
+        .iter()
+        .map(|f| {
+            let others = total - served(&f.mixed);
+            let left = (capacity - others).max(0.0);
+            let saturating = served(&f.alone) == capacity;
+            let of_left = if saturating { ratio(served(&f.mixed), left) } else { f64::NAN };
+            (ratio(served(&f.mixed), total), of_left)
+        })
+        .collect()
+}
+
+/// Runs `sluice bench isolation`.
+pub fn run_bench_isolation(args: BenchIsolationArgs) -> anyhow::Result<()> {
+    if args.serve.mix.is_none() {
+        bail!("--mix is required: isolation is measured between the tenants of a mix");
+    }
+    let names = tenant_names(&args.serve)?;
+    if names.len() < 2 {
+        bail!("--mix lists {} tenant(s); isolation needs at least two", names.len());
+    }
+    let mut base = args.serve.clone();
+    // The gateway's records are not read per phase.
+    base.records_url = None;
+    let mut alone = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        println!("{name} alone ...");
+        let run = measure_tenants(&base, Some(i), true)
+            .with_context(|| format!("running {name} alone"))?;
+        println!("  {}", brief_line(&run.summary));
+        alone.push(run.summary);
+    }
+    println!("all together ...");
+    let mixed = measure_tenants(&base, None, true).context("running the mix")?;
+    let fcfs = match &args.fcfs_url {
+        Some(url) => {
+            println!("all together against the FCFS target {url} ...");
+            let mut a = base.clone();
+            a.base_url = url.clone();
+            if let Some(m) = &args.fcfs_mix {
+                a.mix = Some(m.clone());
+                let theirs = tenant_names(&a)?;
+                if theirs != names {
+                    bail!("--fcfs-mix names {theirs:?}, not the tenants of --mix {names:?}");
+                }
+            }
+            Some(measure_tenants(&a, None, true).context("running the mix against --fcfs-url")?)
+        }
+        None => None,
+    };
+    let figures: Vec<TenantFigures> = names
+        .iter()
+        .zip(alone)
+        .enumerate()
+        .map(|(i, (name, alone))| TenantFigures {
+            name: name.clone(),
+            alone,
+            mixed: mixed.per_tenant.get(i).map(|t| t.1.clone()).unwrap_or_default(),
+            fcfs: fcfs.as_ref().and_then(|r| r.per_tenant.get(i).map(|t| t.1.clone())),
+        })
+        .collect();
+    let shares = shares(&figures);
+    println!();
+    for (f, (share, left)) in figures.iter().zip(&shares) {
+        let r = f.ratios();
+        let g = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+        println!("{}", f.name);
+        println!("  alone     {}", brief_line(&f.alone));
+        println!("  together  {}", brief_line(&f.mixed));
+        println!(
+            "  together / alone: TTFT p50 {:.2}x p99 {:.2}x, TPOT p50 {:.2}x p99 {:.2}x, attainment {:.2}x; {:.0}% of the tokens served{}",
+            g("ttft_p50"),
+            g("ttft_p99"),
+            g("tpot_p50"),
+            g("tpot_p99"),
+            g("attainment"),
+            100.0 * share,
+            if left.is_nan() {
+                String::new()
+            } else {
+                format!(", {:.0}% of the capacity the others left", 100.0 * left)
+            },
+        );
+    }
+    let fair_tput = mixed.summary.output_throughput;
+    println!("\naggregate output throughput together: {fair_tput:.1} tok/s");
+    let mut result = json!({
+        "mix": args.serve.mix,
+        "base_url": args.serve.base_url,
+        "goodput_slo": mixed.summary.slo,
+        "aggregate": {"mixed": brief(&mixed.summary)},
+        "tenants": figures.iter().zip(&shares).map(|(f, (share, left))| json!({
+            "name": f.name,
+            "alone": brief(&f.alone),
+            "mixed": brief(&f.mixed),
+            "fcfs": f.fcfs.as_ref().map(brief),
+            "mixed_over_alone": f.ratios(),
+            "share_of_served_tokens": share,
+            "share_of_capacity_left": if left.is_nan() { Value::Null } else { json!(left) },
+        })).collect::<Vec<_>>(),
+    });
+    if let Some(fc) = &fcfs {
+        let fcfs_tput = fc.summary.output_throughput;
+        println!(
+            "aggregate output throughput under FCFS: {fcfs_tput:.1} tok/s; this target / FCFS = {:.2}",
+            ratio(fair_tput, fcfs_tput)
+        );
+        for f in &figures {
+            if let Some(s) = &f.fcfs {
+                println!("  under FCFS {:<12} {}", f.name, brief_line(s));
+            }
+        }
+        result["aggregate"]["fcfs"] = brief(&fc.summary);
+        result["aggregate"]["throughput_over_fcfs"] = json!(ratio(fair_tput, fcfs_tput));
+    }
+    if let Some(path) = &args.serve.save_result {
+        std::fs::write(path, serde_json::to_string_pretty(&result)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!("result written to {}", path.display());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn summary(output_tps: f64) -> Summary {
+        Summary { output_throughput: output_tps, ..Summary::default() }
+    }
+
+    #[test]
+    fn shares_and_the_capacity_left() {
+        // The noisy tenant alone saturates at 200 tok/s; together the quiet one gets 20 and
+        // the noisy one 150: 150 of the 180 the quiet one left.
+        let f = |name: &str, alone: f64, mixed: f64| TenantFigures {
+            name: name.into(),
+            alone: summary(alone),
+            mixed: summary(mixed),
+            fcfs: None,
+        };
+        let s = shares(&[f("quiet", 20.0, 20.0), f("noisy", 200.0, 150.0)]);
+        assert!((s[0].0 - 20.0 / 170.0).abs() < 1e-12 && (s[1].0 - 150.0 / 170.0).abs() < 1e-12);
+        assert!((s[1].1 - 150.0 / 180.0).abs() < 1e-12, "{s:?}");
+        assert!(s[0].1.is_nan(), "the quiet tenant's demand bounds it: {s:?}");
+        assert!(ratio(1.0, 0.0).is_nan() && ratio(f64::NAN, 1.0).is_nan());
+        assert_eq!(ratio(3.0, 2.0), 1.5);
+    }
+}

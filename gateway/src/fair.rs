@@ -1,0 +1,248 @@
+//! Fair admission: while every engine has a backlog, a tenant is admitted up to its weighted
+//! share of the places the engines are running, and past it only as far as its own queue can
+//! still start within its tier's TTFT target; the rest is refused at once (429, `Retry-After`
+//! from the queue) instead of waiting for seconds in an engine. Without a backlog everything
+//! is admitted (work-conserving: a tenant alone may use all of the capacity).
+//!
+//! The engines' VTC order and batch control serve each tenant its share of the places; this
+//! keeps a tenant's excess out of their queues, where it would only wait. Per gateway replica:
+//! each replica judges by the requests it has in flight itself.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+/// What the gateway knows of one tenant's work in flight.
+#[derive(Debug, Default)]
+struct Tenant {
+    in_flight: u64,
+    weight: u64,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    tenants: HashMap<String, Tenant>,
+    /// How long a request holds its place once it runs (first token to the end), seconds:
+    /// an exponentially weighted mean over completed requests, and how many it has seen.
+    service_s: f64,
+    samples: u64,
+}
+
+/// Requests seen before the service time is trusted.
+const WARM_UP: u64 = 8;
+/// Weight of the newest sample in the service-time mean.
+const ALPHA: f64 = 0.1;
+
+/// The gateway's fair admission (shared by its request handlers).
+#[derive(Debug, Default)]
+pub struct FairShare {
+    state: Mutex<State>,
+}
+
+/// A request's places (one per choice) in its tenant's count of sequences in flight; dropping
+/// it gives them back.
+#[derive(Debug)]
+pub struct Slot {
+    fair: Arc<FairShare>,
+    tenant: String,
+    places: u64,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let Ok(mut s) = self.fair.state.lock() else { return };
+        if let Some(t) = s.tenants.get_mut(&self.tenant) {
+            t.in_flight = t.in_flight.saturating_sub(self.places);
+            if t.in_flight == 0 {
+                s.tenants.remove(&self.tenant);
+            }
+        }
+    }
+}
+
+/// What one admission looks at.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Judged {
+    /// The tenant's sequences in flight, before this request's.
+    pub in_flight: u64,
+    /// This request's sequences (its `n`).
+    pub wanted: u64,
+    /// Every tenant's sequences in flight, before this request's.
+    pub all_in_flight: u64,
+    /// The tenant's weight.
+    pub weight: u64,
+    /// The weights of every tenant with requests in flight, this one's included.
+    pub active_weight: u64,
+    /// The places the backlogged engines are running.
+    pub places: u64,
+    /// How long a running request holds its place, seconds.
+    pub service_s: f64,
+    /// The tenant's TTFT target, seconds.
+    pub ttft_target_s: f64,
+}
+
+/// The rule, pure: admitted (`None`) within the tenant's share of the places; beside other
+/// tenants, within its share of all the sequences in flight too (one holding no more than its
+/// share of the queue is never the one to turn away, however the places the engines report
+/// move); or past those while the requests ahead of this one in the tenant's own queue can
+/// start within the target; else the time after which trying again can succeed.
+pub fn judge(j: Judged) -> Option<Duration> {
+    let of = |total: u64| total as f64 * j.weight as f64 / j.active_weight.max(1) as f64;
+    let share = of(j.places).max(1.0);
+    let position = (j.in_flight + j.wanted.max(1)) as f64;
+    let others = j.active_weight > j.weight;
+    if position <= share || (others && position <= of(j.all_in_flight + j.wanted.max(1))) {
+        return None;
+    }
+    // Its places turn over once per service time: the queue past the share starts at that rate.
+    let wait = (position - share) / share * j.service_s;
+    (wait > j.ttft_target_s).then(|| Duration::from_secs_f64(wait - j.ttft_target_s))
+}
+
+impl FairShare {
+    /// Admits a request of `tenant` (`weight`, TTFT target `ttft_target`) running `n`
+    /// sequences, or says when to retry. `places` is what the engines run while all of them
+    /// have a backlog (`None`: some engine has room, so everything is admitted); without a
+    /// target nothing is refused.
+    pub fn admit(
+        self: &Arc<Self>,
+        tenant: &str,
+        weight: u32,
+        n: u64,
+        ttft_target: Option<Duration>,
+        places: Option<u64>,
+    ) -> Result<Slot, Duration> {
+        let n = n.max(1);
+        let slot = || Slot { fair: Arc::clone(self), tenant: tenant.to_owned(), places: n };
+        let Ok(mut s) = self.state.lock() else {
+            // A poisoned count refuses nobody.
+            return Ok(slot());
+        };
+        let weight = u64::from(weight.max(1));
+        let in_flight = s.tenants.get(tenant).map_or(0, |t| t.in_flight);
+        if let (Some(places), Some(target), true) = (places, ttft_target, s.samples >= WARM_UP) {
+            let others: u64 =
+                s.tenants.iter().filter(|(t, _)| t.as_str() != tenant).map(|(_, t)| t.weight).sum();
+            let j = Judged {
+                in_flight,
+                wanted: n,
+                all_in_flight: s.tenants.values().map(|t| t.in_flight).sum(),
+                weight,
+                active_weight: others + weight,
+                places,
+                service_s: s.service_s,
+                ttft_target_s: target.as_secs_f64(),
+            };
+            if let Some(retry) = judge(j) {
+                return Err(retry);
+            }
+        }
+        let t = s.tenants.entry(tenant.to_owned()).or_default();
+        t.in_flight += n;
+        t.weight = weight;
+        Ok(slot())
+    }
+
+    /// A request held its place for `seconds` (the engine's prefill and decode).
+    pub fn served(&self, seconds: f64) {
+        if !(seconds.is_finite() && seconds >= 0.0) {
+            return;
+        }
+        let Ok(mut s) = self.state.lock() else { return };
+        s.service_s =
+            if s.samples == 0 { seconds } else { ALPHA * seconds + (1.0 - ALPHA) * s.service_s };
+        s.samples += 1;
+    }
+
+    /// Sequences in flight of `tenant`.
+    pub fn in_flight(&self, tenant: &str) -> u64 {
+        self.state.lock().map_or(0, |s| s.tenants.get(tenant).map_or(0, |t| t.in_flight))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn j(in_flight: u64, weight: u64, active_weight: u64) -> Judged {
+        Judged {
+            in_flight,
+            wanted: 1,
+            all_in_flight: in_flight,
+            weight,
+            active_weight,
+            places: 12,
+            service_s: 6.0,
+            ttft_target_s: 1.0,
+        }
+    }
+
+    #[test]
+    fn the_share_is_weighted_and_the_queue_past_it_is_bounded_by_the_target() {
+        // Two equal tenants of 12 places: 6 each. The 6th request is within the share.
+        assert_eq!(judge(j(5, 1, 2)), None);
+        // The 7th waits (7 - 6) / 6 x 6 s = 1 s: just within a 1 s target.
+        assert_eq!(judge(j(6, 1, 2)), None);
+        // The 8th would wait 2 s: refused, to retry after the 1 s past the target.
+        assert_eq!(judge(j(7, 1, 2)), Some(Duration::from_secs(1)));
+        // Weight 2 against weight 1: 8 of the 12 places.
+        assert_eq!(judge(j(7, 2, 3)), None);
+        assert!(judge(j(9, 2, 3)).is_some());
+        // Alone, a tenant has every place (work-conserving).
+        assert_eq!(judge(j(11, 1, 1)), None);
+        // Even a tiny share is one place.
+        assert_eq!(judge(Judged { places: 1, ..j(0, 1, 100) }), None);
+        // A request of n choices takes n places: 5 in flight + 3 wanted is the 8th place.
+        assert_eq!(judge(Judged { wanted: 3, ..j(5, 1, 2) }), Some(Duration::from_secs(1)));
+        // However few places the engines report, a tenant within its share of everything in
+        // flight is admitted: 3 of 40 against an equal neighbour.
+        let few = Judged { places: 2, all_in_flight: 40, ..j(3, 1, 2) };
+        assert_eq!(judge(few), None);
+        // The neighbour holding 37 of them is judged by the places.
+        assert!(judge(Judged { places: 2, all_in_flight: 40, ..j(37, 1, 2) }).is_some());
+    }
+
+    #[test]
+    fn places_are_counted_and_given_back() {
+        let fair = Arc::new(FairShare::default());
+        let target = Some(Duration::from_secs(1));
+        for _ in 0..WARM_UP {
+            fair.served(6.0);
+        }
+        // No backlog: everything is admitted.
+        let free: Vec<Slot> =
+            (0..20).filter_map(|_| fair.admit("noisy", 1, 1, target, None).ok()).collect();
+        assert_eq!((free.len(), fair.in_flight("noisy")), (20, 20));
+        drop(free);
+        assert_eq!(fair.in_flight("noisy"), 0);
+        // A backlog of 4 places: the noisy tenant, alone, gets 4 and the queue that starts
+        // within its target (4 x (1 + 1 s / 6 s) = 4.67); a quiet tenant still gets in.
+        let mut held = Vec::new();
+        while let Ok(s) = fair.admit("noisy", 1, 1, target, Some(4)) {
+            held.push(s);
+        }
+        assert_eq!(held.len(), 4);
+        let retry = fair.admit("noisy", 1, 1, target, Some(4)).err();
+        assert!(retry.is_some_and(|r| r > Duration::ZERO));
+        let quiet = fair.admit("quiet", 1, 1, target, Some(4));
+        assert!(quiet.is_ok(), "the quiet tenant is within its share");
+        // Without a TTFT target nobody is refused.
+        let untargeted = fair.admit("noisy", 1, 3, None, Some(4));
+        assert_eq!(fair.in_flight("noisy"), 7, "three more places");
+        drop((held, untargeted));
+        assert_eq!(fair.in_flight("noisy"), 0);
+        assert_eq!(fair.in_flight("quiet"), 1);
+    }
+
+    #[test]
+    fn nobody_is_refused_before_the_service_time_is_known() {
+        let fair = Arc::new(FairShare::default());
+        let target = Some(Duration::from_millis(1));
+        let held: Vec<Slot> =
+            (0..10).filter_map(|_| fair.admit("t", 1, 1, target, Some(1)).ok()).collect();
+        assert_eq!(held.len(), 10);
+        fair.served(f64::NAN);
+        fair.served(-1.0);
+        assert_eq!(fair.state.lock().map(|s| s.samples).unwrap_or(99), 0);
+    }
+}
