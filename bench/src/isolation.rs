@@ -47,16 +47,26 @@ fn served(s: &Summary) -> f64 {
     s.output_throughput
 }
 
+/// A tenant's figures together over alone (NaN, written as null, where undefined).
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+struct Ratios {
+    ttft_p50: f64,
+    ttft_p99: f64,
+    tpot_p50: f64,
+    tpot_p99: f64,
+    attainment: f64,
+}
+
 impl TenantFigures {
-    fn ratios(&self) -> Value {
+    fn ratios(&self) -> Ratios {
         let (a, m) = (&self.alone, &self.mixed);
-        json!({
-            "ttft_p50": ratio(m.ttft_ms.median, a.ttft_ms.median),
-            "ttft_p99": ratio(m.ttft_ms.p99, a.ttft_ms.p99),
-            "tpot_p50": ratio(m.tpot_ms.median, a.tpot_ms.median),
-            "tpot_p99": ratio(m.tpot_ms.p99, a.tpot_ms.p99),
-            "attainment": ratio(m.slo_attainment, a.slo_attainment),
-        })
+        Ratios {
+            ttft_p50: ratio(m.ttft_ms.median, a.ttft_ms.median),
+            ttft_p99: ratio(m.ttft_ms.p99, a.ttft_ms.p99),
+            tpot_p50: ratio(m.tpot_ms.median, a.tpot_ms.median),
+            tpot_p99: ratio(m.tpot_ms.p99, a.tpot_ms.p99),
+            attainment: ratio(m.slo_attainment, a.slo_attainment),
+        }
     }
 }
 
@@ -132,17 +142,16 @@ pub fn run_bench_isolation(args: BenchIsolationArgs) -> anyhow::Result<()> {
     println!();
     for (f, (share, left)) in figures.iter().zip(&shares) {
         let r = f.ratios();
-        let g = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
         println!("{}", f.name);
         println!("  alone     {}", brief_line(&f.alone));
         println!("  together  {}", brief_line(&f.mixed));
         println!(
             "  together / alone: TTFT p50 {:.2}x p99 {:.2}x, TPOT p50 {:.2}x p99 {:.2}x, attainment {:.2}x; {:.0}% of the tokens served{}",
-            g("ttft_p50"),
-            g("ttft_p99"),
-            g("tpot_p50"),
-            g("tpot_p99"),
-            g("attainment"),
+            r.ttft_p50,
+            r.ttft_p99,
+            r.tpot_p50,
+            r.tpot_p99,
+            r.attainment,
             100.0 * share,
             if left.is_nan() {
                 String::new()
