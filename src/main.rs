@@ -12,7 +12,10 @@ use std::sync::Arc;
 
 use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
-use sluice_engine::bench::{ModelBenchConfig, bench_model};
+use sluice_billing::bench::{LedgerBenchConfig, bench_ledger};
+use sluice_engine::bench::{
+    EngineComparison, ModelBaseline, ModelBenchConfig, ModelComparison, bench_engine, bench_model,
+};
 use sluice_engine::fetch::{DEFAULT_MODEL, fetch, model_dir};
 use sluice_engine::forward::Runner;
 use sluice_engine::generate::{GenerateOptions, generate};
@@ -513,12 +516,6 @@ pub(crate) async fn shutdown_signal() {
     }
 }
 
-const MIB: f64 = (1 << 20) as f64;
-
-/// llama.cpp's figures for the default model on this machine class (`llama-bench -t 2 -p 512
-/// -n 128`), used as the baseline when no `--llama-bench` binary is given.
-const LLAMA_CPP_REFERENCE: (f64, f64) = (315.0, 101.0);
-
 fn run_bench_model(args: BenchModelArgs) -> anyhow::Result<()> {
     let m = args.model.load()?;
     let mut runner = Runner::new(args.threads);
@@ -528,87 +525,33 @@ fn run_bench_model(args: BenchModelArgs) -> anyhow::Result<()> {
         repetitions: args.repetitions,
     };
     let report = bench_model(&m, &mut runner, cfg)?;
-    let (base, source) = match &args.llama_bench {
-        Some(bin) => (
-            run_llama_bench(
-                bin,
-                &m.path,
-                runner.threads(),
-                args.prompt_tokens,
-                args.decode_tokens,
-            )?,
-            format!("llama.cpp {} measured now", bin.display()),
-        ),
-        None => (
-            LLAMA_CPP_REFERENCE,
-            "llama.cpp reference figures (llama-bench -t 2, this machine class)".into(),
-        ),
+    let baseline = match &args.llama_bench {
+        Some(bin) => ModelBaseline::llama_bench(
+            bin,
+            &m.path,
+            runner.threads(),
+            args.prompt_tokens,
+            args.decode_tokens,
+        )?,
+        None => ModelBaseline::reference(),
     };
+    let comparison = ModelComparison::new(&m, report, baseline);
     if args.json {
-        let out = serde_json::json!({
-            "report": report,
-            "baseline": {"source": source, "prefill_tokens_per_second": base.0, "decode_tokens_per_second": base.1},
-            "prefill_ratio": report.prefill_tokens_per_second / base.0,
-            "decode_ratio": report.decode_tokens_per_second / base.1,
-        });
-        println!("{}", serde_json::to_string_pretty(&out)?);
-        return Ok(());
-    }
-    println!("model      {} ({})", m.identity.model_id, m.identity.model_revision);
-    println!("threads    {} ({})", report.threads, report.isa);
-    println!("baseline   {source}");
-    println!(
-        "prefill    {:>8.1} tok/s on {} tokens   baseline {:>7.1}   ratio {:.2}x",
-        report.prefill_tokens_per_second,
-        report.prompt_tokens,
-        base.0,
-        report.prefill_tokens_per_second / base.0
-    );
-    println!(
-        "decode     {:>8.1} tok/s over {} tokens  baseline {:>7.1}   ratio {:.2}x",
-        report.decode_tokens_per_second,
-        report.decode_tokens,
-        base.1,
-        report.decode_tokens_per_second / base.1
-    );
-    println!(
-        "decode     {:>8.1} tok/s over {} tokens after the {}-token prompt (no baseline)",
-        report.decode_after_prompt_tokens_per_second, report.decode_tokens, report.prompt_tokens
-    );
-    println!(
-        "bandwidth  {:.2} ms/token vs floor {:.2} ms ({:.1} MiB of weights at {:.1} GB/s measured): {:.0}% of the bound",
-        report.decode_ms_per_token,
-        report.decode_floor_ms,
-        report.weight_bytes as f64 / MIB,
-        report.memory_bandwidth_gb_per_s,
-        100.0 * report.decode_floor_ms / report.decode_ms_per_token
-    );
-    if let Some(rss) = report.resident_bytes {
-        println!(
-            "memory     {:.1} MiB resident: {:.1} MiB model file, {:.1} MiB weights in memory, {:.1} MiB KV cache",
-            rss as f64 / MIB,
-            std::fs::metadata(&m.path).map_or(0.0, |md| md.len() as f64 / MIB),
-            report.weight_bytes as f64 / MIB,
-            report.kv_cache_bytes as f64 / MIB
-        );
+        println!("{}", serde_json::to_string_pretty(&comparison)?);
+    } else {
+        print!("{comparison}");
     }
     Ok(())
 }
 
-/// llama.cpp's `llama-server -np 32 -t 2` on the default model, this machine class, for
-/// 128-token prompts and 128 output tokens: (streams, output tok/s, TTFT p50 seconds).
-const LLAMA_SERVER_REFERENCE: [(usize, f64, f64); 3] =
-    [(1, 70.0, 0.46), (8, 104.0, 3.6), (32, 120.0, 6.3)];
-
 fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
-    let m = std::sync::Arc::new(args.model.load()?);
-    let max_seqs = args.concurrency.iter().copied().max().unwrap_or(1).max(1);
-    let handle = sluice_engine::serve::handle::EngineHandle::start(
-        std::sync::Arc::clone(&m),
+    let m = Arc::new(args.model.load()?);
+    let handle = EngineHandle::start(
+        Arc::clone(&m),
         EngineConfig {
             kv_cache_bytes: args.kv_cache_mb << 20,
             max_num_batched_tokens: args.max_num_batched_tokens,
-            max_num_seqs: max_seqs,
+            max_num_seqs: args.concurrency.iter().copied().max().unwrap_or(1).max(1),
             threads: args.threads,
             ..EngineConfig::default()
         },
@@ -621,35 +564,16 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
         println!(
             "baseline: llama.cpp llama-server -np 32 -t 2 reference figures (same workload, this machine class)"
         );
-        println!("streams  output tok/s  ratio   TTFT p50   (baseline)   TTFT p99   TPOT p50");
+        println!("{}", EngineComparison::HEADER);
     }
     for &c in &args.concurrency {
-        let p = sluice_engine::bench::bench_engine(
-            &handle,
-            c,
-            args.prompt_tokens,
-            args.output_tokens,
-            args.rounds,
-        )?;
-        let base = LLAMA_SERVER_REFERENCE.iter().find(|b| b.0 == c);
+        let point = bench_engine(&handle, c, args.prompt_tokens, args.output_tokens, args.rounds)?;
+        let row = EngineComparison::new(point);
         if args.json {
-            let out = serde_json::json!({"point": p, "baseline": base.map(|b| serde_json::json!({"output_tokens_per_second": b.1, "ttft_p50": b.2}))});
-            println!("{out}");
-            continue;
+            println!("{}", serde_json::to_string(&row)?);
+        } else {
+            println!("{row}");
         }
-        let ratio = base
-            .map_or("    -".to_string(), |b| format!("{:.2}x", p.output_tokens_per_second / b.1));
-        let base_ttft = base.map_or("      -".to_string(), |b| format!("{:.2} s", b.2));
-        println!(
-            "{:>7}  {:>12.1}  {:>5}  {:>7.2} s   ({:>7})   {:>6.2} s   {:>5.1} ms",
-            c,
-            p.output_tokens_per_second,
-            ratio,
-            p.ttft_p50,
-            base_ttft,
-            p.ttft_p99,
-            p.tpot_p50 * 1e3
-        );
     }
     Ok(())
 }
@@ -659,159 +583,24 @@ fn run_bench_billing(args: BenchBillingArgs) -> anyhow::Result<()> {
     {
         bail!("--rate and --seconds must be positive");
     }
+    let cfg = LedgerBenchConfig {
+        records: args.records,
+        batch: args.batch,
+        redis_url: args.redis_url,
+        rate: args.rate,
+        seconds: args.seconds,
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    rt.block_on(async {
-        let scratch = sluice_billing::bench::ScratchDatabase::create(&args.database_url)
-            .await
-            .context("creating the scratch database (the role needs CREATEDB)")?;
-        let name = scratch.name.clone();
-        let result = bench_billing_in(&args, &scratch.url).await;
-        let dropped = scratch.drop_database().await;
-        let report = result?;
-        dropped.context("dropping the scratch database")?;
-        print_bench_billing(&args, &name, &report)
-    })
-}
-
-struct BillingBenchReport {
-    insert: sluice_billing::bench::InsertReport,
-    ingest: Option<sluice_billing::bench::IngestReport>,
-}
-
-async fn bench_billing_in(
-    args: &BenchBillingArgs,
-    url: &str,
-) -> anyhow::Result<BillingBenchReport> {
-    let ledger = sluice_billing::Ledger::connect(url).await.context("connecting to the ledger")?;
-    let insert = sluice_billing::bench::bench_insert(&ledger, args.records, args.batch)
-        .await
-        .context("insert-rate run")?;
-    let ingest = match &args.redis_url {
-        Some(redis_url) => {
-            let client = redis::Client::open(redis_url.as_str()).context("parsing --redis-url")?;
-            let stream = format!("{{sluice-bench-{}}}:usage", std::process::id());
-            let total = (args.rate * args.seconds).round().max(1.0) as usize;
-            Some(
-                sluice_billing::bench::bench_ingest(
-                    client,
-                    ledger.clone(),
-                    &stream,
-                    args.rate,
-                    total,
-                )
-                .await
-                .context("ingestion-lag run")?,
-            )
-        }
-        None => None,
-    };
-    ledger.close().await;
-    Ok(BillingBenchReport { insert, ingest })
-}
-
-fn print_bench_billing(
-    args: &BenchBillingArgs,
-    scratch: &str,
-    r: &BillingBenchReport,
-) -> anyhow::Result<()> {
-    let target = sluice_billing::bench::TARGET_RECORDS_PER_SECOND;
+    let report = rt.block_on(bench_ledger(&args.database_url, &cfg))?;
     if args.json {
-        let out = serde_json::json!({
-            "scratch_database": scratch,
-            "baseline": {"source": "billing issue target", "records_per_second": target},
-            "insert": r.insert,
-            "insert_ratio": r.insert.records_per_second / target,
-            "ingest": r.ingest,
-        });
-        println!("{}", serde_json::to_string_pretty(&out)?);
-        return Ok(());
-    }
-    let i = &r.insert;
-    println!("database   {scratch} (scratch, dropped)");
-    println!("baseline   {target:.0} records/s into Postgres (billing issue target)");
-    println!(
-        "insert     {:>9.0} records/s   ratio {:.2}x   {} records in batches of {} ({} new rows, {:.2} s, one writer)",
-        i.records_per_second,
-        i.records_per_second / target,
-        i.records,
-        i.batch,
-        i.inserted,
-        i.elapsed_s
-    );
-    println!(
-        "commit     p50 {:.1} ms   p99 {:.1} ms   max {:.1} ms per batch of {}",
-        i.commit_latency.p50_ms, i.commit_latency.p99_ms, i.commit_latency.max_ms, i.batch
-    );
-    match &r.ingest {
-        Some(g) => {
-            println!(
-                "ingest     offered {:.0}/s for {} events; achieved publish {:.0}/s, commit {:.0}/s ({} committed, {} new, {} duplicates, {} dead-lettered, {} batches)",
-                g.offered_rate_per_s,
-                g.records,
-                g.achieved_publish_rate_per_s,
-                g.achieved_commit_rate_per_s,
-                g.committed,
-                g.inserted,
-                g.duplicates,
-                g.dead_lettered,
-                g.batches
-            );
-            println!(
-                "lag        p50 {:.1} ms   p99 {:.1} ms   max {:.1} ms (scheduled send -> commit and ack, {} samples)",
-                g.lag.p50_ms, g.lag.p99_ms, g.lag.max_ms, g.lag.samples
-            );
-        }
-        None => println!("ingest     skipped (no --redis-url)"),
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{report}");
     }
     Ok(())
-}
-
-/// Runs llama.cpp's `llama-bench` and returns (prefill tok/s, decode tok/s).
-fn run_llama_bench(
-    bin: &Path,
-    model: &Path,
-    threads: usize,
-    p: usize,
-    n: usize,
-) -> anyhow::Result<(f64, f64)> {
-    let out = std::process::Command::new(bin)
-        .arg("-m")
-        .arg(model)
-        .args([
-            "-t",
-            &threads.to_string(),
-            "-p",
-            &p.to_string(),
-            "-n",
-            &n.to_string(),
-            "-o",
-            "json",
-        ])
-        .output()
-        .with_context(|| format!("running {}", bin.display()))?;
-    if !out.status.success() {
-        bail!("{} failed: {}", bin.display(), String::from_utf8_lossy(&out.stderr));
-    }
-    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)
-        .with_context(|| format!("parsing the JSON output of {}", bin.display()))?;
-    let mut prefill = None;
-    let mut decode = None;
-    for r in &rows {
-        let ts = r["avg_ts"].as_f64();
-        if r["n_prompt"].as_u64() == Some(p as u64) && r["n_gen"].as_u64() == Some(0) {
-            prefill = ts;
-        }
-        if r["n_gen"].as_u64() == Some(n as u64) && r["n_prompt"].as_u64() == Some(0) {
-            decode = ts;
-        }
-    }
-    match (prefill, decode) {
-        (Some(a), Some(b)) => Ok((a, b)),
-        _ => bail!("{} printed no pp{p}/tg{n} rows", bin.display()),
-    }
 }
 
 /// `sluice cuda`: what the CUDA backend finds here, and every kernel compiled.

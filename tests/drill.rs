@@ -25,7 +25,7 @@ use futures_util::StreamExt;
 use serde_json::{Value, json};
 use sluice_billing::Ledger;
 use sluice_billing::auth::{Principal, Role};
-use sluice_billing::control::{NewTenant, QuotaSettings};
+use sluice_billing::control::{Limits, NewTenant, QuotaSettings};
 use sluice_billing::query::RecordFilter;
 use support::{
     Proc, free_port, redis_server, signal_and_wait, spawn_engine, spawn_sluice, wait_healthy,
@@ -116,7 +116,11 @@ async fn the_ledger_survives_restarts_disconnects_and_a_shutdown() -> anyhow::Re
         ledger.create_tenant(&ops, &new).await?;
         keys.insert(id, ledger.issue_key(&ops, id, None, None, Default::default()).await?.1);
     }
-    ledger.set_quota(&ops, "capped", &QuotaSettings { rpm: Some(2), ..Default::default() }).await?;
+    let capped = QuotaSettings {
+        limits: Limits { rpm: Some(2), ..Default::default() },
+        ..Default::default()
+    };
+    ledger.set_quota(&ops, "capped", &capped).await?;
     ledger.close().await;
 
     let dir = tempfile::tempdir()?;

@@ -15,7 +15,7 @@ use anyhow::{Context, bail, ensure};
 use serde_json::{Value, json};
 use sluice_billing::Ledger;
 use sluice_billing::auth::{Principal, Role};
-use sluice_billing::control::{KeyLimits, NewTenant, QuotaSettings};
+use sluice_billing::control::{Limits, NewTenant, QuotaSettings};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
@@ -38,7 +38,10 @@ async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
         overrides: None,
     };
     ledger.create_tenant(&ops, &new).await?;
-    let quota = QuotaSettings { daily_tokens: Some(50), ..Default::default() };
+    let quota = QuotaSettings {
+        limits: Limits { daily_tokens: Some(50), ..Default::default() },
+        ..Default::default()
+    };
     ledger.set_quota(&ops, &tenant, &quota).await?;
     let (_, key) = ledger.issue_key(&ops, &tenant, None, None, Default::default()).await?;
     let other = format!("{tenant}-b");
@@ -51,7 +54,7 @@ async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
     ledger.create_tenant(&ops, &new).await?;
     let (_, other_key) = ledger.issue_key(&ops, &other, None, None, Default::default()).await?;
     // A key held to less than its (unlimited) tenant: 15 daily tokens, exactly 3 requests.
-    let limits = KeyLimits { daily_tokens: Some(15), ..Default::default() };
+    let limits = Limits { daily_tokens: Some(15), ..Default::default() };
     let (_, limited_key) = ledger.issue_key(&ops, &other, None, None, limits).await?;
     ledger.close().await;
 

@@ -20,7 +20,7 @@ use anyhow::{Context, ensure};
 use serde_json::{Value, json};
 use sluice_billing::Ledger;
 use sluice_billing::auth::{Principal, Role};
-use sluice_billing::control::{NewTenant, QuotaSettings};
+use sluice_billing::control::{Limits, NewTenant, QuotaSettings};
 use sluice_billing::query::RecordFilter;
 use support::{Proc, free_port, spawn_sluice, wait_healthy};
 
@@ -102,8 +102,11 @@ async fn refusals_are_free_abandoned_work_is_billed_and_day_quotas_hold() -> any
         ledger.create_tenant(&ops, &new).await?;
         keys.insert(id, ledger.issue_key(&ops, id, None, None, Default::default()).await?.1);
     }
-    let refusing =
-        QuotaSettings { rpm: Some(4), max_prompt_tokens: Some(40), ..Default::default() };
+    let refusing = QuotaSettings {
+        limits: Limits { rpm: Some(4), ..Default::default() },
+        max_prompt_tokens: Some(40),
+        ..Default::default()
+    };
     ledger.set_quota(&ops, "refused", &refusing).await?;
 
     let model = common::default_model()?.to_str().context("utf-8")?.to_owned();
@@ -280,7 +283,10 @@ async fn refusals_are_free_abandoned_work_is_billed_and_day_quotas_hold() -> any
             r["prompt_tokens"].as_u64().unwrap_or(0) + r["completion_tokens"].as_u64().unwrap_or(0)
         })
         .sum();
-    let cap = QuotaSettings { daily_tokens: Some(i64::try_from(used)? + 5), ..Default::default() };
+    let cap = QuotaSettings {
+        limits: Limits { daily_tokens: Some(i64::try_from(used)? + 5), ..Default::default() },
+        ..Default::default()
+    };
     ledger.set_quota(&ops, "daily", &cap).await?;
     // Key grants are cached for 2 s.
     tokio::time::sleep(Duration::from_millis(2_500)).await;

@@ -20,7 +20,7 @@ use serde_json::{Value, json};
 
 use crate::Ledger;
 use crate::auth::{AuthError, Principal, Role, Verifier};
-use crate::control::{AdminError, KeyLimits, NewTenant, QuotaSettings};
+use crate::control::{AdminError, Limits, NewTenant, QuotaSettings};
 use crate::query::{AuditFilter, RECORD_COLUMNS, RecordFilter, UsageFilter, decode_cursor};
 
 /// Redis pub/sub channel announcing control-plane changes to gateways.
@@ -341,7 +341,7 @@ struct IssueKey {
     #[serde(default)]
     expires_at: Option<DateTime<Utc>>,
     #[serde(default)]
-    limits: KeyLimits,
+    limits: Limits,
 }
 
 async fn issue_key(
@@ -399,7 +399,7 @@ async fn set_key_limits(
     // A tenant admin may hold its own keys to less; a key never gets more than its tenant.
     let who = authorize(&s, &headers, &[Role::Ops, Role::TenantAdmin])?;
     check_tenant(&who, &tenant)?;
-    let limits: KeyLimits = body(&bytes)?;
+    let limits: Limits = body(&bytes)?;
     let k = s.ledger.set_key_limits(&who, &tenant, &key, limits).await?;
     announce(&s, "key", &tenant).await;
     Ok(axum::Json(k).into_response())

@@ -386,6 +386,155 @@ impl EventFactory {
     }
 }
 
+/// What `sluice bench billing` runs: the insert-rate run, and the ingestion-lag run when a
+/// Redis is given.
+#[derive(Clone, Debug)]
+pub struct LedgerBenchConfig {
+    /// Events inserted in the insert-rate run.
+    pub records: usize,
+    /// Events per transaction in the insert-rate run.
+    pub batch: usize,
+    /// Redis for the ingestion-lag run (skipped when `None`).
+    pub redis_url: Option<String>,
+    /// Events per second the producer offers in the ingestion-lag run.
+    pub rate: f64,
+    /// Length of the ingestion-lag run, seconds.
+    pub seconds: f64,
+}
+
+/// The insert rate a ledger benchmark is set against.
+#[derive(Clone, Debug, Serialize)]
+pub struct LedgerBaseline {
+    /// Where the figure comes from.
+    pub source: &'static str,
+    /// Records per second.
+    pub records_per_second: f64,
+}
+
+/// Both runs against a scratch database, set against [`TARGET_RECORDS_PER_SECOND`].
+#[derive(Clone, Debug, Serialize)]
+pub struct LedgerBench {
+    /// The scratch database the runs wrote into (dropped afterwards).
+    pub scratch_database: String,
+    /// What the insert rate is set against.
+    pub baseline: LedgerBaseline,
+    /// The insert-rate run.
+    pub insert: InsertReport,
+    /// Insert rate over the baseline.
+    pub insert_ratio: f64,
+    /// The ingestion-lag run, if a Redis was given.
+    pub ingest: Option<IngestReport>,
+}
+
+/// A ledger benchmark that failed, and at which stage.
+#[derive(Debug, thiserror::Error)]
+#[error("{stage}: {error}")]
+pub struct BenchFailure {
+    /// What was being done.
+    pub stage: String,
+    /// What went wrong.
+    #[source]
+    pub error: BillingError,
+}
+
+fn at(stage: &str) -> impl FnOnce(BillingError) -> BenchFailure + '_ {
+    move |error| BenchFailure { stage: stage.to_owned(), error }
+}
+
+/// Runs both benchmarks in a scratch database created through `database_url` (the role needs
+/// CREATEDB) and dropped afterwards, whatever the runs did.
+pub async fn bench_ledger(
+    database_url: &str,
+    cfg: &LedgerBenchConfig,
+) -> Result<LedgerBench, BenchFailure> {
+    let scratch = ScratchDatabase::create(database_url)
+        .await
+        .map_err(at("creating the scratch database (the role needs CREATEDB)"))?;
+    let scratch_database = scratch.name.clone();
+    let result = bench_in(&scratch.url, cfg).await;
+    let dropped = scratch.drop_database().await;
+    let (insert, ingest) = result?;
+    let stage = format!("dropping the scratch database {scratch_database} (drop it by hand)");
+    dropped.map_err(at(&stage))?;
+    let insert_ratio = insert.records_per_second / TARGET_RECORDS_PER_SECOND;
+    Ok(LedgerBench {
+        scratch_database,
+        baseline: LedgerBaseline {
+            source: "billing issue target",
+            records_per_second: TARGET_RECORDS_PER_SECOND,
+        },
+        insert,
+        insert_ratio,
+        ingest,
+    })
+}
+
+async fn bench_in(
+    url: &str,
+    cfg: &LedgerBenchConfig,
+) -> Result<(InsertReport, Option<IngestReport>), BenchFailure> {
+    let ledger = Ledger::connect(url).await.map_err(at("connecting to the ledger"))?;
+    let insert =
+        bench_insert(&ledger, cfg.records, cfg.batch).await.map_err(at("insert-rate run"))?;
+    let ingest = match &cfg.redis_url {
+        Some(redis_url) => {
+            let client = redis::Client::open(redis_url.as_str())
+                .map_err(|e| at("parsing --redis-url")(e.into()))?;
+            let stream = format!("{{sluice-bench-{}}}:usage", std::process::id());
+            let total = (cfg.rate * cfg.seconds).round().max(1.0) as usize;
+            let report = bench_ingest(client, ledger.clone(), &stream, cfg.rate, total).await;
+            Some(report.map_err(at("ingestion-lag run"))?)
+        }
+        None => None,
+    };
+    ledger.close().await;
+    Ok((insert, ingest))
+}
+
+impl std::fmt::Display for LedgerBench {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (i, b) = (&self.insert, &self.baseline);
+        writeln!(f, "database   {} (scratch, dropped)", self.scratch_database)?;
+        writeln!(
+            f,
+            "baseline   {:.0} records/s into Postgres ({})",
+            b.records_per_second, b.source
+        )?;
+        writeln!(
+            f,
+            "insert     {:>9.0} records/s   ratio {:.2}x   {} records in batches of {} ({} new rows, {:.2} s, one writer)",
+            i.records_per_second, self.insert_ratio, i.records, i.batch, i.inserted, i.elapsed_s
+        )?;
+        let c = &i.commit_latency;
+        writeln!(
+            f,
+            "commit     p50 {:.1} ms   p99 {:.1} ms   max {:.1} ms per batch of {}",
+            c.p50_ms, c.p99_ms, c.max_ms, i.batch
+        )?;
+        let Some(g) = &self.ingest else {
+            return writeln!(f, "ingest     skipped (no --redis-url)");
+        };
+        writeln!(
+            f,
+            "ingest     offered {:.0}/s for {} events; achieved publish {:.0}/s, commit {:.0}/s ({} committed, {} new, {} duplicates, {} dead-lettered, {} batches)",
+            g.offered_rate_per_s,
+            g.records,
+            g.achieved_publish_rate_per_s,
+            g.achieved_commit_rate_per_s,
+            g.committed,
+            g.inserted,
+            g.duplicates,
+            g.dead_lettered,
+            g.batches
+        )?;
+        writeln!(
+            f,
+            "lag        p50 {:.1} ms   p99 {:.1} ms   max {:.1} ms (scheduled send -> commit and ack, {} samples)",
+            g.lag.p50_ms, g.lag.p99_ms, g.lag.max_ms, g.lag.samples
+        )
+    }
+}
+
 /// A throwaway Postgres database on the server a base URL points at, so a benchmark never
 /// writes into real data. Call [`ScratchDatabase::drop_database`] when done.
 #[derive(Debug)]

@@ -100,71 +100,187 @@ impl AdminError {
     }
 }
 
-/// Quota limits. In a tenant's quota row `None` means "the tier's value"; in a tier or an
-/// effective quota it means "unlimited".
-#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+/// The rate and volume limits every scope is held to: a tier, a tenant's quota, an API key.
+/// `None` is "nothing of this scope's own": in a tenant's overrides the tier's value applies,
+/// on a key only its tenant's limit, in a tier or an effective quota no limit at all.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct QuotaSettings {
+pub struct Limits {
     /// Requests per minute.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rpm: Option<i64>,
     /// Tokens (prompt + completion) per minute.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tpm: Option<i64>,
     /// Tokens per UTC day.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub daily_tokens: Option<i64>,
     /// Tokens per UTC calendar month.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub monthly_tokens: Option<i64>,
     /// Requests in flight at once.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub concurrency: Option<i64>,
-    /// Longest prompt accepted, in tokens.
-    #[serde(default)]
-    pub max_prompt_tokens: Option<i64>,
-    /// Largest `max_tokens` accepted.
-    #[serde(default)]
-    pub max_output_tokens: Option<i64>,
-    /// Largest `n` accepted.
-    #[serde(default)]
-    pub max_n: Option<i64>,
-    /// Models the tenant may call; empty = every served model.
-    #[serde(default)]
-    pub allowed_models: Vec<String>,
-    /// Scheduling priority (higher first), -100..=100.
-    #[serde(default)]
-    pub priority: Option<i64>,
 }
 
 /// Largest limit accepted for any quota number.
 const MAX_LIMIT: i64 = 1_000_000_000_000;
 
-/// Checks that every set limit is 0..=MAX_LIMIT, naming the first bad one.
-fn check_limits(fields: &[(&str, Option<i64>)]) -> Result<(), AdminError> {
+/// Checks that every set limit is 0..=MAX_LIMIT, naming the first bad one (`prefix` + name).
+fn check_limits(prefix: &str, fields: &[(&str, Option<i64>)]) -> Result<(), AdminError> {
     for &(name, v) in fields {
         if let Some(v) = v
             && !(0..=MAX_LIMIT).contains(&v)
         {
-            return Err(AdminError::invalid(name, format!("{name} must be 0..={MAX_LIMIT}")));
+            let param = format!("{prefix}{name}");
+            return Err(AdminError::invalid(&param, format!("{param} must be 0..={MAX_LIMIT}")));
         }
     }
     Ok(())
 }
 
-impl QuotaSettings {
-    /// Checks every field, naming the first bad one.
-    pub fn validate(&self) -> Result<(), AdminError> {
-        check_limits(&[
+impl Limits {
+    /// Each limit by its name on the wire.
+    fn fields(&self) -> [(&'static str, Option<i64>); 5] {
+        [
             ("rpm", self.rpm),
             ("tpm", self.tpm),
             ("daily_tokens", self.daily_tokens),
             ("monthly_tokens", self.monthly_tokens),
             ("concurrency", self.concurrency),
-            ("max_prompt_tokens", self.max_prompt_tokens),
-            ("max_output_tokens", self.max_output_tokens),
-            ("max_n", self.max_n),
-        ])?;
+        ]
+    }
+
+    /// The limit named `name` on the wire, to be set.
+    fn slot(&mut self, name: &str) -> Option<&mut Option<i64>> {
+        match name {
+            "rpm" => Some(&mut self.rpm),
+            "tpm" => Some(&mut self.tpm),
+            "daily_tokens" => Some(&mut self.daily_tokens),
+            "monthly_tokens" => Some(&mut self.monthly_tokens),
+            "concurrency" => Some(&mut self.concurrency),
+            _ => None,
+        }
+    }
+
+    /// Checks every limit, naming the first bad one as `prefix` + its name.
+    pub fn validate(&self, prefix: &str) -> Result<(), AdminError> {
+        check_limits(prefix, &self.fields())
+    }
+
+    /// Whether no limit is set.
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// Whether a day or month limit is set (only then is the ledger's usage needed).
+    pub fn has_token_quota(&self) -> bool {
+        self.daily_tokens.is_some() || self.monthly_tokens.is_some()
+    }
+
+    /// These limits with `base`'s wherever these have none.
+    pub fn over(&self, base: &Limits) -> Limits {
+        Limits {
+            rpm: self.rpm.or(base.rpm),
+            tpm: self.tpm.or(base.tpm),
+            daily_tokens: self.daily_tokens.or(base.daily_tokens),
+            monthly_tokens: self.monthly_tokens.or(base.monthly_tokens),
+            concurrency: self.concurrency.or(base.concurrency),
+        }
+    }
+}
+
+/// A tenant's quota: its [`Limits`] and what a request may ask for. In a tenant's quota row
+/// `None` means "the tier's value"; in a tier or an effective quota it means "unlimited".
+/// On the wire the limits sit beside the other fields, in one flat object.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct QuotaSettings {
+    /// Requests and tokens per window, requests in flight.
+    #[serde(flatten)]
+    pub limits: Limits,
+    /// Longest prompt accepted, in tokens.
+    pub max_prompt_tokens: Option<i64>,
+    /// Largest `max_tokens` accepted.
+    pub max_output_tokens: Option<i64>,
+    /// Largest `n` accepted.
+    pub max_n: Option<i64>,
+    /// Models the tenant may call; empty = every served model.
+    pub allowed_models: Vec<String>,
+    /// Scheduling priority (higher first), -100..=100.
+    pub priority: Option<i64>,
+}
+
+/// The fields of a quota on the wire, for the unknown-field error.
+const QUOTA_FIELDS: &[&str] = &[
+    "rpm",
+    "tpm",
+    "daily_tokens",
+    "monthly_tokens",
+    "concurrency",
+    "max_prompt_tokens",
+    "max_output_tokens",
+    "max_n",
+    "allowed_models",
+    "priority",
+];
+
+// By hand rather than `flatten`: each value is read where its key is, so an error names the
+// field, unknown fields are refused, and a field given twice is too.
+impl<'de> Deserialize<'de> for QuotaSettings {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> serde::de::Visitor<'de> for Fields {
+            type Value = QuotaSettings;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a quota object")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<QuotaSettings, A::Error> {
+                use serde::de::Error;
+                let mut q = QuotaSettings::default();
+                let mut seen = std::collections::BTreeSet::new();
+                while let Some(key) = map.next_key::<String>()? {
+                    let Some(&name) = QUOTA_FIELDS.iter().find(|f| **f == key) else {
+                        return Err(A::Error::unknown_field(&key, QUOTA_FIELDS));
+                    };
+                    if !seen.insert(name) {
+                        return Err(A::Error::duplicate_field(name));
+                    }
+                    if let Some(slot) = q.limits.slot(name) {
+                        *slot = map.next_value()?;
+                        continue;
+                    }
+                    match name {
+                        "max_prompt_tokens" => q.max_prompt_tokens = map.next_value()?,
+                        "max_output_tokens" => q.max_output_tokens = map.next_value()?,
+                        "max_n" => q.max_n = map.next_value()?,
+                        "allowed_models" => q.allowed_models = map.next_value()?,
+                        _ => q.priority = map.next_value()?,
+                    }
+                }
+                Ok(q)
+            }
+        }
+        d.deserialize_map(Fields)
+    }
+}
+
+impl QuotaSettings {
+    /// Checks every field, naming the first bad one.
+    pub fn validate(&self) -> Result<(), AdminError> {
+        self.limits.validate("")?;
+        check_limits(
+            "",
+            &[
+                ("max_prompt_tokens", self.max_prompt_tokens),
+                ("max_output_tokens", self.max_output_tokens),
+                ("max_n", self.max_n),
+            ],
+        )?;
         if let Some(p) = self.priority
             && !(-100..=100).contains(&p)
         {
@@ -185,11 +301,7 @@ impl QuotaSettings {
     /// This override set applied over `tier`.
     pub fn over(&self, tier: &QuotaSettings) -> QuotaSettings {
         QuotaSettings {
-            rpm: self.rpm.or(tier.rpm),
-            tpm: self.tpm.or(tier.tpm),
-            daily_tokens: self.daily_tokens.or(tier.daily_tokens),
-            monthly_tokens: self.monthly_tokens.or(tier.monthly_tokens),
-            concurrency: self.concurrency.or(tier.concurrency),
+            limits: self.limits.over(&tier.limits),
             max_prompt_tokens: self.max_prompt_tokens.or(tier.max_prompt_tokens),
             max_output_tokens: self.max_output_tokens.or(tier.max_output_tokens),
             max_n: self.max_n.or(tier.max_n),
@@ -200,46 +312,6 @@ impl QuotaSettings {
             },
             priority: self.priority.or(tier.priority),
         }
-    }
-}
-
-/// Limits of one API key, enforced beside its tenant's quota (`None` = only the tenant's
-/// limit applies): a key can be held to less than its tenant, never given more.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct KeyLimits {
-    /// Requests per minute.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub rpm: Option<i64>,
-    /// Tokens (prompt + completion) per minute.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub tpm: Option<i64>,
-    /// Tokens per UTC day.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub daily_tokens: Option<i64>,
-    /// Tokens per UTC calendar month.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub monthly_tokens: Option<i64>,
-    /// Requests in flight at once.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub concurrency: Option<i64>,
-}
-
-impl KeyLimits {
-    /// Checks every field, naming the first bad one.
-    pub fn validate(&self) -> Result<(), AdminError> {
-        check_limits(&[
-            ("limits.rpm", self.rpm),
-            ("limits.tpm", self.tpm),
-            ("limits.daily_tokens", self.daily_tokens),
-            ("limits.monthly_tokens", self.monthly_tokens),
-            ("limits.concurrency", self.concurrency),
-        ])
-    }
-
-    /// Whether any limit is set.
-    pub fn is_empty(&self) -> bool {
-        *self == Self::default()
     }
 }
 
@@ -326,7 +398,7 @@ pub struct ApiKey {
     pub revoked_at: Option<DateTime<Utc>>,
     /// The key's own limits, beside the tenant's quota.
     #[serde(default)]
-    pub limits: KeyLimits,
+    pub limits: Limits,
 }
 
 /// A tenant's quota: its overrides and the effective limits over its tier.
@@ -426,7 +498,7 @@ macro_rules! key_from_row {
             created_at: $row.try_get("created_at")?,
             expires_at: $row.try_get("expires_at")?,
             revoked_at: $row.try_get("revoked_at")?,
-            limits: $row.try_get::<Json<KeyLimits>, _>("limits")?.0,
+            limits: $row.try_get::<Json<Limits>, _>("limits")?.0,
         }
     };
 }
@@ -434,11 +506,13 @@ macro_rules! key_from_row {
 macro_rules! quota_from_row {
     ($row:expr) => {
         QuotaSettings {
-            rpm: $row.try_get("rpm")?,
-            tpm: $row.try_get("tpm")?,
-            daily_tokens: $row.try_get("daily_tokens")?,
-            monthly_tokens: $row.try_get("monthly_tokens")?,
-            concurrency: $row.try_get("concurrency")?,
+            limits: Limits {
+                rpm: $row.try_get("rpm")?,
+                tpm: $row.try_get("tpm")?,
+                daily_tokens: $row.try_get("daily_tokens")?,
+                monthly_tokens: $row.try_get("monthly_tokens")?,
+                concurrency: $row.try_get("concurrency")?,
+            },
             max_prompt_tokens: $row.try_get("max_prompt_tokens")?,
             max_output_tokens: $row.try_get("max_output_tokens")?,
             max_n: $row.try_get("max_n")?,
@@ -638,10 +712,10 @@ impl Ledger {
         tenant_id: &str,
         scopes: Option<Vec<String>>,
         expires_at: Option<DateTime<Utc>>,
-        limits: KeyLimits,
+        limits: Limits,
     ) -> Result<(ApiKey, String), AdminError> {
         valid_id("tenant", tenant_id)?;
-        limits.validate()?;
+        limits.validate("limits.")?;
         let scopes = scopes.unwrap_or_else(|| KEY_SCOPES.iter().map(|s| (*s).to_owned()).collect());
         if scopes.is_empty() || scopes.iter().any(|s| !KEY_SCOPES.contains(&s.as_str())) {
             return Err(AdminError::invalid(
@@ -743,10 +817,10 @@ impl Ledger {
         who: &Principal,
         tenant_id: &str,
         key_id: &str,
-        limits: KeyLimits,
+        limits: Limits,
     ) -> Result<ApiKey, AdminError> {
         valid_id("tenant", tenant_id)?;
-        limits.validate()?;
+        limits.validate("limits.")?;
         on_pool!(self, pool => {
             let mut tx = begin_write!(pool).await?;
             let before = tenant_key!(tx, tenant_id, key_id);
@@ -806,11 +880,11 @@ impl Ledger {
                  updated_at = excluded.updated_at",
             )
             .bind(tenant_id)
-            .bind(settings.rpm)
-            .bind(settings.tpm)
-            .bind(settings.daily_tokens)
-            .bind(settings.monthly_tokens)
-            .bind(settings.concurrency)
+            .bind(settings.limits.rpm)
+            .bind(settings.limits.tpm)
+            .bind(settings.limits.daily_tokens)
+            .bind(settings.limits.monthly_tokens)
+            .bind(settings.limits.concurrency)
             .bind(settings.max_prompt_tokens)
             .bind(settings.max_output_tokens)
             .bind(settings.max_n)
@@ -851,7 +925,7 @@ pub struct KeyGrant {
     pub quota: QuotaSettings,
     /// The key's own limits, enforced beside the tenant's.
     #[serde(default)]
-    pub key_limits: KeyLimits,
+    pub key_limits: Limits,
     /// The tenant's per-tenant policy overrides (e.g. `on_limiter_down`).
     pub overrides: Value,
 }
@@ -889,7 +963,7 @@ impl Ledger {
                     row.try_get::<Json<Vec<String>>, _>("scopes")?.0,
                     row.try_get::<Option<DateTime<Utc>>, _>("expires_at")?,
                     row.try_get::<Option<DateTime<Utc>>, _>("revoked_at")?,
-                    row.try_get::<Json<KeyLimits>, _>("limits")?.0,
+                    row.try_get::<Json<Limits>, _>("limits")?.0,
                     row.try_get::<String, _>("status")?,
                     row.try_get::<String, _>("tier")?,
                     row.try_get::<Json<Value>, _>("overrides")?.0,

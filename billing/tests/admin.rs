@@ -259,7 +259,7 @@ async fn lifecycle_and_audit(url: &str) -> anyhow::Result<()> {
     );
     let grant = api.ledger.key_grant(&secret).await?.context("a fresh key grants nothing")?;
     ensure!(grant.tenant_id == "acme" && grant.key_id == key_id && grant.scopes == ["chat"]);
-    ensure!(grant.quota.rpm == Some(20) && grant.tenant_status == "active", "{grant:?}");
+    ensure!(grant.quota.limits.rpm == Some(20) && grant.tenant_status == "active", "{grant:?}");
     let mut wrong = secret.clone();
     wrong.pop();
     wrong.push('x');
@@ -273,7 +273,7 @@ async fn lifecycle_and_audit(url: &str) -> anyhow::Result<()> {
     ensure!(limited["limits"] == json!({"rpm": 3, "daily_tokens": 100}), "{limited}");
     let grant = api.ledger.key_grant(&secret).await?.context("the limited key grants nothing")?;
     ensure!(grant.key_limits.rpm == Some(3) && grant.key_limits.daily_tokens == Some(100));
-    ensure!(grant.quota.rpm == Some(20), "the tenant's quota changed: {grant:?}");
+    ensure!(grant.quota.limits.rpm == Some(20), "the tenant's quota changed: {grant:?}");
     for (bad, param) in [(json!({"rpm": -1}), "limits.rpm"), (json!({"burst": 1}), "body")] {
         api.err(Method::PUT, &limits_path, Some(&ops), Some(bad), StatusCode::BAD_REQUEST, None)
             .await

@@ -5,7 +5,9 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-use crate::error::Result;
+use std::path::Path;
+
+use crate::error::{EngineError, Result};
 use crate::forward::{KvCache, LogitsWanted, Runner, SeqInput};
 use crate::loader::LoadedModel;
 use crate::sampler::argmax;
@@ -121,6 +123,157 @@ pub fn bench_model(
     })
 }
 
+/// What a model benchmark is set against: llama.cpp on the same model.
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelBaseline {
+    /// Where the figures come from.
+    pub source: String,
+    /// Prefill speed.
+    pub prefill_tokens_per_second: f64,
+    /// Decode speed from an empty context.
+    pub decode_tokens_per_second: f64,
+}
+
+impl ModelBaseline {
+    /// llama.cpp's figures for the default model on this machine class (`llama-bench -t 2
+    /// -p 512 -n 128`), for when no `llama-bench` binary is at hand.
+    pub fn reference() -> Self {
+        Self {
+            source: "llama.cpp reference figures (llama-bench -t 2, this machine class)".into(),
+            prefill_tokens_per_second: 315.0,
+            decode_tokens_per_second: 101.0,
+        }
+    }
+
+    /// Runs llama.cpp's `llama-bench` (`bin`) now on `model`: a `prompt`-token prefill and a
+    /// `decode`-token decode on `threads` threads.
+    pub fn llama_bench(
+        bin: &Path,
+        model: &Path,
+        threads: usize,
+        prompt: usize,
+        decode: usize,
+    ) -> Result<Self> {
+        let failed =
+            |message: String| EngineError::Baseline(format!("{}: {message}", bin.display()));
+        let out = std::process::Command::new(bin)
+            .arg("-m")
+            .arg(model)
+            .args(["-t", &threads.to_string(), "-p", &prompt.to_string()])
+            .args(["-n", &decode.to_string(), "-o", "json"])
+            .output()
+            .map_err(|e| EngineError::io(bin, e))?;
+        if !out.status.success() {
+            return Err(failed(format!("failed: {}", String::from_utf8_lossy(&out.stderr))));
+        }
+        let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)
+            .map_err(|e| failed(format!("its JSON output: {e}")))?;
+        let speed = |n_prompt: usize, n_gen: usize| {
+            rows.iter()
+                .rev()
+                .find(|r| {
+                    r["n_prompt"].as_u64() == Some(n_prompt as u64)
+                        && r["n_gen"].as_u64() == Some(n_gen as u64)
+                })
+                .and_then(|r| r["avg_ts"].as_f64())
+        };
+        match (speed(prompt, 0), speed(0, decode)) {
+            (Some(prefill), Some(decode)) => Ok(Self {
+                source: format!("llama.cpp {} measured now", bin.display()),
+                prefill_tokens_per_second: prefill,
+                decode_tokens_per_second: decode,
+            }),
+            _ => Err(failed(format!("printed no pp{prompt}/tg{decode} rows"))),
+        }
+    }
+}
+
+/// A model benchmark set against its baseline: what `sluice bench model` prints.
+#[derive(Clone, Debug, Serialize)]
+pub struct ModelComparison {
+    /// The model measured.
+    pub model_id: String,
+    /// Its revision.
+    pub model_revision: String,
+    /// Size of its file (or directory's weights file), bytes.
+    pub model_file_bytes: u64,
+    /// What was measured.
+    pub report: ModelBenchReport,
+    /// What it is set against.
+    pub baseline: ModelBaseline,
+    /// Prefill speed over the baseline's.
+    pub prefill_ratio: f64,
+    /// Decode speed over the baseline's.
+    pub decode_ratio: f64,
+}
+
+impl ModelComparison {
+    /// `report` of `model` against `baseline`.
+    pub fn new(model: &LoadedModel, report: ModelBenchReport, baseline: ModelBaseline) -> Self {
+        Self {
+            model_id: model.identity.model_id.clone(),
+            model_revision: model.identity.model_revision.clone(),
+            model_file_bytes: std::fs::metadata(&model.path).map_or(0, |m| m.len()),
+            prefill_ratio: report.prefill_tokens_per_second / baseline.prefill_tokens_per_second,
+            decode_ratio: report.decode_tokens_per_second / baseline.decode_tokens_per_second,
+            report,
+            baseline,
+        }
+    }
+}
+
+const MIB: f64 = (1 << 20) as f64;
+
+impl std::fmt::Display for ModelComparison {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (r, b) = (&self.report, &self.baseline);
+        writeln!(f, "model      {} ({})", self.model_id, self.model_revision)?;
+        writeln!(f, "threads    {} ({})", r.threads, r.isa)?;
+        writeln!(f, "baseline   {}", b.source)?;
+        writeln!(
+            f,
+            "prefill    {:>8.1} tok/s on {} tokens   baseline {:>7.1}   ratio {:.2}x",
+            r.prefill_tokens_per_second,
+            r.prompt_tokens,
+            b.prefill_tokens_per_second,
+            self.prefill_ratio
+        )?;
+        writeln!(
+            f,
+            "decode     {:>8.1} tok/s over {} tokens  baseline {:>7.1}   ratio {:.2}x",
+            r.decode_tokens_per_second,
+            r.decode_tokens,
+            b.decode_tokens_per_second,
+            self.decode_ratio
+        )?;
+        writeln!(
+            f,
+            "decode     {:>8.1} tok/s over {} tokens after the {}-token prompt (no baseline)",
+            r.decode_after_prompt_tokens_per_second, r.decode_tokens, r.prompt_tokens
+        )?;
+        writeln!(
+            f,
+            "bandwidth  {:.2} ms/token vs floor {:.2} ms ({:.1} MiB of weights at {:.1} GB/s measured): {:.0}% of the bound",
+            r.decode_ms_per_token,
+            r.decode_floor_ms,
+            r.weight_bytes as f64 / MIB,
+            r.memory_bandwidth_gb_per_s,
+            100.0 * r.decode_floor_ms / r.decode_ms_per_token
+        )?;
+        if let Some(rss) = r.resident_bytes {
+            writeln!(
+                f,
+                "memory     {:.1} MiB resident: {:.1} MiB model file, {:.1} MiB weights in memory, {:.1} MiB KV cache",
+                rss as f64 / MIB,
+                self.model_file_bytes as f64 / MIB,
+                r.weight_bytes as f64 / MIB,
+                r.kv_cache_bytes as f64 / MIB
+            )?;
+        }
+        Ok(())
+    }
+}
+
 /// The process's resident set size (Linux `/proc/self/status`).
 fn resident_bytes() -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -194,6 +347,72 @@ pub struct EngineBenchPoint {
     pub tpot_p50: f64,
     /// Wall time of the level, seconds.
     pub seconds: f64,
+}
+
+/// llama.cpp's `llama-server -np 32 -t 2` on the default model, this machine class, for
+/// 128-token prompts and 128 output tokens: what `sluice bench engine` is set against.
+#[derive(Clone, Copy, Debug, Serialize)]
+pub struct ServerBaseline {
+    /// Concurrent streams.
+    pub streams: usize,
+    /// Output tokens per second.
+    pub output_tokens_per_second: f64,
+    /// Time to first token, median, seconds.
+    pub ttft_p50: f64,
+}
+
+/// The reference figures, by stream count.
+pub const LLAMA_SERVER_REFERENCE: [ServerBaseline; 3] = [
+    ServerBaseline { streams: 1, output_tokens_per_second: 70.0, ttft_p50: 0.46 },
+    ServerBaseline { streams: 8, output_tokens_per_second: 104.0, ttft_p50: 3.6 },
+    ServerBaseline { streams: 32, output_tokens_per_second: 120.0, ttft_p50: 6.3 },
+];
+
+/// One level of `sluice bench engine` with the reference figures for its stream count.
+#[derive(Clone, Debug, Serialize)]
+pub struct EngineComparison {
+    /// What was measured.
+    pub point: EngineBenchPoint,
+    /// The reference at the same stream count, if there is one.
+    pub baseline: Option<ServerBaseline>,
+}
+
+impl EngineComparison {
+    /// The header of the table of [`EngineComparison`] rows.
+    pub const HEADER: &str =
+        "streams  output tok/s  ratio   TTFT p50   (baseline)   TTFT p99   TPOT p50";
+
+    /// `point` against the reference at its stream count.
+    pub fn new(point: EngineBenchPoint) -> Self {
+        let baseline =
+            LLAMA_SERVER_REFERENCE.iter().find(|b| b.streams == point.concurrency).copied();
+        Self { point, baseline }
+    }
+}
+
+impl std::fmt::Display for EngineComparison {
+    /// One row of the table under [`EngineComparison::HEADER`].
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let p = &self.point;
+        let (ratio, base_ttft) = match &self.baseline {
+            Some(b) => (
+                format!("{:.2}x", p.output_tokens_per_second / b.output_tokens_per_second),
+                format!("{:.2} s", b.ttft_p50),
+            ),
+            None => ("    -".into(), "      -".into()),
+        };
+        write!(
+            f,
+            "{:>7}  {:>12.1}  {:>5}  {:>7.2} s   ({:>7})   {:>6.2} s   {:>5.1} ms",
+            p.concurrency,
+            p.output_tokens_per_second,
+            ratio,
+            p.ttft_p50,
+            base_ttft,
+            p.ttft_p99,
+            p.tpot_p50 * 1e3
+        )
+    }
 }
 
 /// Aggregate throughput and TTFT of the serving engine in process, with `concurrency`

@@ -42,6 +42,9 @@ pub enum EngineError {
     /// The compute device cannot be used (no driver, no device, no CUDA in this build).
     #[error("device {0}")]
     Device(String),
+    /// A benchmark's baseline could not be measured (the other program failed).
+    #[error("baseline {0}")]
+    Baseline(String),
 }
 
 impl EngineError {
@@ -67,6 +70,7 @@ impl EngineError {
             EngineError::Fetch(_) => "fetch",
             EngineError::Unavailable(_) => "unavailable",
             EngineError::Device(_) => "device",
+            EngineError::Baseline(_) => "baseline",
         }
     }
 }

@@ -14,22 +14,28 @@ use std::time::Duration;
 use redis::aio::ConnectionManager;
 use serde::{Deserialize, Serialize};
 
-/// The limits one tenant is held to (`None` = unlimited): the effective quota.
+pub use sluice_billing::control::Limits;
+
+/// What one scope (a tenant, or an API key with limits of its own) is held to: its effective
+/// limits (`None` = unlimited) and what the ledger already holds for it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct TenantLimits {
-    /// Requests per minute.
-    pub rpm: Option<u64>,
-    /// Tokens per minute (reserved at admission, settled at the end).
-    pub tpm: Option<u64>,
-    /// Tokens per UTC day.
-    pub daily_tokens: Option<u64>,
-    /// Tokens per UTC calendar month.
-    pub monthly_tokens: Option<u64>,
-    /// Requests in flight.
-    pub concurrency: Option<u64>,
+pub struct ScopeLimits {
+    /// The limits.
+    pub limits: Limits,
     /// What the ledger already holds for this scope in the current day and month.
     #[serde(default)]
     pub used: LedgerUsage,
+}
+
+impl From<Limits> for ScopeLimits {
+    fn from(limits: Limits) -> Self {
+        Self { limits, used: LedgerUsage::default() }
+    }
+}
+
+/// A limit as a count; a negative one (never valid in a quota) counts as unlimited.
+pub(crate) fn count(limit: Option<i64>) -> Option<u64> {
+    limit.and_then(|n| u64::try_from(n).ok())
 }
 
 /// Billed tokens the ledger already holds for a scope in the current UTC day and calendar
@@ -63,13 +69,6 @@ impl LedgerUsage {
     pub fn current(day: u64, month: u64, generation: u64) -> Self {
         let (day_number, month_number) = current_periods();
         Self { day, month, generation, day_number, month_number }
-    }
-}
-
-impl TenantLimits {
-    /// Whether a day or month limit applies (only then is the ledger's usage needed).
-    pub fn has_token_quota(&self) -> bool {
-        self.daily_tokens.is_some() || self.monthly_tokens.is_some()
     }
 }
 
@@ -186,8 +185,8 @@ impl std::fmt::Debug for Limiter {
 /// Idle tenants' counters disappear after this long (longer than any window).
 const KEY_TTL: Duration = Duration::from_secs(35 * 24 * 3600);
 
-fn lim(v: Option<u64>) -> i64 {
-    v.map_or(-1, |n| i64::try_from(n).unwrap_or(i64::MAX))
+fn lim(v: Option<i64>) -> i64 {
+    v.filter(|n| *n >= 0).unwrap_or(-1)
 }
 
 fn unlim(v: i64) -> Option<u64> {
@@ -234,7 +233,7 @@ impl Limiter {
         tenant: &str,
         request_id: &str,
         tokens: u64,
-        limits: &TenantLimits,
+        limits: &ScopeLimits,
     ) -> Result<Decision, LimitError> {
         self.admit_key(tenant, None, request_id, tokens, limits).await
     }
@@ -245,10 +244,10 @@ impl Limiter {
     pub async fn admit_key(
         &self,
         tenant: &str,
-        key: Option<(&str, &TenantLimits)>,
+        key: Option<(&str, &ScopeLimits)>,
         request_id: &str,
         tokens: u64,
-        limits: &TenantLimits,
+        limits: &ScopeLimits,
     ) -> Result<Decision, LimitError> {
         let mut conn = self.conn.clone();
         let mut inv = self.admit.prepare_invoke();
@@ -260,15 +259,16 @@ impl Limiter {
             .arg(self.reservation_ttl.as_millis() as u64)
             .arg(KEY_TTL.as_millis() as u64);
         for l in std::iter::once(limits).chain(key.map(|k| k.1)) {
+            let (used, l) = (l.used, l.limits);
             inv.arg(lim(l.rpm))
                 .arg(lim(l.tpm))
                 .arg(lim(l.daily_tokens))
                 .arg(lim(l.monthly_tokens))
                 .arg(lim(l.concurrency))
-                .arg(l.used.day)
-                .arg(l.used.month)
-                .arg(l.used.day_number)
-                .arg(l.used.month_number);
+                .arg(used.day)
+                .arg(used.month)
+                .arg(used.day_number)
+                .arg(used.month_number);
         }
         let invocation = inv.invoke_async::<Vec<redis::Value>>(&mut conn);
         let reply = tokio::time::timeout(REDIS_TIMEOUT, invocation)

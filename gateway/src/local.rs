@@ -17,7 +17,7 @@ use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use chrono::{Datelike, Utc};
 
 use crate::limits::{
-    Decision, LedgerUsage, Limit, RateState, Scope, TenantLimits, current_periods,
+    Decision, Limit, Limits, RateState, Scope, ScopeLimits, count, current_periods,
 };
 
 /// What to do for a tenant when the shared limiter cannot be reached.
@@ -31,7 +31,7 @@ pub enum RedisDownPolicy {
 }
 
 struct Entry {
-    limits: TenantLimits,
+    limits: Limits,
     requests: Option<DefaultDirectRateLimiter>,
     tokens: Option<DefaultDirectRateLimiter>,
     inflight: u64,
@@ -78,9 +78,9 @@ impl LocalLimiter {
     pub fn admit(
         &self,
         tenant: &str,
-        key: Option<(&str, &TenantLimits)>,
+        key: Option<(&str, &ScopeLimits)>,
         tokens: u64,
-        limits: &TenantLimits,
+        limits: &ScopeLimits,
     ) -> Decision {
         let mut scopes = self.tenants.lock().unwrap_or_else(|e| e.into_inner());
         let key_scope = key.map(|(k, l)| (key_entry(tenant, k), l));
@@ -109,11 +109,11 @@ impl LocalLimiter {
         scopes: &mut HashMap<String, Entry>,
         name: &str,
         tokens: u64,
-        limits: &TenantLimits,
+        limits: &ScopeLimits,
         scope: Scope,
     ) -> Result<RateState, Decision> {
         let entry = scopes.entry(name.to_owned()).or_insert_with(|| Entry {
-            limits: TenantLimits::default(),
+            limits: Limits::default(),
             requests: None,
             tokens: None,
             inflight: 0,
@@ -131,21 +131,18 @@ impl LocalLimiter {
             entry.settled = 0;
         }
         // The ledger's figures change with every read; the rate limiters only with the limits.
-        let rates = TenantLimits { used: LedgerUsage::default(), ..*limits };
-        if entry.limits != rates || (entry.requests.is_none() && limits.rpm.is_some()) {
-            entry.limits = rates;
-            entry.requests = per_minute(limits.rpm, self.replicas);
-            entry.tokens = per_minute(limits.tpm, self.replicas);
+        let (used, limits) = (limits.used, limits.limits);
+        let (rpm, tpm) = (count(limits.rpm), count(limits.tpm));
+        if entry.limits != limits || (entry.requests.is_none() && rpm.is_some()) {
+            entry.limits = limits;
+            entry.requests = per_minute(rpm, self.replicas);
+            entry.tokens = per_minute(tpm, self.replicas);
         }
-        let state = RateState {
-            limit_requests: limits.rpm,
-            limit_tokens: limits.tpm,
-            ..RateState::default()
-        };
+        let state = RateState { limit_requests: rpm, limit_tokens: tpm, ..RateState::default() };
         let refuse = |reason, wait: Option<Duration>| {
             Err(Decision::Refused { reason, scope, retry_after: wait, state })
         };
-        if let Some(c) = limits.concurrency
+        if let Some(c) = count(limits.concurrency)
             && entry.inflight >= c.div_ceil(u64::from(self.replicas))
         {
             return refuse(Limit::Concurrency, Some(Duration::from_secs(1)));
@@ -153,16 +150,16 @@ impl LocalLimiter {
         // Day and month: the ledger is shared by every replica, so the limits are not divided.
         // Figures of another day or month (read just before midnight) count for nothing.
         let here = entry.settled.saturating_add(entry.inflight_tokens);
-        let used_day = if limits.used.day_number == period.0 { limits.used.day } else { 0 };
-        let used_month = if limits.used.month_number == period.1 { limits.used.month } else { 0 };
+        let used_day = if used.day_number == period.0 { used.day } else { 0 };
+        let used_month = if used.month_number == period.1 { used.month } else { 0 };
         let now = Utc::now();
-        if let Some(d) = limits.daily_tokens
+        if let Some(d) = count(limits.daily_tokens)
             && used_day.saturating_add(here).saturating_add(tokens) > d
         {
             let next_day = (period.0 + 1) * 86_400 - now.timestamp();
             return refuse(Limit::DailyTokens, Some(Duration::from_secs(next_day.max(1) as u64)));
         }
-        if let Some(m) = limits.monthly_tokens
+        if let Some(m) = count(limits.monthly_tokens)
             && used_month.saturating_add(here).saturating_add(tokens) > m
         {
             return refuse(Limit::MonthlyTokens, Some(until_next_month(now)));
@@ -220,11 +217,13 @@ fn key_entry(tenant: &str, key: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::limits::LedgerUsage;
 
     #[test]
     fn requests_tokens_and_concurrency_are_limited_per_replica() {
         let l = LocalLimiter::new(2);
-        let limits = TenantLimits { rpm: Some(10), concurrency: Some(4), ..Default::default() };
+        let limits =
+            ScopeLimits::from(Limits { rpm: Some(10), concurrency: Some(4), ..Default::default() });
         // 2 replicas: 5 requests per minute, 2 in flight each.
         assert!(matches!(l.admit("a", None, 1, &limits), Decision::Admitted(_)));
         assert!(matches!(l.admit("a", None, 1, &limits), Decision::Admitted(_)));
@@ -242,7 +241,7 @@ mod tests {
             }
         }
         assert_eq!(admitted, 5);
-        let tokens = TenantLimits { tpm: Some(100), ..Default::default() };
+        let tokens = ScopeLimits::from(Limits { tpm: Some(100), ..Default::default() });
         assert!(matches!(l.admit("b", None, 50, &tokens), Decision::Admitted(_)));
         assert!(matches!(
             l.admit("b", None, 10, &tokens),
@@ -257,8 +256,8 @@ mod tests {
     #[test]
     fn a_key_is_held_to_its_own_limits_beside_its_tenants() -> Result<(), String> {
         let l = LocalLimiter::new(1);
-        let tenant = TenantLimits { concurrency: Some(3), ..Default::default() };
-        let key = TenantLimits { concurrency: Some(1), ..Default::default() };
+        let tenant = ScopeLimits::from(Limits { concurrency: Some(3), ..Default::default() });
+        let key = ScopeLimits::from(Limits { concurrency: Some(1), ..Default::default() });
         assert!(matches!(l.admit("t", Some(("k1", &key)), 1, &tenant), Decision::Admitted(_)));
         match l.admit("t", Some(("k1", &key)), 1, &tenant) {
             Decision::Refused { reason: Limit::Concurrency, scope: Scope::Key, .. } => {}
@@ -280,7 +279,8 @@ mod tests {
     fn day_and_month_count_from_the_ledger_and_what_ran_here() {
         let l = LocalLimiter::new(2);
         let used = LedgerUsage::current(3_600, 3_600, 1);
-        let capped = TenantLimits { daily_tokens: Some(100), used, ..Default::default() };
+        let capped =
+            ScopeLimits { limits: Limits { daily_tokens: Some(100), ..Default::default() }, used };
         // 3,600 already in the ledger: a daily cap of 100 refuses at once (a restarted
         // gateway starts from the ledger, not from zero).
         assert!(matches!(
@@ -288,11 +288,13 @@ mod tests {
             Decision::Refused { reason: Limit::DailyTokens, retry_after: Some(_), .. }
         ));
         // Reserved while running, settled to what was used, not divided among replicas.
-        let fresh = TenantLimits {
-            daily_tokens: Some(100),
-            monthly_tokens: Some(150),
+        let fresh = ScopeLimits {
+            limits: Limits {
+                daily_tokens: Some(100),
+                monthly_tokens: Some(150),
+                ..Default::default()
+            },
             used: LedgerUsage::current(0, 40, 1),
-            ..Default::default()
         };
         assert!(matches!(l.admit("r", None, 60, &fresh), Decision::Admitted(_)));
         assert!(matches!(
@@ -304,16 +306,26 @@ mod tests {
         l.release("r", None, 80, 80);
         // 40 + 20 + 80 this month: 10 left.
         assert!(matches!(
-            l.admit("r", None, 11, &TenantLimits { daily_tokens: None, ..fresh }),
+            l.admit(
+                "r",
+                None,
+                11,
+                &ScopeLimits { limits: Limits { daily_tokens: None, ..fresh.limits }, ..fresh }
+            ),
             Decision::Refused { reason: Limit::MonthlyTokens, .. }
         ));
         // A new read of the ledger holds what was settled here: it is not counted twice.
-        let reread =
-            TenantLimits { used: LedgerUsage::current(100, 140, 2), daily_tokens: None, ..fresh };
+        let reread = ScopeLimits {
+            limits: Limits { daily_tokens: None, ..fresh.limits },
+            used: LedgerUsage::current(100, 140, 2),
+        };
         assert!(matches!(l.admit("r", None, 10, &reread), Decision::Admitted(_)));
         // Figures read for yesterday (just before midnight) count nothing today.
         let stale = LedgerUsage { day_number: used.day_number - 1, ..used };
-        let capped = TenantLimits { daily_tokens: Some(100), used: stale, ..Default::default() };
+        let capped = ScopeLimits {
+            limits: Limits { daily_tokens: Some(100), ..Default::default() },
+            used: stale,
+        };
         assert!(matches!(l.admit("s", None, 10, &capped), Decision::Admitted(_)));
     }
 }

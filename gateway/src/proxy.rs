@@ -25,7 +25,7 @@ use pingora::proxy::ProxyHttp;
 use pingora::{Error, ErrorSource, ErrorType, Result};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-use sluice_billing::control::{KeyGrant, QuotaSettings, tier_ttft_ms, tier_weight};
+use sluice_billing::control::{KeyGrant, tier_ttft_ms, tier_weight};
 use sluice_billing::event::is_refused;
 use sluice_billing::{FinishReason, Ledger, UsageEvent};
 
@@ -36,7 +36,7 @@ use crate::admission::{
 use crate::drain::Drain;
 use crate::fair::{FairShare, Slot};
 use crate::idempotency::{self, Claim, Idempotency, RUNNING_TTL, Stored};
-use crate::limits::{Decision, LedgerUsage, Limiter, RateState, TenantLimits, current_periods};
+use crate::limits::{Decision, LedgerUsage, Limiter, RateState, ScopeLimits, current_periods};
 use crate::local::{LocalLimiter, RedisDownPolicy};
 use crate::metrics::{GatewayMetrics, RefusalLabels, RequestLabels};
 use crate::observe::{StreamObserver, Timings};
@@ -263,18 +263,6 @@ impl Gateway {
         Ok(g)
     }
 
-    fn limits(q: &QuotaSettings) -> TenantLimits {
-        let u = |v: Option<i64>| v.and_then(|n| u64::try_from(n).ok());
-        TenantLimits {
-            rpm: u(q.rpm),
-            tpm: u(q.tpm),
-            daily_tokens: u(q.daily_tokens),
-            monthly_tokens: u(q.monthly_tokens),
-            concurrency: u(q.concurrency),
-            used: LedgerUsage::default(),
-        }
-    }
-
     /// The billed tokens the ledger holds for a scope today and this month, read at most
     /// every [`USAGE_REFRESH`] (and again when the day changes). An unreadable ledger keeps
     /// the last figures (or none), with a warning: admission does not stop for it.
@@ -347,7 +335,7 @@ pub struct Ctx {
     outcome: Outcome,
     grant: Option<Arc<KeyGrant>>,
     /// The key id and its limits, when the key has limits of its own.
-    key_scope: Option<(String, TenantLimits)>,
+    key_scope: Option<(String, ScopeLimits)>,
     body: Option<Bytes>,
     affinity: String,
     prompt_tokens: u64,
@@ -633,25 +621,16 @@ impl Gateway {
         grant: &KeyGrant,
     ) -> std::result::Result<(), Refusal> {
         let q = &grant.quota;
-        let mut limits = Self::limits(q);
+        let mut limits = ScopeLimits::from(q.limits);
         let tenant = grant.tenant_id.clone();
-        if limits.has_token_quota() {
+        if limits.limits.has_token_quota() {
             limits.used = self.ledger_usage(&tenant, None).await;
         }
         // A key with limits of its own is held to them too, in the same atomic admission.
-        let key_limits = (!grant.key_limits.is_empty()).then(|| {
-            let k = &grant.key_limits;
-            Self::limits(&QuotaSettings {
-                rpm: k.rpm,
-                tpm: k.tpm,
-                daily_tokens: k.daily_tokens,
-                monthly_tokens: k.monthly_tokens,
-                concurrency: k.concurrency,
-                ..QuotaSettings::default()
-            })
-        });
+        let key_limits =
+            (!grant.key_limits.is_empty()).then(|| ScopeLimits::from(grant.key_limits));
         let key_limits = match key_limits {
-            Some(mut l) if l.has_token_quota() => {
+            Some(mut l) if l.limits.has_token_quota() => {
                 l.used = self.ledger_usage(&tenant, Some(&grant.key_id)).await;
                 Some(l)
             }

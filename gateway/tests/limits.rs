@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use anyhow::{Context, ensure};
-use sluice_gateway::limits::{Decision, LedgerUsage, Limit, Limiter, Scope, TenantLimits};
+use sluice_gateway::limits::{Decision, LedgerUsage, Limit, Limiter, Limits, Scope, ScopeLimits};
 
 const REDIS_URL: &str = "redis://127.0.0.1:6379";
 
@@ -42,7 +42,7 @@ async fn two_replicas_racing_never_overdraw_a_quota() -> anyhow::Result<()> {
     let p = prefix();
     let (a, b) =
         (limiter(&p, Duration::from_secs(60)).await?, limiter(&p, Duration::from_secs(60)).await?);
-    let limits = TenantLimits { daily_tokens: Some(1_000), ..Default::default() };
+    let limits = ScopeLimits::from(Limits { daily_tokens: Some(1_000), ..Default::default() });
     let mut tasks = Vec::new();
     for i in 0..200 {
         let l = if i % 2 == 0 { a.clone() } else { b.clone() };
@@ -66,7 +66,8 @@ async fn two_replicas_racing_never_overdraw_a_quota() -> anyhow::Result<()> {
 #[tokio::test]
 async fn settlement_refunds_what_was_not_used_and_frees_the_slot() -> anyhow::Result<()> {
     let l = limiter(&prefix(), Duration::from_secs(60)).await?;
-    let limits = TenantLimits { tpm: Some(1_000), concurrency: Some(2), ..Default::default() };
+    let limits =
+        ScopeLimits::from(Limits { tpm: Some(1_000), concurrency: Some(2), ..Default::default() });
     ensure!(admitted(&l.admit("t", "a", 600, &limits).await?));
     let d = l.admit("t", "b", 600, &limits).await?;
     ensure!(refused_for(&d) == Some(Limit::Tpm), "{d:?}");
@@ -96,7 +97,8 @@ async fn settlement_refunds_what_was_not_used_and_frees_the_slot() -> anyhow::Re
 #[tokio::test]
 async fn a_dead_gateways_reservations_expire() -> anyhow::Result<()> {
     let l = limiter(&prefix(), Duration::from_millis(300)).await?;
-    let limits = TenantLimits { tpm: Some(500), concurrency: Some(1), ..Default::default() };
+    let limits =
+        ScopeLimits::from(Limits { tpm: Some(500), concurrency: Some(1), ..Default::default() });
     ensure!(admitted(&l.admit("t", "lost", 400, &limits).await?));
     ensure!(!admitted(&l.admit("t", "next", 400, &limits).await?));
     tokio::time::sleep(Duration::from_millis(400)).await;
@@ -109,7 +111,7 @@ async fn a_dead_gateways_reservations_expire() -> anyhow::Result<()> {
 #[tokio::test]
 async fn each_limit_refuses_with_its_reason() -> anyhow::Result<()> {
     let l = limiter(&prefix(), Duration::from_secs(60)).await?;
-    let rpm = TenantLimits { rpm: Some(3), ..Default::default() };
+    let rpm = ScopeLimits::from(Limits { rpm: Some(3), ..Default::default() });
     for i in 0..3 {
         let d = l.admit("r", &format!("q{i}"), 1, &rpm).await?;
         ensure!(admitted(&d), "{d:?}");
@@ -119,13 +121,13 @@ async fn each_limit_refuses_with_its_reason() -> anyhow::Result<()> {
     }
     let d = l.admit("r", "q3", 1, &rpm).await?;
     ensure!(refused_for(&d) == Some(Limit::Rpm), "{d:?}");
-    let big = TenantLimits { tpm: Some(100), ..Default::default() };
+    let big = ScopeLimits::from(Limits { tpm: Some(100), ..Default::default() });
     let d = l.admit("b", "huge", 101, &big).await?;
     ensure!(matches!(
         d,
         Decision::Refused { reason: Limit::TpmExceedsLimit, retry_after: None, .. }
     ));
-    let monthly = TenantLimits { monthly_tokens: Some(50), ..Default::default() };
+    let monthly = ScopeLimits::from(Limits { monthly_tokens: Some(50), ..Default::default() });
     ensure!(admitted(&l.admit("m", "x", 50, &monthly).await?));
     let d = l.admit("m", "y", 1, &monthly).await?;
     ensure!(refused_for(&d) == Some(Limit::MonthlyTokens), "{d:?}");
@@ -133,7 +135,7 @@ async fn each_limit_refuses_with_its_reason() -> anyhow::Result<()> {
         ensure!(r <= Duration::from_secs(31 * 86_400) && r > Duration::ZERO, "{r:?}");
     }
     // Unlimited tenants are always admitted and see no limits.
-    let d = l.admit("u", "z", 1_000_000, &TenantLimits::default()).await?;
+    let d = l.admit("u", "z", 1_000_000, &ScopeLimits::default()).await?;
     ensure!(
         matches!(d, Decision::Admitted(s) if s.limit_requests.is_none() && s.remaining_tokens.is_none())
     );
@@ -145,8 +147,8 @@ async fn a_keys_own_limits_hold_beside_its_tenants_across_replicas() -> anyhow::
     let p = prefix();
     let (a, b) =
         (limiter(&p, Duration::from_secs(60)).await?, limiter(&p, Duration::from_secs(60)).await?);
-    let tenant = TenantLimits { daily_tokens: Some(1_000), ..Default::default() };
-    let key = TenantLimits { daily_tokens: Some(300), ..Default::default() };
+    let tenant = ScopeLimits::from(Limits { daily_tokens: Some(1_000), ..Default::default() });
+    let key = ScopeLimits::from(Limits { daily_tokens: Some(300), ..Default::default() });
     // 60 concurrent admissions of 100 tokens on one key: exactly 3 fit the key's 300.
     let mut tasks = Vec::new();
     for i in 0..60 {
@@ -196,8 +198,9 @@ async fn a_keys_own_limits_hold_beside_its_tenants_across_replicas() -> anyhow::
 #[tokio::test]
 async fn headers_show_the_tighter_of_tenant_and_key() -> anyhow::Result<()> {
     let l = limiter(&prefix(), Duration::from_secs(60)).await?;
-    let tenant = TenantLimits { rpm: Some(100), tpm: Some(10_000), ..Default::default() };
-    let key = TenantLimits { rpm: Some(2), ..Default::default() };
+    let tenant =
+        ScopeLimits::from(Limits { rpm: Some(100), tpm: Some(10_000), ..Default::default() });
+    let key = ScopeLimits::from(Limits { rpm: Some(2), ..Default::default() });
     let d = l.admit_key("h", Some(("k", &key)), "a", 10, &tenant).await?;
     let Decision::Admitted(s) = d else { anyhow::bail!("refused: {d:?}") };
     ensure!(s.limit_requests == Some(2) && s.remaining_requests == Some(1), "{s:?}");
@@ -215,14 +218,14 @@ async fn new_day_and_month_windows_start_from_the_ledger() -> anyhow::Result<()>
     // A flushed Redis (a fresh prefix: no counters) with 3,600 tokens already billed today.
     let l = limiter(&prefix(), Duration::from_secs(60)).await?;
     let used = LedgerUsage::current(3_600, 3_600, 1);
-    let daily = TenantLimits { daily_tokens: Some(100), used, ..Default::default() };
+    let daily =
+        ScopeLimits { limits: Limits { daily_tokens: Some(100), ..Default::default() }, used };
     let d = l.admit("d", "a", 10, &daily).await?;
     ensure!(refused_for(&d) == Some(Limit::DailyTokens), "{d:?}");
     // The month starts from the ledger's figure too, and keeps counting on from it.
-    let monthly = TenantLimits {
-        monthly_tokens: Some(4_000),
+    let monthly = ScopeLimits {
+        limits: Limits { monthly_tokens: Some(4_000), ..Default::default() },
         used: LedgerUsage::current(0, 3_900, 1),
-        ..Default::default()
     };
     ensure!(admitted(&l.admit("m", "x", 100, &monthly).await?));
     ensure!(l.settle("m", None, "x", 60).await?);
@@ -231,7 +234,10 @@ async fn new_day_and_month_windows_start_from_the_ledger() -> anyhow::Result<()>
     ensure!(admitted(&l.admit("m", "z", 40, &monthly).await?));
     // Figures read for another day (just before midnight) seed nothing.
     let stale = LedgerUsage { day_number: used.day_number - 1, ..used };
-    let daily = TenantLimits { daily_tokens: Some(100), used: stale, ..Default::default() };
+    let daily = ScopeLimits {
+        limits: Limits { daily_tokens: Some(100), ..Default::default() },
+        used: stale,
+    };
     ensure!(admitted(&l.admit("y", "a", 10, &daily).await?));
     Ok(())
 }

@@ -163,7 +163,8 @@ impl ApiError {
             | EngineError::Format { .. }
             | EngineError::Unsupported(_)
             | EngineError::Fetch(_)
-            | EngineError::Device(_) => ApiError::internal(message),
+            | EngineError::Device(_)
+            | EngineError::Baseline(_) => ApiError::internal(message),
         }
     }
 
