@@ -11,7 +11,7 @@ use bytes::Bytes;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use sluice_billing::FinishReason;
-use sluice_billing::control::KeyGrant;
+use sluice_billing::control::{KeyGrant, tier_tpot_ms, tier_ttft_ms};
 use sluice_text::model::ModelText;
 use sluice_text::template::{ChatMessage, ChatTemplate, encode_chat};
 use sluice_text::tokenizer::{MAX_PROMPT_IDS, PROMPT_FIELD, Tokenizer};
@@ -154,6 +154,8 @@ pub enum Refusal {
     InvalidPrompt,
     /// The prompt is over the tenant's limit.
     PromptTooLong { tokens: u64, limit: u64, param: &'static str },
+    /// `slo` is malformed, or asks for a target tighter than the tier's.
+    InvalidSlo { param: &'static str, message: String },
     /// A request with this `Idempotency-Key` is still running.
     IdempotencyInProgress,
     /// This `Idempotency-Key` came with another body.
@@ -207,7 +209,8 @@ impl Refusal {
             | Self::InvalidMessages(_)
             | Self::EmptyMessages
             | Self::Untokenizable { .. }
-            | Self::InvalidPrompt => 400,
+            | Self::InvalidPrompt
+            | Self::InvalidSlo { .. } => 400,
             Self::InvalidApiKey => 401,
             Self::TenantSuspended
             | Self::InsufficientScope { .. }
@@ -292,7 +295,8 @@ impl Refusal {
             | Self::InvalidMessages(_)
             | Self::EmptyMessages
             | Self::Untokenizable { .. }
-            | Self::InvalidPrompt => (None, "invalid_parameter"),
+            | Self::InvalidPrompt
+            | Self::InvalidSlo { .. } => (None, "invalid_parameter"),
             Self::IdempotencyUnavailable => (None, "idempotency_unavailable"),
             Self::LimiterUnavailable => (None, "limiter_unavailable"),
             Self::WriteFailed => (None, "write_failed"),
@@ -314,7 +318,9 @@ impl Refusal {
             Self::InvalidMaxTokens { .. } | Self::MaxTokensOverCap { .. } => Some("max_tokens"),
             Self::InvalidMessages(_) | Self::EmptyMessages => Some("messages"),
             Self::InvalidPrompt => Some("prompt"),
-            Self::Untokenizable { param, .. } | Self::PromptTooLong { param, .. } => Some(param),
+            Self::Untokenizable { param, .. }
+            | Self::PromptTooLong { param, .. }
+            | Self::InvalidSlo { param, .. } => Some(param),
             _ => None,
         }
     }
@@ -362,6 +368,7 @@ impl Refusal {
             Self::PromptTooLong { tokens, limit, .. } => {
                 format!("the prompt has {tokens} tokens, over this tenant's limit of {limit}")
             }
+            Self::InvalidSlo { message, .. } => message.clone(),
             Self::IdempotencyInProgress => {
                 "a request with this Idempotency-Key is still in progress; retry later".into()
             }
@@ -568,6 +575,85 @@ pub struct Checked {
     pub strip_usage: bool,
     /// The parameter that holds the prompt (`messages` or `prompt`).
     pub prompt_param: &'static str,
+    /// The latency targets the request is held to.
+    pub slo: Slo,
+}
+
+/// The latency targets a request is held to, in milliseconds: its tier's
+/// (`policies/scheduling.json`), or looser ones it asked for in the body's `slo` object
+/// (`{"ttft_ms": 3000, "tpot_ms": 250}`, a Sluice extension). A request may loosen its
+/// tier's targets, never tighten them: a tighter target would take service from others.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Slo {
+    /// Time to first token: how long the request may wait to start.
+    pub ttft_ms: Option<u32>,
+    /// Time per output token: how slow the batch it runs in may become.
+    pub tpot_ms: Option<u32>,
+}
+
+impl Slo {
+    /// `tier`'s targets.
+    pub fn of_tier(tier: &str) -> Self {
+        Self { ttft_ms: tier_ttft_ms(tier), tpot_ms: tier_tpot_ms(tier) }
+    }
+
+    /// The targets for a request of `tier` that sent `asked` as its `slo` (absent or null:
+    /// the tier's).
+    pub fn asked(asked: Option<&Value>, tier: &str) -> Result<Self, Refusal> {
+        let mut slo = Self::of_tier(tier);
+        let fields = match asked {
+            None | Some(Value::Null) => return Ok(slo),
+            Some(Value::Object(fields)) => fields,
+            Some(_) => {
+                return Err(Refusal::InvalidSlo {
+                    param: "slo",
+                    message: "slo must be an object with ttft_ms and/or tpot_ms".into(),
+                });
+            }
+        };
+        for (name, value) in fields {
+            let (param, target, most) = match name.as_str() {
+                "ttft_ms" => ("slo.ttft_ms", &mut slo.ttft_ms, 600_000),
+                "tpot_ms" => ("slo.tpot_ms", &mut slo.tpot_ms, 60_000),
+                other => {
+                    return Err(Refusal::InvalidSlo {
+                        param: "slo",
+                        message: format!("unknown slo field {other:?} (known: ttft_ms, tpot_ms)"),
+                    });
+                }
+            };
+            let ms = value
+                .as_u64()
+                .filter(|ms| (1..=most).contains(ms))
+                .and_then(|ms| u32::try_from(ms).ok())
+                .ok_or_else(|| Refusal::InvalidSlo {
+                    param,
+                    message: format!("{param} must be an integer from 1 to {most}"),
+                })?;
+            match *target {
+                Some(tier_ms) if ms < tier_ms => {
+                    return Err(Refusal::InvalidSlo {
+                        param,
+                        message: format!(
+                            "{param} {ms} is tighter than the {tier} tier's target of {tier_ms} \
+                             ms; a request may only loosen its tier's targets"
+                        ),
+                    });
+                }
+                Some(_) => *target = Some(ms),
+                None => {
+                    return Err(Refusal::InvalidSlo {
+                        param,
+                        message: format!(
+                            "the {tier} tier has no {} target: there is nothing to loosen",
+                            &param[4..]
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(slo)
+    }
 }
 
 /// Validates and rewrites a generation request against the tenant's caps, and counts its
@@ -597,6 +683,8 @@ pub fn check(
     if !model_allowed(grant, &model) {
         return Err(Refusal::ModelNotAllowed { model });
     }
+    // The engine learns the targets from the gateway's headers, not from the body.
+    let slo = Slo::asked(obj.remove("slo").as_ref(), &grant.tier)?;
     let q = &grant.quota;
     let n = match obj.get("n") {
         None | Some(Value::Null) => 1,
@@ -685,6 +773,7 @@ pub fn check(
         stream,
         strip_usage,
         prompt_param: param,
+        slo,
     })
 }
 
@@ -820,6 +909,48 @@ mod tests {
             let r = check(Endpoint::Chat, &g, body.as_bytes(), &served(), &c).err();
             assert!(r.is_some_and(|r| r.param() == Some("messages")), "{messages}");
         }
+        Ok(())
+    }
+
+    #[test]
+    fn a_request_may_loosen_its_tiers_targets_never_tighten_them() -> TestResult {
+        let q = QuotaSettings::default;
+        let body = |slo: Value| json!({"model": "m", "prompt": "hi", "slo": slo});
+        // The grant's tier is standard: TTFT 1000 ms, TPOT 100 ms.
+        let tier = Slo { ttft_ms: Some(1000), tpot_ms: Some(100) };
+        assert_eq!(
+            completions(q(), json!({"model": "m", "prompt": "hi"})).map(|c| c.slo),
+            Ok(tier)
+        );
+        assert_eq!(completions(q(), body(Value::Null)).map(|c| c.slo), Ok(tier));
+        let looser = completions(q(), body(json!({"tpot_ms": 250}))).map_err(|r| r.message())?;
+        assert_eq!(looser.slo, Slo { ttft_ms: Some(1000), tpot_ms: Some(250) });
+        let sent: Value = serde_json::from_slice(&looser.body)?;
+        assert!(sent.get("slo").is_none(), "the engine takes targets from the gateway only");
+        let both = completions(q(), body(json!({"ttft_ms": 1000, "tpot_ms": 100})));
+        assert_eq!(both.map(|c| c.slo), Ok(tier));
+        for (slo, param) in [
+            (json!({"tpot_ms": 99}), "slo.tpot_ms"),
+            (json!({"ttft_ms": 500}), "slo.ttft_ms"),
+            (json!({"tpot_ms": 0}), "slo.tpot_ms"),
+            (json!({"tpot_ms": "fast"}), "slo.tpot_ms"),
+            (json!({"ttft_ms": 600_001}), "slo.ttft_ms"),
+            (json!({"tbt_ms": 200}), "slo"),
+            (json!(200), "slo"),
+        ] {
+            let r = completions(q(), body(slo.clone())).err().ok_or(format!("{slo} passed"))?;
+            assert_eq!((r.status(), r.param()), (400, Some(param)), "{slo}: {r:?}");
+            assert_eq!(r.finish_reason(), FinishReason::Rejected);
+        }
+        let tighter = completions(q(), body(json!({"tpot_ms": 20}))).err().map(|r| r.message());
+        assert!(tighter.is_some_and(|m| m.contains("tighter than the standard tier's")));
+        // A tier without a target has nothing to loosen.
+        let mut g = grant(q());
+        g.tier = "unnamed".into();
+        let c = counter()?;
+        let b = body(json!({"tpot_ms": 300})).to_string();
+        let r = check(Endpoint::Completions, &g, b.as_bytes(), &served(), &c).err();
+        assert!(r.is_some_and(|r| r.message().contains("no tpot_ms target")), "{g:?}");
         Ok(())
     }
 

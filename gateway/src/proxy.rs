@@ -25,12 +25,12 @@ use pingora::proxy::ProxyHttp;
 use pingora::{Error, ErrorSource, ErrorType, Result};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-use sluice_billing::control::{KeyGrant, tier_ttft_ms, tier_weight};
+use sluice_billing::control::{KeyGrant, tier_weight};
 use sluice_billing::event::is_refused;
 use sluice_billing::{FinishReason, Ledger, UsageEvent};
 
 use crate::admission::{
-    self, Checked, Endpoint, MAX_BODY_BYTES, Refusal, Route, Served, TokenCounter, error_json,
+    self, Checked, Endpoint, MAX_BODY_BYTES, Refusal, Route, Served, Slo, TokenCounter, error_json,
     hex_digest, rate_headers,
 };
 use crate::drain::Drain;
@@ -371,6 +371,8 @@ pub struct Ctx {
     span: tracing::Span,
     /// Its place in its tenant's count of requests in flight (fair admission).
     fair_slot: Option<Slot>,
+    /// The latency targets it is held to.
+    slo: Slo,
 }
 
 /// Where a request stands, as far as billing is concerned.
@@ -482,6 +484,7 @@ impl Gateway {
         ctx.affinity = checked.affinity;
         ctx.stream = checked.stream;
         ctx.strip_usage = checked.strip_usage;
+        ctx.slo = checked.slo;
         within_limit?;
         ctx.body = Some(checked.body);
         // A replay needs no engine: resolved before the overload check (a refusal after a
@@ -496,7 +499,7 @@ impl Gateway {
         }
         // Past its share of backlogged engines, a tenant queues only as far as its TTFT target
         // allows; the place is held until the request's context is dropped.
-        let ttft_target = tier_ttft_ms(&grant.tier).map(|ms| Duration::from_millis(ms.into()));
+        let ttft_target = ctx.slo.ttft_ms.map(|ms| Duration::from_millis(ms.into()));
         let backlog = self.workers.backlog().filter(|_| self.cfg.fair_admission);
         let slot = self
             .fair
@@ -1000,6 +1003,7 @@ impl ProxyHttp for Gateway {
             sse_tail: Vec::new(),
             span: tracing::Span::none(),
             fair_slot: None,
+            slo: Slo::default(),
         }
     }
 
@@ -1172,7 +1176,7 @@ impl ProxyHttp for Gateway {
             req.insert_header("x-sluice-priority", priority.to_string())?;
             let weight = tier_weight(&g.tier);
             req.insert_header("x-sluice-weight", weight.to_string())?;
-            if let Some(ms) = sluice_billing::control::tier_tpot_ms(&g.tier) {
+            if let Some(ms) = ctx.slo.tpot_ms {
                 req.insert_header("x-sluice-tpot-ms", ms.to_string())?;
             }
         }
