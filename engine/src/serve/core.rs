@@ -381,11 +381,6 @@ impl EngineCore {
         let shape = StepShape {
             tokens: work.iter().map(|w| w.tokens.len()).sum(),
             context: work.iter().map(|w| w.start + w.tokens.len()).sum(),
-            seqs: work.len(),
-            decoding: work
-                .iter()
-                .filter(|w| w.tokens.len() == 1 && w.start >= w.prompt_len)
-                .count(),
         };
         self.sched.observe_step(shape, began.elapsed().as_secs_f64());
         let StepOutput { logits, picked } = match result {

@@ -1,11 +1,25 @@
 //! Continuous batching in the manner of vLLM v1: one token budget per step, running requests
 //! first, chunked prefill, a cap on running sequences, preemption by recompute when blocks
 //! run out. Waiting requests are admitted in the order of a [`WaitingPolicy`]: tenant-fair
-//! ([`crate::serve::fair::Vtc`], the default) or first come, first served ([`Fcfs`]). The
-//! running batch grows only while the predicted step time ([`StepModel`], fitted from the
-//! engine's own steps) keeps every running request within its TPOT target: beyond that,
-//! requests wait in the policy's order instead of slowing everyone down. Plain synchronous
-//! state, tested without threads or a model.
+//! ([`crate::serve::fair::Vtc`], the default) or first come, first served ([`Fcfs`]).
+//!
+//! SLO-aware batch control, with the step-time model ([`StepModel`], fitted from the engine's
+//! own steps):
+//! - **The step cap.** While requests are decoding, a step lasts at most 90% of the tightest
+//!   TPOT target in the batch (less the recent overrun of light prefills, below): prefill
+//!   chunks are cut to what fits beside the decodes, in the manner of Sarathi-Serve, and a
+//!   new request is only started once the previous chunked prefill is done, so requests not
+//!   yet begun wait in the policy's fair order, not half-prefilled in the batch.
+//! - **Light prefills.** A request of a tenant whose running and waiting requests fit within
+//!   its weighted share of the running places (with a policy that has shares; never a flood,
+//!   its backlog waiting) is prefilled whole, one such per step: a quiet tenant's first token
+//!   is not cut into a flood's chunks. Their overrun of the cap is tracked, and the cap
+//!   shrinks by it, so the batch's TPOT holds.
+//! - **Growth.** The batch grows only while its predicted decode step stays within the cap;
+//!   beyond, a higher-priority request preempts lower-priority ones until it fits, and a
+//!   tenant below its share may swap places with one above (one place a step).
+//!
+//! Plain synchronous state, tested without threads or a model.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -16,6 +30,9 @@ use crate::serve::step_model::{StepModel, StepShape};
 /// The share of a TPOT target the batch is filled to: the rest absorbs the variance of real
 /// steps around the model's mean.
 const TPOT_HEADROOM: f64 = 0.9;
+
+/// Weight of each step in the running mean of the light prefills' overrun of the step cap.
+const LIGHT_ALPHA: f64 = 1.0 / 32.0;
 
 /// Scheduler limits.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -152,6 +169,8 @@ pub struct SeqState {
     pub preemptions: u32,
     /// Whether it has ever been admitted.
     pub admitted: bool,
+    /// Whether its prefill goes whole, not cut to the step cap (a light request's).
+    pub light: bool,
 }
 
 /// One request's share of a step.
@@ -194,6 +213,34 @@ pub struct Scheduler {
     next_seq: u64,
     /// Step times learned from the engine's own steps.
     step_model: StepModel,
+    /// Recent mean, per step with requests decoding, of how far light prefills ran the step
+    /// past its cap (seconds); the cap is lowered by it.
+    light_excess: f64,
+    /// The cap of the step last planned, and whether it carried a light prefill.
+    last_cap: Option<(f64, bool)>,
+}
+
+/// What is left of a step being planned.
+#[derive(Debug)]
+struct Room {
+    /// Tokens (`max_num_batched_tokens`).
+    budget: usize,
+    /// The step cap in seconds, while requests are decoding and the model is warm.
+    cap: Option<f64>,
+    /// The cap before the light prefills' overrun is taken off (what overruns are measured
+    /// against).
+    base: Option<f64>,
+    /// Requests admitted this step (never preempted in the same step).
+    fresh: Vec<String>,
+    /// Whether the running mean of light overruns allows another light prefill.
+    light_ok: bool,
+    /// Tokens and context of the step so far: the decodes, then the prefill chunks.
+    tokens: usize,
+    context: usize,
+    /// A light prefill is in this step.
+    light_used: bool,
+    /// A chunked prefill is not finished by this step.
+    chunk_pending: bool,
 }
 
 impl Scheduler {
@@ -211,6 +258,8 @@ impl Scheduler {
             kv,
             next_seq: 0,
             step_model: StepModel::default(),
+            light_excess: 0.0,
+            last_cap: None,
         }
     }
 
@@ -242,6 +291,7 @@ impl Scheduler {
             seq_no: self.next_seq,
             preemptions: 0,
             admitted: false,
+            light: false,
         };
         self.seqs.insert(id.clone(), st);
         self.waiting.push(Waiter { id, tenant, priority, weight });
@@ -300,16 +350,28 @@ impl Scheduler {
     pub fn schedule(&mut self) -> StepPlan {
         self.waiting.tick();
         let mut plan = StepPlan::default();
-        let mut budget = self.config.max_num_batched_tokens;
+        let mut room = self.room();
+        // The decodes are reserved first, whatever their place in the running order, so the
+        // prefill chunks fit beside all of them.
         let mut i = 0;
-        while i < self.running.len() && budget > 0 {
+        while i < self.running.len() && room.budget > 0 {
             let id = self.running[i].clone();
             let Some(s) = self.seqs.get(&id) else {
                 self.running.remove(i);
                 continue;
             };
-            let len = (s.tokens.len() - s.computed).min(budget);
+            let remaining = s.tokens.len() - s.computed;
+            let mut len = remaining.min(room.budget);
+            // A prefill that is not light is cut to what fits the step cap; a light one that
+            // the token budget cut goes on whole, as this step's light prefill.
+            let chunked = remaining > 1 && !s.light;
+            room.light_used |= remaining > 1 && s.light;
+            if chunked && let Some(cap) = room.cap {
+                let fit = self.step_model.fit_tokens(room.tokens, room.context, s.computed, cap);
+                len = len.min(fit.unwrap_or(usize::MAX));
+            }
             if len == 0 {
+                room.chunk_pending |= chunked;
                 i += 1;
                 continue;
             }
@@ -327,7 +389,7 @@ impl Scheduler {
                         }
                         // A victim scheduled earlier this step gives its budget back.
                         if let Some(pos) = plan.scheduled.iter().position(|x| x.id == v) {
-                            budget += plan.scheduled.remove(pos).len;
+                            room.budget += plan.scheduled.remove(pos).len;
                         }
                     }
                     None => {
@@ -342,20 +404,58 @@ impl Scheduler {
             }
             let start = self.seqs.get(&id).map_or(0, |s| s.computed);
             plan.scheduled.push(Scheduled { id: id.clone(), start, len });
-            budget -= len;
+            room.budget -= len;
+            if remaining > 1 {
+                room.tokens += len;
+                room.context += start + len;
+                room.chunk_pending |= chunked && len < remaining;
+            }
             i = self.running.iter().position(|r| *r == id).map_or(i, |p| p + 1);
         }
         if plan.preempted.is_empty() {
-            self.admit_waiting(&mut budget, &mut plan);
+            self.admit_waiting(&mut room, &mut plan);
         }
+        self.last_cap = room.base.map(|base| (base, room.light_used));
         // Requests wait for a full batch, not for the next step: it holds `max_num_seqs`, is at
-        // its TPOT limit, or is out of KV blocks (a preemption, or an admission that failed).
+        // its TPOT limit, is busy with a chunked prefill, or is out of KV blocks (a
+        // preemption, or an admission that failed).
         plan.batch_full = self.num_waiting() > 0
             && (plan.batch_full
                 || plan.held_for_tpot
                 || !plan.preempted.is_empty()
                 || self.running.len() >= self.config.max_num_seqs);
         plan
+    }
+
+    /// The room of a new step: its budget, its cap (while requests are decoding) and the
+    /// decodes reserved.
+    fn room(&self) -> Room {
+        let running = || self.running.iter().filter_map(|id| self.seqs.get(id));
+        let decodes = running().filter(|s| s.tokens.len() == s.computed + 1);
+        let (tokens, context) = decodes.fold((0, 0), |(t, c), s| (t + 1, c + s.tokens.len()));
+        let decoding = running().any(|s| s.computed >= s.prompt_len);
+        let target = running().filter_map(|s| s.tpot_target).min_by(f64::total_cmp);
+        let limit = target.filter(|_| decoding && self.step_model.is_warm());
+        Room {
+            budget: self.config.max_num_batched_tokens,
+            cap: limit.map(|t| self.cap(t)),
+            base: limit.map(|t| TPOT_HEADROOM * t),
+            fresh: Vec::new(),
+            light_ok: limit.is_none_or(|t| self.light_excess < TPOT_HEADROOM * t / 2.0),
+            tokens,
+            context,
+            light_used: false,
+            chunk_pending: false,
+        }
+    }
+
+    /// The step cap for a TPOT target: its share within the headroom, less twice the light
+    /// prefills' recent mean overrun (a request that lives through more of them than the
+    /// mean still keeps its target). Light prefills stop while the overrun is above half of
+    /// it, and the overrun decays with every step without one, so the cap comes back.
+    fn cap(&self, target: f64) -> f64 {
+        let base = TPOT_HEADROOM * target;
+        (base - 2.0 * self.light_excess).max(0.0)
     }
 
     /// The running request to preempt: the lowest priority, then the tenant furthest above
@@ -376,6 +476,7 @@ impl Scheduler {
         self.kv.free_blocks_keep_hashes(id);
         if let Some(s) = self.seqs.get_mut(id) {
             s.computed = 0;
+            s.light = false;
             s.preemptions += 1;
             self.waiting.push_front(Waiter {
                 id: id.to_string(),
@@ -387,35 +488,102 @@ impl Scheduler {
         plan.preempted.push(id.to_string());
     }
 
-    /// Records that a step of this shape took `seconds` (the step-time model learns from it).
+    /// Records that the step last planned, of this shape, took `seconds` (the step-time
+    /// model learns from it, and the light prefills' overrun of the cap is counted).
     pub fn observe_step(&mut self, shape: StepShape, seconds: f64) {
         self.step_model.observe(shape, seconds);
+        if let Some((base, light)) = self.last_cap.take()
+            && seconds.is_finite()
+        {
+            let over = if light { (seconds - base).max(0.0) } else { 0.0 };
+            self.light_excess += LIGHT_ALPHA * (over - self.light_excess);
+        }
     }
 
-    /// Whether `candidate` may join the running batch: the time per output token the batch
-    /// would give (its decode step, with the recent share of prefill work) is predicted to
-    /// stay within the tightest TPOT target of the batch and the candidate.
-    /// Until the model is warm, or when nobody has a target, it may.
+    /// Whether `candidate` may join the running batch: the batch's decode step with it is
+    /// predicted to stay within the step cap of the tightest TPOT target of the batch and the
+    /// candidate. A lone request always may; so may any until the model is warm, or when
+    /// nobody has a target.
     fn within_tpot(&self, candidate: &SeqState) -> bool {
         self.within_tpot_without(candidate, None)
     }
 
     /// [`within_tpot`](Self::within_tpot) with the running request `without` left out.
     fn within_tpot_without(&self, candidate: &SeqState, without: Option<&str>) -> bool {
+        self.fits_among(candidate, |id, _| Some(id) != without)
+    }
+
+    /// [`within_tpot`](Self::within_tpot) among the running requests that `keep` keeps.
+    fn fits_among(&self, candidate: &SeqState, keep: impl Fn(&str, &SeqState) -> bool) -> bool {
         let running = || {
             self.running
                 .iter()
-                .filter(move |id| Some(id.as_str()) != without)
-                .filter_map(|id| self.seqs.get(id))
+                .filter_map(|id| self.seqs.get(id).map(|s| (id.as_str(), s)))
+                .filter(|(id, s)| keep(id, s))
+                .map(|(_, s)| s)
         };
+        if running().next().is_none() {
+            return true;
+        }
         let target = running()
             .filter_map(|s| s.tpot_target)
             .chain(candidate.tpot_target)
             .min_by(f64::total_cmp);
         let Some(target) = target else { return true };
         let context = running().map(|s| s.tokens.len()).sum::<usize>() + candidate.tokens.len();
-        let predicted = self.step_model.predict_tpot(running().count() + 1, context);
-        predicted.is_none_or(|t| t <= TPOT_HEADROOM * target)
+        let predicted = self.step_model.predict(running().count() + 1, context);
+        predicted.is_none_or(|t| t <= self.cap(target))
+    }
+
+    /// Whether `candidate` is light: with a policy that has shares, all its tenant asks for
+    /// (running and waiting) fits within the tenant's weighted share of the running places
+    /// with it, i.e. `(its running + its waiting) * total weight <= (running + 1) * its
+    /// weight`, the weights those of the tenants running and the candidate's. A flood, its
+    /// backlog waiting, is never light; a tenant alone is while nothing else of it waits.
+    fn is_light(&self, candidate: &SeqState) -> bool {
+        if !self.waiting.shares_places() {
+            return false;
+        }
+        let mine = candidate.scope.tenant();
+        let asks = self.seqs.values().filter(|s| s.scope.tenant() == mine).count() as u64;
+        let mut weights: HashMap<&str, u64> = HashMap::new();
+        for s in self.running.iter().filter_map(|id| self.seqs.get(id)) {
+            let w = weights.entry(s.scope.tenant()).or_insert(1);
+            *w = (*w).max(u64::from(s.weight.max(1)));
+        }
+        let mine_weight = u64::from(candidate.weight.max(1));
+        let w = weights.entry(mine).or_insert(1);
+        *w = (*w).max(mine_weight);
+        let total: u64 = weights.values().sum();
+        asks * total <= (self.running.len() as u64 + 1) * mine_weight
+    }
+
+    /// A waiting request other than `except` that would be light now: the highest priority,
+    /// then the oldest. It goes ahead of a policy's choice that cannot start this step.
+    fn light_candidate(&self, except: &str) -> Option<String> {
+        let running: std::collections::HashSet<&str> =
+            self.running.iter().map(String::as_str).collect();
+        self.seqs
+            .iter()
+            .filter(|(id, _)| id.as_str() != except && !running.contains(id.as_str()))
+            .filter(|(_, s)| self.is_light(s))
+            .min_by(|a, b| b.1.priority.cmp(&a.1.priority).then(a.1.seq_no.cmp(&b.1.seq_no)))
+            .map(|(id, _)| id.clone())
+    }
+
+    /// The running request a higher-priority `candidate` preempts when the batch is full:
+    /// of those of a lower priority, not admitted this step, the lowest priority, then the
+    /// tenant furthest above its fair share, then the newest.
+    fn priority_victim(&self, candidate: &SeqState, fresh: &[String]) -> Option<String> {
+        self.running
+            .iter()
+            .filter(|id| !fresh.contains(id))
+            .filter_map(|id| {
+                let s = self.seqs.get(id).filter(|s| s.priority < candidate.priority)?;
+                Some((id, s.priority, self.waiting.standing(s.scope.tenant()), s.seq_no))
+            })
+            .min_by(|a, b| a.1.cmp(&b.1).then(b.2.total_cmp(&a.2)).then(b.3.cmp(&a.3)))
+            .map(|(id, ..)| id.clone())
     }
 
     /// The running request to make room with for `candidate` when the batch is full (at its
@@ -426,7 +594,7 @@ impl Scheduler {
     /// then fits the batch's TPOT limit. Swaps only ever move the batch toward the weighted
     /// shares, so two tenants never take a place back and forth. Requests without a tenant
     /// (private scopes: not through the gateway) count as one tenant.
-    fn fair_victim(&self, candidate: &SeqState, plan: &StepPlan) -> Option<String> {
+    fn fair_victim(&self, candidate: &SeqState, fresh: &[String]) -> Option<String> {
         let mine = candidate.scope.tenant();
         // Per tenant: running count and weight (the largest its requests carry).
         let mut per: HashMap<&str, (u64, u64)> = HashMap::new();
@@ -448,7 +616,7 @@ impl Scheduler {
         let victim = self
             .running
             .iter()
-            .filter(|id| !plan.newly_admitted.contains(id))
+            .filter(|id| !fresh.contains(id))
             .filter_map(|id| self.seqs.get(id).map(|s| (id, s)))
             .filter(|(_, s)| s.scope.tenant() == *tenant && s.priority <= candidate.priority)
             .max_by_key(|(_, s)| s.seq_no)
@@ -456,22 +624,29 @@ impl Scheduler {
         self.within_tpot_without(candidate, Some(&victim)).then_some(victim)
     }
 
-    /// Preempts `victim` to make room for a waiting request of a tenant below its share; a
-    /// victim scheduled earlier this step gives its budget back.
-    fn swap_out(&mut self, victim: &str, budget: &mut usize, plan: &mut StepPlan) {
+    /// Preempts `victim` to make room for a waiting request; a victim scheduled earlier
+    /// this step gives its budget (and its share of the step) back.
+    fn swap_out(&mut self, victim: &str, room: &mut Room, plan: &mut StepPlan) {
+        let (computed, remaining) =
+            self.seqs.get(victim).map_or((0, 0), |s| (s.computed, s.tokens.len() - s.computed));
         self.preempt(victim, plan);
-        plan.fairness_preemptions += 1;
-        if let Some(pos) = plan.scheduled.iter().position(|x| x.id == victim) {
-            *budget += plan.scheduled.remove(pos).len;
+        let pos = plan.scheduled.iter().position(|x| x.id == victim);
+        let scheduled = pos.map(|pos| plan.scheduled.remove(pos).len);
+        room.budget += scheduled.unwrap_or(0);
+        // A decode was reserved in the step whether scheduled yet or not; a chunk if scheduled.
+        if let Some(len) = if remaining == 1 { Some(1) } else { scheduled } {
+            room.tokens = room.tokens.saturating_sub(len);
+            room.context = room.context.saturating_sub(computed + len);
         }
     }
 
-    fn admit_waiting(&mut self, budget: &mut usize, plan: &mut StepPlan) {
-        // At most one place changes hands per step, and it goes to the request it was made
-        // for (not to whoever the policy would name next: perhaps the victim itself).
+    fn admit_waiting(&mut self, room: &mut Room, plan: &mut StepPlan) {
+        // At most one place changes hands for fairness per step, and it goes to the request
+        // it was made for (not to whoever the policy would name next: perhaps the victim).
         let mut swapped = false;
         let mut made_room_for: Option<String> = None;
-        while *budget > 0 {
+        let mut looked_past = false;
+        while room.budget > 0 {
             let next = made_room_for.take().or_else(|| self.waiting.peek().map(str::to_string));
             let Some(id) = next else { break };
             let Some(s) = self.seqs.get(&id) else {
@@ -479,18 +654,37 @@ impl Scheduler {
                 continue;
             };
             // A batch at its TPOT limit takes no one else: the rest wait, in the policy's
-            // order (a lone request always runs), unless a tenant above its share makes room.
+            // order (a lone request always runs), unless a higher priority preempts a lower
+            // or a tenant above its share makes room.
             let full = self.running.len() >= self.config.max_num_seqs;
-            let held = !full && !self.running.is_empty() && !self.within_tpot(s);
+            let held = !full && !self.within_tpot(s);
+            // Under a cap, one light prefill a step: another light request waits for the
+            // next, to go whole.
+            let light = room.cap.is_some() && room.light_ok && self.is_light(s);
             if full || held {
                 plan.held_for_tpot |= held;
-                let victim = (!swapped && self.waiting.shares_places())
-                    .then(|| self.fair_victim(s, plan))
-                    .flatten();
+                // Lower priorities make room only when that lets it start this step: it fits
+                // beside the higher and equal ones alone, and its prefill may go now.
+                let starts = if light { !room.light_used } else { !room.chunk_pending };
+                let priority = s.priority;
+                let peers = self.running.iter().filter_map(|id| self.seqs.get(id));
+                let peers = peers.filter(|r| r.priority >= priority).count();
+                let above = peers < self.config.max_num_seqs
+                    && self.fits_among(s, |_, r| r.priority >= priority);
+                let by_priority =
+                    (starts && above).then(|| self.priority_victim(s, &room.fresh)).flatten();
+                let victim = by_priority.or_else(|| {
+                    (!swapped && self.waiting.shares_places())
+                        .then(|| self.fair_victim(s, &room.fresh))
+                        .flatten()
+                        .inspect(|_| {
+                            swapped = true;
+                            plan.fairness_preemptions += 1;
+                        })
+                });
                 match victim {
                     Some(victim) => {
-                        self.swap_out(&victim, budget, plan);
-                        swapped = true;
+                        self.swap_out(&victim, room, plan);
                         made_room_for = Some(id);
                         continue;
                     }
@@ -507,14 +701,34 @@ impl Scheduler {
             let tokens = s.tokens.clone();
             let hits = self.kv.find_prefix(&id, &tokens, &scope, n.saturating_sub(1));
             let hit_tokens = hits.len() * self.kv.block_size();
-            let len = (n - hit_tokens).min(*budget);
-            if !self.kv.allocate(&id, &hits, hit_tokens + len) {
-                plan.batch_full = true;
+            let remaining = n - hit_tokens;
+            let mut len = if light && room.light_used { 0 } else { remaining.min(room.budget) };
+            if !light && let Some(cap) = room.cap {
+                // One chunked prefill at a time, cut to the cap: the next waits its turn.
+                let fit = self.step_model.fit_tokens(room.tokens, room.context, hit_tokens, cap);
+                if room.chunk_pending {
+                    len = 0;
+                }
+                len = len.min(fit.unwrap_or(usize::MAX));
+            }
+            if len == 0 && !looked_past && !room.light_used && room.light_ok && room.cap.is_some() {
+                // The policy's choice cannot start this step (a chunked prefill is under way):
+                // a light request behind it may.
+                looked_past = true;
+                if let Some(other) = self.light_candidate(&id) {
+                    made_room_for = Some(other);
+                    continue;
+                }
+            }
+            if len == 0 || !self.kv.allocate(&id, &hits, hit_tokens + len) {
+                // Not for a light request that waits one step for its turn.
+                plan.batch_full |= len > 0 || !(light && room.light_used);
                 break;
             }
             self.waiting.take(&id);
             if let Some(s) = self.seqs.get_mut(&id) {
                 s.computed = hit_tokens;
+                s.light = light;
                 if !s.admitted {
                     s.admitted = true;
                     s.cached_prompt = hit_tokens.min(s.prompt_len);
@@ -522,8 +736,13 @@ impl Scheduler {
                 }
             }
             plan.scheduled.push(Scheduled { id: id.clone(), start: hit_tokens, len });
+            room.fresh.push(id.clone());
             self.running.push(id);
-            *budget -= len;
+            room.budget -= len;
+            room.light_used |= light;
+            room.tokens += len;
+            room.context += hit_tokens + len;
+            room.chunk_pending |= !light && len < remaining;
         }
     }
 
@@ -757,6 +976,82 @@ mod tests {
         assert_eq!(p.newly_admitted.len(), 5);
     }
 
+    fn ids(plan: &StepPlan) -> Vec<(&str, usize)> {
+        plan.scheduled.iter().map(|w| (w.id.as_str(), w.len)).collect()
+    }
+
+    #[test]
+    fn prefills_beside_decodes_are_cut_to_the_step_cap_one_at_a_time() {
+        // The cap is 90% of 0.105 s: 0.0945 s.
+        let target = SeqPolicy { tpot_target: Some(0.105), ..SeqPolicy::default() };
+        let mut s = trained(64);
+        for i in 0..2 {
+            s.add_with(format!("d-{i}"), vec![1, 2, 3], tenant("flood"), target);
+        }
+        // Nobody decodes yet: no cap.
+        let p = s.schedule();
+        assert_eq!(ids(&p), vec![("d-0", 3), ("d-1", 3)]);
+        run_step(&mut s, &p, 5);
+        for i in 0..3 {
+            s.add_with(format!("long-{i}"), (0..40).collect(), tenant("flood"), target);
+        }
+        // Two decodes make 0.03 s: 6 prompt tokens fit beside them, and the second long
+        // prompt waits for the first's prefill.
+        let p = s.schedule();
+        assert_eq!(ids(&p), vec![("d-0", 1), ("d-1", 1), ("long-0", 6)]);
+        assert!(p.batch_full && !p.held_for_tpot, "{p:?}");
+        run_step(&mut s, &p, 5);
+        let p = s.schedule();
+        assert_eq!(ids(&p), vec![("d-0", 1), ("d-1", 1), ("long-0", 6)]);
+        run_step(&mut s, &p, 5);
+        // A quiet tenant's request is light: prefilled whole, beside the chunk.
+        s.add_with("quiet".into(), (100..140).collect(), tenant("quiet"), target);
+        s.add_with("other".into(), (200..240).collect(), tenant("other"), target);
+        let p = s.schedule();
+        assert_eq!(ids(&p), vec![("d-0", 1), ("d-1", 1), ("long-0", 6), ("quiet", 40)]);
+        assert!(!p.batch_full, "other waits a step for its turn, not for a full batch");
+        assert!(s.seq("quiet").is_some_and(|q| q.light));
+        // It ran the step 0.395 s past the cap; the cap shrinks by a 32nd of that.
+        s.observe_step(StepShape { tokens: 48, context: 110 }, 0.49);
+        run_step(&mut s, &p, 5);
+        // `other` waited: one light prefill a step at most. Now it goes whole, and the chunk
+        // has three decodes (0.04 s) and a cap of 0.0945 s less twice 0.0124 s: 2 tokens.
+        let p = s.schedule();
+        let expected = vec![("d-0", 1), ("d-1", 1), ("long-0", 2), ("quiet", 1), ("other", 40)];
+        assert_eq!(ids(&p), expected);
+    }
+
+    #[test]
+    fn a_higher_priority_preempts_lower_ones_until_it_fits() {
+        let standard = SeqPolicy { tpot_target: Some(0.105), ..SeqPolicy::default() };
+        let enterprise = SeqPolicy { priority: 1, weight: 4, tpot_target: Some(0.045) };
+        let mut s = trained(64);
+        for i in 0..6 {
+            s.add_with(format!("flood-{i}"), vec![1, 2, 3], tenant("flood"), standard);
+        }
+        let p = s.schedule();
+        assert_eq!(p.newly_admitted.len(), 6);
+        run_step(&mut s, &p, 5);
+        s.add_with("ent".into(), vec![4, 5, 6], tenant("ent"), enterprise);
+        // Its cap, 0.0405 s, holds a decode step of 3: the four newest floods go back.
+        let p = s.schedule();
+        let back: Vec<String> = (2..6).rev().map(|i| format!("flood-{i}")).collect();
+        assert_eq!((p.preempted.clone(), p.fairness_preemptions), (back, 0));
+        assert_eq!(p.newly_admitted, vec!["ent".to_string()]);
+        assert_eq!(ids(&p), vec![("flood-0", 1), ("flood-1", 1), ("ent", 3)]);
+        // The same request at the floods' priority waits for its place instead.
+        let mut s = trained(64);
+        for i in 0..6 {
+            s.add_with(format!("flood-{i}"), vec![1, 2, 3], tenant("flood"), standard);
+        }
+        let p = s.schedule();
+        run_step(&mut s, &p, 5);
+        let same = SeqPolicy { priority: 0, ..enterprise };
+        s.add_with("ent".into(), vec![4, 5, 6], tenant("ent"), same);
+        let p = s.schedule();
+        assert!(p.newly_admitted.is_empty() && p.held_for_tpot, "{p:?}");
+    }
+
     #[test]
     fn weights_share_admissions() {
         // One slot, both tenants always waiting: a weight-2 tenant is admitted twice as often.
@@ -936,7 +1231,11 @@ mod sim {
             KvManager::new(8192, 16, vec![]),
             waiting,
         );
-        let mut next: Vec<f64> = tenants.iter().enumerate().map(|(i, _)| 0.1 * i as f64).collect();
+        // Poisson arrivals, each tenant its own seeded stream.
+        let mut rng: Vec<Rng> =
+            (0..tenants.len()).map(|i| Rng(0x9e37_79b9_7f4a_7c15 ^ i as u64)).collect();
+        let mut next: Vec<f64> =
+            tenants.iter().zip(&mut rng).map(|(tn, r)| r.exp(tn.every)).collect();
         let mut live: HashMap<String, (usize, f64, Option<f64>, usize)> = HashMap::new();
         let mut out = vec![(Vec::new(), Vec::new(), 0); tenants.len()];
         let mut t = 0.0;
@@ -958,7 +1257,7 @@ mod sim {
                         s.add_with(id.clone(), prompt, CacheScope::Tenant(tn.name.into()), policy);
                         live.insert(id, (i, next[i], None, 0));
                     }
-                    next[i] += tn.every;
+                    next[i] += rng[i].exp(tn.every);
                 }
             }
             let plan = s.schedule();
@@ -969,14 +1268,7 @@ mod sim {
             let tokens: usize = plan.scheduled.iter().map(|w| w.len).sum();
             let context: usize = plan.scheduled.iter().map(|w| w.start + w.len).sum();
             let dt = law(tokens, context);
-            let decoding = plan
-                .scheduled
-                .iter()
-                .filter(|w| w.len == 1 && s.seq(&w.id).is_some_and(|q| w.start >= q.prompt_len))
-                .count();
-            let seqs = plan.scheduled.len();
-            let shape = crate::serve::step_model::StepShape { tokens, context, seqs, decoding };
-            s.observe_step(shape, dt);
+            s.observe_step(crate::serve::step_model::StepShape { tokens, context }, dt);
             t += dt;
             let mut done = Vec::new();
             for w in &plan.scheduled {
@@ -1011,6 +1303,23 @@ mod sim {
             o.1.sort_by(f64::total_cmp);
         }
         out
+    }
+
+    /// xorshift64*: a seeded stream of uniform draws, for arrivals.
+    struct Rng(u64);
+
+    impl Rng {
+        fn uniform(&mut self) -> f64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            (self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64
+        }
+
+        /// An exponential draw of mean `mean`.
+        fn exp(&mut self, mean: f64) -> f64 {
+            -mean * (1.0 - self.uniform()).ln()
+        }
     }
 
     pub(super) fn pct(v: &[f64], p: f64) -> f64 {
@@ -1050,10 +1359,11 @@ mod sim {
         ]
         .join("\n");
         // Every quiet request is served, ahead of the flood's backlog (under FCFS it queues
-        // behind it), and every TPOT stays within the 100 ms target. (Its TTFT beside the
-        // flood is still a few times its solo value: the 1.2x is not met.)
+        // behind it), its median TTFT within 1.5x of its solo value (its p99, set by its own
+        // bursts, about 2x), and every TPOT stays within the 100 ms target.
         assert_eq!(fair[0].0.len(), alone[0].0.len(), "{report}");
         assert!(pct(&fcfs[0].0, 0.5) > 5.0 * pct(&fair[0].0, 0.99), "{report}");
+        assert!(pct(&fair[0].0, 0.5) <= 1.5 * pct(&alone[0].0, 0.5), "{report}");
         for r in [&fair[0], &fair[1]] {
             assert!(pct(&r.1, 0.99) <= 0.1, "{report}");
         }
@@ -1096,7 +1406,11 @@ mod sim {
             summary("beside a flood, FCFS", &fcfs[0]),
         ]
         .join("\n");
+        // Every request served; its TTFT p99 moves less than 20% (FCFS queues it behind the
+        // flood), and its TPOT stays within its 50 ms target beside the flood's batch.
         assert_eq!(mixed[0].0.len(), alone[0].0.len(), "{report}");
+        assert!(pct(&mixed[0].0, 0.99) < 1.2 * pct(&alone[0].0, 0.99), "{report}");
         assert!(pct(&fcfs[0].0, 0.5) > 5.0 * pct(&mixed[0].0, 0.99), "{report}");
+        assert!(pct(&mixed[0].1, 0.99) <= 0.05, "{report}");
     }
 }

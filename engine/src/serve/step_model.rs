@@ -3,13 +3,9 @@
 //! tokens the step computes (one per decoding request, a chunk per prefilling one) and
 //! `context` the cached tokens their attention reads. The fit is least squares over an
 //! exponentially decayed window of recent steps (so it follows a device that heats up or a
-//! machine that gets busier), the same on CPU and GPU.
-//!
-//! What a running request feels is the mean of all the steps it is in, and some of those also
-//! carry newcomers' prefill chunks. So the model also keeps the recent ratio of each step's
-//! time to a pure decode step of the same sequences, and [`StepModel::predict_tpot`] scales
-//! the decode prediction by it: the time per output token a batch of that shape gives its
-//! requests, prefills included. Plain synchronous state.
+//! machine that gets busier), the same on CPU and GPU. The scheduler asks it two things: how
+//! long a decode step of a batch would take (may the batch grow?) and how many prefill tokens
+//! still fit a step of a given length ([`StepModel::fit_tokens`]). Plain synchronous state.
 
 /// Steps observed before the model predicts anything.
 const WARM_UP: u64 = 16;
@@ -24,9 +20,6 @@ const CONTEXT_SCALE: f64 = 10_000.0;
 /// Ridge term added to the normal equations' diagonal.
 const RIDGE: f64 = 1e-9;
 
-/// Weight of each new step in the prefill slowdown's running mean.
-const SLOWDOWN_ALPHA: f64 = 0.02;
-
 /// The shape of one step.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StepShape {
@@ -34,16 +27,12 @@ pub struct StepShape {
     pub tokens: usize,
     /// Cached tokens read by their attention.
     pub context: usize,
-    /// Sequences in the step.
-    pub seqs: usize,
-    /// Of them, sequences decoding (one new token past their prompt).
-    pub decoding: usize,
 }
 
 /// A pure decode step of `seqs` sequences (test helper and shorthand).
 #[cfg(test)]
 pub(crate) fn decode(seqs: usize, context: usize) -> StepShape {
-    StepShape { tokens: seqs, context, seqs, decoding: seqs }
+    StepShape { tokens: seqs, context }
 }
 
 /// The online step-time model (see the module docs).
@@ -55,8 +44,6 @@ pub struct StepModel {
     samples: u64,
     /// The fitted coefficients (seconds per unit of each scaled feature), once warm.
     fit: Option<[f64; 3]>,
-    /// Recent mean of (step time / pure decode step of its sequences); 1 until measured.
-    slowdown: Option<f64>,
 }
 
 fn features(tokens: usize, context: usize) -> [f64; 3] {
@@ -64,10 +51,10 @@ fn features(tokens: usize, context: usize) -> [f64; 3] {
 }
 
 impl StepModel {
-    /// Records that a step of `seqs` sequences (`decoding` of them producing a token each),
-    /// computing `tokens` tokens and reading `context` cached ones, took `seconds`.
+    /// Records that a step computing `tokens` tokens and reading `context` cached ones took
+    /// `seconds`.
     pub fn observe(&mut self, shape: StepShape, seconds: f64) {
-        let StepShape { tokens, context, seqs, decoding } = shape;
+        let StepShape { tokens, context } = shape;
         if !seconds.is_finite() || seconds < 0.0 {
             return;
         }
@@ -86,21 +73,11 @@ impl StepModel {
                 [c[0], c[1].max(0.0), c[2].max(0.0)]
             });
         }
-        // Only steps that a decoding request sat through say what the batch feels.
-        if decoding == 0 {
-            return;
-        }
-        if let Some(decode) = self.predict(seqs, context).filter(|d| *d > 0.0) {
-            let ratio = (seconds / decode).clamp(0.5, 1000.0);
-            let s = self.slowdown.get_or_insert(ratio);
-            *s += SLOWDOWN_ALPHA * (ratio - *s);
-        }
     }
 
-    /// The time per output token a decode batch of `seqs` sequences reading `context` tokens
-    /// gives its requests, with the recent share of prefill work (`None` until warm).
-    pub fn predict_tpot(&self, seqs: usize, context: usize) -> Option<f64> {
-        Some(self.predict(seqs, context)? * self.slowdown.unwrap_or(1.0).max(1.0))
+    /// Whether the model predicts anything yet.
+    pub fn is_warm(&self) -> bool {
+        self.fit.is_some()
     }
 
     /// The predicted time of a step of this shape, in seconds (`None` until warm).
@@ -108,6 +85,26 @@ impl StepModel {
         let c = self.fit?;
         let x = features(tokens, context);
         Some((c[0] * x[0] + c[1] * x[1] + c[2] * x[2]).max(0.0))
+    }
+
+    /// How many more tokens of one sequence, the first at position `start`, a step that
+    /// already computes `tokens` tokens reading `context` may take and still be predicted to
+    /// last at most `cap` seconds (`None`: until warm, or when more tokens cost nothing, any).
+    pub fn fit_tokens(
+        &self,
+        tokens: usize,
+        context: usize,
+        start: usize,
+        cap: f64,
+    ) -> Option<usize> {
+        let c = self.fit?;
+        let per_token = c[1] / TOKEN_SCALE + c[2] / CONTEXT_SCALE;
+        if per_token <= 0.0 {
+            return None;
+        }
+        let base = self.predict(tokens, context + start)?;
+        let room = ((cap - base) / per_token).floor();
+        Some(if room.is_finite() && room > 0.0 { room as usize } else { 0 })
     }
 }
 
@@ -191,25 +188,20 @@ mod tests {
     }
 
     #[test]
-    fn tpot_counts_the_prefill_chunks_that_share_the_steps() {
-        // Four decoding sequences; every other step also carries a 128-token prefill chunk.
-        let law = |tokens: usize| 0.004 + 0.004 * tokens as f64;
+    fn it_says_how_many_prefill_tokens_fit_a_step() {
+        let law = |t: usize, c: usize| 0.004 + 0.002 * t as f64 + 0.000_001 * c as f64;
         let mut m = StepModel::default();
-        for i in 0..400 {
-            let (tokens, context) =
-                if i % 2 == 0 { (4, 400 + i) } else { (4 + 128, 400 + 128 + i) };
-            m.observe(StepShape { tokens, context, seqs: 4, decoding: 4 }, law(tokens));
+        assert_eq!(m.fit_tokens(4, 400, 0, 0.1), None, "cold: no limit");
+        for i in 0..100 {
+            let (t, c) = (1 + i % 40, 100 * (i % 13) + 3 * i);
+            m.observe(StepShape { tokens: t, context: c }, law(t, c));
         }
-        let decode = m.predict(4, 800).unwrap_or(f64::NAN);
-        assert!((decode - law(4)).abs() < 1e-4, "{decode}");
-        // The mean step a running request sees: half decode, half with a chunk.
-        let felt = (law(4) + law(132)) / 2.0;
-        let tpot = m.predict_tpot(4, 800).unwrap_or(f64::NAN);
-        assert!((tpot - felt).abs() / felt < 0.05, "{tpot} vs {felt}");
-        // A long prompt prefilled alone, which nobody decoding sat through, changes nothing.
-        let shape = StepShape { tokens: 2048, context: 2048, seqs: 1, decoding: 0 };
-        m.observe(shape, law(2048));
-        let after = m.predict_tpot(4, 800).unwrap_or(f64::NAN);
-        assert!((after - tpot).abs() / tpot < 0.05, "{after} vs {tpot}");
+        // Four decoding (400 context) and a chunk from position 100: the chunk's k tokens
+        // add k tokens and 100 + k context.
+        let k = m.fit_tokens(4, 400, 100, 0.05).unwrap_or(usize::MAX);
+        let with = |k: usize| law(4 + k, 400 + 100 + k);
+        assert!(with(k) <= 0.05 + 1e-9 && with(k + 1) > 0.05, "{k}: {} {}", with(k), with(k + 1));
+        // A step already over its length takes nothing more.
+        assert_eq!(m.fit_tokens(40, 400, 0, 0.05), Some(0));
     }
 }
