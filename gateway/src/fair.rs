@@ -134,6 +134,7 @@ impl FairShare {
                 ttft_target_s: target.as_secs_f64(),
             };
             if let Some(retry) = judge(j) {
+                tracing::debug!(tenant, ?j, ?retry, "fair admission refused");
                 return Err(retry);
             }
         }
