@@ -4,13 +4,17 @@
 //! from the queue) instead of waiting for seconds in an engine. Without a backlog everything
 //! is admitted (work-conserving: a tenant alone may use all of the capacity).
 //!
+//! Places alone misjudge a quiet tenant whose requests live long (the batch runs at its TPOT
+//! target): beside other tenants, one whose share of the tokens served recently is well
+//! below its weighted share is admitted up to twice its share of the places.
+//!
 //! The engines' VTC order and batch control serve each tenant its share of the places; this
 //! keeps a tenant's excess out of their queues, where it would only wait. Per gateway replica:
 //! each replica judges by the requests it has in flight itself.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// What the gateway knows of one tenant's work in flight.
 #[derive(Debug, Default)]
@@ -26,6 +30,18 @@ struct State {
     /// an exponentially weighted mean over completed requests, and how many it has seen.
     service_s: f64,
     samples: u64,
+    /// Tokens served per tenant, decayed with `RATE_TAU` (kept while the tenant is idle, so a
+    /// quiet tenant between requests keeps its history), and when last updated.
+    tokens: HashMap<String, (f64, Instant)>,
+}
+
+/// The time constant of the tokens-served counts, seconds.
+const RATE_TAU: f64 = 10.0;
+/// A tenant is served "well below" its share under this fraction of it.
+const LIGHT_SHARE: f64 = 0.8;
+
+fn decayed(count: f64, since: Instant, now: Instant) -> f64 {
+    count * (-now.saturating_duration_since(since).as_secs_f64() / RATE_TAU).exp()
 }
 
 /// Requests seen before the service time is trusted.
@@ -79,19 +95,30 @@ pub struct Judged {
     pub service_s: f64,
     /// The tenant's TTFT target, seconds.
     pub ttft_target_s: f64,
+    /// Tokens served to the tenant recently (decayed).
+    pub served: f64,
+    /// Tokens served to every tenant recently (decayed).
+    pub all_served: f64,
 }
 
 /// The rule, pure: admitted (`None`) within the tenant's share of the places; beside other
 /// tenants, within its share of all the sequences in flight too (one holding no more than its
 /// share of the queue is never the one to turn away, however the places the engines report
-/// move); or past those while the requests ahead of this one in the tenant's own queue can
-/// start within the target; else the time after which trying again can succeed.
+/// move); or, beside others, up to twice its share of the places while its share of the
+/// tokens served recently is well below its weighted share; or past those while the requests
+/// ahead of this one in the tenant's own queue can start within the target; else the time
+/// after which trying again can succeed.
 pub fn judge(j: Judged) -> Option<Duration> {
     let of = |total: u64| total as f64 * j.weight as f64 / j.active_weight.max(1) as f64;
     let share = of(j.places).max(1.0);
     let position = (j.in_flight + j.wanted.max(1)) as f64;
     let others = j.active_weight > j.weight;
     if position <= share || (others && position <= of(j.all_in_flight + j.wanted.max(1))) {
+        return None;
+    }
+    let served_little = j.all_served > 0.0
+        && j.served * (j.active_weight as f64) < LIGHT_SHARE * j.all_served * j.weight as f64;
+    if others && served_little && position <= 2.0 * share {
         return None;
     }
     // Its places turn over once per service time: the queue past the share starts at that rate.
@@ -123,6 +150,9 @@ impl FairShare {
         if let (Some(places), Some(target), true) = (places, ttft_target, s.samples >= WARM_UP) {
             let others: u64 =
                 s.tenants.iter().filter(|(t, _)| t.as_str() != tenant).map(|(_, t)| t.weight).sum();
+            let now = Instant::now();
+            let served = s.tokens.get(tenant).map_or(0.0, |&(c, at)| decayed(c, at, now));
+            let all_served = s.tokens.values().map(|&(c, at)| decayed(c, at, now)).sum();
             let j = Judged {
                 in_flight,
                 wanted: n,
@@ -132,6 +162,8 @@ impl FairShare {
                 places,
                 service_s: s.service_s,
                 ttft_target_s: target.as_secs_f64(),
+                served,
+                all_served,
             };
             if let Some(retry) = judge(j) {
                 tracing::debug!(tenant, ?j, ?retry, "fair admission refused");
@@ -155,6 +187,16 @@ impl FairShare {
         s.samples += 1;
     }
 
+    /// A request of `tenant` was served `tokens` tokens (prompt and completion).
+    pub fn used(&self, tenant: &str, tokens: u64) {
+        let Ok(mut s) = self.state.lock() else { return };
+        let now = Instant::now();
+        // Counts decayed to nothing are dropped (bounded memory).
+        s.tokens.retain(|_, &mut (c, at)| decayed(c, at, now) >= 1.0);
+        let e = s.tokens.entry(tenant.to_owned()).or_insert((0.0, now));
+        *e = (decayed(e.0, e.1, now) + tokens as f64, now);
+    }
+
     /// Sequences in flight of `tenant`.
     pub fn in_flight(&self, tenant: &str) -> u64 {
         self.state.lock().map_or(0, |s| s.tenants.get(tenant).map_or(0, |t| t.in_flight))
@@ -175,6 +217,8 @@ mod tests {
             places: 12,
             service_s: 6.0,
             ttft_target_s: 1.0,
+            served: 0.0,
+            all_served: 0.0,
         }
     }
 
@@ -201,6 +245,19 @@ mod tests {
         assert_eq!(judge(few), None);
         // The neighbour holding 37 of them is judged by the places.
         assert!(judge(Judged { places: 2, all_in_flight: 40, ..j(37, 1, 2) }).is_some());
+        // A tenant served a quarter of the tokens of late, against an equal neighbour (half),
+        // is admitted up to twice its 6 places; at 80% of its share it is judged by places.
+        let little = |in_flight: u64, served: f64| Judged {
+            all_in_flight: 14,
+            served,
+            all_served: 1000.0,
+            ..j(in_flight, 1, 2)
+        };
+        assert_eq!(judge(little(9, 250.0)), None);
+        assert!(judge(little(12, 250.0)).is_some(), "past twice its places");
+        assert!(judge(little(9, 400.0)).is_some(), "not well below its share");
+        // Alone, the tokens served say nothing.
+        assert!(judge(Judged { served: 0.0, all_served: 1000.0, ..j(15, 1, 1) }).is_some());
     }
 
     #[test]

@@ -1523,6 +1523,9 @@ impl Gateway {
         // counts it).
         let used = if is_refused(ctx.status) { 0 } else { ctx.prompt_tokens + completion };
         self.settle(ctx, used).await;
+        if let Some(grant) = ctx.grant.as_ref().filter(|_| used > 0) {
+            self.fair.used(&grant.tenant_id, used);
+        }
         // Only a whole answer small enough to keep is replayed to retries; anything else lets a
         // retry run anew.
         if ctx.status == 200
