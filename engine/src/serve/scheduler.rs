@@ -381,15 +381,12 @@ impl Scheduler {
                 // Out of blocks: preempt the lowest-priority, newest running request.
                 match self.pick_victim() {
                     Some(v) => {
+                        // A victim gives back its budget and its share of the step.
                         let self_victim = v == id;
-                        self.preempt(&v, &mut plan);
+                        self.preempt_planned(&v, &mut room, &mut plan);
                         if self_victim {
                             scheduled = false;
                             break;
-                        }
-                        // A victim scheduled earlier this step gives its budget back.
-                        if let Some(pos) = plan.scheduled.iter().position(|x| x.id == v) {
-                            room.budget += plan.scheduled.remove(pos).len;
                         }
                     }
                     None => {
@@ -441,7 +438,7 @@ impl Scheduler {
             cap: limit.map(|t| self.cap(t)),
             base: limit.map(|t| TPOT_HEADROOM * t),
             fresh: Vec::new(),
-            light_ok: limit.is_none_or(|t| self.light_excess < TPOT_HEADROOM * t / 2.0),
+            light_ok: limit.is_none_or(|t| self.light_excess < TPOT_HEADROOM * t),
             tokens,
             context,
             light_used: false,
@@ -451,8 +448,9 @@ impl Scheduler {
 
     /// The step cap for a TPOT target: its share within the headroom, less twice the light
     /// prefills' recent mean overrun (a request that lives through more of them than the
-    /// mean still keeps its target). Light prefills stop while the overrun is above half of
-    /// it, and the overrun decays with every step without one, so the cap comes back.
+    /// mean still keeps its target). Light prefills stop while the overrun is above the
+    /// whole share (every step twice its share), and the overrun decays with every step
+    /// without one, so the cap comes back.
     fn cap(&self, target: f64) -> f64 {
         let base = TPOT_HEADROOM * target;
         (base - 2.0 * self.light_excess).max(0.0)
@@ -461,10 +459,15 @@ impl Scheduler {
     /// The running request to preempt: the lowest priority, then the tenant furthest above
     /// its fair share, then the newest.
     fn pick_victim(&self) -> Option<String> {
+        self.victim_among(|_, _| true)
+    }
+
+    /// [`pick_victim`](Self::pick_victim)'s choice among the running requests `keep` keeps.
+    fn victim_among(&self, keep: impl Fn(&str, &SeqState) -> bool) -> Option<String> {
         self.running
             .iter()
             .filter_map(|id| {
-                let s = self.seqs.get(id)?;
+                let s = self.seqs.get(id).filter(|s| keep(id, s))?;
                 Some((id, s.priority, self.waiting.standing(s.scope.tenant()), s.seq_no))
             })
             .min_by(|a, b| a.1.cmp(&b.1).then(b.2.total_cmp(&a.2)).then(b.3.cmp(&a.3)))
@@ -535,27 +538,45 @@ impl Scheduler {
         predicted.is_none_or(|t| t <= self.cap(target))
     }
 
-    /// Whether `candidate` is light: with a policy that has shares, all its tenant asks for
-    /// (running and waiting) fits within the tenant's weighted share of the running places
-    /// with it, i.e. `(its running + its waiting) * total weight <= (running + 1) * its
-    /// weight`, the weights those of the tenants running and the candidate's. A flood, its
-    /// backlog waiting, is never light; a tenant alone is while nothing else of it waits.
+    /// Per tenant running: how many requests, and the largest weight they carry.
+    fn running_tenants(&self) -> HashMap<&str, (u64, u64)> {
+        let mut per: HashMap<&str, (u64, u64)> = HashMap::new();
+        for s in self.running.iter().filter_map(|id| self.seqs.get(id)) {
+            let e = per.entry(s.scope.tenant()).or_insert((0, 1));
+            e.0 += 1;
+            e.1 = e.1.max(u64::from(s.weight.max(1)));
+        }
+        per
+    }
+
+    /// Whether `candidate` is light (see [`light_among`](Self::light_among)).
     fn is_light(&self, candidate: &SeqState) -> bool {
+        let mine = candidate.scope.tenant();
+        let asks = self.seqs.values().filter(|s| s.scope.tenant() == mine).count() as u64;
+        self.light_among(&self.running_tenants(), asks, candidate)
+    }
+
+    /// Whether `candidate`, of a tenant asking for `asks` requests (running and waiting), is
+    /// light beside the running tenants `per` ([`running_tenants`](Self::running_tenants)):
+    /// with a policy that has shares, all its tenant asks for fits within the tenant's
+    /// weighted share of the running places with it, i.e. `asks * total weight <= (running +
+    /// 1) * its weight`, the weights those of the tenants running and the candidate's. A
+    /// flood, its backlog waiting, is never light; a tenant alone is while nothing else of it
+    /// waits.
+    fn light_among(
+        &self,
+        per: &HashMap<&str, (u64, u64)>,
+        asks: u64,
+        candidate: &SeqState,
+    ) -> bool {
         if !self.waiting.shares_places() {
             return false;
         }
         let mine = candidate.scope.tenant();
-        let asks = self.seqs.values().filter(|s| s.scope.tenant() == mine).count() as u64;
-        let mut weights: HashMap<&str, u64> = HashMap::new();
-        for s in self.running.iter().filter_map(|id| self.seqs.get(id)) {
-            let w = weights.entry(s.scope.tenant()).or_insert(1);
-            *w = (*w).max(u64::from(s.weight.max(1)));
-        }
         let mine_weight = u64::from(candidate.weight.max(1));
-        let w = weights.entry(mine).or_insert(1);
-        *w = (*w).max(mine_weight);
-        let total: u64 = weights.values().sum();
-        asks * total <= (self.running.len() as u64 + 1) * mine_weight
+        let others: u64 = per.iter().filter(|(t, _)| **t != mine).map(|(_, e)| e.1).sum();
+        let own = per.get(mine).map_or(1, |e| e.1).max(mine_weight);
+        asks * (others + own) <= (self.running.len() as u64 + 1) * mine_weight
     }
 
     /// A waiting request other than `except` that would be light now: the highest priority,
@@ -563,10 +584,18 @@ impl Scheduler {
     fn light_candidate(&self, except: &str) -> Option<String> {
         let running: std::collections::HashSet<&str> =
             self.running.iter().map(String::as_str).collect();
+        let per = self.running_tenants();
+        let mut asks: HashMap<&str, u64> = HashMap::new();
+        for s in self.seqs.values() {
+            *asks.entry(s.scope.tenant()).or_insert(0) += 1;
+        }
         self.seqs
             .iter()
             .filter(|(id, _)| id.as_str() != except && !running.contains(id.as_str()))
-            .filter(|(_, s)| self.is_light(s))
+            .filter(|(_, s)| {
+                let n = asks.get(s.scope.tenant()).copied().unwrap_or(0);
+                self.light_among(&per, n, s)
+            })
             .min_by(|a, b| b.1.priority.cmp(&a.1.priority).then(a.1.seq_no.cmp(&b.1.seq_no)))
             .map(|(id, _)| id.clone())
     }
@@ -575,15 +604,7 @@ impl Scheduler {
     /// of those of a lower priority, not admitted this step, the lowest priority, then the
     /// tenant furthest above its fair share, then the newest.
     fn priority_victim(&self, candidate: &SeqState, fresh: &[String]) -> Option<String> {
-        self.running
-            .iter()
-            .filter(|id| !fresh.contains(id))
-            .filter_map(|id| {
-                let s = self.seqs.get(id).filter(|s| s.priority < candidate.priority)?;
-                Some((id, s.priority, self.waiting.standing(s.scope.tenant()), s.seq_no))
-            })
-            .min_by(|a, b| a.1.cmp(&b.1).then(b.2.total_cmp(&a.2)).then(b.3.cmp(&a.3)))
-            .map(|(id, ..)| id.clone())
+        self.victim_among(|id, s| s.priority < candidate.priority && !fresh.iter().any(|f| f == id))
     }
 
     /// The running request to make room with for `candidate` when the batch is full (at its
@@ -591,18 +612,16 @@ impl Scheduler {
     /// per unit of weight, when it keeps at least `candidate`'s tenant's share after the swap,
     /// i.e. `(its count - 1) / its weight >= (candidate's count + 1) / candidate's weight`,
     /// and has no higher priority; never one admitted this step, and only when the candidate
-    /// then fits the batch's TPOT limit. Swaps only ever move the batch toward the weighted
+    /// then fits the batch's TPOT limit, or reads no more context than the victim and brings
+    /// no tighter target (a swap that neither slows the step nor lowers the cap: a batch over
+    /// a cap lowered by light prefills still
+    /// serves a tenant below its share, instead of holding it until the batch has drained
+    /// under the cap). Swaps only ever move the batch toward the weighted
     /// shares, so two tenants never take a place back and forth. Requests without a tenant
     /// (private scopes: not through the gateway) count as one tenant.
     fn fair_victim(&self, candidate: &SeqState, fresh: &[String]) -> Option<String> {
         let mine = candidate.scope.tenant();
-        // Per tenant: running count and weight (the largest its requests carry).
-        let mut per: HashMap<&str, (u64, u64)> = HashMap::new();
-        for s in self.running.iter().filter_map(|id| self.seqs.get(id)) {
-            let e = per.entry(s.scope.tenant()).or_insert((0, 1));
-            e.0 += 1;
-            e.1 = e.1.max(u64::from(s.weight.max(1)));
-        }
+        let per = self.running_tenants();
         let mine_count = per.get(mine).map_or(0, |e| e.0);
         let mine_weight = u64::from(candidate.weight.max(1));
         // The most running per weight: count_a / w_a > count_b / w_b, cross-multiplied.
@@ -621,12 +640,24 @@ impl Scheduler {
             .filter(|(_, s)| s.scope.tenant() == *tenant && s.priority <= candidate.priority)
             .max_by_key(|(_, s)| s.seq_no)
             .map(|(id, _)| id.clone())?;
-        self.within_tpot_without(candidate, Some(&victim)).then_some(victim)
+        let no_slower =
+            self.seqs.get(&victim).is_some_and(|v| candidate.tokens.len() <= v.tokens.len());
+        let tightest = self
+            .running
+            .iter()
+            .filter_map(|id| self.seqs.get(id)?.tpot_target)
+            .min_by(f64::total_cmp);
+        let no_tighter = match (candidate.tpot_target, tightest) {
+            (Some(mine), Some(batch)) => mine >= batch,
+            (mine, _) => mine.is_none(),
+        };
+        let no_slower = no_slower && no_tighter;
+        (no_slower || self.within_tpot_without(candidate, Some(&victim))).then_some(victim)
     }
 
-    /// Preempts `victim` to make room for a waiting request; a victim scheduled earlier
-    /// this step gives its budget (and its share of the step) back.
-    fn swap_out(&mut self, victim: &str, room: &mut Room, plan: &mut StepPlan) {
+    /// Preempts `victim` (to make room for a request, or for KV blocks); a victim scheduled
+    /// earlier this step gives its budget (and its share of the step) back.
+    fn preempt_planned(&mut self, victim: &str, room: &mut Room, plan: &mut StepPlan) {
         let (computed, remaining) =
             self.seqs.get(victim).map_or((0, 0), |s| (s.computed, s.tokens.len() - s.computed));
         self.preempt(victim, plan);
@@ -646,7 +677,11 @@ impl Scheduler {
         let mut swapped = false;
         let mut made_room_for: Option<String> = None;
         let mut looked_past = false;
+        let mut swapped_for = false;
         while room.budget > 0 {
+            // A request a fair swap made a place for was judged to fit when it was made (a
+            // higher priority goes on making places until it fits).
+            let room_made = std::mem::take(&mut swapped_for) && made_room_for.is_some();
             let next = made_room_for.take().or_else(|| self.waiting.peek().map(str::to_string));
             let Some(id) = next else { break };
             let Some(s) = self.seqs.get(&id) else {
@@ -656,11 +691,17 @@ impl Scheduler {
             // A batch at its TPOT limit takes no one else: the rest wait, in the policy's
             // order (a lone request always runs), unless a higher priority preempts a lower
             // or a tenant above its share makes room.
-            let full = self.running.len() >= self.config.max_num_seqs;
-            let held = !full && !self.within_tpot(s);
+            let full = !room_made && self.running.len() >= self.config.max_num_seqs;
+            let held = !room_made && !full && !self.within_tpot(s);
             // Under a cap, one light prefill a step: another light request waits for the
-            // next, to go whole.
-            let light = room.cap.is_some() && room.light_ok && self.is_light(s);
+            // next, to go whole. While light prefills are paused (their overrun is too high),
+            // a light request waits for them to resume, rather than start in chunks cut to
+            // the lowered cap (seconds of prefill) or take a place it cannot use yet.
+            let light_share = room.cap.is_some() && self.is_light(s);
+            if light_share && !room.light_ok {
+                break;
+            }
+            let light = light_share;
             if full || held {
                 plan.held_for_tpot |= held;
                 // Lower priorities make room only when that lets it start this step: it fits
@@ -679,12 +720,13 @@ impl Scheduler {
                         .flatten()
                         .inspect(|_| {
                             swapped = true;
+                            swapped_for = true;
                             plan.fairness_preemptions += 1;
                         })
                 });
                 match victim {
                     Some(victim) => {
-                        self.swap_out(&victim, room, plan);
+                        self.preempt_planned(&victim, room, plan);
                         made_room_for = Some(id);
                         continue;
                     }
@@ -1019,6 +1061,44 @@ mod tests {
         let p = s.schedule();
         let expected = vec![("d-0", 1), ("d-1", 1), ("long-0", 2), ("quiet", 1), ("other", 40)];
         assert_eq!(ids(&p), expected);
+    }
+
+    #[test]
+    fn a_light_request_swaps_into_a_batch_over_a_lowered_cap_and_waits_out_a_pause() {
+        // The cap is 90% of 0.105 s: 0.0945 s; six decodes take 0.07 s.
+        let target = SeqPolicy { tpot_target: Some(0.105), ..SeqPolicy::default() };
+        let mut s = trained(64);
+        for i in 0..6 {
+            s.add_with(format!("flood-{i}"), vec![1, 2, 3], tenant("flood"), target);
+        }
+        let p = s.schedule();
+        run_step(&mut s, &p, 5);
+        s.add_with("flood-6".into(), vec![1, 2, 3], tenant("flood"), target);
+        // Light prefills ran over: the cap is 0.0945 - 2 x 0.02 = 0.0545 s, under the batch's
+        // 0.07 s. A quiet request still takes the newest flood's place (it reads no more
+        // context), light and whole, instead of waiting for the batch to drain.
+        s.light_excess = 0.02;
+        let p = s.schedule();
+        assert!(p.held_for_tpot && p.preempted.is_empty(), "the flood's own request waits");
+        run_step(&mut s, &p, 5);
+        // The quiet tenant's counter is lifted to the flood's; after one more step of the
+        // flood's service it is below it.
+        s.add_with("quiet".into(), vec![7, 8, 9], tenant("quiet"), target);
+        let p = s.schedule();
+        run_step(&mut s, &p, 5);
+        let p = s.schedule();
+        assert_eq!(p.preempted, vec!["flood-5".to_string()], "{p:?}");
+        assert_eq!(p.newly_admitted, vec!["quiet".to_string()], "{p:?}");
+        assert!(s.seq("quiet").is_some_and(|q| q.light), "{p:?}");
+        assert!(ids(&p).contains(&("quiet", 3)), "{p:?}");
+        run_step(&mut s, &p, 5);
+        // Light prefills paused (the overrun is past the cap's share): the next quiet request
+        // waits, neither started in chunks nor making a place it could not use.
+        s.light_excess = 0.1;
+        s.add_with("quiet-2".into(), vec![7, 8, 9, 10], tenant("quiet"), target);
+        let p = s.schedule();
+        assert!(p.preempted.is_empty() && p.newly_admitted.is_empty(), "{p:?}");
+        assert!(s.seq("quiet-2").is_some_and(|q| q.computed == 0));
     }
 
     #[test]
