@@ -559,10 +559,10 @@ impl Scheduler {
     /// Whether `candidate`, of a tenant asking for `asks` requests (running and waiting), is
     /// light beside the running tenants `per` ([`running_tenants`](Self::running_tenants)):
     /// with a policy that has shares, all its tenant asks for fits within the tenant's
-    /// weighted share of the running places with it, i.e. `asks * total weight <= (running +
-    /// 1) * its weight`, the weights those of the tenants running and the candidate's. A
-    /// flood, its backlog waiting, is never light; a tenant alone is while nothing else of it
-    /// waits.
+    /// weighted share of the running places with it, i.e.
+    /// `asks * total weight <= (running + 1) * its weight`, the weights those of the tenants
+    /// running and the candidate's. A flood, its backlog waiting, is never light; a tenant
+    /// alone is while nothing else of it waits.
     fn light_among(
         &self,
         per: &HashMap<&str, (u64, u64)>,
@@ -614,11 +614,11 @@ impl Scheduler {
     /// and has no higher priority; never one admitted this step, and only when the candidate
     /// then fits the batch's TPOT limit, or reads no more context than the victim and brings
     /// no tighter target (a swap that neither slows the step nor lowers the cap: a batch over
-    /// a cap lowered by light prefills still
-    /// serves a tenant below its share, instead of holding it until the batch has drained
-    /// under the cap). Swaps only ever move the batch toward the weighted
-    /// shares, so two tenants never take a place back and forth. Requests without a tenant
-    /// (private scopes: not through the gateway) count as one tenant.
+    /// a cap lowered by light prefills still serves a tenant below its share, instead of
+    /// holding it until the batch has drained under the cap). Swaps only ever move the batch
+    /// toward the weighted shares, so two tenants never take a place back and forth.
+    /// Requests without a tenant (private scopes: not through the gateway) count as one
+    /// tenant.
     fn fair_victim(&self, candidate: &SeqState, fresh: &[String]) -> Option<String> {
         let mine = candidate.scope.tenant();
         let per = self.running_tenants();
