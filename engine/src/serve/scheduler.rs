@@ -431,8 +431,7 @@ impl Scheduler {
         let decodes = running().filter(|s| s.tokens.len() == s.computed + 1);
         let (tokens, context) = decodes.fold((0, 0), |(t, c), s| (t + 1, c + s.tokens.len()));
         let decoding = running().any(|s| s.computed >= s.prompt_len);
-        let target = running().filter_map(|s| s.tpot_target).min_by(f64::total_cmp);
-        let limit = target.filter(|_| decoding && self.step_model.is_warm());
+        let limit = self.tightest_target().filter(|_| decoding && self.step_model.is_warm());
         Room {
             budget: self.config.max_num_batched_tokens,
             cap: limit.map(|t| self.cap(t)),
@@ -444,6 +443,12 @@ impl Scheduler {
             light_used: false,
             chunk_pending: false,
         }
+    }
+
+    /// The tightest TPOT target of the running batch.
+    fn tightest_target(&self) -> Option<f64> {
+        let running = self.running.iter().filter_map(|id| self.seqs.get(id));
+        running.filter_map(|s| s.tpot_target).min_by(f64::total_cmp)
     }
 
     /// The step cap for a TPOT target: its share within the headroom, less twice the light
@@ -642,12 +647,7 @@ impl Scheduler {
             .map(|(id, _)| id.clone())?;
         let no_slower =
             self.seqs.get(&victim).is_some_and(|v| candidate.tokens.len() <= v.tokens.len());
-        let tightest = self
-            .running
-            .iter()
-            .filter_map(|id| self.seqs.get(id)?.tpot_target)
-            .min_by(f64::total_cmp);
-        let no_tighter = match (candidate.tpot_target, tightest) {
+        let no_tighter = match (candidate.tpot_target, self.tightest_target()) {
             (Some(mine), Some(batch)) => mine >= batch,
             (mine, _) => mine.is_none(),
         };
@@ -675,14 +675,16 @@ impl Scheduler {
         // At most one place changes hands for fairness per step, and it goes to the request
         // it was made for (not to whoever the policy would name next: perhaps the victim).
         let mut swapped = false;
-        let mut made_room_for: Option<String> = None;
+        // The request a place was made for, and whether a fair swap made it: that request was
+        // judged to fit when it was made (a higher priority goes on making places until it
+        // fits).
+        let mut made_room_for: Option<(String, bool)> = None;
         let mut looked_past = false;
-        let mut swapped_for = false;
         while room.budget > 0 {
-            // A request a fair swap made a place for was judged to fit when it was made (a
-            // higher priority goes on making places until it fits).
-            let room_made = std::mem::take(&mut swapped_for) && made_room_for.is_some();
-            let next = made_room_for.take().or_else(|| self.waiting.peek().map(str::to_string));
+            let (next, room_made) = match made_room_for.take() {
+                Some((id, by_fairness)) => (Some(id), by_fairness),
+                None => (self.waiting.peek().map(str::to_string), false),
+            };
             let Some(id) = next else { break };
             let Some(s) = self.seqs.get(&id) else {
                 self.waiting.take(&id);
@@ -697,11 +699,10 @@ impl Scheduler {
             // next, to go whole. While light prefills are paused (their overrun is too high),
             // a light request waits for them to resume, rather than start in chunks cut to
             // the lowered cap (seconds of prefill) or take a place it cannot use yet.
-            let light_share = room.cap.is_some() && self.is_light(s);
-            if light_share && !room.light_ok {
+            let light = room.cap.is_some() && self.is_light(s);
+            if light && !room.light_ok {
                 break;
             }
-            let light = light_share;
             if full || held {
                 plan.held_for_tpot |= held;
                 // Lower priorities make room only when that lets it start this step: it fits
@@ -714,20 +715,20 @@ impl Scheduler {
                     && self.fits_among(s, |_, r| r.priority >= priority);
                 let by_priority =
                     (starts && above).then(|| self.priority_victim(s, &room.fresh)).flatten();
+                let by_fairness = by_priority.is_none();
                 let victim = by_priority.or_else(|| {
                     (!swapped && self.waiting.shares_places())
                         .then(|| self.fair_victim(s, &room.fresh))
                         .flatten()
                         .inspect(|_| {
                             swapped = true;
-                            swapped_for = true;
                             plan.fairness_preemptions += 1;
                         })
                 });
                 match victim {
                     Some(victim) => {
                         self.preempt_planned(&victim, room, plan);
-                        made_room_for = Some(id);
+                        made_room_for = Some((id, by_fairness));
                         continue;
                     }
                     None => {
@@ -758,7 +759,7 @@ impl Scheduler {
                 // a light request behind it may.
                 looked_past = true;
                 if let Some(other) = self.light_candidate(&id) {
-                    made_room_for = Some(other);
+                    made_room_for = Some((other, false));
                     continue;
                 }
             }
