@@ -13,8 +13,10 @@
 //! - **Light prefills.** A request of a tenant whose running and waiting requests fit within
 //!   its weighted share of the running places (with a policy that has shares; never a flood,
 //!   its backlog waiting) is prefilled whole, one such per step: a quiet tenant's first token
-//!   is not cut into a flood's chunks. Their overrun of the cap is tracked, and the cap
-//!   shrinks by it, so the batch's TPOT holds.
+//!   is not cut into a flood's chunks, nor slowed by them (chunked prefills stand aside for
+//!   the step it starts in), nor held behind a policy's choice that cannot start. Their
+//!   overrun of the cap is tracked, and the cap shrinks by it (to a quarter of its share at
+//!   least, so the batch never drains for it), so the batch's TPOT holds.
 //! - **Growth.** The batch grows only while its predicted decode step stays within the cap;
 //!   beyond, a higher-priority request preempts lower-priority ones until it fits, and a
 //!   tenant below its share may swap places with one above (one place a step).
@@ -218,6 +220,8 @@ pub struct Scheduler {
     light_excess: f64,
     /// The cap of the step last planned, and whether it carried a light prefill.
     last_cap: Option<(f64, bool)>,
+    /// The light request the last step's chunked prefills stood aside for (once each).
+    yielded_for: Option<String>,
 }
 
 /// What is left of a step being planned.
@@ -260,6 +264,7 @@ impl Scheduler {
             step_model: StepModel::default(),
             light_excess: 0.0,
             last_cap: None,
+            yielded_for: None,
         }
     }
 
@@ -351,6 +356,18 @@ impl Scheduler {
         self.waiting.tick();
         let mut plan = StepPlan::default();
         let mut room = self.room();
+        // A light request about to start has the step to itself beside the decodes: chunked
+        // prefills stand aside for one step, so its prefill is not slowed by theirs (once per
+        // light request, should it not start after all).
+        let light_next = if room.cap.is_some() && room.light_ok {
+            self.light_candidate(None).filter(|id| self.yielded_for.as_ref() != Some(id))
+        } else {
+            None
+        };
+        let yield_chunks = light_next.is_some();
+        if light_next.is_some() {
+            self.yielded_for = light_next;
+        }
         // The decodes are reserved first, whatever their place in the running order, so the
         // prefill chunks fit beside all of them.
         let mut i = 0;
@@ -369,6 +386,9 @@ impl Scheduler {
             if chunked && let Some(cap) = room.cap {
                 let fit = self.step_model.fit_tokens(room.tokens, room.context, s.computed, cap);
                 len = len.min(fit.unwrap_or(usize::MAX));
+                if yield_chunks {
+                    len = 0;
+                }
             }
             if len == 0 {
                 room.chunk_pending |= chunked;
@@ -453,12 +473,15 @@ impl Scheduler {
 
     /// The step cap for a TPOT target: its share within the headroom, less twice the light
     /// prefills' recent mean overrun (a request that lives through more of them than the
-    /// mean still keeps its target). Light prefills stop while the overrun is above the
-    /// whole share (every step twice its share), and the overrun decays with every step
-    /// without one, so the cap comes back.
+    /// mean still keeps its target), and never under a quarter of the share: a cap lowered
+    /// far below the batch's decode step would hold every admission while the batch drains,
+    /// until the quiet tenant, its share counted in running places, is no longer light
+    /// either. Light prefills stop while the overrun is above the whole share (every step
+    /// twice its share), and the overrun decays with every step without one, so the cap
+    /// comes back.
     fn cap(&self, target: f64) -> f64 {
         let base = TPOT_HEADROOM * target;
-        (base - 2.0 * self.light_excess).max(0.0)
+        (base - 2.0 * self.light_excess).max(base / 4.0)
     }
 
     /// The running request to preempt: the lowest priority, then the tenant furthest above
@@ -586,7 +609,7 @@ impl Scheduler {
 
     /// A waiting request other than `except` that would be light now: the highest priority,
     /// then the oldest. It goes ahead of a policy's choice that cannot start this step.
-    fn light_candidate(&self, except: &str) -> Option<String> {
+    fn light_candidate(&self, except: Option<&str>) -> Option<String> {
         let running: std::collections::HashSet<&str> =
             self.running.iter().map(String::as_str).collect();
         let per = self.running_tenants();
@@ -596,13 +619,24 @@ impl Scheduler {
         }
         self.seqs
             .iter()
-            .filter(|(id, _)| id.as_str() != except && !running.contains(id.as_str()))
+            .filter(|(id, _)| Some(id.as_str()) != except && !running.contains(id.as_str()))
             .filter(|(_, s)| {
                 let n = asks.get(s.scope.tenant()).copied().unwrap_or(0);
                 self.light_among(&per, n, s)
             })
             .min_by(|a, b| b.1.priority.cmp(&a.1.priority).then(a.1.seq_no.cmp(&b.1.seq_no)))
             .map(|(id, _)| id.clone())
+    }
+
+    /// Once a step, when the policy's choice `head` cannot start: the light request that may
+    /// go instead ([`light_candidate`](Self::light_candidate)), while this step has no light
+    /// prefill yet and light prefills are not paused.
+    fn look_past(&self, room: &Room, looked_past: &mut bool, head: &str) -> Option<String> {
+        if *looked_past || room.light_used || !room.light_ok || room.cap.is_none() {
+            return None;
+        }
+        *looked_past = true;
+        self.light_candidate(Some(head))
     }
 
     /// The running request a higher-priority `candidate` preempts when the batch is full:
@@ -732,6 +766,12 @@ impl Scheduler {
                         continue;
                     }
                     None => {
+                        // The policy's choice cannot have a place: a light request behind it
+                        // still may (it is within its tenant's share).
+                        if let Some(other) = self.look_past(room, &mut looked_past, &id) {
+                            made_room_for = Some((other, false));
+                            continue;
+                        }
                         plan.batch_full = true;
                         break;
                     }
@@ -754,11 +794,10 @@ impl Scheduler {
                 }
                 len = len.min(fit.unwrap_or(usize::MAX));
             }
-            if len == 0 && !looked_past && !room.light_used && room.light_ok && room.cap.is_some() {
+            if len == 0 {
                 // The policy's choice cannot start this step (a chunked prefill is under way):
                 // a light request behind it may.
-                looked_past = true;
-                if let Some(other) = self.light_candidate(&id) {
+                if let Some(other) = self.look_past(room, &mut looked_past, &id) {
                     made_room_for = Some((other, false));
                     continue;
                 }
@@ -1047,21 +1086,40 @@ mod tests {
         let p = s.schedule();
         assert_eq!(ids(&p), vec![("d-0", 1), ("d-1", 1), ("long-0", 6)]);
         run_step(&mut s, &p, 5);
-        // A quiet tenant's request is light: prefilled whole, beside the chunk.
+        // A quiet tenant's request is light: prefilled whole, the chunk standing aside for
+        // the step so as not to slow it.
         s.add_with("quiet".into(), (100..140).collect(), tenant("quiet"), target);
         s.add_with("other".into(), (200..240).collect(), tenant("other"), target);
         let p = s.schedule();
-        assert_eq!(ids(&p), vec![("d-0", 1), ("d-1", 1), ("long-0", 6), ("quiet", 40)]);
+        assert_eq!(ids(&p), vec![("d-0", 1), ("d-1", 1), ("quiet", 40)]);
         assert!(!p.batch_full, "other waits a step for its turn, not for a full batch");
         assert!(s.seq("quiet").is_some_and(|q| q.light));
         // It ran the step 0.395 s past the cap; the cap shrinks by a 32nd of that.
-        s.observe_step(StepShape { tokens: 48, context: 110 }, 0.49);
+        s.observe_step(StepShape { tokens: 42, context: 50 }, 0.49);
         run_step(&mut s, &p, 5);
-        // `other` waited: one light prefill a step at most. Now it goes whole, and the chunk
-        // has three decodes (0.04 s) and a cap of 0.0945 s less twice 0.0124 s: 2 tokens.
+        // `other` waited: one light prefill a step at most. Now it goes whole, the chunk
+        // standing aside once more.
         let p = s.schedule();
-        let expected = vec![("d-0", 1), ("d-1", 1), ("long-0", 2), ("quiet", 1), ("other", 40)];
+        assert_eq!(ids(&p), vec![("d-0", 1), ("d-1", 1), ("quiet", 1), ("other", 40)]);
+        run_step(&mut s, &p, 5);
+        // The chunk goes on beside four decodes (0.05 s) under a cap of 0.0945 s less twice
+        // 0.0124 s: 1 token.
+        let p = s.schedule();
+        let expected = vec![("d-0", 1), ("d-1", 1), ("long-0", 1), ("quiet", 1), ("other", 1)];
         assert_eq!(ids(&p), expected);
+    }
+
+    #[test]
+    fn light_overruns_lower_the_cap_to_a_quarter_of_its_share_at_most() {
+        let mut s = trained(64);
+        let caps: Vec<f64> = [0.0, 0.01, 0.04, 0.2]
+            .iter()
+            .map(|&excess| {
+                s.light_excess = excess;
+                (s.cap(0.1) * 1e6).round() / 1e6
+            })
+            .collect();
+        assert_eq!(caps, vec![0.09, 0.07, 0.0225, 0.0225]);
     }
 
     #[test]
@@ -1082,11 +1140,10 @@ mod tests {
         let p = s.schedule();
         assert!(p.held_for_tpot && p.preempted.is_empty(), "the flood's own request waits");
         run_step(&mut s, &p, 5);
-        // The quiet tenant's counter is lifted to the flood's; after one more step of the
-        // flood's service it is below it.
+        // The quiet tenant's counter is lifted to the flood's, and flood-6 is first in the
+        // fair order (the older): held, with no place to be made for it. The quiet request
+        // behind it is light, and takes the newest flood's place at once.
         s.add_with("quiet".into(), vec![7, 8, 9], tenant("quiet"), target);
-        let p = s.schedule();
-        run_step(&mut s, &p, 5);
         let p = s.schedule();
         assert_eq!(p.preempted, vec!["flood-5".to_string()], "{p:?}");
         assert_eq!(p.newly_admitted, vec!["quiet".to_string()], "{p:?}");
