@@ -1,5 +1,6 @@
 //! `sluice audit reconcile`: the ledger checked as an auditor would. The billing service
-//! recomputes the hour rollups from the rows; with `--engine`, each engine's own record of the
+//! recomputes the hour rollups from the rows; every row's cost is recomputed from its token
+//! counts and the price-list rates it carries; with `--engine`, each engine's own record of the
 //! requests it ran (`GET /v1/internal/outcomes`, kept in memory since it started) is matched to
 //! the ledger by request id: every request the engine ran has exactly its row, with the prompt
 //! and generated tokens the engine counted, and every row billed to that engine since it
@@ -10,6 +11,9 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use anyhow::{Context, bail};
 use chrono::{DateTime, TimeDelta, Utc};
 use serde_json::Value;
+
+use sluice_billing::event::is_refused;
+use sluice_billing::prices::Rates;
 
 use crate::admin_cli::Client;
 
@@ -99,8 +103,10 @@ pub async fn run(
         );
     }
     differences += diffs.len();
+    let rows = ledger_rows(c, since_at - EARLY).await?;
+    differences += costs(&rows);
     if !engines.is_empty() {
-        differences += against_engines(c, since_at, engines, token).await?;
+        differences += against_engines(&rows, since_at, engines, token).await?;
     }
     if differences > 0 {
         bail!("{differences} differences");
@@ -109,13 +115,51 @@ pub async fn run(
     Ok(())
 }
 
+/// Recomputes every row's cost from its own token counts and the rates it carries (nothing
+/// for a refused request); the number that differ from the stored cost.
+fn costs(rows: &HashMap<String, Value>) -> usize {
+    let mut versions: BTreeMap<&str, u64> = BTreeMap::new();
+    let mut differ = Vec::new();
+    for (id, r) in rows {
+        *versions.entry(r["price_list_version"].as_str().unwrap_or("?")).or_default() += 1;
+        let rates = Rates {
+            input: uint(&r["price_input_micros"]),
+            cached_input: uint(&r["price_cached_input_micros"]),
+            output: uint(&r["price_output_micros"]),
+        };
+        let status = u16::try_from(uint(&r["http_status"])).unwrap_or(u16::MAX);
+        let expected = if is_refused(status) {
+            0
+        } else {
+            let prompt = uint(&r["prompt_tokens"]);
+            rates.cost(prompt, uint(&r["cached_prompt_tokens"]), uint(&r["completion_tokens"]))
+        };
+        let stored = r["cost_micros"].as_u64();
+        if stored != Some(expected) {
+            differ.push((id, stored, expected));
+        }
+    }
+    let lists: Vec<String> = versions.iter().map(|(v, n)| format!("{v} ({n})")).collect();
+    println!(
+        "costs: {} records recomputed from their rates, price lists {}: {} differ",
+        rows.len(),
+        if lists.is_empty() { "none".to_owned() } else { lists.join(", ") },
+        differ.len()
+    );
+    differ.sort();
+    for (id, stored, expected) in &differ {
+        let stored = stored.map_or("none".to_owned(), |s| s.to_string());
+        println!("  DIFF cost {id}: stored {stored}, recomputed {expected}");
+    }
+    differ.len()
+}
+
 async fn against_engines(
-    c: &Client,
+    rows: &HashMap<String, Value>,
     since: DateTime<Utc>,
     engines: &[String],
     token: Option<&str>,
 ) -> anyhow::Result<usize> {
-    let rows = ledger_rows(c, since - EARLY).await?;
     let http = reqwest::Client::builder()
         .timeout(std::time::Duration::from_secs(60))
         .build()
@@ -180,7 +224,7 @@ async fn against_engines(
         }
         // Rows billed to this engine since it started (and since `since`) that it never ran.
         let from = since.max(started);
-        for (id, row) in &rows {
+        for (id, row) in rows {
             let arrival = row["arrival_at"]
                 .as_str()
                 .and_then(|a| DateTime::parse_from_rfc3339(a).ok())

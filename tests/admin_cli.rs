@@ -74,6 +74,8 @@ fn usage_event(i: usize) -> anyhow::Result<UsageEvent> {
         "finish_reason": if i == 2 { "length" } else { "stop" }, "http_status": 200,
         "client_disconnected": false, "arrival_at": arrival,
         "prompt_sha256": "cd".repeat(32), "prompt_chars": 40, "cost_micros": 7,
+        "price_list_version": "test-1", "price_input_micros": 0, "price_cached_input_micros": 0,
+        "price_output_micros": 1_400_000,
     }))?)
 }
 

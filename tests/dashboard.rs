@@ -282,6 +282,10 @@ fn usage_event(
         "prompt_sha256": "cd".repeat(32),
         "prompt_chars": spec.prompt * 4,
         "cost_micros": spec.cost,
+        "price_list_version": "test-1",
+        "price_input_micros": 0,
+        "price_cached_input_micros": 0,
+        "price_output_micros": 0,
     });
     let event: UsageEvent = serde_json::from_value(event)?;
     event.validate()?;

@@ -21,6 +21,7 @@ use serde_json::{Value, json};
 use sluice_billing::Ledger;
 use sluice_billing::auth::{Principal, Role};
 use sluice_billing::control::{Limits, NewTenant, QuotaSettings};
+use sluice_billing::prices::PRICES;
 use sluice_billing::query::RecordFilter;
 use support::{Proc, free_port, spawn_sluice, wait_healthy};
 
@@ -192,6 +193,15 @@ async fn refusals_are_free_abandoned_work_is_billed_and_day_quotas_hold() -> any
             r["prompt_tokens"].as_u64().is_some_and(|n| n > 0),
             "{kind}: prompt not recorded: {r:?}"
         );
+        // Priced by the shipped list, at the rates of its model for the tenants' tier.
+        let rates = PRICES.rates(r["model_id"].as_str().unwrap_or_default(), "standard");
+        ensure!(
+            r["price_list_version"] == PRICES.version.as_str()
+                && r["price_input_micros"] == rates.input
+                && r["price_cached_input_micros"] == rates.cached_input
+                && r["price_output_micros"] == rates.output,
+            "{kind}: not priced by policies/prices.json: {r:?}"
+        );
         if *status == 200 {
             ensure!(
                 r["cost_micros"].as_u64().is_some_and(|c| c > 0),
@@ -322,12 +332,23 @@ async fn refusals_are_free_abandoned_work_is_billed_and_day_quotas_hold() -> any
         String::from_utf8_lossy(&out.stderr)
     );
     ensure!(report.contains("abandon") && report.contains("refused"), "{report}");
+    let costs = format!("price lists {} (", PRICES.version);
+    ensure!(report.contains(&costs) && report.contains("rates, price lists"), "{report}");
     eprintln!("{report}");
     // One row altered behind the ledger's back: the rollup and the engine both disagree.
     let tampered = abandoned[0]["request_id"].as_str().context("id")?.to_owned();
+    let pool = sqlx::SqlitePool::connect(&db).await?;
     sqlx::query("UPDATE request_records SET completion_tokens = completion_tokens + 1 WHERE request_id = $1")
         .bind(&tampered)
-        .execute(&sqlx::SqlitePool::connect(&db).await?)
+        .execute(&pool)
+        .await?;
+    // And one served request charged a micro-dollar more than its rates say.
+    let served =
+        rows_by_id.values().find(|r| r["http_status"] == 200 && r["request_id"] != tampered);
+    let overcharged = served.and_then(|r| r["request_id"].as_str()).context("a served row")?;
+    sqlx::query("UPDATE request_records SET cost_micros = cost_micros + 1 WHERE request_id = $1")
+        .bind(overcharged)
+        .execute(&pool)
         .await?;
     let out = sluice(&reconcile, &admin_url, &auditor)?;
     let report = String::from_utf8_lossy(&out.stdout).into_owned();
@@ -335,7 +356,8 @@ async fn refusals_are_free_abandoned_work_is_billed_and_day_quotas_hold() -> any
     let diffs: Vec<&str> = report.lines().filter(|l| l.contains("DIFF")).collect();
     ensure!(
         diffs.iter().any(|l| l.contains("rollup") && l.contains("abandon"))
-            && diffs.iter().any(|l| l.contains(&tampered)),
+            && diffs.iter().any(|l| l.contains(&tampered))
+            && diffs.iter().any(|l| l.contains("DIFF cost") && l.contains(overcharged)),
         "{report}"
     );
     ledger.close().await;

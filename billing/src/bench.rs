@@ -29,6 +29,9 @@ const PRODUCER_TICK: Duration = Duration::from_millis(1);
 const DRAIN_GRACE: Duration = Duration::from_secs(30);
 
 const TENANTS: u64 = 64;
+/// The synthetic events' prices (micro-units per million tokens): 2, 1 and 8 a token.
+const BENCH_RATES: crate::prices::Rates =
+    crate::prices::Rates { input: 2_000_000, cached_input: 1_000_000, output: 8_000_000 };
 const MODELS: [(&str, &str); 3] = [
     (
         "smollm2-135m-instruct",
@@ -378,10 +381,16 @@ impl EventFactory {
             cost_micros: if crate::event::is_refused(http_status) {
                 0
             } else {
-                u64::from(prompt_tokens - cached_prompt_tokens) * 2
-                    + u64::from(cached_prompt_tokens)
-                    + u64::from(completion_tokens) * 8
+                BENCH_RATES.cost(
+                    u64::from(prompt_tokens),
+                    u64::from(cached_prompt_tokens),
+                    u64::from(completion_tokens),
+                )
             },
+            price_list_version: "bench-1".to_owned(),
+            price_input_micros: BENCH_RATES.input,
+            price_cached_input_micros: BENCH_RATES.cached_input,
+            price_output_micros: BENCH_RATES.output,
         }
     }
 }

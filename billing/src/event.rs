@@ -133,6 +133,16 @@ pub struct UsageEvent {
     pub prompt_chars: u32,
     /// Cost in integer micro-units.
     pub cost_micros: u64,
+    /// Version of the price list the cost was computed from (`policies/prices.json`).
+    pub price_list_version: String,
+    /// The rates it was priced at, micro-units per million tokens: uncached prompt tokens,
+    /// cached prompt tokens, completion tokens. The cost is recomputed from them and the
+    /// token counts alone ([`crate::prices::Rates::cost`]; nothing for a refused request).
+    pub price_input_micros: u64,
+    /// See [`price_input_micros`](Self::price_input_micros).
+    pub price_cached_input_micros: u64,
+    /// See [`price_input_micros`](Self::price_input_micros).
+    pub price_output_micros: u64,
 }
 
 impl UsageEvent {
@@ -146,6 +156,7 @@ impl UsageEvent {
             (&self.model_revision, "model_revision is empty or too long"),
             (&self.tokenizer_revision, "tokenizer_revision is empty or too long"),
             (&self.chat_template_version, "chat_template_version is empty or too long"),
+            (&self.price_list_version, "price_list_version is empty or too long"),
         ];
         for (value, message) in required {
             if value.is_empty() || value.len() > MAX_ID_LEN {
@@ -178,6 +189,11 @@ impl UsageEvent {
         }
         if i64::try_from(self.cost_micros).is_err() {
             return Err(BillingError::InvalidEvent("cost_micros is out of range"));
+        }
+        let rates =
+            [self.price_input_micros, self.price_cached_input_micros, self.price_output_micros];
+        if rates.iter().any(|r| i64::try_from(*r).is_err()) {
+            return Err(BillingError::InvalidEvent("a price rate is out of range"));
         }
         let durations = [
             self.ttft_ms,

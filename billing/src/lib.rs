@@ -14,6 +14,7 @@ mod error;
 pub mod event;
 pub mod ingest;
 pub mod local;
+pub mod prices;
 pub mod query;
 pub mod store;
 

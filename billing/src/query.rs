@@ -507,6 +507,10 @@ pub const RECORD_COLUMNS: &[(&str, Col)] = &[
     ("prompt_chars", Col::Int),
     ("cost_micros", Col::Int),
     ("ingested_at", Col::Time),
+    ("price_list_version", Col::Text),
+    ("price_input_micros", Col::Int),
+    ("price_cached_input_micros", Col::Int),
+    ("price_output_micros", Col::Int),
 ];
 
 /// Filters for [`Ledger::records`].

@@ -45,6 +45,11 @@ const POSTGRES_MIGRATIONS: &[EmbeddedMigration] = &[
         description: "refused usage",
         sql: include_str!("../../migrations/postgres/0003_refused_usage.sql"),
     },
+    EmbeddedMigration {
+        version: 4,
+        description: "price list",
+        sql: include_str!("../../migrations/postgres/0004_price_list.sql"),
+    },
 ];
 
 const SQLITE_MIGRATIONS: &[EmbeddedMigration] = &[
@@ -62,6 +67,11 @@ const SQLITE_MIGRATIONS: &[EmbeddedMigration] = &[
         version: 3,
         description: "refused usage",
         sql: include_str!("../../migrations/sqlite/0003_refused_usage.sql"),
+    },
+    EmbeddedMigration {
+        version: 4,
+        description: "price list",
+        sql: include_str!("../../migrations/sqlite/0004_price_list.sql"),
     },
 ];
 
@@ -92,7 +102,7 @@ impl MigrationSource<'static> for EmbeddedMigrations {
 /// Rows per multi-row INSERT, largest first: a batch is cut greedily into statements of these
 /// sizes, so only five statement texts ever exist and each stays prepared in the connection's
 /// statement cache (a statement per batch size meant re-preparing an INSERT of hundreds of
-/// binds for nearly every batch). 33 binds a row keeps the largest well under the bind limits
+/// binds for nearly every batch). 37 binds a row keeps the largest well under the bind limits
 /// of both backends (Postgres 65,535; SQLite 32,766).
 const RECORDS_PER_STATEMENT: [usize; 5] = [256, 64, 16, 4, 1];
 /// Rollup rows per upsert statement (10 binds each).
@@ -104,7 +114,8 @@ const INSERT_RECORDS_HEAD: &str = "INSERT INTO request_records (request_id, idem
     completion_tokens, finish_reason, http_status, error_type, client_disconnected, arrival_at, \
     first_token_at, last_token_at, ttft_ms, tpot_ms, itl_max_ms, itl_p99_ms, e2e_ms, \
     engine_queue_ms, engine_prefill_ms, engine_decode_ms, trace_id, prompt_sha256, prompt_chars, \
-    cost_micros) ";
+    cost_micros, price_list_version, price_input_micros, price_cached_input_micros, \
+    price_output_micros) ";
 
 // No conflict target: a clash on the request id *or* on (tenant_id, idempotency_key) skips the
 // row, and RETURNING lists only the rows this statement really inserted.
@@ -295,7 +306,11 @@ macro_rules! insert_batch_on {
                         .push_bind(e.prompt_sha256.as_str())
                         .push_bind(i64::from(e.prompt_chars))
                         // validate() has checked the range.
-                        .push_bind(i64::try_from(e.cost_micros).unwrap_or(i64::MAX));
+                        .push_bind(i64::try_from(e.cost_micros).unwrap_or(i64::MAX))
+                        .push_bind(e.price_list_version.as_str())
+                        .push_bind(i64::try_from(e.price_input_micros).unwrap_or(i64::MAX))
+                        .push_bind(i64::try_from(e.price_cached_input_micros).unwrap_or(i64::MAX))
+                        .push_bind(i64::try_from(e.price_output_micros).unwrap_or(i64::MAX));
                 });
                 query.push(INSERT_RECORDS_TAIL);
                 let rows = query.build().fetch_all(&mut *tx).await?;

@@ -13,7 +13,7 @@ use sluice_billing::{Backend, BillingError, FinishReason, Ledger};
 const TABLES: [&str; 6] =
     ["tenants", "api_keys", "quotas", "request_records", "usage_rollups", "admin_audit_log"];
 
-const REQUEST_RECORD_COLUMNS: [&str; 34] = [
+const REQUEST_RECORD_COLUMNS: [&str; 38] = [
     "request_id",
     "idempotency_key",
     "tenant_id",
@@ -48,6 +48,10 @@ const REQUEST_RECORD_COLUMNS: [&str; 34] = [
     "prompt_chars",
     "cost_micros",
     "ingested_at",
+    "price_list_version",
+    "price_input_micros",
+    "price_cached_input_micros",
+    "price_output_micros",
 ];
 
 /// Applies migrations twice (the second run is a no-op) and checks both backends end up with
@@ -60,9 +64,9 @@ async fn check_migrations(url: &str, backend: Backend) -> anyhow::Result<Vec<Vec
     ledger.close().await;
 
     let db = Inspect::open(url).await?;
-    // Every embedded migration applied once (0001 ledger, 0002 key limits, 0003 refused usage),
-    // also on reconnect.
-    ensure!(db.scalar("SELECT CAST(COUNT(*) AS BIGINT) FROM _sqlx_migrations").await? == 3);
+    // Every embedded migration applied once (0001 ledger, 0002 key limits, 0003 refused usage,
+    // 0004 price list), also on reconnect.
+    ensure!(db.scalar("SELECT CAST(COUNT(*) AS BIGINT) FROM _sqlx_migrations").await? == 4);
     let mut columns = Vec::new();
     for table in TABLES {
         ensure!(db.scalar(&format!("SELECT CAST(COUNT(*) AS BIGINT) FROM {table}")).await? == 0);
@@ -269,6 +273,15 @@ async fn invalid_events_are_refused_before_any_write() -> anyhow::Result<()> {
     let mut bad_hash = event("req-bad-hash", "t1");
     bad_hash.prompt_sha256 = "not a hash".to_owned();
     ensure!(matches!(ledger.insert_batch(&[bad_hash]).await, Err(BillingError::InvalidEvent(_))));
+    // A cost with no price list to recompute it from, or a rate past the column's range.
+    let mut unpriced = event("req-unpriced", "t1");
+    unpriced.price_list_version = String::new();
+    let mut huge = event("req-huge-rate", "t1");
+    huge.price_output_micros = u64::MAX;
+    for bad in [unpriced, huge] {
+        let result = ledger.insert_batch(&[bad]).await;
+        ensure!(matches!(result, Err(BillingError::InvalidEvent(_))), "{result:?}");
+    }
     ledger.close().await;
     let db = Inspect::open(&sqlite.url).await?;
     ensure!(db.scalar("SELECT CAST(COUNT(*) AS BIGINT) FROM request_records").await? == 0);

@@ -12,12 +12,13 @@ use std::time::Duration;
 use pingora::server::ShutdownSignalWatch;
 use pingora::server::configuration::ServerConf;
 use sluice_billing::local::{LocalIngest, LocalIngestConfig};
+use sluice_billing::prices::PRICES;
 use sluice_billing::{BillingError, Ledger};
 
 use crate::drain::DrainOnSignal;
 use crate::limits::Limiter;
 use crate::local::RedisDownPolicy;
-use crate::proxy::{Gateway, GatewayConfig, Prices, Worker};
+use crate::proxy::{Gateway, GatewayConfig, Worker};
 use crate::sink::UsageSink;
 
 /// Why the platform could not start (the cause is the error's `source`, which `{:#}` prints).
@@ -114,12 +115,10 @@ pub fn server_conf() -> ServerConf {
     }
 }
 
-/// The price table: micro-dollars per million tokens, $0.10 in, $0.05 cached in, $0.20 out.
-pub const PRICES: Prices = Prices { input: 100_000, cached_input: 50_000, output: 200_000 };
-
 impl GatewayConfig {
     /// The settings every entry point shares: 2 s key cache, 512 default output tokens, 256
-    /// queued requests per worker before 503, [`PRICES`], the front door's timeouts.
+    /// queued requests per worker before 503, the price list of `policies/prices.json`
+    /// ([`PRICES`]), the front door's timeouts.
     pub fn platform(
         workers: &[String],
         internal_token: Option<String>,
@@ -134,7 +133,7 @@ impl GatewayConfig {
             default_max_tokens: 512,
             key_cache_ttl: Duration::from_secs(2),
             redis_down,
-            prices: PRICES,
+            prices: &PRICES,
             name: "gateway".into(),
             idle_timeout: Duration::from_secs(30),
             header_timeout: Duration::from_secs(10),

@@ -27,6 +27,7 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use sluice_billing::control::{KeyGrant, tier_weight};
 use sluice_billing::event::is_refused;
+use sluice_billing::prices::PriceList;
 use sluice_billing::{FinishReason, Ledger, UsageEvent};
 
 use crate::admission::{
@@ -57,26 +58,6 @@ pub struct Worker {
     pub addr: String,
 }
 
-/// Prices in micro-units per million tokens.
-#[derive(Clone, Copy, Debug)]
-pub struct Prices {
-    /// Uncached prompt tokens.
-    pub input: u64,
-    /// Prompt tokens served from the prefix cache.
-    pub cached_input: u64,
-    /// Completion tokens.
-    pub output: u64,
-}
-
-impl Prices {
-    fn cost(&self, prompt: u64, cached: u64, completion: u64) -> u64 {
-        let p = u128::from(prompt.saturating_sub(cached)) * u128::from(self.input)
-            + u128::from(cached) * u128::from(self.cached_input)
-            + u128::from(completion) * u128::from(self.output);
-        u64::try_from(p / 1_000_000).unwrap_or(u64::MAX)
-    }
-}
-
 /// Gateway settings.
 pub struct GatewayConfig {
     /// Engine workers.
@@ -93,8 +74,8 @@ pub struct GatewayConfig {
     pub key_cache_ttl: Duration,
     /// What to do when Redis cannot be reached.
     pub redis_down: RedisDownPolicy,
-    /// Pricing.
-    pub prices: Prices,
+    /// The price list requests are charged by (per model and tier).
+    pub prices: &'static PriceList,
     /// This gateway's name in usage events.
     pub name: String,
     /// How long a kept-alive client connection may sit idle between requests.
@@ -812,6 +793,7 @@ impl Gateway {
         let since =
             |ms: f64| ctx.arrival_at + chrono::TimeDelta::microseconds((ms * 1000.0) as i64);
         let prompt = u32::try_from(ctx.prompt_tokens).unwrap_or(u32::MAX);
+        let rates = self.cfg.prices.rates(&self.cfg.model_id, &grant.tier);
         let first = t.ttft_ms.map(since);
         let last = t.ttft_ms.map(|ttft| {
             since(ttft + t.tpot_ms.unwrap_or(0.0) * completion.saturating_sub(1) as f64)
@@ -857,8 +839,12 @@ impl Gateway {
             cost_micros: if is_refused(ctx.status) {
                 0
             } else {
-                self.cfg.prices.cost(ctx.prompt_tokens, cached, completion)
+                rates.cost(ctx.prompt_tokens, cached, completion)
             },
+            price_list_version: self.cfg.prices.version.clone(),
+            price_input_micros: rates.input,
+            price_cached_input_micros: rates.cached_input,
+            price_output_micros: rates.output,
         })
     }
 

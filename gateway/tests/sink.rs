@@ -53,6 +53,10 @@ fn event(id: &str) -> UsageEvent {
         prompt_sha256: "ab".repeat(32),
         prompt_chars: 10,
         cost_micros: 1,
+        price_list_version: "test-1".to_owned(),
+        price_input_micros: 0,
+        price_cached_input_micros: 0,
+        price_output_micros: 0,
     }
 }
 
