@@ -534,18 +534,32 @@ impl Scheduler {
     /// Whether `candidate` may join the running batch: the batch's decode step with it is
     /// predicted to stay within the step cap of the tightest TPOT target of the batch and the
     /// candidate. A lone request always may; so may any until the model is warm, or when
-    /// nobody has a target.
-    fn within_tpot(&self, candidate: &SeqState) -> bool {
-        self.within_tpot_without(candidate, None)
+    /// nobody has a target. A `light` candidate is judged by the cap before the light
+    /// prefills' overrun is taken off: that lowering keeps room for light requests by holding
+    /// back the others, and would otherwise hold back the very requests it keeps room for (a
+    /// quiet or higher-priority tenant's burst, waiting while its own prefills' overrun
+    /// decays).
+    fn within_tpot(&self, candidate: &SeqState, light: bool) -> bool {
+        self.within_tpot_without(candidate, None, light)
     }
 
     /// [`within_tpot`](Self::within_tpot) with the running request `without` left out.
-    fn within_tpot_without(&self, candidate: &SeqState, without: Option<&str>) -> bool {
-        self.fits_among(candidate, |id, _| Some(id) != without)
+    fn within_tpot_without(
+        &self,
+        candidate: &SeqState,
+        without: Option<&str>,
+        light: bool,
+    ) -> bool {
+        self.fits_among(candidate, |id, _| Some(id) != without, light)
     }
 
     /// [`within_tpot`](Self::within_tpot) among the running requests that `keep` keeps.
-    fn fits_among(&self, candidate: &SeqState, keep: impl Fn(&str, &SeqState) -> bool) -> bool {
+    fn fits_among(
+        &self,
+        candidate: &SeqState,
+        keep: impl Fn(&str, &SeqState) -> bool,
+        light: bool,
+    ) -> bool {
         let running = || {
             self.running
                 .iter()
@@ -563,7 +577,8 @@ impl Scheduler {
         let Some(target) = target else { return true };
         let context = running().map(|s| s.tokens.len()).sum::<usize>() + candidate.tokens.len();
         let predicted = self.step_model.predict(running().count() + 1, context);
-        predicted.is_none_or(|t| t <= self.cap(target))
+        let cap = if light { TPOT_HEADROOM * target } else { self.cap(target) };
+        predicted.is_none_or(|t| t <= cap)
     }
 
     /// Per tenant running: how many requests, and the largest weight they carry.
@@ -658,7 +673,7 @@ impl Scheduler {
     /// toward the weighted shares, so two tenants never take a place back and forth.
     /// Requests without a tenant (private scopes: not through the gateway) count as one
     /// tenant.
-    fn fair_victim(&self, candidate: &SeqState, fresh: &[String]) -> Option<String> {
+    fn fair_victim(&self, candidate: &SeqState, fresh: &[String], light: bool) -> Option<String> {
         let mine = candidate.scope.tenant();
         let per = self.running_tenants();
         let mine_count = per.get(mine).map_or(0, |e| e.0);
@@ -686,7 +701,7 @@ impl Scheduler {
             (mine, _) => mine.is_none(),
         };
         let no_slower = no_slower && no_tighter;
-        (no_slower || self.within_tpot_without(candidate, Some(&victim))).then_some(victim)
+        (no_slower || self.within_tpot_without(candidate, Some(&victim), light)).then_some(victim)
     }
 
     /// Preempts `victim` (to make room for a request, or for KV blocks); a victim scheduled
@@ -727,8 +742,6 @@ impl Scheduler {
             // A batch at its TPOT limit takes no one else: the rest wait, in the policy's
             // order (a lone request always runs), unless a higher priority preempts a lower
             // or a tenant above its share makes room.
-            let full = !room_made && self.running.len() >= self.config.max_num_seqs;
-            let held = !room_made && !full && !self.within_tpot(s);
             // Under a cap, one light prefill a step: another light request waits for the
             // next, to go whole. While light prefills are paused (their overrun is too high),
             // a light request waits for them to resume, rather than start in chunks cut to
@@ -737,6 +750,8 @@ impl Scheduler {
             if light && !room.light_ok {
                 break;
             }
+            let full = !room_made && self.running.len() >= self.config.max_num_seqs;
+            let held = !room_made && !full && !self.within_tpot(s, light);
             if full || held {
                 plan.held_for_tpot |= held;
                 // Lower priorities make room only when that lets it start this step: it fits
@@ -746,13 +761,13 @@ impl Scheduler {
                 let peers = self.running.iter().filter_map(|id| self.seqs.get(id));
                 let peers = peers.filter(|r| r.priority >= priority).count();
                 let above = peers < self.config.max_num_seqs
-                    && self.fits_among(s, |_, r| r.priority >= priority);
+                    && self.fits_among(s, |_, r| r.priority >= priority, light);
                 let by_priority =
                     (starts && above).then(|| self.priority_victim(s, &room.fresh)).flatten();
                 let by_fairness = by_priority.is_none();
                 let victim = by_priority.or_else(|| {
                     (!swapped && self.waiting.shares_places())
-                        .then(|| self.fair_victim(s, &room.fresh))
+                        .then(|| self.fair_victim(s, &room.fresh, light))
                         .flatten()
                         .inspect(|_| {
                             swapped = true;
@@ -1123,7 +1138,7 @@ mod tests {
     }
 
     #[test]
-    fn a_light_request_swaps_into_a_batch_over_a_lowered_cap_and_waits_out_a_pause() {
+    fn a_light_request_is_judged_by_the_cap_its_overrun_did_not_lower() {
         // The cap is 90% of 0.105 s: 0.0945 s; six decodes take 0.07 s.
         let target = SeqPolicy { tpot_target: Some(0.105), ..SeqPolicy::default() };
         let mut s = trained(64);
@@ -1132,20 +1147,45 @@ mod tests {
         }
         let p = s.schedule();
         run_step(&mut s, &p, 5);
-        s.add_with("flood-6".into(), vec![1, 2, 3], tenant("flood"), target);
+        for i in 6..8 {
+            s.add_with(format!("flood-{i}"), vec![1, 2, 3], tenant("flood"), target);
+        }
         // Light prefills ran over: the cap is 0.0945 - 2 x 0.02 = 0.0545 s, under the batch's
-        // 0.07 s. A quiet request still takes the newest flood's place (it reads no more
-        // context), light and whole, instead of waiting for the batch to drain.
+        // 0.07 s. The flood's backlog waits for the batch to drain under it.
+        s.light_excess = 0.02;
+        let p = s.schedule();
+        assert!(p.held_for_tpot && p.newly_admitted.is_empty(), "{p:?}");
+        run_step(&mut s, &p, 5);
+        // A quiet request is light: the lowering keeps room for it, and it joins within the
+        // cap before it (seven decodes, 0.08 s), whole, taking nobody's place.
+        s.add_with("quiet".into(), vec![7, 8, 9], tenant("quiet"), target);
+        let p = s.schedule();
+        assert_eq!((p.newly_admitted.clone(), p.preempted.len()), (vec!["quiet".into()], 0));
+        assert!(s.seq("quiet").is_some_and(|q| q.light) && ids(&p).contains(&("quiet", 3)));
+    }
+
+    #[test]
+    fn a_light_request_swaps_into_a_full_batch_and_waits_out_a_pause() {
+        // Eight decodes take 0.09 s, within the 0.0945 s cap; a ninth would not fit.
+        let target = SeqPolicy { tpot_target: Some(0.105), ..SeqPolicy::default() };
+        let mut s = trained(64);
+        for i in 0..8 {
+            s.add_with(format!("flood-{i}"), vec![1, 2, 3], tenant("flood"), target);
+        }
+        let p = s.schedule();
+        run_step(&mut s, &p, 5);
+        s.add_with("flood-8".into(), vec![1, 2, 3], tenant("flood"), target);
         s.light_excess = 0.02;
         let p = s.schedule();
         assert!(p.held_for_tpot && p.preempted.is_empty(), "the flood's own request waits");
         run_step(&mut s, &p, 5);
-        // The quiet tenant's counter is lifted to the flood's, and flood-6 is first in the
+        // The quiet tenant's counter is lifted to the flood's, and flood-8 is first in the
         // fair order (the older): held, with no place to be made for it. The quiet request
-        // behind it is light, and takes the newest flood's place at once.
+        // behind it is light, and takes the newest flood's place at once (it reads no more
+        // context: the step is no slower).
         s.add_with("quiet".into(), vec![7, 8, 9], tenant("quiet"), target);
         let p = s.schedule();
-        assert_eq!(p.preempted, vec!["flood-5".to_string()], "{p:?}");
+        assert_eq!(p.preempted, vec!["flood-7".to_string()], "{p:?}");
         assert_eq!(p.newly_admitted, vec!["quiet".to_string()], "{p:?}");
         assert!(s.seq("quiet").is_some_and(|q| q.light), "{p:?}");
         assert!(ids(&p).contains(&("quiet", 3)), "{p:?}");
