@@ -12,7 +12,6 @@ use anyhow::{Context, bail};
 use chrono::{DateTime, TimeDelta, Utc};
 use serde_json::Value;
 
-use sluice_billing::event::is_refused;
 use sluice_billing::prices::Rates;
 
 use crate::admin_cli::Client;
@@ -128,12 +127,8 @@ fn costs(rows: &HashMap<String, Value>) -> usize {
             output: uint(&r["price_output_micros"]),
         };
         let status = u16::try_from(uint(&r["http_status"])).unwrap_or(u16::MAX);
-        let expected = if is_refused(status) {
-            0
-        } else {
-            let prompt = uint(&r["prompt_tokens"]);
-            rates.cost(prompt, uint(&r["cached_prompt_tokens"]), uint(&r["completion_tokens"]))
-        };
+        let (prompt, cached) = (uint(&r["prompt_tokens"]), uint(&r["cached_prompt_tokens"]));
+        let expected = rates.charge(status, prompt, cached, uint(&r["completion_tokens"]));
         let stored = r["cost_micros"].as_u64();
         if stored != Some(expected) {
             differ.push((id, stored, expected));

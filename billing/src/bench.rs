@@ -378,15 +378,12 @@ impl EventFactory {
             prompt_sha256: hash,
             prompt_chars: prompt_tokens * 4 + (r >> 36) as u32 % 4,
             // Refused requests cost nothing, as the gateway prices them.
-            cost_micros: if crate::event::is_refused(http_status) {
-                0
-            } else {
-                BENCH_RATES.cost(
-                    u64::from(prompt_tokens),
-                    u64::from(cached_prompt_tokens),
-                    u64::from(completion_tokens),
-                )
-            },
+            cost_micros: BENCH_RATES.charge(
+                http_status,
+                u64::from(prompt_tokens),
+                u64::from(cached_prompt_tokens),
+                u64::from(completion_tokens),
+            ),
             price_list_version: "bench-1".to_owned(),
             price_input_micros: BENCH_RATES.input,
             price_cached_input_micros: BENCH_RATES.cached_input,

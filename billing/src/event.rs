@@ -137,7 +137,7 @@ pub struct UsageEvent {
     pub price_list_version: String,
     /// The rates it was priced at, micro-units per million tokens: uncached prompt tokens,
     /// cached prompt tokens, completion tokens. The cost is recomputed from them and the
-    /// token counts alone ([`crate::prices::Rates::cost`]; nothing for a refused request).
+    /// token counts alone ([`crate::prices::Rates::charge`]: nothing for a refused request).
     pub price_input_micros: u64,
     /// See [`price_input_micros`](Self::price_input_micros).
     pub price_cached_input_micros: u64,

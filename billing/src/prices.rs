@@ -11,6 +11,8 @@ use std::sync::LazyLock;
 
 use serde::Deserialize;
 
+use crate::event::is_refused;
+
 /// Prices in micro-dollars per million tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Rates {
@@ -30,6 +32,13 @@ impl Rates {
             + u128::from(cached.min(prompt)) * u128::from(self.cached_input)
             + u128::from(completion) * u128::from(self.output);
         u64::try_from(p / 1_000_000).unwrap_or(u64::MAX)
+    }
+
+    /// What a request that got `http_status` is charged: nothing when it was refused
+    /// ([`is_refused`]), else its [`cost`](Self::cost). The one rule the gateway charges by
+    /// and the auditor recomputes by.
+    pub fn charge(&self, http_status: u16, prompt: u64, cached: u64, completion: u64) -> u64 {
+        if is_refused(http_status) { 0 } else { self.cost(prompt, cached, completion) }
     }
 }
 
@@ -204,6 +213,8 @@ mod tests {
         assert_eq!(r.cost(0, 0, 0), 0);
         // More cached than prompt (never valid) does not charge the difference twice.
         assert_eq!(r.cost(10, 20, 0), 0);
+        // A refused request is charged nothing; a disconnect (499) what it used.
+        assert_eq!((r.charge(429, 100, 10, 64), r.charge(499, 100, 10, 64)), (0, 22));
         let huge = Rates { input: u64::MAX, cached_input: 0, output: 0 };
         assert_eq!(huge.cost(u64::MAX, 0, 0), u64::MAX);
     }

@@ -836,11 +836,7 @@ impl Gateway {
             },
             prompt_chars: u32::try_from(ctx.prompt_chars).unwrap_or(u32::MAX),
             // A tenant pays for work done: nothing for a request the client was refused.
-            cost_micros: if is_refused(ctx.status) {
-                0
-            } else {
-                rates.cost(ctx.prompt_tokens, cached, completion)
-            },
+            cost_micros: rates.charge(ctx.status, ctx.prompt_tokens, cached, completion),
             price_list_version: self.cfg.prices.version.clone(),
             price_input_micros: rates.input,
             price_cached_input_micros: rates.cached_input,
