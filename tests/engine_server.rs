@@ -3,6 +3,7 @@
 
 #[path = "../engine/tests/common/mod.rs"]
 mod common;
+mod support;
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::PathBuf;
@@ -559,25 +560,21 @@ async fn client_disconnect_aborts_the_request_and_frees_blocks() -> anyhow::Resu
 
 #[tokio::test]
 async fn official_openai_python_sdk_works_unmodified() -> anyhow::Result<()> {
-    let has_sdk = Command::new("python3")
-        .args(["-c", "import openai"])
-        .stderr(Stdio::null())
-        .status()
-        .context("python3 is needed for the OpenAI SDK test")?
-        .success();
-    if !has_sdk {
-        let out = Command::new("python3")
-            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "openai"])
-            .output()
-            .context("running pip")?;
-        ensure!(
-            out.status.success(),
-            "`python3 -m pip install openai` failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    run_sdk_script("tests/sdk/test_openai_sdk.py")
+}
+
+/// `client.chat.completions.parse` on 20 pydantic models: every answer parses and validates.
+#[tokio::test]
+async fn structured_outputs_parse_with_the_official_sdk() -> anyhow::Result<()> {
+    run_sdk_script("tests/sdk/test_structured.py")
+}
+
+/// Runs a script of the official OpenAI Python SDK (installed if missing) against a fresh
+/// engine server.
+fn run_sdk_script(path: &str) -> anyhow::Result<()> {
+    support::ensure_sdk()?;
     let server = Server::start(&[])?;
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/test_openai_sdk.py");
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(path);
     let out = Command::new("python3")
         .arg(&script)
         .env("SLUICE_ENGINE_URL", &server.url)

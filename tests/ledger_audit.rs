@@ -431,13 +431,25 @@ async fn the_front_door_speaks_openai() -> anyhow::Result<()> {
     for (extra, param) in [
         (json!({"temperature": 2.5}), "temperature"),
         (json!({"tools": [{"type": "function", "function": {"name": "f"}}]}), "tools"),
-        (json!({"response_format": {"type": "json_object"}}), "response_format"),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "p",
+                "schema": {"type": "string", "pattern": "^a"}}}}),
+            "response_format.json_schema.schema",
+        ),
     ] {
         let r = chat(extra.clone()).send().await?;
         let status = r.status();
         let body: Value = r.json().await?;
         ensure!(status == 400 && body["error"]["param"] == param, "{extra}: {status} {body}");
     }
+    // A JSON answer asked for through the gateway is one.
+    let r = chat(json!({"response_format": {"type": "json_object"}, "max_tokens": 48}));
+    let body: Value = r.send().await?.json().await?;
+    let content = body["choices"][0]["message"]["content"].as_str().unwrap_or_default();
+    // Ended by the model or closed by the grammar in the tokens left: JSON either way.
+    let reason = body["choices"][0]["finish_reason"].as_str().unwrap_or_default();
+    ensure!(["stop", "length"].contains(&reason), "{body}");
+    ensure!(serde_json::from_str::<Value>(content).is_ok_and(|v| v.is_object()), "{body}");
     // 100 extra client headers (and cookies, forwarding headers) stay at the gateway.
     let mut many =
         chat(json!({})).header("cookie", "session=secret").header("x-forwarded-for", "10.0.0.1");
@@ -755,6 +767,18 @@ async fn trace_logs_hold_no_secret_and_no_text() -> anyhow::Result<()> {
     let v: Value = serde_json::from_str(&answers[0])?;
     let answer = v["choices"][0]["message"]["content"].as_str().context("answer")?.to_owned();
     ensure!(answer.len() >= 12, "a short answer proves nothing: {answer:?}");
+    // Every request reached the engine and got its line there (written once its response
+    // is sent, so the last one may land a moment after the client has its answer).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let (engine_text, served) = loop {
+        let text = std::fs::read_to_string(&engine_log)?;
+        let served = text.lines().filter(|l| l.contains("prompt_tokens=")).count();
+        if served >= 4 || std::time::Instant::now() > deadline {
+            break (text, served);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    ensure!(served == 4, "the engine logged {served} of 4 requests");
     let needles = [key.as_str(), TOKEN, marker, wrong, answer.as_str()];
     for log in [&engine_log, &gw_log] {
         let text = std::fs::read_to_string(log)?;
@@ -771,10 +795,6 @@ async fn trace_logs_hold_no_secret_and_no_text() -> anyhow::Result<()> {
             }
         }
     }
-    // Every request reached the engine and got its line there.
-    let engine_text = std::fs::read_to_string(&engine_log)?;
-    let served = engine_text.lines().filter(|l| l.contains("prompt_tokens=")).count();
-    ensure!(served == 4, "the engine logged {served} of 4 requests");
     // The engine used the gateway's token ids: its tokenizer never ran on a prompt (the
     // `tokenizers` crate traces every normalization it does).
     let tokenized = engine_text.lines().find(|l| l.contains("tokenizers::tokenizer::normalizer"));

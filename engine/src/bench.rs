@@ -457,6 +457,7 @@ pub fn bench_engine(
                             weight: 1,
                             tpot_target: None,
                             arrival: Instant::now(),
+                            grammar: None,
                         };
                         let mut stream = handle.submit(req)?;
                         while let Some(ev) = stream.blocking_next() {

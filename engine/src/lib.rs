@@ -19,6 +19,7 @@ pub mod safetensors;
 pub mod sampler;
 pub mod serve;
 pub mod server;
+pub mod structured;
 pub mod synth;
 
 pub use error::{EngineError, Result};

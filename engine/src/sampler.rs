@@ -66,13 +66,23 @@ impl Sampler {
     /// Picks the next token from `logits`; with `logprobs = Some(k)` also its log-probability
     /// and `k` alternatives.
     pub fn sample(&mut self, logits: &[f32], logprobs: Option<usize>) -> Sampled {
+        let token = self.choose(logits);
+        self.commit(token, logits, logprobs)
+    }
+
+    /// The token [`sample`](Self::sample) would pick from `logits`, not yet taken: a
+    /// constrained request may refuse it and choose again among other logits.
+    pub fn choose(&mut self, logits: &[f32]) -> u32 {
         let p = &self.params;
-        let token =
-            if p.temperature <= 0.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 {
-                argmax(logits)
-            } else {
-                self.pick(logits)
-            };
+        if p.temperature <= 0.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 {
+            argmax(logits)
+        } else {
+            self.pick(logits)
+        }
+    }
+
+    /// Takes `token` as the next, with its log-probability under `logits` when asked.
+    pub fn commit(&mut self, token: u32, logits: &[f32], logprobs: Option<usize>) -> Sampled {
         *self.counts.entry(token).or_insert(0) += 1;
         let Some(k) = logprobs else {
             return Sampled { token, logprob: f32::NAN, top: Vec::new() };

@@ -372,6 +372,7 @@ fn the_serving_engine_runs_on_the_emulated_device() -> anyhow::Result<()> {
         weight: 1,
         tpot_target: None,
         arrival: Instant::now(),
+        grammar: None,
     };
     let request = |id: &str, prompt: &[u32], logprobs: Option<usize>| {
         sampled(id, prompt, logprobs, SamplingParams::default())

@@ -33,6 +33,7 @@ fn request(id: &str, prompt: Vec<u32>, max_tokens: usize, scope: CacheScope) -> 
         weight: 1,
         tpot_target: None,
         arrival: Instant::now(),
+        grammar: None,
     }
 }
 
@@ -273,4 +274,60 @@ fn requests_the_cache_can_never_hold_are_refused() -> anyhow::Result<()> {
         .context("accepted")?;
     ensure!(err.to_string().contains("KV"), "{err}");
     Ok(())
+}
+
+/// Constrained requests (`response_format`) on the real model: greedy and sampled at several
+/// seeds, every output is a closed JSON value of its schema, ended by the grammar (`stop`).
+#[test]
+fn constrained_outputs_parse_and_follow_their_schema() -> anyhow::Result<()> {
+    use sluice_engine::structured::Grammar;
+    let m = model()?;
+    let h = EngineHandle::start(
+        Arc::clone(&m),
+        EngineConfig { kv_cache_bytes: 64 << 20, ..Default::default() },
+    )?;
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "pet": {"enum": ["cat", "dog"]},
+            "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 3}
+        },
+        "required": ["name", "age", "pet", "tags"],
+        "additionalProperties": false
+    });
+    let grammars = [
+        ("schema", Arc::new(Grammar::from_schema(&schema).map_err(|e| anyhow::anyhow!("{e}"))?)),
+        ("object", Arc::new(Grammar::any_object())),
+    ];
+    let prompt = m.encode_prompt("Here is a person, as JSON:")?;
+    for (kind, grammar) in &grammars {
+        for (i, temperature) in [0.0, 0.8, 0.8, 0.8].into_iter().enumerate() {
+            let mut req = request(
+                &format!("{kind}-{i}"),
+                prompt.clone(),
+                256,
+                CacheScope::Private(format!("s{i}")),
+            );
+            req.sampling = SamplingParams { temperature, seed: i as u64, ..Default::default() };
+            req.grammar = Some(Arc::clone(grammar));
+            let out = collect(h.submit(req)?)?;
+            let text = out.texts.concat();
+            ensure!(out.reason == FinishReason::Stop, "{kind}-{i} ended {:?}: {text}", out.reason);
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("{kind}-{i} is not JSON: {text}"))?;
+            let o =
+                v.as_object().with_context(|| format!("{kind}-{i} is not an object: {text}"))?;
+            if *kind == "schema" {
+                let keys: Vec<&str> = o.keys().map(String::as_str).collect();
+                ensure!(keys == ["name", "age", "pet", "tags"], "{kind}-{i}: {text}");
+                ensure!(o["name"].is_string() && o["age"].is_i64(), "{kind}-{i}: {text}");
+                ensure!(["cat", "dog"].contains(&o["pet"].as_str().unwrap_or("")), "{text}");
+                let tags = o["tags"].as_array().context("tags")?;
+                ensure!(tags.len() <= 3 && tags.iter().all(|t| t.is_string()), "{text}");
+            }
+        }
+    }
+    wait_idle(&h)
 }

@@ -18,12 +18,15 @@ use crate::serve::fair::{FairConfig, Vtc};
 use crate::serve::kv_manager::KvManager;
 use crate::serve::metrics::{EngineMetrics, FinishLabel, TenantLabels, TenantSample};
 use crate::serve::outcomes::OutcomeLog;
-use crate::serve::scheduler::{Fcfs, Scheduler, SchedulerConfig, SeqPolicy, WaitingPolicy};
+use crate::serve::scheduler::{
+    Fcfs, Scheduler, SchedulerConfig, SeqPolicy, WaitReason, WaitTimes, WaitingPolicy,
+};
 use crate::serve::step_model::StepShape;
 use crate::serve::stop::{StopOutcome, StopText};
 use crate::serve::{
     EngineEvent, EngineTimings, FinishReason, PromptLogprob, TokenOutput, Usage, ValidRequest,
 };
+use crate::structured::{Matcher, sample_constrained};
 
 /// Engine limits and sizes.
 #[derive(Clone, Debug, PartialEq)]
@@ -116,12 +119,18 @@ struct ReqState {
     stop: StopText,
     output: usize,
     first_scheduled: Option<Instant>,
+    /// When the first step after its arrival was planned.
+    first_planned: Option<Instant>,
     first_token: Option<Instant>,
     last_token: Option<Instant>,
     prompt_logprobs: Vec<PromptLogprob>,
     prompt_logprobs_sent: bool,
     /// A stop string matched: held-back text is dropped, not released.
     stop_matched: bool,
+    /// Where its output stands in its grammar (`response_format`).
+    matcher: Option<Matcher>,
+    /// The token budget made the grammar close the value.
+    closed_by_budget: bool,
 }
 
 /// Where a sequence's next token comes from.
@@ -144,6 +153,8 @@ pub struct EngineCore {
     outcomes: Arc<OutcomeLog>,
     /// Which tenants the per-tenant metrics name.
     tenant_labels: TenantLabels,
+    /// Requests added since the last step was planned.
+    unplanned: Vec<String>,
 }
 
 impl EngineCore {
@@ -208,6 +219,7 @@ impl EngineCore {
             metrics,
             outcomes: Arc::default(),
             tenant_labels: TenantLabels::default(),
+            unplanned: Vec::new(),
         })
     }
 
@@ -244,11 +256,14 @@ impl EngineCore {
             stop: StopText::new(&req.stop),
             output: 0,
             first_scheduled: None,
+            first_planned: None,
             first_token: None,
             last_token: None,
             prompt_logprobs: Vec::new(),
             prompt_logprobs_sent: false,
             stop_matched: false,
+            matcher: req.grammar.clone().map(Matcher::new),
+            closed_by_budget: false,
             tx,
             req,
         };
@@ -259,6 +274,7 @@ impl EngineCore {
             tpot_target: r.tpot_target.map(|t| t.as_secs_f64()),
         };
         self.sched.add_with(r.request_id.clone(), r.prompt.clone(), r.cache_scope.clone(), policy);
+        self.unplanned.push(r.request_id.clone());
         self.reqs.insert(r.request_id.clone(), state);
         self.update_gauges();
     }
@@ -295,6 +311,12 @@ impl EngineCore {
 
     /// Runs one scheduler step: plan, forward, sample, emit.
     pub fn step(&mut self) {
+        let planned = Instant::now();
+        for id in self.unplanned.drain(..) {
+            if let Some(st) = self.reqs.get_mut(&id) {
+                st.first_planned.get_or_insert(planned);
+            }
+        }
         let plan = self.sched.schedule();
         let now = Instant::now();
         self.metrics.preemptions.inc_by(plan.preempted.len() as u64);
@@ -363,7 +385,7 @@ impl EngineCore {
         let picks: Vec<Pick> = work
             .iter()
             .map(|w| match self.reqs.get_mut(&w.id) {
-                Some(st) if w.logits == LogitsWanted::Last => {
+                Some(st) if w.logits == LogitsWanted::Last && st.matcher.is_none() => {
                     if st.sampler.argmax_only(st.req.logprobs) {
                         Pick::Argmax
                     } else if draws {
@@ -470,9 +492,39 @@ impl EngineCore {
         let ctx = self.model.weights.config.context_length;
         let stops = self.model.tokenizer.stop_ids();
         let Some(st) = self.reqs.get_mut(id) else { return };
-        let s = match choice {
-            Choice::Logits(logits) => st.sampler.sample(logits, st.req.logprobs),
-            Choice::Picked(token) => st.sampler.accept(token),
+        // Tokens that may still come, this one included.
+        let left = (st.req.max_tokens.saturating_sub(st.output))
+            .min(ctx.saturating_sub(st.req.prompt.len() + st.output));
+        let s = match (choice, &mut st.matcher) {
+            (Choice::Logits(logits), None) => st.sampler.sample(logits, st.req.logprobs),
+            (Choice::Logits(logits), Some(m)) => {
+                let tok = &self.model.tokenizer;
+                let bytes = |t: u32| {
+                    let special = tok.is_special(t);
+                    tok.token_bytes(t).filter(|_| !special).map(<[u8]>::to_vec)
+                };
+                let picked = sample_constrained(
+                    &mut st.sampler,
+                    m,
+                    logits,
+                    st.req.logprobs,
+                    bytes,
+                    &stops_for(stops, st.req.ignore_eos, &st.req.stop_token_ids),
+                    left,
+                );
+                match picked {
+                    Ok((s, forced)) => {
+                        st.closed_by_budget |= forced;
+                        s
+                    }
+                    Err(_) => {
+                        let msg = "no token continues the response format".to_string();
+                        self.finish(id, FinishReason::Error, Some(msg));
+                        return;
+                    }
+                }
+            }
+            (Choice::Picked(token), _) => st.sampler.accept(token),
         };
         let now = Instant::now();
         match st.last_token {
@@ -515,6 +567,12 @@ impl EngineCore {
                 }
             }
         };
+        // A constrained output ends as soon as its value is closed: a stop, unless the
+        // token budget made the grammar close it (then it is cut short, valid).
+        if finish.is_none() && st.matcher.as_ref().is_some_and(Matcher::is_closed) {
+            finish =
+                Some(if st.closed_by_budget { FinishReason::Length } else { FinishReason::Stop });
+        }
         let total = st.req.prompt.len() + st.output;
         if finish.is_none() && (st.output >= st.req.max_tokens || total >= ctx) {
             finish = Some(FinishReason::Length);
@@ -568,7 +626,10 @@ impl EngineCore {
         self.metrics.e2e.observe(timings.e2e);
         self.metrics.prompt_tokens.inc_by(usage.prompt_tokens as u64);
         let (label, dropped) = self.tenant_labels.label(st.req.cache_scope.tenant(), now);
+        let mut waited = seq.as_ref().map_or_else(WaitTimes::default, |s| s.waited);
+        waited.add(WaitReason::Arrival, since(st.first_planned, arrival));
         let sample = TenantSample {
+            waited,
             queue: st.first_scheduled.map(|_| timings.queue),
             ttft: st.first_token.map(|_| timings.ttft),
             tpot: (st.output > 1).then(|| timings.decode / (st.output - 1) as f64),
@@ -585,6 +646,13 @@ impl EngineCore {
         let _ = st.tx.send(EngineEvent::Finished { reason, text, usage, timings, error });
         self.update_gauges();
     }
+}
+
+/// The tokens that end a constrained output once its value is complete: the model's stop
+/// tokens (unless `ignore_eos`) and the request's own.
+fn stops_for(model: &[u32], ignore_eos: bool, extra: &[u32]) -> Vec<u32> {
+    let model = if ignore_eos { &[][..] } else { model };
+    model.iter().chain(extra).copied().collect()
 }
 
 fn finished_error(req: &ValidRequest, msg: &str) -> EngineEvent {

@@ -12,6 +12,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+use crate::serve::scheduler::{WaitReason, WaitTimes};
+
 /// Label of the finished-requests counter.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct FinishLabel {
@@ -25,6 +27,15 @@ pub struct TenantLabel {
     /// A tenant id, `~other` (beyond the busiest [`TENANT_LABELS`]) or `~none` (no tenant);
     /// `~` is not allowed in tenant ids, so neither can be taken by a tenant.
     pub tenant: String,
+}
+
+/// Label of the per-tenant wait metric: the tenant's label and why its requests waited.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantWaitLabel {
+    /// As [`TenantLabel::tenant`].
+    pub tenant: String,
+    /// [`WaitReason::as_str`].
+    pub reason: &'static str,
 }
 
 /// Tenants named in the per-tenant metrics; the rest are `other`.
@@ -107,6 +118,8 @@ pub struct TenantSample {
     pub generation_tokens: u64,
     /// Times it was preempted.
     pub preemptions: u64,
+    /// Seconds it waited, by reason.
+    pub waited: WaitTimes,
 }
 
 /// All engine metrics.
@@ -160,6 +173,8 @@ pub struct EngineMetrics {
     pub tenant_generation_tokens: Family<TenantLabel, Counter>,
     /// Per tenant: preemptions of finished requests.
     pub tenant_preemptions: Family<TenantLabel, Counter>,
+    /// Per tenant and reason: seconds finished requests waited.
+    pub tenant_wait: Family<TenantWaitLabel, Counter<f64, AtomicU64>>,
 }
 
 fn latency_buckets() -> impl Iterator<Item = f64> {
@@ -199,6 +214,7 @@ impl EngineMetrics {
             tenant_prompt_tokens: Family::default(),
             tenant_generation_tokens: Family::default(),
             tenant_preemptions: Family::default(),
+            tenant_wait: Family::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -289,6 +305,13 @@ impl EngineMetrics {
             "Preemptions of finished requests, by tenant",
             m.tenant_preemptions.clone(),
         );
+        r.register(
+            "tenant_queue_wait_seconds",
+            "Seconds finished requests waited, by tenant and reason: arrival (until the next \
+             step was planned), else the reason admission stopped in the steps they waited \
+             through",
+            m.tenant_wait.clone(),
+        );
         EngineMetrics { registry, ..m }
     }
 
@@ -302,6 +325,10 @@ impl EngineMetrics {
             self.tenant_prompt_tokens.remove(&gone);
             self.tenant_generation_tokens.remove(&gone);
             self.tenant_preemptions.remove(&gone);
+            for reason in WaitReason::ALL {
+                let tenant = tenant.clone();
+                self.tenant_wait.remove(&TenantWaitLabel { tenant, reason: reason.as_str() });
+            }
         }
         if let Some(q) = sample.queue {
             self.tenant_queue.get_or_create(label).observe(q);
@@ -315,6 +342,10 @@ impl EngineMetrics {
         self.tenant_prompt_tokens.get_or_create(label).inc_by(sample.prompt_tokens);
         self.tenant_generation_tokens.get_or_create(label).inc_by(sample.generation_tokens);
         self.tenant_preemptions.get_or_create(label).inc_by(sample.preemptions);
+        for (reason, seconds) in sample.waited.iter() {
+            let key = TenantWaitLabel { tenant: label.tenant.clone(), reason: reason.as_str() };
+            self.tenant_wait.get_or_create(&key).inc_by(seconds);
+        }
     }
 
     /// The text exposition format.
@@ -361,16 +392,26 @@ mod tests {
     #[test]
     fn a_finished_request_lands_in_its_tenants_series_and_dropped_ones_vanish() {
         let m = EngineMetrics::new();
-        let sample = TenantSample {
+        let mut sample = TenantSample {
             queue: Some(0.2),
             ttft: Some(0.3),
             tpot: Some(0.02),
             prompt_tokens: 12,
             generation_tokens: 5,
             preemptions: 1,
+            waited: WaitTimes::default(),
         };
+        sample.waited.add(WaitReason::Arrival, 0.05);
+        sample.waited.add(WaitReason::TpotLimit, 0.15);
         m.record_tenant(&TenantLabel { tenant: "acme".into() }, &sample, &[]);
         let text = m.encode();
+        for (reason, seconds) in [("arrival", "0.05"), ("tpot_limit", "0.15")] {
+            let line = format!(
+                "sluice_engine_tenant_queue_wait_seconds_total{{tenant=\"acme\",reason=\"{reason}\"}} {seconds}"
+            );
+            assert!(text.contains(&line), "{line} in {text}");
+        }
+        assert!(!text.contains("reason=\"kv_cache\""), "reasons never waited for have no series");
         assert!(
             text.contains("sluice_engine_tenant_prompt_tokens_total{tenant=\"acme\"} 12"),
             "{text}"

@@ -16,11 +16,13 @@ pub mod scheduler;
 pub mod step_model;
 pub mod stop;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
 use crate::sampler::SamplingParams;
+use crate::structured::Grammar;
 
 /// Where a request's cached prefix blocks may be shared. It comes from the gateway's
 /// authenticated tenant (`x-sluice-tenant`), never from the client.
@@ -75,6 +77,8 @@ pub struct ValidRequest {
     pub tpot_target: Option<Duration>,
     /// When the request arrived at the engine.
     pub arrival: Instant,
+    /// The grammar its output must follow (`response_format`), if any.
+    pub grammar: Option<Arc<Grammar>>,
 }
 
 /// Why a request ended.

@@ -129,6 +129,80 @@ impl WaitingPolicy for Fcfs {
     }
 }
 
+/// Why a request waited: for the steps it waited through, the reason admission stopped in
+/// each (the requests behind the one that stopped it wait for the same reason), and the wait
+/// from its arrival to the first step planned after it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WaitReason {
+    /// Arrived while a step ran: until the next step was planned.
+    Arrival,
+    /// Light prefills were paused (their overrun of the step cap was too high).
+    LightPaused,
+    /// The batch was at its TPOT limit and no place could be made.
+    TpotLimit,
+    /// The batch held `max_num_seqs` and no place could be made.
+    MaxSeqs,
+    /// Out of KV blocks (an admission failed, or running requests were preempted for them).
+    KvCache,
+    /// A chunked prefill was under way, or the step's cap was filled.
+    ChunkedPrefill,
+    /// Another light prefill had this step (one a step); it waited for the next.
+    LightTurn,
+    /// The step's token budget was spent.
+    TokenBudget,
+}
+
+impl WaitReason {
+    /// Every reason, in the order of [`WaitTimes`].
+    pub const ALL: [WaitReason; 8] = [
+        WaitReason::Arrival,
+        WaitReason::LightPaused,
+        WaitReason::TpotLimit,
+        WaitReason::MaxSeqs,
+        WaitReason::KvCache,
+        WaitReason::ChunkedPrefill,
+        WaitReason::LightTurn,
+        WaitReason::TokenBudget,
+    ];
+
+    /// Its name in metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WaitReason::Arrival => "arrival",
+            WaitReason::LightPaused => "light_paused",
+            WaitReason::TpotLimit => "tpot_limit",
+            WaitReason::MaxSeqs => "max_seqs",
+            WaitReason::KvCache => "kv_cache",
+            WaitReason::ChunkedPrefill => "chunked_prefill",
+            WaitReason::LightTurn => "light_turn",
+            WaitReason::TokenBudget => "token_budget",
+        }
+    }
+}
+
+/// Seconds a request waited, by [`WaitReason`].
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct WaitTimes([f64; 8]);
+
+impl WaitTimes {
+    /// Adds `seconds` to `reason`.
+    pub fn add(&mut self, reason: WaitReason, seconds: f64) {
+        if seconds.is_finite() && seconds > 0.0 {
+            self.0[reason as usize] += seconds;
+        }
+    }
+
+    /// Seconds waited for `reason`.
+    pub fn get(&self, reason: WaitReason) -> f64 {
+        self.0[reason as usize]
+    }
+
+    /// The reasons waited for, with their seconds.
+    pub fn iter(&self) -> impl Iterator<Item = (WaitReason, f64)> + '_ {
+        WaitReason::ALL.into_iter().map(|r| (r, self.get(r))).filter(|(_, t)| *t > 0.0)
+    }
+}
+
 /// How a request is to be scheduled, beside its tokens.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SeqPolicy {
@@ -173,6 +247,8 @@ pub struct SeqState {
     pub admitted: bool,
     /// Whether its prefill goes whole, not cut to the step cap (a light request's).
     pub light: bool,
+    /// The steps it waited through, by the reason admission stopped in each.
+    pub waited: WaitTimes,
 }
 
 /// One request's share of a step.
@@ -222,6 +298,8 @@ pub struct Scheduler {
     last_cap: Option<(f64, bool)>,
     /// The light request the last step's chunked prefills stood aside for (once each).
     yielded_for: Option<String>,
+    /// Why the requests left waiting by the step last planned were not admitted.
+    stopped: Option<WaitReason>,
 }
 
 /// What is left of a step being planned.
@@ -241,10 +319,28 @@ struct Room {
     /// Tokens and context of the step so far: the decodes, then the prefill chunks.
     tokens: usize,
     context: usize,
-    /// A light prefill is in this step.
+    /// A light prefill is in this step, and whose: only that tenant's burst joins it.
     light_used: bool,
+    light_tenant: Option<String>,
     /// A chunked prefill is not finished by this step.
     chunk_pending: bool,
+}
+
+impl Room {
+    /// Whether a light prefill of `s` may go in this step: the step has none yet, or only
+    /// its tenant's (a burst of one tenant goes together, as it would alone; another
+    /// tenant's waits for the next step, so the step grows by one tenant's share at most).
+    fn light_slot(&self, s: &SeqState) -> bool {
+        !self.light_used || self.light_tenant.as_deref() == Some(s.scope.tenant())
+    }
+
+    /// A light prefill of `s` is in this step.
+    fn take_light(&mut self, s: &SeqState) {
+        if !self.light_used {
+            self.light_used = true;
+            self.light_tenant = Some(s.scope.tenant().to_owned());
+        }
+    }
 }
 
 impl Scheduler {
@@ -265,6 +361,7 @@ impl Scheduler {
             light_excess: 0.0,
             last_cap: None,
             yielded_for: None,
+            stopped: None,
         }
     }
 
@@ -297,6 +394,7 @@ impl Scheduler {
             preemptions: 0,
             admitted: false,
             light: false,
+            waited: WaitTimes::default(),
         };
         self.seqs.insert(id.clone(), st);
         self.waiting.push(Waiter { id, tenant, priority, weight });
@@ -360,7 +458,7 @@ impl Scheduler {
         // prefills stand aside for one step, so its prefill is not slowed by theirs (once per
         // light request, should it not start after all).
         let light_next = if room.cap.is_some() && room.light_ok {
-            self.light_candidate(None).filter(|id| self.yielded_for.as_ref() != Some(id))
+            self.light_candidate(|_, _| true).filter(|id| self.yielded_for.as_ref() != Some(id))
         } else {
             None
         };
@@ -382,7 +480,9 @@ impl Scheduler {
             // A prefill that is not light is cut to what fits the step cap; a light one that
             // the token budget cut goes on whole, as this step's light prefill.
             let chunked = remaining > 1 && !s.light;
-            room.light_used |= remaining > 1 && s.light;
+            if remaining > 1 && s.light {
+                room.take_light(s);
+            }
             if chunked && let Some(cap) = room.cap {
                 let fit = self.step_model.fit_tokens(room.tokens, room.context, s.computed, cap);
                 len = len.min(fit.unwrap_or(usize::MAX));
@@ -429,9 +529,11 @@ impl Scheduler {
             }
             i = self.running.iter().position(|r| *r == id).map_or(i, |p| p + 1);
         }
-        if plan.preempted.is_empty() {
-            self.admit_waiting(&mut room, &mut plan);
-        }
+        self.stopped = if plan.preempted.is_empty() {
+            self.admit_waiting(&mut room, &mut plan)
+        } else {
+            Some(WaitReason::KvCache)
+        };
         self.last_cap = room.base.map(|base| (base, room.light_used));
         // Requests wait for a full batch, not for the next step: it holds `max_num_seqs`, is at
         // its TPOT limit, is busy with a chunked prefill, or is out of KV blocks (a
@@ -461,6 +563,7 @@ impl Scheduler {
             tokens,
             context,
             light_used: false,
+            light_tenant: None,
             chunk_pending: false,
         }
     }
@@ -521,8 +624,16 @@ impl Scheduler {
 
     /// Records that the step last planned, of this shape, took `seconds` (the step-time
     /// model learns from it, and the light prefills' overrun of the cap is counted).
+    /// The requests it left waiting wait these seconds for the reason admission stopped.
     pub fn observe_step(&mut self, shape: StepShape, seconds: f64) {
         self.step_model.observe(shape, seconds);
+        if let Some(reason) = self.stopped.take() {
+            let running: std::collections::HashSet<&str> =
+                self.running.iter().map(String::as_str).collect();
+            for (_, s) in self.seqs.iter_mut().filter(|(id, _)| !running.contains(id.as_str())) {
+                s.waited.add(reason, seconds);
+            }
+        }
         if let Some((base, light)) = self.last_cap.take()
             && seconds.is_finite()
         {
@@ -622,9 +733,9 @@ impl Scheduler {
         asks * (others + own) <= (self.running.len() as u64 + 1) * mine_weight
     }
 
-    /// A waiting request other than `except` that would be light now: the highest priority,
+    /// A waiting request that `pass` passes and would be light now: the highest priority,
     /// then the oldest. It goes ahead of a policy's choice that cannot start this step.
-    fn light_candidate(&self, except: Option<&str>) -> Option<String> {
+    fn light_candidate(&self, pass: impl Fn(&str, &SeqState) -> bool) -> Option<String> {
         let running: std::collections::HashSet<&str> =
             self.running.iter().map(String::as_str).collect();
         let per = self.running_tenants();
@@ -634,7 +745,7 @@ impl Scheduler {
         }
         self.seqs
             .iter()
-            .filter(|(id, _)| Some(id.as_str()) != except && !running.contains(id.as_str()))
+            .filter(|(id, s)| !running.contains(id.as_str()) && pass(id, s))
             .filter(|(_, s)| {
                 let n = asks.get(s.scope.tenant()).copied().unwrap_or(0);
                 self.light_among(&per, n, s)
@@ -643,15 +754,19 @@ impl Scheduler {
             .map(|(id, _)| id.clone())
     }
 
-    /// Once a step, when the policy's choice `head` cannot start: the light request that may
-    /// go instead ([`light_candidate`](Self::light_candidate)), while this step has no light
-    /// prefill yet and light prefills are not paused.
-    fn look_past(&self, room: &Room, looked_past: &mut bool, head: &str) -> Option<String> {
-        if *looked_past || room.light_used || !room.light_ok || room.cap.is_none() {
+    /// When the policy's choice `head` cannot start: a light request not `tried` yet that
+    /// may go instead ([`light_candidate`](Self::light_candidate)) and may still take this
+    /// step's light prefill ([`Room::light_slot`]), while light prefills are not paused.
+    fn look_past(&self, room: &Room, tried: &mut Vec<String>, head: &str) -> Option<String> {
+        if !room.light_ok || room.cap.is_none() {
             return None;
         }
-        *looked_past = true;
-        self.light_candidate(Some(head))
+        let pass = |id: &str, s: &SeqState| {
+            id != head && room.light_slot(s) && !tried.iter().any(|t| t == id)
+        };
+        let other = self.light_candidate(pass)?;
+        tried.push(other.clone());
+        Some(other)
     }
 
     /// The running request a higher-priority `candidate` preempts when the batch is full:
@@ -720,7 +835,9 @@ impl Scheduler {
         }
     }
 
-    fn admit_waiting(&mut self, room: &mut Room, plan: &mut StepPlan) {
+    /// Admits waiting requests in the policy's order while they fit; says why the rest wait
+    /// (`None`: nobody does).
+    fn admit_waiting(&mut self, room: &mut Room, plan: &mut StepPlan) -> Option<WaitReason> {
         // At most one place changes hands for fairness per step, and it goes to the request
         // it was made for (not to whoever the policy would name next: perhaps the victim).
         let mut swapped = false;
@@ -728,13 +845,13 @@ impl Scheduler {
         // judged to fit when it was made (a higher priority goes on making places until it
         // fits).
         let mut made_room_for: Option<(String, bool)> = None;
-        let mut looked_past = false;
+        let mut tried = Vec::new();
         while room.budget > 0 {
             let (next, room_made) = match made_room_for.take() {
                 Some((id, by_fairness)) => (Some(id), by_fairness),
                 None => (self.waiting.peek().map(str::to_string), false),
             };
-            let Some(id) = next else { break };
+            let id = next?;
             let Some(s) = self.seqs.get(&id) else {
                 self.waiting.take(&id);
                 continue;
@@ -742,13 +859,13 @@ impl Scheduler {
             // A batch at its TPOT limit takes no one else: the rest wait, in the policy's
             // order (a lone request always runs), unless a higher priority preempts a lower
             // or a tenant above its share makes room.
-            // Under a cap, one light prefill a step: another light request waits for the
-            // next, to go whole. While light prefills are paused (their overrun is too high),
+            // Under a cap, one tenant's light prefills a step: another tenant's light request
+            // waits for the next, to go whole. While light prefills are paused (their overrun is too high),
             // a light request waits for them to resume, rather than start in chunks cut to
             // the lowered cap (seconds of prefill) or take a place it cannot use yet.
             let light = room.cap.is_some() && self.is_light(s);
             if light && !room.light_ok {
-                break;
+                return Some(WaitReason::LightPaused);
             }
             let full = !room_made && self.running.len() >= self.config.max_num_seqs;
             let held = !room_made && !full && !self.within_tpot(s, light);
@@ -756,7 +873,7 @@ impl Scheduler {
                 plan.held_for_tpot |= held;
                 // Lower priorities make room only when that lets it start this step: it fits
                 // beside the higher and equal ones alone, and its prefill may go now.
-                let starts = if light { !room.light_used } else { !room.chunk_pending };
+                let starts = if light { room.light_slot(s) } else { !room.chunk_pending };
                 let priority = s.priority;
                 let peers = self.running.iter().filter_map(|id| self.seqs.get(id));
                 let peers = peers.filter(|r| r.priority >= priority).count();
@@ -783,12 +900,16 @@ impl Scheduler {
                     None => {
                         // The policy's choice cannot have a place: a light request behind it
                         // still may (it is within its tenant's share).
-                        if let Some(other) = self.look_past(room, &mut looked_past, &id) {
+                        if let Some(other) = self.look_past(room, &mut tried, &id) {
                             made_room_for = Some((other, false));
                             continue;
                         }
                         plan.batch_full = true;
-                        break;
+                        return Some(if full {
+                            WaitReason::MaxSeqs
+                        } else {
+                            WaitReason::TpotLimit
+                        });
                     }
                 }
             }
@@ -800,7 +921,8 @@ impl Scheduler {
             let hits = self.kv.find_prefix(&id, &tokens, &scope, n.saturating_sub(1));
             let hit_tokens = hits.len() * self.kv.block_size();
             let remaining = n - hit_tokens;
-            let mut len = if light && room.light_used { 0 } else { remaining.min(room.budget) };
+            let turn = light && !room.light_slot(s);
+            let mut len = if turn { 0 } else { remaining.min(room.budget) };
             if !light && let Some(cap) = room.cap {
                 // One chunked prefill at a time, cut to the cap: the next waits its turn.
                 let fit = self.step_model.fit_tokens(room.tokens, room.context, hit_tokens, cap);
@@ -812,15 +934,19 @@ impl Scheduler {
             if len == 0 {
                 // The policy's choice cannot start this step (a chunked prefill is under way):
                 // a light request behind it may.
-                if let Some(other) = self.look_past(room, &mut looked_past, &id) {
+                if let Some(other) = self.look_past(room, &mut tried, &id) {
                     made_room_for = Some((other, false));
                     continue;
                 }
             }
-            if len == 0 || !self.kv.allocate(&id, &hits, hit_tokens + len) {
-                // Not for a light request that waits one step for its turn.
-                plan.batch_full |= len > 0 || !(light && room.light_used);
-                break;
+            if len == 0 {
+                // Not full for a light request that waits one step for its turn.
+                plan.batch_full |= !turn;
+                return Some(if turn { WaitReason::LightTurn } else { WaitReason::ChunkedPrefill });
+            }
+            if !self.kv.allocate(&id, &hits, hit_tokens + len) {
+                plan.batch_full = true;
+                return Some(WaitReason::KvCache);
             }
             self.waiting.take(&id);
             if let Some(s) = self.seqs.get_mut(&id) {
@@ -832,15 +958,18 @@ impl Scheduler {
                     plan.newly_admitted.push(id.clone());
                 }
             }
+            if light && let Some(s) = self.seqs.get(&id) {
+                room.take_light(s);
+            }
             plan.scheduled.push(Scheduled { id: id.clone(), start: hit_tokens, len });
             room.fresh.push(id.clone());
             self.running.push(id);
             room.budget -= len;
-            room.light_used |= light;
             room.tokens += len;
             room.context += hit_tokens + len;
             room.chunk_pending |= !light && len < remaining;
         }
+        (!self.waiting.is_empty()).then_some(WaitReason::TokenBudget)
     }
 
     /// Free blocks and total blocks.
@@ -912,6 +1041,42 @@ mod tests {
         let p = s.schedule();
         assert_eq!(p.scheduled.len(), 2);
         assert_eq!(s.num_waiting(), 1);
+    }
+
+    #[test]
+    fn waiting_is_put_down_to_the_reason_admission_stopped() {
+        let shape = crate::serve::step_model::decode(1, 10);
+        let waited = |s: &Scheduler, id: &str, r: WaitReason| s.seq(id).map(|q| q.waited.get(r));
+        // The batch holds max_num_seqs: c waits for a place, a and b never waited.
+        let mut s = sched(64, 100, 2);
+        for id in ["a", "b", "c"] {
+            s.add(id.into(), vec![1, 2, 3], tenant(id), 0);
+        }
+        s.schedule();
+        s.observe_step(shape, 0.25);
+        assert_eq!(waited(&s, "c", WaitReason::MaxSeqs), Some(0.25));
+        assert_eq!(s.seq("a").map(|q| q.waited), Some(WaitTimes::default()));
+        // The token budget: a's prompt takes all 8 tokens, b waits for the next step.
+        let mut s = sched(64, 8, 4);
+        s.add("a".into(), (0..20).collect(), tenant("t"), 0);
+        s.add("b".into(), vec![1, 2, 3], tenant("t"), 0);
+        s.schedule();
+        s.observe_step(shape, 0.5);
+        assert_eq!(waited(&s, "b", WaitReason::TokenBudget), Some(0.5));
+        // Out of KV blocks: two blocks of four tokens hold a's prompt, not b's too.
+        let mut s = sched(2, 100, 4);
+        s.add("a".into(), (0..8).collect(), tenant("t"), 0);
+        s.add("b".into(), vec![1, 2, 3], tenant("t"), 0);
+        let p = s.schedule();
+        s.observe_step(shape, 0.125);
+        run_step(&mut s, &p, 1);
+        assert_eq!(waited(&s, "b", WaitReason::KvCache), Some(0.125));
+        // A step whose admissions all went through leaves nobody a reason to wait.
+        s.remove("a");
+        s.schedule();
+        s.observe_step(shape, 1.0);
+        let b = s.seq("b").map(|q| q.waited.iter().collect::<Vec<_>>());
+        assert_eq!(b, Some(vec![(WaitReason::KvCache, 0.125)]));
     }
 
     #[test]
@@ -1111,8 +1276,9 @@ mod tests {
         assert!(s.seq("quiet").is_some_and(|q| q.light));
         // It ran the step 0.395 s past the cap; the cap shrinks by a 32nd of that.
         s.observe_step(StepShape { tokens: 42, context: 50 }, 0.49);
+        assert_eq!(s.seq("other").map(|q| q.waited.get(WaitReason::LightTurn)), Some(0.49));
         run_step(&mut s, &p, 5);
-        // `other` waited: one light prefill a step at most. Now it goes whole, the chunk
+        // `other` waited: one tenant's light prefills a step at most. Now it goes whole, the chunk
         // standing aside once more.
         let p = s.schedule();
         assert_eq!(ids(&p), vec![("d-0", 1), ("d-1", 1), ("quiet", 1), ("other", 40)]);
@@ -1121,6 +1287,36 @@ mod tests {
         // 0.0124 s: 1 token.
         let p = s.schedule();
         let expected = vec![("d-0", 1), ("d-1", 1), ("long-0", 1), ("quiet", 1), ("other", 1)];
+        assert_eq!(ids(&p), expected);
+    }
+
+    #[test]
+    fn a_tenants_burst_of_light_requests_is_prefilled_in_one_step() {
+        let target = SeqPolicy { tpot_target: Some(0.105), ..SeqPolicy::default() };
+        let mut s = trained(64);
+        for i in 0..2 {
+            s.add_with(format!("d-{i}"), vec![1, 2, 3], tenant("flood"), target);
+        }
+        let p = s.schedule();
+        run_step(&mut s, &p, 5);
+        for i in 0..3 {
+            s.add_with(format!("long-{i}"), (0..40).collect(), tenant("flood"), target);
+        }
+        let p = s.schedule();
+        assert_eq!(ids(&p), vec![("d-0", 1), ("d-1", 1), ("long-0", 6)]);
+        run_step(&mut s, &p, 5);
+        // The quiet tenant sends two at once, within its share: both go whole in one step,
+        // as they would alone (another tenant's light request would wait for the next step:
+        // the test above).
+        s.add_with("quiet-0".into(), (100..140).collect(), tenant("quiet"), target);
+        s.add_with("quiet-1".into(), (300..340).collect(), tenant("quiet"), target);
+        let p = s.schedule();
+        assert_eq!(ids(&p), vec![("d-0", 1), ("d-1", 1), ("quiet-0", 40), ("quiet-1", 40)]);
+        assert!(["quiet-0", "quiet-1"].iter().all(|id| s.seq(id).is_some_and(|q| q.light)));
+        run_step(&mut s, &p, 5);
+        s.add_with("other".into(), (200..240).collect(), tenant("other"), target);
+        let p = s.schedule();
+        let expected = vec![("d-0", 1), ("d-1", 1), ("quiet-0", 1), ("quiet-1", 1), ("other", 40)];
         assert_eq!(ids(&p), expected);
     }
 

@@ -1,6 +1,8 @@
 //! Parse, don't validate: a request body becomes a [`Plan`] (and from it the engine's
 //! [`ValidRequest`]s) or a 400 naming the parameter at fault.
 
+use std::sync::Arc;
+
 use serde::Deserialize as _;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
@@ -11,6 +13,7 @@ use crate::serve::{CacheScope, ValidRequest};
 use crate::server::context::RequestContext;
 use crate::server::error::ApiError;
 use crate::server::openai::{ChatFields, CompletionFields, GenerationParams, SamplingFields};
+use crate::structured::Grammar;
 use sluice_text::template::encode_chat;
 use sluice_text::tokenizer::{PROMPT_FIELD, PromptTokens};
 
@@ -55,6 +58,8 @@ pub struct Plan {
     pub include_usage: bool,
     /// Everything else, as it will be reported back.
     pub params: GenerationParams,
+    /// The grammar the output must follow (`response_format`).
+    pub grammar: Option<Arc<Grammar>>,
 }
 
 impl Plan {
@@ -91,6 +96,7 @@ impl Plan {
                 weight: ctx.weight,
                 tpot_target: ctx.tpot_target,
                 arrival: ctx.arrival,
+                grammar: self.grammar.clone(),
             })
             .collect()
     }
@@ -166,19 +172,15 @@ pub fn completion_plan(
 
 /// Parameters this server does not implement yet: refused by name rather than ignored (an
 /// answer that ignores `tools` or a JSON schema is a wrong answer, not a degraded one). The
-/// values that ask for nothing (`tool_choice: "none"`, `response_format: {"type": "text"}`,
-/// empty `tools`) pass.
+/// values that ask for nothing (`tool_choice: "none"`, empty `tools`) pass.
 fn unsupported(body: &Value) -> Result<(), ApiError> {
     let asks = |name: &str| match body.get(name) {
         None | Some(Value::Null) => false,
         Some(Value::Array(a)) => !a.is_empty(),
         Some(Value::String(s)) => name != "tool_choice" || s != "none",
-        Some(Value::Object(o)) => {
-            name != "response_format" || o.get("type") != Some(&"text".into())
-        }
         Some(_) => true,
     };
-    for name in ["tools", "tool_choice", "functions", "function_call", "response_format"] {
+    for name in ["tools", "tool_choice", "functions", "function_call"] {
         if asks(name) {
             return Err(ApiError::invalid(
                 name,
@@ -188,6 +190,40 @@ fn unsupported(body: &Value) -> Result<(), ApiError> {
         }
     }
     Ok(())
+}
+
+/// The grammar `response_format` asks for: none for `{"type": "text"}` or no field, any
+/// JSON object for `json_object`, the schema's for `json_schema` (a schema this server
+/// cannot enforce is a 400 naming the part and keyword at fault).
+pub fn response_format(body: &Value) -> Result<Option<Arc<Grammar>>, ApiError> {
+    let param = "response_format";
+    let rf = match body.get(param) {
+        None | Some(Value::Null) => return Ok(None),
+        Some(Value::Object(o)) => o,
+        Some(_) => return Err(ApiError::invalid(param, "response_format must be an object")),
+    };
+    let grammar = match rf.get("type").and_then(Value::as_str) {
+        Some("text") => return Ok(None),
+        Some("json_object") => Grammar::any_object(),
+        Some("json_schema") => {
+            let param = "response_format.json_schema.schema";
+            let schema = rf
+                .get("json_schema")
+                .and_then(|j| j.get("schema"))
+                .ok_or_else(|| ApiError::invalid(param, format!("{param} is required")))?;
+            Grammar::from_schema(schema).map_err(|e| {
+                ApiError::invalid(param, format!("{param} at {e}"))
+                    .with_code("unsupported_parameter")
+            })?
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                "response_format.type",
+                "response_format.type must be text, json_object or json_schema",
+            ));
+        }
+    };
+    Ok(Some(Arc::new(grammar)))
 }
 
 /// A `/v1/chat/completions` body.
@@ -241,6 +277,7 @@ pub fn chat_plan(body: &Value, model: &LoadedModel, limits: &Limits) -> Result<P
     };
     let mut plan = sampling_plan(s, prompt, max, None, limits)?;
     plan.logprobs = top;
+    plan.grammar = response_format(body)?;
     Ok(plan)
 }
 
@@ -501,6 +538,7 @@ fn sampling_plan(
             n,
             ignore_eos: s.ignore_eos.unwrap_or(false),
         },
+        grammar: None,
     })
 }
 
@@ -557,13 +595,43 @@ mod tests {
         for (body, param) in [
             (json!({"tools": tool}), Some("tools")),
             (json!({"tool_choice": "auto"}), Some("tool_choice")),
-            (json!({"response_format": {"type": "json_object"}}), Some("response_format")),
             (json!({"functions": [{"name": "f"}]}), Some("functions")),
             (json!({"tools": [], "tool_choice": "none"}), None),
-            (json!({"response_format": {"type": "text"}}), None),
             (json!({"tools": null}), None),
         ] {
             assert_eq!(unsupported(&body).err().and_then(|e| e.param).as_deref(), param, "{body}");
+        }
+    }
+
+    #[test]
+    fn response_format_is_a_grammar_or_a_400_naming_the_fault() {
+        let rf = |v: Value| response_format(&json!({ "response_format": v }));
+        assert!(matches!(rf(json!({"type": "text"})), Ok(None)));
+        assert!(matches!(response_format(&json!({})), Ok(None)));
+        assert!(matches!(rf(json!({"type": "json_object"})), Ok(Some(_))));
+        let schema = json!({"type": "object", "properties": {"a": {"type": "string"}}});
+        let ok = rf(json!({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}));
+        assert!(matches!(ok, Ok(Some(_))));
+        let pattern =
+            json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "^a"}}});
+        let err =
+            rf(json!({"type": "json_schema", "json_schema": {"name": "x", "schema": pattern}}));
+        let err = err.err().map(|e| (e.param, e.message));
+        assert_eq!(
+            err,
+            Some((
+                Some("response_format.json_schema.schema".to_string()),
+                "response_format.json_schema.schema at /properties/a: the keyword `pattern` is \
+                 not supported"
+                    .to_string()
+            ))
+        );
+        for (v, param) in [
+            (json!({"type": "xml"}), "response_format.type"),
+            (json!({"type": "json_schema"}), "response_format.json_schema.schema"),
+            (json!("json"), "response_format"),
+        ] {
+            assert_eq!(rf(v.clone()).err().and_then(|e| e.param).as_deref(), Some(param), "{v}");
         }
     }
 

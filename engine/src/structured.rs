@@ -1,0 +1,1298 @@
+//! Structured outputs: a JSON Schema (or "any JSON object") compiled to a [`Grammar`], and a
+//! byte-level [`Matcher`] over it that says which tokens may come next, so every completion
+//! of a constrained request parses and validates.
+//!
+//! The matcher is a set of pushdown stacks, one per live reading of the bytes so far (an
+//! `anyOf`, a key among several, a literal among an enum's): a byte advances each stack or
+//! ends it, and the bytes are accepted while one survives. Tokens are checked lazily by the
+//! sampler ([`sample_constrained`]): the token it draws from the model's distribution is
+//! kept when the grammar accepts its bytes, and only otherwise is the whole vocabulary
+//! masked and the draw made again, so most steps cost one check.
+//!
+//! Objects are written in the schema's property order, every required property present and
+//! optional ones skippable; whitespace between tokens is limited to a short run, so a small
+//! model cannot fill its budget with it; numbers to 24 characters.
+
+use std::sync::Arc;
+
+use serde_json::Value;
+
+use crate::sampler::{Sampled, Sampler};
+
+/// Most consecutive whitespace bytes between JSON tokens.
+const MAX_WS: u8 = 12;
+/// Most bytes of one number.
+const MAX_NUMBER: u8 = 24;
+/// Most nested objects and arrays.
+const MAX_DEPTH: usize = 32;
+/// Most live readings at once; beyond, the newest are dropped (the output stays valid).
+const MAX_STACKS: usize = 64;
+/// Most nodes a value may pass through before its first byte (`anyOf`s, `$ref`s).
+const MAX_HOPS: u8 = 12;
+
+/// Node ids of the parts every grammar has.
+const ANY: u32 = 0;
+const ANY_OBJECT: u32 = 1;
+const ANY_ARRAY: u32 = 2;
+const STRING: u32 = 3;
+const NUMBER: u32 = 4;
+const BOOLEAN: u32 = 5;
+const NULL: u32 = 6;
+
+/// A compiled schema.
+#[derive(Debug, PartialEq)]
+pub struct Grammar {
+    nodes: Vec<Node>,
+    root: u32,
+    /// Per node, its shortest value (`None`: none is finite).
+    shortest: Vec<Option<Vec<u8>>>,
+}
+
+#[derive(Debug, PartialEq)]
+enum Node {
+    /// Any JSON value.
+    Any,
+    /// An object: its properties in order, and the schema of other keys' values (if any).
+    Object { props: Vec<Prop>, extra: Option<u32> },
+    /// An array of `items`, `min` to `max` long.
+    Array { items: u32, min: u32, max: Option<u32> },
+    /// Any string.
+    String,
+    /// Any number, or any integer.
+    Number { integer: bool },
+    /// One of these JSON texts (an enum's values, a const, `true`/`false`, `null`).
+    Literal(Vec<Vec<u8>>),
+    /// Any of these.
+    AnyOf(Vec<u32>),
+    /// Not compiled yet (a `$ref` being compiled).
+    Pending,
+}
+
+#[derive(Debug, PartialEq)]
+struct Prop {
+    /// The key as JSON, past its opening quote, with its closing one.
+    key: Vec<u8>,
+    node: u32,
+    required: bool,
+}
+
+/// A schema this server cannot enforce, with the JSON pointer of the part at fault.
+#[derive(Debug, PartialEq, Eq)]
+pub struct SchemaError {
+    /// Where in the schema (`/properties/age`), empty for its root.
+    pub path: String,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl std::fmt::Display for SchemaError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let at = if self.path.is_empty() { "/" } else { &self.path };
+        write!(f, "{at}: {}", self.message)
+    }
+}
+
+/// Keywords that only annotate a schema.
+const ANNOTATIONS: [&str; 9] = [
+    "title",
+    "description",
+    "default",
+    "examples",
+    "$schema",
+    "$id",
+    "$comment",
+    "deprecated",
+    "readOnly",
+];
+
+/// Keywords enforced.
+const ENFORCED: [&str; 12] = [
+    "type",
+    "properties",
+    "required",
+    "additionalProperties",
+    "items",
+    "minItems",
+    "maxItems",
+    "enum",
+    "const",
+    "anyOf",
+    "$ref",
+    "$defs",
+];
+
+impl Grammar {
+    /// Any JSON object (`response_format: {"type": "json_object"}`).
+    pub fn any_object() -> Grammar {
+        Grammar::new(base_nodes(), ANY_OBJECT)
+    }
+
+    /// The grammar of a JSON Schema: `type` (one or a list), `properties`, `required`,
+    /// `additionalProperties`, `items`, `minItems`, `maxItems`, `enum`, `const`, `anyOf`,
+    /// local `$ref`s into `$defs` or `definitions` (recursion included) and annotations;
+    /// any other keyword is an error naming it, never ignored.
+    pub fn from_schema(schema: &Value) -> Result<Grammar, SchemaError> {
+        let mut c = Compiler { root: schema, nodes: base_nodes(), refs: Vec::new() };
+        let root = c.compile(schema, "")?;
+        let g = Grammar::new(c.nodes, root);
+        if g.shortest(root).is_none() {
+            return Err(Compiler::err("", "no finite value satisfies this schema"));
+        }
+        Ok(g)
+    }
+
+    fn new(nodes: Vec<Node>, root: u32) -> Grammar {
+        let mut g = Grammar { shortest: vec![None; nodes.len()], nodes, root };
+        // Shortest values by fixed point: each round may finish nodes whose parts are known
+        // (recursive ones once a way out is found), so as many rounds as nodes suffice.
+        for _ in 0..=g.nodes.len() {
+            let next: Vec<Option<Vec<u8>>> =
+                (0..g.nodes.len() as u32).map(|id| g.shortest_of(id)).collect();
+            if next == g.shortest {
+                break;
+            }
+            g.shortest = next;
+        }
+        g
+    }
+
+    fn node(&self, id: u32) -> &Node {
+        self.nodes.get(id as usize).unwrap_or(&Node::Any)
+    }
+
+    fn shortest(&self, id: u32) -> Option<&[u8]> {
+        self.shortest.get(id as usize).and_then(Option::as_deref)
+    }
+
+    /// A node's shortest value from its parts' values known so far.
+    fn shortest_of(&self, id: u32) -> Option<Vec<u8>> {
+        match self.node(id) {
+            Node::Any | Node::Number { .. } => Some(b"0".to_vec()),
+            Node::String => Some(b"\"\"".to_vec()),
+            Node::Literal(alts) => alts.iter().min_by_key(|a| a.len()).cloned(),
+            Node::AnyOf(alts) => alts
+                .iter()
+                .filter_map(|&a| self.shortest(a))
+                .min_by_key(|v| v.len())
+                .map(<[u8]>::to_vec),
+            Node::Object { props, .. } => {
+                let mut out = b"{".to_vec();
+                self.close_props(props, 0, false, &mut out)?;
+                Some(out)
+            }
+            Node::Array { items, min, .. } => {
+                let mut out = b"[".to_vec();
+                self.close_items(*items, *min, false, &mut out)?;
+                Some(out)
+            }
+            Node::Pending => None,
+        }
+    }
+
+    /// Appends the required properties from `next` on and the closing brace; `after` says
+    /// a property came before (so a comma goes first).
+    fn close_props(
+        &self,
+        props: &[Prop],
+        next: usize,
+        after: bool,
+        out: &mut Vec<u8>,
+    ) -> Option<()> {
+        let mut first = !after;
+        for p in props.iter().skip(next).filter(|p| p.required) {
+            if !first {
+                out.push(b',');
+            }
+            first = false;
+            out.push(b'"');
+            out.extend_from_slice(&p.key);
+            out.push(b':');
+            out.extend_from_slice(self.shortest(p.node)?);
+        }
+        out.push(b'}');
+        Some(())
+    }
+
+    /// Appends `count` more items and the closing bracket; `after` says an item came before.
+    fn close_items(&self, items: u32, count: u32, after: bool, out: &mut Vec<u8>) -> Option<()> {
+        let item = if count > 0 { self.shortest(items)? } else { &[] };
+        for i in 0..count {
+            if after || i > 0 {
+                out.push(b',');
+            }
+            out.extend_from_slice(item);
+        }
+        out.push(b']');
+        Some(())
+    }
+}
+
+fn base_nodes() -> Vec<Node> {
+    vec![
+        Node::Any,
+        Node::Object { props: Vec::new(), extra: Some(ANY) },
+        Node::Array { items: ANY, min: 0, max: None },
+        Node::String,
+        Node::Number { integer: false },
+        Node::Literal(vec![b"true".to_vec(), b"false".to_vec()]),
+        Node::Literal(vec![b"null".to_vec()]),
+    ]
+}
+
+struct Compiler<'a> {
+    root: &'a Value,
+    nodes: Vec<Node>,
+    /// `$ref`s compiled or being compiled, and their nodes.
+    refs: Vec<(String, u32)>,
+}
+
+impl Compiler<'_> {
+    fn err(path: &str, message: impl Into<String>) -> SchemaError {
+        SchemaError { path: path.to_string(), message: message.into() }
+    }
+
+    fn push(&mut self, node: Node) -> u32 {
+        self.nodes.push(node);
+        (self.nodes.len() - 1) as u32
+    }
+
+    fn compile(&mut self, schema: &Value, path: &str) -> Result<u32, SchemaError> {
+        let obj = match schema {
+            Value::Bool(true) => return Ok(ANY),
+            Value::Object(o) => o,
+            _ => return Err(Self::err(path, "a schema must be an object or true")),
+        };
+        for key in obj.keys() {
+            let known = ENFORCED.contains(&key.as_str())
+                || ANNOTATIONS.contains(&key.as_str())
+                || key == "definitions"
+                || key == "strict";
+            if !known {
+                return Err(Self::err(path, format!("the keyword `{key}` is not supported")));
+            }
+        }
+        if let Some(r) = obj.get("$ref") {
+            return self.reference(r, path);
+        }
+        if let Some(alts) = obj.get("anyOf") {
+            let Value::Array(alts) = alts else {
+                return Err(Self::err(path, "anyOf must be an array"));
+            };
+            if alts.is_empty() {
+                return Err(Self::err(path, "anyOf must not be empty"));
+            }
+            let mut ids = Vec::new();
+            for (i, alt) in alts.iter().enumerate() {
+                ids.push(self.compile(alt, &format!("{path}/anyOf/{i}"))?);
+            }
+            return Ok(self.push(Node::AnyOf(ids)));
+        }
+        if let Some(c) = obj.get("const") {
+            return Ok(self.push(Node::Literal(vec![json_bytes(c)])));
+        }
+        if let Some(e) = obj.get("enum") {
+            let Value::Array(values) = e else {
+                return Err(Self::err(path, "enum must be an array"));
+            };
+            if values.is_empty() {
+                return Err(Self::err(path, "enum must not be empty"));
+            }
+            return Ok(self.push(Node::Literal(values.iter().map(json_bytes).collect())));
+        }
+        let types: Vec<&str> = match obj.get("type") {
+            None if obj.contains_key("properties") => vec!["object"],
+            None if obj.contains_key("items") => vec!["array"],
+            None => return Ok(ANY),
+            Some(Value::String(t)) => vec![t.as_str()],
+            Some(Value::Array(ts)) => {
+                let names: Option<Vec<&str>> = ts.iter().map(Value::as_str).collect();
+                names
+                    .filter(|n| !n.is_empty())
+                    .ok_or_else(|| Self::err(path, "type must be a type name or a list of them"))?
+            }
+            Some(_) => return Err(Self::err(path, "type must be a type name or a list of them")),
+        };
+        let mut ids = Vec::new();
+        for t in types {
+            ids.push(match t {
+                "string" => STRING,
+                "number" => NUMBER,
+                "integer" => self.push(Node::Number { integer: true }),
+                "boolean" => BOOLEAN,
+                "null" => NULL,
+                "object" => self.object(obj, path)?,
+                "array" => self.array(obj, path)?,
+                other => return Err(Self::err(path, format!("unknown type `{other}`"))),
+            });
+        }
+        Ok(if ids.len() == 1 { ids[0] } else { self.push(Node::AnyOf(ids)) })
+    }
+
+    fn object(
+        &mut self,
+        obj: &serde_json::Map<String, Value>,
+        path: &str,
+    ) -> Result<u32, SchemaError> {
+        let required: Vec<&str> = match obj.get("required") {
+            None => Vec::new(),
+            Some(Value::Array(r)) => r
+                .iter()
+                .map(Value::as_str)
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| Self::err(path, "required must be a list of property names"))?,
+            Some(_) => return Err(Self::err(path, "required must be a list of property names")),
+        };
+        let empty = serde_json::Map::new();
+        let properties = match obj.get("properties") {
+            None => &empty,
+            Some(Value::Object(p)) => p,
+            Some(_) => return Err(Self::err(path, "properties must be an object")),
+        };
+        for name in &required {
+            if !properties.contains_key(*name) {
+                let msg = format!("required property `{name}` is not among the properties");
+                return Err(Self::err(path, msg));
+            }
+        }
+        let mut props = Vec::new();
+        for (name, schema) in properties {
+            let node = self.compile(schema, &format!("{path}/properties/{}", pointer(name)))?;
+            let mut key = json_bytes(&Value::String(name.clone()));
+            key.remove(0);
+            props.push(Prop { key, node, required: required.contains(&name.as_str()) });
+        }
+        // Keys beyond the properties only where the schema asks for them by a schema of
+        // their values; with properties and no word on others, the properties alone (a
+        // subset of what the schema allows, as strict mode has it).
+        let extra = match obj.get("additionalProperties") {
+            Some(Value::Bool(false)) => None,
+            None | Some(Value::Bool(true)) => props.is_empty().then_some(ANY),
+            Some(s) => Some(self.compile(s, &format!("{path}/additionalProperties"))?),
+        };
+        Ok(self.push(Node::Object { props, extra }))
+    }
+
+    fn array(
+        &mut self,
+        obj: &serde_json::Map<String, Value>,
+        path: &str,
+    ) -> Result<u32, SchemaError> {
+        let items = match obj.get("items") {
+            None => ANY,
+            Some(s) => self.compile(s, &format!("{path}/items"))?,
+        };
+        let bound = |name: &str| -> Result<Option<u32>, SchemaError> {
+            match obj.get(name) {
+                None => Ok(None),
+                Some(v) => v
+                    .as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .map(Some)
+                    .ok_or_else(|| Self::err(path, format!("{name} must be a whole number"))),
+            }
+        };
+        let min = bound("minItems")?.unwrap_or(0);
+        let max = bound("maxItems")?;
+        if max.is_some_and(|m| m < min) {
+            return Err(Self::err(path, "maxItems is below minItems"));
+        }
+        Ok(self.push(Node::Array { items, min, max }))
+    }
+
+    fn reference(&mut self, r: &Value, path: &str) -> Result<u32, SchemaError> {
+        let Some(r) = r.as_str() else {
+            return Err(Self::err(path, "$ref must be a string"));
+        };
+        if let Some((_, id)) = self.refs.iter().find(|(name, _)| name == r) {
+            return Ok(*id);
+        }
+        let target = r
+            .strip_prefix('#')
+            .and_then(|p| self.root.pointer(p))
+            .filter(|_| r.starts_with("#/$defs/") || r.starts_with("#/definitions/"))
+            .ok_or_else(|| {
+                Self::err(path, format!("$ref `{r}` is not a local #/$defs/ or #/definitions/"))
+            })?;
+        // Allocated before its body, so a recursive reference finds it.
+        let id = self.push(Node::Pending);
+        self.refs.push((r.to_string(), id));
+        let body = self.compile(target, r.trim_start_matches('#'))?;
+        self.nodes[id as usize] = Node::AnyOf(vec![body]);
+        Ok(id)
+    }
+}
+
+/// A JSON pointer segment.
+fn pointer(name: &str) -> String {
+    name.replace('~', "~0").replace('/', "~1")
+}
+
+fn json_bytes(v: &Value) -> Vec<u8> {
+    serde_json::to_vec(v).unwrap_or_default()
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum ObjAt {
+    /// After `{`.
+    Open,
+    /// A key is being read (a free one: a string).
+    InKey,
+    /// After a key: `:` comes, then a value of this node.
+    Colon(u32),
+    /// A value is being read.
+    InValue,
+    /// After a value.
+    AfterValue,
+    /// After `,`.
+    AfterComma,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum ArrAt {
+    Open,
+    InValue,
+    AfterValue,
+    AfterComma,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum StrAt {
+    Normal,
+    Escape,
+    /// Hex digits of a `\u` escape still to come.
+    Unicode(u8),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum NumAt {
+    Minus,
+    Zero,
+    Int,
+    Dot,
+    Frac,
+    Exp,
+    ExpSign,
+    ExpDigits,
+}
+
+impl NumAt {
+    fn accepting(self) -> bool {
+        matches!(self, NumAt::Zero | NumAt::Int | NumAt::Frac | NumAt::ExpDigits)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Frame {
+    /// A value of this node is to start.
+    Value(u32),
+    /// Inside an object: the next property that may come, and where.
+    Obj {
+        node: u32,
+        next: u32,
+        at: ObjAt,
+    },
+    /// Inside a declared key of an object's property.
+    Key {
+        node: u32,
+        prop: u32,
+        pos: u32,
+    },
+    Arr {
+        node: u32,
+        count: u32,
+        at: ArrAt,
+    },
+    Str(StrAt),
+    /// Inside one of a literal node's texts.
+    Lit {
+        node: u32,
+        alt: u32,
+        pos: u32,
+    },
+    Num {
+        integer: bool,
+        at: NumAt,
+        len: u8,
+    },
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Stack {
+    frames: Vec<Frame>,
+    /// Whitespace bytes in a row just read.
+    ws: u8,
+}
+
+/// Where a constrained generation stands.
+#[derive(Clone, Debug)]
+pub struct Matcher {
+    grammar: Arc<Grammar>,
+    stacks: Vec<Stack>,
+}
+
+fn is_ws(b: u8) -> bool {
+    matches!(b, b' ' | b'\n' | b'\t' | b'\r')
+}
+
+impl Matcher {
+    /// At the start of a value of the grammar's root.
+    pub fn new(grammar: Arc<Grammar>) -> Matcher {
+        let root = grammar.root;
+        Matcher { grammar, stacks: vec![Stack { frames: vec![Frame::Value(root)], ws: 0 }] }
+    }
+
+    /// Reads `bytes`; false (and the matcher unchanged) when the grammar refuses them.
+    pub fn advance(&mut self, bytes: &[u8]) -> bool {
+        let mut stacks = self.stacks.clone();
+        for &b in bytes {
+            let mut next = Vec::new();
+            for stack in stacks {
+                self.step(stack, b, &mut next);
+            }
+            if next.is_empty() {
+                return false;
+            }
+            stacks = next;
+        }
+        self.stacks = stacks;
+        true
+    }
+
+    /// Whether the grammar would accept `bytes` next.
+    pub fn accepts(&self, bytes: &[u8]) -> bool {
+        self.clone().advance(bytes)
+    }
+
+    /// Whether what was read is a whole value of the root (the end may come).
+    pub fn is_complete(&self) -> bool {
+        self.stacks.iter().any(|s| match s.frames.as_slice() {
+            [] => true,
+            [Frame::Num { at, .. }] => at.accepting(),
+            _ => false,
+        })
+    }
+
+    /// Whether the root value is closed: nothing but whitespace may follow.
+    pub fn is_closed(&self) -> bool {
+        self.stacks.iter().any(|s| s.frames.is_empty())
+    }
+
+    /// The shortest bytes that complete the root value from here (empty once complete).
+    pub fn closing(&self) -> Option<Vec<u8>> {
+        self.stacks.iter().filter_map(|s| self.closing_of(s)).min_by_key(Vec::len)
+    }
+
+    fn closing_of(&self, stack: &Stack) -> Option<Vec<u8>> {
+        let g = &*self.grammar;
+        let mut out = Vec::new();
+        // Each frame from the top down, as it stands once the one above it is complete.
+        // A declared key on top: the property it names, finished by the key's closing.
+        let mut key_done: Option<usize> = None;
+        for frame in stack.frames.iter().rev() {
+            match *frame {
+                Frame::Value(node) => out.extend_from_slice(g.shortest(node)?),
+                Frame::Str(at) => {
+                    match at {
+                        StrAt::Normal => {}
+                        StrAt::Escape => out.push(b'n'),
+                        StrAt::Unicode(n) => out.extend(std::iter::repeat_n(b'0', n as usize)),
+                    }
+                    out.push(b'"');
+                }
+                Frame::Num { at, .. } => {
+                    if !at.accepting() {
+                        out.push(b'0');
+                    }
+                }
+                Frame::Lit { node, alt, pos } => {
+                    let Node::Literal(alts) = g.node(node) else { return None };
+                    out.extend_from_slice(alts.get(alt as usize)?.get(pos as usize..)?);
+                }
+                Frame::Key { node, prop, pos } => {
+                    let Node::Object { props, .. } = g.node(node) else { return None };
+                    let p = props.get(prop as usize)?;
+                    out.extend_from_slice(p.key.get(pos as usize..)?);
+                    out.push(b':');
+                    out.extend_from_slice(g.shortest(p.node)?);
+                    // The object goes on after this property, below.
+                    key_done = Some(prop as usize);
+                    continue;
+                }
+                Frame::Obj { node, next, at } => {
+                    let Node::Object { props, extra } = g.node(node) else { return None };
+                    let (next, at) = match (key_done.take(), at) {
+                        (Some(prop), _) => (prop + 1, ObjAt::AfterValue),
+                        (None, ObjAt::InValue) => (next as usize, ObjAt::AfterValue),
+                        (None, ObjAt::InKey) => (next as usize, ObjAt::Colon((*extra)?)),
+                        (None, at) => (next as usize, at),
+                    };
+                    match at {
+                        ObjAt::Open => g.close_props(props, next, false, &mut out)?,
+                        ObjAt::AfterValue => g.close_props(props, next, true, &mut out)?,
+                        ObjAt::Colon(value) => {
+                            out.push(b':');
+                            out.extend_from_slice(g.shortest(value)?);
+                            g.close_props(props, next, true, &mut out)?;
+                        }
+                        ObjAt::AfterComma => {
+                            // A property must come: the first required one, else the next
+                            // declared one, else a key of the object's own choosing.
+                            let pick = props
+                                .iter()
+                                .enumerate()
+                                .skip(next)
+                                .find(|(_, p)| p.required)
+                                .or_else(|| props.iter().enumerate().nth(next));
+                            match pick {
+                                Some((i, p)) => {
+                                    out.push(b'"');
+                                    out.extend_from_slice(&p.key);
+                                    out.push(b':');
+                                    out.extend_from_slice(g.shortest(p.node)?);
+                                    g.close_props(props, i + 1, true, &mut out)?;
+                                }
+                                None => {
+                                    out.extend_from_slice(b"\"\":");
+                                    out.extend_from_slice(g.shortest((*extra)?)?);
+                                    out.push(b'}');
+                                }
+                            }
+                        }
+                        ObjAt::InKey | ObjAt::InValue => return None,
+                    }
+                }
+                Frame::Arr { node, count, at } => {
+                    let Node::Array { items, min, .. } = *g.node(node) else { return None };
+                    let (count, at) = match at {
+                        ArrAt::InValue => (count + 1, ArrAt::AfterValue),
+                        at => (count, at),
+                    };
+                    let left = min.saturating_sub(count);
+                    match at {
+                        ArrAt::Open => g.close_items(items, left, false, &mut out)?,
+                        ArrAt::AfterValue => g.close_items(items, left, true, &mut out)?,
+                        ArrAt::AfterComma => g.close_items(items, left.max(1), false, &mut out)?,
+                        ArrAt::InValue => return None,
+                    }
+                }
+            }
+        }
+        Some(out)
+    }
+
+    fn push_out(out: &mut Vec<Stack>, stack: Stack) {
+        if out.len() < MAX_STACKS && !out.contains(&stack) {
+            out.push(stack);
+        }
+    }
+
+    /// Advances one reading by `b` into `out` (none, one, or several readings).
+    fn step(&self, mut stack: Stack, b: u8, out: &mut Vec<Stack>) {
+        let white = is_ws(b);
+        let ws = if white { stack.ws.saturating_add(1) } else { 0 };
+        let Some(&top) = stack.frames.last() else {
+            if white && ws <= MAX_WS {
+                stack.ws = ws;
+                Self::push_out(out, stack);
+            }
+            return;
+        };
+        // Whitespace goes where JSON allows it between tokens, a short run at most.
+        let between = match top {
+            Frame::Value(_) => true,
+            Frame::Obj { at, .. } => !matches!(at, ObjAt::InKey | ObjAt::InValue),
+            Frame::Arr { at, .. } => at != ArrAt::InValue,
+            _ => false,
+        };
+        if white && between {
+            if ws <= MAX_WS {
+                stack.ws = ws;
+                Self::push_out(out, stack);
+            }
+            return;
+        }
+        stack.ws = ws;
+        let g = &*self.grammar;
+        match top {
+            Frame::Value(node) => {
+                stack.frames.pop();
+                self.start(stack, node, b, out);
+            }
+            Frame::Obj { node, next, at } => {
+                let Node::Object { props, extra } = g.node(node) else { return };
+                // Properties that may come next: from `next` up to the first required one.
+                let first_required = props
+                    .iter()
+                    .enumerate()
+                    .skip(next as usize)
+                    .find(|(_, p)| p.required)
+                    .map(|(i, _)| i);
+                let upto = first_required.map_or(props.len(), |i| i + 1);
+                let may_close = first_required.is_none();
+                let eligible = next as usize..upto;
+                let set = |stack: &mut Stack, at: ObjAt| {
+                    if let Some(Frame::Obj { at: a, .. }) = stack.frames.last_mut() {
+                        *a = at;
+                    }
+                };
+                match (at, b) {
+                    (ObjAt::Open | ObjAt::AfterComma, b'"') => {
+                        for k in eligible {
+                            let mut s = stack.clone();
+                            s.frames.push(Frame::Key { node, prop: k as u32, pos: 0 });
+                            Self::push_out(out, s);
+                        }
+                        if extra.is_some() {
+                            set(&mut stack, ObjAt::InKey);
+                            stack.frames.push(Frame::Str(StrAt::Normal));
+                            Self::push_out(out, stack);
+                        }
+                    }
+                    (ObjAt::Open, b'}') | (ObjAt::AfterValue, b'}') if may_close => {
+                        stack.frames.pop();
+                        self.complete(stack, out);
+                    }
+                    (ObjAt::AfterValue, b',') if !eligible.is_empty() || extra.is_some() => {
+                        set(&mut stack, ObjAt::AfterComma);
+                        Self::push_out(out, stack);
+                    }
+                    (ObjAt::Colon(value), b':') if stack.frames.len() < MAX_DEPTH * 2 => {
+                        set(&mut stack, ObjAt::InValue);
+                        stack.frames.push(Frame::Value(value));
+                        Self::push_out(out, stack);
+                    }
+                    _ => {}
+                }
+            }
+            Frame::Key { node, prop, pos } => {
+                let Node::Object { props, .. } = g.node(node) else { return };
+                let Some(key) = props.get(prop as usize).map(|p| &p.key) else { return };
+                if key.get(pos as usize) != Some(&b) {
+                    return;
+                }
+                if pos as usize + 1 < key.len() {
+                    stack.frames.pop();
+                    stack.frames.push(Frame::Key { node, prop, pos: pos + 1 });
+                    Self::push_out(out, stack);
+                    return;
+                }
+                stack.frames.pop();
+                let value = props[prop as usize].node;
+                if let Some(Frame::Obj { next, at, .. }) = stack.frames.last_mut() {
+                    *next = prop + 1;
+                    *at = ObjAt::Colon(value);
+                    Self::push_out(out, stack);
+                }
+            }
+            Frame::Arr { node, count, at } => {
+                let Node::Array { items, min, max } = *g.node(node) else { return };
+                let room = max.is_none_or(|m| count < m);
+                match (at, b) {
+                    (ArrAt::Open, b']') if min == 0 => {
+                        stack.frames.pop();
+                        self.complete(stack, out);
+                    }
+                    (ArrAt::AfterValue, b']') if count >= min => {
+                        stack.frames.pop();
+                        self.complete(stack, out);
+                    }
+                    (ArrAt::AfterValue, b',') if room => {
+                        if let Some(Frame::Arr { at, .. }) = stack.frames.last_mut() {
+                            *at = ArrAt::AfterComma;
+                        }
+                        Self::push_out(out, stack);
+                    }
+                    (ArrAt::Open | ArrAt::AfterComma, _) if room => {
+                        if let Some(Frame::Arr { at, .. }) = stack.frames.last_mut() {
+                            *at = ArrAt::InValue;
+                        }
+                        self.start(stack, items, b, out);
+                    }
+                    _ => {}
+                }
+            }
+            Frame::Str(at) => {
+                let next = match (at, b) {
+                    (StrAt::Normal, b'"') => {
+                        stack.frames.pop();
+                        self.complete(stack, out);
+                        return;
+                    }
+                    (StrAt::Normal, b'\\') => StrAt::Escape,
+                    (StrAt::Normal, 0..0x20) => return,
+                    (StrAt::Normal, _) => StrAt::Normal,
+                    (StrAt::Escape, b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't') => {
+                        StrAt::Normal
+                    }
+                    (StrAt::Escape, b'u') => StrAt::Unicode(4),
+                    (StrAt::Unicode(n), _) if b.is_ascii_hexdigit() => {
+                        if n == 1 {
+                            StrAt::Normal
+                        } else {
+                            StrAt::Unicode(n - 1)
+                        }
+                    }
+                    _ => return,
+                };
+                if let Some(Frame::Str(at)) = stack.frames.last_mut() {
+                    *at = next;
+                }
+                Self::push_out(out, stack);
+            }
+            Frame::Lit { node, alt, pos } => {
+                let Node::Literal(alts) = g.node(node) else { return };
+                let Some(text) = alts.get(alt as usize) else { return };
+                if text.get(pos as usize) != Some(&b) {
+                    return;
+                }
+                stack.frames.pop();
+                if pos as usize + 1 < text.len() {
+                    stack.frames.push(Frame::Lit { node, alt, pos: pos + 1 });
+                    Self::push_out(out, stack);
+                } else {
+                    self.complete(stack, out);
+                }
+            }
+            Frame::Num { integer, at, len } => {
+                let next = match (at, b) {
+                    _ if len >= MAX_NUMBER => None,
+                    (NumAt::Minus, b'0') => Some(NumAt::Zero),
+                    (NumAt::Minus, b'1'..=b'9') => Some(NumAt::Int),
+                    (NumAt::Int, b'0'..=b'9') => Some(NumAt::Int),
+                    (NumAt::Zero | NumAt::Int, b'.') if !integer => Some(NumAt::Dot),
+                    (NumAt::Dot | NumAt::Frac, b'0'..=b'9') => Some(NumAt::Frac),
+                    (NumAt::Zero | NumAt::Int | NumAt::Frac, b'e' | b'E') if !integer => {
+                        Some(NumAt::Exp)
+                    }
+                    (NumAt::Exp, b'+' | b'-') => Some(NumAt::ExpSign),
+                    (NumAt::Exp | NumAt::ExpSign | NumAt::ExpDigits, b'0'..=b'9') => {
+                        Some(NumAt::ExpDigits)
+                    }
+                    _ => None,
+                };
+                stack.frames.pop();
+                match next {
+                    Some(at) => {
+                        stack.frames.push(Frame::Num { integer, at, len: len + 1 });
+                        Self::push_out(out, stack);
+                    }
+                    // The number ends where a byte cannot go on with it: that byte is the
+                    // next token's, after the number's value is complete.
+                    None if at.accepting() => {
+                        let mut done = Vec::new();
+                        self.complete(stack, &mut done);
+                        for s in done {
+                            self.step(s, b, out);
+                        }
+                    }
+                    None => {}
+                }
+            }
+        }
+    }
+
+    /// Starts a value of `node` with its first byte `b`.
+    fn start(&self, stack: Stack, node: u32, b: u8, out: &mut Vec<Stack>) {
+        self.start_within(stack, node, b, out, MAX_HOPS);
+    }
+
+    /// [`start`](Self::start) through at most `hops` more nodes that consume nothing (an
+    /// `anyOf`, a `$ref`, any value), so a schema that refers to itself without consuming a
+    /// byte (`A: anyOf [A]`), or nests alternatives deep, cannot recurse without end.
+    fn start_within(&self, mut stack: Stack, node: u32, b: u8, out: &mut Vec<Stack>, hops: u8) {
+        if stack.frames.len() >= MAX_DEPTH * 2 || hops == 0 || out.len() >= MAX_STACKS {
+            return;
+        }
+        match self.grammar.node(node) {
+            Node::Any => {
+                let node = match b {
+                    b'{' => ANY_OBJECT,
+                    b'[' => ANY_ARRAY,
+                    b'"' => STRING,
+                    b'-' | b'0'..=b'9' => NUMBER,
+                    b't' | b'f' => BOOLEAN,
+                    b'n' => NULL,
+                    _ => return,
+                };
+                self.start_within(stack, node, b, out, hops - 1);
+            }
+            Node::Object { .. } if b == b'{' => {
+                stack.frames.push(Frame::Obj { node, next: 0, at: ObjAt::Open });
+                Self::push_out(out, stack);
+            }
+            Node::Array { .. } if b == b'[' => {
+                stack.frames.push(Frame::Arr { node, count: 0, at: ArrAt::Open });
+                Self::push_out(out, stack);
+            }
+            Node::String if b == b'"' => {
+                stack.frames.push(Frame::Str(StrAt::Normal));
+                Self::push_out(out, stack);
+            }
+            Node::Number { integer } => {
+                let at = match b {
+                    b'-' => NumAt::Minus,
+                    b'0' => NumAt::Zero,
+                    b'1'..=b'9' => NumAt::Int,
+                    _ => return,
+                };
+                stack.frames.push(Frame::Num { integer: *integer, at, len: 1 });
+                Self::push_out(out, stack);
+            }
+            Node::Literal(alts) => {
+                for (i, text) in alts.iter().enumerate() {
+                    if text.first() != Some(&b) {
+                        continue;
+                    }
+                    let mut s = stack.clone();
+                    if text.len() == 1 {
+                        self.complete(s, out);
+                    } else {
+                        s.frames.push(Frame::Lit { node, alt: i as u32, pos: 1 });
+                        Self::push_out(out, s);
+                    }
+                }
+            }
+            Node::AnyOf(alts) => {
+                for &alt in alts {
+                    self.start_within(stack.clone(), alt, b, out, hops - 1);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// A value just ended: its parent moves past it.
+    fn complete(&self, mut stack: Stack, out: &mut Vec<Stack>) {
+        let extra = |node| match self.grammar.node(node) {
+            Node::Object { extra, .. } => *extra,
+            _ => None,
+        };
+        match stack.frames.last_mut() {
+            Some(Frame::Obj { node, at, .. }) => {
+                *at = match (*at, extra(*node)) {
+                    (ObjAt::InValue, _) => ObjAt::AfterValue,
+                    (ObjAt::InKey, Some(extra)) => ObjAt::Colon(extra),
+                    _ => return,
+                };
+            }
+            Some(Frame::Arr { at, count, .. }) => {
+                *at = ArrAt::AfterValue;
+                *count += 1;
+            }
+            _ => {}
+        }
+        Self::push_out(out, stack);
+    }
+}
+
+/// Why a constrained draw could not be made.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Stuck;
+
+/// Draws the next token of a constrained request, `left` tokens at most being left to it
+/// (this one included): the sampler's own choice when the grammar accepts it and the value
+/// can still be closed in the tokens left after it, else its choice among the tokens the
+/// grammar accepts (the stop tokens once the value is complete), and, when the budget would
+/// run out first, among the tokens that follow the grammar's shortest closing, so the value
+/// is closed within the budget whenever a byte a token can do it. `bytes` gives a token's
+/// bytes (`None`: a special token). The matcher is advanced by the chosen token; the flag
+/// says the budget forced it.
+pub fn sample_constrained(
+    sampler: &mut Sampler,
+    matcher: &mut Matcher,
+    logits: &[f32],
+    logprobs: Option<usize>,
+    bytes: impl Fn(u32) -> Option<Vec<u8>>,
+    stops: &[u32],
+    left: usize,
+) -> Result<(Sampled, bool), Stuck> {
+    let allowed = |m: &Matcher, t: u32| {
+        if stops.contains(&t) {
+            return m.is_complete();
+        }
+        bytes(t).is_some_and(|b| !b.is_empty() && m.accepts(&b))
+    };
+    // Whether the value can still be closed, a byte a token, in the tokens left after `t`.
+    let fits = |m: &Matcher, t: u32| {
+        if stops.contains(&t) {
+            return true;
+        }
+        let mut after = m.clone();
+        let closing = bytes(t).filter(|b| after.advance(b)).and_then(|_| after.closing());
+        closing.is_some_and(|c| c.len() < left)
+    };
+    let mask = |keep: &dyn Fn(&[u8]) -> bool| {
+        let mut masked = vec![f32::NEG_INFINITY; logits.len()];
+        let mut any = false;
+        for (t, (m, &l)) in masked.iter_mut().zip(logits).enumerate() {
+            let t = t as u32;
+            let ok = if stops.contains(&t) {
+                matcher.is_complete()
+            } else {
+                bytes(t).is_some_and(|b| !b.is_empty() && keep(&b))
+            };
+            if ok {
+                *m = l;
+                any = true;
+            }
+        }
+        any.then_some(masked)
+    };
+    let first = sampler.choose(logits);
+    let mut token = if allowed(matcher, first) {
+        first
+    } else {
+        // Bytes that may come next, so most tokens are judged by their first byte alone.
+        let firsts: Vec<bool> = (0..=255u8).map(|b| matcher.accepts(&[b])).collect();
+        let masked = mask(&|b: &[u8]| firsts[b[0] as usize] && matcher.accepts(b));
+        sampler.choose(&masked.ok_or(Stuck)?)
+    };
+    let mut forced = false;
+    if !fits(matcher, token) {
+        // The shortest closing from here, as far as a token follows it.
+        let closing = matcher.closing().unwrap_or_default();
+        if let Some(masked) = mask(&|b: &[u8]| closing.starts_with(b)) {
+            forced = true;
+            token = sampler.choose(&masked);
+        }
+    }
+    if !stops.contains(&token)
+        && let Some(b) = bytes(token)
+    {
+        matcher.advance(&b);
+    }
+    Ok((sampler.commit(token, logits, logprobs), forced))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn accepts(g: &Arc<Grammar>, text: &str) -> bool {
+        let mut m = Matcher::new(Arc::clone(g));
+        m.advance(text.as_bytes()) && m.is_complete()
+    }
+
+    #[test]
+    fn any_object_takes_json_objects_only() {
+        let g = Arc::new(Grammar::any_object());
+        for ok in [
+            "{}",
+            r#"{"a": 1}"#,
+            r#"{"a": [1, 2.5e-3, -0, "x\"y\u00e9"], "b": {"c": null, "d": true}}"#,
+            "{\n  \"k\": false\n}",
+        ] {
+            assert!(accepts(&g, ok), "{ok}");
+        }
+        for bad in [
+            "[]",
+            "1",
+            r#"{"a": 01}"#,
+            r#"{"a": 1,}"#,
+            r#"{"a" 1}"#,
+            r#"{"a": tru}"#,
+            "{\"a\": \"\u{1}\"}",
+            r#"{"a": 1}}"#,
+            "{              \"a\": 1}",
+        ] {
+            assert!(!accepts(&g, bad), "{bad}");
+        }
+        let mut m = Matcher::new(g);
+        assert!(m.advance(b"{\"a\": 12"));
+        assert!(!m.is_complete(), "an open object is not complete");
+        assert!(m.advance(b"}") && m.is_closed());
+    }
+
+    #[test]
+    fn a_schema_fixes_keys_order_types_and_enums() -> Result<(), SchemaError> {
+        let schema = json!({
+            "type": "object",
+            "properties": {
+                "name": {"type": "string"},
+                "age": {"type": "integer"},
+                "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2},
+                "nick": {"anyOf": [{"type": "string"}, {"type": "null"}]}
+            },
+            "required": ["name", "age", "tags"],
+            "additionalProperties": false
+        });
+        let g = Arc::new(Grammar::from_schema(&schema)?);
+        for ok in [
+            r#"{"name": "x", "age": 3, "tags": []}"#,
+            r#"{"name":"x","age":-3,"tags":["a","b"],"nick":null}"#,
+            r#"{"name": "x", "age": 0, "tags": ["b"], "nick": "y"}"#,
+        ] {
+            assert!(accepts(&g, ok), "{ok}");
+        }
+        for bad in [
+            r#"{"age": 3, "name": "x", "tags": []}"#,
+            r#"{"name": "x", "tags": []}"#,
+            r#"{"name": "x", "age": 3.5, "tags": []}"#,
+            r#"{"name": "x", "age": 3, "tags": ["c"]}"#,
+            r#"{"name": "x", "age": 3, "tags": ["a", "a", "a"]}"#,
+            r#"{"name": "x", "age": 3, "tags": [], "other": 1}"#,
+            r#"{"name": 1, "age": 3, "tags": []}"#,
+        ] {
+            assert!(!accepts(&g, bad), "{bad}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn refs_recursion_and_refusals() -> Result<(), SchemaError> {
+        let schema = json!({
+            "$defs": {"Node": {
+                "type": "object",
+                "properties": {"v": {"type": "integer"}, "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}},
+                "required": ["v", "kids"]
+            }},
+            "$ref": "#/$defs/Node"
+        });
+        let g = Arc::new(Grammar::from_schema(&schema)?);
+        assert!(accepts(&g, r#"{"v": 1, "kids": [{"v": 2, "kids": []}, {"v": 3, "kids": []}]}"#));
+        assert!(!accepts(&g, r#"{"v": 1, "kids": [{"v": 2}]}"#));
+        let refused = |schema: Value| Grammar::from_schema(&schema).err().map(|e| e.to_string());
+        assert_eq!(
+            refused(
+                json!({"type": "object", "properties": {"a": {"type": "string", "minLength": 2}}})
+            ),
+            Some("/properties/a: the keyword `minLength` is not supported".to_string())
+        );
+        assert_eq!(
+            refused(json!({"$ref": "https://example.com/s.json"})),
+            Some(
+                "/: $ref `https://example.com/s.json` is not a local #/$defs/ or #/definitions/"
+                    .to_string()
+            )
+        );
+        // A reference to itself that consumes nothing has no value at all.
+        let knot = json!({"$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/A"}]}}, "$ref": "#/$defs/A"});
+        assert_eq!(refused(knot), Some("/: no finite value satisfies this schema".to_string()));
+        assert_eq!(
+            refused(json!({"type": "object", "required": ["b"], "properties": {}})),
+            Some("/: required property `b` is not among the properties".to_string())
+        );
+        Ok(())
+    }
+
+    /// A toy vocabulary: `{`, `}`, `"a"`, `:`, ` `, `1`, `x`, and a stop token.
+    const TOY: [&str; 7] = ["{", "}", "\"a\"", ":", " ", "1", "x"];
+    const TOY_STOP: u32 = 7;
+
+    fn toy_bytes(t: u32) -> Option<Vec<u8>> {
+        TOY.get(t as usize).map(|s| s.as_bytes().to_vec())
+    }
+
+    fn stuck(_: Stuck) -> SchemaError {
+        SchemaError { path: String::new(), message: "stuck".into() }
+    }
+
+    /// Draws tokens until the value closes or `max` tokens: the text, whether the budget
+    /// forced a token.
+    fn generate(
+        g: &Arc<Grammar>,
+        params: crate::sampler::SamplingParams,
+        logits: &[f32],
+        max: usize,
+    ) -> Result<(Vec<u32>, bool), SchemaError> {
+        let mut sampler = Sampler::new(params);
+        let mut m = Matcher::new(Arc::clone(g));
+        let (mut tokens, mut forced) = (Vec::new(), false);
+        while !m.is_closed() && tokens.len() < max {
+            let left = max - tokens.len();
+            let (s, f) = sample_constrained(
+                &mut sampler,
+                &mut m,
+                logits,
+                None,
+                toy_bytes,
+                &[TOY_STOP],
+                left,
+            )
+            .map_err(stuck)?;
+            assert_ne!(s.token, TOY_STOP, "a stop before the value is complete");
+            tokens.push(s.token);
+            forced |= f;
+        }
+        Ok((tokens, forced))
+    }
+
+    fn text(tokens: &[u32]) -> Vec<u8> {
+        tokens.iter().flat_map(|&t| toy_bytes(t).unwrap_or_default()).collect()
+    }
+
+    #[test]
+    fn the_sampler_is_kept_to_the_grammar_whatever_the_logits_say() -> Result<(), SchemaError> {
+        let schema =
+            json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
+        let g = Arc::new(Grammar::from_schema(&schema)?);
+        // The model would rather say `x` or stop at every step.
+        let logits = [0.1, 0.2, 0.3, 0.4, 0.0, 0.15, 1.0, 0.9];
+        let (tokens, forced) = generate(&g, Default::default(), &logits, 64)?;
+        assert_eq!((tokens, forced), (vec![0, 2, 3, 5, 1], false), "greedy among what is allowed");
+        // Sampled at several seeds: always a closed value of the schema.
+        for seed in 0..20 {
+            let params =
+                crate::sampler::SamplingParams { temperature: 1.0, seed, ..Default::default() };
+            let text = text(&generate(&g, params, &logits, 200)?.0);
+            let v: Result<Value, _> = serde_json::from_slice(&text);
+            assert!(v.is_ok_and(|v| v["a"].is_number()), "{}", String::from_utf8_lossy(&text));
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn the_value_is_closed_within_the_token_budget() -> Result<(), SchemaError> {
+        let schema =
+            json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]});
+        let g = Arc::new(Grammar::from_schema(&schema)?);
+        // The model loves digits: left alone, it writes 24 of them.
+        let logits = [0.1, 0.2, 0.3, 0.4, 0.0, 2.0, 1.0, 0.9];
+        let (tokens, forced) = generate(&g, Default::default(), &logits, 64)?;
+        assert_eq!(text(&tokens), format!("{{\"a\":{}}}", "1".repeat(24)).into_bytes());
+        assert!(!forced);
+        // Eight tokens: `{`, `"a"`, `:`, four digits, and `}` is forced at the last.
+        let (tokens, forced) = generate(&g, Default::default(), &logits, 8)?;
+        assert_eq!(text(&tokens), b"{\"a\":1111}".to_vec());
+        assert!(forced, "the closing brace came from the budget, not the model");
+        // The shortest closings from a few places.
+        let mut m = Matcher::new(Arc::clone(&g));
+        let mut closings = vec![m.closing()];
+        for piece in ["{", "\"", "a\"", ":", "12"] {
+            m.advance(piece.as_bytes());
+            closings.push(m.closing());
+        }
+        let want = [r#"{"a":0}"#, r#""a":0}"#, r#"a":0}"#, ":0}", "0}", "}"];
+        assert_eq!(closings, want.map(|w| Some(w.as_bytes().to_vec())).to_vec());
+        Ok(())
+    }
+
+    #[test]
+    fn every_closing_completes_its_value() -> Result<(), SchemaError> {
+        let schema = json!({
+            "type": "object",
+            "properties": {
+                "s": {"type": "string"},
+                "o": {"anyOf": [{"type": "null"}, {"type": "object", "properties": {"k": {"enum": ["xy", "z"]}}, "required": ["k"]}]},
+                "l": {"type": "array", "items": {"type": "number"}, "minItems": 2},
+                "f": {"type": "boolean"}
+            },
+            "required": ["s", "l"]
+        });
+        let g = Arc::new(Grammar::from_schema(&schema)?);
+        let whole = r#"{"s": "a\u00e9", "o": {"k": "xy"}, "l": [1.5e3, -2], "f": false}"#;
+        for cut in 0..whole.len() {
+            let mut m = Matcher::new(Arc::clone(&g));
+            assert!(m.advance(&whole.as_bytes()[..cut]), "{cut}");
+            let closing = m.closing().unwrap_or_default();
+            assert!(
+                m.advance(&closing) && m.is_closed(),
+                "{} + {}",
+                &whole[..cut],
+                String::from_utf8_lossy(&closing)
+            );
+        }
+        Ok(())
+    }
+}
