@@ -299,6 +299,10 @@ async fn completions_chat_streaming_and_identity() -> anyhow::Result<()> {
     let m: Value = c.get(server.at("/v1/models")).send().await?.json().await?;
     ensure!(m["object"] == "list" && m["data"][0]["id"] == "SmolLM2-135M-Instruct.Q4_1", "{m}");
     ensure!(m["data"][0]["sluice"]["execution_identity"]["model_revision"] == revision);
+    // Served under its file's name, it has no entry in policies/sampling.json, and the file
+    // recommends nothing: OpenAI's defaults, said to be so.
+    let d = &m["data"][0]["sluice"]["sampling_defaults"];
+    ensure!(d["temperature"] == 1.0 && d["from"]["temperature"] == "openai", "{m}");
     let hl: Value = c.get(server.at("/health")).send().await?.json().await?;
     ensure!(hl["status"] == "ok" && hl["total_blocks"].as_u64() > Some(0), "{hl}");
     let resp = c.get(server.at("/metrics")).send().await?;
@@ -555,6 +559,20 @@ async fn client_disconnect_aborts_the_request_and_frees_blocks() -> anyhow::Resu
     ensure!(aborted == Some(2.0), "aborted requests in metrics: {aborted:?}");
     let log = server.log();
     ensure!(log.matches("outcome=client_disconnected").count() == 2, "{log}");
+    Ok(())
+}
+
+/// Served as the default model's id, the engine samples what a request leaves out as
+/// `policies/sampling.json` says for it, and its model card says so.
+#[tokio::test]
+async fn a_served_model_takes_its_sampling_defaults_from_the_policy() -> anyhow::Result<()> {
+    let server = Server::start(&["--served-model-name", "smollm2-135m-instruct"])?;
+    let c = client()?;
+    let m: Value = c.get(server.at("/v1/models")).send().await?.json().await?;
+    let d = &m["data"][0]["sluice"]["sampling_defaults"];
+    ensure!(d["temperature"] == 0.2 && d["top_p"] == 0.9, "{m}");
+    ensure!(d["from"]["temperature"] == "policies/sampling.json", "{m}");
+    ensure!(d["from"]["top_k"] == "openai" && d["top_k"] == 0, "{m}");
     Ok(())
 }
 

@@ -7,6 +7,7 @@ pub mod bench;
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod defaults;
 pub mod error;
 pub mod fetch;
 pub mod forward;

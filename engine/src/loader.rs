@@ -2,6 +2,7 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::defaults::Recommended;
 use crate::error::{EngineError, Result};
 use crate::fetch::sha256_files;
 use crate::identity::{ENGINE_VERSION, ExecutionIdentity};
@@ -24,17 +25,21 @@ pub struct LoadedModel {
     pub identity: ExecutionIdentity,
     /// Where it was loaded from.
     pub path: PathBuf,
+    /// The sampling its file recommends (GGUF `general.sampling.*`, `generation_config.json`).
+    pub recommended: Recommended,
 }
 
 impl LoadedModel {
     /// Loads a GGUF file or a Hugging Face safetensors directory.
     pub fn load(path: &Path) -> Result<LoadedModel> {
         let meta = std::fs::metadata(path).map_err(|e| EngineError::io(path, e))?;
-        let (weights, ModelText { tokenizer, template }, files) = if meta.is_dir() {
-            load_hf_dir(path)?
+        let (weights, ModelText { tokenizer, template }, files, recommended) = if meta.is_dir() {
+            let (w, t, files) = load_hf_dir(path)?;
+            (w, t, files, Recommended::from_hf_dir(path)?)
         } else {
             let f = GgufFile::open(path)?;
-            (load_gguf_weights(&f)?, ModelText::from_gguf(&f)?, vec![path.to_path_buf()])
+            let text = ModelText::from_gguf(&f)?;
+            (load_gguf_weights(&f)?, text, vec![path.to_path_buf()], Recommended::from_gguf(&f))
         };
         if tokenizer.vocab_size() > weights.config.vocab_size {
             return Err(EngineError::format(
@@ -58,7 +63,14 @@ impl LoadedModel {
             adapter: None,
             engine_version: ENGINE_VERSION.to_string(),
         };
-        Ok(LoadedModel { weights, tokenizer, template, identity, path: path.to_path_buf() })
+        Ok(LoadedModel {
+            weights,
+            tokenizer,
+            template,
+            identity,
+            path: path.to_path_buf(),
+            recommended,
+        })
     }
 
     /// Token ids of `text` as a raw completion prompt: BOS when the model adds one, special

@@ -258,6 +258,7 @@ fn tiny_limits(model: &LoadedModel) -> Limits {
         vocab_size: model.tokenizer.vocab_size(),
         max_n: 8,
         max_logprobs: 20,
+        sampling: Default::default(),
     }
 }
 

@@ -33,6 +33,7 @@ use serde::Serialize;
 use serde_json::Value;
 use sluice_text::tokenizer::PROMPT_FIELD;
 
+use crate::defaults::SamplingDefaults;
 use crate::serve::core::EngineStats;
 use crate::serve::handle::EngineHandle;
 use crate::server::context::{
@@ -100,8 +101,18 @@ struct App {
 pub fn router(handle: EngineHandle, cfg: ServerConfig) -> Router {
     let model = Arc::clone(handle.model());
     let identity = &model.identity;
+    let served_name = cfg.served_model_name.clone().unwrap_or_else(|| identity.model_id.clone());
+    let sampling = SamplingDefaults::for_model(&model.recommended, &served_name);
+    tracing::info!(
+        model = %served_name,
+        temperature = sampling.temperature,
+        top_p = sampling.top_p,
+        top_k = sampling.top_k,
+        min_p = sampling.min_p,
+        "sampling defaults (for parameters a request leaves out)"
+    );
     let app = Arc::new(App {
-        served_name: cfg.served_model_name.clone().unwrap_or_else(|| identity.model_id.clone()),
+        served_name,
         token: cfg.internal_token.as_deref().map(InternalToken::new),
         limits: Limits {
             context_length: model.weights.config.context_length,
@@ -109,6 +120,7 @@ pub fn router(handle: EngineHandle, cfg: ServerConfig) -> Router {
             vocab_size: model.tokenizer.vocab_size().min(model.weights.config.vocab_size),
             max_n: cfg.max_n,
             max_logprobs: cfg.max_logprobs,
+            sampling,
         },
         identity_header: HeaderValue::from_str(&identity.header_value()).ok(),
         revision_header: HeaderValue::from_str(&identity.model_revision).ok(),
@@ -384,6 +396,7 @@ fn card(app: &App) -> ModelCard {
         sluice: ModelCardExt {
             execution_identity: model.identity.clone(),
             capacity_tokens: app.handle.capacity_tokens(),
+            sampling_defaults: app.limits.sampling.clone(),
         },
     }
 }

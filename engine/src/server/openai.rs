@@ -6,6 +6,7 @@
 
 use serde::{Deserialize, Serialize, Serializer};
 
+use crate::defaults::SamplingDefaults;
 use crate::identity::ExecutionIdentity;
 use crate::serve::{EngineTimings, Usage};
 use sluice_text::template::ChatMessage;
@@ -383,4 +384,6 @@ pub struct ModelCardExt {
     pub execution_identity: ExecutionIdentity,
     /// Most tokens (prompt + output) one request can hold in this engine's KV cache.
     pub capacity_tokens: usize,
+    /// What the sampling parameters a request leaves out are, and where each came from.
+    pub sampling_defaults: SamplingDefaults,
 }

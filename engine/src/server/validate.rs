@@ -7,6 +7,7 @@ use serde::Deserialize as _;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
+use crate::defaults::SamplingDefaults;
 use crate::loader::LoadedModel;
 use crate::sampler::SamplingParams;
 use crate::serve::{CacheScope, ValidRequest};
@@ -37,6 +38,8 @@ pub struct Limits {
     pub max_n: usize,
     /// Most alternatives per token.
     pub max_logprobs: usize,
+    /// What the sampling parameters a request leaves out are.
+    pub sampling: SamplingDefaults,
 }
 
 /// A checked request, ready to become `n` engine requests.
@@ -478,19 +481,21 @@ fn sampling_plan(
     let temperature = in_f32(
         "temperature",
         s.temperature,
-        1.0,
+        limits.sampling.temperature,
         |x| (0.0..=2.0).contains(&x),
         "a number from 0 to 2",
     )?;
-    let top_p = in_f32("top_p", s.top_p, 1.0, |x| x > 0.0 && x <= 1.0, "in (0, 1]")?;
-    let min_p = in_f32("min_p", s.min_p, 0.0, |x| (0.0..=1.0).contains(&x), "in [0, 1]")?;
+    let d = &limits.sampling;
+    let top_p = in_f32("top_p", s.top_p, d.top_p, |x| x > 0.0 && x <= 1.0, "in (0, 1]")?;
+    let min_p = in_f32("min_p", s.min_p, d.min_p, |x| (0.0..=1.0).contains(&x), "in [0, 1]")?;
     let penalty = |x: f64| (-2.0..=2.0).contains(&x);
     let presence_penalty =
         in_f32("presence_penalty", s.presence_penalty, 0.0, penalty, "in [-2, 2]")?;
     let frequency_penalty =
         in_f32("frequency_penalty", s.frequency_penalty, 0.0, penalty, "in [-2, 2]")?;
     let top_k = match s.top_k {
-        None | Some(-1) => 0,
+        None => d.top_k,
+        Some(-1) => 0,
         Some(k) => usize::try_from(k).map_err(|_| {
             ApiError::invalid("top_k", "top_k must be >= 0 (0 or -1: no top-k cut)")
         })?,
@@ -577,6 +582,7 @@ mod tests {
             vocab_size: 1000,
             max_n: 8,
             max_logprobs: 20,
+            sampling: SamplingDefaults::default(),
         }
     }
 
@@ -683,6 +689,12 @@ mod tests {
         assert_eq!((p.params.seed, p.params.n, p.params.top_k), (7, 3, 0));
         assert_eq!(p.params.stop, vec!["x".to_string()]);
         assert!(p.include_usage);
+        // A model's defaults fill what a request leaves out, never what it says.
+        let mut l = limits();
+        l.sampling = SamplingDefaults::for_model(&Default::default(), "smollm2-135m-instruct");
+        let s: SamplingFields = fields(&json!({"top_p": 0.5}))?;
+        let p = sampling_plan(s, vec![1; 5], None, None, &l)?;
+        assert_eq!((p.params.temperature, p.params.top_p), (0.2, 0.5));
         Ok(())
     }
 
