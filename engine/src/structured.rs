@@ -572,6 +572,12 @@ impl Matcher {
         })
     }
 
+    /// Whether every reading is inside a string, past any escape: then bytes other than `"`,
+    /// `\` and control characters keep it there.
+    pub fn in_plain_string(&self) -> bool {
+        self.stacks.iter().all(|s| s.frames.last() == Some(&Frame::Str(StrAt::Normal)))
+    }
+
     /// Whether the root value is closed: nothing but whitespace may follow.
     pub fn is_closed(&self) -> bool {
         self.stacks.iter().any(|s| s.frames.is_empty())
@@ -997,12 +1003,12 @@ pub struct Stuck;
 /// is closed within the budget whenever a byte a token can do it. `bytes` gives a token's
 /// bytes (`None`: a special token). The matcher is advanced by the chosen token; the flag
 /// says the budget forced it.
-pub fn sample_constrained(
+pub fn sample_constrained<'t>(
     sampler: &mut Sampler,
     matcher: &mut Matcher,
     logits: &[f32],
     logprobs: Option<usize>,
-    bytes: impl Fn(u32) -> Option<Vec<u8>>,
+    bytes: impl Fn(u32) -> Option<&'t [u8]>,
     stops: &[u32],
     left: usize,
 ) -> Result<(Sampled, bool), Stuck> {
@@ -1010,7 +1016,7 @@ pub fn sample_constrained(
         if stops.contains(&t) {
             return m.is_complete();
         }
-        bytes(t).is_some_and(|b| !b.is_empty() && m.accepts(&b))
+        bytes(t).is_some_and(|b| !b.is_empty() && m.accepts(b))
     };
     // Whether the value can still be closed, a byte a token, in the tokens left after `t`.
     let fits = |m: &Matcher, t: u32| {
@@ -1029,7 +1035,7 @@ pub fn sample_constrained(
             let ok = if stops.contains(&t) {
                 matcher.is_complete()
             } else {
-                bytes(t).is_some_and(|b| !b.is_empty() && keep(&b))
+                bytes(t).is_some_and(|b| !b.is_empty() && keep(b))
             };
             if ok {
                 *m = l;
@@ -1044,7 +1050,12 @@ pub fn sample_constrained(
     } else {
         // Bytes that may come next, so most tokens are judged by their first byte alone.
         let firsts: Vec<bool> = (0..=255u8).map(|b| matcher.accepts(&[b])).collect();
-        let masked = mask(&|b: &[u8]| firsts[b[0] as usize] && matcher.accepts(b));
+        // Inside a string, a token of plain characters only stays in it: no need to read it.
+        let in_string = matcher.in_plain_string();
+        let plain = |b: &[u8]| b.iter().all(|&c| c >= 0x20 && c != b'"' && c != b'\\');
+        let masked = mask(&|b: &[u8]| {
+            firsts[b[0] as usize] && ((in_string && plain(b)) || matcher.accepts(b))
+        });
         sampler.choose(&masked.ok_or(Stuck)?)
     };
     let mut forced = false;
@@ -1059,7 +1070,7 @@ pub fn sample_constrained(
     if !stops.contains(&token)
         && let Some(b) = bytes(token)
     {
-        matcher.advance(&b);
+        matcher.advance(b);
     }
     Ok((sampler.commit(token, logits, logprobs), forced))
 }
@@ -1180,8 +1191,8 @@ mod tests {
     const TOY: [&str; 7] = ["{", "}", "\"a\"", ":", " ", "1", "x"];
     const TOY_STOP: u32 = 7;
 
-    fn toy_bytes(t: u32) -> Option<Vec<u8>> {
-        TOY.get(t as usize).map(|s| s.as_bytes().to_vec())
+    fn toy_bytes(t: u32) -> Option<&'static [u8]> {
+        TOY.get(t as usize).map(|s| s.as_bytes())
     }
 
     fn stuck(_: Stuck) -> SchemaError {
@@ -1219,7 +1230,7 @@ mod tests {
     }
 
     fn text(tokens: &[u32]) -> Vec<u8> {
-        tokens.iter().flat_map(|&t| toy_bytes(t).unwrap_or_default()).collect()
+        tokens.iter().flat_map(|&t| toy_bytes(t).unwrap_or_default().to_vec()).collect()
     }
 
     #[test]

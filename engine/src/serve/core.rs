@@ -499,10 +499,7 @@ impl EngineCore {
             (Choice::Logits(logits), None) => st.sampler.sample(logits, st.req.logprobs),
             (Choice::Logits(logits), Some(m)) => {
                 let tok = &self.model.tokenizer;
-                let bytes = |t: u32| {
-                    let special = tok.is_special(t);
-                    tok.token_bytes(t).filter(|_| !special).map(<[u8]>::to_vec)
-                };
+                let bytes = |t: u32| tok.token_bytes(t).filter(|_| !tok.is_special(t));
                 let picked = sample_constrained(
                     &mut st.sampler,
                     m,
