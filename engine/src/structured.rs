@@ -1012,20 +1012,19 @@ pub fn sample_constrained<'t>(
     stops: &[u32],
     left: usize,
 ) -> Result<(Sampled, bool), Stuck> {
-    let allowed = |m: &Matcher, t: u32| {
+    // The matcher after `t`, when the grammar takes it (a stop once the value is complete).
+    let after = |t: u32| {
         if stops.contains(&t) {
-            return m.is_complete();
+            return matcher.is_complete().then(|| matcher.clone());
         }
-        bytes(t).is_some_and(|b| !b.is_empty() && m.accepts(b))
+        let b = bytes(t).filter(|b| !b.is_empty())?;
+        let mut m = matcher.clone();
+        m.advance(b).then_some(m)
     };
-    // Whether the value can still be closed, a byte a token, in the tokens left after `t`.
-    let fits = |m: &Matcher, t: u32| {
-        if stops.contains(&t) {
-            return true;
-        }
-        let mut after = m.clone();
-        let closing = bytes(t).filter(|b| after.advance(b)).and_then(|_| after.closing());
-        closing.is_some_and(|c| c.len() < left)
+    // Whether the value can still be closed, a byte a token, in the tokens left after `t`,
+    // which led to `next`.
+    let fits = |next: &Matcher, t: u32| {
+        stops.contains(&t) || next.closing().is_some_and(|c| c.len() < left)
     };
     let mask = |keep: &dyn Fn(&[u8]) -> bool| {
         let mut masked = vec![f32::NEG_INFINITY; logits.len()];
@@ -1045,8 +1044,8 @@ pub fn sample_constrained<'t>(
         any.then_some(masked)
     };
     let first = sampler.choose(logits);
-    let mut token = if allowed(matcher, first) {
-        first
+    let (mut token, mut next) = if let Some(next) = after(first) {
+        (first, next)
     } else {
         // Bytes that may come next, so most tokens are judged by their first byte alone.
         let firsts: Vec<bool> = (0..=255u8).map(|b| matcher.accepts(&[b])).collect();
@@ -1056,22 +1055,20 @@ pub fn sample_constrained<'t>(
         let masked = mask(&|b: &[u8]| {
             firsts[b[0] as usize] && ((in_string && plain(b)) || matcher.accepts(b))
         });
-        sampler.choose(&masked.ok_or(Stuck)?)
+        let t = sampler.choose(&masked.ok_or(Stuck)?);
+        (t, after(t).ok_or(Stuck)?)
     };
     let mut forced = false;
-    if !fits(matcher, token) {
+    if !fits(&next, token) {
         // The shortest closing from here, as far as a token follows it.
         let closing = matcher.closing().unwrap_or_default();
         if let Some(masked) = mask(&|b: &[u8]| closing.starts_with(b)) {
             forced = true;
             token = sampler.choose(&masked);
+            next = after(token).ok_or(Stuck)?;
         }
     }
-    if !stops.contains(&token)
-        && let Some(b) = bytes(token)
-    {
-        matcher.advance(b);
-    }
+    *matcher = next;
     Ok((sampler.commit(token, logits, logprobs), forced))
 }
 

@@ -129,6 +129,8 @@ struct ReqState {
     stop_matched: bool,
     /// Where its output stands in its grammar (`response_format`).
     matcher: Option<Matcher>,
+    /// The tokens that end its constrained output once the value is complete.
+    matcher_stops: Vec<u32>,
     /// The token budget made the grammar close the value.
     closed_by_budget: bool,
 }
@@ -263,6 +265,12 @@ impl EngineCore {
             prompt_logprobs_sent: false,
             stop_matched: false,
             matcher: req.grammar.clone().map(Matcher::new),
+            matcher_stops: match &req.grammar {
+                Some(_) => {
+                    stops_for(self.model.tokenizer.stop_ids(), req.ignore_eos, &req.stop_token_ids)
+                }
+                None => Vec::new(),
+            },
             closed_by_budget: false,
             tx,
             req,
@@ -506,7 +514,7 @@ impl EngineCore {
                     logits,
                     st.req.logprobs,
                     bytes,
-                    &stops_for(stops, st.req.ignore_eos, &st.req.stop_token_ids),
+                    &st.matcher_stops,
                     left,
                 );
                 match picked {
