@@ -237,6 +237,16 @@ impl Backend {
         }
     }
 
+    /// Lets a higher-priority arrival stop a pass between layers (on the CPU; a GPU pass,
+    /// queued on the device as a whole, runs to its end).
+    pub fn set_interrupt(&mut self, interrupt: std::sync::Arc<crate::interrupt::Interrupt>) {
+        match self {
+            Backend::Cpu { runner, .. } => runner.set_interrupt(interrupt),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => drop(interrupt),
+        }
+    }
+
     /// Whether [`Pick::Draw`] is done here (a GPU); elsewhere draws stay with the host
     /// sampler.
     pub fn draws_on_device(&self) -> bool {

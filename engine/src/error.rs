@@ -42,6 +42,10 @@ pub enum EngineError {
     /// The compute device cannot be used (no driver, no device, no CUDA in this build).
     #[error("device {0}")]
     Device(String),
+    /// A pass stopped between layers for a higher-priority arrival
+    /// ([`crate::interrupt::Interrupt`]); the step is planned again.
+    #[error("the pass was interrupted for a higher priority")]
+    Interrupted,
     /// A benchmark's baseline could not be measured (the other program failed).
     #[error("baseline {0}")]
     Baseline(String),
@@ -70,6 +74,7 @@ impl EngineError {
             EngineError::Fetch(_) => "fetch",
             EngineError::Unavailable(_) => "unavailable",
             EngineError::Device(_) => "device",
+            EngineError::Interrupted => "interrupted",
             EngineError::Baseline(_) => "baseline",
         }
     }

@@ -4,11 +4,14 @@
 //! the first, and its block table. New keys and values are written into their blocks, then
 //! each new token attends over every cached position of its own sequence up to its own.
 
+use std::sync::Arc;
+
 use crate::cpu::matmul::{
     Isa, MatmulScratch, PackedWeight, detect_isa, dot_f32, matmul, matmul_many,
 };
 use crate::cpu::pool::{SharedOut, ThreadPool};
 use crate::error::{EngineError, Result};
+use crate::interrupt::Interrupt;
 use crate::model::{LlamaWeights, RopeStyle};
 
 /// The KV cache as fixed-size blocks. Per layer and block, K is stored transposed,
@@ -162,6 +165,8 @@ pub struct Runner {
     pool: ThreadPool,
     isa: Isa,
     scratch: MatmulScratch,
+    /// Looked at between layers: a higher-priority arrival stops the pass.
+    interrupt: Option<Arc<Interrupt>>,
 }
 
 impl std::fmt::Debug for Runner {
@@ -186,7 +191,13 @@ impl Runner {
         } else {
             ThreadPool::new(threads)
         };
-        Runner { pool, isa: detect_isa(), scratch: MatmulScratch::default() }
+        Runner { pool, isa: detect_isa(), scratch: MatmulScratch::default(), interrupt: None }
+    }
+
+    /// Passes from now on stop between layers when `interrupt` says so
+    /// ([`EngineError::Interrupted`]).
+    pub fn set_interrupt(&mut self, interrupt: Arc<Interrupt>) {
+        self.interrupt = Some(interrupt);
     }
 
     /// Instruction set in use.
@@ -286,6 +297,9 @@ impl Runner {
         let mut attn = vec![0f32; n * q_dim];
         let (mut o, mut gate, mut up, mut down) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (li, l) in w.layers.iter().enumerate() {
+            if self.interrupt.as_ref().is_some_and(|i| i.stops(li, w.layers.len())) {
+                return Err(EngineError::Interrupted);
+            }
             rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn);
             self.mm_many(&[&l.wq, &l.wk, &l.wv], &xn, [&mut q, &mut k, &mut v]);
             add_bias(&mut q, l.bq.as_deref());

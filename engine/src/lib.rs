@@ -13,6 +13,7 @@ pub mod fetch;
 pub mod forward;
 pub mod generate;
 pub mod identity;
+pub mod interrupt;
 pub mod loader;
 pub mod model;
 pub mod quant;

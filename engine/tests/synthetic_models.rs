@@ -4,10 +4,12 @@
 //! name what is wrong.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use anyhow::{Context, ensure};
 use sluice_engine::EngineError;
 use sluice_engine::forward::{KvCache, LogitsWanted, Runner, SeqInput};
+use sluice_engine::interrupt::Interrupt;
 use sluice_engine::model::{
     LlamaConfig, LlamaWeights, RopeStyle, TensorSource, hf_names, load_gguf_weights, load_weights,
 };
@@ -26,12 +28,35 @@ const BLOCK: usize = 4;
 /// Logits of a batch of two sequences of different lengths (every position), then of one
 /// decode step of each.
 fn run(w: &LlamaWeights) -> anyhow::Result<Vec<f32>> {
+    run_interrupted(w, None)
+}
+
+/// [`run`], each pass first interrupted by a higher priority when `interrupt` is given.
+fn run_interrupted(
+    w: &LlamaWeights,
+    interrupt: Option<Arc<Interrupt>>,
+) -> anyhow::Result<Vec<f32>> {
     let vocab = w.config.vocab_size as u32;
     let a: Vec<u32> = (0..7).map(|i| (i * 37 + 5) % vocab).collect();
     let b: Vec<u32> = (0..12).map(|i| (i * 53 + 11) % vocab).collect();
     let (table_a, table_b) = ([0, 1, 2], [3, 4, 5, 6]);
     let mut runner = Runner::new(2);
+    if let Some(i) = &interrupt {
+        runner.set_interrupt(Arc::clone(i));
+    }
     let mut cache = KvCache::new(w, BLOCK, 8);
+    // A pass of priority 0 that a priority-1 arrival stops after its first layer (its K/V
+    // written there), then the pass again.
+    let mut forward = |batch: &[SeqInput<'_>]| -> anyhow::Result<Vec<f32>> {
+        if let Some(i) = &interrupt {
+            i.begin(0);
+            i.arrive(1);
+            let cut = runner.forward(w, &mut cache, batch);
+            ensure!(matches!(cut, Err(EngineError::Interrupted)), "not interrupted: {cut:?}");
+            i.end();
+        }
+        Ok(runner.forward(w, &mut cache, batch)?)
+    };
     let seq = |tokens, start_pos, block_table, logits| SeqInput {
         tokens,
         start_pos,
@@ -42,12 +67,12 @@ fn run(w: &LlamaWeights) -> anyhow::Result<Vec<f32>> {
         seq(&a[..], 0, &table_a[..], LogitsWanted::All),
         seq(&b[..], 0, &table_b[..], LogitsWanted::All),
     ];
-    let mut logits = runner.forward(w, &mut cache, &prefill)?;
+    let mut logits = forward(&prefill)?;
     let decode = [
         seq(&[9], a.len(), &table_a[..], LogitsWanted::Last),
         seq(&[10], b.len(), &table_b[..], LogitsWanted::Last),
     ];
-    logits.extend(runner.forward(w, &mut cache, &decode)?);
+    logits.extend(forward(&decode)?);
     ensure!(logits.len() == (a.len() + b.len() + 2) * vocab as usize, "wrong logits count");
     ensure!(logits.iter().all(|x| x.is_finite()), "non-finite logits");
     Ok(logits)
@@ -115,6 +140,22 @@ fn gguf_and_safetensors_give_the_same_logits_llama() -> anyhow::Result<()> {
 #[test]
 fn gguf_and_safetensors_give_the_same_logits_qwen2_with_bias() -> anyhow::Result<()> {
     gguf_and_safetensors_agree(&SynthSpec { qkv_bias: true, tied: true, ..SynthSpec::tiny() })
+}
+
+#[test]
+fn a_pass_interrupted_between_layers_leaves_nothing_behind() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("m.gguf");
+    write_gguf(&SynthSpec::tiny(), GgmlType::F32, &path)?;
+    let w = load_gguf_weights(&GgufFile::open(&path)?)?;
+    let whole = run(&w)?;
+    let again = run_interrupted(&w, Some(Arc::default()))?;
+    ensure!(
+        whole == again,
+        "logits differ by {} after interrupted passes",
+        rel_diff(&whole, &again)
+    );
+    Ok(())
 }
 
 #[test]

@@ -51,6 +51,12 @@ const FORWARDED_HEADERS: [&str; 5] =
 /// pingora's retry buffer: the part of the body it keeps to forward again.
 const RETRY_BUFFER: usize = 64 * 1024;
 
+/// What is read and dropped of a body refused as too large, at most, and for how long:
+/// closing a connection with unread data resets it, and a client still sending would see
+/// the reset instead of the 413 (the lingering close of nginx and Apache).
+const LINGER_BYTES: usize = 16 << 20;
+const LINGER: Duration = Duration::from_secs(5);
+
 /// One engine worker.
 #[derive(Clone, Debug)]
 pub struct Worker {
@@ -388,6 +394,19 @@ fn header<'a>(req: &'a RequestHeader, name: &str) -> Option<&'a str> {
     req.headers.get(name).and_then(|v| v.to_str().ok())
 }
 
+/// Reads and drops the rest of a body refused as too large ([`LINGER_BYTES`] within
+/// [`LINGER`] at most), so the client gets the answer rather than a reset connection.
+async fn linger(session: &mut Session) {
+    let deadline = tokio::time::Instant::now() + LINGER;
+    let mut left = LINGER_BYTES;
+    while left > 0 {
+        match tokio::time::timeout_at(deadline, session.read_request_body()).await {
+            Ok(Ok(Some(chunk))) => left = left.saturating_sub(chunk.len()),
+            _ => break,
+        }
+    }
+}
+
 async fn respond(
     session: &mut Session,
     status: u16,
@@ -541,6 +560,10 @@ impl Gateway {
         let length =
             header(session.req_header(), "content-length").and_then(|v| v.parse::<usize>().ok());
         if length.is_some_and(|n| n > MAX_BODY_BYTES) {
+            if length.is_some_and(|n| n <= LINGER_BYTES) {
+                linger(session).await;
+            }
+            session.set_keepalive(None);
             return Err(Refusal::BodyTooLarge);
         }
         let mut body = Vec::with_capacity(length.unwrap_or(0).min(MAX_BODY_BYTES));
@@ -559,6 +582,8 @@ impl Gateway {
                 Ok(Some(chunk)) => {
                     body.extend_from_slice(&chunk);
                     if body.len() > MAX_BODY_BYTES {
+                        linger(session).await;
+                        session.set_keepalive(None);
                         return Err(Refusal::BodyTooLarge);
                     }
                 }

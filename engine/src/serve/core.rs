@@ -11,6 +11,7 @@ use crate::backend::{Backend, Device, KvSize, Pick, StepOutput};
 use crate::error::{EngineError, Result};
 use crate::forward::{LogitsWanted, SeqInput};
 use crate::generate::IncrementalDecoder;
+use crate::interrupt::Interrupt;
 use crate::loader::LoadedModel;
 use crate::sampler::{Sampler, log_softmax, top_n};
 use crate::serve::block_pool::CacheKey;
@@ -157,6 +158,8 @@ pub struct EngineCore {
     tenant_labels: TenantLabels,
     /// Requests added since the last step was planned.
     unplanned: Vec<String>,
+    /// The running step's priority, for arrivals to interrupt (armed with the fair policy).
+    interrupt: Arc<Interrupt>,
 }
 
 impl EngineCore {
@@ -202,6 +205,12 @@ impl EngineCore {
                 "pass buffers set aside beside the KV cache"
             );
         }
+        // Priorities are strict bands under the fair policy: a higher one interrupts a pass
+        // of lower ones between layers. First come, first served knows no priorities.
+        let interrupt = Arc::new(Interrupt::default());
+        if config.scheduling == Scheduling::Fair {
+            backend.set_interrupt(Arc::clone(&interrupt));
+        }
         let keys = vec![CacheKey::ModelRevision(model.identity.model_revision.clone())];
         let sched = Scheduler::new(
             SchedulerConfig {
@@ -222,7 +231,13 @@ impl EngineCore {
             outcomes: Arc::default(),
             tenant_labels: TenantLabels::default(),
             unplanned: Vec::new(),
+            interrupt,
         })
+    }
+
+    /// What arrivals tell the running step ([`Interrupt::arrive`]).
+    pub fn interrupt(&self) -> Arc<Interrupt> {
+        Arc::clone(&self.interrupt)
     }
 
     /// Most tokens one request can hold.
@@ -405,14 +420,26 @@ impl EngineCore {
                 _ => Pick::Logits,
             })
             .collect();
+        let lowest = work.iter().filter_map(|w| self.sched.seq(&w.id)).map(|s| s.priority).min();
+        self.interrupt.begin(lowest.unwrap_or(i32::MAX));
         let began = Instant::now();
         let result = self.backend.forward_picking(&self.model.weights, &inputs, &picks);
-        // The step-time model behind the TPOT limit learns from every pass.
+        let seconds = began.elapsed().as_secs_f64();
+        self.interrupt.end();
+        if matches!(result, Err(EngineError::Interrupted)) {
+            // Nothing of the step stands: the next plan, with the arrival in it, computes
+            // its tokens again.
+            self.metrics.interrupted_steps.inc();
+            self.sched.observe_interrupted(seconds);
+            self.update_gauges();
+            return;
+        }
+        // The step-time model behind the TPOT limit learns from every whole pass.
         let shape = StepShape {
             tokens: work.iter().map(|w| w.tokens.len()).sum(),
             context: work.iter().map(|w| w.start + w.tokens.len()).sum(),
         };
-        self.sched.observe_step(shape, began.elapsed().as_secs_f64());
+        self.sched.observe_step(shape, seconds);
         let StepOutput { logits, picked } = match result {
             Ok(out) => out,
             Err(e) => {

@@ -28,6 +28,8 @@ struct Inner {
     metrics: Arc<EngineMetrics>,
     capacity_tokens: usize,
     outcomes: Arc<OutcomeLog>,
+    /// Arrivals of a higher priority interrupt the running pass.
+    interrupt: Arc<crate::interrupt::Interrupt>,
     draining: std::sync::atomic::AtomicBool,
     thread: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
@@ -111,6 +113,7 @@ impl EngineHandle {
         let core = EngineCore::new(Arc::clone(&model), config.clone(), Arc::clone(&metrics))?;
         let capacity_tokens = core.capacity_tokens();
         let outcomes = core.outcomes();
+        let interrupt = core.interrupt();
         let (tx, rx) = std_mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("sluice-engine".into())
@@ -124,6 +127,7 @@ impl EngineHandle {
                 metrics,
                 capacity_tokens,
                 outcomes,
+                interrupt,
                 draining: std::sync::atomic::AtomicBool::new(false),
                 thread: std::sync::Mutex::new(Some(thread)),
             }),
@@ -177,10 +181,13 @@ impl EngineHandle {
         }
         let (etx, erx) = mpsc::unbounded_channel();
         let request_id = req.request_id.clone();
+        let priority = req.priority;
         self.inner
             .tx
             .send(Command::Add(Box::new(req), etx))
             .map_err(|_| EngineError::Unavailable("the engine has stopped".into()))?;
+        // Queued first, then told: the pass it stops is replanned with it there.
+        self.inner.interrupt.arrive(priority);
         Ok(RequestStream { rx: erx, request_id, tx: self.inner.tx.clone(), finished: false })
     }
 

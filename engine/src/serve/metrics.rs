@@ -155,6 +155,8 @@ pub struct EngineMetrics {
     pub preemptions: Counter,
     /// Of those, the ones that made room for a tenant below its share of a full batch.
     pub fairness_preemptions: Counter,
+    /// Passes stopped between layers for a higher-priority arrival.
+    pub interrupted_steps: Counter,
     /// Prompt tokens of finished requests.
     pub prompt_tokens: Counter,
     /// Generated tokens.
@@ -205,6 +207,7 @@ impl EngineMetrics {
             prefix_hits: Counter::default(),
             preemptions: Counter::default(),
             fairness_preemptions: Counter::default(),
+            interrupted_steps: Counter::default(),
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
             finished: Family::default(),
@@ -271,6 +274,11 @@ impl EngineMetrics {
             "num_fairness_preemptions",
             "Of the preemptions, those that made room in a full batch for a tenant below its share",
             m.fairness_preemptions.clone(),
+        );
+        r.register(
+            "num_interrupted_steps",
+            "Passes stopped between layers for a higher-priority arrival and planned again",
+            m.interrupted_steps.clone(),
         );
         r.register("prompt_tokens", "Prompt tokens of finished requests", m.prompt_tokens.clone());
         r.register("generation_tokens", "Generated tokens", m.generation_tokens.clone());

@@ -20,6 +20,10 @@
 //! - **Growth.** The batch grows only while its predicted decode step stays within the cap;
 //!   beyond, a higher-priority request preempts lower-priority ones until it fits, and a
 //!   tenant below its share may swap places with one above (one place a step).
+//! - **Strict bands.** A light request that outranks running decodes has the step beside
+//!   its own band and above: the lower decodes sit that step out (never two running). With
+//!   the fair policy an arrival of a higher priority also interrupts a pass carrying lower
+//!   ones between layers ([`crate::interrupt`]), and the step is planned again with it.
 //!
 //! Plain synchronous state, tested without threads or a model.
 
@@ -300,6 +304,8 @@ pub struct Scheduler {
     yielded_for: Option<String>,
     /// Why the requests left waiting by the step last planned were not admitted.
     stopped: Option<WaitReason>,
+    /// Decodes of lower priorities sat the step last planned out for a higher one's prefill.
+    sat_out: bool,
 }
 
 /// What is left of a step being planned.
@@ -324,6 +330,8 @@ struct Room {
     light_tenant: Option<String>,
     /// A chunked prefill is not finished by this step.
     chunk_pending: bool,
+    /// Decodes that sit this step out for a higher priority's prefill (not reserved).
+    sat_out: Vec<String>,
 }
 
 impl Room {
@@ -362,6 +370,7 @@ impl Scheduler {
             last_cap: None,
             yielded_for: None,
             stopped: None,
+            sat_out: false,
         }
     }
 
@@ -463,6 +472,14 @@ impl Scheduler {
             None
         };
         let yield_chunks = light_next.is_some();
+        // Priorities are strict bands: when that light request outranks decodes, those sit
+        // this step out, so its prefill runs beside its own band and above only; never two
+        // steps running, so a band's stream of arrivals cannot stop the ones below. A lower
+        // light prefill under way (cut by the token budget, or begun in an interrupted pass)
+        // stands aside like the chunks, leaving the step's light prefill to it.
+        let next_priority =
+            light_next.as_ref().and_then(|id| self.seqs.get(id)).map(|s| s.priority);
+        let outranks = next_priority.filter(|_| !self.sat_out);
         if light_next.is_some() {
             self.yielded_for = light_next;
         }
@@ -476,6 +493,17 @@ impl Scheduler {
                 continue;
             };
             let remaining = s.tokens.len() - s.computed;
+            if remaining == 1 && outranks.is_some_and(|p| s.priority < p) {
+                room.tokens -= 1;
+                room.context -= s.tokens.len();
+                room.sat_out.push(id);
+                i += 1;
+                continue;
+            }
+            if remaining > 1 && s.light && next_priority.is_some_and(|p| s.priority < p) {
+                i += 1;
+                continue;
+            }
             let mut len = remaining.min(room.budget);
             // A prefill that is not light is cut to what fits the step cap; a light one that
             // the token budget cut goes on whole, as this step's light prefill.
@@ -535,6 +563,7 @@ impl Scheduler {
             Some(WaitReason::KvCache)
         };
         self.last_cap = room.base.map(|base| (base, room.light_used));
+        self.sat_out = !room.sat_out.is_empty();
         // Requests wait for a full batch, not for the next step: it holds `max_num_seqs`, is at
         // its TPOT limit, is busy with a chunked prefill, or is out of KV blocks (a
         // preemption, or an admission that failed).
@@ -565,6 +594,7 @@ impl Scheduler {
             light_used: false,
             light_tenant: None,
             chunk_pending: false,
+            sat_out: Vec::new(),
         }
     }
 
@@ -627,18 +657,31 @@ impl Scheduler {
     /// The requests it left waiting wait these seconds for the reason admission stopped.
     pub fn observe_step(&mut self, shape: StepShape, seconds: f64) {
         self.step_model.observe(shape, seconds);
+        self.attribute_wait(seconds);
+        if let Some((base, light)) = self.last_cap.take()
+            && seconds.is_finite()
+        {
+            let over = if light { (seconds - base).max(0.0) } else { 0.0 };
+            self.light_excess += LIGHT_ALPHA * (over - self.light_excess);
+        }
+    }
+
+    /// Records that the step last planned was interrupted after `seconds`: the requests it
+    /// left waiting waited them, and nothing is learned of a pass cut short.
+    pub fn observe_interrupted(&mut self, seconds: f64) {
+        self.attribute_wait(seconds);
+        self.last_cap = None;
+    }
+
+    /// The requests left waiting by the step last planned waited `seconds` for the reason
+    /// admission stopped.
+    fn attribute_wait(&mut self, seconds: f64) {
         if let Some(reason) = self.stopped.take() {
             let running: std::collections::HashSet<&str> =
                 self.running.iter().map(String::as_str).collect();
             for (_, s) in self.seqs.iter_mut().filter(|(id, _)| !running.contains(id.as_str())) {
                 s.waited.add(reason, seconds);
             }
-        }
-        if let Some((base, light)) = self.last_cap.take()
-            && seconds.is_finite()
-        {
-            let over = if light { (seconds - base).max(0.0) } else { 0.0 };
-            self.light_excess += LIGHT_ALPHA * (over - self.light_excess);
         }
     }
 
@@ -828,8 +871,10 @@ impl Scheduler {
         let pos = plan.scheduled.iter().position(|x| x.id == victim);
         let scheduled = pos.map(|pos| plan.scheduled.remove(pos).len);
         room.budget += scheduled.unwrap_or(0);
-        // A decode was reserved in the step whether scheduled yet or not; a chunk if scheduled.
-        if let Some(len) = if remaining == 1 { Some(1) } else { scheduled } {
+        // A decode was reserved in the step whether scheduled yet or not (unless it sat the
+        // step out); a chunk if scheduled.
+        let reserved = remaining == 1 && !room.sat_out.iter().any(|d| d == victim);
+        if let Some(len) = if reserved { Some(1) } else { scheduled } {
             room.tokens = room.tokens.saturating_sub(len);
             room.context = room.context.saturating_sub(computed + len);
         }
@@ -860,9 +905,10 @@ impl Scheduler {
             // order (a lone request always runs), unless a higher priority preempts a lower
             // or a tenant above its share makes room.
             // Under a cap, one tenant's light prefills a step: another tenant's light request
-            // waits for the next, to go whole. While light prefills are paused (their overrun is too high),
-            // a light request waits for them to resume, rather than start in chunks cut to
-            // the lowered cap (seconds of prefill) or take a place it cannot use yet.
+            // waits for the next, to go whole. While light prefills are paused (their overrun
+            // is too high), a light request waits for them to resume, rather than start in
+            // chunks cut to the lowered cap (seconds of prefill) or take a place it cannot
+            // use yet.
             let light = room.cap.is_some() && self.is_light(s);
             if light && !room.light_ok {
                 return Some(WaitReason::LightPaused);
@@ -1321,6 +1367,63 @@ mod tests {
     }
 
     #[test]
+    fn a_higher_priority_prefill_has_the_step_beside_its_band_only_never_twice_running() {
+        let target = SeqPolicy { tpot_target: Some(0.105), ..SeqPolicy::default() };
+        // Weights that keep each of the tenants below within its share (light).
+        let high = SeqPolicy { priority: 1, weight: 8, ..target };
+        let mut s = trained(64);
+        for i in 0..2 {
+            s.add_with(format!("d-{i}"), vec![1, 2, 3], tenant("flood"), target);
+        }
+        s.add_with("h-0".into(), vec![7, 8, 9], tenant("ent"), high);
+        let p = s.schedule();
+        run_step(&mut s, &p, 5);
+        // The priority-0 decodes sit out the step of a priority-1 prefill; the running
+        // priority-1 request decodes beside it.
+        s.add_with("h-1".into(), (100..140).collect(), tenant("ent"), high);
+        s.add_with("h-2".into(), (200..240).collect(), tenant("ent"), high);
+        let p = s.schedule();
+        assert_eq!(ids(&p), vec![("h-0", 1), ("h-1", 40), ("h-2", 40)]);
+        run_step(&mut s, &p, 5);
+        // The next one arriving at once goes beside all the decodes: they are not held twice
+        // running.
+        s.add_with("h-3".into(), (300..340).collect(), tenant("ent"), high);
+        let p = s.schedule();
+        // (h-0 went first, in the priority band above the floods.)
+        let with_h3 = [("h-0", 1), ("d-0", 1), ("d-1", 1), ("h-1", 1), ("h-2", 1), ("h-3", 40)];
+        assert_eq!(ids(&p), with_h3);
+        run_step(&mut s, &p, 5);
+        // An equal priority does not make anyone sit out.
+        let quiet = SeqPolicy { weight: 8, ..target };
+        s.add_with("q".into(), (400..440).collect(), tenant("quiet"), quiet);
+        let p = s.schedule();
+        assert!(ids(&p).contains(&("d-0", 1)) && ids(&p).contains(&("q", 40)), "{p:?}");
+    }
+
+    #[test]
+    fn a_lower_light_prefill_under_way_stands_aside_for_a_higher_one() {
+        let target = SeqPolicy { tpot_target: Some(0.105), ..SeqPolicy::default() };
+        let mut s = trained(64);
+        s.add_with("d".into(), vec![1, 2, 3], tenant("flood"), target);
+        let p = s.schedule();
+        run_step(&mut s, &p, 5);
+        // A quiet tenant's light prefill, cut by the token budget of 100.
+        s.add_with("q".into(), (0..150).collect(), tenant("quiet"), target);
+        let p = s.schedule();
+        assert_eq!(ids(&p), vec![("d", 1), ("q", 99)]);
+        run_step(&mut s, &p, 5);
+        // A priority-1 arrival has the step: the rest of q's prefill waits one, the decode
+        // sits it out.
+        let high = SeqPolicy { priority: 1, weight: 4, ..target };
+        s.add_with("h".into(), (200..210).collect(), tenant("ent"), high);
+        let p = s.schedule();
+        assert_eq!(ids(&p), vec![("h", 10)]);
+        run_step(&mut s, &p, 5);
+        let p = s.schedule();
+        assert_eq!(ids(&p), vec![("d", 1), ("q", 51), ("h", 1)]);
+    }
+
+    #[test]
     fn light_overruns_lower_the_cap_to_a_quarter_of_its_share_at_most() {
         let mut s = trained(64);
         let caps: Vec<f64> = [0.0, 0.01, 0.04, 0.2]
@@ -1412,7 +1515,11 @@ mod tests {
         let back: Vec<String> = (2..6).rev().map(|i| format!("flood-{i}")).collect();
         assert_eq!((p.preempted.clone(), p.fairness_preemptions), (back, 0));
         assert_eq!(p.newly_admitted, vec!["ent".to_string()]);
-        assert_eq!(ids(&p), vec![("flood-0", 1), ("flood-1", 1), ("ent", 3)]);
+        // The two left sit out the step of its prefill (strict bands), then decode beside it.
+        assert_eq!(ids(&p), vec![("ent", 3)]);
+        run_step(&mut s, &p, 5);
+        let p = s.schedule();
+        assert_eq!(ids(&p), vec![("flood-0", 1), ("flood-1", 1), ("ent", 1)]);
         // The same request at the floods' priority waits for its place instead.
         let mut s = trained(64);
         for i in 0..6 {

@@ -164,6 +164,7 @@ impl ApiError {
             | EngineError::Unsupported(_)
             | EngineError::Fetch(_)
             | EngineError::Device(_)
+            | EngineError::Interrupted
             | EngineError::Baseline(_) => ApiError::internal(message),
         }
     }
