@@ -19,11 +19,17 @@ pub struct Interrupt {
     /// The lowest priority in the running step (`i32::MAX`: none runs).
     running: AtomicI32,
     raised: AtomicBool,
+    /// The last pass was interrupted: the next runs whole.
+    last_cut: AtomicBool,
 }
 
 impl Default for Interrupt {
     fn default() -> Self {
-        Interrupt { running: AtomicI32::new(i32::MAX), raised: AtomicBool::new(false) }
+        Interrupt {
+            running: AtomicI32::new(i32::MAX),
+            raised: AtomicBool::new(false),
+            last_cut: AtomicBool::new(false),
+        }
     }
 }
 
@@ -37,16 +43,20 @@ impl Interrupt {
         }
     }
 
-    /// A step whose lowest priority is `priority` begins.
+    /// A step whose lowest priority is `priority` begins. Never two passes running are
+    /// interrupted: the one after an interrupted pass runs whole, so arrivals faster than
+    /// the steps cannot stop the engine (the higher band's own decodes included).
     pub fn begin(&self, priority: i32) {
+        let priority = if self.last_cut.load(Ordering::Acquire) { i32::MAX } else { priority };
         self.raised.store(false, Ordering::Release);
         self.running.store(priority, Ordering::Release);
     }
 
-    /// The step has ended (finished or interrupted).
-    pub fn end(&self) {
+    /// The step has ended, `cut` short or whole.
+    pub fn end(&self, cut: bool) {
         self.running.store(i32::MAX, Ordering::Release);
         self.raised.store(false, Ordering::Release);
+        self.last_cut.store(cut, Ordering::Release);
     }
 
     /// Whether the pass, `done` of its `layers` layers behind it, stops here: a higher
@@ -76,11 +86,28 @@ mod tests {
         assert!(!i.stops(0, 8), "not before the first layer");
         assert!(i.stops(1, 8) && i.stops(5, 8));
         assert!(!i.stops(6, 8), "three quarters done: the pass finishes");
-        i.end();
+        i.end(false);
         assert!(!i.stops(1, 8), "a new step starts clear");
         i.begin(1);
         assert!(!i.stops(1, 8), "the flag of the last step is gone");
         i.arrive(1);
         assert!(!i.stops(1, 8));
+        i.end(false);
+    }
+
+    #[test]
+    fn the_pass_after_an_interrupted_one_runs_whole() {
+        let i = Interrupt::default();
+        i.begin(0);
+        i.arrive(1);
+        assert!(i.stops(1, 8));
+        i.end(true);
+        i.begin(0);
+        i.arrive(1);
+        assert!(!i.stops(1, 8), "two passes running would be cut");
+        i.end(false);
+        i.begin(0);
+        i.arrive(1);
+        assert!(i.stops(1, 8), "after a whole pass, the next may be cut again");
     }
 }

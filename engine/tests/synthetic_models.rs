@@ -53,7 +53,10 @@ fn run_interrupted(
             i.arrive(1);
             let cut = runner.forward(w, &mut cache, batch);
             ensure!(matches!(cut, Err(EngineError::Interrupted)), "not interrupted: {cut:?}");
-            i.end();
+            // As the engine's core would: the pass again, whole; the next may be cut.
+            i.end(true);
+            i.begin(0);
+            i.end(false);
         }
         Ok(runner.forward(w, &mut cache, batch)?)
     };

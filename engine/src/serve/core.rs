@@ -425,8 +425,9 @@ impl EngineCore {
         let began = Instant::now();
         let result = self.backend.forward_picking(&self.model.weights, &inputs, &picks);
         let seconds = began.elapsed().as_secs_f64();
-        self.interrupt.end();
-        if matches!(result, Err(EngineError::Interrupted)) {
+        let cut = matches!(result, Err(EngineError::Interrupted));
+        self.interrupt.end(cut);
+        if cut {
             // Nothing of the step stands: the next plan, with the arrival in it, computes
             // its tokens again.
             self.metrics.interrupted_steps.inc();
