@@ -5,6 +5,8 @@
 //! much of the capacity the others left it got. With `--fcfs-url` (a second target whose
 //! engines schedule first come, first served: `sluice up --scheduling fcfs`) the mix runs
 //! there too, and the aggregate throughput of the target's policy is set against FCFS's.
+//! `--rounds N` repeats the comparison, every second round in the other order, and reports
+//! the medians of the per-round ratios.
 
 use anyhow::{Context, bail};
 use clap::Args;
@@ -26,6 +28,11 @@ pub struct BenchIsolationArgs {
     /// The mix for `--fcfs-url`, when its keys differ (the same tenants, in the same order).
     #[arg(long, requires = "fcfs_url")]
     fcfs_mix: Option<std::path::PathBuf>,
+    /// Rounds of the whole comparison; every second one runs the mix first and the tenants
+    /// alone after, so a machine drifting over a round's minutes weighs on both sides of the
+    /// ratios alike. With more than one, the medians of the per-round ratios are reported.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
 }
 
 /// One tenant's figures: alone, together, and together under FCFS.
@@ -89,43 +96,164 @@ fn shares(figures: &[TenantFigures]) -> Vec<(f64, f64)> {
         .collect()
 }
 
+/// One round: every tenant alone, the mix together, and the mix under FCFS.
+struct Round {
+    figures: Vec<TenantFigures>,
+    /// Aggregate output throughput together, and under FCFS.
+    throughput: f64,
+    fcfs_throughput: Option<f64>,
+    result: Value,
+}
+
+impl Round {
+    /// The target's aggregate throughput over FCFS's (NaN without FCFS).
+    fn over_fcfs(&self) -> f64 {
+        self.fcfs_throughput.map_or(f64::NAN, |f| ratio(self.throughput, f))
+    }
+}
+
 /// Runs `sluice bench isolation`.
 pub fn run_bench_isolation(args: BenchIsolationArgs) -> anyhow::Result<()> {
     if args.serve.mix.is_none() {
         bail!("--mix is required: isolation is measured between the tenants of a mix");
     }
+    if args.rounds == 0 {
+        bail!("--rounds must be at least 1");
+    }
     let names = tenant_names(&args.serve)?;
     if names.len() < 2 {
         bail!("--mix lists {} tenant(s); isolation needs at least two", names.len());
     }
+    let mut rounds = Vec::new();
+    for r in 0..args.rounds {
+        if args.rounds > 1 {
+            println!("round {} of {} ...", r + 1, args.rounds);
+        }
+        rounds.push(round(&args, &names, r % 2 == 1)?);
+    }
+    let mut result = match rounds.as_slice() {
+        [one] => one.result.clone(),
+        all => json!({"rounds": all.iter().map(|r| r.result.clone()).collect::<Vec<_>>()}),
+    };
+    if rounds.len() > 1 {
+        result["median"] = report_medians(&names, &rounds);
+    }
+    if let Some(path) = &args.serve.save_result {
+        std::fs::write(path, serde_json::to_string_pretty(&result)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!("result written to {}", path.display());
+    }
+    Ok(())
+}
+
+/// The median of the finite values (NaN when there are none).
+fn median(mut values: Vec<f64>) -> f64 {
+    values.retain(|v| v.is_finite());
+    values.sort_by(f64::total_cmp);
+    match values.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => values[n / 2],
+        n => (values[n / 2 - 1] + values[n / 2]) / 2.0,
+    }
+}
+
+/// A value as JSON: null where it is not a number.
+fn num(v: f64) -> Value {
+    if v.is_finite() { json!(v) } else { Value::Null }
+}
+
+/// Prints and returns, per tenant, the medians over the rounds of its ratios and shares,
+/// and the median of the aggregate throughput over FCFS.
+fn report_medians(names: &[String], rounds: &[Round]) -> Value {
+    println!(
+        "
+medians over {} rounds",
+        rounds.len()
+    );
+    let ratios: Vec<Vec<Ratios>> =
+        rounds.iter().map(|r| r.figures.iter().map(TenantFigures::ratios).collect()).collect();
+    let round_shares: Vec<Vec<(f64, f64)>> = rounds.iter().map(|r| shares(&r.figures)).collect();
+    let mut tenants = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        let of = |f: &dyn Fn(&Ratios) -> f64| {
+            median(ratios.iter().filter_map(|r| r.get(i)).map(f).collect())
+        };
+        let (p50, p99) = (of(&|r| r.ttft_p50), of(&|r| r.ttft_p99));
+        let (tpot50, tpot99, att) =
+            (of(&|r| r.tpot_p50), of(&|r| r.tpot_p99), of(&|r| r.attainment));
+        let share = median(round_shares.iter().filter_map(|s| s.get(i)).map(|s| s.0).collect());
+        let left = median(round_shares.iter().filter_map(|s| s.get(i)).map(|s| s.1).collect());
+        println!(
+            "  {name:<12} together / alone: TTFT p50 {p50:.2}x p99 {p99:.2}x, TPOT p50 {tpot50:.2}x p99 {tpot99:.2}x, attainment {att:.2}x; {:.0}% of the tokens served{}",
+            100.0 * share,
+            if left.is_nan() {
+                String::new()
+            } else {
+                format!(", {:.0}% of the capacity the others left", 100.0 * left)
+            },
+        );
+        tenants.push(json!({
+            "name": name,
+            "mixed_over_alone": {"ttft_p50": num(p50), "ttft_p99": num(p99), "tpot_p50": num(tpot50),
+                "tpot_p99": num(tpot99), "attainment": num(att)},
+            "share_of_served_tokens": num(share),
+            "share_of_capacity_left": num(left),
+        }));
+    }
+    let over_fcfs = median(rounds.iter().map(Round::over_fcfs).collect());
+    if over_fcfs.is_finite() {
+        let each: Vec<String> = rounds.iter().map(|r| format!("{:.2}", r.over_fcfs())).collect();
+        println!("  aggregate throughput / FCFS {over_fcfs:.2} (rounds: {})", each.join(", "));
+    }
+    json!({"tenants": tenants, "throughput_over_fcfs": num(over_fcfs)})
+}
+
+/// One round, printed: the tenants alone then the mix (`mixed_first`: the mix, FCFS's, then
+/// the tenants alone, so that over an even number of rounds a machine drifting within a
+/// round weighs on both sides of the ratios alike).
+fn round(args: &BenchIsolationArgs, names: &[String], mixed_first: bool) -> anyhow::Result<Round> {
     let mut base = args.serve.clone();
     // The gateway's records are not read per phase.
     base.records_url = None;
-    let mut alone = Vec::new();
-    for (i, name) in names.iter().enumerate() {
-        println!("{name} alone ...");
-        let run = measure_tenants(&base, Some(i), true)
-            .with_context(|| format!("running {name} alone"))?;
-        println!("  {}", brief_line(&run.summary));
-        alone.push(run.summary);
-    }
-    println!("all together ...");
-    let mixed = measure_tenants(&base, None, true).context("running the mix")?;
-    let fcfs = match &args.fcfs_url {
-        Some(url) => {
-            println!("all together against the FCFS target {url} ...");
-            let mut a = base.clone();
-            a.base_url = url.clone();
-            if let Some(m) = &args.fcfs_mix {
-                a.mix = Some(m.clone());
-                let theirs = tenant_names(&a)?;
-                if theirs != names {
-                    bail!("--fcfs-mix names {theirs:?}, not the tenants of --mix {names:?}");
-                }
-            }
-            Some(measure_tenants(&a, None, true).context("running the mix against --fcfs-url")?)
+    let run_alone = || -> anyhow::Result<Vec<Summary>> {
+        let mut alone = Vec::new();
+        for (i, name) in names.iter().enumerate() {
+            println!("{name} alone ...");
+            let run = measure_tenants(&base, Some(i), true)
+                .with_context(|| format!("running {name} alone"))?;
+            println!("  {}", brief_line(&run.summary));
+            alone.push(run.summary);
         }
-        None => None,
+        Ok(alone)
+    };
+    let run_mixed = || -> anyhow::Result<_> {
+        println!("all together ...");
+        let mixed = measure_tenants(&base, None, true).context("running the mix")?;
+        let fcfs = match &args.fcfs_url {
+            Some(url) => {
+                println!("all together against the FCFS target {url} ...");
+                let mut a = base.clone();
+                a.base_url = url.clone();
+                if let Some(m) = &args.fcfs_mix {
+                    a.mix = Some(m.clone());
+                    let theirs = tenant_names(&a)?;
+                    if theirs != names {
+                        bail!("--fcfs-mix names {theirs:?}, not the tenants of --mix {names:?}");
+                    }
+                }
+                let run = measure_tenants(&a, None, true);
+                Some(run.context("running the mix against --fcfs-url")?)
+            }
+            None => None,
+        };
+        Ok((mixed, fcfs))
+    };
+    let (alone, (mixed, fcfs)) = if mixed_first {
+        let m = run_mixed()?;
+        (run_alone()?, m)
+    } else {
+        let a = run_alone()?;
+        (a, run_mixed()?)
     };
     let figures: Vec<TenantFigures> = names
         .iter()
@@ -166,6 +294,7 @@ pub fn run_bench_isolation(args: BenchIsolationArgs) -> anyhow::Result<()> {
         "mix": args.serve.mix,
         "base_url": args.serve.base_url,
         "goodput_slo": mixed.summary.slo,
+        "mixed_first": mixed_first,
         "aggregate": {"mixed": brief(&mixed.summary)},
         "tenants": figures.iter().zip(&shares).map(|(f, (share, left))| json!({
             "name": f.name,
@@ -177,8 +306,8 @@ pub fn run_bench_isolation(args: BenchIsolationArgs) -> anyhow::Result<()> {
             "share_of_capacity_left": if left.is_nan() { Value::Null } else { json!(left) },
         })).collect::<Vec<_>>(),
     });
-    if let Some(fc) = &fcfs {
-        let fcfs_tput = fc.summary.output_throughput;
+    let fcfs_throughput = fcfs.as_ref().map(|fc| fc.summary.output_throughput);
+    if let (Some(fc), Some(fcfs_tput)) = (&fcfs, fcfs_throughput) {
         println!(
             "aggregate output throughput under FCFS: {fcfs_tput:.1} tok/s; this target / FCFS = {:.2}",
             ratio(fair_tput, fcfs_tput)
@@ -191,12 +320,7 @@ pub fn run_bench_isolation(args: BenchIsolationArgs) -> anyhow::Result<()> {
         result["aggregate"]["fcfs"] = brief(&fc.summary);
         result["aggregate"]["throughput_over_fcfs"] = json!(ratio(fair_tput, fcfs_tput));
     }
-    if let Some(path) = &args.serve.save_result {
-        std::fs::write(path, serde_json::to_string_pretty(&result)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-        println!("result written to {}", path.display());
-    }
-    Ok(())
+    Ok(Round { figures, throughput: fair_tput, fcfs_throughput, result })
 }
 
 #[cfg(test)]
@@ -223,5 +347,13 @@ mod tests {
         assert!(s[0].1.is_nan(), "the quiet tenant's demand bounds it: {s:?}");
         assert!(ratio(1.0, 0.0).is_nan() && ratio(f64::NAN, 1.0).is_nan());
         assert_eq!(ratio(3.0, 2.0), 1.5);
+    }
+
+    #[test]
+    fn medians_skip_what_is_not_a_number() {
+        assert_eq!(median(vec![3.0, f64::NAN, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert!(median(vec![f64::NAN]).is_nan() && median(Vec::new()).is_nan());
+        assert_eq!(num(f64::NAN), Value::Null);
     }
 }
