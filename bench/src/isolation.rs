@@ -157,6 +157,25 @@ fn median(mut values: Vec<f64>) -> f64 {
     }
 }
 
+/// A tenant's ratios together / alone, its share of the tokens served and, where defined,
+/// of the capacity the others left.
+fn ratios_line(r: &Ratios, share: f64, left: f64) -> String {
+    let left = if left.is_nan() {
+        String::new()
+    } else {
+        format!(", {:.0}% of the capacity the others left", 100.0 * left)
+    };
+    format!(
+        "together / alone: TTFT p50 {:.2}x p99 {:.2}x, TPOT p50 {:.2}x p99 {:.2}x, attainment {:.2}x; {:.0}% of the tokens served{left}",
+        r.ttft_p50,
+        r.ttft_p99,
+        r.tpot_p50,
+        r.tpot_p99,
+        r.attainment,
+        100.0 * share,
+    )
+}
+
 /// A value as JSON: null where it is not a number.
 fn num(v: f64) -> Value {
     if v.is_finite() { json!(v) } else { Value::Null }
@@ -165,11 +184,7 @@ fn num(v: f64) -> Value {
 /// Prints and returns, per tenant, the medians over the rounds of its ratios and shares,
 /// and the median of the aggregate throughput over FCFS.
 fn report_medians(names: &[String], rounds: &[Round]) -> Value {
-    println!(
-        "
-medians over {} rounds",
-        rounds.len()
-    );
+    println!("\nmedians over {} rounds", rounds.len());
     let ratios: Vec<Vec<Ratios>> =
         rounds.iter().map(|r| r.figures.iter().map(TenantFigures::ratios).collect()).collect();
     let round_shares: Vec<Vec<(f64, f64)>> = rounds.iter().map(|r| shares(&r.figures)).collect();
@@ -178,24 +193,19 @@ medians over {} rounds",
         let of = |f: &dyn Fn(&Ratios) -> f64| {
             median(ratios.iter().filter_map(|r| r.get(i)).map(f).collect())
         };
-        let (p50, p99) = (of(&|r| r.ttft_p50), of(&|r| r.ttft_p99));
-        let (tpot50, tpot99, att) =
-            (of(&|r| r.tpot_p50), of(&|r| r.tpot_p99), of(&|r| r.attainment));
+        let r = Ratios {
+            ttft_p50: of(&|r| r.ttft_p50),
+            ttft_p99: of(&|r| r.ttft_p99),
+            tpot_p50: of(&|r| r.tpot_p50),
+            tpot_p99: of(&|r| r.tpot_p99),
+            attainment: of(&|r| r.attainment),
+        };
         let share = median(round_shares.iter().filter_map(|s| s.get(i)).map(|s| s.0).collect());
         let left = median(round_shares.iter().filter_map(|s| s.get(i)).map(|s| s.1).collect());
-        println!(
-            "  {name:<12} together / alone: TTFT p50 {p50:.2}x p99 {p99:.2}x, TPOT p50 {tpot50:.2}x p99 {tpot99:.2}x, attainment {att:.2}x; {:.0}% of the tokens served{}",
-            100.0 * share,
-            if left.is_nan() {
-                String::new()
-            } else {
-                format!(", {:.0}% of the capacity the others left", 100.0 * left)
-            },
-        );
+        println!("  {name:<12} {}", ratios_line(&r, share, left));
         tenants.push(json!({
             "name": name,
-            "mixed_over_alone": {"ttft_p50": num(p50), "ttft_p99": num(p99), "tpot_p50": num(tpot50),
-                "tpot_p99": num(tpot99), "attainment": num(att)},
+            "mixed_over_alone": r,
             "share_of_served_tokens": num(share),
             "share_of_capacity_left": num(left),
         }));
@@ -273,20 +283,7 @@ fn round(args: &BenchIsolationArgs, names: &[String], mixed_first: bool) -> anyh
         println!("{}", f.name);
         println!("  alone     {}", brief_line(&f.alone));
         println!("  together  {}", brief_line(&f.mixed));
-        println!(
-            "  together / alone: TTFT p50 {:.2}x p99 {:.2}x, TPOT p50 {:.2}x p99 {:.2}x, attainment {:.2}x; {:.0}% of the tokens served{}",
-            r.ttft_p50,
-            r.ttft_p99,
-            r.tpot_p50,
-            r.tpot_p99,
-            r.attainment,
-            100.0 * share,
-            if left.is_nan() {
-                String::new()
-            } else {
-                format!(", {:.0}% of the capacity the others left", 100.0 * left)
-            },
-        );
+        println!("  {}", ratios_line(&r, *share, *left));
     }
     let fair_tput = mixed.summary.output_throughput;
     println!("\naggregate output throughput together: {fair_tput:.1} tok/s");
@@ -303,7 +300,7 @@ fn round(args: &BenchIsolationArgs, names: &[String], mixed_first: bool) -> anyh
             "fcfs": f.fcfs.as_ref().map(brief),
             "mixed_over_alone": f.ratios(),
             "share_of_served_tokens": share,
-            "share_of_capacity_left": if left.is_nan() { Value::Null } else { json!(left) },
+            "share_of_capacity_left": num(*left),
         })).collect::<Vec<_>>(),
     });
     let fcfs_throughput = fcfs.as_ref().map(|fc| fc.summary.output_throughput);
