@@ -335,12 +335,17 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
         ..GatewayConfig::platform(
             &[engine_addr.to_string()],
             Some("bench-token".into()),
-            "bench",
             RedisDownPolicy::Local,
         )
     };
-    let gateway =
-        Gateway::new(cfg, ledger.clone(), usage.limiter, tokens, usage.sink, gw_io.handle.clone());
+    let gateway = Gateway::new(
+        cfg,
+        ledger.clone(),
+        usage.limiter,
+        vec![tokens],
+        usage.sink,
+        gw_io.handle.clone(),
+    );
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let listen = gw_addr.clone();
     let proxy = std::thread::spawn(move || {

@@ -23,9 +23,6 @@ use sluice_gateway::local::RedisDownPolicy;
 use sluice_gateway::platform::{IoRuntime, Usage, finish, run_proxy, serve_metrics};
 use sluice_gateway::proxy::{Gateway, GatewayConfig};
 
-/// The model id clients name when the platform serves the default model.
-const DEFAULT_MODEL_ID: &str = "smollm2-135m-instruct";
-
 /// `sluice gateway`.
 #[derive(Args, Debug)]
 pub struct GatewayArgs {
@@ -54,13 +51,12 @@ pub struct GatewayArgs {
     /// Bearer token the engines require.
     #[arg(long, env = "SLUICE_INTERNAL_TOKEN", hide_env_values = true)]
     internal_token: Option<String>,
-    /// GGUF file whose tokenizer and chat template count prompt tokens (default: the fetched
-    /// default model).
-    #[arg(long)]
-    model: Option<PathBuf>,
-    /// Model id clients name.
-    #[arg(long, default_value = DEFAULT_MODEL_ID)]
-    model_id: String,
+    /// A model (GGUF file or Hugging Face directory) whose tokenizer and chat template are
+    /// held from the start (repeat for several). The models themselves, their ids included,
+    /// are learned from the engines; one whose text side is not held here has it fetched
+    /// from its engine.
+    #[arg(long = "model")]
+    models: Vec<PathBuf>,
     /// When Redis is unreachable: `local` limits or `refuse` (503).
     #[arg(long, default_value = "local")]
     redis_down: String,
@@ -71,11 +67,12 @@ pub struct GatewayArgs {
     usage_stream: String,
 }
 
-fn default_model_path(model: Option<PathBuf>) -> anyhow::Result<PathBuf> {
-    Ok(match model {
-        Some(p) => p,
-        None => fetch(&DEFAULT_MODEL, &model_dir(), &|s| eprintln!("{s}"))?,
-    })
+/// The models `sluice up` serves: those named, else the default model (fetched if missing).
+fn model_paths(models: Vec<PathBuf>) -> anyhow::Result<Vec<PathBuf>> {
+    if models.is_empty() {
+        return Ok(vec![fetch(&DEFAULT_MODEL, &model_dir(), &|s| eprintln!("{s}"))?]);
+    }
+    Ok(models)
 }
 
 /// Runs `sluice gateway`.
@@ -91,8 +88,15 @@ pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
         (None, None, true) => None,
         _ => bail!("give --tls-cert and --tls-key, or --plain-http"),
     };
-    let tokens = TokenCounter::open(&default_model_path(args.model)?)
-        .context("reading the model's tokenizer and chat template")?;
+    let texts = args
+        .models
+        .iter()
+        .map(|p| {
+            TokenCounter::open(p).with_context(|| {
+                format!("reading the tokenizer and chat template of --model {}", p.display())
+            })
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
     let io = IoRuntime::start()?;
     let (ledger, usage) = io.handle.block_on(async {
         let ledger = Ledger::connect_with(&args.database_url, &LedgerOptions::default())
@@ -109,13 +113,15 @@ pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
     })?;
     let Usage { limiter, sink, ingest } = usage;
     let token = args.internal_token.clone();
-    let cfg = args.front.apply(GatewayConfig::platform(
-        &args.engines,
-        args.internal_token,
-        &args.model_id,
-        redis_down,
-    ));
-    let gateway = Gateway::new(cfg, ledger.clone(), limiter, tokens, sink, io.handle.clone());
+    let cfg =
+        args.front.apply(GatewayConfig::platform(&args.engines, args.internal_token, redis_down));
+    let gateway = Gateway::new(cfg, ledger.clone(), limiter, texts, sink, io.handle.clone());
+    match gateway.models().join(", ") {
+        m if m.is_empty() => {
+            eprintln!("no engine has said what it serves yet: requests get 404 until one does")
+        }
+        m => eprintln!("models: {m}"),
+    }
     let metrics = serve_metrics(&io, &args.front.metrics_listen, &gateway)?;
     println!("listening on {}://{}", if tls.is_some() { "https" } else { "http" }, args.listen);
     // On stderr: stdout's first line is the listening address, which is all some readers take.
@@ -143,9 +149,11 @@ pub struct UpArgs {
     /// Serve the gateway over plain HTTP instead of HTTPS.
     #[arg(long)]
     plain_http: bool,
-    /// Model file (default: the default model, fetched if missing).
-    #[arg(long)]
-    model: Option<PathBuf>,
+    /// A model to serve, a GGUF file or Hugging Face directory (repeat to serve several, an
+    /// engine each, every one under the id its file gives it; default: the default model,
+    /// fetched if missing).
+    #[arg(long = "model")]
+    models: Vec<PathBuf>,
     /// Where the engine's forward pass runs: cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: sluice_engine::backend::Device,
@@ -317,9 +325,22 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         .with_context(|| format!("creating {}", args.dir.display()))?;
     let dir = std::fs::canonicalize(&args.dir)?;
     private_state_dir(&dir)?;
-    let model_path = default_model_path(args.model)?;
-    let model = Arc::new(LoadedModel::load(&model_path).context("loading the model")?);
-    let tokens = TokenCounter::open(&model_path)?;
+    let mut models: Vec<Arc<LoadedModel>> = Vec::new();
+    let mut texts = Vec::new();
+    for path in model_paths(args.models)? {
+        let model = LoadedModel::load(&path)
+            .with_context(|| format!("loading the model {}", path.display()))?;
+        if let Some(same) = models.iter().find(|m| m.identity.model_id == model.identity.model_id) {
+            bail!(
+                "--model {} and --model {} are both named {}: serve one",
+                same.path.display(),
+                path.display(),
+                model.identity.model_id
+            );
+        }
+        texts.push(TokenCounter::open(&path)?);
+        models.push(Arc::new(model));
+    }
     let secret_path = dir.join("jwt-secret");
     let jwt_secret = match std::fs::read_to_string(&secret_path) {
         Ok(s) if s.trim().len() >= 32 => s.trim().to_owned(),
@@ -336,32 +357,41 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         args.kv_cache_mb,
         args.gpu_memory_utilization,
     )?;
-    let handle = EngineHandle::start(
-        Arc::clone(&model),
-        EngineConfig {
-            kv_cache_bytes,
-            gpu_memory_utilization,
-            device: args.device,
-            scheduling: args.scheduling,
-            ..EngineConfig::default()
-        },
-    )
-    .with_context(|| format!("starting the engine on {}", args.device))?;
-    let engine_app = engine_router(
-        handle,
-        ServerConfig {
-            served_model_name: Some(DEFAULT_MODEL_ID.into()),
-            internal_token: Some(internal_token.clone()),
-            ..ServerConfig::default()
-        },
-    );
+    // Several models on one GPU share what the engines may take of it.
+    let gpu_memory_utilization = gpu_memory_utilization.map(|u| u / models.len() as f64);
+    let mut engine_apps = Vec::new();
+    for model in &models {
+        let handle = EngineHandle::start(
+            Arc::clone(model),
+            EngineConfig {
+                kv_cache_bytes,
+                gpu_memory_utilization,
+                device: args.device,
+                scheduling: args.scheduling,
+                ..EngineConfig::default()
+            },
+        )
+        .with_context(|| {
+            format!("starting the engine of {} on {}", model.identity.model_id, args.device)
+        })?;
+        engine_apps.push(engine_router(
+            handle,
+            ServerConfig {
+                internal_token: Some(internal_token.clone()),
+                ..ServerConfig::default()
+            },
+        ));
+    }
     let db_url = format!("sqlite://{}", dir.join("ledger.db").display());
-    let (engine_addr, ledger, usage) = io.handle.block_on(async {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let engine_addr = listener.local_addr()?;
-        tokio::spawn(async move {
-            let _ = axum::serve(listener, engine_app).await;
-        });
+    let (engine_addrs, ledger, usage) = io.handle.block_on(async {
+        let mut engine_addrs = Vec::new();
+        for app in engine_apps {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+            engine_addrs.push(listener.local_addr()?.to_string());
+            tokio::spawn(async move {
+                let _ = axum::serve(listener, app).await;
+            });
+        }
         let ledger = Ledger::connect(&db_url).await.context("opening the ledger")?;
         let admin = tokio::net::TcpListener::bind(&args.admin_listen)
             .await
@@ -374,7 +404,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         tokio::spawn(async move {
             let _ = axum::serve(admin, billing_router(state)).await;
         });
-        anyhow::Ok((engine_addr, ledger, Usage::local(&db_url).await?))
+        anyhow::Ok((engine_addrs, ledger, Usage::local(&db_url).await?))
     })?;
     // The demo tenant and key: created once; the key is shown only when issued.
     let system = Principal { actor: "sluice-up".into(), role: Role::Ops, tenant: None };
@@ -429,23 +459,32 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     let admin_path = dir.join("admin.env");
     write_private(&admin_path, &(admin_env.join("\n") + "\n"))?;
     let mut cfg = args.front.apply(GatewayConfig::platform(
-        &[engine_addr.to_string()],
+        &engine_addrs,
         Some(internal_token.clone()),
-        DEFAULT_MODEL_ID,
         RedisDownPolicy::Local,
     ));
     // First come, first served all the way: the gateway does not share places out either.
     cfg.fair_admission &= args.scheduling == sluice_engine::serve::core::Scheduling::Fair;
     let gateway =
-        Gateway::new(cfg, ledger.clone(), usage.limiter, tokens, usage.sink, io.handle.clone());
-    gateway.seed_identity(serde_json::to_value(&model.identity)?);
+        Gateway::new(cfg, ledger.clone(), usage.limiter, texts, usage.sink, io.handle.clone());
+    for model in &models {
+        gateway.seed_identity(serde_json::to_value(&model.identity)?);
+    }
+    let served = gateway.models();
+    if served.len() < models.len() {
+        bail!(
+            "the engines did not say what they serve within {:?}",
+            sluice_gateway::proxy::FIRST_POLL
+        );
+    }
     let metrics = serve_metrics(&io, &args.front.metrics_listen, &gateway)?;
     let metrics_url = format!("http://{metrics}/metrics");
     let mut admin_env = std::fs::read_to_string(&admin_path)?;
     admin_env.push_str(&(env_line("SLUICE_METRICS_URL", &metrics_url) + "\n"));
     write_private(&admin_path, &admin_env)?;
     println!("sluice is up");
-    println!("  gateway    {scheme}://{}/v1  (model {DEFAULT_MODEL_ID})", args.listen);
+    let plural = if served.len() == 1 { "model" } else { "models" };
+    println!("  gateway    {scheme}://{}/v1  ({plural} {})", args.listen, served.join(", "));
     println!("  admin API  http://{}  (dashboard: /dashboard)", args.admin_listen);
     println!("  metrics    {metrics_url}");
     if fresh {

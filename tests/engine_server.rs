@@ -202,7 +202,7 @@ async fn completions_chat_streaming_and_identity() -> anyhow::Result<()> {
     let (status, h, v) = post(
         &c,
         &server.at("/v1/completions"),
-        &json!({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": GOLDEN_PROMPT,
+        &json!({"model": "smollm2-135m-instruct", "prompt": GOLDEN_PROMPT,
                 "max_tokens": 16, "temperature": 0, "user": "ignored", "some_extra": {"x": 1}}),
         &[("x-sluice-request-id", "req-golden-1"), ("traceparent", trace)],
     )
@@ -231,7 +231,7 @@ async fn completions_chat_streaming_and_identity() -> anyhow::Result<()> {
     ensure!(header("x-sluice-model-revision") == revision);
     let short = &revision["sha256:".len()..][..16];
     let ident = header("x-sluice-execution-identity");
-    ensure!(ident.starts_with(&format!("SmolLM2-135M-Instruct.Q4_1@{short};")), "{ident}");
+    ensure!(ident.starts_with(&format!("smollm2-135m-instruct@{short};")), "{ident}");
 
     // Chat: greedy equals `sluice run --chat`; streamed deltas add up to the same text.
     let question = "What is the capital of France?";
@@ -297,12 +297,14 @@ async fn completions_chat_streaming_and_identity() -> anyhow::Result<()> {
 
     // Models, health, metrics.
     let m: Value = c.get(server.at("/v1/models")).send().await?.json().await?;
-    ensure!(m["object"] == "list" && m["data"][0]["id"] == "SmolLM2-135M-Instruct.Q4_1", "{m}");
+    // Named after its file, lowercased, without the quantization tag: the id gateways and
+    // policies/sampling.json know it by, whose defaults apply (the file recommends nothing).
+    ensure!(m["object"] == "list" && m["data"][0]["id"] == "smollm2-135m-instruct", "{m}");
     ensure!(m["data"][0]["sluice"]["execution_identity"]["model_revision"] == revision);
-    // Served under its file's name, it has no entry in policies/sampling.json, and the file
-    // recommends nothing: OpenAI's defaults, said to be so.
     let d = &m["data"][0]["sluice"]["sampling_defaults"];
-    ensure!(d["temperature"] == 1.0 && d["from"]["temperature"] == "openai", "{m}");
+    ensure!(d["temperature"] == 0.2 && d["top_p"] == 0.9, "{m}");
+    ensure!(d["from"]["temperature"] == "policies/sampling.json", "{m}");
+    ensure!(d["from"]["top_k"] == "openai" && d["top_k"] == 0, "{m}");
     let hl: Value = c.get(server.at("/health")).send().await?.json().await?;
     ensure!(hl["status"] == "ok" && hl["total_blocks"].as_u64() > Some(0), "{hl}");
     let resp = c.get(server.at("/metrics")).send().await?;
@@ -565,14 +567,16 @@ async fn client_disconnect_aborts_the_request_and_frees_blocks() -> anyhow::Resu
 /// Served as the default model's id, the engine samples what a request leaves out as
 /// `policies/sampling.json` says for it, and its model card says so.
 #[tokio::test]
-async fn a_served_model_takes_its_sampling_defaults_from_the_policy() -> anyhow::Result<()> {
-    let server = Server::start(&["--served-model-name", "smollm2-135m-instruct"])?;
+async fn a_name_the_policy_does_not_know_takes_openais_defaults() -> anyhow::Result<()> {
+    // The same file served under another name: policies/sampling.json has no entry for it,
+    // and the file recommends nothing: OpenAI's defaults, said to be so.
+    let server = Server::start(&["--served-model-name", "my-assistant"])?;
     let c = client()?;
     let m: Value = c.get(server.at("/v1/models")).send().await?.json().await?;
+    ensure!(m["data"][0]["id"] == "my-assistant", "{m}");
     let d = &m["data"][0]["sluice"]["sampling_defaults"];
-    ensure!(d["temperature"] == 0.2 && d["top_p"] == 0.9, "{m}");
-    ensure!(d["from"]["temperature"] == "policies/sampling.json", "{m}");
-    ensure!(d["from"]["top_k"] == "openai" && d["top_k"] == 0, "{m}");
+    ensure!(d["temperature"] == 1.0 && d["top_p"] == 1.0, "{m}");
+    ensure!(d["from"]["temperature"] == "openai" && d["from"]["top_p"] == "openai", "{m}");
     Ok(())
 }
 

@@ -217,3 +217,112 @@ fn sluice_up_serves_bills_and_administers_through_the_gateway() -> anyhow::Resul
     }
     Ok(())
 }
+
+/// A request to the platform's gateway with the demo key: status and JSON body.
+async fn call(
+    c: &reqwest::Client,
+    envs: &HashMap<String, String>,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<Value>,
+) -> anyhow::Result<(u16, Value)> {
+    let url = format!("{}{path}", envs["OPENAI_BASE_URL"]);
+    let mut req = c.request(method, url).bearer_auth(&envs["OPENAI_API_KEY"]);
+    if let Some(b) = body {
+        req = req.json(&b);
+    }
+    let resp = req.send().await?;
+    let status = resp.status().as_u16();
+    Ok((status, resp.json().await?))
+}
+
+#[tokio::test]
+async fn sluice_up_serves_several_models_each_by_its_name() -> anyhow::Result<()> {
+    use reqwest::Method;
+    let tmp = tempfile::tempdir()?;
+    // The default model and a tiny one of the project's own writer, an engine each; each is
+    // served under its file's name.
+    let tiny = tmp.path().join("tiny-q8_0.gguf");
+    let spec = sluice_engine::synth::SynthSpec::tiny();
+    sluice_engine::synth::write_gguf(&spec, sluice_text::ggml::GgmlType::Q8_0, &tiny)?;
+    let default = Command::new(env!("CARGO_BIN_EXE_sluice")).args(["model", "path"]).output()?;
+    let default = String::from_utf8(default.stdout)?.trim().to_owned();
+    ensure!(Path::new(&default).exists(), "the default model is not fetched: {default:?}");
+    let state = tmp.path().join("state");
+    let tiny_arg = tiny.to_str().context("utf-8")?;
+    let args = ["--plain-http", "--kv-cache-mb", "32", "--model", &default, "--model", tiny_arg];
+    let up = support::start_up_with(&state, &args)?;
+    let envs = up.envs()?;
+    let c = reqwest::Client::new();
+
+    let (status, list) = call(&c, &envs, Method::GET, "/models", None).await?;
+    let ids: Vec<&str> =
+        list["data"].as_array().into_iter().flatten().filter_map(|m| m["id"].as_str()).collect();
+    ensure!(status == 200 && ids == ["smollm2-135m-instruct", "tiny"], "{list}");
+    for m in list["data"].as_array().into_iter().flatten() {
+        ensure!(m["sluice"]["engines"] == 1 && m["max_model_len"].as_u64() > Some(0), "{m}");
+    }
+    // Each model answers from its own engine; `default` is the policy's alias of SmolLM2.
+    let mut revisions = HashMap::new();
+    for (asked, id) in [
+        ("smollm2-135m-instruct", "smollm2-135m-instruct"),
+        ("tiny", "tiny"),
+        ("default", "smollm2-135m-instruct"),
+    ] {
+        let body = serde_json::json!({"model": asked, "prompt": "Hello", "max_tokens": 3, "temperature": 0});
+        let (status, v) = call(&c, &envs, Method::POST, "/completions", Some(body)).await?;
+        ensure!(status == 200 && v["model"] == id, "{asked}: {v}");
+        let identity = &v["sluice"]["execution_identity"];
+        ensure!(identity["model_id"] == id, "{asked}: {v}");
+        let rev = identity["model_revision"].as_str().context("revision")?.to_owned();
+        ensure!(*revisions.entry(id).or_insert_with(|| rev.clone()) == rev, "{asked}: {v}");
+        let (status, card) =
+            call(&c, &envs, Method::GET, &format!("/models/{asked}"), None).await?;
+        ensure!(
+            status == 200 && card["id"] == id && card["sluice"]["model_revision"] == rev.as_str(),
+            "{card}"
+        );
+    }
+    ensure!(revisions.len() == 2 && revisions["tiny"] != revisions["smollm2-135m-instruct"]);
+    let chat = serde_json::json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+    let (status, v) = call(&c, &envs, Method::POST, "/chat/completions", Some(chat)).await?;
+    ensure!(status == 200 && v["model"] == "tiny", "{v}");
+    let unknown = serde_json::json!({"model": "gpt-4o", "prompt": "Hello", "max_tokens": 1});
+    let (status, v) = call(&c, &envs, Method::POST, "/completions", Some(unknown)).await?;
+    ensure!(status == 404 && v["error"]["code"] == "model_not_found", "{v}");
+
+    // A tenant allowed one model sees only it, and gets 403 on the other.
+    up.admin(&["admin", "quotas", "set", "demo", "--allowed-model", "tiny"])?;
+    wait_for_cache();
+    let (_, list) = call(&c, &envs, Method::GET, "/models", None).await?;
+    ensure!(
+        list["data"].as_array().map(Vec::len) == Some(1) && list["data"][0]["id"] == "tiny",
+        "{list}"
+    );
+    let body = serde_json::json!({"model": "default", "prompt": "Hello", "max_tokens": 1});
+    let (status, v) = call(&c, &envs, Method::POST, "/completions", Some(body)).await?;
+    ensure!(status == 403 && v["error"]["code"] == "model_not_allowed", "{v}");
+    let body = serde_json::json!({"model": "tiny", "prompt": "Hello", "max_tokens": 1});
+    let (status, v) = call(&c, &envs, Method::POST, "/completions", Some(body)).await?;
+    ensure!(status == 200, "{v}");
+
+    // Every row names the model the request ran on (or asked for), at that model's revision
+    // and prices.
+    let mut up = up;
+    let status = signal_and_wait(&mut up.child, "INT", Duration::from_secs(30))?;
+    ensure!(status.success(), "sluice up exited with {status}");
+    let db = format!("sqlite://{}", up.dir.join("ledger.db").display());
+    let ledger = Ledger::connect(&db).await?;
+    let rows = ledger.records(&RecordFilter { limit: 100, ..Default::default() }).await?.records;
+    ledger.close().await;
+    let count = |model: &str, status: u64| {
+        rows.iter().filter(|r| r["model_id"] == model && r["http_status"] == status).count()
+    };
+    ensure!(count("smollm2-135m-instruct", 200) == 2 && count("tiny", 200) == 3, "{rows:?}");
+    ensure!(count("gpt-4o", 404) == 1 && count("default", 403) == 1, "{rows:?}");
+    for r in rows.iter().filter(|r| r["http_status"] == 200) {
+        let model = r["model_id"].as_str().unwrap_or_default();
+        ensure!(r["model_revision"] == revisions[model].as_str(), "{r:?}");
+    }
+    Ok(())
+}

@@ -29,6 +29,35 @@ pub struct LoadedModel {
     pub recommended: Recommended,
 }
 
+/// The id a model is served under by default: its file's stem (a directory's name),
+/// lowercased, without the quantization tag a converter appends
+/// (`SmolLM2-135M-Instruct.Q4_1.gguf` is `smollm2-135m-instruct`, `gemma-3-270m-q4_k_m.gguf`
+/// `gemma-3-270m`), so an engine started on a file and a gateway agree without being told.
+pub fn model_id_of(path: &Path) -> String {
+    let stem = match path.extension().and_then(|e| e.to_str()) {
+        Some(ext) if ext.eq_ignore_ascii_case("gguf") => path.file_stem(),
+        _ => path.file_name(),
+    };
+    let stem = stem.map(|s| s.to_string_lossy().to_lowercase()).unwrap_or_default();
+    let base = match stem.rfind(['.', '-']) {
+        Some(i) if is_quant_tag(&stem[i + 1..]) => &stem[..i],
+        _ => stem.as_str(),
+    };
+    if base.is_empty() { "model".into() } else { base.to_owned() }
+}
+
+/// `q4_1`, `q4_k_m`, `iq2_xs`, `f16`, `bf16`, `f32`, `q8_0`... (lowercase).
+fn is_quant_tag(tag: &str) -> bool {
+    if matches!(tag, "f16" | "bf16" | "f32" | "fp16" | "fp32") {
+        return true;
+    }
+    let rest = tag.strip_prefix("iq").or_else(|| tag.strip_prefix('q'));
+    rest.is_some_and(|r| {
+        r.starts_with(|c: char| c.is_ascii_digit())
+            && r.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    })
+}
+
 impl LoadedModel {
     /// Loads a GGUF file or a Hugging Face safetensors directory.
     pub fn load(path: &Path) -> Result<LoadedModel> {
@@ -51,10 +80,7 @@ impl LoadedModel {
                 ),
             ));
         }
-        let model_id = path
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| "model".into());
+        let model_id = model_id_of(path);
         let identity = ExecutionIdentity {
             model_id,
             model_revision: format!("sha256:{}", sha256_files(&files, &|_| ())?),
@@ -83,4 +109,22 @@ impl LoadedModel {
 fn load_hf_dir(dir: &Path) -> Result<(LlamaWeights, ModelText, Vec<PathBuf>)> {
     let (weights, st) = crate::safetensors::load_safetensors_weights(dir)?;
     Ok((weights, ModelText::from_hf_dir(dir)?, st.weight_files().to_vec()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_model_is_named_after_its_file_without_the_quantization() {
+        let id = |p: &str| model_id_of(Path::new(p));
+        assert_eq!(id("/m/SmolLM2-135M-Instruct.Q4_1.gguf"), "smollm2-135m-instruct");
+        assert_eq!(id("gemma-3-270m-q4_k_m.gguf"), "gemma-3-270m");
+        assert_eq!(id("Llama-3.2-1B-Instruct-F16.gguf"), "llama-3.2-1b-instruct");
+        assert_eq!(id("tiny-IQ2_XS.gguf"), "tiny");
+        assert_eq!(id("/models/Qwen2.5-0.5B"), "qwen2.5-0.5b", "a directory keeps its dots");
+        assert_eq!(id("plain.gguf"), "plain");
+        assert_eq!(id("quant-q.gguf"), "quant-q", "q alone is no tag");
+        assert_eq!(id("/"), "model");
+    }
 }

@@ -5,6 +5,7 @@
 //! OpenAI error type and code, the metric label and the ledger's finish reason. The proxy's
 //! phases ([`crate::proxy`]) only run these steps in order and do the I/O between them.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -16,6 +17,7 @@ use sluice_text::model::ModelText;
 use sluice_text::template::{ChatMessage, ChatTemplate, encode_chat};
 use sluice_text::tokenizer::{MAX_PROMPT_IDS, PROMPT_FIELD, Tokenizer};
 
+use crate::catalog::Catalog;
 use crate::limits::{Limit, RateState, Scope};
 
 /// Largest request body accepted (long-context prompts; the engine takes up to 4 MiB, room for
@@ -23,7 +25,9 @@ use crate::limits::{Limit, RateState, Scope};
 pub const MAX_BODY_BYTES: usize = 2 << 20;
 
 /// Counts prompt tokens exactly as the engine will: the model's chat template and tokenizer,
-/// read from the same files the engine loads (a GGUF file or a Hugging Face directory).
+/// read from the same files the engine loads (a GGUF file or a Hugging Face directory), or
+/// sent by the engine itself ([`TokenCounter::from_bundle`]).
+#[derive(Debug)]
 pub struct TokenCounter {
     tokenizer: Tokenizer,
     template: Option<ChatTemplate>,
@@ -34,15 +38,29 @@ pub struct TokenCounter {
 impl TokenCounter {
     /// From a model's text side (a GGUF file's weights are mapped, never read).
     pub fn open(path: &std::path::Path) -> sluice_text::Result<Self> {
-        let ModelText { tokenizer, template } = ModelText::open(path)?;
+        Ok(Self::of(ModelText::open(path)?))
+    }
+
+    /// From a text side an engine sent ([`ModelText::bundle`]).
+    pub fn from_bundle(bytes: &[u8]) -> sluice_text::Result<Self> {
+        Ok(Self::of(ModelText::from_bundle(bytes)?))
+    }
+
+    fn of(ModelText { tokenizer, template }: ModelText) -> Self {
         let revision = format!("sha256:{}", tokenizer.revision());
         let template_version = template.as_ref().map(|t| format!("sha256:{}", t.version()));
-        Ok(Self { tokenizer, template, revision, template_version })
+        Self { tokenizer, template, revision, template_version }
     }
 
     /// The tokenizer's revision, as the engine's execution identity names it.
     pub fn revision(&self) -> &str {
         &self.revision
+    }
+
+    /// The chat template's version, as the engine's execution identity names it (`None`: the
+    /// model has no template).
+    pub fn template_version(&self) -> Option<&str> {
+        self.template_version.as_deref()
     }
 
     /// What the engine is told about a prompt's token ids: the ids, the tokenizer's revision
@@ -544,10 +562,10 @@ pub fn model_allowed(grant: &KeyGrant, model: &str) -> bool {
 }
 
 /// What this gateway serves, for [`check`].
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Served {
-    /// The model id clients name.
-    pub model_id: String,
+    /// The models, learned from the engines.
+    pub catalog: Arc<Catalog>,
     /// `max_tokens` when a request gives none and the tenant sets no cap.
     pub default_max_tokens: u64,
 }
@@ -555,8 +573,11 @@ pub struct Served {
 /// A generation request that passed [`check`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct Checked {
-    /// The body to forward: defaults filled in, usage asked for in streams, no `cache_salt`.
+    /// The body to forward: defaults filled in, usage asked for in streams, no `cache_salt`,
+    /// the model named by its id (not an alias).
     pub body: Bytes,
+    /// The model's id.
+    pub model: String,
     /// Prompt tokens, as the engine will count them.
     pub prompt_tokens: u64,
     /// Choices asked for (`n`): the sequences the engine will run.
@@ -664,7 +685,6 @@ pub fn check(
     grant: &KeyGrant,
     body: &[u8],
     served: &Served,
-    counter: &TokenCounter,
 ) -> Result<Checked, Refusal> {
     let mut v: Value =
         serde_json::from_slice(body).map_err(|e| Refusal::InvalidJson(e.to_string()))?;
@@ -677,12 +697,14 @@ pub fn check(
     if model.is_empty() {
         return Err(Refusal::MissingModel);
     }
-    if model != served.model_id {
+    let Some(entry) = served.catalog.resolve(&model) else {
         return Err(Refusal::ModelNotFound { model });
-    }
-    if !model_allowed(grant, &model) {
+    };
+    if !model_allowed(grant, &entry.id) && !model_allowed(grant, &model) {
         return Err(Refusal::ModelNotAllowed { model });
     }
+    let counter = &entry.tokens;
+    obj.insert("model".into(), Value::from(entry.id.as_str()));
     // The engine learns the targets from the gateway's headers, not from the body.
     let slo = Slo::asked(obj.remove("slo").as_ref(), &grant.tier)?;
     let q = &grant.quota;
@@ -764,6 +786,7 @@ pub fn check(
     }
     Ok(Checked {
         body: Bytes::from(v.to_string()),
+        model: entry.id.clone(),
         prompt_tokens,
         choices: n,
         reserved: prompt_tokens.saturating_add(max_tokens.saturating_mul(n)),
@@ -823,15 +846,21 @@ mod tests {
         }
     }
 
-    fn served() -> Served {
-        Served { model_id: "m".into(), default_max_tokens: 512 }
+    /// A gateway serving model `m` (alias `default`), counted by [`counter`].
+    fn served() -> Result<Served, Box<dyn std::error::Error>> {
+        let aliases = [("default".to_owned(), "m".to_owned())].into_iter().collect();
+        let catalog = Catalog::with_aliases(Vec::new(), aliases);
+        let text = catalog.add_text(counter()?);
+        let card = json!({"id": "m", "max_model_len": 2048, "sluice": {"execution_identity": {}}});
+        catalog.learn(&card, text);
+        Ok(Served { catalog: Arc::new(catalog), default_max_tokens: 512 })
     }
 
     /// `check` of `body` as a completions request under `quota`.
     fn completions(quota: QuotaSettings, body: Value) -> Result<Checked, Refusal> {
-        let c = counter()
+        let s = served()
             .map_err(|e| Refusal::Untokenizable { param: "test", reason: e.to_string() })?;
-        check(Endpoint::Completions, &grant(quota), body.to_string().as_bytes(), &served(), &c)
+        check(Endpoint::Completions, &grant(quota), body.to_string().as_bytes(), &s)
     }
 
     #[test]
@@ -900,13 +929,13 @@ mod tests {
         }
         let r = completions(q(), Value::Null).err();
         assert!(matches!(r, Some(Refusal::NotAnObject)));
-        let c = counter()?;
+        let s = served()?;
         let g = grant(QuotaSettings::default());
-        let r = check(Endpoint::Completions, &g, b"{", &served(), &c).err();
+        let r = check(Endpoint::Completions, &g, b"{", &s).err();
         assert!(r.is_some_and(|r| r.status() == 400 && r.message().contains("JSON")));
         for messages in [json!([]), json!("hi")] {
             let body = json!({"model": "m", "messages": messages}).to_string();
-            let r = check(Endpoint::Chat, &g, body.as_bytes(), &served(), &c).err();
+            let r = check(Endpoint::Chat, &g, body.as_bytes(), &s).err();
             assert!(r.is_some_and(|r| r.param() == Some("messages")), "{messages}");
         }
         Ok(())
@@ -947,9 +976,8 @@ mod tests {
         // A tier without a target has nothing to loosen.
         let mut g = grant(q());
         g.tier = "unnamed".into();
-        let c = counter()?;
         let b = body(json!({"tpot_ms": 300})).to_string();
-        let r = check(Endpoint::Completions, &g, b.as_bytes(), &served(), &c).err();
+        let r = check(Endpoint::Completions, &g, b.as_bytes(), &served()?).err();
         assert!(r.is_some_and(|r| r.message().contains("no tpot_ms target")), "{g:?}");
         Ok(())
     }
@@ -997,7 +1025,7 @@ mod tests {
         // A chat's ids name the template that rendered it, too.
         let chat = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
         let g = grant(QuotaSettings::default());
-        let checked = check(Endpoint::Chat, &g, chat.to_string().as_bytes(), &served(), &c)
+        let checked = check(Endpoint::Chat, &g, chat.to_string().as_bytes(), &served()?)
             .map_err(|r| r.message())?;
         let sent: Value = serde_json::from_slice(&checked.body)?;
         assert_eq!(
@@ -1009,6 +1037,14 @@ mod tests {
                 .as_str()
                 .is_some_and(|v| v.starts_with("sha256:"))
         );
+        // An alias is resolved here: the engine, the ledger and the prices see the id.
+        let aliased =
+            completions(QuotaSettings::default(), json!({"model": "default", "prompt": "hi"}))
+                .map_err(|r| r.message())?;
+        let sent: Value = serde_json::from_slice(&aliased.body)?;
+        assert_eq!((aliased.model.as_str(), &sent["model"]), ("m", &json!("m")));
+        let only_m = QuotaSettings { allowed_models: vec!["m".into()], ..QuotaSettings::default() };
+        assert!(completions(only_m, json!({"model": "default", "prompt": "hi"})).is_ok());
         Ok(())
     }
 

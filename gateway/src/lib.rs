@@ -1,11 +1,13 @@
 //! Sluice gateway: the pingora data plane ([`proxy`]) and the modules its phases call: the
-//! request checks and every refusal as data ([`admission`]), admission by tokens with per-tenant quotas and rate limits shared by every replica through
+//! request checks and every refusal as data ([`admission`]), the models learned from the
+//! engines and routed to by name ([`catalog`], [`workers`]), admission by tokens with per-tenant quotas and rate limits shared by every replica through
 //! Redis ([`limits`]), the local fallback when Redis is unreachable ([`local`]), the observer
 //! of the engine's event stream that times what the client receives ([`observe`]), and the
 //! usage-event sink ([`sink`]), `Idempotency-Key` claims with response replay
 //! ([`idempotency`]), and the guard on request heads under pingora's parser ([`door`]).
 
 pub mod admission;
+pub mod catalog;
 pub mod door;
 pub mod drain;
 pub mod fair;

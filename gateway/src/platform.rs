@@ -122,14 +122,12 @@ impl GatewayConfig {
     pub fn platform(
         workers: &[String],
         internal_token: Option<String>,
-        model_id: &str,
         redis_down: RedisDownPolicy,
     ) -> GatewayConfig {
         GatewayConfig {
             workers: workers.iter().map(|a| Worker { addr: a.clone() }).collect(),
             max_waiting: 256,
             internal_token,
-            model_id: model_id.to_owned(),
             default_max_tokens: 512,
             key_cache_ttl: Duration::from_secs(2),
             redis_down,

@@ -34,6 +34,7 @@ use crate::admission::{
     self, Checked, Endpoint, MAX_BODY_BYTES, Refusal, Route, Served, Slo, TokenCounter, error_json,
     hex_digest, rate_headers,
 };
+use crate::catalog::Catalog;
 use crate::drain::Drain;
 use crate::fair::{FairShare, Slot};
 use crate::idempotency::{self, Claim, Idempotency, RUNNING_TTL, Stored};
@@ -72,8 +73,6 @@ pub struct GatewayConfig {
     pub max_waiting: u64,
     /// Bearer token the engines require.
     pub internal_token: Option<String>,
-    /// The model id clients name, and the identity the engine reports for it.
-    pub model_id: String,
     /// `max_tokens` when a request gives none and the tenant sets no cap.
     pub default_max_tokens: u64,
     /// How long a key lookup is trusted (revocation takes effect within this).
@@ -108,8 +107,7 @@ pub struct Gateway {
     ledger: Ledger,
     limiter: Option<Limiter>,
     local: LocalLimiter,
-    tokens: Arc<TokenCounter>,
-    /// The model and defaults [`admission::check`] holds requests to.
+    /// The models and defaults [`admission::check`] holds requests to.
     served: Arc<Served>,
     usage: UsageSink,
     idempotency: Arc<Idempotency>,
@@ -136,27 +134,27 @@ pub struct Gateway {
 
 impl Gateway {
     /// Assembles a gateway; `io` is the runtime on which `ledger`, `limiter` and `usage`
-    /// were created (their I/O is driven there).
+    /// were created (their I/O is driven there). `texts` are text sides held from the start
+    /// (model files the gateway was given); the models themselves are learned from the
+    /// engines, whose first poll is done (or has taken [`FIRST_POLL`]) when this returns.
     pub fn new(
         cfg: GatewayConfig,
         ledger: Ledger,
         limiter: Option<Limiter>,
-        tokens: TokenCounter,
+        texts: Vec<TokenCounter>,
         usage: UsageSink,
         io: tokio::runtime::Handle,
     ) -> Self {
         let addrs: Vec<String> = cfg.workers.iter().map(|w| w.addr.clone()).collect();
-        let workers = Workers::new(&addrs);
-        workers.spawn_health_checks(&io, Duration::from_millis(500));
+        let workers = Workers::new(&addrs, cfg.internal_token.clone());
+        let catalog = Arc::new(Catalog::new(texts));
+        workers.spawn_health_checks(&io, &catalog, Duration::from_millis(500), FIRST_POLL);
         let idempotency = Idempotency::new(
             limiter.as_ref().map(Limiter::shared),
             idempotency::WINDOW,
             RUNNING_TTL,
         );
-        let served = Arc::new(Served {
-            model_id: cfg.model_id.clone(),
-            default_max_tokens: cfg.default_max_tokens,
-        });
+        let served = Arc::new(Served { catalog, default_max_tokens: cfg.default_max_tokens });
         Self {
             idempotency: Arc::new(idempotency),
             served,
@@ -165,7 +163,6 @@ impl Gateway {
             ledger,
             limiter,
             local: LocalLimiter::new(1),
-            tokens: Arc::new(tokens),
             usage,
             keys: Mutex::new(HashMap::new()),
             identities: Mutex::new(HashMap::new()),
@@ -195,6 +192,11 @@ impl Gateway {
         Arc::clone(&self.drain)
     }
 
+    /// The ids of the models learned from the engines so far.
+    pub fn models(&self) -> Vec<String> {
+        self.served.catalog.entries().iter().map(|e| e.id.clone()).collect()
+    }
+
     /// Records an engine's execution identity (the `sluice` object's `execution_identity`),
     /// so requests cut short are billed with it too.
     pub fn seed_identity(&self, identity: Value) {
@@ -211,7 +213,16 @@ impl Gateway {
         }
         let ids = self.identities.lock().unwrap_or_else(|e| e.into_inner());
         match revision {
-            Some(r) => ids.get(r).cloned().unwrap_or_else(|| json!({"model_revision": r})),
+            Some(r) => ids.get(r).cloned().unwrap_or_else(|| {
+                // Else as the engine's card gave it, when the catalog has that revision.
+                let learned = self
+                    .served
+                    .catalog
+                    .entries()
+                    .into_iter()
+                    .find(|e| e.identity["model_revision"] == r);
+                learned.map_or_else(|| json!({"model_revision": r}), |e| e.identity.clone())
+            }),
             None => Value::Null,
         }
     }
@@ -307,6 +318,13 @@ impl Gateway {
     }
 }
 
+/// The characters of a model name asked for, and refused, that its row keeps (at most 256
+/// bytes, the ledger's bound on an id).
+const MODEL_NAME_KEPT: usize = 64;
+
+/// How long a gateway's start waits for its engines to say what they serve.
+pub const FIRST_POLL: Duration = Duration::from_secs(10);
+
 /// How long admission waits for the ledger's day and month figures.
 const USAGE_READ_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -325,6 +343,9 @@ pub struct Ctx {
     key_scope: Option<(String, ScopeLimits)>,
     body: Option<Bytes>,
     affinity: String,
+    /// The model's id (an alias resolved), once named; the name asked for, when the
+    /// request was refused for it.
+    model: Option<String>,
     prompt_tokens: u64,
     reserved: u64,
     rate: RateState,
@@ -449,17 +470,24 @@ impl Gateway {
         }
         let endpoint = match route {
             Route::Model(id) => {
-                if id != self.cfg.model_id || !admission::model_allowed(&grant, &id) {
+                let entry = self.served.catalog.resolve(&id).filter(|e| {
+                    admission::model_allowed(&grant, &e.id) || admission::model_allowed(&grant, &id)
+                });
+                let Some(entry) = entry else {
                     return Err(Refusal::ModelNotFound { model: id });
-                }
-                self.answer(session, ctx, 200, Bytes::from(model_card(&id).to_string())).await?;
+                };
+                let card = entry.card(self.workers.serving(&entry.id));
+                self.answer(session, ctx, 200, Bytes::from(card.to_string())).await?;
                 return Ok(true);
             }
             Route::Models => {
-                let data: Vec<Value> = [self.cfg.model_id.as_str()]
+                let data: Vec<Value> = self
+                    .served
+                    .catalog
+                    .entries()
                     .into_iter()
-                    .filter(|m| admission::model_allowed(&grant, m))
-                    .map(model_card)
+                    .filter(|e| admission::model_allowed(&grant, &e.id))
+                    .map(|e| e.card(self.workers.serving(&e.id)))
                     .collect();
                 let body = Bytes::from(json!({"object": "list", "data": data}).to_string());
                 self.answer(session, ctx, 200, body).await?;
@@ -473,11 +501,21 @@ impl Gateway {
             return Err(Refusal::InvalidIdempotencyKey);
         }
         let body = self.read_body(session).await?;
-        let checked = self.check(endpoint, &grant, &body).await?;
+        let checked = match self.check(endpoint, &grant, &body).await {
+            Ok(c) => c,
+            Err(r) => {
+                // The row of a request refused for its model names what it asked for.
+                if let Refusal::ModelNotFound { model } | Refusal::ModelNotAllowed { model } = &r {
+                    ctx.model = Some(model.chars().take(MODEL_NAME_KEPT).collect());
+                }
+                return Err(r);
+            }
+        };
         // Judged after the prompt's facts are kept: a refused row still records them.
         let within_limit = admission::within_prompt_limit(&grant, &checked);
         ctx.prompt_tokens = checked.prompt_tokens;
         ctx.reserved = checked.reserved;
+        ctx.model = Some(checked.model.clone());
         let choices = checked.choices;
         ctx.prompt_sha256 = checked.prompt_sha256;
         ctx.prompt_chars = checked.prompt_chars;
@@ -494,13 +532,13 @@ impl Gateway {
         {
             return Ok(true);
         }
-        if self.workers.overloaded(self.cfg.max_waiting) {
+        if self.workers.overloaded(&checked.model, self.cfg.max_waiting) {
             return Err(Refusal::Overloaded);
         }
         // Past its share of backlogged engines, a tenant queues only as far as its TTFT target
         // allows; the place is held until the request's context is dropped.
         let ttft_target = ctx.slo.ttft_ms.map(|ms| Duration::from_millis(ms.into()));
-        let backlog = self.workers.backlog().filter(|_| self.cfg.fair_admission);
+        let backlog = self.workers.backlog(&checked.model).filter(|_| self.cfg.fair_admission);
         let slot = self
             .fair
             .admit(&grant.tenant_id, tier_weight(&grant.tier), choices, ttft_target, backlog)
@@ -611,15 +649,13 @@ impl Gateway {
     ) -> std::result::Result<Checked, Refusal> {
         // Shared, not copied: the idempotency fingerprint reads the same bytes afterwards.
         let (grant, body) = (Arc::clone(grant), body.clone());
-        let (served, tokens) = (Arc::clone(&self.served), Arc::clone(&self.tokens));
-        tokio::task::spawn_blocking(move || {
-            admission::check(endpoint, &grant, &body, &served, &tokens)
-        })
-        .await
-        .unwrap_or_else(|e| {
-            tracing::error!(error = %e, "admission check failed");
-            Err(Refusal::BodyNotForwardable)
-        })
+        let served = Arc::clone(&self.served);
+        tokio::task::spawn_blocking(move || admission::check(endpoint, &grant, &body, &served))
+            .await
+            .unwrap_or_else(|e| {
+                tracing::error!(error = %e, "admission check failed");
+                Err(Refusal::BodyNotForwardable)
+            })
     }
 
     /// Admission by tokens: the prompt and the largest possible output of every choice,
@@ -818,7 +854,8 @@ impl Gateway {
         let since =
             |ms: f64| ctx.arrival_at + chrono::TimeDelta::microseconds((ms * 1000.0) as i64);
         let prompt = u32::try_from(ctx.prompt_tokens).unwrap_or(u32::MAX);
-        let rates = self.cfg.prices.rates(&self.cfg.model_id, &grant.tier);
+        let model = ctx.model.clone().unwrap_or_else(|| "unknown".into());
+        let rates = self.cfg.prices.rates(&model, &grant.tier);
         let first = t.ttft_ms.map(since);
         let last = t.ttft_ms.map(|ttft| {
             since(ttft + t.tpot_ms.unwrap_or(0.0) * completion.saturating_sub(1) as f64)
@@ -828,7 +865,7 @@ impl Gateway {
             idempotency_key: ctx.claim.as_ref().map(|c| c.ledger_key.clone()),
             tenant_id: grant.tenant_id.clone(),
             key_id: grant.key_id.clone(),
-            model_id: self.cfg.model_id.clone(),
+            model_id: model,
             model_revision: s("model_revision").unwrap_or_else(|| "unknown".into()),
             tokenizer_revision: s("tokenizer_revision").unwrap_or_else(|| "unknown".into()),
             chat_template_version: s("chat_template_version").unwrap_or_else(|| "unknown".into()),
@@ -968,10 +1005,6 @@ impl Gateway {
 }
 
 /// The OpenAI model object for `id`.
-fn model_card(id: &str) -> Value {
-    json!({"id": id, "object": "model", "created": 0, "owned_by": "sluice"})
-}
-
 #[async_trait]
 impl ProxyHttp for Gateway {
     type CTX = Ctx;
@@ -986,6 +1019,7 @@ impl ProxyHttp for Gateway {
             key_scope: None,
             body: None,
             affinity: String::new(),
+            model: None,
             prompt_tokens: 0,
             reserved: 0,
             rate: RateState::default(),
@@ -1079,7 +1113,8 @@ impl ProxyHttp for Gateway {
         }
         let tenant = ctx.grant.as_ref().map(|g| g.tenant_id.as_str()).unwrap_or("");
         let key = format!("{tenant}\n{}", ctx.affinity);
-        let w = self.workers.choose(&key, &ctx.tried).ok_or_else(|| {
+        let model = ctx.model.as_deref().unwrap_or_default();
+        let w = self.workers.choose(model, &key, &ctx.tried).ok_or_else(|| {
             Error::explain(ErrorType::ConnectNoRoute, "no engine worker left to try")
         })?;
         ctx.tried.push(w.addr.clone());

@@ -1,13 +1,19 @@
 //! The engine workers behind a gateway: health and load from their `/health` and `/metrics`
-//! (polled), and the choice of a worker for a request: prefix affinity (rendezvous hashing
-//! on the tenant and the prompt's start, so one tenant's shared prefixes meet the same
-//! prefix cache) unless that worker is unhealthy or much busier than the least loaded one.
+//! (polled), the models each serves (its `/v1/models`, learned into the [`Catalog`] when it
+//! first answers and whenever its `/health` names another), and the choice of a worker for a
+//! request: among those serving its model, prefix affinity (rendezvous hashing on the tenant
+//! and the prompt's start, so one tenant's shared prefixes meet the same prefix cache) unless
+//! that worker is unhealthy or much busier than the least loaded one.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use serde_json::Value;
 use sha2::{Digest, Sha256};
+
+use crate::admission::TokenCounter;
+use crate::catalog::Catalog;
 
 /// One worker's last known state.
 #[derive(Debug)]
@@ -18,6 +24,8 @@ pub struct WorkerState {
     running: AtomicU64,
     waiting: AtomicU64,
     batch_full: AtomicBool,
+    /// The model ids it serves, from its last `/v1/models` (empty until it answers).
+    models: Mutex<Vec<String>>,
 }
 
 impl WorkerState {
@@ -30,12 +38,23 @@ impl WorkerState {
     pub fn healthy(&self) -> bool {
         self.healthy.load(Ordering::Relaxed)
     }
+
+    /// Whether it serves `model`.
+    pub fn serves(&self, model: &str) -> bool {
+        self.models.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|m| m == model)
+    }
+
+    fn set_models(&self, models: Vec<String>) {
+        *self.models.lock().unwrap_or_else(|e| e.into_inner()) = models;
+    }
 }
 
 /// The gateway's workers.
 #[derive(Debug)]
 pub struct Workers {
     list: Vec<Arc<WorkerState>>,
+    /// The internal token the engines require (their `/v1` routes).
+    token: Option<String>,
 }
 
 fn score(addr: &str, key: &str) -> u64 {
@@ -55,8 +74,9 @@ fn gauge(metrics: &str, name: &str) -> Option<u64> {
 }
 
 impl Workers {
-    /// Workers at these addresses, assumed healthy until checked.
-    pub fn new(addrs: &[String]) -> Arc<Self> {
+    /// Workers at these addresses, assumed healthy until checked; `token` is the bearer
+    /// token their `/v1` routes require.
+    pub fn new(addrs: &[String], token: Option<String>) -> Arc<Self> {
         Arc::new(Self {
             list: addrs
                 .iter()
@@ -67,9 +87,11 @@ impl Workers {
                         running: AtomicU64::new(0),
                         waiting: AtomicU64::new(0),
                         batch_full: AtomicBool::new(false),
+                        models: Mutex::new(Vec::new()),
                     })
                 })
                 .collect(),
+            token,
         })
     }
 
@@ -83,51 +105,150 @@ impl Workers {
         self.list.is_empty()
     }
 
-    /// Polls every worker's `/health` and `/metrics` every `interval`, on `io`.
-    pub fn spawn_health_checks(self: &Arc<Self>, io: &tokio::runtime::Handle, interval: Duration) {
-        let me = Arc::clone(self);
+    /// The healthy workers serving `model`.
+    pub fn serving(&self, model: &str) -> usize {
+        self.list.iter().filter(|w| w.healthy() && w.serves(model)).count()
+    }
+
+    /// Polls every worker once: health, load, and (when it has not said, or its health
+    /// names a model it was not known to serve) its models, learned into `catalog`.
+    pub async fn poll(&self, http: &reqwest::Client, catalog: &Catalog) {
+        for w in &self.list {
+            let health = match http.get(format!("http://{}/health", w.addr)).send().await {
+                Ok(r) if r.status().is_success() => {
+                    Some(r.json::<Value>().await.unwrap_or_default())
+                }
+                _ => None,
+            };
+            let ok = health.is_some();
+            if ok != w.healthy() {
+                tracing::warn!(worker = %w.addr, healthy = ok, "engine worker health changed");
+            }
+            w.healthy.store(ok, Ordering::Relaxed);
+            let Some(health) = health else { continue };
+            let named = health["model"].as_str();
+            let known = !w.models.lock().unwrap_or_else(|e| e.into_inner()).is_empty();
+            if !known || named.is_some_and(|m| !w.serves(m)) {
+                match self.learn(w, http, catalog).await {
+                    Ok(models) => {
+                        tracing::info!(worker = %w.addr, models = ?models, "engine worker serves");
+                        w.set_models(models);
+                    }
+                    Err(e) => {
+                        tracing::warn!(worker = %w.addr, error = %e, "learning an engine's models failed")
+                    }
+                }
+            }
+            if let Ok(r) = http.get(format!("http://{}/metrics", w.addr)).send().await
+                && let Ok(text) = r.text().await
+            {
+                if let Some(n) = gauge(&text, "sluice_engine_num_requests_running") {
+                    w.running.store(n, Ordering::Relaxed);
+                }
+                if let Some(n) = gauge(&text, "sluice_engine_num_requests_waiting") {
+                    w.waiting.store(n, Ordering::Relaxed);
+                }
+                // An engine that does not say is never taken for full.
+                let full = gauge(&text, "sluice_engine_batch_full").is_some_and(|n| n > 0);
+                w.batch_full.store(full, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// A worker's models from its `/v1/models`, each with its text side: held already (the
+    /// same tokenizer revision and template version), else fetched from the worker.
+    async fn learn(
+        &self,
+        w: &WorkerState,
+        http: &reqwest::Client,
+        catalog: &Catalog,
+    ) -> Result<Vec<String>, String> {
+        let get = |path: &str| {
+            let req = http.get(format!("http://{}{path}", w.addr));
+            match &self.token {
+                Some(t) => req.bearer_auth(t),
+                None => req,
+            }
+        };
+        let list: Value = get("/v1/models")
+            .send()
+            .await
+            .and_then(reqwest::Response::error_for_status)
+            .map_err(|e| format!("GET /v1/models: {e}"))?
+            .json()
+            .await
+            .map_err(|e| format!("GET /v1/models: {e}"))?;
+        let mut models = Vec::new();
+        for card in list["data"].as_array().map(Vec::as_slice).unwrap_or_default() {
+            let identity = &card["sluice"]["execution_identity"];
+            let tokenizer = identity["tokenizer_revision"].as_str().unwrap_or_default();
+            let template = identity["chat_template_version"].as_str();
+            let text = match catalog.text(tokenizer, template) {
+                Some(t) => t,
+                None => {
+                    let bytes = get("/v1/internal/text")
+                        .timeout(Duration::from_secs(30))
+                        .send()
+                        .await
+                        .and_then(reqwest::Response::error_for_status)
+                        .map_err(|e| format!("GET /v1/internal/text: {e}"))?
+                        .bytes()
+                        .await
+                        .map_err(|e| format!("GET /v1/internal/text: {e}"))?;
+                    let text =
+                        tokio::task::spawn_blocking(move || TokenCounter::from_bundle(&bytes))
+                            .await
+                            .map_err(|e| e.to_string())?
+                            .map_err(|e| format!("the engine's text side: {e}"))?;
+                    if text.revision() != tokenizer || text.template_version() != template {
+                        return Err(format!(
+                            "the engine's text side is tokenizer {} template {:?}, its card says {tokenizer} {template:?}",
+                            text.revision(),
+                            text.template_version()
+                        ));
+                    }
+                    catalog.add_text(text)
+                }
+            };
+            models.extend(catalog.learn(card, text));
+        }
+        if models.is_empty() {
+            return Err("it lists no model".into());
+        }
+        Ok(models)
+    }
+
+    /// Polls every worker every `interval`, on `io`; the first poll is done (or `first`
+    /// has passed) when this returns, so the models are known before requests come.
+    pub fn spawn_health_checks(
+        self: &Arc<Self>,
+        io: &tokio::runtime::Handle,
+        catalog: &Arc<Catalog>,
+        interval: Duration,
+        first: Duration,
+    ) {
+        let (me, catalog) = (Arc::clone(self), Arc::clone(catalog));
+        let (polled, first_poll) = std::sync::mpsc::channel();
         io.spawn(async move {
             let Ok(http) = reqwest::Client::builder().timeout(Duration::from_secs(1)).build()
             else {
                 return;
             };
             loop {
-                for w in &me.list {
-                    let ok = matches!(
-                        http.get(format!("http://{}/health", w.addr)).send().await,
-                        Ok(r) if r.status().is_success()
-                    );
-                    if ok != w.healthy() {
-                        tracing::warn!(worker = %w.addr, healthy = ok, "engine worker health changed");
-                    }
-                    w.healthy.store(ok, Ordering::Relaxed);
-                    if !ok {
-                        continue;
-                    }
-                    if let Ok(r) = http.get(format!("http://{}/metrics", w.addr)).send().await
-                        && let Ok(text) = r.text().await
-                    {
-                        if let Some(n) = gauge(&text, "sluice_engine_num_requests_running") {
-                            w.running.store(n, Ordering::Relaxed);
-                        }
-                        if let Some(n) = gauge(&text, "sluice_engine_num_requests_waiting") {
-                            w.waiting.store(n, Ordering::Relaxed);
-                        }
-                        // An engine that does not say is never taken for full.
-                        let full = gauge(&text, "sluice_engine_batch_full").is_some_and(|n| n > 0);
-                        w.batch_full.store(full, Ordering::Relaxed);
-                    }
-                }
+                me.poll(&http, &catalog).await;
+                let _ = polled.send(());
                 tokio::time::sleep(interval).await;
             }
         });
+        let _ = first_poll.recv_timeout(first);
     }
 
-    /// The worker for a request with affinity `key`, never one in `tried`. Healthy workers
-    /// first; when none is known healthy, any untried one (the checks may be stale).
-    pub fn choose(&self, key: &str, tried: &[String]) -> Option<Arc<WorkerState>> {
+    /// The worker for a request of `model` with affinity `key`, never one in `tried`.
+    /// Healthy workers first; when none is known healthy, any untried one serving it (the
+    /// checks may be stale).
+    pub fn choose(&self, model: &str, key: &str, tried: &[String]) -> Option<Arc<WorkerState>> {
         let untried: Vec<&Arc<WorkerState>> =
-            self.list.iter().filter(|w| !tried.contains(&w.addr)).collect();
+            self.list.iter().filter(|w| !tried.contains(&w.addr) && w.serves(model)).collect();
         let healthy: Vec<&Arc<WorkerState>> =
             untried.iter().copied().filter(|w| w.healthy()).collect();
         let pool = if healthy.is_empty() { untried } else { healthy };
@@ -140,19 +261,23 @@ impl Workers {
         Some(Arc::clone(best))
     }
 
-    /// Whether every healthy worker already has `max_waiting` requests queued (admitting
-    /// more would only lengthen queues past any deadline).
-    pub fn overloaded(&self, max_waiting: u64) -> bool {
-        let healthy: Vec<&Arc<WorkerState>> = self.list.iter().filter(|w| w.healthy()).collect();
+    fn healthy_for<'a>(&'a self, model: &'a str) -> impl Iterator<Item = &'a Arc<WorkerState>> {
+        self.list.iter().filter(move |w| w.healthy() && w.serves(model))
+    }
+
+    /// Whether every healthy worker serving `model` already has `max_waiting` requests
+    /// queued (admitting more would only lengthen queues past any deadline).
+    pub fn overloaded(&self, model: &str, max_waiting: u64) -> bool {
+        let healthy: Vec<&Arc<WorkerState>> = self.healthy_for(model).collect();
         !healthy.is_empty()
             && healthy.iter().all(|w| w.waiting.load(Ordering::Relaxed) >= max_waiting)
     }
 
-    /// The places the engines are running, when every healthy one has requests waiting
-    /// because its batch is as large as it may grow (`sluice_engine_batch_full`); `None`
-    /// while some engine has room.
-    pub fn backlog(&self) -> Option<u64> {
-        let healthy: Vec<&Arc<WorkerState>> = self.list.iter().filter(|w| w.healthy()).collect();
+    /// The places the engines serving `model` are running, when every healthy one has
+    /// requests waiting because its batch is as large as it may grow
+    /// (`sluice_engine_batch_full`); `None` while some engine has room.
+    pub fn backlog(&self, model: &str) -> Option<u64> {
+        let healthy: Vec<&Arc<WorkerState>> = self.healthy_for(model).collect();
         let backlogged = !healthy.is_empty()
             && healthy.iter().all(|w| {
                 w.waiting.load(Ordering::Relaxed) > 0 && w.batch_full.load(Ordering::Relaxed)
@@ -166,6 +291,7 @@ mod tests {
     use super::*;
 
     fn set(w: &WorkerState, healthy: bool, running: u64, waiting: u64) {
+        w.set_models(vec!["m".into()]);
         w.healthy.store(healthy, Ordering::Relaxed);
         w.running.store(running, Ordering::Relaxed);
         w.waiting.store(waiting, Ordering::Relaxed);
@@ -174,27 +300,30 @@ mod tests {
 
     #[test]
     fn a_backlog_is_every_healthy_worker_waiting() {
-        let w = Workers::new(&["a:1".into(), "b:1".into()]);
+        let w = Workers::new(&["a:1".into(), "b:1".into()], None);
         set(&w.list[0], true, 8, 3);
         set(&w.list[1], true, 6, 0);
-        assert_eq!(w.backlog(), None, "b has room");
+        assert_eq!(w.backlog("m"), None, "b has room");
         set(&w.list[1], true, 6, 1);
-        assert_eq!(w.backlog(), Some(14));
+        assert_eq!(w.backlog("m"), Some(14));
         set(&w.list[1], false, 6, 0);
-        assert_eq!(w.backlog(), Some(8), "an unhealthy worker does not count");
+        assert_eq!(w.backlog("m"), Some(8), "an unhealthy worker does not count");
         // Requests waiting between steps, the batch not full: room.
         w.list[0].batch_full.store(false, Ordering::Relaxed);
-        assert_eq!(w.backlog(), None);
+        assert_eq!(w.backlog("m"), None);
     }
 
     #[test]
     fn affinity_holds_until_unhealthy_or_much_busier() {
-        let ws = Workers::new(&["a:1".into(), "b:2".into(), "c:3".into()]);
-        let first = ws.choose("tenant\nsystem prompt", &[]).map(|w| w.addr.clone());
+        let ws = Workers::new(&["a:1".into(), "b:2".into(), "c:3".into()], None);
+        for w in &ws.list {
+            w.set_models(vec!["m".into()]);
+        }
+        let first = ws.choose("m", "tenant\nsystem prompt", &[]).map(|w| w.addr.clone());
         // Same key, same worker; different keys spread.
-        assert_eq!(ws.choose("tenant\nsystem prompt", &[]).map(|w| w.addr.clone()), first);
+        assert_eq!(ws.choose("m", "tenant\nsystem prompt", &[]).map(|w| w.addr.clone()), first);
         let spread: std::collections::BTreeSet<String> = (0..64)
-            .filter_map(|i| ws.choose(&format!("t\n{i}"), &[]).map(|w| w.addr.clone()))
+            .filter_map(|i| ws.choose("m", &format!("t\n{i}"), &[]).map(|w| w.addr.clone()))
             .collect();
         assert_eq!(spread.len(), 3);
         let Some(first) = first else { return };
@@ -203,39 +332,40 @@ mod tests {
         // A little busier: still preferred.
         set(&fw, true, 4, 4);
         assert_eq!(
-            ws.choose("tenant\nsystem prompt", &[]).map(|w| w.addr.clone()),
+            ws.choose("m", "tenant\nsystem prompt", &[]).map(|w| w.addr.clone()),
             Some(first.clone())
         );
         // Much busier than the others: the least loaded takes it.
         set(&fw, true, 20, 20);
         assert_ne!(
-            ws.choose("tenant\nsystem prompt", &[]).map(|w| w.addr.clone()),
+            ws.choose("m", "tenant\nsystem prompt", &[]).map(|w| w.addr.clone()),
             Some(first.clone())
         );
         // Unhealthy, or already tried: never chosen while another exists.
         set(&fw, false, 0, 0);
         assert_ne!(
-            ws.choose("tenant\nsystem prompt", &[]).map(|w| w.addr.clone()),
+            ws.choose("m", "tenant\nsystem prompt", &[]).map(|w| w.addr.clone()),
             Some(first.clone())
         );
         set(&fw, true, 0, 0);
         assert_ne!(
-            ws.choose("tenant\nsystem prompt", std::slice::from_ref(&first))
+            ws.choose("m", "tenant\nsystem prompt", std::slice::from_ref(&first))
                 .map(|w| w.addr.clone()),
             Some(first)
         );
         let all: Vec<String> = ws.list.iter().map(|w| w.addr.clone()).collect();
-        assert!(ws.choose("x", &all).is_none());
+        assert!(ws.choose("m", "x", &all).is_none());
     }
 
     #[test]
     fn overload_means_every_healthy_queue_is_full() {
-        let ws = Workers::new(&["a:1".into(), "b:2".into()]);
-        assert!(!ws.overloaded(4));
+        let ws = Workers::new(&["a:1".into(), "b:2".into()], None);
+        assert!(!ws.overloaded("m", 4));
+        set(&ws.list[1], true, 0, 0);
         set(&ws.list[0], true, 8, 4);
-        assert!(!ws.overloaded(4));
+        assert!(!ws.overloaded("m", 4));
         set(&ws.list[1], false, 0, 0);
-        assert!(ws.overloaded(4));
+        assert!(ws.overloaded("m", 4));
         assert_eq!(
             gauge(
                 "# HELP x\nsluice_engine_num_requests_waiting 3\n",
@@ -243,5 +373,30 @@ mod tests {
             ),
             Some(3)
         );
+    }
+
+    #[test]
+    fn a_request_goes_only_to_workers_serving_its_model() {
+        let ws = Workers::new(&["a:1".into(), "b:2".into(), "c:3".into()], None);
+        ws.list[0].set_models(vec!["m".into()]);
+        ws.list[1].set_models(vec!["m".into(), "g".into()]);
+        ws.list[2].set_models(vec!["g".into()]);
+        for i in 0..32 {
+            let key = format!("t\n{i}");
+            let m = ws.choose("m", &key, &[]).map(|w| w.addr.clone());
+            assert!(m.as_deref().is_some_and(|a| a != "c:3"), "{m:?}");
+            let g = ws.choose("g", &key, &[]).map(|w| w.addr.clone());
+            assert!(g.as_deref().is_some_and(|a| a != "a:1"), "{g:?}");
+        }
+        assert!(ws.choose("other", "k", &[]).is_none());
+        assert_eq!((ws.serving("m"), ws.serving("g"), ws.serving("other")), (2, 2, 0));
+        // g's engines backlogged, m's with room: only g's requests are held to their share.
+        for (w, waiting) in ws.list.iter().zip([0, 2, 3]) {
+            w.running.store(4, Ordering::Relaxed);
+            w.waiting.store(waiting, Ordering::Relaxed);
+            w.batch_full.store(waiting > 0, Ordering::Relaxed);
+        }
+        assert_eq!((ws.backlog("m"), ws.backlog("g")), (None, Some(8)));
+        assert!(ws.overloaded("g", 2) && !ws.overloaded("m", 2));
     }
 }

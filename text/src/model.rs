@@ -1,11 +1,13 @@
 //! A model's text side: its tokenizer and chat template, from a GGUF file's metadata or a
 //! Hugging Face directory's `tokenizer.json` and `tokenizer_config.json`. The gateway counts
 //! tokens with this and the engine encodes with it, so both read the same files the same way.
+//! A [bundle](ModelText::bundle) carries the text side alone (no weights) from an engine to a
+//! gateway, which learns the models it routes to from the engines that serve them.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::error::{Result, TextError};
-use crate::gguf::GgufFile;
+use crate::gguf::{GgufFile, GgufWriter, MetaValue};
 use crate::template::ChatTemplate;
 use crate::tokenizer::Tokenizer;
 
@@ -69,6 +71,85 @@ impl ModelText {
     }
 }
 
+/// Metadata keys of a bundle made from a Hugging Face directory: its files' text.
+const HF_FILES: [(&str, &str); 2] = [
+    ("sluice.hf.tokenizer.json", "tokenizer.json"),
+    ("sluice.hf.tokenizer_config.json", "tokenizer_config.json"),
+];
+
+impl ModelText {
+    /// The text side of the model at `path` as one GGUF file without tensors: a GGUF model's
+    /// `tokenizer.*` metadata, or a Hugging Face directory's tokenizer files as strings.
+    /// [`from_bundle`](Self::from_bundle) reads it back to the same tokenizer revision and
+    /// template version.
+    pub fn bundle(path: &Path) -> Result<Vec<u8>> {
+        let mut w = GgufWriter::new();
+        if std::fs::metadata(path).map_err(|e| TextError::io(path, e))?.is_dir() {
+            for (key, name) in HF_FILES {
+                let file = path.join(name);
+                match std::fs::read_to_string(&file) {
+                    Ok(text) => {
+                        w.meta(key, MetaValue::String(text));
+                    }
+                    Err(e)
+                        if e.kind() == std::io::ErrorKind::NotFound && name != "tokenizer.json" => {
+                    }
+                    Err(e) => return Err(TextError::io(&file, e)),
+                }
+            }
+        } else {
+            let f = GgufFile::open(path)?;
+            for (key, value) in f.metadata.iter().filter(|(k, _)| k.starts_with("tokenizer.")) {
+                w.meta(key, value.clone());
+            }
+        }
+        Ok(w.to_bytes())
+    }
+
+    /// The text side a [`bundle`](Self::bundle) carries.
+    pub fn from_bundle(bytes: &[u8]) -> Result<ModelText> {
+        let scratch = Scratch::new()?;
+        let gguf = scratch.0.join("text.gguf");
+        std::fs::write(&gguf, bytes).map_err(|e| TextError::io(&gguf, e))?;
+        let f = GgufFile::open(&gguf)?;
+        if f.get(HF_FILES[0].0).is_none() {
+            return ModelText::from_gguf(&f);
+        }
+        for (key, name) in HF_FILES {
+            if let Some(v) = f.get(key) {
+                let text = v.as_str().ok_or_else(|| {
+                    TextError::format(&gguf, format!("metadata {key} is not a string"))
+                })?;
+                let file = scratch.0.join(name);
+                std::fs::write(&file, text).map_err(|e| TextError::io(&file, e))?;
+            }
+        }
+        ModelText::from_hf_dir(&scratch.0)
+    }
+}
+
+/// A private directory under the system's temporary one, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> Result<Scratch> {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("sluice-text-{}-{n}", std::process::id()));
+        // Left over from a process of the same pid that died: not ours to trust.
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).map_err(|e| TextError::io(&dir, e))?;
+        Ok(Scratch(dir))
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 /// `chat_template` is a string, or a list of `{name, template}` of which "default" is used.
 fn chat_template_text(v: &serde_json::Value) -> Option<String> {
     if let Some(s) = v.as_str() {
@@ -78,4 +159,45 @@ fn chat_template_text(v: &serde_json::Value) -> Option<String> {
         .iter()
         .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
         .and_then(|t| t.get("template")?.as_str().map(str::to_string))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synth::{SynthVocabulary, write_vocab_gguf};
+
+    fn same(a: &ModelText, b: &ModelText) -> bool {
+        a.tokenizer.revision() == b.tokenizer.revision()
+            && a.template.as_ref().map(|t| t.version()) == b.template.as_ref().map(|t| t.version())
+    }
+
+    #[test]
+    fn a_bundle_carries_the_text_side_of_either_format()
+    -> std::result::Result<(), Box<dyn std::error::Error>> {
+        let dir = tempfile::tempdir()?;
+        let gguf = dir.path().join("m.gguf");
+        write_vocab_gguf(512, &gguf)?;
+        let hf = dir.path().join("hf");
+        std::fs::create_dir(&hf)?;
+        let v = SynthVocabulary::new(512);
+        std::fs::write(hf.join("tokenizer.json"), v.tokenizer_json().to_string())?;
+        std::fs::write(hf.join("tokenizer_config.json"), v.tokenizer_config_json(256).to_string())?;
+        for path in [&gguf, &hf] {
+            let direct = ModelText::open(path)?;
+            let bundle = ModelText::bundle(path)?;
+            let carried = ModelText::from_bundle(&bundle)?;
+            assert!(direct.template.is_some(), "{}", path.display());
+            assert!(same(&direct, &carried), "{}", path.display());
+            let (a, b) = (
+                direct.tokenizer.encode_prompt("Hello, world")?,
+                carried.tokenizer.encode_prompt("Hello, world")?,
+            );
+            assert!(!a.is_empty() && a == b, "{}", path.display());
+        }
+        // Without tokenizer.json there is nothing to carry; a bundle that is not GGUF is refused.
+        std::fs::remove_file(hf.join("tokenizer.json"))?;
+        assert!(ModelText::bundle(&hf).is_err());
+        assert!(ModelText::from_bundle(b"not a gguf file").is_err());
+        Ok(())
+    }
 }

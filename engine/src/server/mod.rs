@@ -1,7 +1,8 @@
 //! The OpenAI-compatible HTTP server of an engine worker (`sluice engine`).
 //!
 //! Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models[/{id}]`,
-//! `GET /health`, `GET /metrics`. Every `/v1` request passes one middleware that checks the
+//! `GET /health`, `GET /metrics`, and for gateways `GET /v1/internal/text` (the model's
+//! tokenizer and chat template, [`ModelText::bundle`]) and the requests' outcomes. Every `/v1` request passes one middleware that checks the
 //! internal token, reads the trusted internal headers into a [`RequestContext`] and stamps
 //! the execution identity and request id on the response. Handlers turn the body into a
 //! checked [`validate::Plan`], submit one engine request per choice and answer with one body
@@ -31,6 +32,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use serde::Serialize;
 use serde_json::Value;
+use sluice_text::model::ModelText;
 use sluice_text::tokenizer::PROMPT_FIELD;
 
 use crate::defaults::SamplingDefaults;
@@ -135,6 +137,7 @@ pub fn router(handle: EngineHandle, cfg: ServerConfig) -> Router {
         .route("/v1/internal/requests/{id}", get(outcome))
         .route("/v1/internal/requests/{id}/abort", post(abort))
         .route("/v1/internal/outcomes", get(outcomes))
+        .route("/v1/internal/text", get(text_bundle))
         // Long-context prompts: above the gateway's 2 MiB cap, so the gateway's is the one hit.
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(Arc::clone(&app), api_layer));
@@ -410,6 +413,21 @@ async fn model_card(State(app): State<Arc<App>>, Path(id): Path<String>) -> Resp
         Json(card(&app)).into_response()
     } else {
         ApiError::model_not_found(&id).into_response()
+    }
+}
+
+/// The model's text side for gateways ([`ModelText::bundle`]): its tokenizer and chat
+/// template, so a gateway counts tokens as this engine does without the weights.
+async fn text_bundle(State(app): State<Arc<App>>) -> Response {
+    let path = app.handle.model().path.clone();
+    match tokio::task::spawn_blocking(move || ModelText::bundle(&path)).await {
+        Ok(Ok(bytes)) => {
+            ([(header::CONTENT_TYPE, "application/octet-stream")], bytes).into_response()
+        }
+        Ok(Err(e)) => {
+            ApiError::internal(format!("reading the model's text side: {e}")).into_response()
+        }
+        Err(e) => ApiError::internal(format!("reading the model's text side: {e}")).into_response(),
     }
 }
 

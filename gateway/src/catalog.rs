@@ -1,0 +1,173 @@
+//! The models behind a gateway, learned from the engines that serve them: each engine's
+//! `/v1/models` card names the model, its context length and its execution identity, and the
+//! text side (tokenizer and chat template) comes with the identity's revisions, from a file
+//! the gateway was given or else from the engine (`/v1/internal/text`). Nothing is kept in
+//! step by hand: an engine started on a file names the model, and the gateway routes by that
+//! name ([`crate::workers`]). Aliases (`default` -> a model id) come from
+//! `policies/models.json`.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, LazyLock, Mutex, RwLock};
+
+use serde_json::{Value, json};
+
+use crate::admission::TokenCounter;
+
+/// One model the gateway routes to.
+#[derive(Debug)]
+pub struct ModelEntry {
+    /// The id clients name (after an alias is resolved).
+    pub id: String,
+    /// Counts prompt tokens as its engines will.
+    pub tokens: Arc<TokenCounter>,
+    /// Its context length, from the engine's card (`max_model_len`).
+    pub context_length: u64,
+    /// The execution identity its engine reported.
+    pub identity: Value,
+}
+
+impl ModelEntry {
+    /// Its card in `/v1/models`, with the engines serving it now.
+    pub fn card(&self, engines: usize) -> Value {
+        let id = &self.identity;
+        json!({
+            "id": self.id,
+            "object": "model",
+            "created": 0,
+            "owned_by": "sluice",
+            "max_model_len": self.context_length,
+            "sluice": {
+                "model_revision": id["model_revision"],
+                "tokenizer_revision": id["tokenizer_revision"],
+                "chat_template_version": id["chat_template_version"],
+                "engines": engines,
+            },
+        })
+    }
+}
+
+/// The aliases the shipped policy names (`policies/models.json`).
+static ALIASES: LazyLock<BTreeMap<String, String>> = LazyLock::new(|| {
+    aliases(include_str!("../../policies/models.json")).unwrap_or_else(|e| {
+        tracing::error!(error = %e, "policies/models.json is invalid; no aliases");
+        BTreeMap::new()
+    })
+});
+
+/// The `aliases` object of a models policy: alias -> model id (an alias naming itself, or
+/// empty, is refused).
+pub fn aliases(text: &str) -> Result<BTreeMap<String, String>, String> {
+    let v: Value = serde_json::from_str(text).map_err(|e| format!("invalid JSON: {e}"))?;
+    let mut out = BTreeMap::new();
+    let Some(map) = v.get("aliases") else { return Ok(out) };
+    let map = map.as_object().ok_or("aliases must be an object")?;
+    for (alias, target) in map {
+        let target = target.as_str().ok_or_else(|| format!("alias {alias:?}: not a string"))?;
+        if alias.is_empty() || target.is_empty() || alias == target {
+            return Err(format!("alias {alias:?} -> {target:?}: empty or naming itself"));
+        }
+        out.insert(alias.clone(), target.to_owned());
+    }
+    Ok(out)
+}
+
+/// The gateway's models and the text sides it holds.
+#[derive(Debug)]
+pub struct Catalog {
+    models: RwLock<BTreeMap<String, Arc<ModelEntry>>>,
+    /// Text sides by revision: loaded from files at start, or fetched from engines.
+    texts: Mutex<Vec<Arc<TokenCounter>>>,
+    aliases: BTreeMap<String, String>,
+}
+
+impl Catalog {
+    /// A catalog holding `texts` (a model's engines still name it) and the shipped aliases.
+    pub fn new(texts: Vec<TokenCounter>) -> Self {
+        Self::with_aliases(texts, ALIASES.clone())
+    }
+
+    /// With these aliases.
+    pub fn with_aliases(texts: Vec<TokenCounter>, aliases: BTreeMap<String, String>) -> Self {
+        Self {
+            models: RwLock::default(),
+            texts: Mutex::new(texts.into_iter().map(Arc::new).collect()),
+            aliases,
+        }
+    }
+
+    /// The text side with this tokenizer revision and chat template version, if held.
+    pub fn text(&self, tokenizer: &str, template: Option<&str>) -> Option<Arc<TokenCounter>> {
+        let texts = self.texts.lock().unwrap_or_else(|e| e.into_inner());
+        texts
+            .iter()
+            .find(|t| t.revision() == tokenizer && t.template_version() == template)
+            .cloned()
+    }
+
+    /// Holds a text side fetched from an engine.
+    pub fn add_text(&self, text: TokenCounter) -> Arc<TokenCounter> {
+        let text = Arc::new(text);
+        let mut texts = self.texts.lock().unwrap_or_else(|e| e.into_inner());
+        texts.push(Arc::clone(&text));
+        text
+    }
+
+    /// Records the model an engine's card describes, counted with `tokens`.
+    pub fn learn(&self, card: &Value, tokens: Arc<TokenCounter>) -> Option<String> {
+        let id = card["id"].as_str().filter(|s| !s.is_empty())?.to_owned();
+        let entry = ModelEntry {
+            id: id.clone(),
+            tokens,
+            context_length: card["max_model_len"].as_u64().unwrap_or(0),
+            identity: card["sluice"]["execution_identity"].clone(),
+        };
+        let mut models = self.models.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(old) = models.get(&id)
+            && old.identity["model_revision"] != entry.identity["model_revision"]
+        {
+            tracing::warn!(
+                model = %id,
+                was = %old.identity["model_revision"],
+                now = %entry.identity["model_revision"],
+                "engines serve one model id at two revisions"
+            );
+        }
+        models.insert(id.clone(), Arc::new(entry));
+        Some(id)
+    }
+
+    /// The model id `name` stands for: an alias's target, else itself.
+    pub fn canonical<'a>(&'a self, name: &'a str) -> &'a str {
+        self.aliases.get(name).map_or(name, String::as_str)
+    }
+
+    /// The model `name` (an id or an alias) names, when some engine has served it.
+    pub fn resolve(&self, name: &str) -> Option<Arc<ModelEntry>> {
+        let models = self.models.read().unwrap_or_else(|e| e.into_inner());
+        models.get(self.canonical(name)).cloned()
+    }
+
+    /// Every model learned, by id.
+    pub fn entries(&self) -> Vec<Arc<ModelEntry>> {
+        let models = self.models.read().unwrap_or_else(|e| e.into_inner());
+        models.values().cloned().collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_shipped_aliases_parse_and_bad_ones_are_refused() {
+        let shipped = aliases(include_str!("../../policies/models.json"));
+        assert_eq!(
+            shipped.as_ref().ok().and_then(|a| a.get("default")).map(String::as_str),
+            Some("smollm2-135m-instruct")
+        );
+        assert!(aliases(r#"{"aliases": {"a": "a"}}"#).is_err());
+        assert!(aliases(r#"{"aliases": {"a": 3}}"#).is_err());
+        assert!(aliases(r#"{"aliases": []}"#).is_err());
+        assert_eq!(aliases("{}").map(|a| a.len()), Ok(0));
+    }
+}
