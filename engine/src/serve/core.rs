@@ -420,8 +420,8 @@ impl EngineCore {
                 _ => Pick::Logits,
             })
             .collect();
-        let lowest = work.iter().filter_map(|w| self.sched.seq(&w.id)).map(|s| s.priority).min();
-        self.interrupt.begin(lowest.unwrap_or(i32::MAX));
+        let (lowest, band_load, loads) = self.sched.step_loads(work.iter().map(|w| w.id.as_str()));
+        self.interrupt.begin(lowest.unwrap_or(i32::MAX), band_load, loads);
         let began = Instant::now();
         let result = self.backend.forward_picking(&self.model.weights, &inputs, &picks);
         let seconds = began.elapsed().as_secs_f64();

@@ -181,13 +181,14 @@ impl EngineHandle {
         }
         let (etx, erx) = mpsc::unbounded_channel();
         let request_id = req.request_id.clone();
-        let priority = req.priority;
+        let (priority, weight) = (req.priority, req.weight);
+        let tenant = req.cache_scope.tenant().to_owned();
         self.inner
             .tx
             .send(Command::Add(Box::new(req), etx))
             .map_err(|_| EngineError::Unavailable("the engine has stopped".into()))?;
         // Queued first, then told: the pass it stops is replanned with it there.
-        self.inner.interrupt.arrive(priority);
+        self.inner.interrupt.arrive(priority, &tenant, weight);
         Ok(RequestStream { rx: erx, request_id, tx: self.inner.tx.clone(), finished: false })
     }
 

@@ -20,15 +20,18 @@
 //! - **Growth.** The batch grows only while its predicted decode step stays within the cap;
 //!   beyond, a higher-priority request preempts lower-priority ones until it fits, and a
 //!   tenant below its share may swap places with one above (one place a step).
-//! - **Strict bands.** A light request that outranks running decodes has the step beside
-//!   its own band and above: the lower decodes sit that step out (never two running). With
-//!   the fair policy an arrival of a higher priority also interrupts a pass carrying lower
-//!   ones between layers ([`crate::interrupt`]), and the step is planned again with it.
+//! - **Strict bands.** A light request that outranks running decodes (of a lower priority,
+//!   or in its band of a tenant that [dominates] its own: more than twice the running places
+//!   per unit of weight, a flood against a quiet tenant) has the step beside its own band and
+//!   above: the decodes it outranks sit that step out (never two running). With the fair
+//!   policy such an arrival also interrupts a pass carrying them between layers
+//!   ([`crate::interrupt`]), and the step is planned again with it.
 //!
 //! Plain synchronous state, tested without threads or a model.
 
 use std::collections::{HashMap, VecDeque};
 
+use crate::interrupt::dominates;
 use crate::serve::CacheScope;
 use crate::serve::kv_manager::KvManager;
 use crate::serve::step_model::{StepModel, StepShape};
@@ -472,14 +475,19 @@ impl Scheduler {
             None
         };
         let yield_chunks = light_next.is_some();
-        // Priorities are strict bands: when that light request outranks decodes, those sit
-        // this step out, so its prefill runs beside its own band and above only; never two
-        // steps running, so a band's stream of arrivals cannot stop the ones below. A lower
-        // light prefill under way (cut by the token budget, or begun in an interrupted pass)
-        // stands aside like the chunks, leaving the step's light prefill to it.
-        let next_priority =
-            light_next.as_ref().and_then(|id| self.seqs.get(id)).map(|s| s.priority);
-        let outranks = next_priority.filter(|_| !self.sat_out);
+        // Priorities are strict bands: when that light request outranks decodes (a lower
+        // priority, or in its band a tenant that dominates its own), those sit this step out,
+        // so its prefill runs beside its own band and above only; never two steps running, so
+        // a stream of arrivals cannot stop the ones below. A lower-priority light prefill under
+        // way (cut by the token budget, or begun in an interrupted pass) stands aside like the
+        // chunks, leaving the step's light prefill to it.
+        let next = light_next.as_ref().and_then(|id| self.seqs.get(id));
+        let next_priority = next.map(|s| s.priority);
+        let loads = if next.is_some() { self.loads() } else { HashMap::new() };
+        let outranks = next.filter(|_| !self.sat_out).map(|c| {
+            let own = loads.get(c.scope.tenant()).copied().unwrap_or(0.0);
+            (c.priority, own + 1.0 / f64::from(c.weight.max(1)))
+        });
         if light_next.is_some() {
             self.yielded_for = light_next;
         }
@@ -493,7 +501,10 @@ impl Scheduler {
                 continue;
             };
             let remaining = s.tokens.len() - s.computed;
-            if remaining == 1 && outranks.is_some_and(|p| s.priority < p) {
+            let load = loads.get(s.scope.tenant()).copied().unwrap_or(0.0);
+            let gives_way =
+                |(p, own): (i32, f64)| s.priority < p || s.priority == p && dominates(load, own);
+            if remaining == 1 && outranks.is_some_and(gives_way) {
                 room.tokens -= 1;
                 room.context -= s.tokens.len();
                 room.sat_out.push(id);
@@ -744,6 +755,32 @@ impl Scheduler {
             e.1 = e.1.max(u64::from(s.weight.max(1)));
         }
         per
+    }
+
+    /// Each running tenant's load: its running requests per unit of its weight.
+    fn loads(&self) -> HashMap<String, f64> {
+        self.running_tenants()
+            .into_iter()
+            .map(|(t, (count, weight))| (t.to_owned(), count as f64 / weight as f64))
+            .collect()
+    }
+
+    /// What an arrival is judged against ([`crate::interrupt`]): of the requests `ids` (a
+    /// step's), the lowest priority and the heaviest load among those of it, and every
+    /// running tenant's load.
+    pub fn step_loads<'a>(
+        &self,
+        ids: impl Iterator<Item = &'a str>,
+    ) -> (Option<i32>, f64, HashMap<String, f64>) {
+        let loads = self.loads();
+        let step: Vec<&SeqState> = ids.filter_map(|id| self.seqs.get(id)).collect();
+        let lowest = step.iter().map(|s| s.priority).min();
+        let band_load = step
+            .iter()
+            .filter(|s| Some(s.priority) == lowest)
+            .filter_map(|s| loads.get(s.scope.tenant()).copied())
+            .fold(0.0, f64::max);
+        (lowest, band_load, loads)
     }
 
     /// Whether `candidate` is light (see [`light_among`](Self::light_among)).
@@ -1313,11 +1350,12 @@ mod tests {
         assert_eq!(ids(&p), vec![("d-0", 1), ("d-1", 1), ("long-0", 6)]);
         run_step(&mut s, &p, 5);
         // A quiet tenant's request is light: prefilled whole, the chunk standing aside for
-        // the step so as not to slow it.
+        // the step so as not to slow it, and the flood's decodes (3 places against its 1)
+        // sitting it out.
         s.add_with("quiet".into(), (100..140).collect(), tenant("quiet"), target);
         s.add_with("other".into(), (200..240).collect(), tenant("other"), target);
         let p = s.schedule();
-        assert_eq!(ids(&p), vec![("d-0", 1), ("d-1", 1), ("quiet", 40)]);
+        assert_eq!(ids(&p), vec![("quiet", 40)]);
         assert!(!p.batch_full, "other waits a step for its turn, not for a full batch");
         assert!(s.seq("quiet").is_some_and(|q| q.light));
         // It ran the step 0.395 s past the cap; the cap shrinks by a 32nd of that.
@@ -1353,11 +1391,11 @@ mod tests {
         run_step(&mut s, &p, 5);
         // The quiet tenant sends two at once, within its share: both go whole in one step,
         // as they would alone (another tenant's light request would wait for the next step:
-        // the test above).
+        // the test above), and the flood's decodes, past its share, sit that step out.
         s.add_with("quiet-0".into(), (100..140).collect(), tenant("quiet"), target);
         s.add_with("quiet-1".into(), (300..340).collect(), tenant("quiet"), target);
         let p = s.schedule();
-        assert_eq!(ids(&p), vec![("d-0", 1), ("d-1", 1), ("quiet-0", 40), ("quiet-1", 40)]);
+        assert_eq!(ids(&p), vec![("quiet-0", 40), ("quiet-1", 40)]);
         assert!(["quiet-0", "quiet-1"].iter().all(|id| s.seq(id).is_some_and(|q| q.light)));
         run_step(&mut s, &p, 5);
         s.add_with("other".into(), (200..240).collect(), tenant("other"), target);
@@ -1393,11 +1431,43 @@ mod tests {
         let with_h3 = [("h-0", 1), ("d-0", 1), ("d-1", 1), ("h-1", 1), ("h-2", 1), ("h-3", 40)];
         assert_eq!(ids(&p), with_h3);
         run_step(&mut s, &p, 5);
-        // An equal priority does not make anyone sit out.
+        // In a band, a tenant that dominates the arrival's (the flood: 2 places against its
+        // 1/8 with it) sits out for it; a higher band's decodes (ent's) do not.
         let quiet = SeqPolicy { weight: 8, ..target };
         s.add_with("q".into(), (400..440).collect(), tenant("quiet"), quiet);
         let p = s.schedule();
-        assert!(ids(&p).contains(&("d-0", 1)) && ids(&p).contains(&("q", 40)), "{p:?}");
+        assert!(!ids(&p).contains(&("d-0", 1)) && ids(&p).contains(&("q", 40)), "{p:?}");
+        assert!(ids(&p).contains(&("h-0", 1)), "{p:?}");
+        run_step(&mut s, &p, 5);
+        // Two tenants near their shares: the step of one's prefill is the other's too.
+        let mut s = trained(64);
+        s.add_with("a-0".into(), vec![1, 2, 3], tenant("a"), target);
+        let p = s.schedule();
+        run_step(&mut s, &p, 5);
+        s.add_with("b-0".into(), (100..140).collect(), tenant("b"), target);
+        let p = s.schedule();
+        assert_eq!(ids(&p), vec![("a-0", 1), ("b-0", 40)]);
+    }
+
+    #[test]
+    fn a_step_is_judged_by_its_lowest_band_and_heaviest_load_in_it() {
+        let target = SeqPolicy { tpot_target: Some(0.105), ..SeqPolicy::default() };
+        let high = SeqPolicy { priority: 1, weight: 2, ..target };
+        let mut s = trained(64);
+        for i in 0..4 {
+            s.add_with(format!("f-{i}"), vec![1, 2, 3], tenant("flood"), target);
+        }
+        s.add_with("q".into(), vec![4, 5, 6], tenant("quiet"), target);
+        s.add_with("h".into(), vec![7, 8, 9], tenant("ent"), high);
+        let p = s.schedule();
+        let all: Vec<&str> = p.scheduled.iter().map(|w| w.id.as_str()).collect();
+        let (lowest, band_load, loads) = s.step_loads(all.iter().copied());
+        assert_eq!((lowest, band_load), (Some(0), 4.0));
+        assert_eq!((loads["flood"], loads["quiet"], loads["ent"]), (4.0, 1.0, 0.5));
+        let (lowest, band_load, _) = s.step_loads(["q", "h"].into_iter());
+        assert_eq!((lowest, band_load), (Some(0), 1.0), "the flood is not in that step");
+        let (lowest, band_load, _) = s.step_loads(["h"].into_iter());
+        assert_eq!((lowest, band_load), (Some(1), 0.5));
     }
 
     #[test]
