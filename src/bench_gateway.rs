@@ -342,7 +342,7 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
         cfg,
         ledger.clone(),
         usage.limiter,
-        vec![tokens],
+        vec![("bench".to_owned(), tokens)],
         usage.sink,
         gw_io.handle.clone(),
     );

@@ -22,6 +22,7 @@ use sluice_gateway::admission::TokenCounter;
 use sluice_gateway::local::RedisDownPolicy;
 use sluice_gateway::platform::{IoRuntime, Usage, finish, run_proxy, serve_metrics};
 use sluice_gateway::proxy::{Gateway, GatewayConfig};
+use sluice_text::model::model_id_of;
 
 /// `sluice gateway`.
 #[derive(Args, Debug)]
@@ -52,9 +53,9 @@ pub struct GatewayArgs {
     #[arg(long, env = "SLUICE_INTERNAL_TOKEN", hide_env_values = true)]
     internal_token: Option<String>,
     /// A model (GGUF file or Hugging Face directory) whose tokenizer and chat template are
-    /// held from the start (repeat for several). The models themselves, their ids included,
-    /// are learned from the engines; one whose text side is not held here has it fetched
-    /// from its engine.
+    /// held from the start, served under its file's name until the engines say otherwise
+    /// (repeat for several). The models, their ids included, are learned from the engines;
+    /// one whose text side is not held here has it fetched from its engine.
     #[arg(long = "model")]
     models: Vec<PathBuf>,
     /// When Redis is unreachable: `local` limits or `refuse` (503).
@@ -92,9 +93,10 @@ pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
         .models
         .iter()
         .map(|p| {
-            TokenCounter::open(p).with_context(|| {
+            let text = TokenCounter::open(p).with_context(|| {
                 format!("reading the tokenizer and chat template of --model {}", p.display())
-            })
+            })?;
+            Ok((model_id_of(p), text))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
     let io = IoRuntime::start()?;
@@ -338,7 +340,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
                 model.identity.model_id
             );
         }
-        texts.push(TokenCounter::open(&path)?);
+        texts.push((model.identity.model_id.clone(), TokenCounter::open(&path)?));
         models.push(Arc::new(model));
     }
     let secret_path = dir.join("jwt-secret");

@@ -8,7 +8,7 @@ pub const ENGINE_VERSION: &str = concat!("sluice-engine/", env!("CARGO_PKG_VERSI
 /// Immutable description of what computed a response.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ExecutionIdentity {
-    /// The model's id from its file ([`crate::loader::model_id_of`]).
+    /// The model's id from its file ([`sluice_text::model::model_id_of`]).
     pub model_id: String,
     /// `sha256:` of the weight file(s).
     pub model_revision: String,

@@ -81,18 +81,25 @@ pub struct Catalog {
 }
 
 impl Catalog {
-    /// A catalog holding `texts` (a model's engines still name it) and the shipped aliases.
-    pub fn new(texts: Vec<TokenCounter>) -> Self {
+    /// A catalog holding the text sides of the models the gateway was given, each under the
+    /// id its file gives it until an engine describes it, and the shipped aliases.
+    pub fn new(texts: Vec<(String, TokenCounter)>) -> Self {
         Self::with_aliases(texts, ALIASES.clone())
     }
 
     /// With these aliases.
-    pub fn with_aliases(texts: Vec<TokenCounter>, aliases: BTreeMap<String, String>) -> Self {
-        Self {
-            models: RwLock::default(),
-            texts: Mutex::new(texts.into_iter().map(Arc::new).collect()),
-            aliases,
+    pub fn with_aliases(
+        texts: Vec<(String, TokenCounter)>,
+        aliases: BTreeMap<String, String>,
+    ) -> Self {
+        let catalog = Self { models: RwLock::default(), texts: Mutex::default(), aliases };
+        for (id, text) in texts {
+            let tokens = catalog.add_text(text);
+            let entry =
+                ModelEntry { id: id.clone(), tokens, context_length: 0, identity: Value::Null };
+            catalog.models.write().unwrap_or_else(|e| e.into_inner()).insert(id, Arc::new(entry));
         }
+        catalog
     }
 
     /// The text side with this tokenizer revision and chat template version, if held.

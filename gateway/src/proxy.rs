@@ -134,14 +134,15 @@ pub struct Gateway {
 
 impl Gateway {
     /// Assembles a gateway; `io` is the runtime on which `ledger`, `limiter` and `usage`
-    /// were created (their I/O is driven there). `texts` are text sides held from the start
-    /// (model files the gateway was given); the models themselves are learned from the
-    /// engines, whose first poll is done (or has taken [`FIRST_POLL`]) when this returns.
+    /// were created (their I/O is driven there). `texts` are the text sides of the model
+    /// files the gateway was given, each with the id its file gives it; the models are
+    /// learned from the engines, whose first poll is done (or has taken [`FIRST_POLL`]) when
+    /// this returns.
     pub fn new(
         cfg: GatewayConfig,
         ledger: Ledger,
         limiter: Option<Limiter>,
-        texts: Vec<TokenCounter>,
+        texts: Vec<(String, TokenCounter)>,
         usage: UsageSink,
         io: tokio::runtime::Handle,
     ) -> Self {
@@ -471,7 +472,9 @@ impl Gateway {
         let endpoint = match route {
             Route::Model(id) => {
                 let entry = self.served.catalog.resolve(&id).filter(|e| {
-                    admission::model_allowed(&grant, &e.id) || admission::model_allowed(&grant, &id)
+                    self.workers.may_serve(&e.id)
+                        && (admission::model_allowed(&grant, &e.id)
+                            || admission::model_allowed(&grant, &id))
                 });
                 let Some(entry) = entry else {
                     return Err(Refusal::ModelNotFound { model: id });
@@ -486,7 +489,9 @@ impl Gateway {
                     .catalog
                     .entries()
                     .into_iter()
-                    .filter(|e| admission::model_allowed(&grant, &e.id))
+                    .filter(|e| {
+                        self.workers.may_serve(&e.id) && admission::model_allowed(&grant, &e.id)
+                    })
                     .map(|e| e.card(self.workers.serving(&e.id)))
                     .collect();
                 let body = Bytes::from(json!({"object": "list", "data": data}).to_string());

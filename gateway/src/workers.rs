@@ -44,6 +44,12 @@ impl WorkerState {
         self.models.lock().unwrap_or_else(|e| e.into_inner()).iter().any(|m| m == model)
     }
 
+    /// Whether it serves `model`, or has not said what it serves (never reached yet).
+    fn may_serve(&self, model: &str) -> bool {
+        let models = self.models.lock().unwrap_or_else(|e| e.into_inner());
+        models.is_empty() || models.iter().any(|m| m == model)
+    }
+
     fn set_models(&self, models: Vec<String>) {
         *self.models.lock().unwrap_or_else(|e| e.into_inner()) = models;
     }
@@ -64,6 +70,26 @@ fn score(addr: &str, key: &str) -> u64 {
 
 /// A worker is "much busier" when its load exceeds twice the least loaded one's plus this.
 const BUSY_SLACK: u64 = 8;
+
+/// The body of `req`'s answer, read by `read`, when it has a success status; errors name the
+/// request.
+async fn fetch<T, F>(
+    req: reqwest::RequestBuilder,
+    read: impl FnOnce(reqwest::Response) -> F,
+) -> Result<T, String>
+where
+    F: std::future::Future<Output = reqwest::Result<T>>,
+{
+    let what = req
+        .try_clone()
+        .and_then(|r| r.build().ok())
+        .map_or_else(String::new, |r| format!("GET {}", r.url().path()));
+    let resp = req.send().await.and_then(reqwest::Response::error_for_status);
+    match resp {
+        Ok(r) => read(r).await.map_err(|e| format!("{what}: {e}")),
+        Err(e) => Err(format!("{what}: {e}")),
+    }
+}
 
 fn gauge(metrics: &str, name: &str) -> Option<u64> {
     metrics.lines().find_map(|l| {
@@ -108,6 +134,12 @@ impl Workers {
     /// The healthy workers serving `model`.
     pub fn serving(&self, model: &str) -> usize {
         self.list.iter().filter(|w| w.healthy() && w.serves(model)).count()
+    }
+
+    /// Whether some worker serves `model` or has not said what it serves: a model the
+    /// gateway was given a file of is listed until its engines have said otherwise.
+    pub fn may_serve(&self, model: &str) -> bool {
+        self.list.iter().any(|w| w.may_serve(model))
     }
 
     /// Polls every worker once: health, load, and (when it has not said, or its health
@@ -170,14 +202,7 @@ impl Workers {
                 None => req,
             }
         };
-        let list: Value = get("/v1/models")
-            .send()
-            .await
-            .and_then(reqwest::Response::error_for_status)
-            .map_err(|e| format!("GET /v1/models: {e}"))?
-            .json()
-            .await
-            .map_err(|e| format!("GET /v1/models: {e}"))?;
+        let list: Value = fetch(get("/v1/models"), |r| r.json()).await?;
         let mut models = Vec::new();
         for card in list["data"].as_array().map(Vec::as_slice).unwrap_or_default() {
             let identity = &card["sluice"]["execution_identity"];
@@ -186,15 +211,8 @@ impl Workers {
             let text = match catalog.text(tokenizer, template) {
                 Some(t) => t,
                 None => {
-                    let bytes = get("/v1/internal/text")
-                        .timeout(Duration::from_secs(30))
-                        .send()
-                        .await
-                        .and_then(reqwest::Response::error_for_status)
-                        .map_err(|e| format!("GET /v1/internal/text: {e}"))?
-                        .bytes()
-                        .await
-                        .map_err(|e| format!("GET /v1/internal/text: {e}"))?;
+                    let req = get("/v1/internal/text").timeout(Duration::from_secs(30));
+                    let bytes = fetch(req, |r| r.bytes()).await?;
                     let text =
                         tokio::task::spawn_blocking(move || TokenCounter::from_bundle(&bytes))
                             .await
@@ -243,12 +261,12 @@ impl Workers {
         let _ = first_poll.recv_timeout(first);
     }
 
-    /// The worker for a request of `model` with affinity `key`, never one in `tried`.
-    /// Healthy workers first; when none is known healthy, any untried one serving it (the
-    /// checks may be stale).
+    /// The worker for a request of `model` with affinity `key`, never one in `tried`, among
+    /// those serving it or not yet heard from. Healthy workers first; when none is known
+    /// healthy, any untried one (the checks may be stale).
     pub fn choose(&self, model: &str, key: &str, tried: &[String]) -> Option<Arc<WorkerState>> {
         let untried: Vec<&Arc<WorkerState>> =
-            self.list.iter().filter(|w| !tried.contains(&w.addr) && w.serves(model)).collect();
+            self.list.iter().filter(|w| !tried.contains(&w.addr) && w.may_serve(model)).collect();
         let healthy: Vec<&Arc<WorkerState>> =
             untried.iter().copied().filter(|w| w.healthy()).collect();
         let pool = if healthy.is_empty() { untried } else { healthy };
@@ -389,6 +407,10 @@ mod tests {
             assert!(g.as_deref().is_some_and(|a| a != "a:1"), "{g:?}");
         }
         assert!(ws.choose("other", "k", &[]).is_none());
+        // A worker not heard from yet may serve anything.
+        let fresh = Workers::new(&["d:4".into()], None);
+        assert!(fresh.choose("other", "k", &[]).is_some() && fresh.may_serve("other"));
+        assert!(!ws.may_serve("other") && ws.may_serve("g"));
         assert_eq!((ws.serving("m"), ws.serving("g"), ws.serving("other")), (2, 2, 0));
         // g's engines backlogged, m's with room: only g's requests are held to their share.
         for (w, waiting) in ws.list.iter().zip([0, 2, 3]) {

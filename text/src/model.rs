@@ -71,6 +71,35 @@ impl ModelText {
     }
 }
 
+/// The id a model is served under by default: its file's stem (a directory's name),
+/// lowercased, without the quantization tag a converter appends
+/// (`SmolLM2-135M-Instruct.Q4_1.gguf` is `smollm2-135m-instruct`, `gemma-3-270m-q4_k_m.gguf`
+/// `gemma-3-270m`), so an engine started on a file and a gateway agree without being told.
+pub fn model_id_of(path: &Path) -> String {
+    let stem = match path.extension().and_then(|e| e.to_str()) {
+        Some(ext) if ext.eq_ignore_ascii_case("gguf") => path.file_stem(),
+        _ => path.file_name(),
+    };
+    let stem = stem.map(|s| s.to_string_lossy().to_lowercase()).unwrap_or_default();
+    let base = match stem.rfind(['.', '-']) {
+        Some(i) if is_quant_tag(&stem[i + 1..]) => &stem[..i],
+        _ => stem.as_str(),
+    };
+    if base.is_empty() { "model".into() } else { base.to_owned() }
+}
+
+/// `q4_1`, `q4_k_m`, `iq2_xs`, `f16`, `bf16`, `f32`, `q8_0`... (lowercase).
+fn is_quant_tag(tag: &str) -> bool {
+    if matches!(tag, "f16" | "bf16" | "f32" | "fp16" | "fp32") {
+        return true;
+    }
+    let rest = tag.strip_prefix("iq").or_else(|| tag.strip_prefix('q'));
+    rest.is_some_and(|r| {
+        r.starts_with(|c: char| c.is_ascii_digit())
+            && r.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    })
+}
+
 /// Metadata keys of a bundle made from a Hugging Face directory: its files' text.
 const HF_FILES: [(&str, &str); 2] = [
     ("sluice.hf.tokenizer.json", "tokenizer.json"),
@@ -199,5 +228,18 @@ mod tests {
         assert!(ModelText::bundle(&hf).is_err());
         assert!(ModelText::from_bundle(b"not a gguf file").is_err());
         Ok(())
+    }
+
+    #[test]
+    fn a_model_is_named_after_its_file_without_the_quantization() {
+        let id = |p: &str| model_id_of(Path::new(p));
+        assert_eq!(id("/m/SmolLM2-135M-Instruct.Q4_1.gguf"), "smollm2-135m-instruct");
+        assert_eq!(id("gemma-3-270m-q4_k_m.gguf"), "gemma-3-270m");
+        assert_eq!(id("Llama-3.2-1B-Instruct-F16.gguf"), "llama-3.2-1b-instruct");
+        assert_eq!(id("tiny-IQ2_XS.gguf"), "tiny");
+        assert_eq!(id("/models/Qwen2.5-0.5B"), "qwen2.5-0.5b", "a directory keeps its dots");
+        assert_eq!(id("plain.gguf"), "plain");
+        assert_eq!(id("quant-q.gguf"), "quant-q", "q alone is no tag");
+        assert_eq!(id("/"), "model");
     }
 }
