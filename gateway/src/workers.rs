@@ -71,19 +71,16 @@ fn score(addr: &str, key: &str) -> u64 {
 /// A worker is "much busier" when its load exceeds twice the least loaded one's plus this.
 const BUSY_SLACK: u64 = 8;
 
-/// The body of `req`'s answer, read by `read`, when it has a success status; errors name the
-/// request.
+/// The body of `req`'s answer (`what`, for errors), read by `read`, when it has a success
+/// status.
 async fn fetch<T, F>(
     req: reqwest::RequestBuilder,
+    what: &str,
     read: impl FnOnce(reqwest::Response) -> F,
 ) -> Result<T, String>
 where
     F: std::future::Future<Output = reqwest::Result<T>>,
 {
-    let what = req
-        .try_clone()
-        .and_then(|r| r.build().ok())
-        .map_or_else(String::new, |r| format!("GET {}", r.url().path()));
     let resp = req.send().await.and_then(reqwest::Response::error_for_status);
     match resp {
         Ok(r) => read(r).await.map_err(|e| format!("{what}: {e}")),
@@ -202,7 +199,7 @@ impl Workers {
                 None => req,
             }
         };
-        let list: Value = fetch(get("/v1/models"), |r| r.json()).await?;
+        let list: Value = fetch(get("/v1/models"), "GET /v1/models", |r| r.json()).await?;
         let mut models = Vec::new();
         for card in list["data"].as_array().map(Vec::as_slice).unwrap_or_default() {
             let identity = &card["sluice"]["execution_identity"];
@@ -212,7 +209,7 @@ impl Workers {
                 Some(t) => t,
                 None => {
                     let req = get("/v1/internal/text").timeout(Duration::from_secs(30));
-                    let bytes = fetch(req, |r| r.bytes()).await?;
+                    let bytes = fetch(req, "GET /v1/internal/text", |r| r.bytes()).await?;
                     let text =
                         tokio::task::spawn_blocking(move || TokenCounter::from_bundle(&bytes))
                             .await

@@ -160,6 +160,8 @@ pub struct EngineCore {
     unplanned: Vec<String>,
     /// The running step's priority, for arrivals to interrupt (armed with the fair policy).
     interrupt: Arc<Interrupt>,
+    /// Whether passes stop for arrivals (the fair policy armed the backend).
+    interrupts: bool,
 }
 
 impl EngineCore {
@@ -208,7 +210,8 @@ impl EngineCore {
         // Priorities are strict bands under the fair policy: a higher one interrupts a pass
         // of lower ones between layers. First come, first served knows no priorities.
         let interrupt = Arc::new(Interrupt::default());
-        if config.scheduling == Scheduling::Fair {
+        let interrupts = config.scheduling == Scheduling::Fair;
+        if interrupts {
             backend.set_interrupt(Arc::clone(&interrupt));
         }
         let keys = vec![CacheKey::ModelRevision(model.identity.model_revision.clone())];
@@ -232,6 +235,7 @@ impl EngineCore {
             tenant_labels: TenantLabels::default(),
             unplanned: Vec::new(),
             interrupt,
+            interrupts,
         })
     }
 
@@ -420,7 +424,12 @@ impl EngineCore {
                 _ => Pick::Logits,
             })
             .collect();
-        let (lowest, band_load, loads) = self.sched.step_loads(work.iter().map(|w| w.id.as_str()));
+        // What arrivals are judged against, only where they can interrupt (the fair policy).
+        let (lowest, band_load, loads) = if self.interrupts {
+            self.sched.step_loads(work.iter().map(|w| w.id.as_str()))
+        } else {
+            (None, 0.0, HashMap::new())
+        };
         self.interrupt.begin(lowest.unwrap_or(i32::MAX), band_load, loads);
         let began = Instant::now();
         let result = self.backend.forward_picking(&self.model.weights, &inputs, &picks);
