@@ -479,15 +479,17 @@ impl Scheduler {
         // priority, or in its band a tenant that dominates its own), those sit this step out,
         // so its prefill runs beside its own band and above only; never two steps running, so
         // a stream of arrivals cannot stop the ones below. A lower-priority light prefill under
-        // way (cut by the token budget, or begun in an interrupted pass) stands aside like the
-        // chunks, leaving the step's light prefill to it.
+        // way (cut by the token budget, or begun in an interrupted pass), or one of a tenant
+        // that dominates its own, stands aside like the chunks, leaving the step's light
+        // prefill to it.
         let next = light_next.as_ref().and_then(|id| self.seqs.get(id));
-        let next_priority = next.map(|s| s.priority);
         let loads = if next.is_some() { self.loads() } else { HashMap::new() };
-        let outranks = next.filter(|_| !self.sat_out).map(|c| {
+        let arrival = next.map(|c| {
             let own = loads.get(c.scope.tenant()).copied().unwrap_or(0.0);
             (c.priority, own + 1.0 / f64::from(c.weight.max(1)))
         });
+        let outranks = arrival.filter(|_| !self.sat_out);
+        let light_first = light_next.clone();
         if light_next.is_some() {
             self.yielded_for = light_next;
         }
@@ -511,7 +513,7 @@ impl Scheduler {
                 i += 1;
                 continue;
             }
-            if remaining > 1 && s.light && next_priority.is_some_and(|p| s.priority < p) {
+            if remaining > 1 && s.light && arrival.is_some_and(gives_way) {
                 i += 1;
                 continue;
             }
@@ -569,7 +571,7 @@ impl Scheduler {
             i = self.running.iter().position(|r| *r == id).map_or(i, |p| p + 1);
         }
         self.stopped = if plan.preempted.is_empty() {
-            self.admit_waiting(&mut room, &mut plan)
+            self.admit_waiting(&mut room, &mut plan, light_first)
         } else {
             Some(WaitReason::KvCache)
         };
@@ -814,7 +816,8 @@ impl Scheduler {
     }
 
     /// A waiting request that `pass` passes and would be light now: the highest priority,
-    /// then the oldest. It goes ahead of a policy's choice that cannot start this step.
+    /// then of the tenant with the fewest running places per unit of weight, then the
+    /// oldest. It goes ahead of a policy's choice that cannot start this step.
     fn light_candidate(&self, pass: impl Fn(&str, &SeqState) -> bool) -> Option<String> {
         let running: std::collections::HashSet<&str> =
             self.running.iter().map(String::as_str).collect();
@@ -830,7 +833,13 @@ impl Scheduler {
                 let n = asks.get(s.scope.tenant()).copied().unwrap_or(0);
                 self.light_among(&per, n, s)
             })
-            .min_by(|a, b| b.1.priority.cmp(&a.1.priority).then(a.1.seq_no.cmp(&b.1.seq_no)))
+            .min_by(|a, b| {
+                let load = |s: &SeqState| {
+                    per.get(s.scope.tenant()).map_or(0.0, |e| e.0 as f64 / e.1 as f64)
+                };
+                let lighter = load(a.1).total_cmp(&load(b.1));
+                b.1.priority.cmp(&a.1.priority).then(lighter).then(a.1.seq_no.cmp(&b.1.seq_no))
+            })
             .map(|(id, _)| id.clone())
     }
 
@@ -917,16 +926,22 @@ impl Scheduler {
         }
     }
 
-    /// Admits waiting requests in the policy's order while they fit; says why the rest wait
-    /// (`None`: nobody does).
-    fn admit_waiting(&mut self, room: &mut Room, plan: &mut StepPlan) -> Option<WaitReason> {
+    /// Admits waiting requests in the policy's order while they fit, the step's light
+    /// request `light_first` (the one the step was cleared for) before them; says why the
+    /// rest wait (`None`: nobody does).
+    fn admit_waiting(
+        &mut self,
+        room: &mut Room,
+        plan: &mut StepPlan,
+        light_first: Option<String>,
+    ) -> Option<WaitReason> {
         // At most one place changes hands for fairness per step, and it goes to the request
         // it was made for (not to whoever the policy would name next: perhaps the victim).
         let mut swapped = false;
         // The request a place was made for, and whether a fair swap made it: that request was
         // judged to fit when it was made (a higher priority goes on making places until it
         // fits).
-        let mut made_room_for: Option<(String, bool)> = None;
+        let mut made_room_for: Option<(String, bool)> = light_first.map(|id| (id, false));
         let mut tried = Vec::new();
         while room.budget > 0 {
             let (next, room_made) = match made_room_for.take() {
@@ -1491,6 +1506,35 @@ mod tests {
         run_step(&mut s, &p, 5);
         let p = s.schedule();
         assert_eq!(ids(&p), vec![("d", 1), ("q", 51), ("h", 1)]);
+    }
+
+    #[test]
+    fn a_dominating_tenants_light_prefill_under_way_stands_aside_in_its_band() {
+        let target = SeqPolicy { tpot_target: Some(0.105), ..SeqPolicy::default() };
+        let mut s = trained(64);
+        for i in 0..3 {
+            s.add_with(format!("d-{i}"), vec![1, 2, 3], tenant("flood"), target);
+        }
+        let p = s.schedule();
+        run_step(&mut s, &p, 5);
+        // The flood alone: its next request is within its share (light), cut by the token
+        // budget of 100.
+        s.add_with("f".into(), (0..150).collect(), tenant("flood"), target);
+        let p = s.schedule();
+        assert_eq!(ids(&p), vec![("d-0", 1), ("d-1", 1), ("d-2", 1), ("f", 97)]);
+        assert!(s.seq("f").is_some_and(|f| f.light));
+        run_step(&mut s, &p, 5);
+        // The flood's next light request came first, but a quiet tenant's (nothing running,
+        // against the flood's 4 places) has the step: the flood's prefill under way and its
+        // decodes stand aside, and its new request waits its turn.
+        s.add_with("g".into(), (300..340).collect(), tenant("flood"), target);
+        s.add_with("q".into(), (200..240).collect(), tenant("quiet"), target);
+        let p = s.schedule();
+        assert_eq!(ids(&p), vec![("q", 40)]);
+        run_step(&mut s, &p, 5);
+        let p = s.schedule();
+        let expected = vec![("d-0", 1), ("d-1", 1), ("d-2", 1), ("f", 53), ("q", 1)];
+        assert_eq!(ids(&p), expected, "never two steps running");
     }
 
     #[test]
