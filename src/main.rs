@@ -14,7 +14,8 @@ use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use sluice_billing::bench::{LedgerBenchConfig, bench_ledger};
 use sluice_engine::bench::{
-    EngineComparison, ModelBaseline, ModelBenchConfig, ModelComparison, bench_engine, bench_model,
+    EngineComparison, ModelBaseline, ModelBenchConfig, ModelComparison, StructuredComparison,
+    bench_engine, bench_model,
 };
 use sluice_engine::fetch::{DEFAULT_MODEL, fetch, model_dir};
 use sluice_engine::forward::Runner;
@@ -24,6 +25,7 @@ use sluice_engine::sampler::SamplingParams;
 use sluice_engine::serve::core::EngineConfig;
 use sluice_engine::serve::handle::EngineHandle;
 use sluice_engine::server::{ServerConfig, router, serve};
+use sluice_engine::structured::Grammar;
 use sluice_text::template::ChatMessage;
 
 /// mimalloc for every allocation of the process: per-thread free lists instead of glibc's
@@ -185,6 +187,11 @@ struct BenchEngineArgs {
     /// Print JSON lines instead of a table.
     #[arg(long)]
     json: bool,
+    /// Also run every level with each output constrained to this response format
+    /// (`json_object`, or a file holding a JSON Schema), and print the cost per token of
+    /// constrained decoding against the unconstrained run.
+    #[arg(long)]
+    response_format: Option<String>,
 }
 
 #[derive(Args, Debug)]
@@ -389,7 +396,7 @@ fn run_generate(args: RunArgs) -> anyhow::Result<()> {
     let text = args.prompt.clone().unwrap_or_default();
     let messages = match (&args.messages_file, args.chat) {
         (Some(f), _) => Some(read_messages(f)?),
-        (None, true) => Some(vec![ChatMessage { role: "user".into(), content: text.clone() }]),
+        (None, true) => Some(vec![ChatMessage::new("user", text.clone())]),
         (None, false) => None,
     };
     let prompt = match messages {
@@ -566,9 +573,46 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
         );
         println!("{}", EngineComparison::HEADER);
     }
+    let grammar = match args.response_format.as_deref() {
+        None => None,
+        Some("json_object") => Some(Grammar::any_object()),
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("--response-format: reading {path}"))?;
+            let schema: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("--response-format: {path} is not JSON"))?;
+            let g = Grammar::from_schema(&schema)
+                .map_err(|e| anyhow::anyhow!("--response-format: {path} at {e}"))?;
+            Some(g)
+        }
+    };
+    let mut points = Vec::new();
     for &c in &args.concurrency {
-        let point = bench_engine(&handle, c, args.prompt_tokens, args.output_tokens, args.rounds)?;
-        let row = EngineComparison::new(point);
+        let point =
+            bench_engine(&handle, c, args.prompt_tokens, args.output_tokens, args.rounds, None)?;
+        let row = EngineComparison::new(point.clone());
+        points.push(point);
+        if args.json {
+            println!("{}", serde_json::to_string(&row)?);
+        } else {
+            println!("{row}");
+        }
+    }
+    let Some(grammar) = grammar.map(Arc::new) else { return Ok(()) };
+    if !args.json {
+        println!(
+            "structured outputs ({}): each level again, every output constrained; baseline: \
+             the unconstrained run above",
+            args.response_format.as_deref().unwrap_or_default()
+        );
+        println!("{}", StructuredComparison::HEADER);
+    }
+    for free in points {
+        let (c, rounds) = (free.concurrency, args.rounds);
+        let g = Some(Arc::clone(&grammar));
+        let constrained =
+            bench_engine(&handle, c, args.prompt_tokens, args.output_tokens, rounds, g)?;
+        let row = StructuredComparison { free, constrained };
         if args.json {
             println!("{}", serde_json::to_string(&row)?);
         } else {

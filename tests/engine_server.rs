@@ -591,6 +591,13 @@ async fn structured_outputs_parse_with_the_official_sdk() -> anyhow::Result<()> 
     run_sdk_script("tests/sdk/test_structured.py")
 }
 
+/// Tools through the official SDK: forced calls validate against their schemas, a round trip
+/// (call, result, answer) works, streamed the same as not; malformed tools are 400s.
+#[tokio::test]
+async fn tool_calls_round_trip_with_the_official_sdk() -> anyhow::Result<()> {
+    run_sdk_script("tests/sdk/test_tools.py")
+}
+
 /// Runs a script of the official OpenAI Python SDK (installed if missing) against a fresh
 /// engine server.
 fn run_sdk_script(path: &str) -> anyhow::Result<()> {

@@ -203,6 +203,8 @@ fn sluice_up_serves_bills_and_administers_through_the_gateway() -> anyhow::Resul
     for k in [
         "chat",
         "chat_stream",
+        "tools",
+        "tools_stream",
         "completion_stream",
         "bad_key",
         "rate_limited",

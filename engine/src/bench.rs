@@ -415,15 +415,61 @@ impl std::fmt::Display for EngineComparison {
     }
 }
 
+/// One level of `sluice bench engine --response-format`: the same load unconstrained (the
+/// baseline) and constrained to the grammar, in one run.
+#[derive(Clone, Debug, Serialize)]
+pub struct StructuredComparison {
+    /// Without a grammar.
+    pub free: EngineBenchPoint,
+    /// Every request constrained to the grammar.
+    pub constrained: EngineBenchPoint,
+}
+
+impl StructuredComparison {
+    /// The header of the table of [`StructuredComparison`] rows.
+    pub const HEADER: &str = "streams  tok/s free  tok/s constrained  ratio  TPOT free  \
+                              TPOT constrained  overhead/token  tokens/request";
+
+    /// Decode time a token costs more under the grammar, median TPOT against median TPOT.
+    pub fn overhead_ms_per_token(&self) -> f64 {
+        (self.constrained.tpot_p50 - self.free.tpot_p50) * 1e3
+    }
+}
+
+impl std::fmt::Display for StructuredComparison {
+    /// One row of the table under [`StructuredComparison::HEADER`].
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (a, b) = (&self.free, &self.constrained);
+        let per_request = |p: &EngineBenchPoint| {
+            p.output_tokens_per_second * p.seconds / p.requests.max(1) as f64
+        };
+        write!(
+            f,
+            "{:>7}  {:>10.1}  {:>17.1}  {:>4.2}x  {:>6.2} ms  {:>13.2} ms  {:>+11.3} ms  {:>6.0} / {:.0}",
+            a.concurrency,
+            a.output_tokens_per_second,
+            b.output_tokens_per_second,
+            b.output_tokens_per_second / a.output_tokens_per_second,
+            a.tpot_p50 * 1e3,
+            b.tpot_p50 * 1e3,
+            self.overhead_ms_per_token(),
+            per_request(a),
+            per_request(b),
+        )
+    }
+}
+
 /// Aggregate throughput and TTFT of the serving engine in process, with `concurrency`
 /// streams of unique `prompt_tokens`-token prompts generating `output_tokens` each
-/// (`ignore_eos`), `rounds` requests per stream.
+/// (`ignore_eos`), `rounds` requests per stream; with `grammar`, every output is constrained
+/// to it (and ends when its value closes).
 pub fn bench_engine(
     handle: &crate::serve::handle::EngineHandle,
     concurrency: usize,
     prompt_tokens: usize,
     output_tokens: usize,
     rounds: usize,
+    grammar: Option<std::sync::Arc<crate::structured::Grammar>>,
 ) -> Result<EngineBenchPoint> {
     use crate::serve::{CacheScope, EngineEvent, ValidRequest};
     let vocab = handle.model().weights.config.vocab_size as u32;
@@ -431,6 +477,7 @@ pub fn bench_engine(
     let results: Vec<Result<Vec<(f64, f64, usize)>>> = std::thread::scope(|s| {
         let workers: Vec<_> = (0..concurrency)
             .map(|c| {
+                let grammar = grammar.clone();
                 s.spawn(move || -> Result<Vec<(f64, f64, usize)>> {
                     let mut out = Vec::new();
                     for r in 0..rounds {
@@ -457,7 +504,7 @@ pub fn bench_engine(
                             weight: 1,
                             tpot_target: None,
                             arrival: Instant::now(),
-                            grammar: None,
+                            grammar: grammar.clone(),
                         };
                         let mut stream = handle.submit(req)?;
                         while let Some(ev) = stream.blocking_next() {

@@ -128,9 +128,8 @@ fn request_body() -> impl Strategy<Value = Value> {
 
 fn messages() -> impl Strategy<Value = Vec<ChatMessage>> {
     let role = prop::sample::select(vec!["system", "user", "assistant", "tool", "x"]);
-    prop::collection::vec((role, hostile_text()), 1..4).prop_map(|m| {
-        m.into_iter().map(|(r, c)| ChatMessage { role: r.into(), content: c }).collect()
-    })
+    prop::collection::vec((role, hostile_text()), 1..4)
+        .prop_map(|m| m.into_iter().map(|(r, c)| ChatMessage::new(r, c)).collect())
 }
 
 /// Text mixing the default model's control tokens, Jinja syntax and odd Unicode.
@@ -220,7 +219,7 @@ proptest! {
         // tokens: only the template's structure made them.
         let plain: Vec<ChatMessage> = messages
             .iter()
-            .map(|m| ChatMessage { role: m.role.clone(), content: "x".into() })
+            .map(|m| ChatMessage::new(m.role.clone(), "x"))
             .collect();
         let (plain_ids, _) = encode_chat(template, tokenizer, &plain, true)
             .map_err(|e| TestCaseError::fail(e.to_string()))?;

@@ -14,8 +14,9 @@ use sha2::{Digest, Sha256};
 use sluice_billing::FinishReason;
 use sluice_billing::control::{KeyGrant, tier_tpot_ms, tier_ttft_ms};
 use sluice_text::model::ModelText;
-use sluice_text::template::{ChatMessage, ChatTemplate, encode_chat};
+use sluice_text::template::{ChatMessage, ChatTemplate, encode_chat_tools};
 use sluice_text::tokenizer::{MAX_PROMPT_IDS, PROMPT_FIELD, Tokenizer};
+use sluice_text::tools::Tools;
 
 use crate::catalog::Catalog;
 use crate::limits::{Limit, RateState, Scope};
@@ -80,9 +81,13 @@ impl TokenCounter {
     }
 
     /// Prompt token ids of a chat request, and the rendered prompt.
-    fn chat(&self, messages: &[ChatMessage]) -> Result<(Vec<u32>, String), String> {
+    fn chat(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&Tools>,
+    ) -> Result<(Vec<u32>, String), String> {
         let t = self.template.as_ref().ok_or("the model has no chat template")?;
-        encode_chat(t, &self.tokenizer, messages, true).map_err(|e| e.to_string())
+        encode_chat_tools(t, &self.tokenizer, messages, tools, true).map_err(|e| e.to_string())
     }
 }
 
@@ -166,6 +171,8 @@ pub enum Refusal {
     InvalidMessages(String),
     /// `messages` is empty.
     EmptyMessages,
+    /// `tools`, `tool_choice` or `parallel_tool_calls` is malformed.
+    InvalidTools { param: &'static str, message: String },
     /// The prompt cannot be rendered or tokenized.
     Untokenizable { param: &'static str, reason: String },
     /// `prompt` is neither a string nor an array of token ids.
@@ -228,6 +235,7 @@ impl Refusal {
             | Self::EmptyMessages
             | Self::Untokenizable { .. }
             | Self::InvalidPrompt
+            | Self::InvalidTools { .. }
             | Self::InvalidSlo { .. } => 400,
             Self::InvalidApiKey => 401,
             Self::TenantSuspended
@@ -314,6 +322,7 @@ impl Refusal {
             | Self::EmptyMessages
             | Self::Untokenizable { .. }
             | Self::InvalidPrompt
+            | Self::InvalidTools { .. }
             | Self::InvalidSlo { .. } => (None, "invalid_parameter"),
             Self::IdempotencyUnavailable => (None, "idempotency_unavailable"),
             Self::LimiterUnavailable => (None, "limiter_unavailable"),
@@ -338,6 +347,7 @@ impl Refusal {
             Self::InvalidPrompt => Some("prompt"),
             Self::Untokenizable { param, .. }
             | Self::PromptTooLong { param, .. }
+            | Self::InvalidTools { param, .. }
             | Self::InvalidSlo { param, .. } => Some(param),
             _ => None,
         }
@@ -386,7 +396,9 @@ impl Refusal {
             Self::PromptTooLong { tokens, limit, .. } => {
                 format!("the prompt has {tokens} tokens, over this tenant's limit of {limit}")
             }
-            Self::InvalidSlo { message, .. } => message.clone(),
+            Self::InvalidSlo { message, .. } | Self::InvalidTools { message, .. } => {
+                message.clone()
+            }
             Self::IdempotencyInProgress => {
                 "a request with this Idempotency-Key is still in progress; retry later".into()
             }
@@ -743,9 +755,11 @@ pub fn check(
             if messages.is_empty() {
                 return Err(Refusal::EmptyMessages);
             }
+            let tools = Tools::from_object(obj)
+                .map_err(|e| Refusal::InvalidTools { param: e.param, message: e.message })?;
             let param = "messages";
             let (ids, text) = counter
-                .chat(&messages)
+                .chat(&messages, tools.as_ref())
                 .map_err(|reason| Refusal::Untokenizable { param, reason })?;
             (Some(ids), text, param)
         }
@@ -938,6 +952,30 @@ mod tests {
             let r = check(Endpoint::Chat, &g, body.as_bytes(), &s).err();
             assert!(r.is_some_and(|r| r.param() == Some("messages")), "{messages}");
         }
+        let chat = |extra: Value| {
+            let mut body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+            if let (Some(b), Value::Object(e)) = (body.as_object_mut(), extra) {
+                b.extend(e);
+            }
+            check(Endpoint::Chat, &g, body.to_string().as_bytes(), &s)
+        };
+        let f = json!([{"type": "function", "function": {"name": "f", "description": "does f"}}]);
+        for (extra, param) in [
+            (json!({"tools": "x"}), "tools"),
+            (json!({"tools": [{"type": "function"}]}), "tools"),
+            (json!({"tools": f, "tool_choice": "always"}), "tool_choice"),
+            (json!({"tools": f, "parallel_tool_calls": 2}), "parallel_tool_calls"),
+        ] {
+            let r = chat(extra.clone()).err();
+            assert!(r.is_some_and(|r| r.status() == 400 && r.param() == Some(param)), "{extra}");
+        }
+        // Offered tools are part of the prompt the engine runs, and counted with it.
+        let plain = chat(json!({})).map(|c| c.prompt_tokens).map_err(|r| r.message())?;
+        let offered =
+            chat(json!({"tools": f})).map(|c| c.prompt_tokens).map_err(|r| r.message())?;
+        let declined = chat(json!({"tools": f, "tool_choice": "none"})).map(|c| c.prompt_tokens);
+        assert!(offered > plain + 20, "{offered} vs {plain}");
+        assert_eq!(declined.map_err(|r| r.message())?, plain);
         Ok(())
     }
 

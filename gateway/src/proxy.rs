@@ -1559,6 +1559,7 @@ impl Gateway {
             match timings.finish_reason.as_deref() {
                 Some("length") => (FinishReason::Length, None),
                 Some("stop") | None => (FinishReason::Stop, None),
+                Some("tool_calls") => (FinishReason::ToolCalls, None),
                 Some("abort") => (FinishReason::ClientDisconnected, None),
                 Some(_) => (FinishReason::Error, None),
             }
@@ -1576,7 +1577,7 @@ impl Gateway {
         // Only a whole answer small enough to keep is replayed to retries; anything else lets a
         // retry run anew.
         if ctx.status == 200
-            && matches!(finish, FinishReason::Stop | FinishReason::Length)
+            && matches!(finish, FinishReason::Stop | FinishReason::Length | FinishReason::ToolCalls)
             && ctx.replay_body.is_some()
         {
             self.complete_claim(ctx).await;

@@ -49,6 +49,36 @@ def basic():
     check(usage is not None and usage.completion_tokens == tokens, (usage, tokens))
     record("chat_stream", 200, raw.headers["x-sluice-request-id"], tokens)
 
+    # A tool-calling round trip: a forced call, then the tool's result and the answer, streamed.
+    weather = [{"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                       "required": ["city"], "additionalProperties": False}}}]
+    question = [{"role": "user", "content": "What is the weather in Oslo?"}]
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=question, tools=weather, tool_choice="required", max_tokens=40,
+        temperature=0)
+    chat = raw.parse()
+    choice = chat.choices[0]
+    check(choice.finish_reason == "tool_calls" and choice.message.content is None, choice)
+    call = choice.message.tool_calls[0]
+    check(call.function.name == "get_weather" and call.id.startswith("call_"), call)
+    check(isinstance(json.loads(call.function.arguments).get("city"), str), call)
+    record("tools", 200, raw.headers["x-sluice-request-id"], chat.usage.completion_tokens)
+    answer = question + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "-3 degrees celsius, snow"}]
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=answer, tools=weather, tool_choice="none", max_tokens=24,
+        stream=True, stream_options={"include_usage": True})
+    tokens, text, usage = 0, "", None
+    for chunk in raw.parse():
+        tokens += ((chunk.model_extra or {}).get("sluice") or {}).get("tokens", 0)
+        text += "".join(c.delta.content or "" for c in chunk.choices)
+        usage = chunk.usage or usage
+    check(text and usage is not None and usage.completion_tokens == tokens, (text, usage))
+    record("tools_stream", 200, raw.headers["x-sluice-request-id"], tokens)
+
     raw = client.completions.with_raw_response.create(
         model=MODEL, prompt="The capital of France is", max_tokens=6)
     comp = raw.parse()

@@ -14,5 +14,6 @@ pub mod stream;
 pub mod synth;
 pub mod template;
 pub mod tokenizer;
+pub mod tools;
 
 pub use error::{Result, TextError};

@@ -17,26 +17,121 @@ use serde::{Deserialize, Deserializer, Serialize};
 use crate::error::{Result, TextError};
 use crate::gguf::GgufFile;
 use crate::tokenizer::{Tokenizer, sha256_hex};
+use crate::tools::Tools;
 
 const TEMPLATE_NAME: &str = "chat_template";
 
 /// One chat message, OpenAI style. `content` may arrive as a string or as an array of
-/// `{"type": "text", "text": ...}` parts, which are joined with newlines (as vLLM does).
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// `{"type": "text", "text": ...}` parts, which are joined with newlines (as vLLM does); an
+/// assistant message that makes tool calls may have none (`null`), and reads as empty.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "WireMessage")]
 pub struct ChatMessage {
     /// `system`, `user`, `assistant`, ... (which roles and orders are legal is the template's call).
     pub role: String,
     /// The message text.
-    #[serde(deserialize_with = "content_text")]
     pub content: String,
+    /// The calls an assistant message made.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<MessageToolCall>,
+    /// The call a `tool` message answers.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The function a `tool` message's result came from, or a participant's name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+}
+
+impl ChatMessage {
+    /// A message of `role` saying `content`.
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
+        ChatMessage { role: role.into(), content: content.into(), ..ChatMessage::default() }
+    }
+}
+
+/// A call in an assistant message of the conversation. Its arguments arrive as JSON text
+/// (OpenAI's wire form) and are kept parsed, as templates read them (`arguments | tojson`);
+/// text that is not JSON stays a string.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MessageToolCall {
+    /// The call's id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// `function`.
+    #[serde(rename = "type", default = "function_kind")]
+    pub kind: String,
+    /// What was called.
+    pub function: MessageFunctionCall,
+}
+
+/// The function and arguments of a [`MessageToolCall`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MessageFunctionCall {
+    /// The function's name.
+    pub name: String,
+    /// Its arguments.
+    #[serde(deserialize_with = "arguments_value")]
+    pub arguments: serde_json::Value,
+}
+
+fn function_kind() -> String {
+    "function".into()
+}
+
+fn arguments_value<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> std::result::Result<serde_json::Value, D::Error> {
+    Ok(match serde_json::Value::deserialize(deserializer)? {
+        serde_json::Value::String(s) => {
+            serde_json::from_str(&s).unwrap_or(serde_json::Value::String(s))
+        }
+        other => other,
+    })
+}
+
+/// A message as it arrives, before the rule that only a message with tool calls may lack
+/// content.
+#[derive(Deserialize)]
+struct WireMessage {
+    role: String,
+    #[serde(default, deserialize_with = "content_text")]
+    content: Option<String>,
+    #[serde(default)]
+    tool_calls: Option<Vec<MessageToolCall>>,
+    #[serde(default)]
+    tool_call_id: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
+}
+
+impl TryFrom<WireMessage> for ChatMessage {
+    type Error = String;
+
+    fn try_from(w: WireMessage) -> std::result::Result<ChatMessage, String> {
+        let tool_calls = w.tool_calls.unwrap_or_default();
+        let content = match w.content {
+            Some(c) => c,
+            None if !tool_calls.is_empty() => String::new(),
+            // The wording serde uses, so the error names `content`.
+            None => return Err("missing field `content`".into()),
+        };
+        Ok(ChatMessage {
+            role: w.role,
+            content,
+            tool_calls,
+            tool_call_id: w.tool_call_id,
+            name: w.name,
+        })
+    }
 }
 
 fn content_text<'de, D: Deserializer<'de>>(
     deserializer: D,
-) -> std::result::Result<String, D::Error> {
+) -> std::result::Result<Option<String>, D::Error> {
     use serde::de::Error as _;
     match serde_json::Value::deserialize(deserializer)? {
-        serde_json::Value::String(s) => Ok(s),
+        serde_json::Value::Null => Ok(None),
+        serde_json::Value::String(s) => Ok(Some(s)),
         serde_json::Value::Array(parts) => {
             let mut texts = Vec::with_capacity(parts.len());
             for (i, part) in parts.iter().enumerate() {
@@ -61,7 +156,7 @@ fn content_text<'de, D: Deserializer<'de>>(
                     }
                 }
             }
-            Ok(texts.join("\n"))
+            Ok(Some(texts.join("\n")))
         }
         other => Err(D::Error::custom(format!(
             "content must be a string or an array of text parts, not {}",
@@ -105,11 +200,58 @@ pub fn encode_chat(
     messages: &[ChatMessage],
     add_generation_prompt: bool,
 ) -> Result<(Vec<u32>, String)> {
-    let text = template.render(messages, add_generation_prompt)?;
+    encode_chat_tools(template, tokenizer, messages, None, add_generation_prompt)
+}
+
+/// As [`encode_chat`], for a request that may offer tools and whose conversation may hold
+/// tool calls and results. A template that knows tools ([`ChatTemplate::supports_tools`])
+/// gets them in `tools` and the messages as they came; tools, calls and ids it renders are its
+/// own text, so any that holds a special token's text is refused. Any other template gets the
+/// generic format of [`crate::tools`], all of it message content.
+pub fn encode_chat_tools(
+    template: &ChatTemplate,
+    tokenizer: &Tokenizer,
+    messages: &[ChatMessage],
+    tools: Option<&Tools>,
+    add_generation_prompt: bool,
+) -> Result<(Vec<u32>, String)> {
+    let native = template.supports_tools();
+    let speaks_tools = |m: &ChatMessage| m.role == "tool" || !m.tool_calls.is_empty();
+    let converted;
+    let messages = if !native && (tools.is_some() || messages.iter().any(speaks_tools)) {
+        converted = crate::tools::generic_messages(messages, tools);
+        converted.as_slice()
+    } else {
+        messages
+    };
+    let tools_value = if native { tools.map(Tools::template_value) } else { None };
+    if native {
+        let calls = messages.iter().flat_map(|m| {
+            m.tool_calls
+                .iter()
+                .map(|c| serde_json::to_string(c).unwrap_or_default())
+                .chain(m.tool_call_id.clone())
+                .chain(m.name.clone())
+        });
+        if tools
+            .into_iter()
+            .flat_map(Tools::texts)
+            .chain(calls)
+            .any(|t| tokenizer.holds_special_text(&t))
+        {
+            return Err(TextError::Template(
+                "a tool, tool call or name holds a special token's text, which this chat \
+                 template would render as its own"
+                    .into(),
+            ));
+        }
+    }
+    let tools_value = tools_value.as_ref();
+    let text = template.render_tools(messages, tools_value, add_generation_prompt)?;
     if !messages.iter().any(|m| tokenizer.holds_special_text(&m.content)) {
         return Ok((tokenizer.encode(&text, true)?, text));
     }
-    let parts = template.render_parts(messages, add_generation_prompt)?;
+    let parts = template.render_parts_tools(messages, tools_value, add_generation_prompt)?;
     if parts.iter().map(|p| p.text.as_str()).collect::<String>() != text {
         return Err(TextError::Template(
             "a message holds a special token's text, and this chat template renders content in \
@@ -130,6 +272,7 @@ pub struct ChatTemplate {
     bos_token: String,
     eos_token: String,
     version: String,
+    tools: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -169,6 +312,7 @@ impl ChatTemplate {
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
             version: sha256_hex(source.as_bytes()),
+            tools: source.contains("tools"),
         })
     }
 
@@ -203,6 +347,23 @@ impl ChatTemplate {
     /// Renders `messages`; with `add_generation_prompt`, ends with the header that opens the
     /// assistant's turn.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        self.render_tools(messages, None, add_generation_prompt)
+    }
+
+    /// Whether the template reads `tools` (Hugging Face's variable for the tools offered), so
+    /// tools are given to it rather than described in the generic format.
+    pub fn supports_tools(&self) -> bool {
+        self.tools
+    }
+
+    /// As [`render`](Self::render), with `tools` (OpenAI's request shape) in the template's
+    /// `tools` variable.
+    pub fn render_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let template =
             self.env.get_template(TEMPLATE_NAME).map_err(|e| TextError::Template(describe(&e)))?;
         // `transformers` passes `tools` and `documents` as None when absent.
@@ -211,7 +372,7 @@ impl ChatTemplate {
             add_generation_prompt => add_generation_prompt,
             bos_token => &self.bos_token,
             eos_token => &self.eos_token,
-            tools => (),
+            tools => tools.map(Value::from_serialize),
             documents => (),
         };
         template.render(ctx).map_err(|e| match raised_message(&e) {
@@ -233,17 +394,25 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<ChatPart>> {
+        self.render_parts_tools(messages, None, add_generation_prompt)
+    }
+
+    /// As [`render_parts`](Self::render_parts), with `tools` as in
+    /// [`render_tools`](Self::render_tools).
+    pub fn render_parts_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<Vec<ChatPart>> {
         let nonce = uuid::Uuid::new_v4().simple().to_string();
         let open = format!("\u{E000}{nonce}.");
         let marked: Vec<ChatMessage> = messages
             .iter()
             .enumerate()
-            .map(|(i, m)| ChatMessage {
-                role: m.role.clone(),
-                content: format!(" {open}{i}\u{E001} "),
-            })
+            .map(|(i, m)| ChatMessage { content: format!(" {open}{i}\u{E001} "), ..m.clone() })
             .collect();
-        let text = self.render(&marked, add_generation_prompt)?;
+        let text = self.render_tools(&marked, tools, add_generation_prompt)?;
         let changed = || {
             TextError::Template(
                 "the chat template changes message content beyond trimming it; it cannot keep \
@@ -899,7 +1068,7 @@ mod tests {
     use super::*;
 
     fn msg(role: &str, content: &str) -> ChatMessage {
-        ChatMessage { role: role.into(), content: content.into() }
+        ChatMessage::new(role, content)
     }
 
     fn render(

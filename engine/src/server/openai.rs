@@ -280,8 +280,48 @@ pub struct ChatLogprobs {
 pub struct AssistantMessage {
     /// `assistant`.
     pub role: &'static str,
-    /// The text.
-    pub content: String,
+    /// The text (`null` when the answer is only tool calls).
+    pub content: Option<String>,
+    /// The tool calls the answer makes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallBody>>,
+}
+
+/// The function and arguments of a tool call.
+#[derive(Clone, Debug, Serialize)]
+pub struct FunctionCallBody {
+    /// The function's name.
+    pub name: String,
+    /// Its arguments, JSON text.
+    pub arguments: String,
+}
+
+/// A tool call in an answer (`message.tool_calls`), or the whole of one in a stream delta
+/// (`delta.tool_calls`, where `index` says which).
+#[derive(Clone, Debug, Serialize)]
+pub struct ToolCallBody {
+    /// Its place among the answer's calls (stream deltas only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub index: Option<usize>,
+    /// `call_...`.
+    pub id: String,
+    /// `function`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// What is called.
+    pub function: FunctionCallBody,
+}
+
+impl ToolCallBody {
+    /// The wire form of `call`; `index` in a stream delta.
+    pub fn new(call: sluice_text::tools::ToolCall, index: Option<usize>) -> ToolCallBody {
+        ToolCallBody {
+            index,
+            id: call.id,
+            kind: "function",
+            function: FunctionCallBody { name: call.name, arguments: call.arguments },
+        }
+    }
 }
 
 /// One chat choice in a body.
@@ -306,6 +346,9 @@ pub struct ChatDelta {
     /// New text.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    /// Tool calls, each whole.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallBody>>,
 }
 
 /// One chat choice in a chunk.

@@ -21,9 +21,10 @@ use crate::server::error::ApiError;
 use crate::server::openai::{
     AssistantMessage, ChatBody, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs,
     ChatTokenLogprob, ChatTopLogprob, ChoiceDetail, CompletionBody, CompletionChoice,
-    CompletionLogprobs, RankedMap, SluiceExt, UsageBody,
+    CompletionLogprobs, RankedMap, SluiceExt, ToolCallBody, UsageBody,
 };
 use crate::server::validate::{Plan, choice_id};
+use sluice_text::tools::{OutputParser, ToolCall};
 
 /// Which API shape to answer in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -189,6 +190,11 @@ impl Shaper {
     }
 }
 
+/// OpenAI's finish reason: an answer that ended with calls ends with `tool_calls`.
+fn finish_reason(reason: FinishReason, calls: bool) -> &'static str {
+    if calls && reason == FinishReason::Stop { "tool_calls" } else { reason.as_str() }
+}
+
 /// Usage of a whole request: the prompt once, completions summed, cached tokens of the
 /// choice that reused least.
 fn total_usage<'a>(usages: impl Iterator<Item = &'a Usage>) -> Usage {
@@ -292,6 +298,8 @@ pub async fn collect(shaper: Shaper, mut events: Events) -> Result<Response, Api
     }
     let reason = |i: usize| finishes.get(i).map(|f| f.reason.as_str());
     shaper.log(reason(0).unwrap_or("-"), usage, first);
+    let reason_with =
+        |i: usize, calls: bool| finishes.get(i).map(|f| finish_reason(f.reason, calls));
     let response = match shaper.endpoint {
         Endpoint::Completions => {
             let choices = out
@@ -324,11 +332,26 @@ pub async fn collect(shaper: Shaper, mut events: Events) -> Result<Response, Api
             let choices = out
                 .into_iter()
                 .enumerate()
-                .map(|(i, c)| ChatChoice {
-                    index: i,
-                    logprobs: shaper.plan.logprobs.map(|_| shaper.chat_logprobs(&c.tokens)),
-                    message: AssistantMessage { role: "assistant", content: c.text },
-                    finish_reason: reason(i),
+                .map(|(i, c)| {
+                    let logprobs = shaper.plan.logprobs.map(|_| shaper.chat_logprobs(&c.tokens));
+                    let (content, calls) = match shaper.plan.tools {
+                        Some(generic) => {
+                            let mut parser = OutputParser::new(generic);
+                            let head = parser.push(&c.text);
+                            let (rest, calls) = parser.finish();
+                            (head + &rest, calls)
+                        }
+                        None => (c.text, Vec::new()),
+                    };
+                    let finish_reason = reason_with(i, !calls.is_empty());
+                    let message = AssistantMessage {
+                        role: "assistant",
+                        content: (calls.is_empty() || !content.is_empty()).then_some(content),
+                        tool_calls: (!calls.is_empty()).then(|| {
+                            calls.into_iter().map(|c| ToolCallBody::new(c, None)).collect()
+                        }),
+                    };
+                    ChatChoice { index: i, logprobs, message, finish_reason }
                 })
                 .collect();
             Json(ChatBody {
@@ -355,6 +378,8 @@ struct ChoiceStream {
     /// Tokens received so far.
     generated: usize,
     finish: Option<Finish>,
+    /// Reads the answer of a request with tools.
+    tools: Option<OutputParser>,
 }
 
 struct StreamState {
@@ -387,6 +412,7 @@ struct Piece {
     prompt: Vec<PromptLogprob>,
     role: bool,
     finish: Option<Finish>,
+    calls: Vec<ToolCall>,
 }
 
 impl StreamState {
@@ -413,7 +439,7 @@ impl StreamState {
             None => SluiceExt::default(),
         };
         ext.tokens = Some(p.tokens.len());
-        let reason = p.finish.as_ref().map(|f| f.reason.as_str());
+        let reason = p.finish.as_ref().map(|f| finish_reason(f.reason, !p.calls.is_empty()));
         let event = match sh.endpoint {
             Endpoint::Completions => {
                 let logprobs = match (sh.plan.logprobs, self.choices.get_mut(p.index)) {
@@ -442,9 +468,16 @@ impl StreamState {
                     Some(_) if !p.tokens.is_empty() => Some(sh.chat_logprobs(&p.tokens)),
                     _ => None,
                 };
+                let calls: Vec<ToolCallBody> = p
+                    .calls
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, c)| ToolCallBody::new(c, Some(i)))
+                    .collect();
                 let delta = ChatDelta {
                     role: p.role.then_some("assistant"),
                     content: (p.role || !p.text.is_empty()).then_some(p.text),
+                    tool_calls: (!calls.is_empty()).then_some(calls),
                 };
                 Self::event(&ChatChunk {
                     id: sh.id(),
@@ -473,6 +506,7 @@ impl StreamState {
             prompt: Vec::new(),
             role: false,
             finish: None,
+            calls: Vec::new(),
         }
     }
 
@@ -498,6 +532,10 @@ impl StreamState {
             EngineEvent::Tokens { tokens, text } => {
                 c.generated += tokens.len();
                 c.pending.extend(tokens);
+                let text = match &mut c.tools {
+                    Some(parser) => parser.push(&text),
+                    None => text,
+                };
                 if !text.is_empty() {
                     let tokens = std::mem::take(&mut c.pending);
                     self.push(Piece { text, tokens, ..Self::piece(i) });
@@ -507,7 +545,15 @@ impl StreamState {
                 let finish = Finish { reason, usage, timings, error };
                 c.finish = Some(finish.clone());
                 let tokens = std::mem::take(&mut c.pending);
-                self.push(Piece { text, tokens, finish: Some(finish), ..Self::piece(i) });
+                let (text, calls) = match c.tools.take() {
+                    Some(mut parser) => {
+                        let head = parser.push(&text);
+                        let (rest, calls) = parser.finish();
+                        (head + &rest, calls)
+                    }
+                    None => (text, Vec::new()),
+                };
+                self.push(Piece { text, tokens, finish: Some(finish), calls, ..Self::piece(i) });
                 if self.choices.iter().all(|c| c.finish.is_some()) {
                     self.close();
                 }
@@ -586,7 +632,11 @@ pub fn stream(shaper: Shaper, events: Events) -> Response {
     let start = shaper.start_offset();
     let mut state = StreamState {
         choices: (0..n)
-            .map(|_| ChoiceStream { offset: start, ..ChoiceStream::default() })
+            .map(|_| ChoiceStream {
+                offset: start,
+                tools: shaper.plan.tools.map(OutputParser::new),
+                ..ChoiceStream::default()
+            })
             .collect(),
         shaper,
         events,

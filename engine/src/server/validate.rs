@@ -15,8 +15,9 @@ use crate::server::context::RequestContext;
 use crate::server::error::ApiError;
 use crate::server::openai::{ChatFields, CompletionFields, GenerationParams, SamplingFields};
 use crate::structured::Grammar;
-use sluice_text::template::encode_chat;
+use sluice_text::template::encode_chat_tools;
 use sluice_text::tokenizer::{PROMPT_FIELD, PromptTokens};
+use sluice_text::tools::{ToolChoice, Tools};
 
 /// Most stop strings per request (OpenAI's cap).
 pub const MAX_STOP: usize = 4;
@@ -61,8 +62,11 @@ pub struct Plan {
     pub include_usage: bool,
     /// Everything else, as it will be reported back.
     pub params: GenerationParams,
-    /// The grammar the output must follow (`response_format`).
+    /// The grammar the output must follow (`response_format`, or tool calls).
     pub grammar: Option<Arc<Grammar>>,
+    /// The request offers tools: the answer is read for calls, in the generic format (`true`)
+    /// or the template's own.
+    pub tools: Option<bool>,
 }
 
 impl Plan {
@@ -173,26 +177,51 @@ pub fn completion_plan(
     Ok(plan)
 }
 
-/// Parameters this server does not implement yet: refused by name rather than ignored (an
-/// answer that ignores `tools` or a JSON schema is a wrong answer, not a degraded one). The
-/// values that ask for nothing (`tool_choice: "none"`, empty `tools`) pass.
+/// Parameters this server does not implement: refused by name rather than ignored (an answer
+/// that ignores the functions offered is a wrong answer, not a degraded one). The values that
+/// ask for nothing (`function_call: "none"`, empty `functions`) pass.
 fn unsupported(body: &Value) -> Result<(), ApiError> {
     let asks = |name: &str| match body.get(name) {
         None | Some(Value::Null) => false,
         Some(Value::Array(a)) => !a.is_empty(),
-        Some(Value::String(s)) => name != "tool_choice" || s != "none",
+        Some(Value::String(s)) => s != "none",
         Some(_) => true,
     };
-    for name in ["tools", "tool_choice", "functions", "function_call"] {
+    for name in ["functions", "function_call"] {
         if asks(name) {
             return Err(ApiError::invalid(
                 name,
-                format!("{name} is not supported by this server yet"),
+                format!("{name} is not supported (it is deprecated); use tools and tool_choice"),
             )
             .with_code("unsupported_parameter"));
         }
     }
     Ok(())
+}
+
+/// The tools a chat request offers, or a 400 naming the parameter at fault.
+pub fn tools(body: &Value) -> Result<Option<Tools>, ApiError> {
+    Tools::from_body(body).map_err(|e| ApiError::invalid(e.param, e.message))
+}
+
+/// The grammar an answer with tools follows: the generic format's, or under a template's own
+/// format a forced call's (`tool_choice` `required` or a function), as JSON; a template's own
+/// answer to `auto` is free. A function schema this server cannot enforce is a 400 naming it.
+pub fn tool_grammar(tools: &Tools, generic: bool) -> Result<Option<Arc<Grammar>>, ApiError> {
+    if !generic && tools.choice == ToolChoice::Auto {
+        return Ok(None);
+    }
+    for (i, f) in tools.functions.iter().enumerate() {
+        Grammar::from_schema(&f.parameters).map_err(|e| {
+            let param = format!("tools[{i}].function.parameters");
+            ApiError::invalid("tools", format!("{param} at {e}")).with_code("unsupported_parameter")
+        })?;
+    }
+    let grammar = Grammar::from_schema(&tools.output_schema()).map_err(|e| {
+        ApiError::invalid("tools", format!("tools: the schema of the calls at {e}"))
+            .with_code("unsupported_parameter")
+    })?;
+    Ok(Some(Arc::new(grammar)))
 }
 
 /// The grammar `response_format` asks for: none for `{"type": "text"}` or no field, any
@@ -250,12 +279,18 @@ pub fn chat_plan(body: &Value, model: &LoadedModel, limits: &Limits) -> Result<P
     let template = model.template.as_ref().ok_or_else(|| {
         ApiError::invalid("messages", "this model has no chat template; use /v1/completions")
     })?;
+    let tools = tools(body)?;
+    let generic = !template.supports_tools();
+    let tool_grammar = match &tools {
+        Some(t) => tool_grammar(t, generic)?,
+        None => None,
+    };
     // Content is text: only the template's own structure yields special tokens.
     let version = model.identity.chat_template_version.as_deref();
     let prompt = match gateway_tokens(body, model, version, limits) {
         Some(ids) => ids,
         None => {
-            encode_chat(template, &model.tokenizer, &messages, true)
+            encode_chat_tools(template, &model.tokenizer, &messages, tools.as_ref(), true)
                 .map_err(|e| ApiError::from_engine(&e.into(), Some("messages")))?
                 .0
         }
@@ -281,6 +316,17 @@ pub fn chat_plan(body: &Value, model: &LoadedModel, limits: &Limits) -> Result<P
     let mut plan = sampling_plan(s, prompt, max, None, limits)?;
     plan.logprobs = top;
     plan.grammar = response_format(body)?;
+    if tools.is_some() {
+        if plan.grammar.is_some() {
+            return Err(ApiError::invalid(
+                "response_format",
+                "response_format cannot be combined with tools yet; send one or the other",
+            )
+            .with_code("unsupported_parameter"));
+        }
+        plan.grammar = tool_grammar;
+        plan.tools = Some(generic);
+    }
     Ok(plan)
 }
 
@@ -544,6 +590,7 @@ fn sampling_plan(
             ignore_eos: s.ignore_eos.unwrap_or(false),
         },
         grammar: None,
+        tools: None,
     })
 }
 
@@ -599,14 +646,40 @@ mod tests {
     fn unsupported_parameters_are_refused_by_name() {
         let tool = json!([{"type": "function", "function": {"name": "f"}}]);
         for (body, param) in [
-            (json!({"tools": tool}), Some("tools")),
-            (json!({"tool_choice": "auto"}), Some("tool_choice")),
             (json!({"functions": [{"name": "f"}]}), Some("functions")),
-            (json!({"tools": [], "tool_choice": "none"}), None),
-            (json!({"tools": null}), None),
+            (json!({"function_call": {"name": "f"}}), Some("function_call")),
+            (json!({"functions": [], "function_call": "none"}), None),
+            (json!({"tools": tool, "tool_choice": "auto"}), None),
         ] {
             assert_eq!(unsupported(&body).err().and_then(|e| e.param).as_deref(), param, "{body}");
         }
+    }
+
+    #[test]
+    fn tools_become_a_grammar_or_a_400_naming_the_fault() -> Result<(), ApiError> {
+        let offer = |params: Value| json!({"tools": [{"type": "function", "function": {"name": "f", "parameters": params}}]});
+        let none = || ApiError::internal("no tools");
+        let ok = offer(json!({"type": "object", "properties": {"a": {"type": "string"}}}));
+        let ok = tools(&ok)?.ok_or_else(none)?;
+        assert!(tool_grammar(&ok, true)?.is_some());
+        // A template's own format answers `auto` freely; a forced call is still JSON.
+        assert!(tool_grammar(&ok, false)?.is_none());
+        let forced = Tools { choice: ToolChoice::Required, ..ok };
+        assert!(tool_grammar(&forced, false)?.is_some());
+        let pattern =
+            json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}});
+        let bad = tools(&offer(pattern))?.ok_or_else(none)?;
+        let e = tool_grammar(&bad, true).err();
+        assert_eq!(e.as_ref().and_then(|e| e.param.as_deref()), Some("tools"));
+        let message = e.map(|e| e.message).unwrap_or_default();
+        assert!(
+            message.starts_with("tools[0].function.parameters at /properties/a")
+                && message.contains("pattern"),
+            "{message}"
+        );
+        let e = tools(&json!({"tool_choice": "required"})).err();
+        assert_eq!(e.and_then(|e| e.param).as_deref(), Some("tool_choice"));
+        Ok(())
     }
 
     #[test]
