@@ -430,7 +430,13 @@ async fn the_front_door_speaks_openai() -> anyhow::Result<()> {
     };
     for (extra, param) in [
         (json!({"temperature": 2.5}), "temperature"),
-        (json!({"tools": [{"type": "function", "function": {"name": "f"}}]}), "tools"),
+        (json!({"tools": [{"type": "function", "function": {"name": "a b"}}]}), "tools"),
+        (
+            json!({"tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}}}),
+            "tool_choice",
+        ),
+        (json!({"functions": [{"name": "f"}]}), "functions"),
         (
             json!({"response_format": {"type": "json_schema", "json_schema": {"name": "p",
                 "schema": {"type": "string", "pattern": "^a"}}}}),
