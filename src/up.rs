@@ -13,7 +13,7 @@ use sluice_billing::api::{ApiState, router as billing_router};
 use sluice_billing::auth::{Principal, Role, Verifier, mint_hs256};
 use sluice_billing::control::NewTenant;
 use sluice_billing::{Ledger, LedgerOptions};
-use sluice_engine::fetch::{DEFAULT_MODEL, fetch, model_dir};
+use sluice_engine::fetch::{DEFAULT_MODEL, fetch, model_dir, resolve_model};
 use sluice_engine::loader::LoadedModel;
 use sluice_engine::serve::core::EngineConfig;
 use sluice_engine::serve::handle::EngineHandle;
@@ -68,12 +68,14 @@ pub struct GatewayArgs {
     usage_stream: String,
 }
 
-/// The models `sluice up` serves: those named, else the default model (fetched if missing).
+/// The models `sluice up` serves: those named (files, directories or catalog names, fetched
+/// when missing), else the default model (fetched if missing).
 fn model_paths(models: Vec<PathBuf>) -> anyhow::Result<Vec<PathBuf>> {
     if models.is_empty() {
         return Ok(vec![fetch(&DEFAULT_MODEL, &model_dir(), &|s| eprintln!("{s}"))?]);
     }
-    Ok(models)
+    let status = |s: &str| eprintln!("{s}");
+    models.iter().map(|m| Ok(resolve_model(m, &status)?)).collect()
 }
 
 /// Runs `sluice gateway`.
@@ -151,9 +153,9 @@ pub struct UpArgs {
     /// Serve the gateway over plain HTTP instead of HTTPS.
     #[arg(long)]
     plain_http: bool,
-    /// A model to serve, a GGUF file or Hugging Face directory (repeat to serve several, an
-    /// engine each, every one under the id its file gives it; default: the default model,
-    /// fetched if missing).
+    /// A model to serve: a GGUF file, Hugging Face directory or catalog name (`sluice model
+    /// list`; fetched when missing). Repeat to serve several, an engine each, every one under
+    /// the id its file gives it (default: the default model, fetched if missing).
     #[arg(long = "model")]
     models: Vec<PathBuf>,
     /// Where the engine's forward pass runs: cpu, cuda or cuda:N.

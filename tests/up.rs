@@ -241,18 +241,26 @@ async fn call(
 #[tokio::test]
 async fn sluice_up_serves_several_models_each_by_its_name() -> anyhow::Result<()> {
     use reqwest::Method;
+    ensure_sdk()?;
     let tmp = tempfile::tempdir()?;
-    // The default model and a tiny one of the project's own writer, an engine each; each is
-    // served under its file's name.
-    let tiny = tmp.path().join("tiny-q8_0.gguf");
-    let spec = sluice_engine::synth::SynthSpec::tiny();
-    sluice_engine::synth::write_gguf(&spec, sluice_text::ggml::GgmlType::Q8_0, &tiny)?;
-    let default = Command::new(env!("CARGO_BIN_EXE_sluice")).args(["model", "path"]).output()?;
-    let default = String::from_utf8(default.stdout)?.trim().to_owned();
-    ensure!(Path::new(&default).exists(), "the default model is not fetched: {default:?}");
+    // The default model and Gemma 3 270M, named by their catalog names, an engine each; each
+    // is served under its file's name.
+    for name in ["smollm2-135m", "gemma3-270m"] {
+        let path =
+            Command::new(env!("CARGO_BIN_EXE_sluice")).args(["model", "path", name]).output()?;
+        let path = String::from_utf8(path.stdout)?.trim().to_owned();
+        ensure!(Path::new(&path).exists(), "{name} is not fetched: {path:?}");
+    }
     let state = tmp.path().join("state");
-    let tiny_arg = tiny.to_str().context("utf-8")?;
-    let args = ["--plain-http", "--kv-cache-mb", "32", "--model", &default, "--model", tiny_arg];
+    let args = [
+        "--plain-http",
+        "--kv-cache-mb",
+        "64",
+        "--model",
+        "smollm2-135m",
+        "--model",
+        "gemma3-270m",
+    ];
     let up = support::start_up_with(&state, &args)?;
     let envs = up.envs()?;
     let c = reqwest::Client::new();
@@ -260,7 +268,7 @@ async fn sluice_up_serves_several_models_each_by_its_name() -> anyhow::Result<()
     let (status, list) = call(&c, &envs, Method::GET, "/models", None).await?;
     let ids: Vec<&str> =
         list["data"].as_array().into_iter().flatten().filter_map(|m| m["id"].as_str()).collect();
-    ensure!(status == 200 && ids == ["smollm2-135m-instruct", "tiny"], "{list}");
+    ensure!(status == 200 && ids == ["gemma-3-270m", "smollm2-135m-instruct"], "{list}");
     for m in list["data"].as_array().into_iter().flatten() {
         ensure!(m["sluice"]["engines"] == 1 && m["max_model_len"].as_u64() > Some(0), "{m}");
     }
@@ -268,7 +276,7 @@ async fn sluice_up_serves_several_models_each_by_its_name() -> anyhow::Result<()
     let mut revisions = HashMap::new();
     for (asked, id) in [
         ("smollm2-135m-instruct", "smollm2-135m-instruct"),
-        ("tiny", "tiny"),
+        ("gemma-3-270m", "gemma-3-270m"),
         ("default", "smollm2-135m-instruct"),
     ] {
         let body = serde_json::json!({"model": asked, "prompt": "Hello", "max_tokens": 3, "temperature": 0});
@@ -285,28 +293,25 @@ async fn sluice_up_serves_several_models_each_by_its_name() -> anyhow::Result<()
             "{card}"
         );
     }
-    ensure!(revisions.len() == 2 && revisions["tiny"] != revisions["smollm2-135m-instruct"]);
-    let chat = serde_json::json!({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
-    let (status, v) = call(&c, &envs, Method::POST, "/chat/completions", Some(chat)).await?;
-    ensure!(status == 200 && v["model"] == "tiny", "{v}");
+    ensure!(
+        revisions.len() == 2 && revisions["gemma-3-270m"] != revisions["smollm2-135m-instruct"]
+    );
+    // The official SDK: both listed, Gemma completes (streamed and not) and refuses chat.
+    let sdk = up.sdk("two_models")?;
+    let kinds: Vec<&str> = sdk.iter().filter_map(|r| r["kind"].as_str()).collect();
+    ensure!(kinds == ["gemma_completion", "gemma_completion_stream", "gemma_chat"], "{kinds:?}");
     let unknown = serde_json::json!({"model": "gpt-4o", "prompt": "Hello", "max_tokens": 1});
     let (status, v) = call(&c, &envs, Method::POST, "/completions", Some(unknown)).await?;
     ensure!(status == 404 && v["error"]["code"] == "model_not_found", "{v}");
 
-    // A tenant allowed one model sees only it, and gets 403 on the other.
-    up.admin(&["admin", "quotas", "set", "demo", "--allowed-model", "tiny"])?;
+    // A tenant allowed one model sees only it, and gets 403 on the other (the SDK phase).
+    up.admin(&["admin", "quotas", "set", "demo", "--allowed-model", "gemma-3-270m"])?;
     wait_for_cache();
-    let (_, list) = call(&c, &envs, Method::GET, "/models", None).await?;
-    ensure!(
-        list["data"].as_array().map(Vec::len) == Some(1) && list["data"][0]["id"] == "tiny",
-        "{list}"
-    );
+    let only = up.sdk("only_gemma")?;
+    ensure!(only.len() == 1 && only[0]["kind"] == "model_not_allowed", "{only:?}");
     let body = serde_json::json!({"model": "default", "prompt": "Hello", "max_tokens": 1});
     let (status, v) = call(&c, &envs, Method::POST, "/completions", Some(body)).await?;
     ensure!(status == 403 && v["error"]["code"] == "model_not_allowed", "{v}");
-    let body = serde_json::json!({"model": "tiny", "prompt": "Hello", "max_tokens": 1});
-    let (status, v) = call(&c, &envs, Method::POST, "/completions", Some(body)).await?;
-    ensure!(status == 200, "{v}");
 
     // Every row names the model the request ran on (or asked for), at that model's revision
     // and prices.
@@ -320,8 +325,14 @@ async fn sluice_up_serves_several_models_each_by_its_name() -> anyhow::Result<()
     let count = |model: &str, status: u64| {
         rows.iter().filter(|r| r["model_id"] == model && r["http_status"] == status).count()
     };
-    ensure!(count("smollm2-135m-instruct", 200) == 2 && count("tiny", 200) == 3, "{rows:?}");
+    // SmolLM2: two completions. Gemma: one, the SDK's two, and the allowed tenant's one.
+    ensure!(
+        count("smollm2-135m-instruct", 200) == 2 && count("gemma-3-270m", 200) == 4,
+        "{rows:?}"
+    );
+    ensure!(count("gemma-3-270m", 400) == 1, "the refused chat is recorded once: {rows:?}");
     ensure!(count("gpt-4o", 404) == 1 && count("default", 403) == 1, "{rows:?}");
+    ensure!(count("smollm2-135m-instruct", 403) == 1, "the SDK's forbidden request: {rows:?}");
     for r in rows.iter().filter(|r| r["http_status"] == 200) {
         let model = r["model_id"].as_str().unwrap_or_default();
         ensure!(r["model_revision"] == revisions[model].as_str(), "{r:?}");

@@ -290,7 +290,12 @@ impl Runner {
         for (t, &tok) in tokens.iter().enumerate() {
             w.embed.dequantize_row(tok as usize, &mut x[t * hidden..(t + 1) * hidden]);
         }
-        let (cos, sin) = rope_tables(&w.inv_freq, &meta);
+        if c.gemma.is_some() {
+            let scale = (hidden as f32).sqrt();
+            x.iter_mut().for_each(|v| *v *= scale);
+        }
+        let global = rope_tables(&w.inv_freq, &meta);
+        let local = w.local_inv_freq.as_ref().map(|f| rope_tables(f, &meta));
 
         let mut xn = vec![0f32; n * hidden];
         let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
@@ -305,6 +310,14 @@ impl Runner {
             add_bias(&mut q, l.bq.as_deref());
             add_bias(&mut k, l.bk.as_deref());
             add_bias(&mut v, l.bv.as_deref());
+            if let (Some(qn), Some(kn)) = (&l.q_norm, &l.k_norm) {
+                rms_norm_in_place(&mut q, qn, c.rms_eps);
+                rms_norm_in_place(&mut k, kn, c.rms_eps);
+            }
+            let (cos, sin) = match (&local, c.gemma.as_ref()) {
+                (Some(t), Some(g)) if g.slides(li) => t,
+                _ => &global,
+            };
             let half = c.rope_dims / 2;
             for t in 0..n {
                 let (ct, st) = (&cos[t * half..(t + 1) * half], &sin[t * half..(t + 1) * half]);
@@ -322,15 +335,27 @@ impl Runner {
             }
             attention(&self.pool, c, cache, li, batch, &meta, &q, &mut attn);
             self.mm(&l.wo, &attn, &mut o);
+            if let Some(pn) = &l.post_attn_norm {
+                rms_norm_in_place(&mut o, pn, c.rms_eps);
+            }
             for (xi, oi) in x.iter_mut().zip(&o) {
                 *xi += oi;
             }
             rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut xn);
             self.mm_many(&[&l.w_gate, &l.w_up], &xn, [&mut gate, &mut up]);
-            for (g, u) in gate.iter_mut().zip(&up) {
-                *g = *g / (1.0 + (-*g).exp()) * u;
+            if c.gemma.is_some() {
+                for (g, u) in gate.iter_mut().zip(&up) {
+                    *g = gelu_tanh(*g) * u;
+                }
+            } else {
+                for (g, u) in gate.iter_mut().zip(&up) {
+                    *g = *g / (1.0 + (-*g).exp()) * u;
+                }
             }
             self.mm(&l.w_down, &gate, &mut down);
+            if let Some(pn) = &l.post_ffn_norm {
+                rms_norm_in_place(&mut down, pn, c.rms_eps);
+            }
             for (xi, di) in x.iter_mut().zip(&down) {
                 *xi += di;
             }
@@ -343,7 +368,27 @@ impl Runner {
         rms_norm(&last, &w.norm, c.rms_eps, &mut normed);
         let mut logits = Vec::new();
         self.mm(w.lm_head(), &normed, &mut logits);
+        if let Some(cap) = c.gemma.as_ref().and_then(|g| g.final_softcap) {
+            logits.iter_mut().for_each(|l| *l = cap * (*l / cap).tanh());
+        }
         Ok(logits)
+    }
+}
+
+/// GELU with the tanh approximation (Gemma's `gelu_pytorch_tanh`, ggml's `gelu`).
+fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044_715 * x * x)).tanh())
+}
+
+/// RMSNorm of each `w.len()`-wide piece of `x` (per-head query and key norms).
+fn rms_norm_in_place(x: &mut [f32], w: &[f32], eps: f32) {
+    let n = w.len();
+    for row in x.chunks_exact_mut(n) {
+        let scale = 1.0 / (dot_f32(row, row) / n as f32 + eps).sqrt();
+        for (xi, wi) in row.iter_mut().zip(w) {
+            *xi *= scale * wi;
+        }
     }
 }
 
@@ -434,6 +479,8 @@ fn attention(
                 kv_head: head / group,
                 head_dim: hd,
                 pos,
+                first: c.first_visible(layer, pos),
+                scale: c.attention_scale(),
                 q: &q[first..first + per * hd],
                 #[cfg(target_arch = "x86_64")]
                 avx512,
@@ -482,6 +529,10 @@ struct HeadJob<'a> {
     kv_head: usize,
     head_dim: usize,
     pos: usize,
+    /// The oldest position attended to (0 but in a sliding-window layer).
+    first: usize,
+    /// Factor on the scores.
+    scale: f32,
     /// The group's queries, `head_dim` floats each.
     q: &'a [f32],
     /// Whether the AVX-512 score kernel may be used.
@@ -526,8 +577,11 @@ fn attend(job: &HeadJob<'_>, scratch: &mut AttendScratch, out: &mut [f32]) {
     let cache = job.cache;
     let (bs, hd) = (cache.block_size, job.head_dim);
     let heads = job.q.len() / hd;
-    let scale = 1.0 / (hd as f32).sqrt();
+    let scale = job.scale;
     let n = job.pos + 1;
+    // Blocks wholly before the window are skipped; positions of the first block before it
+    // are left out of the softmax (their scores are zeroed like the padding's).
+    let (lo, first_block) = (job.first.min(job.pos), job.first.min(job.pos) / bs);
     let padded = n.div_ceil(bs) * bs;
     let scores = &mut scratch.scores;
     scores.clear();
@@ -535,10 +589,11 @@ fn attend(job: &HeadJob<'_>, scratch: &mut AttendScratch, out: &mut [f32]) {
     let max = &mut scratch.max;
     max.clear();
     max.resize(heads, f32::NEG_INFINITY);
-    for bi in 0..padded / bs {
+    for bi in first_block..padded / bs {
         let base = cache.block_offset(job.layer, job.table[bi] as usize);
         let kb = &cache.k[base + job.kv_head * hd * bs..][..hd * bs];
         let valid = (n - bi * bs).min(bs);
+        let skip = lo.saturating_sub(bi * bs);
         for h in 0..heads {
             let q = &job.q[h * hd..(h + 1) * hd];
             let chunk = &mut scores[h * padded + bi * bs..][..bs];
@@ -565,7 +620,7 @@ fn attend(job: &HeadJob<'_>, scratch: &mut AttendScratch, out: &mut [f32]) {
                 g += w;
             }
             let m = &mut max[h];
-            for s in &mut chunk[..valid] {
+            for s in &mut chunk[skip..valid] {
                 *s *= scale;
                 *m = m.max(*s);
             }
@@ -575,10 +630,11 @@ fn attend(job: &HeadJob<'_>, scratch: &mut AttendScratch, out: &mut [f32]) {
     inv.clear();
     for (h, &m) in max.iter().enumerate() {
         let mut sum = 0f32;
-        for s in &mut scores[h * padded..h * padded + n] {
+        for s in &mut scores[h * padded + lo..h * padded + n] {
             *s = (*s - m).exp();
             sum += *s;
         }
+        scores[h * padded..h * padded + lo].fill(0.0);
         scores[h * padded + n..(h + 1) * padded].fill(0.0);
         inv.push(1.0 / sum);
     }
@@ -589,7 +645,7 @@ fn attend(job: &HeadJob<'_>, scratch: &mut AttendScratch, out: &mut [f32]) {
         // Two partial sums per head (even and odd positions) for the same reason.
         acc.clear();
         acc.resize(2 * heads, [0f32; DIMS]);
-        for bi in 0..padded / bs {
+        for bi in first_block..padded / bs {
             let base = cache.block_offset(job.layer, job.table[bi] as usize);
             let vb = &cache.v[base + job.kv_head * bs * hd..][..bs * hd];
             let rows_here = (n - bi * bs).min(bs);

@@ -5,8 +5,9 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use crate::backend::{Backend, Device, KvSize};
 use crate::error::{EngineError, Result};
-use crate::forward::{KvCache, LogitsWanted, Runner, SeqInput};
+use crate::forward::{LogitsWanted, Pick, SeqInput};
 use crate::loader::LoadedModel;
 use crate::sampler::{Sampler, SamplingParams};
 use sluice_text::tokenizer::Tokenizer;
@@ -100,10 +101,12 @@ pub struct Generation {
 /// Block size of the KV cache used by single-sequence generation.
 const BLOCK: usize = 16;
 
-/// Generates from `prompt` token ids, calling `on_text` with each final piece of text.
+/// Generates from `prompt` token ids on `device` (`threads`: CPU compute threads, 0 = all
+/// cores), calling `on_text` with each final piece of text.
 pub fn generate(
     model: &LoadedModel,
-    runner: &mut Runner,
+    device: Device,
+    threads: usize,
     prompt: &[u32],
     opts: &GenerateOptions,
     on_text: &mut dyn FnMut(&str),
@@ -120,7 +123,8 @@ pub fn generate(
     }
     let total = (prompt.len() + opts.max_tokens).min(ctx);
     let blocks = total.div_ceil(BLOCK);
-    let mut cache = KvCache::new(&model.weights, BLOCK, blocks);
+    let mut backend = Backend::new(device, &model.weights, threads, BLOCK, KvSize::Blocks(blocks))?;
+    backend.reserve(prompt.len(), 1)?;
     let table: Vec<u32> = (0..blocks as u32).collect();
     let mut sampler = Sampler::new(opts.sampling.clone());
     let mut decoder = IncrementalDecoder::default();
@@ -139,7 +143,7 @@ pub fn generate(
             block_table: &table,
             logits: LogitsWanted::Last,
         };
-        let logits = runner.forward(&model.weights, &mut cache, &[seq])?;
+        let logits = backend.forward_picking(&model.weights, &[seq], &[Pick::Logits])?.logits;
         pos += input.len();
         let tok = sampler.sample(&logits, None).token;
         first_token_at.get_or_insert_with(Instant::now);

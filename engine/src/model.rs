@@ -1,4 +1,5 @@
-//! Llama-family model description and weights (GGUF and safetensors sources).
+//! Llama-family model description and weights (GGUF and safetensors sources), with Gemma 3's
+//! departures from the Llama block as options of the same description.
 
 use crate::cpu::matmul::PackedWeight;
 use crate::error::{EngineError, Result};
@@ -25,6 +26,33 @@ pub struct Llama3Scaling {
     pub high_freq_factor: f32,
     /// The context length the model was pre-trained with.
     pub original_max_position: f32,
+}
+
+/// What a Gemma 3 block does beyond a Llama one: the embedding scaled by `sqrt(hidden)`,
+/// RMSNorm over each query and key head before RoPE, norms after attention and after the FFN
+/// (before each residual add), a tanh-approximated GELU gate, and layers that attend over a
+/// sliding window with their own RoPE base between the global ones.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gemma {
+    /// Tokens a sliding-window layer attends to, its own included.
+    pub sliding_window: usize,
+    /// Every `global_every`-th layer (the last of each run) attends over the whole context;
+    /// the others slide (all of them when 0).
+    pub global_every: usize,
+    /// RoPE base frequency of the sliding layers (the global ones use `rope_theta`).
+    pub local_rope_theta: f32,
+    /// Factor on the queries (Gemma's `query_pre_attn_scalar`^-1/2) in place of
+    /// `1/sqrt(head_dim)`.
+    pub query_scale: f32,
+    /// `cap * tanh(logits / cap)` on the output, when set.
+    pub final_softcap: Option<f32>,
+}
+
+impl Gemma {
+    /// Whether layer `i` attends over a sliding window.
+    pub fn slides(&self, layer: usize) -> bool {
+        self.global_every == 0 || layer % self.global_every < self.global_every - 1
+    }
 }
 
 /// Architecture hyper-parameters.
@@ -60,9 +88,27 @@ pub struct LlamaConfig {
     pub context_length: usize,
     /// Whether the output projection reuses the embedding.
     pub tied_embeddings: bool,
+    /// Gemma 3's block, when the model is one.
+    pub gemma: Option<Gemma>,
 }
 
 impl LlamaConfig {
+    /// The oldest position that token `pos` of layer `layer` attends to.
+    pub fn first_visible(&self, layer: usize, pos: usize) -> usize {
+        match &self.gemma {
+            Some(g) if g.slides(layer) => (pos + 1).saturating_sub(g.sliding_window),
+            _ => 0,
+        }
+    }
+
+    /// The factor on attention scores.
+    pub fn attention_scale(&self) -> f32 {
+        match &self.gemma {
+            Some(g) => g.query_scale,
+            None => 1.0 / (self.head_dim as f32).sqrt(),
+        }
+    }
+
     /// Width of the K and V projections.
     pub fn kv_dim(&self) -> usize {
         self.kv_heads * self.head_dim
@@ -104,6 +150,11 @@ impl LlamaConfig {
         }
         if ![self.hidden, self.intermediate, self.q_dim()].iter().all(|d| d.is_multiple_of(32)) {
             return bad("hidden, intermediate and q sizes must be multiples of 32".into());
+        }
+        if let Some(g) = &self.gemma
+            && g.sliding_window == 0
+        {
+            return bad("sliding window of 0 tokens".into());
         }
         Ok(())
     }
@@ -151,6 +202,14 @@ pub struct LayerWeights {
     pub w_up: PackedWeight,
     /// Down projection.
     pub w_down: PackedWeight,
+    /// Per-head RMSNorm scales of the queries and keys, `head_dim` each (Gemma 3).
+    pub q_norm: Option<Vec<f32>>,
+    /// Key head norm.
+    pub k_norm: Option<Vec<f32>>,
+    /// RMSNorm of the attention output before the residual add (Gemma 3).
+    pub post_attn_norm: Option<Vec<f32>>,
+    /// RMSNorm of the FFN output before the residual add (Gemma 3).
+    pub post_ffn_norm: Option<Vec<f32>>,
 }
 
 /// All weights of a Llama-family model, in compute layout.
@@ -168,12 +227,22 @@ pub struct LlamaWeights {
     pub layers: Vec<LayerWeights>,
     /// Rotary inverse frequencies.
     pub inv_freq: Vec<f32>,
+    /// Those of the sliding-window layers, when they have their own base (Gemma 3).
+    pub local_inv_freq: Option<Vec<f32>>,
 }
 
 impl LlamaWeights {
     /// The output projection (the embedding when tied).
     pub fn lm_head(&self) -> &PackedWeight {
         self.output.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// The rotary inverse frequencies of layer `layer`.
+    pub fn layer_inv_freq(&self, layer: usize) -> &[f32] {
+        match (&self.local_inv_freq, &self.config.gemma) {
+            (Some(local), Some(g)) if g.slides(layer) => local,
+            _ => &self.inv_freq,
+        }
     }
 
     /// Bytes held by the weights.
@@ -266,6 +335,10 @@ pub fn gguf_names() -> TensorNames {
                 "v_bias" => "attn_v.bias",
                 "o" => "attn_output.weight",
                 "ffn_norm" => "ffn_norm.weight",
+                "q_norm" => "attn_q_norm.weight",
+                "k_norm" => "attn_k_norm.weight",
+                "post_attn_norm" => "post_attention_norm.weight",
+                "post_ffn_norm" => "post_ffw_norm.weight",
                 "gate" => "ffn_gate.weight",
                 "up" => "ffn_up.weight",
                 _ => "ffn_down.weight",
@@ -319,9 +392,17 @@ pub fn load_weights(
     let c = &config;
     let norm = require_vector(src, &names.norm, c.hidden)?;
     let mut layers = Vec::with_capacity(c.layers);
+    let gemma = c.gemma.is_some();
+    let gemma_norm = |name: String, n: usize| -> Result<Option<Vec<f32>>> {
+        if gemma { require_vector(src, &name, n).map(Some) } else { Ok(None) }
+    };
     for i in 0..c.layers {
         let n = |role: &str| (names.layer)(i, role);
         layers.push(LayerWeights {
+            q_norm: gemma_norm(n("q_norm"), c.head_dim)?,
+            k_norm: gemma_norm(n("k_norm"), c.head_dim)?,
+            post_attn_norm: gemma_norm(n("post_attn_norm"), c.hidden)?,
+            post_ffn_norm: gemma_norm(n("post_ffn_norm"), c.hidden)?,
             attn_norm: require_vector(src, &n("attn_norm"), c.hidden)?,
             wq: get_matrix(src, &n("q"), c.q_dim(), c.hidden)?,
             wk: get_matrix(src, &n("k"), c.kv_dim(), c.hidden)?,
@@ -337,7 +418,11 @@ pub fn load_weights(
         });
     }
     let inv_freq = config.inv_freq(freq_factors.as_deref());
-    Ok(LlamaWeights { config, embed, output, norm, layers, inv_freq })
+    let local_inv_freq = config.gemma.as_ref().map(|g| {
+        LlamaConfig { rope_theta: g.local_rope_theta, rope_scaling: None, ..config.clone() }
+            .inv_freq(None)
+    });
+    Ok(LlamaWeights { config, embed, output, norm, layers, inv_freq, local_inv_freq })
 }
 
 impl TensorSource for GgufFile {
@@ -358,10 +443,10 @@ pub fn gguf_config(f: &GgufFile) -> Result<LlamaConfig> {
     let arch = f.get_str("general.architecture")?.to_string();
     let rope_style = match arch.as_str() {
         "llama" | "mistral" => RopeStyle::Interleaved,
-        "qwen2" => RopeStyle::Halves,
+        "qwen2" | "gemma3" => RopeStyle::Halves,
         other => {
             return Err(EngineError::Unsupported(format!(
-                "architecture {other:?} (supported: llama, mistral, qwen2)"
+                "architecture {other:?} (supported: llama, mistral, qwen2, gemma3)"
             )));
         }
     };
@@ -395,7 +480,25 @@ pub fn gguf_config(f: &GgufFile) -> Result<LlamaConfig> {
             return Err(EngineError::Unsupported(format!("rope scaling type {other:?}")));
         }
     };
+    // llama.cpp's reading of a gemma3 file: five sliding layers to one global, the sliding
+    // ones at RoPE base 10000, queries scaled by 1/sqrt(head_dim) (by 1/sqrt(hidden/heads)
+    // for the 62-layer 27B, whose query_pre_attn_scalar differs).
+    let gemma = match arch.as_str() {
+        "gemma3" => {
+            let layers = u("block_count")?;
+            let scalar = if layers == 62 { hidden / heads.max(1) } else { head_dim };
+            Some(Gemma {
+                sliding_window: u("attention.sliding_window")?,
+                global_every: 6,
+                local_rope_theta: 10_000.0,
+                query_scale: 1.0 / (scalar as f32).sqrt(),
+                final_softcap: opt_f("final_logit_softcapping").filter(|c| *c > 0.0),
+            })
+        }
+        _ => None,
+    };
     Ok(LlamaConfig {
+        gemma,
         arch,
         vocab_size,
         hidden,

@@ -2,7 +2,7 @@
 //! dequantization and quantization.
 //!
 //! Layouts follow ggml's `ggml-common.h`: Q4_0 is 18 bytes per 32 weights, Q4_1 20 bytes,
-//! Q8_0 34 bytes, the K-quants use 256-weight super-blocks. Quantizers here are simple
+//! Q5_0 22 bytes, Q8_0 34 bytes, the K-quants use 256-weight super-blocks. Quantizers here are simple
 //! round-to-nearest ones used to write test models; the engine never re-quantizes weights.
 
 use half::{bf16, f16};
@@ -59,6 +59,16 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
                 }
             }
         }
+        GgmlType::Q5_0 => {
+            for (y, b) in dst.chunks_exact_mut(QK).zip(src.chunks_exact(22)) {
+                let d = f16_at(b, 0);
+                let (lo, hi) = q5_0_values(b);
+                for j in 0..16 {
+                    y[j] = f32::from(lo[j]) * d;
+                    y[j + 16] = f32::from(hi[j]) * d;
+                }
+            }
+        }
         GgmlType::Q4K => {
             for (y, b) in dst.chunks_exact_mut(QK_K).zip(src.chunks_exact(144)) {
                 dequantize_q4k_block(b, y);
@@ -70,6 +80,20 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
             }
         }
     }
+}
+
+/// The signed values (-16..=15) of a Q5_0 block's first and second halves: four bits each
+/// from `qs`, the fifth from the 32-bit `qh` (bit `j` for element `j`).
+pub fn q5_0_values(b: &[u8]) -> ([i8; 16], [i8; 16]) {
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    let (mut lo, mut hi) = ([0i8; 16], [0i8; 16]);
+    for (j, &q) in b[6..22].iter().enumerate() {
+        let h0 = ((qh >> j) & 1) as u8;
+        let h1 = ((qh >> (j + 16)) & 1) as u8;
+        lo[j] = ((q & 0xF) | (h0 << 4)) as i8 - 16;
+        hi[j] = ((q >> 4) | (h1 << 4)) as i8 - 16;
+    }
+    (lo, hi)
 }
 
 /// Unpacks the 6-bit scale and minimum of sub-block `j` of a Q4_K super-block.
@@ -164,6 +188,22 @@ pub fn quantize_row(ty: GgmlType, src: &[f32]) -> Vec<u8> {
                 out.extend_from_slice(&f16::from_f32(min).to_le_bytes());
                 let q = |v: f32| (((v - min) * id + 0.5) as i32).clamp(0, 15) as u8;
                 out.extend((0..16).map(|j| q(x[j]) | (q(x[j + 16]) << 4)));
+            }
+        }
+        GgmlType::Q5_0 => {
+            for x in src.chunks_exact(QK) {
+                let max = x.iter().fold(0f32, |a, &v| if v.abs() > a.abs() { v } else { a });
+                let d = max / -16.0;
+                let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+                out.extend_from_slice(&f16::from_f32(d).to_le_bytes());
+                let q = |v: f32| ((v * id + 16.5) as i32).clamp(0, 31) as u32;
+                let qh = (0..16).fold(0u32, |h, j| {
+                    h | ((q(x[j]) >> 4) << j) | ((q(x[j + 16]) >> 4) << (j + 16))
+                });
+                out.extend_from_slice(&qh.to_le_bytes());
+                out.extend(
+                    (0..16).map(|j| (q(x[j]) & 0xF) as u8 | (((q(x[j + 16]) & 0xF) as u8) << 4)),
+                );
             }
         }
         GgmlType::Q4K => src.chunks_exact(QK_K).for_each(|x| quantize_q4k_block(x, &mut out)),
@@ -278,6 +318,7 @@ mod tests {
                 GgmlType::BF16 => 1e-2,
                 GgmlType::Q8_0 => 0.02,
                 GgmlType::Q6K => 0.08,
+                GgmlType::Q5_0 => 0.12,
                 GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q4K => 0.25,
             };
             assert!(max_err <= bound, "{}: max error {max_err} > {bound}", ty.name());
@@ -315,6 +356,22 @@ mod tests {
         dequantize_row(GgmlType::Q8_0, &b, &mut y);
         assert_eq!(y[0], -4.0);
         assert_eq!(y[31], 3.75);
+    }
+
+    #[test]
+    fn known_q5_0_block() {
+        // d = 0.5; element j's low nibble j % 16, fifth bit set for elements 1 and 17.
+        let mut b = Vec::new();
+        b.extend_from_slice(&f16::from_f32(0.5).to_le_bytes());
+        b.extend_from_slice(&((1u32 << 1) | (1u32 << 17)).to_le_bytes());
+        b.extend((0u8..16).map(|j| j | (j << 4)));
+        let mut y = [0f32; 32];
+        dequantize_row(GgmlType::Q5_0, &b, &mut y);
+        assert_eq!(y[0], -8.0); // (0 - 16) * 0.5
+        assert_eq!(y[1], 0.5); // (1 + 16 - 16) * 0.5
+        assert_eq!(y[15], -0.5);
+        assert_eq!(y[17], 0.5);
+        assert_eq!(y[16], -8.0);
     }
 
     #[test]

@@ -345,6 +345,7 @@ pub fn hf_config(dir: &Path) -> Result<LlamaConfig> {
         rms_eps: c.rms_norm_eps.unwrap_or(1e-6),
         context_length,
         tied_embeddings: c.tie_word_embeddings.unwrap_or(false),
+        gemma: None,
     })
 }
 

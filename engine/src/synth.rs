@@ -93,6 +93,7 @@ impl SynthSpec {
             rms_eps: RMS_EPS,
             context_length: self.context,
             tied_embeddings: self.tied,
+            gemma: None,
         }
     }
 

@@ -190,6 +190,7 @@ fn bench_8b_shaped_decode_and_prefill() -> anyhow::Result<()> {
         rms_eps: 1e-5,
         context_length: 8192,
         tied_embeddings: false,
+        gemma: None,
     };
     let r = CudaRunner::new(0)?;
     kernel_checks::bench_llama(&r, &config, &kernel_checks::BenchShape::ISSUE)

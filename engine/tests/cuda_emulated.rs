@@ -208,6 +208,7 @@ fn the_device_bench_runs_on_a_small_shape() -> anyhow::Result<()> {
         rms_eps: 1e-5,
         context_length: 512,
         tied_embeddings: false,
+        gemma: None,
     };
     let shape = kernel_checks::BenchShape {
         prompt: 128,

@@ -3,7 +3,7 @@
 mod common;
 
 use sluice_engine::forward::{KvCache, LogitsWanted, Runner, SeqInput};
-use sluice_engine::model::load_gguf_weights;
+use sluice_engine::model::{LlamaWeights, load_gguf_weights};
 use sluice_text::gguf::GgufFile;
 
 fn log_softmax(logits: &[f32]) -> Vec<f32> {
@@ -12,23 +12,20 @@ fn log_softmax(logits: &[f32]) -> Vec<f32> {
     logits.iter().map(|&l| l - lse).collect()
 }
 
-#[test]
-fn teacher_forced_logits_agree_with_llama_cpp() -> anyhow::Result<()> {
-    let golden = common::golden()?;
-    let file = GgufFile::open(&common::default_model()?)?;
-    let weights = load_gguf_weights(&file)?;
+/// Feeds each golden prompt and llama.cpp's completion but its last token in one pass and
+/// compares our log-probabilities at every generated position with llama.cpp's; returns
+/// (positions, top-1 checked, median, max) of |d logprob| of llama.cpp's top-1 token.
+fn agreement(
+    weights: &LlamaWeights,
+    items: &[serde_json::Value],
+) -> anyhow::Result<(usize, usize, f32, f32)> {
     let vocab = weights.config.vocab_size;
     let mut runner = Runner::new(0);
-    let mut cache = KvCache::new(&weights, 16, 64);
+    let mut cache = KvCache::new(weights, 16, 64);
     let table: Vec<u32> = (0..64).collect();
     let mut diffs = Vec::new();
     let mut checked_top1 = 0;
-    let items = ["completion", "chat"]
-        .iter()
-        .flat_map(|k| golden[*k].as_array().cloned().unwrap_or_default())
-        .collect::<Vec<_>>();
-    anyhow::ensure!(items.len() == 14, "expected 14 golden items, found {}", items.len());
-    for item in &items {
+    for item in items {
         let prompt = common::ids(&item["prompt_tokens"]);
         let completion = common::ids(&item["completion_tokens"]);
         let mut input = prompt.clone();
@@ -39,7 +36,7 @@ fn teacher_forced_logits_agree_with_llama_cpp() -> anyhow::Result<()> {
             block_table: &table,
             logits: LogitsWanted::All,
         };
-        let logits = runner.forward(&weights, &mut cache, &[seq])?;
+        let logits = runner.forward(weights, &mut cache, &[seq])?;
         for step in item["steps"].as_array().into_iter().flatten() {
             let pos = step["pos"].as_u64().unwrap_or(0) as usize;
             let row = prompt.len() - 1 + pos;
@@ -66,14 +63,69 @@ fn teacher_forced_logits_agree_with_llama_cpp() -> anyhow::Result<()> {
             }
         }
     }
+    anyhow::ensure!(!diffs.is_empty(), "no golden steps");
     diffs.sort_by(f32::total_cmp);
-    let median = diffs[diffs.len() / 2];
-    let max = diffs[diffs.len() - 1];
-    println!(
-        "positions {} (top-1 checked {checked_top1}), |dlogprob| median {median:.4} max {max:.4}",
-        diffs.len()
-    );
+    Ok((diffs.len(), checked_top1, diffs[diffs.len() / 2], diffs[diffs.len() - 1]))
+}
+
+#[test]
+fn teacher_forced_logits_agree_with_llama_cpp() -> anyhow::Result<()> {
+    let golden = common::golden()?;
+    let file = GgufFile::open(&common::default_model()?)?;
+    let weights = load_gguf_weights(&file)?;
+    let items = ["completion", "chat"]
+        .iter()
+        .flat_map(|k| golden[*k].as_array().cloned().unwrap_or_default())
+        .collect::<Vec<_>>();
+    anyhow::ensure!(items.len() == 14, "expected 14 golden items, found {}", items.len());
+    let (n, checked, median, max) = agreement(&weights, &items)?;
+    println!("positions {n} (top-1 checked {checked}), |dlogprob| median {median:.4} max {max:.4}");
     anyhow::ensure!(median <= 0.05, "median |dlogprob| {median} > 0.05");
     anyhow::ensure!(max <= 0.5, "max |dlogprob| {max} > 0.5");
+    Ok(())
+}
+
+#[test]
+fn gemma3_teacher_forced_logits_agree_with_llama_cpp() -> anyhow::Result<()> {
+    let golden = common::gemma_golden()?;
+    let file = GgufFile::open(&common::gemma_model()?)?;
+    let weights = load_gguf_weights(&file)?;
+    let c = &weights.config;
+    anyhow::ensure!(c.arch == "gemma3" && c.vocab_size == 262_144 && c.layers == 18, "{c:?}");
+    let items = golden["completion"].as_array().cloned().unwrap_or_default();
+    anyhow::ensure!(items.len() == 10, "expected 10 golden items, found {}", items.len());
+    let (n, checked, median, max) = agreement(&weights, &items)?;
+    println!(
+        "gemma3: positions {n} (top-1 checked {checked}), |dlogprob| median {median:.4} max {max:.4}"
+    );
+    anyhow::ensure!(checked >= n / 2, "only {checked} of {n} positions had a clear top-1");
+    anyhow::ensure!(median <= 0.05, "median |dlogprob| {median} > 0.05");
+    anyhow::ensure!(max <= 0.5, "max |dlogprob| {max} > 0.5");
+    Ok(())
+}
+
+/// Sliding-window layers see no further back than their window: with every layer sliding
+/// over 8 tokens, 18 layers reach back at most 18 * 7 positions, so two sequences that differ
+/// only in their first token give the same last logits 200 positions later, bit for bit; the
+/// real configuration (global layers every sixth) does see the difference.
+#[test]
+fn gemma3_sliding_layers_forget_what_left_the_window() -> anyhow::Result<()> {
+    let file = GgufFile::open(&common::gemma_model()?)?;
+    let mut weights = load_gguf_weights(&file)?;
+    let tokens: Vec<u32> = (0..200u32).map(|i| 2 + (i * 7919) % 5000).collect();
+    let mut other = tokens.clone();
+    other[1] = 9999;
+    let last = |w: &LlamaWeights, t: &[u32]| -> anyhow::Result<Vec<f32>> {
+        let mut runner = Runner::new(0);
+        let mut cache = KvCache::new(w, 16, 16);
+        let table: Vec<u32> = (0..16).collect();
+        let seq =
+            SeqInput { tokens: t, start_pos: 0, block_table: &table, logits: LogitsWanted::Last };
+        Ok(runner.forward(w, &mut cache, &[seq])?)
+    };
+    anyhow::ensure!(last(&weights, &tokens)? != last(&weights, &other)?, "global layers see all");
+    let g = weights.config.gemma.as_mut().ok_or_else(|| anyhow::anyhow!("not gemma"))?;
+    (g.sliding_window, g.global_every) = (8, 0);
+    anyhow::ensure!(last(&weights, &tokens)? == last(&weights, &other)?, "a window leaked");
     Ok(())
 }

@@ -130,3 +130,33 @@ fn message_content_never_becomes_control_tokens() -> anyhow::Result<()> {
     assert_eq!(tokenizer.encode(forged, true)?.iter().filter(|&&x| x == start[0]).count(), 2);
     Ok(())
 }
+
+#[test]
+fn gemma3_tokenizer_matches_llama_cpp() -> anyhow::Result<()> {
+    let golden = common::gemma_golden()?;
+    let file = GgufFile::open(&common::gemma_model()?)?;
+    let tok = Tokenizer::from_gguf(&file)?;
+    assert_eq!((tok.bos_id(), tok.eos_id(), tok.add_bos()), (Some(2), Some(1), true));
+    assert_eq!(tok.vocab_size(), 262_144);
+    assert!(ChatTemplate::from_gguf(&file)?.is_none(), "the base model has no chat template");
+    let mut failures = Vec::new();
+    let mut checked = 0;
+    for item in items(&golden, "completion")? {
+        let prompt = text(item, "prompt")?;
+        let got = tok.encode_prompt(prompt)?;
+        if got != common::ids(&item["prompt_tokens"]) {
+            failures
+                .push(format!("encode {prompt:?}: got {got:?}, want {:?}", item["prompt_tokens"]));
+        }
+        check_decode(&tok, item, prompt, &mut failures)?;
+        checked += 1;
+    }
+    assert!(
+        failures.is_empty(),
+        "{} of {checked} golden items differ:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    assert_eq!(checked, 10, "golden items checked");
+    Ok(())
+}

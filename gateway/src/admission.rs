@@ -86,7 +86,8 @@ impl TokenCounter {
         messages: &[ChatMessage],
         tools: Option<&Tools>,
     ) -> Result<(Vec<u32>, String), String> {
-        let t = self.template.as_ref().ok_or("the model has no chat template")?;
+        let t =
+            self.template.as_ref().ok_or("the model has no chat template; use /v1/completions")?;
         encode_chat_tools(t, &self.tokenizer, messages, tools, true).map_err(|e| e.to_string())
     }
 }

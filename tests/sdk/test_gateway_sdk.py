@@ -256,7 +256,56 @@ def ttft():
                sdk_ttft_ms=(first - t0) * 1000.0)
 
 
-PHASES = {"basic": basic, "limits": limits, "idempotency": idempotency,
+def two_models():
+    # `sluice up --model <default> --model <gemma>`: both listed; Gemma 3 (a base model, no
+    # chat template) completes text and refuses chat with a 400 naming `messages`.
+    models = [m.id for m in client.models.list()]
+    gemma = [m for m in models if m.startswith("gemma")]
+    check(MODEL in models and len(gemma) == 1 and len(models) == 2, models)
+    gemma = gemma[0]
+    card = client.models.retrieve(gemma)
+    check(card.id == gemma and (card.model_extra or {}).get("max_model_len", 0) > 0, card)
+    raw = client.completions.with_raw_response.create(
+        model=gemma, prompt="The capital of France is", max_tokens=8, temperature=0)
+    comp = raw.parse()
+    check(comp.model == gemma and comp.usage.completion_tokens >= 1, comp)
+    # llama.cpp's greedy continuation (shared/golden) begins " the capital of the country".
+    check(comp.choices[0].text.startswith(" the capital of"), comp.choices[0].text)
+    record("gemma_completion", 200, raw.headers["x-sluice-request-id"],
+           comp.usage.completion_tokens, model=gemma)
+    raw = client.completions.with_raw_response.create(
+        model=gemma, prompt="One, two, three,", max_tokens=6, stream=True,
+        stream_options={"include_usage": True})
+    tokens, usage = 0, None
+    for chunk in raw.parse():
+        tokens += ((chunk.model_extra or {}).get("sluice") or {}).get("tokens", 0)
+        usage = chunk.usage or usage
+    check(usage is not None and usage.completion_tokens == tokens >= 1, (usage, tokens))
+    record("gemma_completion_stream", 200, raw.headers["x-sluice-request-id"], tokens,
+           model=gemma)
+    try:
+        client.chat.completions.create(model=gemma, messages=[{"role": "user", "content": "x"}])
+        check(False, "a chat request for a model without a chat template was served")
+    except openai.BadRequestError as e:
+        check(e.param == "messages" and "chat template" in e.message, e.message)
+        record("gemma_chat", 400, e.response.headers.get("x-sluice-request-id"), model=gemma)
+
+
+def only_gemma():
+    # The tenant may use Gemma only: it sees just that model and gets 403 on the default.
+    models = [m.id for m in client.models.list()]
+    check(len(models) == 1 and models[0].startswith("gemma"), models)
+    try:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1)
+        check(False, "a model outside the tenant's allowed list was served")
+    except openai.PermissionDeniedError as e:
+        check(e.code == "model_not_allowed", e)
+        record("model_not_allowed", 403, e.response.headers.get("x-sluice-request-id"))
+    comp = client.completions.create(model=models[0], prompt="Hello", max_tokens=2)
+    check(comp.usage.completion_tokens >= 1, comp)
+
+
+PHASES = {"two_models": two_models, "only_gemma": only_gemma, "basic": basic, "limits": limits, "idempotency": idempotency,
           "disconnect": disconnect, "metrics": metrics, "revoked": revoked,
           "forbidden_model": forbidden_model, "suspended": suspended, "ttft": ttft}
 PHASES[sys.argv[1]]()

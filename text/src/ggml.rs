@@ -21,6 +21,8 @@ pub enum GgmlType {
     Q4_0,
     /// 4-bit with minimum, 32 per block.
     Q4_1,
+    /// 5-bit symmetric, 32 per block (the fifth bits of a block packed in one word).
+    Q5_0,
     /// 4-bit K-quant, 256 per super-block.
     Q4K,
     /// 6-bit K-quant, 256 per super-block.
@@ -29,13 +31,14 @@ pub enum GgmlType {
 
 impl GgmlType {
     /// All supported types.
-    pub const ALL: [GgmlType; 8] = [
+    pub const ALL: [GgmlType; 9] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::BF16,
         GgmlType::Q8_0,
         GgmlType::Q4_0,
         GgmlType::Q4_1,
+        GgmlType::Q5_0,
         GgmlType::Q4K,
         GgmlType::Q6K,
     ];
@@ -47,6 +50,7 @@ impl GgmlType {
             1 => GgmlType::F16,
             2 => GgmlType::Q4_0,
             3 => GgmlType::Q4_1,
+            6 => GgmlType::Q5_0,
             8 => GgmlType::Q8_0,
             12 => GgmlType::Q4K,
             14 => GgmlType::Q6K,
@@ -62,6 +66,7 @@ impl GgmlType {
             GgmlType::F16 => 1,
             GgmlType::Q4_0 => 2,
             GgmlType::Q4_1 => 3,
+            GgmlType::Q5_0 => 6,
             GgmlType::Q8_0 => 8,
             GgmlType::Q4K => 12,
             GgmlType::Q6K => 14,
@@ -78,6 +83,7 @@ impl GgmlType {
             GgmlType::Q8_0 => "Q8_0",
             GgmlType::Q4_0 => "Q4_0",
             GgmlType::Q4_1 => "Q4_1",
+            GgmlType::Q5_0 => "Q5_0",
             GgmlType::Q4K => "Q4_K",
             GgmlType::Q6K => "Q6_K",
         }
@@ -87,7 +93,7 @@ impl GgmlType {
     pub fn block_elems(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
-            GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 => QK,
+            GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 => QK,
             GgmlType::Q4K | GgmlType::Q6K => QK_K,
         }
     }
@@ -100,6 +106,7 @@ impl GgmlType {
             GgmlType::Q8_0 => 34,
             GgmlType::Q4_0 => 18,
             GgmlType::Q4_1 => 20,
+            GgmlType::Q5_0 => 22,
             GgmlType::Q4K => 144,
             GgmlType::Q6K => 210,
         }

@@ -2,7 +2,9 @@
 //!
 //! 4-bit and 8-bit weights are repacked once at load time into a layout the SIMD kernels
 //! read directly (still quantized, same size as in the file), and activations are quantized
-//! per 32-element block to 8 bits, as llama.cpp does.
+//! per 32-element block to 8 bits, as llama.cpp does. Q5_0 weights are widened to Q8_0 blocks
+//! on the way (exact: a 5-bit value is an 8-bit one with the same scale), so they take the
+//! 8-bit kernels.
 //!
 //! The layout interleaves groups of 16 rows: for each group and block, the 32 elements of
 //! the 16 rows are stored as 8 "quads" of 4 consecutive elements, each quad as 16 rows x 4
@@ -84,6 +86,9 @@ enum PackedData {
 impl PackedWeight {
     /// Repacks `rows` rows of `cols` elements of type `ty` (validated sizes).
     pub fn new(ty: GgmlType, rows: usize, cols: usize, bytes: &[u8]) -> PackedWeight {
+        if ty == GgmlType::Q5_0 {
+            return PackedWeight::new(GgmlType::Q8_0, rows, cols, &q5_0_as_q8_0(bytes));
+        }
         let row_bytes = ty.row_bytes(cols).unwrap_or(0);
         let nb = cols / QK;
         let groups = rows.div_ceil(GROUP);
@@ -374,6 +379,17 @@ pub fn matmul_many(
     }
 }
 
+/// Q5_0 blocks rewritten as Q8_0 blocks of the same values and scales.
+fn q5_0_as_q8_0(bytes: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(bytes.len() / 22 * 34);
+    for b in bytes.chunks_exact(22) {
+        out.extend_from_slice(&b[..2]);
+        let (lo, hi) = crate::quant::q5_0_values(b);
+        out.extend(lo.iter().chain(&hi).map(|&v| v as u8));
+    }
+    out
+}
+
 /// Sums 16 lanes with a fixed reduction tree.
 fn reduce16(mut acc: [f32; 16]) -> f32 {
     let mut w = 16;
@@ -554,7 +570,7 @@ mod tests {
 
     #[test]
     fn repacking_keeps_every_value() {
-        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0] {
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q5_0] {
             let (rows, cols) = (21, 96);
             let wf = data(rows * cols, 9);
             let bytes: Vec<u8> = wf.chunks(cols).flat_map(|r| quantize_row(ty, r)).collect();

@@ -671,6 +671,13 @@ impl CudaRunner {
     /// Copies `w` to the device as bf16 (dequantized once, here).
     pub fn upload(&self, w: &LlamaWeights) -> Result<CudaModel, CudaError> {
         let c = &w.config;
+        if c.gemma.is_some() {
+            return Err(CudaError::Invalid(format!(
+                "the CUDA backend runs Llama-family blocks; {} (Gemma 3's norms, GELU and \
+                 sliding-window layers) runs on the CPU backend",
+                c.arch
+            )));
+        }
         if !c.head_dim.is_multiple_of(32)
             || c.head_dim > 256
             || c.kv_heads == 0
