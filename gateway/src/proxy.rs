@@ -509,10 +509,17 @@ impl Gateway {
         let checked = match self.check(endpoint, &grant, &body).await {
             Ok(c) => c,
             Err(r) => {
-                // The row of a request refused for its model names what it asked for.
-                if let Refusal::ModelNotFound { model } | Refusal::ModelNotAllowed { model } = &r {
-                    ctx.model = Some(model.chars().take(MODEL_NAME_KEPT).collect());
-                }
+                // The row of a refused request names the model it asked for (a body refused
+                // for another field still named one, when it parses).
+                let asked = match &r {
+                    Refusal::ModelNotFound { model } | Refusal::ModelNotAllowed { model } => {
+                        Some(model.clone())
+                    }
+                    _ => serde_json::from_slice::<Value>(&body)
+                        .ok()
+                        .and_then(|v| v.get("model")?.as_str().map(str::to_owned)),
+                };
+                ctx.model = asked.map(|m| m.chars().take(MODEL_NAME_KEPT).collect());
                 return Err(r);
             }
         };
