@@ -549,8 +549,11 @@ fn long_query(addr: &str, key: &str) -> anyhow::Result<()> {
 /// refused at once.
 fn address_cap(addr: &str, key: &str) -> anyhow::Result<()> {
     use std::io::{Read, Write};
-    // Within the engine's KV capacity, long enough to stay in flight while we probe.
-    let long = json!({"model": MODEL_ID, "prompt": "Tell a long story.", "max_tokens": 400,
+    // Both at once within the engine's KV capacity (32 MiB: 711 positions), so neither waits
+    // for the other and the gateway never refuses one for its TTFT; long enough to stay in
+    // flight while we probe (two of 400 tokens did not fit, and under load the second was
+    // refused at once, leaving one slot held).
+    let long = json!({"model": MODEL_ID, "prompt": "Tell a long story.", "max_tokens": 250,
         "ignore_eos": true})
     .to_string();
     let mut held = Vec::new();
@@ -585,8 +588,17 @@ fn address_cap(addr: &str, key: &str) -> anyhow::Result<()> {
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    drop(held);
-    anyhow::bail!("no per-address cap; the last probe got: {last:?}")
+    // What the held requests got instead, for the message.
+    let answers: Vec<String> = held
+        .iter_mut()
+        .map(|s| {
+            let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+            let mut buf = [0u8; 600];
+            let n = s.read(&mut buf).unwrap_or(0);
+            String::from_utf8_lossy(&buf[..n]).into_owned()
+        })
+        .collect();
+    anyhow::bail!("no per-address cap; the last probe got: {last:?}; the held got {answers:?}")
 }
 
 /// Two requests written at once on one connection: both answered, in order.

@@ -300,6 +300,27 @@ async fn sluice_up_serves_several_models_each_by_its_name() -> anyhow::Result<()
     let sdk = up.sdk("two_models")?;
     let kinds: Vec<&str> = sdk.iter().filter_map(|r| r["kind"].as_str()).collect();
     ensure!(kinds == ["gemma_completion", "gemma_completion_stream", "gemma_chat"], "{kinds:?}");
+    // Structured outputs (20 pydantic schemas through `parse`) and a tool-calling round trip
+    // over the gateway, as a tenant of their own (the ledger checks below count demo's rows).
+    up.admin(&["admin", "tenants", "create", "sdk", "--tier", "standard"])?;
+    let issued: Value = serde_json::from_str(&up.admin(&["admin", "keys", "issue", "sdk"])?)?;
+    let key = issued["secret"].as_str().with_context(|| format!("no secret in {issued}"))?;
+    for script in ["tests/sdk/test_structured.py", "tests/sdk/test_tools.py"] {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(script);
+        let out = Command::new("python3")
+            .arg(&path)
+            .envs(&envs)
+            .env("OPENAI_API_KEY", key)
+            .env("SLUICE_SDK_MODEL", "smollm2-135m-instruct")
+            .output()?;
+        ensure!(
+            out.status.success(),
+            "{script} through the gateway:\n{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        println!("{script}: {}", String::from_utf8_lossy(&out.stdout).trim());
+    }
     let unknown = serde_json::json!({"model": "gpt-4o", "prompt": "Hello", "max_tokens": 1});
     let (status, v) = call(&c, &envs, Method::POST, "/completions", Some(unknown)).await?;
     ensure!(status == 404 && v["error"]["code"] == "model_not_found", "{v}");
@@ -320,7 +341,8 @@ async fn sluice_up_serves_several_models_each_by_its_name() -> anyhow::Result<()
     ensure!(status.success(), "sluice up exited with {status}");
     let db = format!("sqlite://{}", up.dir.join("ledger.db").display());
     let ledger = Ledger::connect(&db).await?;
-    let rows = ledger.records(&RecordFilter { limit: 100, ..Default::default() }).await?.records;
+    let demo = RecordFilter { tenant: Some("demo".into()), limit: 100, ..Default::default() };
+    let rows = ledger.records(&demo).await?.records;
     ledger.close().await;
     let count = |model: &str, status: u64| {
         rows.iter().filter(|r| r["model_id"] == model && r["http_status"] == status).count()

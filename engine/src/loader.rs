@@ -1,12 +1,14 @@
 //! Loading a whole model: weights, tokenizer, chat template and execution identity.
 
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use crate::defaults::Recommended;
 use crate::error::{EngineError, Result};
 use crate::fetch::sha256_files;
 use crate::identity::{ENGINE_VERSION, ExecutionIdentity};
 use crate::model::{LlamaWeights, load_gguf_weights};
+use crate::structured::Spelling;
 use sluice_text::gguf::GgufFile;
 use sluice_text::model::{ModelText, model_id_of};
 use sluice_text::template::ChatTemplate;
@@ -27,6 +29,8 @@ pub struct LoadedModel {
     pub path: PathBuf,
     /// The sampling its file recommends (GGUF `general.sampling.*`, `generation_config.json`).
     pub recommended: Recommended,
+    /// The vocabulary's byte strings for constrained decoding, made at its first use.
+    spelling: OnceLock<Spelling>,
 }
 
 impl LoadedModel {
@@ -67,6 +71,17 @@ impl LoadedModel {
             identity,
             path: path.to_path_buf(),
             recommended,
+            spelling: OnceLock::new(),
+        })
+    }
+
+    /// How many tokens spell a byte string in this model's vocabulary (special tokens left
+    /// out), for constrained decoding.
+    pub fn spelling(&self) -> &Spelling {
+        self.spelling.get_or_init(|| {
+            let tok = &self.tokenizer;
+            let ids = 0..tok.vocab_size() as u32;
+            Spelling::new(ids.filter(|&t| !tok.is_special(t)).filter_map(|t| tok.token_bytes(t)))
         })
     }
 

@@ -13,6 +13,7 @@
 //! optional ones skippable; whitespace between tokens is limited to a short run, so a small
 //! model cannot fill its budget with it; numbers to 24 characters.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use serde_json::Value;
@@ -991,6 +992,41 @@ impl Matcher {
     }
 }
 
+/// The vocabulary's byte strings, to count the fewest tokens that spell a closing: how close
+/// to its budget a value may come before the grammar steers it shut.
+#[derive(Debug, Default)]
+pub struct Spelling {
+    tokens: HashSet<Box<[u8]>>,
+    longest: usize,
+}
+
+impl Spelling {
+    /// The spelling of a vocabulary given as each token's bytes.
+    pub fn new<'t>(tokens: impl IntoIterator<Item = &'t [u8]>) -> Spelling {
+        let tokens: HashSet<Box<[u8]>> =
+            tokens.into_iter().filter(|b| !b.is_empty()).map(Box::from).collect();
+        let longest = tokens.iter().map(|b| b.len()).max().unwrap_or(0);
+        Spelling { tokens, longest }
+    }
+
+    /// The fewest tokens whose bytes make `s`, `usize::MAX` when none do.
+    pub fn tokens(&self, s: &[u8]) -> usize {
+        let n = s.len();
+        // fewest[i]: the fewest tokens that make s[i..].
+        let mut fewest = vec![usize::MAX; n + 1];
+        fewest[n] = 0;
+        for i in (0..n).rev() {
+            for len in 1..=self.longest.min(n - i) {
+                let rest = fewest[i + len];
+                if rest != usize::MAX && self.tokens.contains(&s[i..i + len]) {
+                    fewest[i] = fewest[i].min(rest + 1);
+                }
+            }
+        }
+        fewest[0]
+    }
+}
+
 /// Why a constrained draw could not be made.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Stuck;
@@ -999,10 +1035,13 @@ pub struct Stuck;
 /// (this one included): the sampler's own choice when the grammar accepts it and the value
 /// can still be closed in the tokens left after it, else its choice among the tokens the
 /// grammar accepts (the stop tokens once the value is complete), and, when the budget would
-/// run out first, among the tokens that follow the grammar's shortest closing, so the value
-/// is closed within the budget whenever a byte a token can do it. `bytes` gives a token's
-/// bytes (`None`: a special token). The matcher is advanced by the chosen token; the flag
-/// says the budget forced it.
+/// run out first, among the tokens that follow the grammar's shortest closing and leave the
+/// rest of it spellable in time, so the value is closed within the budget whenever the
+/// vocabulary can do it. Whether a closing fits is judged by its bytes first (a byte a token
+/// is enough) and only near the budget by `spelling`'s fewest tokens, so a value is steered
+/// no earlier than it has to be. `bytes` gives a token's bytes (`None`: a special token).
+/// The matcher is advanced by the chosen token; the flag says the budget forced it.
+#[expect(clippy::too_many_arguments, reason = "one caller in the engine; all distinct")]
 pub fn sample_constrained<'t>(
     sampler: &mut Sampler,
     matcher: &mut Matcher,
@@ -1010,6 +1049,7 @@ pub fn sample_constrained<'t>(
     logprobs: Option<usize>,
     bytes: impl Fn(u32) -> Option<&'t [u8]>,
     stops: &[u32],
+    spelling: &Spelling,
     left: usize,
 ) -> Result<(Sampled, bool), Stuck> {
     // The matcher after `t`, when the grammar takes it (a stop once the value is complete).
@@ -1024,7 +1064,8 @@ pub fn sample_constrained<'t>(
     // Whether the value can still be closed, a byte a token, in the tokens left after `t`,
     // which led to `next`.
     let fits = |next: &Matcher, t: u32| {
-        stops.contains(&t) || next.closing().is_some_and(|c| c.len() < left)
+        stops.contains(&t)
+            || next.closing().is_some_and(|c| c.len() < left || spelling.tokens(&c) < left)
     };
     let mask = |keep: &dyn Fn(&[u8]) -> bool| {
         let mut masked = vec![f32::NEG_INFINITY; logits.len()];
@@ -1062,7 +1103,9 @@ pub fn sample_constrained<'t>(
     if !fits(&next, token) {
         // The shortest closing from here, as far as a token follows it.
         let closing = matcher.closing().unwrap_or_default();
-        if let Some(masked) = mask(&|b: &[u8]| closing.starts_with(b)) {
+        let in_time =
+            |b: &[u8]| closing.starts_with(b) && spelling.tokens(&closing[b.len()..]) < left;
+        if let Some(masked) = mask(&in_time).or_else(|| mask(&|b| closing.starts_with(b))) {
             forced = true;
             token = sampler.choose(&masked);
             next = after(token).ok_or(Stuck)?;
@@ -1216,6 +1259,7 @@ mod tests {
                 None,
                 toy_bytes,
                 &[TOY_STOP],
+                &Spelling::new(TOY.iter().map(|t| t.as_bytes())),
                 left,
             )
             .map_err(stuck)?;
@@ -1274,6 +1318,16 @@ mod tests {
         let want = [r#"{"a":0}"#, r#""a":0}"#, r#"a":0}"#, ":0}", "0}", "}"];
         assert_eq!(closings, want.map(|w| Some(w.as_bytes().to_vec())).to_vec());
         Ok(())
+    }
+
+    #[test]
+    fn a_closing_is_counted_in_the_fewest_tokens_that_spell_it() {
+        let spelling =
+            Spelling::new(["{", "\"a\"", ":", "0", "}", "0}", "\"", "a"].map(str::as_bytes));
+        assert_eq!(spelling.tokens(br#"{"a":0}"#), 4, "{{ \"a\" : 0}}");
+        assert_eq!(spelling.tokens(br#""a":0}"#), 3);
+        assert_eq!(spelling.tokens(b""), 0);
+        assert_eq!(spelling.tokens(b"]"), usize::MAX, "no token spells it");
     }
 
     #[test]

@@ -50,16 +50,16 @@ def basic():
     record("chat_stream", 200, raw.headers["x-sluice-request-id"], tokens)
 
     # A tool-calling round trip: a forced call, then the tool's result and the answer, streamed.
-    # One call (parallel calls off), and a budget above the call's shortest form (64 bytes:
-    # the grammar steers to it, and reports length, while that many bytes would not fit in the
-    # tokens left, a byte a token), so the model ends the call itself.
+    # One call (parallel calls off) in 40 tokens: fewer than the call's shortest form has bytes
+    # (64), more than it has tokens, so the grammar leaves the model to end the call itself
+    # (the model writes it in 33).
     weather = [{"type": "function", "function": {
         "name": "get_weather", "description": "The weather in a city",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                        "required": ["city"], "additionalProperties": False}}}]
     question = [{"role": "user", "content": "What is the weather in Oslo?"}]
     raw = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=question, tools=weather, tool_choice="required", max_tokens=96,
+        model=MODEL, messages=question, tools=weather, tool_choice="required", max_tokens=40,
         temperature=0, parallel_tool_calls=False)
     chat = raw.parse()
     choice = chat.choices[0]

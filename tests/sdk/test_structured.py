@@ -5,19 +5,19 @@ arrays, enums, nested models, optional fields, literals, unions, recursion): eve
 must validate, whatever the model would have written unconstrained, even one the token
 budget cut short (`finish_reason` `length`: the grammar closed the value in the tokens left).
 
-Usage: SLUICE_ENGINE_URL=http://127.0.0.1:PORT python3 tests/sdk/test_structured.py
-Run by tests/engine_server.rs; plain asserts, a non-zero exit code on failure.
+Usage: SLUICE_ENGINE_URL=http://127.0.0.1:PORT python3 tests/sdk/test_structured.py (an engine), or with
+demo.env's OPENAI_* variables (a gateway; SLUICE_SDK_MODEL picks the model). Run by
+tests/engine_server.rs and, through `sluice up`, tests/up.rs; plain asserts, a non-zero exit code on failure.
 """
 
 import enum
 import json
-import os
 import sys
 import time
 from typing import Literal, Optional, Union
 
 import openai
-from openai import OpenAI
+from sdk_client import sdk_client
 from pydantic import BaseModel
 
 
@@ -217,10 +217,9 @@ def check_json_object(client, model):
     assert isinstance(json.loads(choice.message.content), dict), choice.message.content
 
 
+
 def main():
-    base = os.environ["SLUICE_ENGINE_URL"].rstrip("/") + "/v1"
-    client = OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
-    model = client.models.list().data[0].id
+    client, model = sdk_client()
     names = [schema.__name__ for schema, _ in CASES]
     assert len(set(names)) == 20, names
     tokens = 0

@@ -9,15 +9,15 @@ against the function's schema (`client.chat.completions.parse` fills `parsed_arg
 round trip (the call, the tool's result, the answer) ends with text, streamed the same as not;
 malformed tools are a 400 naming the parameter.
 
-Usage: SLUICE_ENGINE_URL=http://127.0.0.1:PORT python3 tests/sdk/test_tools.py
-Run by tests/engine_server.rs; plain asserts, a non-zero exit code on failure.
+Usage: SLUICE_ENGINE_URL=http://127.0.0.1:PORT python3 tests/sdk/test_tools.py (an engine), or with
+demo.env's OPENAI_* variables (a gateway; SLUICE_SDK_MODEL picks the model). Run by
+tests/engine_server.rs and, through `sluice up`, tests/up.rs; plain asserts, a non-zero exit code on failure.
 """
 
 import json
-import os
 
 import openai
-from openai import OpenAI
+from sdk_client import sdk_client
 from pydantic import BaseModel
 
 
@@ -158,10 +158,9 @@ def refusals(client, model):
         raise AssertionError("tools with response_format were accepted")
 
 
+
 def main():
-    base = os.environ["SLUICE_ENGINE_URL"].rstrip("/") + "/v1"
-    client = OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
-    model = client.models.list().data[0].id
+    client, model = sdk_client()
     call = forced(client, model)
     answer = round_trip(client, model, call)
     refusals(client, model)

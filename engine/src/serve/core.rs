@@ -552,6 +552,7 @@ impl EngineCore {
                     st.req.logprobs,
                     bytes,
                     &st.matcher_stops,
+                    self.model.spelling(),
                     left,
                 );
                 match picked {
