@@ -263,7 +263,9 @@ async fn sluice_up_serves_several_models_each_by_its_name() -> anyhow::Result<()
     ];
     let up = support::start_up_with(&state, &args)?;
     let envs = up.envs()?;
-    let c = reqwest::Client::new();
+    // Pooled connections are dropped before the gateway's 30 s idle timeout would close them
+    // under a request (the SDK scripts below keep this client idle for about that long).
+    let c = reqwest::Client::builder().pool_idle_timeout(Duration::from_secs(10)).build()?;
 
     let (status, list) = call(&c, &envs, Method::GET, "/models", None).await?;
     let ids: Vec<&str> =

@@ -35,6 +35,37 @@ fn check_decode(
     Ok(())
 }
 
+/// The golden completion prompts encoded as raw prompts (BOS when the model adds one) and
+/// their completions decoded; returns how many items were checked.
+fn check_completions(
+    tok: &Tokenizer,
+    golden: &serde_json::Value,
+    failures: &mut Vec<String>,
+) -> anyhow::Result<usize> {
+    let mut checked = 0;
+    for item in items(golden, "completion")? {
+        let prompt = text(item, "prompt")?;
+        let got = tok.encode_prompt(prompt)?;
+        if got != common::ids(&item["prompt_tokens"]) {
+            failures
+                .push(format!("encode {prompt:?}: got {got:?}, want {:?}", item["prompt_tokens"]));
+        }
+        check_decode(tok, item, prompt, failures)?;
+        checked += 1;
+    }
+    Ok(checked)
+}
+
+fn all_agree(failures: &[String], checked: usize, want: usize) {
+    assert!(
+        failures.is_empty(),
+        "{} of {checked} golden items differ:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+    assert_eq!(checked, want, "golden items checked");
+}
+
 #[test]
 fn tokenizer_matches_llama_cpp() -> anyhow::Result<()> {
     let golden = common::golden()?;
@@ -45,17 +76,7 @@ fn tokenizer_matches_llama_cpp() -> anyhow::Result<()> {
     assert_eq!(tok.stop_ids(), &[2, 0], "EOS <|im_end|>, then <|endoftext|>");
 
     let mut failures = Vec::new();
-    let mut checked = 0;
-    for item in items(&golden, "completion")? {
-        let prompt = text(item, "prompt")?;
-        let got = tok.encode(prompt, true)?;
-        if got != common::ids(&item["prompt_tokens"]) {
-            failures
-                .push(format!("encode {prompt:?}: got {got:?}, want {:?}", item["prompt_tokens"]));
-        }
-        check_decode(&tok, item, prompt, &mut failures)?;
-        checked += 1;
-    }
+    let mut checked = check_completions(&tok, &golden, &mut failures)?;
     for item in items(&golden, "chat")? {
         let rendered = text(item, "rendered")?;
         let got = tok.encode(rendered, true)?;
@@ -68,13 +89,7 @@ fn tokenizer_matches_llama_cpp() -> anyhow::Result<()> {
         check_decode(&tok, item, rendered, &mut failures)?;
         checked += 1;
     }
-    assert!(
-        failures.is_empty(),
-        "{} of {checked} golden items differ:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
-    assert_eq!(checked, 14, "golden items checked");
+    all_agree(&failures, checked, 14);
     Ok(())
 }
 
@@ -140,23 +155,7 @@ fn gemma3_tokenizer_matches_llama_cpp() -> anyhow::Result<()> {
     assert_eq!(tok.vocab_size(), 262_144);
     assert!(ChatTemplate::from_gguf(&file)?.is_none(), "the base model has no chat template");
     let mut failures = Vec::new();
-    let mut checked = 0;
-    for item in items(&golden, "completion")? {
-        let prompt = text(item, "prompt")?;
-        let got = tok.encode_prompt(prompt)?;
-        if got != common::ids(&item["prompt_tokens"]) {
-            failures
-                .push(format!("encode {prompt:?}: got {got:?}, want {:?}", item["prompt_tokens"]));
-        }
-        check_decode(&tok, item, prompt, &mut failures)?;
-        checked += 1;
-    }
-    assert!(
-        failures.is_empty(),
-        "{} of {checked} golden items differ:\n{}",
-        failures.len(),
-        failures.join("\n")
-    );
-    assert_eq!(checked, 10, "golden items checked");
+    let checked = check_completions(&tok, &golden, &mut failures)?;
+    all_agree(&failures, checked, 10);
     Ok(())
 }
