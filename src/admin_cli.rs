@@ -174,6 +174,24 @@ pub enum AdminCommand {
         #[command(flatten)]
         jwt: JwtArgs,
     },
+    /// Mint a short-lived token and print a link that signs the console in with it (the
+    /// token rides in the link's fragment, which browsers never send; the page removes it).
+    Console {
+        /// ops, billing, auditor or tenant-admin.
+        #[arg(long)]
+        role: String,
+        /// The actor recorded in the audit log.
+        #[arg(long, default_value = "console")]
+        sub: String,
+        /// Tenant of a tenant-admin token.
+        #[arg(long)]
+        tenant: Option<String>,
+        /// Lifetime in seconds.
+        #[arg(long, default_value_t = 900)]
+        ttl: u64,
+        #[command(flatten)]
+        jwt: JwtArgs,
+    },
 }
 
 /// `sluice admin tenants`.
@@ -455,28 +473,51 @@ fn block_on<F: std::future::Future<Output = anyhow::Result<()>>>(f: F) -> anyhow
         .block_on(f)
 }
 
+/// An HS256 admin token for `role`, signed with SLUICE_JWT_SECRET.
+fn mint(
+    role: &str,
+    sub: &str,
+    tenant: &Option<String>,
+    ttl: u64,
+    jwt: &JwtArgs,
+) -> anyhow::Result<String> {
+    let role = Role::parse(role).context("--role must be ops, billing, auditor or tenant-admin")?;
+    if role == Role::TenantAdmin && tenant.is_none() {
+        bail!("--tenant is needed for a tenant-admin token");
+    }
+    let secret = jwt.secret.as_deref().context("set SLUICE_JWT_SECRET to mint a token")?;
+    let who = Principal { actor: sub.to_owned(), role, tenant: tenant.clone() };
+    Ok(mint_hs256(
+        secret.as_bytes(),
+        &who,
+        ttl,
+        jwt.jwt_issuer.as_deref(),
+        jwt.jwt_audience.as_deref(),
+    )?)
+}
+
 /// Runs `sluice admin ...`.
 pub fn run_admin(cmd: AdminCommand, client: &ClientArgs) -> anyhow::Result<()> {
     use reqwest::Method;
-    if let AdminCommand::Token { role, sub, tenant, ttl, jwt } = &cmd {
-        let role =
-            Role::parse(role).context("--role must be ops, billing, auditor or tenant-admin")?;
-        let secret = jwt.secret.as_deref().context("set SLUICE_JWT_SECRET to mint a token")?;
-        let who = Principal { actor: sub.clone(), role, tenant: tenant.clone() };
-        let token = mint_hs256(
-            secret.as_bytes(),
-            &who,
-            *ttl,
-            jwt.jwt_issuer.as_deref(),
-            jwt.jwt_audience.as_deref(),
-        )?;
-        println!("{token}");
-        return Ok(());
+    match &cmd {
+        AdminCommand::Token { role, sub, tenant, ttl, jwt } => {
+            println!("{}", mint(role, sub, tenant, *ttl, jwt)?);
+            return Ok(());
+        }
+        AdminCommand::Console { role, sub, tenant, ttl, jwt } => {
+            let base = client.admin_url.as_deref().context(
+                "set SLUICE_ADMIN_URL to the billing service (e.g. http://127.0.0.1:8090)",
+            )?;
+            let token = mint(role, sub, tenant, *ttl, jwt)?;
+            println!("{}/console#token={token}", base.trim_end_matches('/'));
+            return Ok(());
+        }
+        _ => {}
     }
     let c = Client::new(client)?;
     block_on(async move {
         let v = match cmd {
-            AdminCommand::Token { .. } => return Ok(()),
+            AdminCommand::Token { .. } | AdminCommand::Console { .. } => return Ok(()),
             AdminCommand::Tenants(TenantCommand::Create { id, name, tier }) => {
                 let body = json!({"id": id, "name": name, "tier": tier});
                 c.json(Method::POST, "/v1/tenants", &[], Some(body)).await?

@@ -489,7 +489,10 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     println!("sluice is up");
     let plural = if served.len() == 1 { "model" } else { "models" };
     println!("  gateway    {scheme}://{}/v1  ({plural} {})", args.listen, served.join(", "));
-    println!("  admin API  http://{}  (dashboard: /dashboard)", args.admin_listen);
+    println!(
+        "  admin API  http://{}  (console: /console, dashboard: /dashboard)",
+        args.admin_listen
+    );
     println!("  metrics    {metrics_url}");
     if fresh {
         println!("  demo key   {key}  (shown once)");

@@ -7,7 +7,6 @@
 //! (unique ids), and the page's totals are compared with the data API's own answer.
 
 use std::collections::BTreeMap;
-use std::fs::File;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -17,45 +16,11 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{Context, bail, ensure};
 use serde_json::{Value, json};
 use sluice_billing::UsageEvent;
+use support::{ScratchDatabase, random_hex};
+
+mod support;
 
 const REDIS_URL: &str = "redis://127.0.0.1:6379";
-/// Shared with the billing crate's tests: held shared here, exclusively by its outage test.
-const POSTGRES_LOCK: &str = "/tmp/sluice-billing-postgres-tests.lock";
-
-/// A scratch Postgres database, dropped (forcibly) with this value.
-struct ScratchDatabase {
-    url: String,
-    name: String,
-    _lock: File,
-}
-
-impl ScratchDatabase {
-    fn create() -> anyhow::Result<Self> {
-        let lock = File::options().create(true).truncate(false).write(true).open(POSTGRES_LOCK)?;
-        lock.lock_shared()?;
-        let name = format!("sluice_dashboard_{}", random_hex(8)?);
-        psql(&format!("CREATE DATABASE {name}"))?;
-        Ok(Self { url: format!("postgres://postgres@127.0.0.1:5432/{name}"), name, _lock: lock })
-    }
-}
-
-impl Drop for ScratchDatabase {
-    fn drop(&mut self) {
-        if psql(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name)).is_err() {
-            eprintln!("could not drop test database {}", self.name);
-        }
-    }
-}
-
-fn psql(sql: &str) -> anyhow::Result<()> {
-    let out = Command::new("psql")
-        .args(["-q", "-h", "127.0.0.1", "-U", "postgres", "-d", "test", "-c", sql])
-        .output()
-        .context("running psql")?;
-    ensure!(out.status.success(), "psql {sql:?}: {}", String::from_utf8_lossy(&out.stderr));
-    Ok(())
-}
-
 /// A running `sluice billing`; killed when dropped, also when a test fails.
 struct Server {
     child: Child,
@@ -143,12 +108,6 @@ fn mint(secret: &str, role: &str) -> anyhow::Result<String> {
     let token = String::from_utf8(out.stdout)?.trim().to_owned();
     ensure!(token.split('.').count() == 3, "not a JWT: {token:?}");
     Ok(token)
-}
-
-fn random_hex(bytes: usize) -> anyhow::Result<String> {
-    let mut buf = vec![0u8; bytes];
-    File::open("/dev/urandom")?.read_exact(&mut buf)?;
-    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
 
 /// RFC 3339 in UTC with milliseconds (days to civil date: H. Hinnant's algorithm). The root
@@ -536,7 +495,7 @@ async fn dashboard_renders_usage_ingested_through_the_pipeline() -> anyhow::Resu
     ensure!(rfc3339_ms(1_796_033_730_123) == "2026-11-30T10:15:30.123Z", "date formatting");
     ensure!(rfc3339_s(1_709_164_800) == "2024-02-29T00:00:00Z", "leap day formatting");
     let browser = chromium_binary()?;
-    let db = tokio::task::block_in_place(ScratchDatabase::create)?;
+    let db = tokio::task::block_in_place(|| ScratchDatabase::create("dashboard"))?;
     let secret = random_hex(32)?;
     // A stream of its own: no other process's events land in this test's database.
     let stream = format!("{{dashboard-test-{}}}:usage", random_hex(6)?);

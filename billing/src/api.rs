@@ -1,6 +1,6 @@
 //! The billing service's HTTP API: admin (tenants, keys, quotas), audit (records, audit log,
-//! exports), usage and the dashboard. Every route but `/health` and the dashboard's HTML shell
-//! needs a bearer JWT (see [`crate::auth`]); each route names the roles it admits, and a
+//! exports), usage, the dashboard and the console. Every route but `/health` and the pages
+//! (the dashboard's and the console's HTML, script and styles) needs a bearer JWT (see [`crate::auth`]); each route names the roles it admits, and a
 //! `tenant-admin` only ever reaches its own tenant. Errors are OpenAI-style JSON naming the
 //! parameter.
 
@@ -20,7 +20,7 @@ use serde_json::{Value, json};
 
 use crate::Ledger;
 use crate::auth::{AuthError, Principal, Role, Verifier};
-use crate::control::{AdminError, Limits, NewTenant, QuotaSettings};
+use crate::control::{AdminError, Limits, NewTenant, QuotaSettings, TIERS, TenantChange};
 use crate::query::{AuditFilter, RECORD_COLUMNS, RecordFilter, UsageFilter, decode_cursor};
 
 /// Redis pub/sub channel announcing control-plane changes to gateways.
@@ -48,10 +48,16 @@ impl std::fmt::Debug for ApiState {
 pub fn router(state: Arc<ApiState>) -> Router {
     Router::new()
         .route("/health", get(|| async { "ok" }))
+        .route("/", get(|| async { axum::response::Redirect::to("/console") }))
+        .route("/console", get(console_page))
+        .route("/console.js", get(console_script))
+        .route("/ui.css", get(shared_styles))
         .route("/dashboard", get(dashboard_page))
+        .route("/v1/whoami", get(whoami))
+        .route("/v1/tiers", get(tiers))
         .route("/v1/dashboard/data", get(dashboard_data))
         .route("/v1/tenants", get(list_tenants).post(create_tenant))
-        .route("/v1/tenants/{tenant}", get(get_tenant))
+        .route("/v1/tenants/{tenant}", get(get_tenant).patch(update_tenant))
         .route("/v1/tenants/{tenant}/suspend", post(suspend_tenant))
         .route("/v1/tenants/{tenant}/activate", post(activate_tenant))
         .route("/v1/tenants/{tenant}/keys", get(list_keys).post(issue_key))
@@ -259,6 +265,62 @@ async fn dashboard_page() -> impl IntoResponse {
     )
 }
 
+/// What the console's pages may load: their own script and the API, nothing from elsewhere.
+const CONSOLE_POLICY: &str = concat!(
+    "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; ",
+    "connect-src 'self'; img-src 'self' data:; form-action 'none'; frame-ancestors 'none'; ",
+    "base-uri 'none'"
+);
+
+async fn console_page() -> impl IntoResponse {
+    (
+        [
+            (header::CACHE_CONTROL, HeaderValue::from_static("no-store")),
+            (header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CONSOLE_POLICY)),
+            (header::REFERRER_POLICY, HeaderValue::from_static("no-referrer")),
+            (header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY")),
+        ],
+        Html(include_str!("console.html")),
+    )
+}
+
+async fn console_script() -> impl IntoResponse {
+    (
+        [
+            (header::CONTENT_TYPE, HeaderValue::from_static("text/javascript; charset=utf-8")),
+            (header::CACHE_CONTROL, HeaderValue::from_static("no-store")),
+        ],
+        include_str!("console.js"),
+    )
+}
+
+async fn shared_styles() -> impl IntoResponse {
+    (
+        [
+            (header::CONTENT_TYPE, HeaderValue::from_static("text/css; charset=utf-8")),
+            (header::CACHE_CONTROL, HeaderValue::from_static("no-store")),
+        ],
+        include_str!("ui.css"),
+    )
+}
+
+/// `GET /v1/whoami`: the token's principal, so the console shows the pages its role reaches
+/// (the API still checks every call).
+async fn whoami(State(s): State<Arc<ApiState>>, headers: HeaderMap) -> ApiResult<Response> {
+    let who =
+        authorize(&s, &headers, &[Role::Ops, Role::Billing, Role::Auditor, Role::TenantAdmin])?;
+    Ok(axum::Json(json!({"actor": who.actor, "role": who.role.as_str(), "tenant": who.tenant}))
+        .into_response())
+}
+
+/// `GET /v1/tiers`: the quota tiers of `policies/tiers.json` and their values.
+async fn tiers(State(s): State<Arc<ApiState>>, headers: HeaderMap) -> ApiResult<Response> {
+    authorize(&s, &headers, &[Role::Ops, Role::TenantAdmin])?;
+    let data: Vec<Value> =
+        TIERS.iter().map(|(name, q)| json!({"name": name, "settings": q})).collect();
+    Ok(axum::Json(json!({"data": data})).into_response())
+}
+
 async fn dashboard_data(
     State(s): State<Arc<ApiState>>,
     headers: HeaderMap,
@@ -303,6 +365,19 @@ async fn create_tenant(
     let tenant = s.ledger.create_tenant(&who, &new).await?;
     announce(&s, "tenant", &tenant.id).await;
     Ok((StatusCode::CREATED, axum::Json(tenant)).into_response())
+}
+
+async fn update_tenant(
+    State(s): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    Path(tenant): Path<String>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    let who = authorize(&s, &headers, &[Role::Ops])?;
+    let change: TenantChange = body(&bytes)?;
+    let t = s.ledger.update_tenant(&who, &tenant, &change).await?;
+    announce(&s, "tenant", &tenant).await;
+    Ok(axum::Json(t).into_response())
 }
 
 async fn set_status(
@@ -410,7 +485,9 @@ async fn get_quota(
     headers: HeaderMap,
     Path(tenant): Path<String>,
 ) -> ApiResult<Response> {
-    authorize(&s, &headers, &[Role::Ops])?;
+    // A tenant admin reads its own limits; only ops changes them.
+    let who = authorize(&s, &headers, &[Role::Ops, Role::TenantAdmin])?;
+    check_tenant(&who, &tenant)?;
     Ok(axum::Json(s.ledger.quota(&tenant).await?).into_response())
 }
 
@@ -527,7 +604,8 @@ async fn audit_log(
     headers: HeaderMap,
     Query(q): Query<HashMap<String, String>>,
 ) -> ApiResult<Response> {
-    authorize(&s, &headers, &[Role::Auditor])?;
+    // Ops sees the changes it made, beside the auditors who review them.
+    authorize(&s, &headers, &[Role::Auditor, Role::Ops])?;
     let q = query(q, &["since", "until", "actor", "target", "limit", "cursor"])?;
     let after =
         match q.get("cursor") {

@@ -408,6 +408,9 @@ pub struct Quota {
     pub tenant_id: String,
     /// Its tier.
     pub tier: String,
+    /// The tier's own values, which the overrides replace.
+    #[serde(default)]
+    pub tier_settings: QuotaSettings,
     /// The tenant's own settings (`None` = the tier's value).
     pub overrides: QuotaSettings,
     /// What gateways enforce.
@@ -569,6 +572,36 @@ fn to_value<T: Serialize>(v: &T) -> Option<Value> {
     serde_json::to_value(v).ok()
 }
 
+fn valid_name(name: &str) -> Result<(), AdminError> {
+    if name.is_empty() || name.chars().count() > 200 {
+        return Err(AdminError::invalid("name", "name must be 1-200 characters"));
+    }
+    Ok(())
+}
+
+fn known_tier(tier: &str) -> Result<(), AdminError> {
+    if TIERS.contains_key(tier) {
+        return Ok(());
+    }
+    let known: Vec<&str> = TIERS.keys().map(String::as_str).collect();
+    Err(AdminError::invalid("tier", format!("unknown tier (one of {})", known.join(", "))))
+}
+
+/// A change to a tenant: the fields given are set, the others kept.
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantChange {
+    /// New display name.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// New quota tier.
+    #[serde(default)]
+    pub tier: Option<String>,
+    /// New status (`active` or `suspended`); only through suspend and activate.
+    #[serde(default)]
+    pub status: Option<String>,
+}
+
 /// A new tenant.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -595,17 +628,9 @@ impl Ledger {
     ) -> Result<Tenant, AdminError> {
         valid_id("id", &new.id)?;
         let name = new.name.clone().unwrap_or_else(|| new.id.clone());
-        if name.is_empty() || name.chars().count() > 200 {
-            return Err(AdminError::invalid("name", "name must be 1-200 characters"));
-        }
+        valid_name(&name)?;
         let tier = new.tier.clone().unwrap_or_else(|| "standard".into());
-        if !TIERS.contains_key(&tier) {
-            let known: Vec<&str> = TIERS.keys().map(String::as_str).collect();
-            return Err(AdminError::invalid(
-                "tier",
-                format!("unknown tier (one of {})", known.join(", ")),
-            ));
-        }
+        known_tier(&tier)?;
         let overrides = new.overrides.clone().unwrap_or_else(|| json!({}));
         if !overrides.is_object() {
             return Err(AdminError::invalid("overrides", "overrides must be a JSON object"));
@@ -679,11 +704,48 @@ impl Ledger {
         id: &str,
         status: &str,
     ) -> Result<Tenant, AdminError> {
-        valid_id("tenant", id)?;
         if status != "active" && status != "suspended" {
             return Err(AdminError::invalid("status", "status must be active or suspended"));
         }
         let action = if status == "active" { "tenant.activate" } else { "tenant.suspend" };
+        let change = TenantChange { status: Some(status.to_owned()), ..TenantChange::default() };
+        self.change_tenant(who, id, &change, action).await
+    }
+
+    /// Changes a tenant's name or tier (`PATCH /v1/tenants/{id}`).
+    pub async fn update_tenant(
+        &self,
+        who: &Principal,
+        id: &str,
+        change: &TenantChange,
+    ) -> Result<Tenant, AdminError> {
+        if change.status.is_some() {
+            return Err(AdminError::invalid(
+                "status",
+                "status changes through /suspend and /activate",
+            ));
+        }
+        if change.name.is_none() && change.tier.is_none() {
+            return Err(AdminError::invalid("body", "give a name or a tier to change"));
+        }
+        self.change_tenant(who, id, change, "tenant.update").await
+    }
+
+    /// One change of a tenant's row and its audit entry, in one transaction.
+    async fn change_tenant(
+        &self,
+        who: &Principal,
+        id: &str,
+        change: &TenantChange,
+        action: &str,
+    ) -> Result<Tenant, AdminError> {
+        valid_id("tenant", id)?;
+        if let Some(name) = &change.name {
+            valid_name(name)?;
+        }
+        if let Some(tier) = &change.tier {
+            known_tier(tier)?;
+        }
         on_pool!(self, pool => {
             let mut tx = begin_write!(pool).await?;
             let row = sqlx::query(&format!("SELECT {TENANT_COLUMNS} FROM tenants WHERE id = $1"))
@@ -692,12 +754,19 @@ impl Ledger {
                 .await?
                 .ok_or_else(|| AdminError::NotFound(format!("tenant {id} not found")))?;
             let before = tenant_from_row!(row);
-            sqlx::query("UPDATE tenants SET status = $1 WHERE id = $2")
-                .bind(status)
+            let after = Tenant {
+                name: change.name.clone().unwrap_or_else(|| before.name.clone()),
+                tier: change.tier.clone().unwrap_or_else(|| before.tier.clone()),
+                status: change.status.clone().unwrap_or_else(|| before.status.clone()),
+                ..before.clone()
+            };
+            sqlx::query("UPDATE tenants SET name = $1, tier = $2, status = $3 WHERE id = $4")
+                .bind(&after.name)
+                .bind(&after.tier)
+                .bind(&after.status)
                 .bind(id)
                 .execute(&mut *tx)
                 .await?;
-            let after = Tenant { status: status.to_owned(), ..before.clone() };
             audit!(tx, who, action, format!("tenant:{id}"), to_value(&before), to_value(&after));
             tx.commit().await?;
             Ok(after)
@@ -850,7 +919,14 @@ impl Ledger {
                 None => (QuotaSettings::default(), None),
             };
             let effective = overrides.over(&tier);
-            Ok(Quota { tenant_id: tenant.id, tier: tenant.tier, overrides, effective, updated_at })
+            Ok(Quota {
+                tenant_id: tenant.id,
+                tier: tenant.tier,
+                tier_settings: tier,
+                overrides,
+                effective,
+                updated_at,
+            })
         })
     }
 
@@ -898,6 +974,7 @@ impl Ledger {
                 tenant_id: tenant_id.to_owned(),
                 tier: before.tier.clone(),
                 effective: overrides.over(&tier),
+                tier_settings: tier,
                 overrides,
                 updated_at: Some(now),
             };

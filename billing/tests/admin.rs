@@ -117,14 +117,17 @@ fn routes() -> Vec<(Method, &'static str, Option<Value>, Vec<Role>)> {
     vec![
         (Method::GET, "/v1/tenants", None, vec![Ops]),
         (Method::POST, "/v1/tenants", Some(json!({"id": "made-by-matrix"})), vec![Ops]),
+        (Method::GET, "/v1/whoami", None, vec![Ops, Billing, Auditor, TenantAdmin]),
+        (Method::GET, "/v1/tiers", None, vec![Ops, TenantAdmin]),
         (Method::GET, "/v1/tenants/acme", None, vec![Ops, TenantAdmin]),
+        (Method::PATCH, "/v1/tenants/acme", Some(json!({"name": "Acme Inc"})), vec![Ops]),
         (Method::POST, "/v1/tenants/acme/activate", None, vec![Ops]),
         (Method::GET, "/v1/tenants/acme/keys", None, vec![Ops, TenantAdmin]),
         (Method::POST, "/v1/tenants/acme/keys", Some(json!({})), vec![Ops, TenantAdmin]),
-        (Method::GET, "/v1/tenants/acme/quota", None, vec![Ops]),
+        (Method::GET, "/v1/tenants/acme/quota", None, vec![Ops, TenantAdmin]),
         (Method::PUT, "/v1/tenants/acme/quota", Some(json!({"rpm": 10})), vec![Ops]),
         (Method::GET, "/v1/records", None, vec![Auditor]),
-        (Method::GET, "/v1/audit-log", None, vec![Auditor]),
+        (Method::GET, "/v1/audit-log", None, vec![Auditor, Ops]),
         (Method::GET, "/v1/audit/reconcile", None, vec![Auditor, Billing]),
         (Method::GET, "/v1/usage", None, vec![Billing, TenantAdmin]),
         (Method::GET, "/v1/dashboard/data", None, vec![Billing]),
@@ -173,6 +176,7 @@ async fn role_matrix(url: &str) -> anyhow::Result<()> {
         (Method::POST, "/v1/tenants/globex/keys"),
         (Method::PUT, "/v1/tenants/globex/keys/nokey/limits"),
         (Method::GET, "/v1/usage?tenant=globex"),
+        (Method::GET, "/v1/tenants/globex/quota"),
     ] {
         api.err(method, path, Some(&acme_admin), None, StatusCode::FORBIDDEN, None).await?;
     }
@@ -401,6 +405,20 @@ async fn validation(url: &str) -> anyhow::Result<()> {
     api.err(Method::POST, "/v1/tenants", Some(&ops), Some(json!({"id": 5})), bad, Some("id"))
         .await?;
     api.ok(Method::POST, "/v1/tenants", &ops, Some(json!({"id": "acme"}))).await?;
+    // A tenant's name and tier change by PATCH; its status only by suspend and activate.
+    for (body, param) in [
+        (json!({"tier": "platinum"}), "tier"),
+        (json!({"status": "suspended"}), "status"),
+        (json!({}), "body"),
+    ] {
+        let path = "/v1/tenants/acme";
+        api.err(Method::PATCH, path, Some(&ops), Some(body), bad, Some(param)).await?;
+    }
+    let missing = StatusCode::NOT_FOUND;
+    let body = Some(json!({"tier": "enterprise"}));
+    api.err(Method::PATCH, "/v1/tenants/nobody", Some(&ops), body.clone(), missing, None).await?;
+    let t = api.ok(Method::PATCH, "/v1/tenants/acme", &ops, body).await?;
+    ensure!(t["tier"] == "enterprise" && t["status"] == "active", "{t}");
     api.err(
         Method::PUT,
         "/v1/tenants/acme/quota",

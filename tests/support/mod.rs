@@ -273,3 +273,54 @@ pub fn ensure_sdk() -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+/// Shared with the billing crate's tests: held shared here, exclusively by its outage test.
+const POSTGRES_LOCK: &str = "/tmp/sluice-billing-postgres-tests.lock";
+
+/// A scratch Postgres database, dropped (forcibly) with this value.
+pub struct ScratchDatabase {
+    /// Its `postgres://` URL.
+    pub url: String,
+    name: String,
+    _lock: std::fs::File,
+}
+
+impl ScratchDatabase {
+    /// A new database named `sluice_{purpose}_{random}`.
+    pub fn create(purpose: &str) -> anyhow::Result<Self> {
+        let lock = std::fs::File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(POSTGRES_LOCK)?;
+        lock.lock_shared()?;
+        let name = format!("sluice_{purpose}_{}", random_hex(8)?);
+        psql(&format!("CREATE DATABASE {name}"))?;
+        Ok(Self { url: format!("postgres://postgres@127.0.0.1:5432/{name}"), name, _lock: lock })
+    }
+}
+
+impl Drop for ScratchDatabase {
+    fn drop(&mut self) {
+        if psql(&format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name)).is_err() {
+            eprintln!("could not drop test database {}", self.name);
+        }
+    }
+}
+
+fn psql(sql: &str) -> anyhow::Result<()> {
+    let out = Command::new("psql")
+        .args(["-q", "-h", "127.0.0.1", "-U", "postgres", "-d", "test", "-c", sql])
+        .output()
+        .context("running psql")?;
+    ensure!(out.status.success(), "psql {sql:?}: {}", String::from_utf8_lossy(&out.stderr));
+    Ok(())
+}
+
+/// `bytes` random bytes as hex.
+pub fn random_hex(bytes: usize) -> anyhow::Result<String> {
+    use std::io::Read;
+    let mut buf = vec![0u8; bytes];
+    std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+}
