@@ -226,7 +226,11 @@ impl Backend {
     /// runner sizes its scratch per pass).
     pub fn reserve(&mut self, max_tokens: usize, max_seqs: usize) -> Result<usize> {
         match self {
-            Backend::Cpu { .. } => Ok(0),
+            Backend::Cpu { .. } => {
+                // The CPU runner sizes its scratch per pass.
+                let _ = (max_tokens, max_seqs);
+                Ok(0)
+            }
             #[cfg(feature = "cuda")]
             Backend::Cuda(b) => {
                 let CudaBackend { runner, model, cache } = &mut **b;
