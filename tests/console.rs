@@ -21,25 +21,6 @@ use support::{Proc, ScratchDatabase, random_hex, spawn_engine, spawn_sluice, wai
 const INTERNAL_TOKEN: &str = "console-test-internal-token";
 const MODEL_ID: &str = "smollm2-135m-instruct";
 
-/// Installs Playwright for Python when it is missing (the system Chromium is used, so no
-/// browser is downloaded).
-fn ensure_playwright() -> anyhow::Result<()> {
-    let ok = Command::new("python3").args(["-c", "import playwright.sync_api"]).output()?;
-    if ok.status.success() {
-        return Ok(());
-    }
-    let out = Command::new("python3")
-        .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
-        .args(["--root-user-action=ignore", "playwright==1.65.2"])
-        .output()?;
-    ensure!(
-        out.status.success(),
-        "pip install playwright: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    Ok(())
-}
-
 fn chromium() -> anyhow::Result<String> {
     ["chromium", "chromium-browser"]
         .iter()
@@ -54,7 +35,8 @@ fn chromium() -> anyhow::Result<String> {
 
 /// Billing, an engine and a gateway on `database_url`, then the browser steps.
 async fn console_flow(database_url: &str, backend: &str) -> anyhow::Result<()> {
-    ensure_playwright()?;
+    // Playwright for Python; the system Chromium is used, so no browser is downloaded.
+    support::ensure_python_package("playwright.sync_api", "playwright==1.65.2")?;
     let chromium = chromium()?;
     let secret = random_hex(32)?;
     let jwt = [("SLUICE_JWT_SECRET", secret.as_str())];

@@ -256,18 +256,24 @@ pub fn env_file(path: &Path) -> anyhow::Result<HashMap<String, String>> {
 
 /// Installs the official OpenAI Python SDK when it is missing.
 pub fn ensure_sdk() -> anyhow::Result<()> {
+    ensure_python_package("openai", "openai")
+}
+
+/// Installs `requirement` with pip when Python cannot import `module`.
+pub fn ensure_python_package(module: &str, requirement: &str) -> anyhow::Result<()> {
     let ok = Command::new("python3")
-        .args(["-c", "import openai"])
+        .args(["-c", &format!("import {module}")])
         .stderr(Stdio::null())
         .status()?
         .success();
     if !ok {
         let out = Command::new("python3")
-            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "openai"])
+            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+            .args(["--root-user-action=ignore", requirement])
             .output()?;
         ensure!(
             out.status.success(),
-            "pip install openai: {}",
+            "pip install {requirement}: {}",
             String::from_utf8_lossy(&out.stderr)
         );
     }
