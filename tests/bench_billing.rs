@@ -1,20 +1,18 @@
 //! `sluice bench billing` end to end against the real Postgres and Redis: it works in a scratch
 //! database it drops afterwards, and its JSON accounts for every record. No speed is asserted.
 
-use std::fs::File;
+mod support;
+
 use std::process::Command;
 
 use anyhow::{Context, ensure};
 
 const DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 const REDIS_URL: &str = "redis://127.0.0.1:6379";
-/// Shared with the billing crate's tests: held shared here, exclusively by its outage test.
-const POSTGRES_LOCK: &str = "/tmp/sluice-billing-postgres-tests.lock";
 
 #[test]
 fn bench_billing_uses_and_drops_a_scratch_database() -> anyhow::Result<()> {
-    let lock = File::options().create(true).truncate(false).write(true).open(POSTGRES_LOCK)?;
-    lock.lock_shared()?;
+    let _lock = support::postgres_shared_lock()?;
     let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
         .args(["bench", "billing", "--database-url", DATABASE_URL, "--redis-url", REDIS_URL])
         .args(["--records", "1000", "--batch", "250", "--rate", "1000", "--seconds", "0.5"])

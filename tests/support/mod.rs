@@ -291,15 +291,18 @@ pub struct ScratchDatabase {
     _lock: std::fs::File,
 }
 
+/// The Postgres lock held shared, so the billing crate's outage test waits for this test.
+pub fn postgres_shared_lock() -> anyhow::Result<std::fs::File> {
+    let lock =
+        std::fs::File::options().create(true).truncate(false).write(true).open(POSTGRES_LOCK)?;
+    lock.lock_shared()?;
+    Ok(lock)
+}
+
 impl ScratchDatabase {
     /// A new database named `sluice_{purpose}_{random}`.
     pub fn create(purpose: &str) -> anyhow::Result<Self> {
-        let lock = std::fs::File::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(POSTGRES_LOCK)?;
-        lock.lock_shared()?;
+        let lock = postgres_shared_lock()?;
         let name = format!("sluice_{purpose}_{}", random_hex(8)?);
         psql(&format!("CREATE DATABASE {name}"))?;
         Ok(Self { url: format!("postgres://postgres@127.0.0.1:5432/{name}"), name, _lock: lock })
