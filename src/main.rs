@@ -2,6 +2,7 @@
 
 mod admin_cli;
 mod bench_gateway;
+mod bench_http;
 mod reconcile;
 mod telemetry;
 mod up;
@@ -14,13 +15,13 @@ use anyhow::{Context, bail};
 use clap::{Args, Parser, Subcommand};
 use sluice_billing::bench::{LedgerBenchConfig, bench_ledger};
 use sluice_engine::bench::{
-    EngineComparison, ModelBaseline, ModelBenchConfig, ModelComparison, StructuredComparison,
-    bench_engine, bench_model,
+    EngineComparison, LongContext, ModelBaseline, ModelBenchConfig, ModelComparison, StepSplit,
+    StructuredComparison, bench_engine, bench_model,
 };
 use sluice_engine::fetch::{
     CATALOG, DEFAULT_MODEL, catalog_names, fetch, model_dir, package, resolve_model,
 };
-use sluice_engine::forward::Runner;
+use sluice_engine::forward::{KvDtype, Runner};
 use sluice_engine::generate::{GenerateOptions, generate};
 use sluice_engine::loader::LoadedModel;
 use sluice_engine::sampler::SamplingParams;
@@ -197,6 +198,24 @@ struct BenchEngineArgs {
     /// Memory for the KV cache, in MiB.
     #[arg(long, default_value_t = 512)]
     kv_cache_mb: usize,
+    /// What the KV cache stores: f16 or f32.
+    #[arg(long, default_value = "f16")]
+    kv_cache_dtype: KvDtype,
+    /// The long-context point: one stream of this many prompt tokens (0: none).
+    #[arg(long, default_value_t = 2048)]
+    long_prompt_tokens: usize,
+    /// The long-context point's output tokens.
+    #[arg(long, default_value_t = 256)]
+    long_output_tokens: usize,
+    /// Also run every level, and the long-context point, through HTTP: `sluice engine`
+    /// started as a child process and driven by `sluice bench serve`'s closed-loop client.
+    #[arg(long)]
+    http: bool,
+    /// llama.cpp's `llama-server` binary: with it, the HTTP points run against it too, on the
+    /// same model file (`-np` the most streams, `-t` the threads), in this run, and print
+    /// the ratios (implies --http).
+    #[arg(long)]
+    llama_server: Option<PathBuf>,
     /// Tokens computed per scheduler step.
     #[arg(long, default_value_t = 512)]
     max_num_batched_tokens: usize,
@@ -300,6 +319,10 @@ struct EngineArgs {
     /// Tokens per KV block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
+    /// What the CPU KV cache stores: f16 (half the memory and the bytes attention reads) or
+    /// f32 (a GPU's cache is bf16).
+    #[arg(long, default_value = "f16")]
+    kv_cache_dtype: KvDtype,
     /// Tokens computed per scheduler step, all requests together.
     #[arg(long, default_value_t = 512)]
     max_num_batched_tokens: usize,
@@ -491,6 +514,7 @@ fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
     let config = EngineConfig {
         block_size: args.block_size,
         kv_cache_bytes,
+        kv_cache_dtype: args.kv_cache_dtype,
         gpu_memory_utilization,
         max_num_batched_tokens: args.max_num_batched_tokens,
         max_num_seqs: args.max_num_seqs,
@@ -583,23 +607,30 @@ fn run_bench_model(args: BenchModelArgs) -> anyhow::Result<()> {
 
 fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
     let m = Arc::new(args.model.load()?);
+    let max_streams = args.concurrency.iter().copied().max().unwrap_or(1).max(1);
     let handle = EngineHandle::start(
         Arc::clone(&m),
         EngineConfig {
             kv_cache_bytes: args.kv_cache_mb << 20,
+            kv_cache_dtype: args.kv_cache_dtype,
             max_num_batched_tokens: args.max_num_batched_tokens,
-            max_num_seqs: args.concurrency.iter().copied().max().unwrap_or(1).max(1),
+            max_num_seqs: max_streams,
             threads: args.threads,
             ..EngineConfig::default()
         },
     )?;
     if !args.json {
         println!(
-            "model {} ({}), {} prompt + {} output tokens, ignore_eos, closed loop",
-            m.identity.model_id, m.identity.model_revision, args.prompt_tokens, args.output_tokens
+            "model {} ({}), {} prompt + {} output tokens, ignore_eos, closed loop, KV cache {}",
+            m.identity.model_id,
+            m.identity.model_revision,
+            args.prompt_tokens,
+            args.output_tokens,
+            args.kv_cache_dtype
         );
         println!(
-            "baseline: llama.cpp llama-server -np 32 -t 2 reference figures (same workload, this machine class)"
+            "in process; baseline: llama.cpp llama-server -np 32 -t 2 reference figures (same \
+             workload, this machine class)"
         );
         println!("{}", EngineComparison::HEADER);
     }
@@ -628,23 +659,92 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
             println!("{row}");
         }
     }
-    let Some(grammar) = grammar.map(Arc::new) else { return Ok(()) };
-    if !args.json {
-        println!(
-            "structured outputs ({}): each level again, every output constrained; baseline: \
-             the unconstrained run above",
-            args.response_format.as_deref().unwrap_or_default()
-        );
-        println!("{}", StructuredComparison::HEADER);
-    }
-    for free in points {
-        let (c, rounds) = (free.concurrency, args.rounds);
-        let g = Some(Arc::clone(&grammar));
-        let constrained =
-            bench_engine(&handle, c, args.prompt_tokens, args.output_tokens, rounds, g)?;
-        let row = StructuredComparison { free, constrained };
+    let long = if args.long_prompt_tokens > 0 {
+        let (p, o) = (args.long_prompt_tokens, args.long_output_tokens);
+        let point = bench_engine(&handle, 1, p, o, 1, None)?;
+        let kv = LongContext::new(&m.weights, p, o, args.kv_cache_dtype);
         if args.json {
-            println!("{}", serde_json::to_string(&row)?);
+            println!("{}", serde_json::json!({"point": "long_context", "bench": point, "kv": kv}));
+        } else {
+            println!(
+                "long context, {p} prompt + {o} output tokens, 1 stream: TTFT {:.2} s, decode \
+                 {:.1} tok/s (TPOT {:.2} ms)",
+                point.ttft_p50,
+                1.0 / point.tpot_p50.max(f64::MIN_POSITIVE),
+                point.tpot_p50 * 1e3
+            );
+            println!("{kv}");
+        }
+        Some(point)
+    } else {
+        None
+    };
+    if !args.json {
+        println!("where each level's engine steps spent their time:");
+        println!("{}", StepSplit::HEADER);
+        for p in points.iter().chain(&long) {
+            println!("{}", StepSplit(p));
+        }
+    }
+    if let Some(grammar) = grammar.map(Arc::new) {
+        if !args.json {
+            println!(
+                "structured outputs ({}): each level again, every output constrained; \
+                 baseline: the unconstrained run above",
+                args.response_format.as_deref().unwrap_or_default()
+            );
+            println!("{}", StructuredComparison::HEADER);
+        }
+        for free in points {
+            let (c, rounds) = (free.concurrency, args.rounds);
+            let g = Some(Arc::clone(&grammar));
+            let constrained =
+                bench_engine(&handle, c, args.prompt_tokens, args.output_tokens, rounds, g)?;
+            let row = StructuredComparison { free, constrained };
+            if args.json {
+                println!("{}", serde_json::to_string(&row)?);
+            } else {
+                println!("{row}");
+            }
+        }
+    }
+    if !(args.http || args.llama_server.is_some()) {
+        return Ok(());
+    }
+    // The in-process engine's threads give the cores back to the servers.
+    drop(handle);
+    let threads = match args.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        t => t,
+    };
+    let mut levels: Vec<(usize, usize, usize)> =
+        args.concurrency.iter().map(|&c| (c, args.prompt_tokens, args.output_tokens)).collect();
+    if args.long_prompt_tokens > 0 {
+        levels.push((1, args.long_prompt_tokens, args.long_output_tokens));
+    }
+    let longest = levels.iter().map(|l| l.1 + l.2).max().unwrap_or(0) + 64;
+    let spec = bench_http::ServerSpec {
+        model: &m.path,
+        threads,
+        streams: max_streams,
+        max_request_tokens: longest,
+        kv_cache_mb: args.kv_cache_mb,
+        kv_cache_dtype: args.kv_cache_dtype.to_string(),
+    };
+    if !args.json {
+        match &args.llama_server {
+            Some(bin) => println!(
+                "through HTTP, closed loop, streamed: sluice engine, then {} -np {max_streams} \
+                 -t {threads} on the same file, measured now",
+                bin.display()
+            ),
+            None => println!("through HTTP, closed loop, streamed: sluice engine"),
+        }
+        println!("{}", bench_http::HttpRow::HEADER);
+    }
+    for row in bench_http::run(&spec, args.llama_server.as_ref(), &levels, args.rounds)? {
+        if args.json {
+            println!("{}", row.json());
         } else {
             println!("{row}");
         }

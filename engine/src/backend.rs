@@ -5,7 +5,7 @@
 use std::str::FromStr;
 
 use crate::error::{EngineError, Result};
-use crate::forward::{KvCache, Runner, SeqInput};
+use crate::forward::{ForwardProfile, KvCache, KvDtype, Runner, SeqInput};
 // The types a step speaks live below every backend (the CPU runner, the CUDA runner, the
 // sampler), so none of them imports upward from here.
 pub use crate::forward::{Pick, StepOutput, wanted_rows};
@@ -80,11 +80,16 @@ pub fn kv_cache_size(
 }
 
 impl Device {
-    /// KV bytes one block of `block_size` positions takes on this device (f32 on the CPU, bf16
-    /// on a GPU).
-    pub fn bytes_per_block(self, weights: &LlamaWeights, block_size: usize) -> usize {
+    /// KV bytes one block of `block_size` positions takes on this device (`dtype` on the CPU,
+    /// bf16 on a GPU).
+    pub fn bytes_per_block(
+        self,
+        weights: &LlamaWeights,
+        block_size: usize,
+        dtype: KvDtype,
+    ) -> usize {
         match self {
-            Device::Cpu => KvCache::bytes_per_block(weights, block_size),
+            Device::Cpu => KvCache::bytes_per_block(weights, block_size, dtype),
             Device::Cuda(_) => cuda_block_bytes(&weights.config, block_size),
         }
     }
@@ -162,14 +167,16 @@ impl std::fmt::Debug for Backend {
 
 impl Backend {
     /// Opens `device` for `weights` with a cache of `kv` in blocks of `block_size` positions
-    /// (`threads`: CPU compute threads, 0 = all cores). A GPU that cannot be used (no driver,
-    /// no device, a build without CUDA) is a clear error.
+    /// (`threads`: CPU compute threads, 0 = all cores; `dtype`: what a CPU cache stores, a
+    /// GPU's is bf16). A GPU that cannot be used (no driver, no device, a build without CUDA)
+    /// is a clear error.
     pub fn new(
         device: Device,
         weights: &LlamaWeights,
         threads: usize,
         block_size: usize,
         kv: KvSize,
+        dtype: KvDtype,
     ) -> Result<Backend> {
         if let KvSize::DeviceShare { share, .. } = kv
             && !(share > 0.0 && share <= 1.0)
@@ -185,7 +192,7 @@ impl Backend {
             )),
             (Device::Cpu, KvSize::Blocks(num_blocks)) => Ok(Backend::Cpu {
                 runner: Runner::new(threads),
-                cache: KvCache::new(weights, block_size, num_blocks),
+                cache: KvCache::with_dtype(weights, block_size, num_blocks, dtype),
             }),
             #[cfg(feature = "cuda")]
             (Device::Cuda(n), kv) => {
@@ -238,6 +245,16 @@ impl Backend {
                     .reserve(model, cache, max_tokens, max_seqs)
                     .map_err(|e| EngineError::Device(e.to_string()))
             }
+        }
+    }
+
+    /// Where the CPU passes' time went so far (none on a GPU, whose passes are timed by the
+    /// device bench's profile).
+    pub fn profile(&self) -> Option<ForwardProfile> {
+        match self {
+            Backend::Cpu { runner, .. } => Some(runner.profile()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => None,
         }
     }
 
@@ -391,11 +408,11 @@ mod tests {
             seq(&b[..], &tb[..], LogitsWanted::All),
             seq(&c[..], &tc[..], LogitsWanted::Last),
         ];
-        let mut plain = Backend::new(Device::Cpu, &w, 1, 16, KvSize::Blocks(4))?;
+        let mut plain = Backend::new(Device::Cpu, &w, 1, 16, KvSize::Blocks(4), KvDtype::F16)?;
         let all = plain.forward_picking(&w, &batch, &[])?;
         assert_eq!(all.logits.len(), (1 + 2 + 1) * vocab);
         assert_eq!(all.picked, vec![None, None, None]);
-        let mut picking = Backend::new(Device::Cpu, &w, 1, 16, KvSize::Blocks(4))?;
+        let mut picking = Backend::new(Device::Cpu, &w, 1, 16, KvSize::Blocks(4), KvDtype::F16)?;
         // Sequence 1 asks for all rows: a pick there is ignored.
         let out = picking.forward_picking(&w, &batch, &[Pick::Argmax; 3])?;
         let row = |r: usize| &all.logits[r * vocab..(r + 1) * vocab];

@@ -8,9 +8,12 @@ use serde::Serialize;
 use std::path::Path;
 
 use crate::error::{EngineError, Result};
-use crate::forward::{KvCache, LogitsWanted, Runner, SeqInput};
+use crate::forward::{KvCache, KvDtype, LogitsWanted, Runner, SeqInput};
 use crate::loader::LoadedModel;
+use crate::model::LlamaWeights;
 use crate::sampler::argmax;
+#[cfg(doc)]
+use crate::serve::metrics::StepPhase;
 
 /// What to measure.
 #[derive(Clone, Copy, Debug)]
@@ -119,7 +122,7 @@ pub fn bench_model(
         memory_bandwidth_gb_per_s: bandwidth / 1e9,
         decode_floor_ms: weight_bytes as f64 / bandwidth * 1e3,
         resident_bytes,
-        kv_cache_bytes: KvCache::bytes_per_block(w, 16) * blocks,
+        kv_cache_bytes: KvCache::bytes_per_block(w, 16, cache.dtype()) * blocks,
     })
 }
 
@@ -276,8 +279,13 @@ impl std::fmt::Display for ModelComparison {
 
 /// The process's resident set size (Linux `/proc/self/status`).
 fn resident_bytes() -> Option<u64> {
+    proc_status_bytes("VmRSS:")
+}
+
+/// A size line of `/proc/self/status` (Linux), in bytes.
+fn proc_status_bytes(key: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let line = status.lines().find(|l| l.starts_with(key))?;
     let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kb * 1024)
 }
@@ -335,6 +343,8 @@ fn measure_read_bandwidth(runner: &Runner) -> f64 {
 pub struct EngineBenchPoint {
     /// Concurrent streams (closed loop: a new request starts when one ends).
     pub concurrency: usize,
+    /// Prompt tokens per request.
+    pub prompt_tokens: usize,
     /// Requests completed.
     pub requests: usize,
     /// Generated tokens over the wall time of the level.
@@ -347,6 +357,90 @@ pub struct EngineBenchPoint {
     pub tpot_p50: f64,
     /// Wall time of the level, seconds.
     pub seconds: f64,
+    /// Engine steps during the level.
+    pub steps: u64,
+    /// Seconds of those steps by phase, in [`StepPhase::ALL`]'s order.
+    pub step_seconds: [f64; 6],
+}
+
+/// A level's step time by phase, as one row under [`StepSplit::HEADER`].
+pub struct StepSplit<'a>(pub &'a EngineBenchPoint);
+
+impl StepSplit<'_> {
+    /// The header: the phases of [`StepPhase::ALL`].
+    pub const HEADER: &'static str = "streams  prompt  steps  ms/step  schedule  attention  matmul  \
+                              lm_head  forward_other  emit";
+}
+
+impl std::fmt::Display for StepSplit<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let p = self.0;
+        let total: f64 = p.step_seconds.iter().sum();
+        let share = |i: usize| 100.0 * p.step_seconds[i] / total.max(f64::MIN_POSITIVE);
+        write!(
+            f,
+            "{:>7}  {:>6}  {:>5}  {:>7.2}  {:>7.1}%  {:>8.1}%  {:>5.1}%  {:>6.1}%  {:>12.1}%  {:>3.1}%",
+            p.concurrency,
+            p.prompt_tokens,
+            p.steps,
+            total * 1e3 / p.steps.max(1) as f64,
+            share(0),
+            share(1),
+            share(2),
+            share(3),
+            share(4),
+            share(5),
+        )
+    }
+}
+
+/// The KV cache one long sequence takes, in the dtype measured and in the other, and the
+/// process's peak resident memory.
+#[derive(Clone, Debug, Serialize)]
+pub struct LongContext {
+    /// Positions of the sequence (prompt and output).
+    pub positions: usize,
+    /// What the cache stores.
+    pub dtype: KvDtype,
+    /// Its KV bytes (whole blocks of 16).
+    pub kv_bytes: usize,
+    /// The same sequence's KV bytes in f32.
+    pub kv_bytes_f32: usize,
+    /// Peak resident memory of this process so far (the cache is allocated whole at start).
+    pub peak_resident_bytes: Option<u64>,
+}
+
+impl LongContext {
+    /// A sequence of `prompt + output` positions of `w`'s shape in `dtype`.
+    pub fn new(w: &LlamaWeights, prompt: usize, output: usize, dtype: KvDtype) -> Self {
+        let blocks = (prompt + output).div_ceil(16);
+        LongContext {
+            positions: prompt + output,
+            dtype,
+            kv_bytes: KvCache::bytes_per_block(w, 16, dtype) * blocks,
+            kv_bytes_f32: KvCache::bytes_per_block(w, 16, KvDtype::F32) * blocks,
+            peak_resident_bytes: proc_status_bytes("VmHWM:"),
+        }
+    }
+}
+
+impl std::fmt::Display for LongContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "memory per sequence of {} positions: {:.1} MiB of KV cache in {} ({:.1} MiB in f32, \
+             {:.2}x)",
+            self.positions,
+            self.kv_bytes as f64 / MIB,
+            self.dtype,
+            self.kv_bytes_f32 as f64 / MIB,
+            self.kv_bytes as f64 / self.kv_bytes_f32 as f64
+        )?;
+        if let Some(peak) = self.peak_resident_bytes {
+            write!(f, "; process peak resident {:.1} MiB", peak as f64 / MIB)?;
+        }
+        Ok(())
+    }
 }
 
 /// llama.cpp's `llama-server -np 32 -t 2` on the default model, this machine class, for
@@ -473,6 +567,8 @@ pub fn bench_engine(
 ) -> Result<EngineBenchPoint> {
     use crate::serve::{CacheScope, EngineEvent, ValidRequest};
     let vocab = handle.model().weights.config.vocab_size as u32;
+    let steps_before = handle.metrics().step_times();
+    let steps_count = handle.metrics().steps.get();
     let start = Instant::now();
     let results: Vec<Result<Vec<(f64, f64, usize)>>> = std::thread::scope(|s| {
         let workers: Vec<_> = (0..concurrency)
@@ -541,13 +637,20 @@ pub fn bench_engine(
         v.get(((v.len() as f64 - 1.0) * p).round() as usize).copied().unwrap_or(0.0)
     };
     let tokens: usize = all.iter().map(|x| x.2).sum();
+    let mut step_seconds = handle.metrics().step_times();
+    for (a, b) in step_seconds.iter_mut().zip(steps_before) {
+        *a -= b;
+    }
     Ok(EngineBenchPoint {
         concurrency,
+        prompt_tokens,
         requests: all.len(),
         output_tokens_per_second: tokens as f64 / seconds,
         ttft_p50: pct(all.iter().map(|x| x.0).collect(), 0.5),
         ttft_p99: pct(all.iter().map(|x| x.0).collect(), 0.99),
         tpot_p50: pct(all.iter().map(|x| x.1).collect(), 0.5),
         seconds,
+        steps: handle.metrics().steps.get() - steps_count,
+        step_seconds,
     })
 }

@@ -5,14 +5,67 @@
 //! each new token attends over every cached position of its own sequence up to its own.
 
 use std::sync::Arc;
+use std::time::Instant;
 
+use half::f16;
+
+use crate::cpu::attention::{Kernels, KvElem, LayerKv, Row, Shape, attention};
 use crate::cpu::matmul::{
     Isa, MatmulScratch, PackedWeight, detect_isa, dot_f32, matmul, matmul_many,
 };
-use crate::cpu::pool::{SharedOut, ThreadPool};
+use crate::cpu::pool::ThreadPool;
 use crate::error::{EngineError, Result};
 use crate::interrupt::Interrupt;
 use crate::model::{LlamaWeights, RopeStyle};
+
+/// What the CPU KV cache stores its keys and values as.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvDtype {
+    /// Half precision: half the bytes attention reads (llama.cpp's default too).
+    #[default]
+    F16,
+    /// Single precision.
+    F32,
+}
+
+impl KvDtype {
+    /// Bytes per element.
+    pub fn size(self) -> usize {
+        match self {
+            KvDtype::F16 => 2,
+            KvDtype::F32 => 4,
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KvDtype::F16 => "f16",
+            KvDtype::F32 => "f32",
+        })
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f16" => Ok(KvDtype::F16),
+            "f32" => Ok(KvDtype::F32),
+            other => Err(format!("unknown KV cache dtype {other:?} (expected f16 or f32)")),
+        }
+    }
+}
+
+/// The cache's keys and values, in its dtype.
+#[derive(Debug)]
+enum KvStore {
+    F16 { k: Vec<f16>, v: Vec<f16> },
+    F32 { k: Vec<f32>, v: Vec<f32> },
+}
 
 /// The KV cache as fixed-size blocks. Per layer and block, K is stored transposed,
 /// `[kv_head][dim][slot]`, so the scores of a whole block are one vector product per
@@ -23,31 +76,42 @@ pub struct KvCache {
     block_size: usize,
     num_blocks: usize,
     kv_dim: usize,
-    k: Vec<f32>,
-    v: Vec<f32>,
+    store: KvStore,
 }
 
 impl KvCache {
-    /// Allocates `num_blocks` blocks of `block_size` tokens for `weights`' shape.
+    /// Allocates `num_blocks` blocks of `block_size` tokens for `weights`' shape, in f16.
     pub fn new(weights: &LlamaWeights, block_size: usize, num_blocks: usize) -> KvCache {
-        let c = &weights.config;
-        let n = c.layers * num_blocks * block_size * c.kv_dim();
-        KvCache {
-            layers: c.layers,
-            block_size,
-            num_blocks,
-            kv_dim: c.kv_dim(),
-            k: vec![0.0; n],
-            v: vec![0.0; n],
-        }
+        KvCache::with_dtype(weights, block_size, num_blocks, KvDtype::default())
     }
 
-    /// Bytes one block takes (K and V, all layers).
-    pub fn bytes_per_block(weights: &LlamaWeights, block_size: usize) -> usize {
-        2 * weights.config.layers
-            * block_size
-            * weights.config.kv_dim()
-            * std::mem::size_of::<f32>()
+    /// As [`KvCache::new`], storing `dtype`.
+    pub fn with_dtype(
+        weights: &LlamaWeights,
+        block_size: usize,
+        num_blocks: usize,
+        dtype: KvDtype,
+    ) -> KvCache {
+        let c = &weights.config;
+        let n = c.layers * num_blocks * block_size * c.kv_dim();
+        let store = match dtype {
+            KvDtype::F16 => KvStore::F16 { k: vec![f16::ZERO; n], v: vec![f16::ZERO; n] },
+            KvDtype::F32 => KvStore::F32 { k: vec![0.0; n], v: vec![0.0; n] },
+        };
+        KvCache { layers: c.layers, block_size, num_blocks, kv_dim: c.kv_dim(), store }
+    }
+
+    /// Bytes one block takes (K and V, all layers) in `dtype`.
+    pub fn bytes_per_block(weights: &LlamaWeights, block_size: usize, dtype: KvDtype) -> usize {
+        2 * weights.config.layers * block_size * weights.config.kv_dim() * dtype.size()
+    }
+
+    /// What the cache stores.
+    pub fn dtype(&self) -> KvDtype {
+        match self.store {
+            KvStore::F16 { .. } => KvDtype::F16,
+            KvStore::F32 { .. } => KvDtype::F32,
+        }
     }
 
     /// Tokens per block.
@@ -74,14 +138,59 @@ impl KvCache {
         k: &[f32],
         v: &[f32],
     ) {
-        let bs = self.block_size;
-        let base = self.block_offset(layer, block);
-        for (h, (kh, vh)) in k.chunks_exact(head_dim).zip(v.chunks_exact(head_dim)).enumerate() {
-            let kb = &mut self.k[base + h * head_dim * bs..][..head_dim * bs];
-            for (d, &x) in kh.iter().enumerate() {
-                kb[d * bs + slot] = x;
+        let (bs, base) = (self.block_size, self.block_offset(layer, block));
+        match &mut self.store {
+            KvStore::F16 { k: kc, v: vc } => write_kv(kc, vc, base, bs, slot, head_dim, k, v),
+            KvStore::F32 { k: kc, v: vc } => write_kv(kc, vc, base, bs, slot, head_dim, k, v),
+        }
+    }
+
+    /// Each row's attention over its cache in `layer`, into `out`.
+    fn attend(
+        &self,
+        pool: &ThreadPool,
+        layer: usize,
+        shape: &Shape,
+        rows: &[Row<'_>],
+        q: &[f32],
+        out: &mut [f32],
+    ) {
+        let kernels = Kernels::detect(shape);
+        let offset = self.block_offset(layer, 0);
+        let block_stride = self.block_size * self.kv_dim;
+        match &self.store {
+            KvStore::F16 { k, v } => {
+                let kv = LayerKv { k, v, offset, block_stride };
+                attention(pool, kernels, &kv, shape, rows, q, out);
             }
-            self.v[base + (h * bs + slot) * head_dim..][..head_dim].copy_from_slice(vh);
+            KvStore::F32 { k, v } => {
+                let kv = LayerKv { k, v, offset, block_stride };
+                attention(pool, kernels, &kv, shape, rows, q, out);
+            }
+        }
+    }
+}
+
+/// One position's keys and values into the block at `base` (see [`KvCache`]'s layout).
+#[expect(clippy::too_many_arguments, reason = "the pieces of one write, all distinct")]
+fn write_kv<T: KvElem>(
+    kc: &mut [T],
+    vc: &mut [T],
+    base: usize,
+    bs: usize,
+    slot: usize,
+    head_dim: usize,
+    k: &[f32],
+    v: &[f32],
+) {
+    for (h, (kh, vh)) in k.chunks_exact(head_dim).zip(v.chunks_exact(head_dim)).enumerate() {
+        let kb = &mut kc[base + h * head_dim * bs..][..head_dim * bs];
+        for (d, &x) in kh.iter().enumerate() {
+            kb[d * bs + slot] = T::from_f32(x);
+        }
+        let vb = &mut vc[base + (h * bs + slot) * head_dim..][..head_dim];
+        for (o, &x) in vb.iter_mut().zip(vh) {
+            *o = T::from_f32(x);
         }
     }
 }
@@ -167,6 +276,41 @@ pub struct Runner {
     scratch: MatmulScratch,
     /// Looked at between layers: a higher-priority arrival stops the pass.
     interrupt: Option<Arc<Interrupt>>,
+    /// Where the passes' time went, since the start.
+    profile: ForwardProfile,
+}
+
+/// Where the forward passes' time went, summed over passes (seconds).
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct ForwardProfile {
+    /// Whole passes run.
+    pub passes: u64,
+    /// Their wall time.
+    pub total: f64,
+    /// Attention over the KV cache (the cache writes and RoPE are under `other`).
+    pub attention: f64,
+    /// The layers' matrix products (Q/K/V, output, gate/up, down).
+    pub matmul: f64,
+    /// The final norm and the LM head, for the rows whose logits are wanted.
+    pub lm_head: f64,
+}
+
+impl ForwardProfile {
+    /// What the named parts leave: embedding, norms, RoPE, cache writes, activations.
+    pub fn other(&self) -> f64 {
+        (self.total - self.attention - self.matmul - self.lm_head).max(0.0)
+    }
+
+    /// `self - earlier`, part by part.
+    pub fn since(&self, earlier: &ForwardProfile) -> ForwardProfile {
+        ForwardProfile {
+            passes: self.passes - earlier.passes,
+            total: self.total - earlier.total,
+            attention: self.attention - earlier.attention,
+            matmul: self.matmul - earlier.matmul,
+            lm_head: self.lm_head - earlier.lm_head,
+        }
+    }
 }
 
 impl std::fmt::Debug for Runner {
@@ -191,7 +335,13 @@ impl Runner {
         } else {
             ThreadPool::new(threads)
         };
-        Runner { pool, isa: detect_isa(), scratch: MatmulScratch::default(), interrupt: None }
+        Runner {
+            pool,
+            isa: detect_isa(),
+            scratch: MatmulScratch::default(),
+            interrupt: None,
+            profile: ForwardProfile::default(),
+        }
     }
 
     /// Passes from now on stop between layers when `interrupt` says so
@@ -208,6 +358,11 @@ impl Runner {
     /// Compute threads in use.
     pub fn threads(&self) -> usize {
         self.pool.threads()
+    }
+
+    /// Where the passes' time went so far.
+    pub fn profile(&self) -> ForwardProfile {
+        self.profile
     }
 
     fn mm(&mut self, w: &PackedWeight, x: &[f32], out: &mut Vec<f32>) {
@@ -285,6 +440,15 @@ impl Runner {
         if n == 0 {
             return Ok(Vec::new());
         }
+        let began = Instant::now();
+        let shape = Shape {
+            heads: c.heads,
+            kv_heads: c.kv_heads,
+            head_dim: hd,
+            block_size: cache.block_size,
+            scale: c.attention_scale(),
+        };
+        let (mut matmul_s, mut attn_s) = (0f64, 0f64);
         let tokens: Vec<u32> = batch.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let mut x = vec![0f32; n * hidden];
         for (t, &tok) in tokens.iter().enumerate() {
@@ -306,7 +470,9 @@ impl Runner {
                 return Err(EngineError::Interrupted);
             }
             rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn);
+            let t = Instant::now();
             self.mm_many(&[&l.wq, &l.wk, &l.wv], &xn, [&mut q, &mut k, &mut v]);
+            matmul_s += t.elapsed().as_secs_f64();
             add_bias(&mut q, l.bq.as_deref());
             add_bias(&mut k, l.bk.as_deref());
             add_bias(&mut v, l.bv.as_deref());
@@ -333,8 +499,20 @@ impl Runner {
                 let (kt, vt) = (&k[t * kv_dim..(t + 1) * kv_dim], &v[t * kv_dim..(t + 1) * kv_dim]);
                 cache.write(li, block, pos % cache.block_size, hd, kt, vt);
             }
-            attention(&self.pool, c, cache, li, batch, &meta, &q, &mut attn);
+            let t_attn = Instant::now();
+            let rows: Vec<Row<'_>> = meta
+                .iter()
+                .map(|m| Row {
+                    table: batch[m.seq].block_table,
+                    pos: m.pos,
+                    first: c.first_visible(li, m.pos),
+                })
+                .collect();
+            cache.attend(&self.pool, li, &shape, &rows, &q, &mut attn);
+            attn_s += t_attn.elapsed().as_secs_f64();
+            let t = Instant::now();
             self.mm(&l.wo, &attn, &mut o);
+            matmul_s += t.elapsed().as_secs_f64();
             if let Some(pn) = &l.post_attn_norm {
                 rms_norm_in_place(&mut o, pn, c.rms_eps);
             }
@@ -342,7 +520,9 @@ impl Runner {
                 *xi += oi;
             }
             rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut xn);
+            let t = Instant::now();
             self.mm_many(&[&l.w_gate, &l.w_up], &xn, [&mut gate, &mut up]);
+            matmul_s += t.elapsed().as_secs_f64();
             if c.gemma.is_some() {
                 for (g, u) in gate.iter_mut().zip(&up) {
                     *g = gelu_tanh(*g) * u;
@@ -352,7 +532,9 @@ impl Runner {
                     *g = *g / (1.0 + (-*g).exp()) * u;
                 }
             }
+            let t = Instant::now();
             self.mm(&l.w_down, &gate, &mut down);
+            matmul_s += t.elapsed().as_secs_f64();
             if let Some(pn) = &l.post_ffn_norm {
                 rms_norm_in_place(&mut down, pn, c.rms_eps);
             }
@@ -360,6 +542,7 @@ impl Runner {
                 *xi += di;
             }
         }
+        let t_head = Instant::now();
         let mut last = vec![0f32; wanted.len() * hidden];
         for (j, &t) in wanted.iter().enumerate() {
             last[j * hidden..(j + 1) * hidden].copy_from_slice(&x[t * hidden..(t + 1) * hidden]);
@@ -371,6 +554,12 @@ impl Runner {
         if let Some(cap) = c.gemma.as_ref().and_then(|g| g.final_softcap) {
             logits.iter_mut().for_each(|l| *l = cap * (*l / cap).tanh());
         }
+        let p = &mut self.profile;
+        p.passes += 1;
+        p.lm_head += t_head.elapsed().as_secs_f64();
+        p.matmul += matmul_s;
+        p.attention += attn_s;
+        p.total += began.elapsed().as_secs_f64();
         Ok(logits)
     }
 }
@@ -438,236 +627,5 @@ fn rope(x: &mut [f32], cos: &[f32], sin: &[f32], style: RopeStyle) {
         let (x0, x1) = (x[a], x[b]);
         x[a] = x0 * cos[i] - x1 * sin[i];
         x[b] = x0 * sin[i] + x1 * cos[i];
-    }
-}
-
-#[expect(clippy::too_many_arguments, reason = "one call site; the pieces are distinct")]
-fn attention(
-    pool: &ThreadPool,
-    c: &crate::model::LlamaConfig,
-    cache: &KvCache,
-    layer: usize,
-    batch: &[SeqInput<'_>],
-    meta: &[TokenMeta],
-    q: &[f32],
-    out: &mut [f32],
-) {
-    let (hd, q_dim, group) = (c.head_dim, c.q_dim(), c.heads / c.kv_heads);
-    // One item per (token, KV head): the query heads sharing that KV head are computed
-    // together, so each block of keys and values is read once for all of them. With too few
-    // items to keep every thread busy (small decode batches), one item per query head.
-    let threads = pool.threads();
-    let per = if meta.len() * c.kv_heads >= 4 * threads { group } else { 1 };
-    let items_per_token = c.heads / per;
-    let items = meta.len() * items_per_token;
-    let out_ptr = SharedOut(out.as_mut_ptr());
-    #[cfg(target_arch = "x86_64")]
-    let avx512 = is_x86_feature_detected!("avx512f");
-    #[cfg(target_arch = "x86_64")]
-    let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma");
-    pool.run(&|ti| {
-        let mut scratch = AttendScratch::default();
-        // Interleaved assignment balances causal prefill, where later tokens cost more.
-        for item in (ti..items).step_by(threads) {
-            let (t, head) = (item / items_per_token, item % items_per_token * per);
-            let TokenMeta { seq, pos } = meta[t];
-            let first = t * q_dim + head * hd;
-            let job = HeadJob {
-                cache,
-                layer,
-                table: batch[seq].block_table,
-                kv_head: head / group,
-                head_dim: hd,
-                pos,
-                first: c.first_visible(layer, pos),
-                scale: c.attention_scale(),
-                q: &q[first..first + per * hd],
-                #[cfg(target_arch = "x86_64")]
-                avx512,
-                #[cfg(not(target_arch = "x86_64"))]
-                avx512: false,
-            };
-            // SAFETY: each item is handled by exactly one thread, and its slice
-            // [first, first + per * hd) lies inside `out`.
-            let dst = unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(first), per * hd) };
-            #[cfg(target_arch = "x86_64")]
-            if avx512 {
-                // SAFETY: the CPU supports AVX-512F (checked above).
-                unsafe { attend_avx512(&job, &mut scratch, dst) };
-                continue;
-            }
-            #[cfg(target_arch = "x86_64")]
-            if avx2 {
-                // SAFETY: the CPU supports AVX2 and FMA (checked above).
-                unsafe { attend_avx2(&job, &mut scratch, dst) };
-                continue;
-            }
-            attend(&job, &mut scratch, dst);
-        }
-    });
-}
-
-/// `a[..v.len()] += p * v`, vectorized when `v` is a full 64-wide chunk.
-#[inline(always)]
-fn axpy_dims(a: &mut [f32; 64], p: f32, v: &[f32]) {
-    if let Ok(v) = <&[f32; 64]>::try_from(v) {
-        for i in 0..64 {
-            a[i] += p * v[i];
-        }
-    } else {
-        for (a, x) in a.iter_mut().zip(v) {
-            *a += p * x;
-        }
-    }
-}
-
-/// The query heads of one token that share a KV head, attending over its sequence's cache.
-struct HeadJob<'a> {
-    cache: &'a KvCache,
-    layer: usize,
-    table: &'a [u32],
-    kv_head: usize,
-    head_dim: usize,
-    pos: usize,
-    /// The oldest position attended to (0 but in a sliding-window layer).
-    first: usize,
-    /// Factor on the scores.
-    scale: f32,
-    /// The group's queries, `head_dim` floats each.
-    q: &'a [f32],
-    /// Whether the AVX-512 score kernel may be used.
-    avx512: bool,
-}
-
-/// Per-thread buffers for [`attend`].
-#[derive(Default)]
-struct AttendScratch {
-    /// Scores, one padded row per query head.
-    scores: Vec<f32>,
-    /// Output partial sums, even and odd positions, per query head.
-    acc: Vec<[f32; 64]>,
-    /// Per query head: the largest score, then the softmax normalizer.
-    max: Vec<f32>,
-    inv: Vec<f32>,
-}
-
-/// The same code compiled for AVX-512 (Rust never fuses multiply-add on its own, so both
-/// versions compute bit-identical results).
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vl,fma")]
-unsafe fn attend_avx512(job: &HeadJob<'_>, scratch: &mut AttendScratch, out: &mut [f32]) {
-    attend(job, scratch, out)
-}
-
-/// The same code compiled for AVX2.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn attend_avx2(job: &HeadJob<'_>, scratch: &mut AttendScratch, out: &mut [f32]) {
-    attend(job, scratch, out)
-}
-
-#[inline(always)]
-fn attend(job: &HeadJob<'_>, scratch: &mut AttendScratch, out: &mut [f32]) {
-    // Accumulators live in registers: scores 16 slots at a time, the output 64 dimensions at
-    // a time. The order of every sum is fixed (dimension by dimension, position by
-    // position), whatever the sequence, batch or grouping. Blocks are the outer loop, so a
-    // block of keys or values is loaded once and reused from L1 by every head of the group.
-    const SLOTS: usize = 16;
-    const DIMS: usize = 64;
-    let cache = job.cache;
-    let (bs, hd) = (cache.block_size, job.head_dim);
-    let heads = job.q.len() / hd;
-    let scale = job.scale;
-    let n = job.pos + 1;
-    // Blocks wholly before the window are skipped; positions of the first block before it
-    // are left out of the softmax (their scores are zeroed like the padding's).
-    let (lo, first_block) = (job.first.min(job.pos), job.first.min(job.pos) / bs);
-    let padded = n.div_ceil(bs) * bs;
-    let scores = &mut scratch.scores;
-    scores.clear();
-    scores.resize(heads * padded, 0.0);
-    let max = &mut scratch.max;
-    max.clear();
-    max.resize(heads, f32::NEG_INFINITY);
-    for bi in first_block..padded / bs {
-        let base = cache.block_offset(job.layer, job.table[bi] as usize);
-        let kb = &cache.k[base + job.kv_head * hd * bs..][..hd * bs];
-        let valid = (n - bi * bs).min(bs);
-        let skip = lo.saturating_sub(bi * bs);
-        for h in 0..heads {
-            let q = &job.q[h * hd..(h + 1) * hd];
-            let chunk = &mut scores[h * padded + bi * bs..][..bs];
-            let mut g = 0;
-            while g < bs {
-                let w = (bs - g).min(SLOTS);
-                #[cfg(target_arch = "x86_64")]
-                if job.avx512 && w == SLOTS && hd % 4 == 0 {
-                    // SAFETY: AVX-512F was detected (`job.avx512`); the kernel reads hd rows
-                    // of 16 floats at stride bs starting at kb[g], all inside `kb`.
-                    let s16 =
-                        unsafe { crate::cpu::x86::attention_scores16(q, kb[g..].as_ptr(), bs) };
-                    chunk[g..g + w].copy_from_slice(&s16);
-                    g += w;
-                    continue;
-                }
-                let mut acc = [0f32; SLOTS];
-                for (d, &qd) in q.iter().enumerate() {
-                    for (a, k) in acc.iter_mut().zip(&kb[d * bs + g..d * bs + g + w]) {
-                        *a += qd * k;
-                    }
-                }
-                chunk[g..g + w].copy_from_slice(&acc[..w]);
-                g += w;
-            }
-            let m = &mut max[h];
-            for s in &mut chunk[skip..valid] {
-                *s *= scale;
-                *m = m.max(*s);
-            }
-        }
-    }
-    let inv = &mut scratch.inv;
-    inv.clear();
-    for (h, &m) in max.iter().enumerate() {
-        let mut sum = 0f32;
-        for s in &mut scores[h * padded + lo..h * padded + n] {
-            *s = (*s - m).exp();
-            sum += *s;
-        }
-        scores[h * padded..h * padded + lo].fill(0.0);
-        scores[h * padded + n..(h + 1) * padded].fill(0.0);
-        inv.push(1.0 / sum);
-    }
-    let acc = &mut scratch.acc;
-    let mut dc = 0;
-    while dc < hd {
-        let w = (hd - dc).min(DIMS);
-        // Two partial sums per head (even and odd positions) for the same reason.
-        acc.clear();
-        acc.resize(2 * heads, [0f32; DIMS]);
-        for bi in first_block..padded / bs {
-            let base = cache.block_offset(job.layer, job.table[bi] as usize);
-            let vb = &cache.v[base + job.kv_head * bs * hd..][..bs * hd];
-            let rows_here = (n - bi * bs).min(bs);
-            for (h, pair) in acc.chunks_exact_mut(2).enumerate() {
-                let [even, odd] = pair else { continue };
-                let chunk = &scores[h * padded + bi * bs..][..rows_here];
-                let mut rows = chunk.iter().zip(vb.chunks_exact(hd));
-                while let Some((&p0, v0)) = rows.next() {
-                    axpy_dims(even, p0, &v0[dc..dc + w]);
-                    if let Some((&p1, v1)) = rows.next() {
-                        axpy_dims(odd, p1, &v1[dc..dc + w]);
-                    }
-                }
-            }
-        }
-        for (h, pair) in acc.chunks_exact(2).enumerate() {
-            let i = inv[h];
-            let o = &mut out[h * hd + dc..h * hd + dc + w];
-            for (l, o) in o.iter_mut().enumerate() {
-                *o = (pair[0][l] + pair[1][l]) * i;
-            }
-        }
-        dc += w;
     }
 }

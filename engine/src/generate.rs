@@ -7,7 +7,7 @@ use serde::Serialize;
 
 use crate::backend::{Backend, Device, KvSize};
 use crate::error::{EngineError, Result};
-use crate::forward::{LogitsWanted, Pick, SeqInput};
+use crate::forward::{KvDtype, LogitsWanted, Pick, SeqInput};
 use crate::loader::LoadedModel;
 use crate::sampler::{Sampler, SamplingParams};
 use sluice_text::tokenizer::Tokenizer;
@@ -123,7 +123,8 @@ pub fn generate(
     }
     let total = (prompt.len() + opts.max_tokens).min(ctx);
     let blocks = total.div_ceil(BLOCK);
-    let mut backend = Backend::new(device, &model.weights, threads, BLOCK, KvSize::Blocks(blocks))?;
+    let mut backend =
+        Backend::new(device, &model.weights, threads, BLOCK, KvSize::Blocks(blocks), KvDtype::F16)?;
     backend.reserve(prompt.len(), 1)?;
     let table: Vec<u32> = (0..blocks as u32).collect();
     let mut sampler = Sampler::new(opts.sampling.clone());

@@ -254,13 +254,13 @@ fn a_share_of_device_memory_sizes_the_kv_cache() -> anyhow::Result<()> {
     let w = kernel_checks::synthetic(GgmlType::F32)?;
     let (share, max_tokens, max_seqs) = (0.5, 256, 8);
     let kv = KvSize::DeviceShare { share, max_tokens, max_seqs };
-    let mut b = Backend::new(Device::Cuda(0), &w, 1, 16, kv)?;
+    let mut b = Backend::new(Device::Cuda(0), &w, 1, 16, kv, Default::default())?;
     b.reserve(max_tokens, max_seqs)?;
     let Backend::Cuda(cuda) = &b else { bail!("not a CUDA backend") };
     cuda.runner.synchronize()?;
     let (free, total) = cuda.runner.memory_info()?;
     let (used, limit) = (total - free, (total as f64 * share) as usize - DEVICE_HEADROOM);
-    let per_block = Device::Cuda(0).bytes_per_block(&w, 16);
+    let per_block = Device::Cuda(0).bytes_per_block(&w, 16, Default::default());
     ensure!(
         used <= limit && used + per_block > limit,
         "{} blocks of {per_block} bytes: {used} bytes in use, the limit {limit}",
@@ -273,7 +273,8 @@ fn a_share_of_device_memory_sizes_the_kv_cache() -> anyhow::Result<()> {
         (Device::Cpu, 0.5, "on the CPU"),
     ] {
         let kv = KvSize::DeviceShare { share, max_tokens, max_seqs };
-        let e = Backend::new(device, &w, 1, 16, kv).err().context("accepted")?;
+        let e =
+            Backend::new(device, &w, 1, 16, kv, Default::default()).err().context("accepted")?;
         ensure!(e.to_string().contains(says), "{device} {share}: {e}");
     }
     Ok(())

@@ -208,7 +208,8 @@ fn cancelled_and_preempted_requests_free_every_block() -> anyhow::Result<()> {
     let m = model()?;
     // Room for about 7 blocks of 16 tokens: four 40-token generations cannot all fit, so
     // the scheduler must preempt and recompute.
-    let per_block = sluice_engine::forward::KvCache::bytes_per_block(&m.weights, 16);
+    let per_block =
+        sluice_engine::forward::KvCache::bytes_per_block(&m.weights, 16, Default::default());
     let h = EngineHandle::start(
         Arc::clone(&m),
         EngineConfig { kv_cache_bytes: per_block * 7, threads: 1, ..Default::default() },
@@ -263,7 +264,8 @@ fn cancelled_and_preempted_requests_free_every_block() -> anyhow::Result<()> {
 #[test]
 fn requests_the_cache_can_never_hold_are_refused() -> anyhow::Result<()> {
     let m = model()?;
-    let per_block = sluice_engine::forward::KvCache::bytes_per_block(&m.weights, 16);
+    let per_block =
+        sluice_engine::forward::KvCache::bytes_per_block(&m.weights, 16, Default::default());
     let h = EngineHandle::start(
         Arc::clone(&m),
         EngineConfig { kv_cache_bytes: per_block * 2, threads: 1, ..Default::default() },

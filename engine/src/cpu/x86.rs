@@ -1,6 +1,6 @@
 //! x86-64 kernels: packed 4/8-bit weights times 8-bit activations, over the 16-row
-//! interleaved layout described in [`crate::cpu::matmul`], and the attention score kernel of
-//! [`crate::forward`].
+//! interleaved layout described in [`crate::cpu::matmul`] (attention's kernels are in
+//! [`crate::cpu::attention`]).
 //!
 //! Per (group of 16 rows, block, token): eight integer products of a quad of all 16 rows
 //! with the token's 4 activation bytes broadcast give the block's exact sums in 16 int32
@@ -247,28 +247,4 @@ unsafe fn tile256<const C: usize>(
             unsafe { *out.add((t0 + j) * v.rows + g * GROUP + 8 * half + l) = x };
         }
     }
-}
-
-/// Attention scores of 16 consecutive cache slots: `s[i] = sum_d q[d] * k[d * stride + i]`,
-/// with four independent accumulators over interleaved dimensions (combined in a fixed
-/// order).
-///
-/// # Safety
-/// AVX-512F must be available; `k` must be valid for `q.len()` rows of 16 floats at
-/// `stride`, and `q.len()` a multiple of 4.
-#[target_feature(enable = "avx512f,fma")]
-pub(crate) unsafe fn attention_scores16(q: &[f32], k: *const f32, stride: usize) -> [f32; 16] {
-    let mut a = [_mm512_setzero_ps(); 4];
-    for d in (0..q.len()).step_by(4) {
-        for (u, acc) in a.iter_mut().enumerate() {
-            // SAFETY: row d + u < q.len() lies inside `k` (caller's contract).
-            let kv = unsafe { _mm512_loadu_ps(k.add((d + u) * stride)) };
-            *acc = _mm512_fmadd_ps(_mm512_set1_ps(q[d + u]), kv, *acc);
-        }
-    }
-    let s = _mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3]));
-    let mut out = [0f32; 16];
-    // SAFETY: `out` holds 16 floats.
-    unsafe { _mm512_storeu_ps(out.as_mut_ptr(), s) };
-    out
 }

@@ -9,7 +9,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use crate::backend::{Backend, Device, KvSize, Pick, StepOutput};
 use crate::error::{EngineError, Result};
-use crate::forward::{LogitsWanted, SeqInput};
+use crate::forward::{KvDtype, LogitsWanted, SeqInput};
 use crate::generate::IncrementalDecoder;
 use crate::interrupt::Interrupt;
 use crate::loader::LoadedModel;
@@ -17,7 +17,7 @@ use crate::sampler::{Sampler, log_softmax, top_n};
 use crate::serve::block_pool::CacheKey;
 use crate::serve::fair::{FairConfig, Vtc};
 use crate::serve::kv_manager::KvManager;
-use crate::serve::metrics::{EngineMetrics, FinishLabel, TenantLabels, TenantSample};
+use crate::serve::metrics::{EngineMetrics, FinishLabel, StepPhase, TenantLabels, TenantSample};
 use crate::serve::outcomes::OutcomeLog;
 use crate::serve::scheduler::{
     Fcfs, Scheduler, SchedulerConfig, SeqPolicy, WaitReason, WaitTimes, WaitingPolicy,
@@ -36,6 +36,8 @@ pub struct EngineConfig {
     pub block_size: usize,
     /// Memory for the KV cache, in bytes (blocks are preallocated from it).
     pub kv_cache_bytes: usize,
+    /// What a CPU KV cache stores (a GPU's is bf16).
+    pub kv_cache_dtype: KvDtype,
     /// On a GPU: the share of the device's memory the engine may take in all (weights, pass
     /// buffers and the KV cache, which gets what the others leave; vLLM's
     /// `gpu_memory_utilization`). When set, `kv_cache_bytes` is not used.
@@ -89,6 +91,7 @@ impl Default for EngineConfig {
         EngineConfig {
             block_size: 16,
             kv_cache_bytes: 512 << 20,
+            kv_cache_dtype: KvDtype::default(),
             gpu_memory_utilization: None,
             max_num_batched_tokens: 512,
             max_num_seqs: 64,
@@ -184,7 +187,8 @@ impl EngineCore {
             },
             _ => {
                 let bs = config.block_size.max(1);
-                let per_block = config.device.bytes_per_block(&model.weights, bs);
+                let per_block =
+                    config.device.bytes_per_block(&model.weights, bs, config.kv_cache_dtype);
                 let num_blocks = config.kv_cache_bytes / per_block;
                 if config.block_size == 0 || num_blocks == 0 {
                     return Err(EngineError::InvalidRequest(format!(
@@ -196,8 +200,14 @@ impl EngineCore {
                 KvSize::Blocks(num_blocks)
             }
         };
-        let mut backend =
-            Backend::new(config.device, &model.weights, config.threads, config.block_size, kv)?;
+        let mut backend = Backend::new(
+            config.device,
+            &model.weights,
+            config.threads,
+            config.block_size,
+            kv,
+            config.kv_cache_dtype,
+        )?;
         let num_blocks = backend.num_blocks();
         let reserved = backend.reserve(config.max_num_batched_tokens, config.max_num_seqs)?;
         if reserved > 0 {
@@ -431,9 +441,23 @@ impl EngineCore {
             (None, 0.0, HashMap::new())
         };
         self.interrupt.begin(lowest.unwrap_or(i32::MAX), band_load, loads);
+        let before = self.backend.profile();
         let began = Instant::now();
         let result = self.backend.forward_picking(&self.model.weights, &inputs, &picks);
         let seconds = began.elapsed().as_secs_f64();
+        let passed = Instant::now();
+        self.metrics.add_step_time(StepPhase::Schedule, (began - planned).as_secs_f64());
+        match (before, self.backend.profile()) {
+            (Some(b), Some(a)) => {
+                let p = a.since(&b);
+                self.metrics.add_step_time(StepPhase::Attention, p.attention);
+                self.metrics.add_step_time(StepPhase::Matmul, p.matmul);
+                self.metrics.add_step_time(StepPhase::LmHead, p.lm_head);
+                let other = (seconds - p.attention - p.matmul - p.lm_head).max(0.0);
+                self.metrics.add_step_time(StepPhase::ForwardOther, other);
+            }
+            _ => self.metrics.add_step_time(StepPhase::ForwardOther, seconds),
+        }
         let cut = matches!(result, Err(EngineError::Interrupted));
         self.interrupt.end(cut);
         if cut {
@@ -489,6 +513,8 @@ impl EngineCore {
                 }
             }
         }
+        self.metrics.add_step_time(StepPhase::Emit, passed.elapsed().as_secs_f64());
+        self.metrics.steps.inc();
         self.update_gauges();
     }
 

@@ -38,6 +38,55 @@ pub struct TenantWaitLabel {
     pub reason: &'static str,
 }
 
+/// Label of the step-time counter: where a step's time went.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PhaseLabel {
+    /// [`StepPhase::as_str`].
+    pub phase: &'static str,
+}
+
+/// The parts of an engine step, in the order they run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StepPhase {
+    /// Planning the batch and gathering its inputs.
+    Schedule,
+    /// The forward pass's attention over the KV cache (CPU).
+    Attention,
+    /// The forward pass's layer matrix products (CPU).
+    Matmul,
+    /// The final norm and LM head over the rows that sample (CPU).
+    LmHead,
+    /// The rest of a CPU pass (embedding, norms, RoPE, cache writes, the backend's argmax
+    /// picks); a GPU's whole pass.
+    ForwardOther,
+    /// Sampling, detokenizing, stop checks and handing tokens to the streams.
+    Emit,
+}
+
+impl StepPhase {
+    /// Every phase, in order.
+    pub const ALL: [StepPhase; 6] = [
+        StepPhase::Schedule,
+        StepPhase::Attention,
+        StepPhase::Matmul,
+        StepPhase::LmHead,
+        StepPhase::ForwardOther,
+        StepPhase::Emit,
+    ];
+
+    /// Its label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StepPhase::Schedule => "schedule",
+            StepPhase::Attention => "attention",
+            StepPhase::Matmul => "matmul",
+            StepPhase::LmHead => "lm_head",
+            StepPhase::ForwardOther => "forward_other",
+            StepPhase::Emit => "emit",
+        }
+    }
+}
+
 /// Tenants named in the per-tenant metrics; the rest are `other`.
 pub const TENANT_LABELS: usize = 20;
 
@@ -177,6 +226,10 @@ pub struct EngineMetrics {
     pub tenant_preemptions: Family<TenantLabel, Counter>,
     /// Per tenant and reason: seconds finished requests waited.
     pub tenant_wait: Family<TenantWaitLabel, Counter<f64, AtomicU64>>,
+    /// Seconds of the engine's steps, by phase.
+    pub step_seconds: Family<PhaseLabel, Counter<f64, AtomicU64>>,
+    /// Steps whose pass ran whole.
+    pub steps: Counter,
 }
 
 fn latency_buckets() -> impl Iterator<Item = f64> {
@@ -188,6 +241,17 @@ fn latency_buckets() -> impl Iterator<Item = f64> {
 }
 
 impl EngineMetrics {
+    /// Adds `seconds` to `phase` of the step-time counter.
+    pub fn add_step_time(&self, phase: StepPhase, seconds: f64) {
+        self.step_seconds.get_or_create(&PhaseLabel { phase: phase.as_str() }).inc_by(seconds);
+    }
+
+    /// Seconds of every step phase so far, in [`StepPhase::ALL`]'s order.
+    pub fn step_times(&self) -> [f64; 6] {
+        StepPhase::ALL
+            .map(|p| self.step_seconds.get_or_create(&PhaseLabel { phase: p.as_str() }).get())
+    }
+
     /// Creates and registers every metric.
     pub fn new() -> EngineMetrics {
         let mut registry = Registry::with_prefix("sluice_engine");
@@ -218,6 +282,8 @@ impl EngineMetrics {
             tenant_generation_tokens: Family::default(),
             tenant_preemptions: Family::default(),
             tenant_wait: Family::default(),
+            step_seconds: Family::default(),
+            steps: Counter::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -280,6 +346,13 @@ impl EngineMetrics {
             "Passes stopped between layers for a higher-priority arrival and planned again",
             m.interrupted_steps.clone(),
         );
+        r.register(
+            "step_seconds",
+            "Seconds of the engine's steps by phase: schedule, the pass's attention, matmul, \
+             lm_head and forward_other, then emit (sampling, detokenizing, stop checks, streams)",
+            m.step_seconds.clone(),
+        );
+        r.register("steps", "Engine steps whose forward pass ran whole", m.steps.clone());
         r.register("prompt_tokens", "Prompt tokens of finished requests", m.prompt_tokens.clone());
         r.register("generation_tokens", "Generated tokens", m.generation_tokens.clone());
         r.register("request_success", "Finished requests by finish reason", m.finished.clone());

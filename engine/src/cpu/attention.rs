@@ -1,0 +1,749 @@
+//! Attention over the paged KV cache on the CPU.
+//!
+//! Per row (a new token) and KV head, the query heads sharing that KV head are computed
+//! together, so each block of keys and values is read once for all of them, at every batch
+//! size. A row's positions are cut into splits of [`SPLIT_POSITIONS`] (whole blocks, counted
+//! from position 0). Each split gives, per query head, its largest score, the sum of
+//! `exp(score - max)` and the so weighted sum of values; the splits are then merged in order
+//! (flash-decoding). The splits depend only on the row's position, so a row's result is the
+//! same whatever batch it is in and however the work is shared out: with many rows, one thread
+//! takes a row's splits in turn; with few (small decode batches, long contexts), every split is
+//! an item of its own, so one long request keeps every core busy.
+//!
+//! The cache holds f16 (the default) or f32. On x86-64 with AVX-512 the kernels read either
+//! directly (f16 widened as it is loaded), with scores and value sums in registers and a
+//! vectorized `exp`; elsewhere a portable path widens each block first.
+
+use std::ops::Range;
+
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+use crate::cpu::pool::{SharedOut, ThreadPool};
+
+/// Positions per split (rounded down to whole blocks, at least one).
+pub(crate) const SPLIT_POSITIONS: usize = 128;
+
+/// An element type of the KV cache.
+pub(crate) trait KvElem: Copy + Default + Send + Sync + 'static {
+    /// The nearest value of this type.
+    fn from_f32(x: f32) -> Self;
+    /// `dst` becomes `src` widened to f32.
+    fn widen(src: &[Self], dst: &mut Vec<f32>);
+    /// Sixteen elements from `p`, widened.
+    ///
+    /// # Safety
+    /// The CPU supports AVX-512F and F16C, and 16 elements are readable at `p`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+}
+
+impl KvElem for f32 {
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+
+    fn widen(src: &[Self], dst: &mut Vec<f32>) {
+        dst.clear();
+        dst.extend_from_slice(src);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
+    }
+}
+
+impl KvElem for f16 {
+    fn from_f32(x: f32) -> Self {
+        f16::from_f32(x)
+    }
+
+    fn widen(src: &[Self], dst: &mut Vec<f32>) {
+        dst.clear();
+        dst.resize(src.len(), 0.0);
+        src.convert_to_f32_slice(dst);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract; f16 is 16 bits, so 16 of them are 32 bytes.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast::<__m256i>())) }
+    }
+}
+
+/// The shape of one attention call.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Shape {
+    /// Query heads.
+    pub heads: usize,
+    /// KV heads (dividing `heads`).
+    pub kv_heads: usize,
+    /// Dimensions per head.
+    pub head_dim: usize,
+    /// Positions per cache block.
+    pub block_size: usize,
+    /// Factor on the scores.
+    pub scale: f32,
+}
+
+impl Shape {
+    fn group(&self) -> usize {
+        self.heads / self.kv_heads
+    }
+
+    /// Floats of one split's result: per query head of a group, max, sum and `head_dim` sums.
+    fn part_len(&self) -> usize {
+        self.group() * (self.head_dim + 2)
+    }
+
+    fn split_blocks(&self) -> usize {
+        (SPLIT_POSITIONS / self.block_size).max(1)
+    }
+}
+
+/// One row: a new token's place in its sequence.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Row<'a> {
+    /// Its sequence's blocks, in order.
+    pub table: &'a [u32],
+    /// Its position; it attends to `first..=pos`.
+    pub pos: usize,
+    /// The oldest position attended to (0 but in a sliding-window layer).
+    pub first: usize,
+}
+
+impl Row<'_> {
+    /// The first position attended to, and one past the last.
+    fn span(&self) -> (usize, usize) {
+        (self.first.min(self.pos), self.pos + 1)
+    }
+
+    /// The splits holding any position the row attends to.
+    fn splits(&self, s: &Shape) -> Range<usize> {
+        let (lo, n) = self.span();
+        let per = s.split_blocks() * s.block_size;
+        lo / per..(n - 1) / per + 1
+    }
+}
+
+/// One layer of the cache: block `b` of it starts at `offset + b * block_stride` in `k` and in
+/// `v`; within a block, K is `[kv_head][dim][slot]` and V `[kv_head][slot][dim]`.
+pub(crate) struct LayerKv<'a, T> {
+    /// Keys of every layer.
+    pub k: &'a [T],
+    /// Values of every layer.
+    pub v: &'a [T],
+    /// Where this layer's block 0 starts.
+    pub offset: usize,
+    /// Elements per block (all KV heads).
+    pub block_stride: usize,
+}
+
+/// Which kernels run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Kernels {
+    /// Widen each block, then plain loops.
+    Portable,
+    /// AVX-512F with F16C (block size and head size multiples of 16).
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Kernels {
+    /// The fastest this CPU runs for `s`.
+    pub(crate) fn detect(s: &Shape) -> Kernels {
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("f16c")
+            && std::arch::is_x86_feature_detected!("fma")
+            && s.block_size.is_multiple_of(16)
+            && s.head_dim.is_multiple_of(16)
+        {
+            return Kernels::Avx512;
+        }
+        let _ = s;
+        Kernels::Portable
+    }
+}
+
+/// Per-thread buffers.
+#[derive(Default)]
+struct Scratch {
+    /// Scores, then probabilities: one row of the split's positions per query head.
+    scores: Vec<f32>,
+    /// A widened block of keys or values (portable kernels).
+    block: Vec<f32>,
+}
+
+/// `out[row * heads * head_dim..]` gets each row's attention over its cache, for every query
+/// head; `q` holds the rows' queries in the same layout.
+pub(crate) fn attention<T: KvElem>(
+    pool: &ThreadPool,
+    kernels: Kernels,
+    kv: &LayerKv<'_, T>,
+    s: &Shape,
+    rows: &[Row<'_>],
+    q: &[f32],
+    out: &mut [f32],
+) {
+    let (hd, group, kvh) = (s.head_dim, s.group(), s.kv_heads);
+    let (q_dim, part_len) = (s.heads * hd, s.part_len());
+    let threads = pool.threads();
+    let out_ptr = SharedOut(out.as_mut_ptr());
+    if rows.len() * kvh >= 4 * threads {
+        // Enough (row, KV head) items for every thread: each takes a row's splits in turn.
+        let items = rows.len() * kvh;
+        pool.run(&|ti| {
+            let mut scratch = Scratch::default();
+            let mut parts = Vec::new();
+            // Interleaved assignment balances causal prefill, where later rows cost more.
+            for item in (ti..items).step_by(threads) {
+                let (r, g) = (item / kvh, item % kvh);
+                let row = &rows[r];
+                let first = r * q_dim + g * group * hd;
+                let qg = &q[first..first + group * hd];
+                let splits = row.splits(s);
+                parts.clear();
+                parts.resize(splits.len() * part_len, 0.0);
+                for (part, j) in parts.chunks_exact_mut(part_len).zip(splits) {
+                    split(kernels, kv, s, row, g, qg, j, &mut scratch, part);
+                }
+                // SAFETY: each item is handled by exactly one thread, and its slice
+                // [first, first + group * hd) lies inside `out`.
+                let dst =
+                    unsafe { std::slice::from_raw_parts_mut(out_ptr.get().add(first), group * hd) };
+                merge(&parts, group, hd, dst);
+            }
+        });
+        return;
+    }
+    // Few rows: one item per split, merged afterwards.
+    let mut index = Vec::new();
+    for (r, row) in rows.iter().enumerate() {
+        for g in 0..kvh {
+            index.extend(row.splits(s).map(|j| (r, g, j)));
+        }
+    }
+    let mut parts = vec![0f32; index.len() * part_len];
+    let parts_ptr = SharedOut(parts.as_mut_ptr());
+    pool.run(&|ti| {
+        let mut scratch = Scratch::default();
+        for (item, &(r, g, j)) in index.iter().enumerate().skip(ti).step_by(threads) {
+            let first = r * q_dim + g * group * hd;
+            let qg = &q[first..first + group * hd];
+            // SAFETY: item `item` is handled by exactly one thread and owns its part.
+            let part = unsafe {
+                std::slice::from_raw_parts_mut(parts_ptr.get().add(item * part_len), part_len)
+            };
+            split(kernels, kv, s, &rows[r], g, qg, j, &mut scratch, part);
+        }
+    });
+    let mut at = 0;
+    for (r, row) in rows.iter().enumerate() {
+        for g in 0..kvh {
+            let n = row.splits(s).len();
+            let first = r * q_dim + g * group * hd;
+            merge(
+                &parts[at * part_len..(at + n) * part_len],
+                group,
+                hd,
+                &mut out[first..][..group * hd],
+            );
+            at += n;
+        }
+    }
+}
+
+/// The splits' results of one row and KV head, merged in order into each query head's output.
+fn merge(parts: &[f32], group: usize, hd: usize, out: &mut [f32]) {
+    let stride = group * (hd + 2);
+    for (h, o) in out.chunks_exact_mut(hd).enumerate() {
+        let head = |p: &[f32]| -> (f32, f32) { (p[h * (hd + 2)], p[h * (hd + 2) + 1]) };
+        let max = parts.chunks_exact(stride).fold(f32::NEG_INFINITY, |m, p| m.max(head(p).0));
+        o.fill(0.0);
+        let mut sum = 0f32;
+        for p in parts.chunks_exact(stride) {
+            let (m, l) = head(p);
+            let w = (m - max).exp();
+            sum += w * l;
+            for (o, a) in o.iter_mut().zip(&p[h * (hd + 2) + 2..][..hd]) {
+                *o += w * a;
+            }
+        }
+        let inv = 1.0 / sum;
+        o.iter_mut().for_each(|x| *x *= inv);
+    }
+}
+
+/// Split `j` of `row` for the query heads `q` of KV head `g`: per head, into `part`, the
+/// largest scaled score, the sum of the exponentials and the weighted sum of values.
+#[expect(clippy::too_many_arguments, reason = "the pieces of one item, all distinct")]
+fn split<T: KvElem>(
+    kernels: Kernels,
+    kv: &LayerKv<'_, T>,
+    s: &Shape,
+    row: &Row<'_>,
+    g: usize,
+    q: &[f32],
+    j: usize,
+    scratch: &mut Scratch,
+    part: &mut [f32],
+) {
+    let bs = s.block_size;
+    let (lo, n) = row.span();
+    let sb = s.split_blocks();
+    let blocks = (j * sb).max(lo / bs)..((j + 1) * sb).min(n.div_ceil(bs));
+    let start = blocks.start * bs;
+    let len = blocks.len() * bs;
+    // The valid positions, relative to `start`.
+    let valid = lo.max(start) - start..n.min(start + len) - start;
+    let job = Split { kv, s, table: row.table, g, q, blocks, len, valid };
+    match kernels {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Kernels::Avx512` is only detected on CPUs with AVX-512F, F16C and FMA,
+        // for block and head sizes that are multiples of 16.
+        Kernels::Avx512 => unsafe { split_avx512(&job, scratch, part) },
+        Kernels::Portable => split_portable(&job, scratch, part),
+    }
+}
+
+/// What one split computes over.
+struct Split<'a, 'b, T> {
+    kv: &'b LayerKv<'a, T>,
+    s: &'b Shape,
+    table: &'b [u32],
+    /// The KV head.
+    g: usize,
+    /// Its group's queries, `head_dim` floats each.
+    q: &'b [f32],
+    /// The split's blocks (indexes into `table`).
+    blocks: Range<usize>,
+    /// Positions the blocks hold.
+    len: usize,
+    /// Positions attended to, relative to the first block's first.
+    valid: Range<usize>,
+}
+
+impl<T> Split<'_, '_, T> {
+    /// Where block `bi`'s keys (or values) of this KV head start.
+    fn base(&self, bi: usize) -> usize {
+        let (bs, hd) = (self.s.block_size, self.s.head_dim);
+        self.kv.offset + self.table[bi] as usize * self.kv.block_stride + self.g * hd * bs
+    }
+
+    /// The valid slots of block `bi` (of the split's), as slots of that block.
+    fn slots(&self, i: usize) -> Range<usize> {
+        let bs = self.s.block_size;
+        let (a, b) = (self.valid.start.max(i * bs), self.valid.end.min((i + 1) * bs));
+        if a < b { a - i * bs..b - i * bs } else { 0..0 }
+    }
+}
+
+fn split_portable<T: KvElem>(job: &Split<'_, '_, T>, scratch: &mut Scratch, part: &mut [f32]) {
+    let s = job.s;
+    let (bs, hd, group) = (s.block_size, s.head_dim, s.group());
+    let len = job.len;
+    let scores = &mut scratch.scores;
+    scores.clear();
+    scores.resize(group * len, 0.0);
+    for (i, bi) in job.blocks.clone().enumerate() {
+        let base = job.base(bi);
+        T::widen(&job.kv.k[base..base + hd * bs], &mut scratch.block);
+        let kb = &scratch.block;
+        for h in 0..group {
+            let q = &job.q[h * hd..(h + 1) * hd];
+            let dst = &mut scores[h * len + i * bs..][..bs];
+            for (d, &qd) in q.iter().enumerate() {
+                for (a, k) in dst.iter_mut().zip(&kb[d * bs..(d + 1) * bs]) {
+                    *a += qd * k;
+                }
+            }
+        }
+    }
+    for h in 0..group {
+        let row = &mut scores[h * len..(h + 1) * len];
+        let mut max = f32::NEG_INFINITY;
+        for x in &mut row[job.valid.clone()] {
+            *x *= s.scale;
+            max = max.max(*x);
+        }
+        let mut sum = 0f32;
+        for x in &mut row[job.valid.clone()] {
+            *x = (*x - max).exp();
+            sum += *x;
+        }
+        row[..job.valid.start].fill(0.0);
+        row[job.valid.end..].fill(0.0);
+        part[h * (hd + 2)] = max;
+        part[h * (hd + 2) + 1] = sum;
+        part[h * (hd + 2) + 2..(h + 1) * (hd + 2)].fill(0.0);
+    }
+    for (i, bi) in job.blocks.clone().enumerate() {
+        let base = job.base(bi);
+        T::widen(&job.kv.v[base..base + hd * bs], &mut scratch.block);
+        let vb = &scratch.block;
+        for h in 0..group {
+            let acc = &mut part[h * (hd + 2) + 2..(h + 1) * (hd + 2)];
+            for slot in job.slots(i) {
+                let p = scores[h * len + i * bs + slot];
+                for (a, v) in acc.iter_mut().zip(&vb[slot * hd..(slot + 1) * hd]) {
+                    *a += p * v;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+use avx512::split_avx512;
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{KvElem, Scratch, Split};
+
+    /// `exp(x)` for `x <= 0` (Cephes' polynomial, relative error about 2e-7; inputs below
+    /// -87 give about 1e-38).
+    #[inline]
+    #[target_feature(enable = "avx512f,fma")]
+    fn exp(x: __m512) -> __m512 {
+        let x = _mm512_max_ps(x, _mm512_set1_ps(-87.0));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm512_set1_ps(1.987_569_1e-4);
+        for c in [1.398_2e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
+            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+        }
+        let p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0)));
+        _mm512_scalef_ps(p, n)
+    }
+
+    /// The lanes of the 16 positions from `i` that lie before `end`.
+    fn lanes(i: usize, end: usize) -> __mmask16 {
+        let k = (end - i).min(16);
+        if k == 16 { u16::MAX } else { (1u16 << k) - 1 }
+    }
+
+    /// # Safety
+    /// AVX-512F, F16C and FMA; block and head sizes multiples of 16.
+    #[target_feature(enable = "avx512f,f16c,fma")]
+    pub(super) unsafe fn split_avx512<T: KvElem>(
+        job: &Split<'_, '_, T>,
+        scratch: &mut Scratch,
+        part: &mut [f32],
+    ) {
+        let group = job.s.group();
+        let mut h = 0;
+        // Query heads four at a time share each load of a key or value.
+        while h < group {
+            let n = (group - h).min(4);
+            // SAFETY: forwarded contract.
+            unsafe {
+                match n {
+                    4 => heads::<T, 4>(job, h, scratch, part),
+                    3 => heads::<T, 3>(job, h, scratch, part),
+                    2 => heads::<T, 2>(job, h, scratch, part),
+                    _ => heads::<T, 1>(job, h, scratch, part),
+                }
+            }
+            h += n;
+        }
+    }
+
+    /// Query heads `h0..h0 + H` of the group.
+    #[inline]
+    #[target_feature(enable = "avx512f,f16c,fma")]
+    unsafe fn heads<T: KvElem, const H: usize>(
+        job: &Split<'_, '_, T>,
+        h0: usize,
+        scratch: &mut Scratch,
+        part: &mut [f32],
+    ) {
+        let s = job.s;
+        let (bs, hd, len) = (s.block_size, s.head_dim, job.len);
+        let scores = &mut scratch.scores;
+        scores.clear();
+        scores.resize(H * len, 0.0);
+        let (k, v) = (job.kv.k.as_ptr(), job.kv.v.as_ptr());
+        let q = &job.q[h0 * hd..(h0 + H) * hd];
+        // Scores: 16 slots of H heads at a time, two sums per head (even and odd dims).
+        for (i, bi) in job.blocks.clone().enumerate() {
+            // SAFETY: block bi's keys of this KV head, hd * bs elements, lie inside `k`.
+            let kb = unsafe { k.add(job.base(bi)) };
+            for slot in (0..bs).step_by(16) {
+                let mut acc = [[_mm512_setzero_ps(); 2]; H];
+                for d in (0..hd).step_by(2) {
+                    // SAFETY: rows d and d + 1 of the block, 16 slots from `slot`.
+                    let (k0, k1) = unsafe {
+                        (T::load16(kb.add(d * bs + slot)), T::load16(kb.add((d + 1) * bs + slot)))
+                    };
+                    for (hh, a) in acc.iter_mut().enumerate() {
+                        a[0] = _mm512_fmadd_ps(_mm512_set1_ps(q[hh * hd + d]), k0, a[0]);
+                        a[1] = _mm512_fmadd_ps(_mm512_set1_ps(q[hh * hd + d + 1]), k1, a[1]);
+                    }
+                }
+                for (hh, a) in acc.iter().enumerate() {
+                    let dst = &mut scores[hh * len + i * bs + slot..][..16];
+                    // SAFETY: `dst` holds 16 floats.
+                    unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), _mm512_add_ps(a[0], a[1])) };
+                }
+            }
+        }
+        // Softmax pieces: scale, max, exp and sum over the valid positions; zeros elsewhere.
+        let (va, vb) = (job.valid.start, job.valid.end);
+        let scale = _mm512_set1_ps(s.scale);
+        for hh in 0..H {
+            let row = &mut scores[hh * len..(hh + 1) * len];
+            let p = row.as_mut_ptr();
+            let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
+            let mut i = va;
+            while i < vb {
+                let m = lanes(i, vb);
+                // SAFETY: the masked lanes lie in `row[va..vb]`.
+                unsafe {
+                    let x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p.add(i)), scale);
+                    _mm512_mask_storeu_ps(p.add(i), m, x);
+                    mx = _mm512_mask_max_ps(mx, m, mx, x);
+                }
+                i += 16;
+            }
+            let max = _mm512_reduce_max_ps(mx);
+            let (mut sum, maxv) = (_mm512_setzero_ps(), _mm512_set1_ps(max));
+            let mut i = va;
+            while i < vb {
+                let m = lanes(i, vb);
+                // SAFETY: as above.
+                unsafe {
+                    let e = exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p.add(i)), maxv));
+                    _mm512_mask_storeu_ps(p.add(i), m, e);
+                    sum = _mm512_mask_add_ps(sum, m, sum, e);
+                }
+                i += 16;
+            }
+            row[..va].fill(0.0);
+            row[vb..].fill(0.0);
+            let at = (h0 + hh) * (hd + 2);
+            part[at] = max;
+            part[at + 1] = _mm512_reduce_add_ps(sum);
+        }
+        // Values: per 64 dimensions (or what is left), H heads' sums in registers per block.
+        let mut dc = 0;
+        while dc < hd {
+            let w = (hd - dc).min(64);
+            // SAFETY: forwarded contract; `w` is a multiple of 16.
+            unsafe {
+                match w / 16 {
+                    4 => values::<T, H, 4>(job, h0, dc, v, scores, part),
+                    3 => values::<T, H, 3>(job, h0, dc, v, scores, part),
+                    2 => values::<T, H, 2>(job, h0, dc, v, scores, part),
+                    _ => values::<T, H, 1>(job, h0, dc, v, scores, part),
+                }
+            }
+            dc += w;
+        }
+    }
+
+    /// Dimensions `dc..dc + 16 * D` of the weighted value sums of heads `h0..h0 + H`.
+    #[inline]
+    #[target_feature(enable = "avx512f,f16c,fma")]
+    unsafe fn values<T: KvElem, const H: usize, const D: usize>(
+        job: &Split<'_, '_, T>,
+        h0: usize,
+        dc: usize,
+        v: *const T,
+        probs: &[f32],
+        part: &mut [f32],
+    ) {
+        let (bs, hd, len) = (job.s.block_size, job.s.head_dim, job.len);
+        let mut acc = [[_mm512_setzero_ps(); D]; H];
+        for (i, bi) in job.blocks.clone().enumerate() {
+            // SAFETY: block bi's values of this KV head, bs * hd elements, lie inside `v`.
+            let vb = unsafe { v.add(job.base(bi)) };
+            for slot in job.slots(i) {
+                let mut row = [_mm512_setzero_ps(); D];
+                for (u, r) in row.iter_mut().enumerate() {
+                    // SAFETY: slot < bs and dc + 16 * (u + 1) <= hd.
+                    *r = unsafe { T::load16(vb.add(slot * hd + dc + 16 * u)) };
+                }
+                for (hh, a) in acc.iter_mut().enumerate() {
+                    let p = _mm512_set1_ps(probs[hh * len + i * bs + slot]);
+                    for (a, r) in a.iter_mut().zip(&row) {
+                        *a = _mm512_fmadd_ps(p, *r, *a);
+                    }
+                }
+            }
+        }
+        for (hh, a) in acc.iter().enumerate() {
+            let dst = &mut part[(h0 + hh) * (hd + 2) + 2 + dc..][..16 * D];
+            for (u, a) in a.iter().enumerate() {
+                // SAFETY: `dst` holds 16 * D floats.
+                unsafe { _mm512_storeu_ps(dst.as_mut_ptr().add(16 * u), *a) };
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A cache of `blocks` blocks with seeded values in +-2, its shape, and the f64 reference
+    /// of one row's attention.
+    struct Case {
+        s: Shape,
+        k: Vec<f32>,
+        v: Vec<f32>,
+        stride: usize,
+    }
+
+    fn lcg(seed: &mut u64) -> f32 {
+        *seed =
+            seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+        ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0
+    }
+
+    impl Case {
+        fn new(
+            heads: usize,
+            kv_heads: usize,
+            head_dim: usize,
+            block_size: usize,
+            blocks: usize,
+        ) -> Case {
+            let s = Shape { heads, kv_heads, head_dim, block_size, scale: 0.3 };
+            let stride = kv_heads * head_dim * block_size;
+            let mut seed = 7;
+            let k = (0..blocks * stride).map(|_| lcg(&mut seed)).collect();
+            let v = (0..blocks * stride).map(|_| lcg(&mut seed)).collect();
+            Case { s, k, v, stride }
+        }
+
+        /// Row `row`'s output, every head, in f64 from the f32 cache.
+        fn reference(&self, row: &Row<'_>, q: &[f32]) -> Vec<f32> {
+            let (bs, hd, group) = (self.s.block_size, self.s.head_dim, self.s.group());
+            let (lo, n) = row.span();
+            let mut out = Vec::new();
+            for h in 0..self.s.heads {
+                let g = h / group;
+                let key = |p: usize, d: usize| {
+                    self.k[row.table[p / bs] as usize * self.stride + g * hd * bs + d * bs + p % bs]
+                };
+                let val = |p: usize, d: usize| {
+                    self.v
+                        [row.table[p / bs] as usize * self.stride + g * hd * bs + (p % bs) * hd + d]
+                };
+                let sc: Vec<f64> = (lo..n)
+                    .map(|p| {
+                        (0..hd)
+                            .map(|d| f64::from(q[h * hd + d]) * f64::from(key(p, d)))
+                            .sum::<f64>()
+                            * f64::from(self.s.scale)
+                    })
+                    .collect();
+                let m = sc.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+                let e: Vec<f64> = sc.iter().map(|x| (x - m).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for d in 0..hd {
+                    let o: f64 = (lo..n).zip(&e).map(|(p, w)| w * f64::from(val(p, d))).sum();
+                    out.push((o / z) as f32);
+                }
+            }
+            out
+        }
+    }
+
+    fn run<T: KvElem>(
+        case: &Case,
+        kernels: Kernels,
+        threads: usize,
+        rows: &[Row<'_>],
+        q: &[f32],
+    ) -> Vec<f32> {
+        let mut k = Vec::new();
+        let mut v = Vec::new();
+        for x in &case.k {
+            k.push(T::from_f32(*x));
+        }
+        for x in &case.v {
+            v.push(T::from_f32(*x));
+        }
+        let kv = LayerKv { k: &k, v: &v, offset: 0, block_stride: case.stride };
+        let pool = ThreadPool::new(threads);
+        let mut out = vec![0f32; rows.len() * case.s.heads * case.s.head_dim];
+        attention(&pool, kernels, &kv, &case.s, rows, q, &mut out);
+        out
+    }
+
+    fn max_err(a: &[f32], b: &[f32]) -> f32 {
+        a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+    }
+
+    #[test]
+    fn every_kernel_and_split_matches_the_reference() {
+        let mut kernels = vec![Kernels::Portable];
+        let detected = Kernels::detect(&Shape {
+            heads: 1,
+            kv_heads: 1,
+            head_dim: 64,
+            block_size: 16,
+            scale: 1.0,
+        });
+        if detected != Kernels::Portable {
+            kernels.push(detected);
+        }
+        // (heads, kv heads, head size): SmolLM2's group of 3, Gemma's 4 with 256 dims, 7, MHA.
+        for (heads, kv_heads, hd) in [(9, 3, 64), (4, 1, 256), (7, 1, 32), (2, 2, 16)] {
+            let blocks = 40;
+            let case = Case::new(heads, kv_heads, hd, 16, blocks);
+            let table: Vec<u32> = (0..blocks as u32).rev().collect();
+            let mut seed = 99;
+            // Positions across split edges; one row in a sliding window.
+            let rows: Vec<Row<'_>> = [0, 15, 16, 127, 128, 300, 639]
+                .iter()
+                .map(|&pos| Row { table: &table, pos, first: 0 })
+                .chain([Row { table: &table, pos: 500, first: 203 }])
+                .collect();
+            let q: Vec<f32> = (0..rows.len() * heads * hd).map(|_| lcg(&mut seed)).collect();
+            let want: Vec<f32> = rows
+                .iter()
+                .enumerate()
+                .flat_map(|(r, row)| case.reference(row, &q[r * heads * hd..(r + 1) * heads * hd]))
+                .collect();
+            for &kn in &kernels {
+                let one = run::<f32>(&case, kn, 1, &rows, &q);
+                assert!(
+                    max_err(&one, &want) < 1e-4,
+                    "{kn:?} f32 {heads}/{kv_heads}x{hd}: {}",
+                    max_err(&one, &want)
+                );
+                let half = run::<f16>(&case, kn, 1, &rows, &q);
+                assert!(
+                    max_err(&half, &want) < 2e-2,
+                    "{kn:?} f16 {heads}/{kv_heads}x{hd}: {}",
+                    max_err(&half, &want)
+                );
+                // Split per item (one row at a time over two threads) or per row (all rows):
+                // the same bits.
+                for (r, row) in rows.iter().enumerate() {
+                    let alone = run::<f16>(
+                        &case,
+                        kn,
+                        2,
+                        std::slice::from_ref(row),
+                        &q[r * heads * hd..(r + 1) * heads * hd],
+                    );
+                    assert_eq!(alone, half[r * heads * hd..(r + 1) * heads * hd], "{kn:?} row {r}");
+                }
+            }
+        }
+    }
+}
