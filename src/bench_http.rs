@@ -134,7 +134,8 @@ fn health_ok(port: u16) -> bool {
     s.read_exact(&mut head).is_ok() && head.starts_with(b"HTTP/1.1 200")
 }
 
-/// One closed-loop level against `server`: `streams` streams of `rounds` requests each.
+/// One closed-loop level against `server`: `streams` streams of `rounds` requests each (the
+/// model named as the server lists it).
 pub fn measure(
     server: &Server,
     streams: usize,
@@ -151,8 +152,6 @@ pub fn measure(
         "bench-serve",
         "--base-url",
         &server.base_url,
-        "--model",
-        "bench",
         "--endpoint",
         "completions",
         "--request-rate",

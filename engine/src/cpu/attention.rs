@@ -10,9 +10,10 @@
 //! takes a row's splits in turn; with few (small decode batches, long contexts), every split is
 //! an item of its own, so one long request keeps every core busy.
 //!
-//! The cache holds f16 (the default) or f32. On x86-64 with AVX-512 the kernels read either
-//! directly (f16 widened as it is loaded), with scores and value sums in registers and a
-//! vectorized `exp`; elsewhere a portable path widens each block first.
+//! The cache holds f16 (the default) or f32. On x86-64 with AVX2, FMA and F16C (AVX-512
+//! machines included) the kernels read either directly (f16 widened as it is loaded), with
+//! scores and value sums in registers, four query heads per load and a vectorized `exp`;
+//! elsewhere a portable path widens each block first.
 
 use std::ops::Range;
 
@@ -30,12 +31,12 @@ pub(crate) trait KvElem: Copy + Default + Send + Sync + 'static {
     fn from_f32(x: f32) -> Self;
     /// `dst` becomes `src` widened to f32.
     fn widen(src: &[Self], dst: &mut Vec<f32>);
-    /// Sixteen elements from `p`, widened.
+    /// Eight elements from `p`, widened.
     ///
     /// # Safety
-    /// The CPU supports AVX-512F and F16C, and 16 elements are readable at `p`.
+    /// The CPU supports AVX and F16C, and 8 elements are readable at `p`.
     #[cfg(target_arch = "x86_64")]
-    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
 }
 
 impl KvElem for f32 {
@@ -50,9 +51,9 @@ impl KvElem for f32 {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
         // SAFETY: the caller's contract.
-        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
     }
 }
 
@@ -69,10 +70,10 @@ impl KvElem for f16 {
 
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
-    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
         use std::arch::x86_64::*;
-        // SAFETY: the caller's contract; f16 is 16 bits, so 16 of them are 32 bytes.
-        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast::<__m256i>())) }
+        // SAFETY: the caller's contract; 8 f16 are 16 bytes.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast::<__m128i>())) }
     }
 }
 
@@ -149,22 +150,22 @@ pub(crate) struct LayerKv<'a, T> {
 pub(crate) enum Kernels {
     /// Widen each block, then plain loops.
     Portable,
-    /// AVX-512F with F16C (block size and head size multiples of 16).
+    /// AVX2 with FMA and F16C (block size a multiple of 8, head size of 16).
     #[cfg(target_arch = "x86_64")]
-    Avx512,
+    Avx2,
 }
 
 impl Kernels {
     /// The fastest this CPU runs for `s`.
     pub(crate) fn detect(s: &Shape) -> Kernels {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f")
+        if std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("f16c")
             && std::arch::is_x86_feature_detected!("fma")
-            && s.block_size.is_multiple_of(16)
+            && s.block_size.is_multiple_of(8)
             && s.head_dim.is_multiple_of(16)
         {
-            return Kernels::Avx512;
+            return Kernels::Avx2;
         }
         let _ = s;
         Kernels::Portable
@@ -305,9 +306,9 @@ fn split<T: KvElem>(
     let job = Split { kv, s, table: row.table, g, q, blocks, len, valid };
     match kernels {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Kernels::Avx512` is only detected on CPUs with AVX-512F, F16C and FMA,
-        // for block and head sizes that are multiples of 16.
-        Kernels::Avx512 => unsafe { split_avx512(&job, scratch, part) },
+        // SAFETY: `Kernels::Avx2` is only detected on CPUs with AVX2, F16C and FMA, for block
+        // sizes that are multiples of 8 and head sizes that are multiples of 16.
+        Kernels::Avx2 => unsafe { avx2::split_avx2(&job, scratch, part) },
         Kernels::Portable => split_portable(&job, scratch, part),
     }
 }
@@ -400,10 +401,7 @@ fn split_portable<T: KvElem>(job: &Split<'_, '_, T>, scratch: &mut Scratch, part
 }
 
 #[cfg(target_arch = "x86_64")]
-use avx512::split_avx512;
-
-#[cfg(target_arch = "x86_64")]
-mod avx512 {
+mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{KvElem, Scratch, Split};
@@ -411,39 +409,45 @@ mod avx512 {
     /// `exp(x)` for `x <= 0` (Cephes' polynomial, relative error about 2e-7; inputs below
     /// -87 give about 1e-38).
     #[inline]
-    #[target_feature(enable = "avx512f,fma")]
-    fn exp(x: __m512) -> __m512 {
-        let x = _mm512_max_ps(x, _mm512_set1_ps(-87.0));
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+    #[target_feature(enable = "avx2,fma")]
+    fn exp(x: __m256) -> __m256 {
+        let x = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
         );
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693_359_4), x);
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm512_set1_ps(1.987_569_1e-4);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
+        let mut p = _mm256_set1_ps(1.987_569_1e-4);
         for c in [1.398_2e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
-            p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
         }
-        let p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0)));
-        _mm512_scalef_ps(p, n)
+        let p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
+        // 2^n for n in [-126, 127], built in the exponent field.
+        let e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+        _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e)))
     }
 
-    /// The lanes of the 16 positions from `i` that lie before `end`.
-    fn lanes(i: usize, end: usize) -> __mmask16 {
-        let k = (end - i).min(16);
-        if k == 16 { u16::MAX } else { (1u16 << k) - 1 }
+    /// The eight lanes of `v`, in order.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    fn lanes(v: __m256) -> [f32; 8] {
+        let mut out = [0f32; 8];
+        // SAFETY: `out` holds 8 floats.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
+        out
     }
 
     /// # Safety
-    /// AVX-512F, F16C and FMA; block and head sizes multiples of 16.
-    #[target_feature(enable = "avx512f,f16c,fma")]
-    pub(super) unsafe fn split_avx512<T: KvElem>(
+    /// AVX2, F16C and FMA; block size a multiple of 8, head size of 16.
+    #[target_feature(enable = "avx2,f16c,fma")]
+    pub(super) unsafe fn split_avx2<T: KvElem>(
         job: &Split<'_, '_, T>,
         scratch: &mut Scratch,
         part: &mut [f32],
     ) {
         let group = job.s.group();
         let mut h = 0;
-        // Query heads four at a time share each load of a key or value.
+        // Query heads up to four at a time share each load of a key or value.
         while h < group {
             let n = (group - h).min(4);
             // SAFETY: forwarded contract.
@@ -461,7 +465,7 @@ mod avx512 {
 
     /// Query heads `h0..h0 + H` of the group.
     #[inline]
-    #[target_feature(enable = "avx512f,f16c,fma")]
+    #[target_feature(enable = "avx2,f16c,fma")]
     unsafe fn heads<T: KvElem, const H: usize>(
         job: &Split<'_, '_, T>,
         h0: usize,
@@ -475,118 +479,98 @@ mod avx512 {
         scores.resize(H * len, 0.0);
         let (k, v) = (job.kv.k.as_ptr(), job.kv.v.as_ptr());
         let q = &job.q[h0 * hd..(h0 + H) * hd];
-        // Scores: 16 slots of H heads at a time, two sums per head (even and odd dims).
+        // Scores: 8 slots of H heads at a time, two sums per head (even and odd dims).
         for (i, bi) in job.blocks.clone().enumerate() {
             // SAFETY: block bi's keys of this KV head, hd * bs elements, lie inside `k`.
             let kb = unsafe { k.add(job.base(bi)) };
-            for slot in (0..bs).step_by(16) {
-                let mut acc = [[_mm512_setzero_ps(); 2]; H];
+            for slot in (0..bs).step_by(8) {
+                let mut acc = [[_mm256_setzero_ps(); 2]; H];
                 for d in (0..hd).step_by(2) {
-                    // SAFETY: rows d and d + 1 of the block, 16 slots from `slot`.
+                    // SAFETY: rows d and d + 1 of the block, 8 slots from `slot`.
                     let (k0, k1) = unsafe {
-                        (T::load16(kb.add(d * bs + slot)), T::load16(kb.add((d + 1) * bs + slot)))
+                        (T::load8(kb.add(d * bs + slot)), T::load8(kb.add((d + 1) * bs + slot)))
                     };
                     for (hh, a) in acc.iter_mut().enumerate() {
-                        a[0] = _mm512_fmadd_ps(_mm512_set1_ps(q[hh * hd + d]), k0, a[0]);
-                        a[1] = _mm512_fmadd_ps(_mm512_set1_ps(q[hh * hd + d + 1]), k1, a[1]);
+                        a[0] = _mm256_fmadd_ps(_mm256_set1_ps(q[hh * hd + d]), k0, a[0]);
+                        a[1] = _mm256_fmadd_ps(_mm256_set1_ps(q[hh * hd + d + 1]), k1, a[1]);
                     }
                 }
                 for (hh, a) in acc.iter().enumerate() {
-                    let dst = &mut scores[hh * len + i * bs + slot..][..16];
-                    // SAFETY: `dst` holds 16 floats.
-                    unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), _mm512_add_ps(a[0], a[1])) };
+                    let dst = &mut scores[hh * len + i * bs + slot..][..8];
+                    // SAFETY: `dst` holds 8 floats.
+                    unsafe { _mm256_storeu_ps(dst.as_mut_ptr(), _mm256_add_ps(a[0], a[1])) };
                 }
             }
         }
-        // Softmax pieces: scale, max, exp and sum over the valid positions; zeros elsewhere.
+        // Softmax pieces over the valid positions, 8 at a time and the rest one by one.
         let (va, vb) = (job.valid.start, job.valid.end);
-        let scale = _mm512_set1_ps(s.scale);
+        let scale = _mm256_set1_ps(s.scale);
         for hh in 0..H {
             let row = &mut scores[hh * len..(hh + 1) * len];
             let p = row.as_mut_ptr();
-            let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
+            let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
             let mut i = va;
-            while i < vb {
-                let m = lanes(i, vb);
-                // SAFETY: the masked lanes lie in `row[va..vb]`.
+            while i + 8 <= vb {
+                // SAFETY: row[i..i + 8] lies inside `row`.
                 unsafe {
-                    let x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p.add(i)), scale);
-                    _mm512_mask_storeu_ps(p.add(i), m, x);
-                    mx = _mm512_mask_max_ps(mx, m, mx, x);
+                    let x = _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), scale);
+                    _mm256_storeu_ps(p.add(i), x);
+                    mx = _mm256_max_ps(mx, x);
                 }
-                i += 16;
+                i += 8;
             }
-            let max = _mm512_reduce_max_ps(mx);
-            let (mut sum, maxv) = (_mm512_setzero_ps(), _mm512_set1_ps(max));
+            let mut max = lanes(mx).iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+            for x in &mut row[i..vb] {
+                *x *= s.scale;
+                max = max.max(*x);
+            }
+            let (mut sum, maxv) = (_mm256_setzero_ps(), _mm256_set1_ps(max));
             let mut i = va;
-            while i < vb {
-                let m = lanes(i, vb);
+            while i + 8 <= vb {
                 // SAFETY: as above.
                 unsafe {
-                    let e = exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p.add(i)), maxv));
-                    _mm512_mask_storeu_ps(p.add(i), m, e);
-                    sum = _mm512_mask_add_ps(sum, m, sum, e);
+                    let e = exp(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), maxv));
+                    _mm256_storeu_ps(p.add(i), e);
+                    sum = _mm256_add_ps(sum, e);
                 }
-                i += 16;
+                i += 8;
+            }
+            let mut total = lanes(sum).iter().sum::<f32>();
+            for x in &mut row[i..vb] {
+                *x = (*x - max).exp();
+                total += *x;
             }
             row[..va].fill(0.0);
             row[vb..].fill(0.0);
             let at = (h0 + hh) * (hd + 2);
             part[at] = max;
-            part[at + 1] = _mm512_reduce_add_ps(sum);
+            part[at + 1] = total;
         }
-        // Values: per 64 dimensions (or what is left), H heads' sums in registers per block.
-        let mut dc = 0;
-        while dc < hd {
-            let w = (hd - dc).min(64);
-            // SAFETY: forwarded contract; `w` is a multiple of 16.
-            unsafe {
-                match w / 16 {
-                    4 => values::<T, H, 4>(job, h0, dc, v, scores, part),
-                    3 => values::<T, H, 3>(job, h0, dc, v, scores, part),
-                    2 => values::<T, H, 2>(job, h0, dc, v, scores, part),
-                    _ => values::<T, H, 1>(job, h0, dc, v, scores, part),
-                }
-            }
-            dc += w;
-        }
-    }
-
-    /// Dimensions `dc..dc + 16 * D` of the weighted value sums of heads `h0..h0 + H`.
-    #[inline]
-    #[target_feature(enable = "avx512f,f16c,fma")]
-    unsafe fn values<T: KvElem, const H: usize, const D: usize>(
-        job: &Split<'_, '_, T>,
-        h0: usize,
-        dc: usize,
-        v: *const T,
-        probs: &[f32],
-        part: &mut [f32],
-    ) {
-        let (bs, hd, len) = (job.s.block_size, job.s.head_dim, job.len);
-        let mut acc = [[_mm512_setzero_ps(); D]; H];
-        for (i, bi) in job.blocks.clone().enumerate() {
-            // SAFETY: block bi's values of this KV head, bs * hd elements, lie inside `v`.
-            let vb = unsafe { v.add(job.base(bi)) };
-            for slot in job.slots(i) {
-                let mut row = [_mm512_setzero_ps(); D];
-                for (u, r) in row.iter_mut().enumerate() {
-                    // SAFETY: slot < bs and dc + 16 * (u + 1) <= hd.
-                    *r = unsafe { T::load16(vb.add(slot * hd + dc + 16 * u)) };
-                }
-                for (hh, a) in acc.iter_mut().enumerate() {
-                    let p = _mm512_set1_ps(probs[hh * len + i * bs + slot]);
-                    for (a, r) in a.iter_mut().zip(&row) {
-                        *a = _mm512_fmadd_ps(p, *r, *a);
+        // Values: 16 dimensions at a time, H heads' sums in registers over the split.
+        for dc in (0..hd).step_by(16) {
+            let mut acc = [[_mm256_setzero_ps(); 2]; H];
+            for (i, bi) in job.blocks.clone().enumerate() {
+                // SAFETY: block bi's values of this KV head, bs * hd elements, lie in `v`.
+                let vb = unsafe { v.add(job.base(bi)) };
+                for slot in job.slots(i) {
+                    // SAFETY: slot < bs and dc + 16 <= hd.
+                    let (r0, r1) = unsafe {
+                        (T::load8(vb.add(slot * hd + dc)), T::load8(vb.add(slot * hd + dc + 8)))
+                    };
+                    for (hh, a) in acc.iter_mut().enumerate() {
+                        let pr = _mm256_set1_ps(scores[hh * len + i * bs + slot]);
+                        a[0] = _mm256_fmadd_ps(pr, r0, a[0]);
+                        a[1] = _mm256_fmadd_ps(pr, r1, a[1]);
                     }
                 }
             }
-        }
-        for (hh, a) in acc.iter().enumerate() {
-            let dst = &mut part[(h0 + hh) * (hd + 2) + 2 + dc..][..16 * D];
-            for (u, a) in a.iter().enumerate() {
-                // SAFETY: `dst` holds 16 * D floats.
-                unsafe { _mm512_storeu_ps(dst.as_mut_ptr().add(16 * u), *a) };
+            for (hh, a) in acc.iter().enumerate() {
+                let dst = &mut part[(h0 + hh) * (hd + 2) + 2 + dc..][..16];
+                // SAFETY: `dst` holds 16 floats.
+                unsafe {
+                    _mm256_storeu_ps(dst.as_mut_ptr(), a[0]);
+                    _mm256_storeu_ps(dst.as_mut_ptr().add(8), a[1]);
+                }
             }
         }
     }
@@ -690,15 +674,14 @@ mod tests {
     #[test]
     fn every_kernel_and_split_matches_the_reference() {
         let mut kernels = vec![Kernels::Portable];
-        let detected = Kernels::detect(&Shape {
-            heads: 1,
-            kv_heads: 1,
-            head_dim: 64,
-            block_size: 16,
-            scale: 1.0,
-        });
-        if detected != Kernels::Portable {
-            kernels.push(detected);
+        #[cfg(target_arch = "x86_64")]
+        {
+            if is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("f16c")
+                && is_x86_feature_detected!("fma")
+            {
+                kernels.push(Kernels::Avx2);
+            }
         }
         // (heads, kv heads, head size): SmolLM2's group of 3, Gemma's 4 with 256 dims, 7, MHA.
         for (heads, kv_heads, hd) in [(9, 3, 64), (4, 1, 256), (7, 1, 32), (2, 2, 16)] {
