@@ -14,6 +14,7 @@ use crate::cpu::matmul::{
     Isa, MatmulScratch, PackedWeight, detect_isa, dot_f32, matmul, matmul_many,
 };
 use crate::cpu::pool::ThreadPool;
+use crate::cpu::vmath::{Gate, gated};
 use crate::error::{EngineError, Result};
 use crate::interrupt::Interrupt;
 use crate::model::{LlamaWeights, RopeStyle};
@@ -149,13 +150,14 @@ impl KvCache {
     fn attend(
         &self,
         pool: &ThreadPool,
+        isa: Isa,
         layer: usize,
         shape: &Shape,
         rows: &[Row<'_>],
         q: &[f32],
         out: &mut [f32],
     ) {
-        let kernels = Kernels::detect(shape);
+        let kernels = Kernels::detect(shape, isa);
         let offset = self.block_offset(layer, 0);
         let block_stride = self.block_size * self.kv_dim;
         match &self.store {
@@ -508,7 +510,7 @@ impl Runner {
                     first: c.first_visible(li, m.pos),
                 })
                 .collect();
-            cache.attend(&self.pool, li, &shape, &rows, &q, &mut attn);
+            cache.attend(&self.pool, self.isa, li, &shape, &rows, &q, &mut attn);
             attn_s += t_attn.elapsed().as_secs_f64();
             let t = Instant::now();
             self.mm(&l.wo, &attn, &mut o);
@@ -523,15 +525,8 @@ impl Runner {
             let t = Instant::now();
             self.mm_many(&[&l.w_gate, &l.w_up], &xn, [&mut gate, &mut up]);
             matmul_s += t.elapsed().as_secs_f64();
-            if c.gemma.is_some() {
-                for (g, u) in gate.iter_mut().zip(&up) {
-                    *g = gelu_tanh(*g) * u;
-                }
-            } else {
-                for (g, u) in gate.iter_mut().zip(&up) {
-                    *g = *g / (1.0 + (-*g).exp()) * u;
-                }
-            }
+            let act = if c.gemma.is_some() { Gate::GeluTanh } else { Gate::Silu };
+            gated(&self.pool, self.isa, act, &mut gate, &up, c.intermediate);
             let t = Instant::now();
             self.mm(&l.w_down, &gate, &mut down);
             matmul_s += t.elapsed().as_secs_f64();
@@ -562,12 +557,6 @@ impl Runner {
         p.total += began.elapsed().as_secs_f64();
         Ok(logits)
     }
-}
-
-/// GELU with the tanh approximation (Gemma's `gelu_pytorch_tanh`, ggml's `gelu`).
-fn gelu_tanh(x: f32) -> f32 {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + 0.044_715 * x * x)).tanh())
 }
 
 /// RMSNorm of each `w.len()`-wide piece of `x` (per-head query and key norms).

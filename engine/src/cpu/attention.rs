@@ -10,16 +10,18 @@
 //! takes a row's splits in turn; with few (small decode batches, long contexts), every split is
 //! an item of its own, so one long request keeps every core busy.
 //!
-//! The cache holds f16 (the default) or f32. On x86-64 with AVX2, FMA and F16C (AVX-512
-//! machines included) the kernels read either directly (f16 widened as it is loaded), with
-//! scores and value sums in registers, four query heads per load and a vectorized `exp`;
-//! elsewhere a portable path widens each block first.
+//! The cache holds f16 (the default) or f32. On x86-64 with AVX2 and F16C (AVX-512 machines
+//! included) the kernels read either directly (f16 widened as it is loaded), with scores and
+//! value sums in registers and four query heads per load; elsewhere a portable path widens
+//! each block first. Both compute the same bits: every sum in the same order, a product then
+//! a sum (never fused), and one softmax code for both.
 
 use std::ops::Range;
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
+use crate::cpu::matmul::Isa;
 use crate::cpu::pool::{SharedOut, ThreadPool};
 
 /// Positions per split (rounded down to whole blocks, at least one).
@@ -156,10 +158,12 @@ pub(crate) enum Kernels {
 }
 
 impl Kernels {
-    /// The fastest this CPU runs for `s`.
-    pub(crate) fn detect(s: &Shape) -> Kernels {
+    /// The fastest this CPU runs for `s`; only the portable ones when `isa` is
+    /// [`Isa::Scalar`] (`SLUICE_ISA=scalar`, for diagnosis).
+    pub(crate) fn detect(s: &Shape, isa: Isa) -> Kernels {
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2")
+        if isa != Isa::Scalar
+            && std::arch::is_x86_feature_detected!("avx2")
             && std::arch::is_x86_feature_detected!("f16c")
             && std::arch::is_x86_feature_detected!("fma")
             && s.block_size.is_multiple_of(8)
@@ -345,6 +349,24 @@ impl<T> Split<'_, '_, T> {
     }
 }
 
+/// A split's scores of one head become `exp(score * scale - max)` over `valid` and zeros
+/// elsewhere; returns the max and the sum. Shared by every kernel, so the bits agree.
+fn softmax_part(row: &mut [f32], valid: &Range<usize>, scale: f32) -> (f32, f32) {
+    let mut max = f32::NEG_INFINITY;
+    for x in &mut row[valid.clone()] {
+        *x *= scale;
+        max = max.max(*x);
+    }
+    let mut sum = 0f32;
+    for x in &mut row[valid.clone()] {
+        *x = (*x - max).exp();
+        sum += *x;
+    }
+    row[..valid.start].fill(0.0);
+    row[valid.end..].fill(0.0);
+    (max, sum)
+}
+
 fn split_portable<T: KvElem>(job: &Split<'_, '_, T>, scratch: &mut Scratch, part: &mut [f32]) {
     let s = job.s;
     let (bs, hd, group) = (s.block_size, s.head_dim, s.group());
@@ -367,19 +389,7 @@ fn split_portable<T: KvElem>(job: &Split<'_, '_, T>, scratch: &mut Scratch, part
         }
     }
     for h in 0..group {
-        let row = &mut scores[h * len..(h + 1) * len];
-        let mut max = f32::NEG_INFINITY;
-        for x in &mut row[job.valid.clone()] {
-            *x *= s.scale;
-            max = max.max(*x);
-        }
-        let mut sum = 0f32;
-        for x in &mut row[job.valid.clone()] {
-            *x = (*x - max).exp();
-            sum += *x;
-        }
-        row[..job.valid.start].fill(0.0);
-        row[job.valid.end..].fill(0.0);
+        let (max, sum) = softmax_part(&mut scores[h * len..(h + 1) * len], &job.valid, s.scale);
         part[h * (hd + 2)] = max;
         part[h * (hd + 2) + 1] = sum;
         part[h * (hd + 2) + 2..(h + 1) * (hd + 2)].fill(0.0);
@@ -405,37 +415,6 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{KvElem, Scratch, Split};
-
-    /// `exp(x)` for `x <= 0` (Cephes' polynomial, relative error about 2e-7; inputs below
-    /// -87 give about 1e-38).
-    #[inline]
-    #[target_feature(enable = "avx2,fma")]
-    fn exp(x: __m256) -> __m256 {
-        let x = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
-        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
-        );
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-        let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), r);
-        let mut p = _mm256_set1_ps(1.987_569_1e-4);
-        for c in [1.398_2e-3, 8.333_452e-3, 4.166_579_6e-2, 0.166_666_65, 0.5] {
-            p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
-        }
-        let p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0)));
-        // 2^n for n in [-126, 127], built in the exponent field.
-        let e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
-        _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e)))
-    }
-
-    /// The eight lanes of `v`, in order.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn lanes(v: __m256) -> [f32; 8] {
-        let mut out = [0f32; 8];
-        // SAFETY: `out` holds 8 floats.
-        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), v) };
-        out
-    }
 
     /// # Safety
     /// AVX2, F16C and FMA; block size a multiple of 8, head size of 16.
@@ -479,72 +458,32 @@ mod avx2 {
         scores.resize(H * len, 0.0);
         let (k, v) = (job.kv.k.as_ptr(), job.kv.v.as_ptr());
         let q = &job.q[h0 * hd..(h0 + H) * hd];
-        // Scores: 8 slots of H heads at a time, two sums per head (even and odd dims).
+        // Scores: 8 slots of H heads at a time, each summed over the dimensions in order,
+        // a product then a sum, as the portable kernels do (the same bits).
         for (i, bi) in job.blocks.clone().enumerate() {
             // SAFETY: block bi's keys of this KV head, hd * bs elements, lie inside `k`.
             let kb = unsafe { k.add(job.base(bi)) };
             for slot in (0..bs).step_by(8) {
-                let mut acc = [[_mm256_setzero_ps(); 2]; H];
-                for d in (0..hd).step_by(2) {
-                    // SAFETY: rows d and d + 1 of the block, 8 slots from `slot`.
-                    let (k0, k1) = unsafe {
-                        (T::load8(kb.add(d * bs + slot)), T::load8(kb.add((d + 1) * bs + slot)))
-                    };
+                let mut acc = [_mm256_setzero_ps(); H];
+                for d in 0..hd {
+                    // SAFETY: row d of the block, 8 slots from `slot`.
+                    let kd = unsafe { T::load8(kb.add(d * bs + slot)) };
                     for (hh, a) in acc.iter_mut().enumerate() {
-                        a[0] = _mm256_fmadd_ps(_mm256_set1_ps(q[hh * hd + d]), k0, a[0]);
-                        a[1] = _mm256_fmadd_ps(_mm256_set1_ps(q[hh * hd + d + 1]), k1, a[1]);
+                        let p = _mm256_mul_ps(_mm256_set1_ps(q[hh * hd + d]), kd);
+                        *a = _mm256_add_ps(*a, p);
                     }
                 }
                 for (hh, a) in acc.iter().enumerate() {
                     let dst = &mut scores[hh * len + i * bs + slot..][..8];
                     // SAFETY: `dst` holds 8 floats.
-                    unsafe { _mm256_storeu_ps(dst.as_mut_ptr(), _mm256_add_ps(a[0], a[1])) };
+                    unsafe { _mm256_storeu_ps(dst.as_mut_ptr(), *a) };
                 }
             }
         }
-        // Softmax pieces over the valid positions, 8 at a time and the rest one by one.
-        let (va, vb) = (job.valid.start, job.valid.end);
-        let scale = _mm256_set1_ps(s.scale);
         for hh in 0..H {
-            let row = &mut scores[hh * len..(hh + 1) * len];
-            let p = row.as_mut_ptr();
-            let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
-            let mut i = va;
-            while i + 8 <= vb {
-                // SAFETY: row[i..i + 8] lies inside `row`.
-                unsafe {
-                    let x = _mm256_mul_ps(_mm256_loadu_ps(p.add(i)), scale);
-                    _mm256_storeu_ps(p.add(i), x);
-                    mx = _mm256_max_ps(mx, x);
-                }
-                i += 8;
-            }
-            let mut max = lanes(mx).iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
-            for x in &mut row[i..vb] {
-                *x *= s.scale;
-                max = max.max(*x);
-            }
-            let (mut sum, maxv) = (_mm256_setzero_ps(), _mm256_set1_ps(max));
-            let mut i = va;
-            while i + 8 <= vb {
-                // SAFETY: as above.
-                unsafe {
-                    let e = exp(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), maxv));
-                    _mm256_storeu_ps(p.add(i), e);
-                    sum = _mm256_add_ps(sum, e);
-                }
-                i += 8;
-            }
-            let mut total = lanes(sum).iter().sum::<f32>();
-            for x in &mut row[i..vb] {
-                *x = (*x - max).exp();
-                total += *x;
-            }
-            row[..va].fill(0.0);
-            row[vb..].fill(0.0);
             let at = (h0 + hh) * (hd + 2);
-            part[at] = max;
-            part[at + 1] = total;
+            let row = &mut scores[hh * len..(hh + 1) * len];
+            (part[at], part[at + 1]) = super::softmax_part(row, &job.valid, s.scale);
         }
         // Values: 16 dimensions at a time, H heads' sums in registers over the split.
         for dc in (0..hd).step_by(16) {
@@ -559,8 +498,8 @@ mod avx2 {
                     };
                     for (hh, a) in acc.iter_mut().enumerate() {
                         let pr = _mm256_set1_ps(scores[hh * len + i * bs + slot]);
-                        a[0] = _mm256_fmadd_ps(pr, r0, a[0]);
-                        a[1] = _mm256_fmadd_ps(pr, r1, a[1]);
+                        a[0] = _mm256_add_ps(a[0], _mm256_mul_ps(pr, r0));
+                        a[1] = _mm256_add_ps(a[1], _mm256_mul_ps(pr, r1));
                     }
                 }
             }
@@ -709,6 +648,8 @@ mod tests {
                     max_err(&one, &want)
                 );
                 let half = run::<f16>(&case, kn, 1, &rows, &q);
+                let portable = run::<f16>(&case, Kernels::Portable, 1, &rows, &q);
+                assert_eq!(half, portable, "{kn:?} f16 {heads}/{kv_heads}x{hd}: not the same bits");
                 assert!(
                     max_err(&half, &want) < 2e-2,
                     "{kn:?} f16 {heads}/{kv_heads}x{hd}: {}",

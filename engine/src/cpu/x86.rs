@@ -216,16 +216,26 @@ unsafe fn tile256<const C: usize>(
             };
             for (j, a) in acc.iter_mut().enumerate() {
                 let t = t0 + j;
-                let mut isum = zero;
-                for (k, wk) in w.iter().enumerate() {
-                    let x = _mm256_set1_epi32(quad(acts, t, b, k));
-                    let p = if eight_bit {
-                        _mm256_maddubs_epi16(_mm256_abs_epi8(*wk), _mm256_sign_epi8(x, *wk))
-                    } else {
-                        _mm256_maddubs_epi16(*wk, x)
-                    };
-                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, ones));
-                }
+                let isum = if eight_bit {
+                    let mut isum = zero;
+                    for (k, wk) in w.iter().enumerate() {
+                        let x = _mm256_set1_epi32(quad(acts, t, b, k));
+                        let p =
+                            _mm256_maddubs_epi16(_mm256_abs_epi8(*wk), _mm256_sign_epi8(x, *wk));
+                        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, ones));
+                    }
+                    isum
+                } else {
+                    // 4-bit weights (0..15) times activations in -127..=127: a pair of
+                    // products is at most 3,810, so the eight quads' 16-bit sums (at most
+                    // 30,480) cannot overflow, and one widening per block does.
+                    let mut s16 = zero;
+                    for (k, wk) in w.iter().enumerate() {
+                        let x = _mm256_set1_epi32(quad(acts, t, b, k));
+                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(*wk, x));
+                    }
+                    _mm256_madd_epi16(s16, ones)
+                };
                 let s = _mm256_mul_ps(dw, _mm256_set1_ps(*acts.d.get_unchecked(t * nb + b)));
                 *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, *a);
                 if !eight_bit {
