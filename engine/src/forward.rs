@@ -452,6 +452,11 @@ impl Runner {
             scale: c.attention_scale(),
         };
         let (mut matmul_s, mut attn_s) = (0f64, 0f64);
+        // Each row's place for attention; only the window's start changes with the layer.
+        let mut rows: Vec<Row<'_>> = meta
+            .iter()
+            .map(|m| Row { table: batch[m.seq].block_table, pos: m.pos, first: 0 })
+            .collect();
         let tokens: Vec<u32> = batch.iter().flat_map(|s| s.tokens.iter().copied()).collect();
         let mut x = vec![0f32; n * hidden];
         for (t, &tok) in tokens.iter().enumerate() {
@@ -503,14 +508,9 @@ impl Runner {
                 cache.write(li, block, pos % cache.block_size, hd, kt, vt);
             }
             let t_attn = Instant::now();
-            let rows: Vec<Row<'_>> = meta
-                .iter()
-                .map(|m| Row {
-                    table: batch[m.seq].block_table,
-                    pos: m.pos,
-                    first: c.first_visible(li, m.pos),
-                })
-                .collect();
+            for (r, m) in rows.iter_mut().zip(&meta) {
+                r.first = c.first_visible(li, m.pos);
+            }
             cache.attend(&self.pool, self.isa, li, &shape, &rows, &q, &mut attn);
             attn_s += t_attn.elapsed().as_secs_f64();
             let t = Instant::now();

@@ -28,6 +28,13 @@ pub(crate) fn gated(
 ) {
     let rows = gate.len() / width.max(1);
     let threads = pool.threads();
+    #[cfg(target_arch = "x86_64")]
+    let simd = isa != Isa::Scalar && avx2::usable();
+    #[cfg(not(target_arch = "x86_64"))]
+    let simd = {
+        let _ = isa;
+        false
+    };
     let out = SharedOut(gate.as_mut_ptr());
     pool.run(&|ti| {
         let range = split_range(rows, threads, ti, 1);
@@ -40,16 +47,17 @@ pub(crate) fn gated(
         };
         let u = &up[range.start * width..range.end * width];
         for (g, u) in g.chunks_exact_mut(width).zip(u.chunks_exact(width)) {
-            gated_row(isa, act, g, u);
+            gated_row(simd, act, g, u);
         }
     });
 }
 
-fn gated_row(isa: Isa, act: Gate, g: &mut [f32], u: &[f32]) {
+/// One row; `simd`: AVX2 and FMA were detected.
+fn gated_row(simd: bool, act: Gate, g: &mut [f32], u: &[f32]) {
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if act == Gate::Silu && isa != Isa::Scalar && avx2::usable() {
-        // SAFETY: AVX2 and FMA are available (checked).
+    if act == Gate::Silu && simd {
+        // SAFETY: AVX2 and FMA are available (`simd`, checked by the caller).
         done = unsafe { avx2::silu_mul(g, u) };
     }
     for (g, u) in g[done..].iter_mut().zip(&u[done..]) {
