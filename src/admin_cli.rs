@@ -58,10 +58,13 @@ impl JwtArgs {
 
 /// `sluice billing`.
 #[derive(Args, Debug)]
+#[command(subcommand_negates_reqs = true)]
 pub struct BillingArgs {
+    #[command(subcommand)]
+    command: Option<BillingCommand>,
     /// postgres://... (production) or sqlite://PATH (embedded).
-    #[arg(long, env = "SLUICE_DATABASE_URL")]
-    database_url: String,
+    #[arg(long, env = "SLUICE_DATABASE_URL", required = true)]
+    database_url: Option<String>,
     /// Address for the admin, audit and dashboard API.
     #[arg(long, default_value = "127.0.0.1:8090")]
     listen: String,
@@ -81,8 +84,89 @@ pub struct BillingArgs {
     jwt: JwtArgs,
 }
 
-/// Runs the billing service until Ctrl-C or SIGTERM.
+#[derive(Subcommand, Debug)]
+enum BillingCommand {
+    /// Archive and drop the request-record months before the kept window (Postgres ledger):
+    /// each month's partition is detached, copied into DIR/request_records_YYYY_MM.sqlite (a
+    /// SQLite ledger, queryable with sqlite3 or `sluice billing --database-url sqlite://FILE`),
+    /// verified against it, then dropped.
+    Retention(RetentionArgs),
+}
+
+#[derive(Args, Debug)]
+struct RetentionArgs {
+    /// postgres://... ledger.
+    #[arg(long, env = "SLUICE_DATABASE_URL")]
+    database_url: String,
+    /// Months kept, the current one included: 13mo, 2y.
+    #[arg(long, value_parser = sluice_billing::retention::parse_keep)]
+    keep: u32,
+    /// Where the archive files are written (created if missing).
+    #[arg(long)]
+    archive_dir: std::path::PathBuf,
+    /// Report what would be archived; change nothing.
+    #[arg(long)]
+    dry_run: bool,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+fn run_retention(args: RetentionArgs) -> anyhow::Result<()> {
+    use sluice_billing::retention::RetentionOptions;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let report = rt.block_on(async {
+        let ledger = Ledger::connect(&args.database_url).await.context("--database-url")?;
+        let options = RetentionOptions {
+            keep_months: args.keep,
+            archive_dir: args.archive_dir.clone(),
+            dry_run: args.dry_run,
+            now: chrono::Utc::now(),
+        };
+        let report = ledger.apply_retention(&options).await;
+        ledger.close().await;
+        anyhow::Ok(report?)
+    })?;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+        return Ok(());
+    }
+    println!(
+        "keep {} months: records before {} leave the ledger{}",
+        report.keep_months,
+        report.cutoff.format("%Y-%m-%d"),
+        if args.dry_run { " (dry run: nothing changed)" } else { "" }
+    );
+    println!("past-month rows in the default partition: {}", report.moved_from_default);
+    println!(
+        "{:<24} {:>10} {:>14} {:>14} {:>16}  {:<16} archive",
+        "partition", "rows", "prompt", "completion", "cost_micros", "action"
+    );
+    for m in &report.months {
+        println!(
+            "{:<24} {:>10} {:>14} {:>14} {:>16}  {:<16} {}",
+            m.partition,
+            m.sums.rows,
+            m.sums.prompt_tokens,
+            m.sums.completion_tokens,
+            m.sums.cost_micros,
+            m.action,
+            m.archive.as_deref().unwrap_or("-")
+        );
+    }
+    println!("kept: {}", report.kept.join(", "));
+    Ok(())
+}
+
+/// Runs the billing service until Ctrl-C or SIGTERM (or `sluice billing retention`).
 pub fn run_billing(args: BillingArgs) -> anyhow::Result<()> {
+    if let Some(BillingCommand::Retention(retention)) = args.command {
+        return run_retention(retention);
+    }
+    let database_url = args.database_url.context("--database-url is required")?;
     let verifier = args.jwt.verifier()?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -90,9 +174,25 @@ pub fn run_billing(args: BillingArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     rt.block_on(async {
-        let ledger = Ledger::connect_with(&args.database_url, &LedgerOptions::default())
+        let ledger = Ledger::connect_with(&database_url, &LedgerOptions::default())
             .await
             .context("connecting to --database-url")?;
+        // The months ahead keep existing while the service runs (connect created them).
+        let partitions = {
+            let ledger = ledger.clone();
+            tokio::spawn(async move {
+                let mut every = tokio::time::interval(std::time::Duration::from_secs(3600));
+                every.tick().await;
+                loop {
+                    every.tick().await;
+                    let now = chrono::Utc::now();
+                    let ahead = now + sluice_billing::store::PARTITIONS_AHEAD;
+                    if let Err(e) = ledger.create_record_partitions(now, ahead).await {
+                        tracing::warn!(error = %e, "creating the months ahead's partitions failed");
+                    }
+                }
+            })
+        };
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let mut consumer_task = None;
         let mut redis = None;
@@ -124,6 +224,7 @@ pub fn run_billing(args: BillingArgs) -> anyhow::Result<()> {
             .await
             .context("serving")?;
         let _ = stop_tx.send(true);
+        partitions.abort();
         if let Some(task) = consumer_task {
             // The consumer finishes its batch (commit, then ack) before returning.
             task.await.context("usage consumer")?.context("usage consumer")?;

@@ -174,6 +174,20 @@ struct BenchBillingArgs {
     /// Length of the ingestion-lag run, seconds.
     #[arg(long, default_value_t = 5.0)]
     seconds: f64,
+    /// Writers of the parallel insert run, each inserting --records (0 skips it): two billing
+    /// consumers writing side by side.
+    #[arg(long, default_value_t = 2)]
+    writers: usize,
+    /// Rows of the audit-query run over a year of records (0 skips it; the figure is
+    /// 10000000).
+    #[arg(long, default_value_t = 0)]
+    audit_rows: i64,
+    /// Months the audit rows span.
+    #[arg(long, default_value_t = 12, value_parser = clap::value_parser!(u32).range(1..=120))]
+    audit_months: u32,
+    /// Queries of each kind the audit run times.
+    #[arg(long, default_value_t = 300)]
+    audit_queries: usize,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -763,6 +777,10 @@ fn run_bench_billing(args: BenchBillingArgs) -> anyhow::Result<()> {
         redis_url: args.redis_url,
         rate: args.rate,
         seconds: args.seconds,
+        writers: args.writers,
+        audit_rows: args.audit_rows,
+        audit_months: args.audit_months,
+        audit_queries: args.audit_queries,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

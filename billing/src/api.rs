@@ -48,6 +48,8 @@ impl std::fmt::Debug for ApiState {
 pub fn router(state: Arc<ApiState>) -> Router {
     Router::new()
         .route("/health", get(|| async { "ok" }))
+        .route("/livez", get(|| async { axum::Json(json!({"status": "ok"})) }))
+        .route("/readyz", get(readyz))
         .route("/", get(|| async { axum::response::Redirect::to("/console") }))
         .route("/console", get(console_page))
         .route("/console.js", get(console_script))
@@ -675,4 +677,22 @@ async fn usage(
         }
     }
     Ok(axum::Json(json!({"period": period, "data": rows, "totals": totals})).into_response())
+}
+
+/// Readiness: the ledger's database answers within two seconds. A billing service that
+/// cannot write leaves the load balancer; its stream consumers pick the backlog up again when
+/// the database returns.
+async fn readyz(State(state): State<Arc<ApiState>>) -> Response {
+    match tokio::time::timeout(std::time::Duration::from_secs(2), state.ledger.ping()).await {
+        Ok(Ok(())) => axum::Json(json!({"status": "ready"})).into_response(),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "readiness: the database did not answer");
+            not_ready("database_unavailable")
+        }
+        Err(_) => not_ready("database_timeout"),
+    }
+}
+
+fn not_ready(reason: &str) -> Response {
+    (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": reason}))).into_response()
 }

@@ -406,6 +406,14 @@ pub struct LedgerBenchConfig {
     pub rate: f64,
     /// Length of the ingestion-lag run, seconds.
     pub seconds: f64,
+    /// Writers of the parallel insert run (0 skips it); each inserts `records`.
+    pub writers: usize,
+    /// Rows of the audit-query run (0 skips it).
+    pub audit_rows: i64,
+    /// Months the audit rows span.
+    pub audit_months: u32,
+    /// Queries of each kind the audit run times.
+    pub audit_queries: usize,
 }
 
 /// The insert rate a ledger benchmark is set against.
@@ -430,6 +438,12 @@ pub struct LedgerBench {
     pub insert_ratio: f64,
     /// The ingestion-lag run, if a Redis was given.
     pub ingest: Option<IngestReport>,
+    /// The parallel insert run (consumers writing side by side), if asked for.
+    pub parallel: Option<ParallelInsertReport>,
+    /// Parallel rate over the baseline times the writers.
+    pub parallel_ratio: Option<f64>,
+    /// The audit-query run, if asked for.
+    pub audit: Option<AuditReport>,
 }
 
 /// A ledger benchmark that failed, and at which stage.
@@ -459,7 +473,7 @@ pub async fn bench_ledger(
     let scratch_database = scratch.name.clone();
     let result = bench_in(&scratch.url, cfg).await;
     let dropped = scratch.drop_database().await;
-    let (insert, ingest) = result?;
+    let (insert, ingest, parallel, audit) = result?;
     let stage = format!("dropping the scratch database {scratch_database} (drop it by hand)");
     dropped.map_err(at(&stage))?;
     let insert_ratio = insert.records_per_second / TARGET_RECORDS_PER_SECOND;
@@ -472,13 +486,18 @@ pub async fn bench_ledger(
         insert,
         insert_ratio,
         ingest,
+        parallel_ratio: parallel
+            .as_ref()
+            .map(|p| p.records_per_second / (TARGET_RECORDS_PER_SECOND * p.writers as f64)),
+        parallel,
+        audit,
     })
 }
 
-async fn bench_in(
-    url: &str,
-    cfg: &LedgerBenchConfig,
-) -> Result<(InsertReport, Option<IngestReport>), BenchFailure> {
+type BenchRuns =
+    (InsertReport, Option<IngestReport>, Option<ParallelInsertReport>, Option<AuditReport>);
+
+async fn bench_in(url: &str, cfg: &LedgerBenchConfig) -> Result<BenchRuns, BenchFailure> {
     let ledger = Ledger::connect(url).await.map_err(at("connecting to the ledger"))?;
     let insert =
         bench_insert(&ledger, cfg.records, cfg.batch).await.map_err(at("insert-rate run"))?;
@@ -493,8 +512,24 @@ async fn bench_in(
         }
         None => None,
     };
+    let parallel = match cfg.writers {
+        0 => None,
+        n => Some(
+            bench_parallel_insert(&ledger, n, cfg.records, cfg.batch)
+                .await
+                .map_err(at("parallel insert run"))?,
+        ),
+    };
+    let audit = match cfg.audit_rows {
+        ..=0 => None,
+        rows => Some(
+            bench_audit_queries(&ledger, rows, cfg.audit_months, 100, cfg.audit_queries)
+                .await
+                .map_err(at("audit-query run"))?,
+        ),
+    };
     ledger.close().await;
-    Ok((insert, ingest))
+    Ok((insert, ingest, parallel, audit))
 }
 
 impl std::fmt::Display for LedgerBench {
@@ -517,6 +552,45 @@ impl std::fmt::Display for LedgerBench {
             "commit     p50 {:.1} ms   p99 {:.1} ms   max {:.1} ms per batch of {}",
             c.p50_ms, c.p99_ms, c.max_ms, i.batch
         )?;
+        if let (Some(p), Some(r)) = (&self.parallel, self.parallel_ratio) {
+            writeln!(
+                f,
+                "parallel   {:>9.0} records/s   ratio {:.2}x of {:.0}   {} writers x {} records (commit p50 {:.1} ms, p99 {:.1} ms)",
+                p.records_per_second,
+                r,
+                TARGET_RECORDS_PER_SECOND * p.writers as f64,
+                p.writers,
+                p.records / p.writers.max(1),
+                p.commit_latency.p50_ms,
+                p.commit_latency.p99_ms
+            )?;
+        }
+        if let Some(a) = &self.audit {
+            writeln!(
+                f,
+                "audit      {} rows over {} monthly partitions, {} tenants (loaded in {:.0} s); target p99 < {:.0} ms",
+                a.rows, a.months, a.tenants, a.load_s, TARGET_AUDIT_P99_MS
+            )?;
+            for (name, l) in [
+                ("tenant-day records page", &a.tenant_day_records),
+                ("tenant-month usage", &a.tenant_month_usage),
+                ("key-month tokens", &a.key_month_tokens),
+            ] {
+                writeln!(
+                    f,
+                    "  {name:<24} p50 {:>6.2} ms   p99 {:>6.2} ms   max {:>6.2} ms   ratio p99/target {:.3}   ({} queries)",
+                    l.p50_ms,
+                    l.p99_ms,
+                    l.max_ms,
+                    l.p99_ms / TARGET_AUDIT_P99_MS,
+                    l.samples
+                )?;
+            }
+            writeln!(f, "  tenant-day plan:")?;
+            for line in a.tenant_day_plan.lines() {
+                writeln!(f, "    {line}")?;
+            }
+        }
         let Some(g) = &self.ingest else {
             return writeln!(f, "ingest     skipped (no --redis-url)");
         };
@@ -539,6 +613,232 @@ impl std::fmt::Display for LedgerBench {
             g.lag.p50_ms, g.lag.p99_ms, g.lag.max_ms, g.lag.samples
         )
     }
+}
+
+/// Result of [`bench_parallel_insert`]: writers inserting side by side, as two billing
+/// consumers do (each its own batches, into one ledger).
+#[derive(Debug, Clone, Serialize)]
+pub struct ParallelInsertReport {
+    /// Concurrent writers.
+    pub writers: usize,
+    /// Events inserted, all writers together.
+    pub records: usize,
+    /// Wall time from the first writer's start to the last one's end, seconds.
+    pub elapsed_s: f64,
+    /// `records / elapsed_s`.
+    pub records_per_second: f64,
+    /// Commit latency over every writer's transactions.
+    pub commit_latency: LatencySummary,
+}
+
+/// `writers` tasks each inserting `per_writer` unique events in transactions of `batch`.
+pub async fn bench_parallel_insert(
+    ledger: &Ledger,
+    writers: usize,
+    per_writer: usize,
+    batch: usize,
+) -> Result<ParallelInsertReport, BillingError> {
+    let batch = batch.max(1);
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..writers.max(1))
+        .map(|_| {
+            let ledger = ledger.clone();
+            tokio::spawn(async move {
+                let mut events = EventFactory::new();
+                let mut latencies = Vec::new();
+                let mut done = 0;
+                while done < per_writer {
+                    let n = batch.min(per_writer - done);
+                    let chunk: Vec<UsageEvent> = (0..n).map(|_| events.next_event()).collect();
+                    let t = Instant::now();
+                    ledger.insert_batch(&chunk).await?;
+                    latencies.push(t.elapsed());
+                    done += n;
+                }
+                Ok::<_, BillingError>(latencies)
+            })
+        })
+        .collect();
+    let mut latencies = Vec::new();
+    for t in tasks {
+        let got = t.await.map_err(|e| BillingError::Bench(format!("a writer task failed: {e}")))?;
+        latencies.extend(got?);
+    }
+    let elapsed_s = start.elapsed().as_secs_f64();
+    let records = per_writer * writers.max(1);
+    Ok(ParallelInsertReport {
+        writers: writers.max(1),
+        records,
+        elapsed_s,
+        records_per_second: rate(records, elapsed_s),
+        commit_latency: LatencySummary::from_durations(&latencies),
+    })
+}
+
+/// The audit-query bound the year-of-records issue sets, milliseconds at p99.
+pub const TARGET_AUDIT_P99_MS: f64 = 100.0;
+
+/// Result of [`bench_audit_queries`]: the audit queries over a year of records.
+#[derive(Debug, Clone, Serialize)]
+pub struct AuditReport {
+    /// Rows in `request_records` while the queries ran.
+    pub rows: i64,
+    /// Months they span (one partition each).
+    pub months: u32,
+    /// Tenants they belong to.
+    pub tenants: u32,
+    /// Seconds spent writing them (and their rollups) with `generate_series`.
+    pub load_s: f64,
+    /// A tenant's records of one day, first page of 100 (`GET /v1/records`).
+    pub tenant_day_records: LatencySummary,
+    /// A tenant's day rollups over one month (`GET /v1/usage?period=day`).
+    pub tenant_month_usage: LatencySummary,
+    /// One key's billed tokens this day and month (the limiter's cold start).
+    pub key_month_tokens: LatencySummary,
+    /// The first tenant-day plan, as Postgres explains it.
+    pub tenant_day_plan: String,
+}
+
+/// Fills the scratch ledger with `rows` records spread evenly over the `months` months up to
+/// now across `tenants` tenants (three keys each) with `generate_series`, builds their hour and
+/// day rollups, analyzes, then times `queries` of each audit query on random tenants, days
+/// and keys.
+pub async fn bench_audit_queries(
+    ledger: &Ledger,
+    rows: i64,
+    months: u32,
+    tenants: u32,
+    queries: usize,
+) -> Result<AuditReport, BillingError> {
+    use chrono::{Datelike, Months, NaiveDate, TimeZone};
+    let crate::store::Pool::Postgres(pool) = ledger.pool() else {
+        return Err(BillingError::Bench("the audit benchmark needs Postgres".into()));
+    };
+    let now = Utc::now();
+    let first = NaiveDate::from_ymd_opt(now.year(), now.month(), 1)
+        .and_then(|d| d.checked_sub_months(Months::new(months.max(1) - 1)))
+        .ok_or_else(|| BillingError::Bench("month out of range".into()))?;
+    let start = Utc.from_utc_datetime(&first.and_time(chrono::NaiveTime::MIN));
+    ledger.create_record_partitions(start, now).await?;
+    let span_s = (now - start).num_seconds().max(1);
+    let tenants = tenants.max(1);
+    let t0 = Instant::now();
+    // A million rows a statement: each stays a few seconds, and the WAL bounded.
+    let chunk = 1_000_000i64;
+    let mut from = 0i64;
+    while from < rows {
+        let to = (from + chunk).min(rows);
+        sqlx::query(
+            "INSERT INTO request_records (request_id, tenant_id, key_id, model_id, \
+             model_revision, tokenizer_revision, chat_template_version, prompt_tokens, \
+             cached_prompt_tokens, completion_tokens, finish_reason, http_status, \
+             client_disconnected, arrival_at, first_token_at, last_token_at, ttft_ms, e2e_ms, \
+             prompt_sha256, prompt_chars, cost_micros) \
+             SELECT 'audit-' || g, 'tenant-' || (g % $3), 'key-' || (g % $3) || '-' || (g / $3 % 3), \
+             'smollm2-135m-instruct', 'sha256:bench', 'sha256:tok', 'v1', 50 + g % 950, \
+             (g % 7) * 16, 1 + g % 256, CASE WHEN g % 41 = 0 THEN 'length' ELSE 'stop' END, \
+             200, false, t, t + interval '40 ms', t + interval '900 ms', 40, 900, \
+             md5(g::text), 200 + g % 3000, 2 * (50 + g % 950) + 8 * (1 + g % 256) \
+             FROM (SELECT g, $4::timestamptz + make_interval(secs => (g * $5::float8) / $6) AS t \
+                   FROM generate_series($1::bigint, $2::bigint - 1) AS g) AS s",
+        )
+        .bind(from)
+        .bind(to)
+        .bind(i64::from(tenants))
+        .bind(start)
+        .bind(span_s as f64)
+        .bind(rows as f64)
+        .execute(pool)
+        .await?;
+        from = to;
+    }
+    for (period, unit) in [("hour", "hour"), ("day", "day")] {
+        sqlx::query(&format!(
+            "INSERT INTO usage_rollups (period, bucket_start, tenant_id, model_id, requests, \
+             prompt_tokens, cached_prompt_tokens, completion_tokens, cost_micros) \
+             SELECT '{period}', date_trunc('{unit}', arrival_at, 'UTC'), tenant_id, model_id, \
+             COUNT(*), SUM(prompt_tokens), SUM(cached_prompt_tokens), SUM(completion_tokens), \
+             SUM(cost_micros) FROM request_records WHERE request_id LIKE 'audit-%' \
+             GROUP BY 2, 3, 4 \
+             ON CONFLICT (period, bucket_start, tenant_id, model_id) DO UPDATE SET \
+             requests = usage_rollups.requests + EXCLUDED.requests, \
+             prompt_tokens = usage_rollups.prompt_tokens + EXCLUDED.prompt_tokens, \
+             cached_prompt_tokens = usage_rollups.cached_prompt_tokens + EXCLUDED.cached_prompt_tokens, \
+             completion_tokens = usage_rollups.completion_tokens + EXCLUDED.completion_tokens, \
+             cost_micros = usage_rollups.cost_micros + EXCLUDED.cost_micros"
+        ))
+        .execute(pool)
+        .await?;
+    }
+    sqlx::query("ANALYZE").execute(pool).await?;
+    let load_s = t0.elapsed().as_secs_f64();
+    let total: i64 = sqlx::query_scalar("SELECT CAST(COUNT(*) AS BIGINT) FROM request_records")
+        .fetch_one(pool)
+        .await?;
+
+    let mut rng = random_u64();
+    let days = (now - start).num_days().max(1) as u64;
+    let mut pick = |n: u64| splitmix64(&mut rng) % n.max(1);
+    let mut day_lat = Vec::with_capacity(queries);
+    let mut month_lat = Vec::with_capacity(queries);
+    let mut key_lat = Vec::with_capacity(queries);
+    let mut plan = String::new();
+    for i in 0..queries {
+        let tenant = pick(u64::from(tenants));
+        let day = start + TimeDelta::days(pick(days) as i64);
+        let filter = crate::query::RecordFilter {
+            tenant: Some(format!("tenant-{tenant}")),
+            since: Some(day),
+            until: Some(day + TimeDelta::days(1)),
+            limit: 100,
+            ..crate::query::RecordFilter::default()
+        };
+        if i == 0 {
+            plan = ledger.explain(&filter, None).await.map_err(admin)?.unwrap_or_default();
+        }
+        let t = Instant::now();
+        let page = ledger.records(&filter).await.map_err(admin)?;
+        day_lat.push(t.elapsed());
+        std::hint::black_box(page);
+
+        let month = NaiveDate::from_ymd_opt(day.year(), day.month(), 1)
+            .map(|d| Utc.from_utc_datetime(&d.and_time(chrono::NaiveTime::MIN)))
+            .unwrap_or(day);
+        let usage = crate::query::UsageFilter {
+            period: "day".into(),
+            tenant: Some(format!("tenant-{tenant}")),
+            model: None,
+            since: Some(month),
+            until: Some(month + Months::new(1)),
+        };
+        let t = Instant::now();
+        let rows = ledger.usage(&usage).await.map_err(admin)?;
+        month_lat.push(t.elapsed());
+        std::hint::black_box(rows);
+
+        let key = format!("key-{tenant}-{}", pick(3));
+        let t = Instant::now();
+        let used = ledger
+            .tokens_used(&format!("tenant-{tenant}"), Some(&key), day, month)
+            .await
+            .map_err(admin)?;
+        key_lat.push(t.elapsed());
+        std::hint::black_box(used);
+    }
+    Ok(AuditReport {
+        rows: total,
+        months: months.max(1),
+        tenants,
+        load_s,
+        tenant_day_records: LatencySummary::from_durations(&day_lat),
+        tenant_month_usage: LatencySummary::from_durations(&month_lat),
+        key_month_tokens: LatencySummary::from_durations(&key_lat),
+        tenant_day_plan: plan,
+    })
+}
+
+fn admin(e: crate::control::AdminError) -> BillingError {
+    BillingError::Bench(e.to_string())
 }
 
 /// A throwaway Postgres database on the server a base URL points at, so a benchmark never

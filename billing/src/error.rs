@@ -24,6 +24,9 @@ pub enum BillingError {
     /// The usage writer's thread or runtime could not be started.
     #[error("could not start the usage writer: {0}")]
     Writer(#[source] std::io::Error),
+    /// A benchmark could not run as set up (`sluice bench billing`).
+    #[error("benchmark: {0}")]
+    Bench(String),
 }
 
 impl BillingError {
@@ -37,7 +40,8 @@ impl BillingError {
             | Self::UnsupportedUrl
             | Self::InvalidEvent(_)
             | Self::Encode(_)
-            | Self::Writer(_) => false,
+            | Self::Writer(_)
+            | Self::Bench(_) => false,
         }
     }
 
@@ -51,7 +55,8 @@ impl BillingError {
             | Self::Migrate(_)
             | Self::UnsupportedUrl
             | Self::Encode(_)
-            | Self::Writer(_) => 500,
+            | Self::Writer(_)
+            | Self::Bench(_) => 500,
         }
     }
 
@@ -65,6 +70,7 @@ impl BillingError {
             Self::InvalidEvent(_) => "invalid_event",
             Self::Encode(_) => "encode",
             Self::Writer(_) => "writer",
+            Self::Bench(_) => "bench",
         }
     }
 }

@@ -56,36 +56,9 @@ impl Ledger {
 
     /// Request records matching `filter`, in (arrival, request id) order after the cursor.
     pub async fn records(&self, filter: &RecordFilter) -> Result<RecordPage, AdminError> {
-        let cols: Vec<&str> = RECORD_COLUMNS.iter().map(|(n, _)| *n).collect();
         on_pool!(self, pool => {
-            let mut q = QueryBuilder::new(format!("SELECT {} FROM request_records WHERE 1 = 1", cols.join(", ")));
-            for (col, val) in [
-                ("tenant_id", &filter.tenant),
-                ("key_id", &filter.key),
-                ("model_id", &filter.model),
-                ("model_revision", &filter.model_revision),
-                ("finish_reason", &filter.finish_reason),
-            ] {
-                if let Some(v) = val {
-                    q.push(format!(" AND {col} = ")).push_bind(v.clone());
-                }
-            }
-            if let Some(status) = filter.status {
-                q.push(" AND http_status = ").push_bind(i32::from(status));
-            }
-            if let Some(since) = filter.since {
-                q.push(" AND arrival_at >= ").push_bind(since);
-            }
-            if let Some(until) = filter.until {
-                q.push(" AND arrival_at < ").push_bind(until);
-            }
-            if let Some((at, id)) = &filter.after {
-                q.push(" AND (arrival_at > ").push_bind(*at);
-                q.push(" OR (arrival_at = ").push_bind(*at);
-                q.push(" AND request_id > ").push_bind(id.clone());
-                q.push("))");
-            }
-            q.push(" ORDER BY arrival_at, request_id LIMIT ").push_bind(i64::from(filter.limit));
+            let mut q = QueryBuilder::new("");
+            records_query(&mut q, filter);
             let rows = q.build().fetch_all(pool).await?;
             let mut records = Vec::with_capacity(rows.len());
             for row in &rows {
@@ -118,6 +91,26 @@ impl Ledger {
             };
             Ok(RecordPage { records, next_cursor })
         })
+    }
+
+    /// Postgres's plan for [`Ledger::records`] with `filter` (`EXPLAIN`, text format), or for
+    /// the tenant-month usage query [`Ledger::usage`] runs when `usage` is given: what the test
+    /// of the year-of-records indexes reads. `None` on SQLite.
+    pub async fn explain(
+        &self,
+        filter: &RecordFilter,
+        usage: Option<&UsageFilter>,
+    ) -> Result<Option<String>, AdminError> {
+        let Pool::Postgres(pool) = self.pool() else {
+            return Ok(None);
+        };
+        let mut q = QueryBuilder::new("EXPLAIN ");
+        match usage {
+            Some(u) => usage_query(&mut q, u),
+            None => records_query(&mut q, filter),
+        }
+        let lines: Vec<String> = q.build_query_scalar().fetch_all(pool).await?;
+        Ok(Some(lines.join("\n")))
     }
 
     /// Billed tokens (prompt + completion, refused requests excluded) of a tenant (from its day
@@ -274,25 +267,8 @@ impl Ledger {
     /// Usage rollup rows for a period, filtered.
     pub async fn usage(&self, filter: &UsageFilter) -> Result<Vec<UsageRow>, AdminError> {
         on_pool!(self, pool => {
-            let mut q = QueryBuilder::new(
-                "SELECT bucket_start, tenant_id, model_id, requests, prompt_tokens, \
-                 cached_prompt_tokens, completion_tokens, cost_micros, refused_requests \
-                 FROM usage_rollups WHERE period = ",
-            );
-            q.push_bind(filter.period.clone());
-            if let Some(t) = &filter.tenant {
-                q.push(" AND tenant_id = ").push_bind(t.clone());
-            }
-            if let Some(m) = &filter.model {
-                q.push(" AND model_id = ").push_bind(m.clone());
-            }
-            if let Some(since) = filter.since {
-                q.push(" AND bucket_start >= ").push_bind(since);
-            }
-            if let Some(until) = filter.until {
-                q.push(" AND bucket_start < ").push_bind(until);
-            }
-            q.push(" ORDER BY bucket_start, tenant_id, model_id LIMIT 100000");
+            let mut q = QueryBuilder::new("");
+            usage_query(&mut q, filter);
             let rows = q.build().fetch_all(pool).await?;
             let mut out = Vec::with_capacity(rows.len());
             for row in &rows {
@@ -448,6 +424,73 @@ pub struct AuditFilter {
     pub target: Option<String>,
     /// At most this many rows.
     pub limit: i64,
+}
+
+/// Appends [`Ledger::records`]' query for `filter` to `q` (one builder for both databases, and
+/// for `EXPLAIN`).
+fn records_query<'a, DB: sqlx::Database>(q: &mut QueryBuilder<'a, DB>, filter: &RecordFilter)
+where
+    String: sqlx::Encode<'a, DB> + sqlx::Type<DB>,
+    DateTime<Utc>: sqlx::Encode<'a, DB> + sqlx::Type<DB>,
+    i32: sqlx::Encode<'a, DB> + sqlx::Type<DB>,
+    i64: sqlx::Encode<'a, DB> + sqlx::Type<DB>,
+{
+    let cols: Vec<&str> = RECORD_COLUMNS.iter().map(|(n, _)| *n).collect();
+    q.push(format!("SELECT {} FROM request_records WHERE 1 = 1", cols.join(", ")));
+    for (col, val) in [
+        ("tenant_id", &filter.tenant),
+        ("key_id", &filter.key),
+        ("model_id", &filter.model),
+        ("model_revision", &filter.model_revision),
+        ("finish_reason", &filter.finish_reason),
+    ] {
+        if let Some(v) = val {
+            q.push(format!(" AND {col} = ")).push_bind(v.clone());
+        }
+    }
+    if let Some(status) = filter.status {
+        q.push(" AND http_status = ").push_bind(i32::from(status));
+    }
+    if let Some(since) = filter.since {
+        q.push(" AND arrival_at >= ").push_bind(since);
+    }
+    if let Some(until) = filter.until {
+        q.push(" AND arrival_at < ").push_bind(until);
+    }
+    if let Some((at, id)) = &filter.after {
+        q.push(" AND (arrival_at > ").push_bind(*at);
+        q.push(" OR (arrival_at = ").push_bind(*at);
+        q.push(" AND request_id > ").push_bind(id.clone());
+        q.push("))");
+    }
+    q.push(" ORDER BY arrival_at, request_id LIMIT ").push_bind(i64::from(filter.limit));
+}
+
+/// Appends [`Ledger::usage`]'s query for `filter` to `q`.
+fn usage_query<'a, DB: sqlx::Database>(q: &mut QueryBuilder<'a, DB>, filter: &UsageFilter)
+where
+    String: sqlx::Encode<'a, DB> + sqlx::Type<DB>,
+    DateTime<Utc>: sqlx::Encode<'a, DB> + sqlx::Type<DB>,
+{
+    q.push(
+        "SELECT bucket_start, tenant_id, model_id, requests, prompt_tokens, \
+         cached_prompt_tokens, completion_tokens, cost_micros, refused_requests \
+         FROM usage_rollups WHERE period = ",
+    );
+    q.push_bind(filter.period.clone());
+    if let Some(t) = &filter.tenant {
+        q.push(" AND tenant_id = ").push_bind(t.clone());
+    }
+    if let Some(m) = &filter.model {
+        q.push(" AND model_id = ").push_bind(m.clone());
+    }
+    if let Some(since) = filter.since {
+        q.push(" AND bucket_start >= ").push_bind(since);
+    }
+    if let Some(until) = filter.until {
+        q.push(" AND bucket_start < ").push_bind(until);
+    }
+    q.push(" ORDER BY bucket_start, tenant_id, model_id LIMIT 100000");
 }
 
 /// How a `request_records` column is read.

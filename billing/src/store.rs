@@ -50,6 +50,11 @@ const POSTGRES_MIGRATIONS: &[EmbeddedMigration] = &[
         description: "price list",
         sql: include_str!("../../migrations/postgres/0004_price_list.sql"),
     },
+    EmbeddedMigration {
+        version: 5,
+        description: "partitioned records",
+        sql: include_str!("../../migrations/postgres/0005_partitioned_records.sql"),
+    },
 ];
 
 const SQLITE_MIGRATIONS: &[EmbeddedMigration] = &[
@@ -72,6 +77,11 @@ const SQLITE_MIGRATIONS: &[EmbeddedMigration] = &[
         version: 4,
         description: "price list",
         sql: include_str!("../../migrations/sqlite/0004_price_list.sql"),
+    },
+    EmbeddedMigration {
+        version: 5,
+        description: "partitioned records",
+        sql: include_str!("../../migrations/sqlite/0005_partitioned_records.sql"),
     },
 ];
 
@@ -346,6 +356,23 @@ macro_rules! insert_batch_on {
 insert_batch_on!(insert_batch_postgres, Postgres, PgPool);
 insert_batch_on!(insert_batch_sqlite, Sqlite, SqlitePool);
 
+/// How far ahead of the current month partitions exist: three months, so a billing service
+/// that stops creating them (down, or its hourly task failing) has a quarter to be noticed.
+pub const PARTITIONS_AHEAD: TimeDelta = TimeDelta::days(92);
+
+async fn create_record_partitions(
+    pool: &PgPool,
+    first: DateTime<Utc>,
+    last: DateTime<Utc>,
+) -> Result<u32, BillingError> {
+    let created: i32 = sqlx::query_scalar("SELECT sluice_create_record_partitions($1, $2)")
+        .bind(first)
+        .bind(last)
+        .fetch_one(pool)
+        .await?;
+    Ok(u32::try_from(created).unwrap_or(0))
+}
+
 impl Ledger {
     /// Connects with default options and applies pending migrations.
     pub async fn connect(url: &str) -> Result<Self, BillingError> {
@@ -362,6 +389,8 @@ impl Ledger {
                 .connect_with(connect)
                 .await?;
             Migrator::new(EmbeddedMigrations(POSTGRES_MIGRATIONS)).await?.run(&pool).await?;
+            let now = Utc::now();
+            create_record_partitions(&pool, now, now + PARTITIONS_AHEAD).await?;
             Pool::Postgres(pool)
         } else if url.starts_with("sqlite:") {
             let connect = SqliteConnectOptions::from_str(url)?
@@ -382,9 +411,33 @@ impl Ledger {
         Ok(Self { pool })
     }
 
+    /// A SQLite ledger file in rollback-journal mode over one connection, schema applied: a
+    /// retention archive, whose committed rows are in the file itself (no write-ahead log
+    /// beside it, whenever the connection happens to close).
+    pub(crate) async fn open_archive(path: &std::path::Path) -> Result<Self, BillingError> {
+        let connect = SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Delete)
+            .synchronous(sqlx::sqlite::SqliteSynchronous::Full)
+            .foreign_keys(true);
+        let pool = SqlitePoolOptions::new().max_connections(1).connect_with(connect).await?;
+        Migrator::new(EmbeddedMigrations(SQLITE_MIGRATIONS)).await?.run(&pool).await?;
+        Ok(Self { pool: Pool::Sqlite(pool) })
+    }
+
     /// The connection pool, for the control-plane queries.
     pub(crate) fn pool(&self) -> &Pool {
         &self.pool
+    }
+
+    /// Whether the database answers a trivial query (readiness).
+    pub async fn ping(&self) -> Result<(), BillingError> {
+        match &self.pool {
+            Pool::Postgres(p) => sqlx::query("SELECT 1").execute(p).await.map(drop)?,
+            Pool::Sqlite(p) => sqlx::query("SELECT 1").execute(p).await.map(drop)?,
+        }
+        Ok(())
     }
 
     /// Which database this ledger writes to.
@@ -411,6 +464,23 @@ impl Ledger {
         match &self.pool {
             Pool::Postgres(pool) => insert_batch_postgres(pool, events).await,
             Pool::Sqlite(pool) => insert_batch_sqlite(pool, events).await,
+        }
+    }
+
+    /// Creates the monthly `request_records` partitions (Postgres) covering `first` to `last`
+    /// that do not exist yet, and returns how many it created. The ledger creates the current
+    /// month's and the next [`PARTITIONS_AHEAD`] at connect and `sluice billing` every hour, so
+    /// a row normally lands in its month's partition; one that does not (a month not created
+    /// yet, or archived already) lands in the default partition, never refused, and moves into
+    /// its month when that is created. SQLite's one table has nothing to create: `Ok(0)`.
+    pub async fn create_record_partitions(
+        &self,
+        first: DateTime<Utc>,
+        last: DateTime<Utc>,
+    ) -> Result<u32, BillingError> {
+        match &self.pool {
+            Pool::Postgres(pool) => create_record_partitions(pool, first, last).await,
+            Pool::Sqlite(_) => Ok(0),
         }
     }
 

@@ -65,8 +65,8 @@ async fn check_migrations(url: &str, backend: Backend) -> anyhow::Result<Vec<Vec
 
     let db = Inspect::open(url).await?;
     // Every embedded migration applied once (0001 ledger, 0002 key limits, 0003 refused usage,
-    // 0004 price list), also on reconnect.
-    ensure!(db.scalar("SELECT CAST(COUNT(*) AS BIGINT) FROM _sqlx_migrations").await? == 4);
+    // 0004 price list, 0005 partitioned records), also on reconnect.
+    ensure!(db.scalar("SELECT CAST(COUNT(*) AS BIGINT) FROM _sqlx_migrations").await? == 5);
     let mut columns = Vec::new();
     for table in TABLES {
         ensure!(db.scalar(&format!("SELECT CAST(COUNT(*) AS BIGINT) FROM {table}")).await? == 0);
