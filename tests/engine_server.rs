@@ -307,6 +307,11 @@ async fn completions_chat_streaming_and_identity() -> anyhow::Result<()> {
     ensure!(d["from"]["top_k"] == "openai" && d["top_k"] == 0, "{m}");
     let hl: Value = c.get(server.at("/health")).send().await?.json().await?;
     ensure!(hl["status"] == "ok" && hl["total_blocks"].as_u64() > Some(0), "{hl}");
+    // Liveness and readiness are separate probes; both hold on a serving engine.
+    let live = c.get(server.at("/livez")).send().await?;
+    ensure!(live.status() == 200, "livez: {}", live.status());
+    let ready: Value = c.get(server.at("/readyz")).send().await?.json().await?;
+    ensure!(ready["status"] == "ready" && ready["model"] == "smollm2-135m-instruct", "{ready}");
     let resp = c.get(server.at("/metrics")).send().await?;
     let ct = resp.headers().get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("");
     ensure!(ct.starts_with("text/plain; version=0.0.4"), "{ct}");
@@ -649,6 +654,11 @@ async fn sigterm_drains_then_aborts_with_counts() -> anyhow::Result<()> {
     ensure!(
         Command::new("kill").args(["-TERM", &server.child.id().to_string()]).status()?.success()
     );
+    // Draining, the engine is not ready: a probe is refused a connection or told 503.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    if let Ok(r) = c.get(server.at("/readyz")).send().await {
+        ensure!(r.status() == 503, "readyz while draining: {}", r.status());
+    }
     while let Some(chunk) = bytes.next().await {
         seen.push_str(&String::from_utf8_lossy(&chunk?));
     }

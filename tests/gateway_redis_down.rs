@@ -75,6 +75,12 @@ async fn each_tenant_gets_its_policy_when_redis_is_gone() -> anyhow::Result<()> 
     )?;
     let c = reqwest::Client::builder().timeout(Duration::from_secs(60)).build()?;
     wait_healthy(&c, &format!("http://{gw_addr}/health")).await?;
+    // The keyless probes: alive, and ready with its one engine counted.
+    let live = c.get(format!("http://{gw_addr}/livez")).send().await?;
+    ensure!(live.status() == 200, "livez: {}", live.status());
+    let ready: serde_json::Value =
+        c.get(format!("http://{gw_addr}/readyz")).send().await?.json().await?;
+    ensure!(ready["status"] == "ready" && ready["workers"] == 1, "{ready}");
     let body = json!({"model": "smollm2-135m-instruct", "prompt": "Hi", "max_tokens": 2});
     let call = |key: String| {
         let (c, url, body) = (c.clone(), format!("http://{gw_addr}/v1/completions"), body.clone());

@@ -668,3 +668,20 @@ async fn quota_changes_are_announced_to_gateways() -> anyhow::Result<()> {
 async fn futures_next<S: futures_util::Stream + Unpin>(s: &mut S) -> Option<S::Item> {
     futures_util::StreamExt::next(s).await
 }
+
+/// The probes need no token: `/livez` answers while the process does; `/readyz` follows the
+/// database (a closed pool stands for one that no longer answers).
+#[tokio::test]
+async fn readiness_follows_the_database_liveness_does_not() -> anyhow::Result<()> {
+    let db = PgDatabase::create().await?;
+    let api = start(&db.url, false).await?;
+    let (status, text) = api.call(Method::GET, "/readyz", None, None).await?;
+    ensure!(status == StatusCode::OK && text.contains("ready"), "{status} {text}");
+    api.ledger.close().await;
+    let (status, text) = api.call(Method::GET, "/readyz", None, None).await?;
+    ensure!(status == StatusCode::SERVICE_UNAVAILABLE, "without its database: {status} {text}");
+    ensure!(text.contains("database_"), "{text}");
+    let (status, _) = api.call(Method::GET, "/livez", None, None).await?;
+    ensure!(status == StatusCode::OK, "liveness does not depend on the database: {status}");
+    Ok(())
+}

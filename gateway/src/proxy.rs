@@ -571,6 +571,31 @@ impl Gateway {
             .ok_or(Refusal::InvalidApiKey)
     }
 
+    /// Answers the health probes, which need no key: `/health` and `/livez` (the process
+    /// answers) and `/readyz`. A draining gateway answers 503 to all three (the drain's refusal
+    /// comes first), so load balancers stop sending here. An engine fleet that
+    /// is down leaves the gateway ready: clients get an OpenAI error from it rather than a
+    /// refused connection. `None` for every other path.
+    async fn probe(&self, session: &mut Session, ctx: &mut Ctx) -> Result<Option<bool>> {
+        let path = session.req_header().uri.path();
+        let (status, body) = match path {
+            "/health" | "/livez" => (200, serde_json::json!({"status": "ok"})),
+            "/readyz" if self.drain.draining() => (503, serde_json::json!({"status": "draining"})),
+            "/readyz" => (
+                200,
+                serde_json::json!({
+                    "status": "ready",
+                    "workers": self.workers.len(),
+                    "workers_healthy": self.workers.healthy_count(),
+                }),
+            ),
+            _ => return Ok(None),
+        };
+        respond(session, status, Bytes::from(body.to_string()), &[]).await?;
+        ctx.status = status;
+        Ok(Some(true))
+    }
+
     /// Answers `r` to the client; `logging` bills it as a refused request (once authenticated).
     async fn refuse(&self, session: &mut Session, ctx: &mut Ctx, r: Refusal) -> Result<bool> {
         self.metrics.refusals.get_or_create(&RefusalLabels { reason: r.label() }).inc();
@@ -1102,11 +1127,8 @@ impl ProxyHttp for Gateway {
         {
             h1.set_pipelining_enabled(true);
         }
-        let path = session.req_header().uri.path().to_owned();
-        if path == "/health" {
-            respond(session, 200, Bytes::from_static(b"{\"status\":\"ok\"}"), &[]).await?;
-            ctx.status = 200;
-            return Ok(true);
+        if let Some(done) = self.probe(session, ctx).await? {
+            return Ok(done);
         }
         match self.admit(session, ctx).await {
             Ok(done) => {

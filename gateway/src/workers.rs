@@ -128,6 +128,11 @@ impl Workers {
         self.list.is_empty()
     }
 
+    /// How many workers answered their last health check.
+    pub fn healthy_count(&self) -> usize {
+        self.list.iter().filter(|w| w.healthy()).count()
+    }
+
     /// The healthy workers serving `model`.
     pub fn serving(&self, model: &str) -> usize {
         self.list.iter().filter(|w| w.healthy() && w.serves(model)).count()

@@ -212,6 +212,13 @@ impl EngineHandle {
         self.inner.draining.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Whether the engine thread still runs (it ends only at shutdown or on a panic): liveness,
+    /// answered without waiting for the step in progress.
+    pub fn is_alive(&self) -> bool {
+        let thread = self.inner.thread.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        thread.as_ref().is_some_and(|t| !t.is_finished())
+    }
+
     /// A snapshot of queue and cache state.
     pub fn stats(&self) -> Option<EngineStats> {
         let (tx, rx) = std_mpsc::channel();

@@ -143,6 +143,8 @@ pub fn router(handle: EngineHandle, cfg: ServerConfig) -> Router {
         .layer(middleware::from_fn_with_state(Arc::clone(&app), api_layer));
     Router::new()
         .route("/health", get(health))
+        .route("/livez", get(livez))
+        .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .merge(v1)
         .fallback(no_route)
@@ -453,6 +455,32 @@ async fn health(State(app): State<Arc<App>>) -> Response {
         }
         _ => ApiError::unavailable().into_response(),
     }
+}
+
+/// Liveness: the process answers and its engine thread runs. A restart is the cure for neither
+/// failing, so nothing slower (a step in progress) is waited for.
+async fn livez(State(app): State<Arc<App>>) -> Response {
+    if app.handle.is_alive() {
+        Json(serde_json::json!({"status": "ok"})).into_response()
+    } else {
+        ApiError::unavailable().into_response()
+    }
+}
+
+/// Readiness: the model is loaded (it is before the port opens), the engine thread runs and
+/// no drain has begun; a draining engine answers 503 so that it leaves the load balancer
+/// while its running requests finish.
+async fn readyz(State(app): State<Arc<App>>) -> Response {
+    let status = if !app.handle.is_alive() {
+        "stopped"
+    } else if app.handle.is_draining() {
+        "draining"
+    } else {
+        return Json(serde_json::json!({"status": "ready", "model": app.served_name}))
+            .into_response();
+    };
+    (axum::http::StatusCode::SERVICE_UNAVAILABLE, Json(serde_json::json!({"status": status})))
+        .into_response()
 }
 
 async fn metrics(State(app): State<Arc<App>>) -> Response {
