@@ -446,9 +446,9 @@ impl Ledger {
         p: &Partition,
         options: &RetentionOptions,
     ) -> Result<ArchivedMonth, RetentionError> {
-        let sums = pg_sums(pool, &p.name, None).await?;
         let month = p.month.format("%Y-%m").to_string();
         if options.dry_run {
+            let sums = pg_sums(pool, &p.name, None).await?;
             let action = if sums.rows == 0 { "would drop empty" } else { "would archive" };
             return Ok(ArchivedMonth {
                 partition: p.name.clone(),
