@@ -7,7 +7,7 @@ use std::sync::Arc;
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
 use serde_json::{Value, json};
-use sluice_billing::api::{ApiState, router};
+use sluice_billing::api::{ApiState, ServiceStatus, router};
 use sluice_billing::auth::{Principal, Role, Verifier, mint_hs256};
 use sluice_billing::ingest::{IngestConfig, UsageConsumer};
 use sluice_billing::{Ledger, LedgerOptions};
@@ -80,6 +80,14 @@ pub struct BillingArgs {
     /// Consumer group on the usage stream.
     #[arg(long, hide = true, default_value = sluice_billing::ingest::CONSUMER_GROUP)]
     consumer_group: String,
+    /// Pending usage entries another consumer left unacknowledged this long are taken over
+    /// (default 60 s): a replica that died for good is drained by the others.
+    #[arg(long, value_name = "SECONDS")]
+    claim_min_idle: Option<u64>,
+    /// On SIGTERM or SIGINT, how long the consumer's batch in hand and the API's requests in
+    /// hand have to finish, in seconds (readiness answers 503 from the signal on).
+    #[arg(long, default_value_t = 30)]
+    drain_timeout: u64,
     #[command(flatten)]
     jwt: JwtArgs,
 }
@@ -194,6 +202,7 @@ pub fn run_billing(args: BillingArgs) -> anyhow::Result<()> {
             })
         };
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let service = Arc::new(ServiceStatus::default());
         let mut consumer_task = None;
         let mut redis = None;
         if let Some(url) = &args.redis_url {
@@ -208,26 +217,65 @@ pub fn run_billing(args: BillingArgs) -> anyhow::Result<()> {
             config.dead_letter_stream = format!("{}:dead", args.usage_stream);
             config.stream = args.usage_stream.clone();
             config.group = args.consumer_group.clone();
+            if let Some(idle) = args.claim_min_idle {
+                let idle = std::time::Duration::from_secs(idle);
+                config.claim_min_idle = idle;
+                config.claim_interval = config.claim_interval.min(idle);
+            }
             let consumer = UsageConsumer::new(client, ledger.clone(), config)
                 .await
                 .context("joining the usage stream's consumer group")?;
+            service.set_consumer(consumer.stats(), &args.usage_stream, &args.consumer_group);
             consumer_task = Some(tokio::spawn(consumer.run(stop_rx)));
         }
-        let state = Arc::new(ApiState { ledger: ledger.clone(), verifier, redis });
+        let state =
+            Arc::new(ApiState { ledger: ledger.clone(), verifier, redis, service: service.clone() });
         let listener = tokio::net::TcpListener::bind(&args.listen)
             .await
             .with_context(|| format!("binding {}", args.listen))?;
         println!("listening on http://{}", listener.local_addr()?);
         std::io::stdout().flush()?;
-        axum::serve(listener, router(state))
-            .with_graceful_shutdown(crate::shutdown_signal())
-            .await
-            .context("serving")?;
+        let (http_stop_tx, http_stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let mut server = tokio::spawn(
+            axum::serve(listener, router(state))
+                .with_graceful_shutdown(async {
+                    let _ = http_stop_rx.await;
+                })
+                .into_future(),
+        );
+        tokio::select! {
+            () = crate::shutdown_signal() => {}
+            served = &mut server => {
+                served.context("serving")?.context("serving")?;
+                anyhow::bail!("the billing API stopped serving");
+            }
+        }
+        // Drain: readiness fails at once; the consumer finishes the batch in hand (commit,
+        // then ack) and the API the requests in hand, within --drain-timeout together.
+        // Whatever is still unacknowledged after that stays pending in the stream for the
+        // next start or another replica: nothing is lost, only delayed.
+        service.begin_drain();
+        let drain_timeout = std::time::Duration::from_secs(args.drain_timeout);
+        let deadline = tokio::time::Instant::now() + drain_timeout;
+        eprintln!("shutting down: draining (up to {drain_timeout:?})");
         let _ = stop_tx.send(true);
         partitions.abort();
         if let Some(task) = consumer_task {
-            // The consumer finishes its batch (commit, then ack) before returning.
-            task.await.context("usage consumer")?.context("usage consumer")?;
+            match tokio::time::timeout_at(deadline, task).await {
+                Ok(done) => done.context("usage consumer")?.context("usage consumer")?,
+                Err(_) => tracing::warn!(
+                    "the usage consumer did not finish its batch within the drain timeout; \
+                     it stays pending in the stream"
+                ),
+            }
+        }
+        let _ = http_stop_tx.send(());
+        match tokio::time::timeout_at(deadline, &mut server).await {
+            Ok(served) => served.context("serving")?.context("serving")?,
+            Err(_) => {
+                tracing::warn!("API requests still open at the drain timeout; stopping anyway");
+                server.abort();
+            }
         }
         ledger.close().await;
         eprintln!("shut down");

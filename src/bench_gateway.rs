@@ -343,7 +343,7 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
         ledger.clone(),
         usage.limiter,
         vec![("bench".to_owned(), tokens)],
-        usage.sink,
+        usage.sink.clone(),
         gw_io.handle.clone(),
     );
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -393,7 +393,7 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
     })?;
     let _ = stop_tx.send(true);
     let stopped = proxy.join();
-    finish(&gw_io, usage.ingest.as_deref(), &ledger);
+    finish(&gw_io, usage.ingest.as_deref(), &usage.sink, &ledger)?;
     let _ = std::fs::remove_dir_all(&dir);
     match stopped {
         Ok(r) => r.context("running the gateway")?,

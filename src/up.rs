@@ -119,7 +119,8 @@ pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
     let token = args.internal_token.clone();
     let cfg =
         args.front.apply(GatewayConfig::platform(&args.engines, args.internal_token, redis_down));
-    let gateway = Gateway::new(cfg, ledger.clone(), limiter, texts, sink, io.handle.clone());
+    let gateway =
+        Gateway::new(cfg, ledger.clone(), limiter, texts, sink.clone(), io.handle.clone());
     match gateway.models().join(", ") {
         m if m.is_empty() => {
             eprintln!("no engine has said what it serves yet: requests get 404 until one does")
@@ -133,7 +134,7 @@ pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
     std::io::stdout().flush()?;
     let tls_ref = tls.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
     run_proxy(gateway, &args.listen, tls_ref, args.front.drain(), token)?;
-    finish(&io, ingest.as_deref(), &ledger);
+    finish(&io, ingest.as_deref(), &sink, &ledger)?;
     eprintln!("shut down");
     Ok(())
 }
@@ -404,6 +405,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             ledger: ledger.clone(),
             verifier: Verifier::hs256(jwt_secret.as_bytes(), None, None)?,
             redis: None,
+            service: Default::default(),
         });
         tokio::spawn(async move {
             let _ = axum::serve(admin, billing_router(state)).await;
@@ -470,7 +472,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     // First come, first served all the way: the gateway does not share places out either.
     cfg.fair_admission &= args.scheduling == sluice_engine::serve::core::Scheduling::Fair;
     let gateway =
-        Gateway::new(cfg, ledger.clone(), usage.limiter, texts, usage.sink, io.handle.clone());
+        Gateway::new(cfg, ledger.clone(), usage.limiter, texts, usage.sink.clone(), io.handle.clone());
     for model in &models {
         gateway.seed_identity(serde_json::to_value(&model.identity)?);
     }
@@ -504,7 +506,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     std::io::stdout().flush()?;
     let tls_ref = tls.as_ref().map(|(_, c, k)| (c.as_path(), k.as_path()));
     run_proxy(gateway, &args.listen, tls_ref, args.front.drain(), Some(internal_token))?;
-    finish(&io, usage.ingest.as_deref(), &ledger);
+    finish(&io, usage.ingest.as_deref(), &usage.sink, &ledger)?;
     eprintln!("shut down");
     Ok(())
 }

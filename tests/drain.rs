@@ -148,13 +148,30 @@ async fn running_requests_finish_within_the_drain_timeout() -> anyhow::Result<()
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     ensure!(refused["error"]["code"] == "shutting_down", "{refused}");
+    // A generation refused meanwhile is the tenant's request: it has its row, free.
+    let r = c
+        .http
+        .post(format!("{}/completions", c.base))
+        .bearer_auth(&c.key)
+        .json(&json!({"model": MODEL, "prompt": "Hi", "max_tokens": 4}))
+        .send()
+        .await?;
+    let refused_id = header_id(&r);
+    ensure!(r.status() == 503, "a generation while draining: {}", r.status());
     let mut seen = Vec::new();
     for r in running {
         seen.push(r.await??);
     }
     let status = wait_exit(&mut up.child, Duration::from_secs(60), "INT")?;
     ensure!(status.success(), "sluice up exited with {status}");
-    let rows = ledger_rows(&up).await?;
+    let mut rows = ledger_rows(&up).await?;
+    let refused_row = rows.remove(&refused_id).context("no row for the refused generation")?;
+    ensure!(
+        refused_row["http_status"] == 503
+            && refused_row["cost_micros"] == 0
+            && refused_row["completion_tokens"] == 0,
+        "{refused_row:?}"
+    );
     ensure!(rows.len() == 3, "{} rows for 3 requests: {rows:?}", rows.len());
     for s in &seen {
         ensure!(s.status == 200 && s.events.last().map(String::as_str) == Some("[DONE]"), "{s:?}");

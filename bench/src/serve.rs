@@ -114,6 +114,22 @@ pub struct BenchServeArgs {
     /// Token with the auditor role for --records-url.
     #[arg(long, env = "SLUICE_AUDITOR_TOKEN", hide_env_values = true)]
     records_token: Option<String>,
+    /// More gateways of the same platform: requests are spread over --base-url and these in
+    /// turn, and a retried request goes to the next one.
+    #[arg(long = "failover-url", value_name = "URL")]
+    failover_urls: Vec<String>,
+    /// Each request carries an `Idempotency-Key` and is retried with it, the same body, up to
+    /// N times (on the next gateway, after 0.25 s doubling to 2 s) when it failed in a way a
+    /// client should retry: no connection, 409 (the first try still running), 502, 503, 504,
+    /// or a stream broken off or ended by an error event. Figures are the last try's, timed
+    /// from the schedule.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    idempotent_retries: u32,
+    /// Write one JSON line per request here: its index, stream or not, Idempotency-Key, and
+    /// every try's URL, status, request id, error code and tokens received (to reconcile a
+    /// ledger by request id).
+    #[arg(long, value_name = "FILE")]
+    requests_log: Option<std::path::PathBuf>,
 }
 
 pub(crate) fn parse_slo(s: Option<&str>) -> anyhow::Result<Slo> {
@@ -356,12 +372,73 @@ struct Extra {
     request_id: Option<String>,
     model_revision: Option<String>,
     identity: Option<String>,
+    status: Option<u16>,
+    /// The OpenAI error `code` of an error answer or of a stream's error event.
+    error_code: Option<String>,
+    /// The server's `usage.completion_tokens`, when it sent one.
+    usage_tokens: Option<u64>,
+    /// Every try, as `--requests-log` writes them (the last one is this).
+    tries: Vec<Value>,
+    idempotency_key: Option<String>,
+}
+
+impl Extra {
+    fn record(&self, url: &str, o: &Outcome) -> Value {
+        json!({
+            "url": url, "status": self.status, "request_id": self.request_id,
+            "error": o.error, "error_code": self.error_code, "ok": o.ok,
+            "usage_tokens": self.usage_tokens, "streamed_tokens": o.streamed_tokens(),
+        })
+    }
+
+    /// Whether a client should retry this try with the same Idempotency-Key.
+    fn retryable(&self, o: &Outcome) -> bool {
+        match self.status {
+            None => !o.timed_out,
+            Some(409 | 502 | 503 | 504) => true,
+            Some(200) => !o.ok && !o.timed_out,
+            Some(_) => false,
+        }
+    }
+}
+
+/// Sends one planned request, with retries under one Idempotency-Key when `retries` > 0:
+/// try `k` goes to `urls[(first + k) % len]`.
+#[expect(clippy::too_many_arguments, reason = "one request's whole description")]
+async fn send_with_retries(
+    c: &reqwest::Client,
+    urls: &[String],
+    first: usize,
+    key: Option<&str>,
+    body: Value,
+    scheduled: tokio::time::Instant,
+    retries: u32,
+    idempotency_key: Option<String>,
+) -> (Outcome, Extra) {
+    let mut tries = Vec::new();
+    let mut delay = Duration::from_millis(250);
+    let mut k = 0;
+    loop {
+        let url = &urls[(first + k) % urls.len()];
+        let (o, mut extra) =
+            one(c, url, key, idempotency_key.as_deref(), body.clone(), scheduled).await;
+        tries.push(extra.record(url, &o));
+        if k as u32 >= retries || !extra.retryable(&o) {
+            extra.tries = tries;
+            extra.idempotency_key = idempotency_key;
+            return (o, extra);
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_secs(2));
+        k += 1;
+    }
 }
 
 async fn one(
     c: &reqwest::Client,
     url: &str,
     key: Option<&str>,
+    idempotency_key: Option<&str>,
     body: Value,
     scheduled: tokio::time::Instant,
 ) -> (Outcome, Extra) {
@@ -373,6 +450,9 @@ async fn one(
     let mut req = c.post(url).json(&body);
     if let Some(k) = key {
         req = req.bearer_auth(k);
+    }
+    if let Some(k) = idempotency_key {
+        req = req.header("idempotency-key", k);
     }
     let elapsed = |i: tokio::time::Instant| i.saturating_duration_since(scheduled).as_secs_f64();
     let fail = |o: &mut Outcome, e: reqwest::Error, what: &str| {
@@ -393,11 +473,14 @@ async fn one(
     extra.model_revision = header("x-sluice-model-revision");
     extra.identity = header("x-sluice-execution-identity");
     let status = resp.status().as_u16();
+    extra.status = Some(status);
     if status == 429 || status == 503 {
         o.rejected = true;
     }
     if !resp.status().is_success() {
         o.error = Some(format!("http {status}"));
+        let body: Value = resp.json().await.unwrap_or(Value::Null);
+        extra.error_code = body["error"]["code"].as_str().map(str::to_owned);
         o.end_s = elapsed(tokio::time::Instant::now());
         return (o, extra);
     }
@@ -410,6 +493,7 @@ async fn one(
                     Ok(v) => {
                         o.input_len = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
                         o.output_len = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
+                        extra.usage_tokens = v["usage"]["completion_tokens"].as_u64();
                         o.ok = true;
                     }
                     Err(e) => o.error = Some(format!("not JSON: {e}")),
@@ -435,6 +519,15 @@ async fn one(
                     if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
                         o.input_len = u["prompt_tokens"].as_u64().unwrap_or(0);
                         o.output_len = u["completion_tokens"].as_u64().unwrap_or(0);
+                        extra.usage_tokens = u["completion_tokens"].as_u64();
+                    }
+                    // An error event ends the answer short (the server failed mid-stream).
+                    if let Some(e) = v.get("error") {
+                        extra.error_code = e["code"].as_str().map(str::to_owned);
+                        o.error = Some(format!(
+                            "error event: {}",
+                            extra.error_code.as_deref().unwrap_or("no code")
+                        ));
                     }
                     let k = tokens_carried(&v);
                     if k > 0 {
@@ -645,7 +738,14 @@ pub fn measure_tenants(
     let stream = !args.no_stream;
     let base = args.base_url.trim_end_matches('/');
     let base = if base.ends_with("/v1") { base.to_owned() } else { format!("{base}/v1") };
-    let url = format!("{base}/{}", if chat { "chat/completions" } else { "completions" });
+    let route = if chat { "chat/completions" } else { "completions" };
+    let url = format!("{base}/{route}");
+    let urls: Vec<String> = std::iter::once(url.clone())
+        .chain(args.failover_urls.iter().map(|u| {
+            let u = u.trim_end_matches('/');
+            if u.ends_with("/v1") { format!("{u}/{route}") } else { format!("{u}/v1/{route}") }
+        }))
+        .collect();
     // The whole plan, before anything is sent: each tenant's schedule and requests.
     let mut plan = Vec::new();
     let mut schedules = Vec::new();
@@ -701,6 +801,7 @@ pub fn measure_tenants(
                 &client,
                 &url,
                 tenants[0].key.as_deref(),
+                None,
                 body(w, chat, stream, &model),
                 tokio::time::Instant::now(),
             )
@@ -726,11 +827,16 @@ pub fn measure_tenants(
         let window_start = chrono::Utc::now();
         let start = tokio::time::Instant::now() + Duration::from_millis(100);
         let mut tasks = Vec::with_capacity(plan.len());
-        for p in &plan {
+        let retries = args.idempotent_retries;
+        for (i, p) in plan.iter().enumerate() {
             let at = start + Duration::from_secs_f64(p.at);
             let b = body(&p.req, chat, stream, &model);
-            let (c, url, key, gate) =
-                (client.clone(), url.clone(), tenants[p.tenant].key.clone(), gate.clone());
+            let (c, urls, key, gate) =
+                (client.clone(), urls.clone(), tenants[p.tenant].key.clone(), gate.clone());
+            // Unique per run and request: a retry is recognised, another run is not.
+            let idem = (retries > 0).then(|| {
+                format!("bench-{}-{i}", started.timestamp_nanos_opt().unwrap_or_default())
+            });
             let t = p.at;
             tasks.push(tokio::spawn(async move {
                 tokio::time::sleep_until(at).await;
@@ -741,7 +847,8 @@ pub fn measure_tenants(
                     Some(g) => g.clone().acquire_owned().await.ok(),
                     None => None,
                 };
-                let (mut o, extra) = one(&c, &url, key.as_deref(), b, at).await;
+                let (mut o, extra) =
+                    send_with_retries(&c, &urls, i, key.as_deref(), b, at, retries, idem).await;
                 o.scheduled_s = t;
                 o.lateness_s = late.as_secs_f64();
                 (o, extra)
@@ -789,6 +896,17 @@ pub fn measure_tenants(
         };
         anyhow::Ok((results, model, server, gateway))
     })?;
+    if let Some(path) = &args.requests_log {
+        let mut text = String::new();
+        for (i, ((_, extra), p)) in results.iter().zip(&plan).enumerate() {
+            let line = json!({"index": i, "tenant": tenants[p.tenant].name, "stream": stream,
+                "idempotency_key": extra.idempotency_key, "tries": extra.tries});
+            text.push_str(&line.to_string());
+            text.push('\n');
+        }
+        std::fs::write(path, text)
+            .with_context(|| format!("--requests-log: writing {}", path.display()))?;
+    }
     let outcomes: Vec<Outcome> = results.iter().map(|r| r.0.clone()).collect();
     let total_rate: f64 = tenants.iter().map(|t| t.rate).sum();
     let summary = summarize(&outcomes, total_rate, slo);

@@ -5,7 +5,9 @@
 //! parameter.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use axum::Router;
 use axum::body::Bytes;
@@ -21,6 +23,7 @@ use serde_json::{Value, json};
 use crate::Ledger;
 use crate::auth::{AuthError, Principal, Role, Verifier};
 use crate::control::{AdminError, Limits, NewTenant, QuotaSettings, TIERS, TenantChange};
+use crate::ingest::ConsumerStats;
 use crate::query::{AuditFilter, RECORD_COLUMNS, RecordFilter, UsageFilter, decode_cursor};
 
 /// Redis pub/sub channel announcing control-plane changes to gateways.
@@ -36,6 +39,41 @@ pub struct ApiState {
     pub verifier: Verifier,
     /// Where control-plane changes are announced, when configured.
     pub redis: Option<redis::aio::ConnectionManager>,
+    /// Draining and ingestion, for `/readyz` and `/metrics`.
+    pub service: Arc<ServiceStatus>,
+}
+
+/// What the probes and `/metrics` report besides the database: whether shutdown began, and
+/// this replica's usage consumer, when it runs one.
+#[derive(Debug, Default)]
+pub struct ServiceStatus {
+    draining: AtomicBool,
+    consumer: OnceLock<ConsumerInfo>,
+}
+
+#[derive(Debug)]
+struct ConsumerInfo {
+    stats: Arc<ConsumerStats>,
+    stream: String,
+    group: String,
+}
+
+impl ServiceStatus {
+    /// Shutdown began: readiness answers 503 from now on.
+    pub fn begin_drain(&self) {
+        self.draining.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether shutdown began.
+    pub fn draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// This replica consumes `stream` in `group`; its counters are `stats`.
+    pub fn set_consumer(&self, stats: Arc<ConsumerStats>, stream: &str, group: &str) {
+        let info = ConsumerInfo { stats, stream: stream.to_owned(), group: group.to_owned() };
+        let _ = self.consumer.set(info);
+    }
 }
 
 impl std::fmt::Debug for ApiState {
@@ -50,6 +88,7 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/health", get(|| async { "ok" }))
         .route("/livez", get(|| async { axum::Json(json!({"status": "ok"})) }))
         .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
         .route("/", get(|| async { axum::response::Redirect::to("/console") }))
         .route("/console", get(console_page))
         .route("/console.js", get(console_script))
@@ -679,10 +718,13 @@ async fn usage(
     Ok(axum::Json(json!({"period": period, "data": rows, "totals": totals})).into_response())
 }
 
-/// Readiness: the ledger's database answers within two seconds. A billing service that
-/// cannot write leaves the load balancer; its stream consumers pick the backlog up again when
-/// the database returns.
+/// Readiness: not draining, and the ledger's database answers within two seconds. A billing
+/// service that cannot write leaves the load balancer; its stream consumers pick the backlog
+/// up again when the database returns.
 async fn readyz(State(state): State<Arc<ApiState>>) -> Response {
+    if state.service.draining() {
+        return not_ready("draining");
+    }
     match tokio::time::timeout(std::time::Duration::from_secs(2), state.ledger.ping()).await {
         Ok(Ok(())) => axum::Json(json!({"status": "ready"})).into_response(),
         Ok(Err(e)) => {
@@ -695,4 +737,64 @@ async fn readyz(State(state): State<Arc<ApiState>>) -> Response {
 
 fn not_ready(reason: &str) -> Response {
     (StatusCode::SERVICE_UNAVAILABLE, axum::Json(json!({"status": reason}))).into_response()
+}
+
+/// Prometheus metrics (text exposition, unauthenticated like the probes: counts only, no
+/// tenant data): the usage consumer's counters, the group's pending entries (read but not yet
+/// acknowledged: the backlog a dead consumer leaves until it is claimed), whether the database
+/// answers and whether shutdown began.
+async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
+    let mut out = String::new();
+    let mut family = |name: &str, kind: &str, help: &str, value: f64| {
+        let _ = write!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n");
+    };
+    let up = matches!(
+        tokio::time::timeout(std::time::Duration::from_secs(2), state.ledger.ping()).await,
+        Ok(Ok(()))
+    );
+    family(
+        "sluice_billing_database_up",
+        "gauge",
+        "Whether the ledger database answered a ping within 2 s.",
+        f64::from(u8::from(up)),
+    );
+    family(
+        "sluice_billing_draining",
+        "gauge",
+        "Whether shutdown began (readiness fails while it drains).",
+        f64::from(u8::from(state.service.draining())),
+    );
+    if let Some(c) = state.service.consumer.get() {
+        let s = &c.stats;
+        for (name, help, v) in [
+            ("batches", "Usage batches committed and acknowledged.", s.committed_batches()),
+            ("inserted", "Usage events that became new ledger rows.", s.inserted()),
+            ("duplicates", "Usage events the ledger already held (redeliveries).", s.duplicates()),
+            ("dead_lettered", "Entries moved to the dead-letter stream.", s.dead_lettered()),
+            ("claimed", "Pending entries taken over (own after a restart, or others').", s.claimed()),
+            ("database_failures", "Failed ledger writes that were retried.", s.database_failures()),
+        ] {
+            family(&format!("sluice_billing_ingest_{name}_total"), "counter", help, v as f64);
+        }
+        if let Some(redis) = &state.redis {
+            let mut conn = redis.clone();
+            let pending = tokio::time::timeout(
+                std::time::Duration::from_secs(1),
+                redis::cmd("XPENDING").arg(&c.stream).arg(&c.group).query_async::<redis::Value>(&mut conn),
+            )
+            .await;
+            // The summary form's first element is the count.
+            if let Ok(Ok(redis::Value::Array(v))) = pending
+                && let Some(redis::Value::Int(n)) = v.first()
+            {
+                family(
+                    "sluice_billing_stream_pending",
+                    "gauge",
+                    "Usage entries read by the group's consumers and not yet acknowledged.",
+                    *n as f64,
+                );
+            }
+        }
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }

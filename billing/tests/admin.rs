@@ -10,10 +10,11 @@ use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
 use chrono::TimeDelta;
-use common::{Inspect, PgDatabase, REDIS_URL, SqliteFile, base_time, event};
+use common::{Inspect, PgDatabase, REDIS_URL, SqliteFile, base_time, event, stream_names, wait_until};
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
-use sluice_billing::api::{ApiState, CONTROL_CHANNEL, CONTROL_VERSION_KEY, router};
+use sluice_billing::api::{ApiState, CONTROL_CHANNEL, CONTROL_VERSION_KEY, ServiceStatus, router};
+use sluice_billing::ingest::{IngestConfig, UsageConsumer, publish_to};
 use sluice_billing::auth::{Principal, Role, Verifier, mint_hs256};
 use sluice_billing::query::RECORD_COLUMNS;
 use sluice_billing::{FinishReason, Ledger};
@@ -24,6 +25,7 @@ struct Api {
     base: String,
     http: reqwest::Client,
     ledger: Ledger,
+    service: Arc<ServiceStatus>,
     _server: tokio::task::JoinHandle<()>,
 }
 
@@ -36,7 +38,13 @@ async fn start(url: &str, redis: bool) -> anyhow::Result<Api> {
         None
     };
     let verifier = Verifier::hs256(SECRET, None, None)?;
-    let app = router(Arc::new(ApiState { ledger: ledger.clone(), verifier, redis }));
+    let service = Arc::new(ServiceStatus::default());
+    let app = router(Arc::new(ApiState {
+        ledger: ledger.clone(),
+        verifier,
+        redis,
+        service: service.clone(),
+    }));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let server = tokio::spawn(async move {
@@ -46,6 +54,7 @@ async fn start(url: &str, redis: bool) -> anyhow::Result<Api> {
         base: format!("http://{addr}"),
         http: reqwest::Client::new(),
         ledger,
+        service,
         _server: server,
     })
 }
@@ -683,5 +692,58 @@ async fn readiness_follows_the_database_liveness_does_not() -> anyhow::Result<()
     ensure!(text.contains("database_"), "{text}");
     let (status, _) = api.call(Method::GET, "/livez", None, None).await?;
     ensure!(status == StatusCode::OK, "liveness does not depend on the database: {status}");
+    Ok(())
+}
+
+/// `/metrics` (no token, counts only) reports the usage consumer's counters and the group's
+/// pending entries; once a drain began, `/readyz` answers 503 and the gauge says so.
+#[tokio::test]
+async fn metrics_count_ingestion_and_a_draining_replica_is_not_ready() -> anyhow::Result<()> {
+    let db = PgDatabase::create().await?;
+    let api = start(&db.url, true).await?;
+    let (status, text) = api.call(Method::GET, "/metrics", None, None).await?;
+    ensure!(status == StatusCode::OK, "{status} {text}");
+    ensure!(text.contains("sluice_billing_database_up 1"), "{text}");
+    ensure!(text.contains("sluice_billing_draining 0"), "{text}");
+    ensure!(!text.contains("sluice_billing_ingest_"), "no consumer, no counters: {text}");
+
+    let (stream, dead, group) = stream_names();
+    let client = redis::Client::open(REDIS_URL)?;
+    let mut redis = client.get_multiplexed_async_connection().await?;
+    let mut config = IngestConfig::new("metrics-test");
+    (config.stream, config.dead_letter_stream, config.group) =
+        (stream.clone(), dead.clone(), group.clone());
+    let consumer = UsageConsumer::new(client, api.ledger.clone(), config).await?;
+    api.service.set_consumer(consumer.stats(), &stream, &group);
+    for i in 0..3 {
+        publish_to(&mut redis, &stream, &event(&format!("metrics-{i}"), "t-metrics")).await?;
+    }
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let run = tokio::spawn(consumer.run(stopped));
+    let counters = |text: &str| {
+        text.contains("sluice_billing_ingest_inserted_total 3")
+            && text.contains("sluice_billing_stream_pending 0")
+    };
+    wait_until("the metrics to count 3 inserted", Duration::from_secs(20), || async {
+        let (_, text) = api.call(Method::GET, "/metrics", None, None).await?;
+        Ok(counters(&text))
+    })
+    .await?;
+    let (_, text) = api.call(Method::GET, "/metrics", None, None).await?;
+    ensure!(text.contains("# TYPE sluice_billing_ingest_inserted_total counter"), "{text}");
+    ensure!(text.contains("sluice_billing_ingest_duplicates_total 0"), "{text}");
+
+    let (status, _) = api.call(Method::GET, "/readyz", None, None).await?;
+    ensure!(status == StatusCode::OK, "ready before the drain: {status}");
+    api.service.begin_drain();
+    let (status, text) = api.call(Method::GET, "/readyz", None, None).await?;
+    ensure!(status == StatusCode::SERVICE_UNAVAILABLE && text.contains("draining"), "{status} {text}");
+    let (_, text) = api.call(Method::GET, "/metrics", None, None).await?;
+    ensure!(text.contains("sluice_billing_draining 1"), "{text}");
+    let (status, _) = api.call(Method::GET, "/livez", None, None).await?;
+    ensure!(status == StatusCode::OK, "alive while draining: {status}");
+    let _ = stop.send(true);
+    run.await??;
+    common::delete_keys(&mut redis, &[&stream, &dead]).await?;
     Ok(())
 }

@@ -307,7 +307,7 @@ impl Refusal {
             Self::OverShare { .. } => code("fair_share_exceeded"),
             Self::ShuttingDown => code("shutting_down"),
             Self::TooManyConnections => code("too_many_connections"),
-            Self::AuthUnavailable => (None, "auth_unavailable"),
+            Self::AuthUnavailable => code("auth_unavailable"),
             Self::BodyTooLarge => (None, "body_too_large"),
             Self::BodyUnreadable
             | Self::LengthRequired { .. }

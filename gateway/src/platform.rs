@@ -51,6 +51,9 @@ pub enum StartError {
     /// A path pingora needs as text is not UTF-8, or TLS could not be configured.
     #[error("{0}")]
     Config(String),
+    /// Usage events neither the stream nor the ledger took before exit (each logged whole).
+    #[error("{0} usage events were undelivered at exit (logged whole above)")]
+    Undelivered(usize),
 }
 
 fn io_error(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> StartError {
@@ -170,8 +173,12 @@ impl Usage {
                     .await
                     .map_err(redis("connecting to --redis-url"))?;
                 let limiter = Limiter::new(conn.clone(), "sluice", Duration::from_secs(600));
-                let sink =
-                    UsageSink::Redis { conn, stream: stream.to_owned(), fallback: ledger.clone() };
+                let sink = UsageSink::Redis {
+                    conn,
+                    stream: stream.to_owned(),
+                    fallback: ledger.clone(),
+                    retrying: Default::default(),
+                };
                 Ok(Usage { limiter: Some(limiter), sink, ingest: None })
             }
             None => Usage::local(database_url).await,
@@ -255,12 +262,34 @@ pub fn run_proxy(
     run_proxy_until(gateway, listen, tls, Box::new(watch))
 }
 
-/// After the proxy stopped: everything billed so far reaches the ledger, then it closes.
-pub fn finish(io: &IoRuntime, ingest: Option<&LocalIngest>, ledger: &Ledger) {
+/// How long, after the proxy stopped, events still retried in the background may take.
+const FLUSH_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// After the proxy stopped: everything billed so far reaches the ledger (events the usage
+/// stream and the ledger both refused get [`FLUSH_TIMEOUT`] more), then it closes. An event
+/// still undelivered then is logged whole at error level (ids, counts and hashes: no prompt
+/// text), for an operator to replay; the exit status says so.
+pub fn finish(
+    io: &IoRuntime,
+    ingest: Option<&LocalIngest>,
+    sink: &UsageSink,
+    ledger: &Ledger,
+) -> Result<(), StartError> {
     io.handle.block_on(async {
         if let Some(ingest) = ingest {
             ingest.flush().await;
         }
+        let lost = sink.flush(FLUSH_TIMEOUT).await;
+        for event in &lost {
+            let json = serde_json::to_string(event).unwrap_or_default();
+            tracing::error!(request_id = %event.request_id, event = %json, "usage event undelivered at exit");
+            eprintln!("usage event undelivered at exit: {json}");
+        }
         ledger.close().await;
-    });
+        if lost.is_empty() {
+            Ok(())
+        } else {
+            Err(StartError::Undelivered(lost.len()))
+        }
+    })
 }

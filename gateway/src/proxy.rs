@@ -469,6 +469,15 @@ impl Gateway {
             ctx.grant = Some(grant);
             return Err(r);
         }
+        if self.drain.draining() {
+            // Checked once the tenant is known: a refused generation is its request, with a
+            // row that costs nothing, so every generation id a client is given is in the
+            // ledger (model listings have no rows, refused or not).
+            if matches!(route, Route::Generate(_)) {
+                ctx.grant = Some(grant);
+            }
+            return Err(Refusal::ShuttingDown);
+        }
         let endpoint = match route {
             Route::Model(id) => {
                 let entry = self.served.catalog.resolve(&id).filter(|e| {
@@ -972,11 +981,32 @@ impl Gateway {
                 if let Some(l) = &self.limiter {
                     let (l, t, id) = (l.clone(), grant.tenant_id.clone(), ctx.request_id.clone());
                     let key = ctx.key_scope.as_ref().map(|(k, _)| k.clone());
-                    if let Ok(Err(e)) = self
-                        .on_io(async move { l.settle(&t, key.as_deref(), &id, used).await })
-                        .await
-                    {
-                        tracing::warn!(error = %e, "settlement failed; the reservation expires instead");
+                    let first = {
+                        let (l, t, id, key) = (l.clone(), t.clone(), id.clone(), key.clone());
+                        self.on_io(async move { l.settle(&t, key.as_deref(), &id, used).await })
+                            .await
+                    };
+                    if let Ok(Err(e)) = first {
+                        // Settling twice settles once (the script drops the reservation), so
+                        // a failed settlement (Redis restarting, say) is retried in the
+                        // background for a while; only past that does the reservation expire
+                        // instead.
+                        tracing::warn!(error = %e, "settlement failed; retrying");
+                        drop(self.io.spawn(async move {
+                            let mut delay = Duration::from_millis(200);
+                            let give_up = Instant::now() + SETTLE_RETRY_FOR;
+                            loop {
+                                tokio::time::sleep(delay).await;
+                                match l.settle(&t, key.as_deref(), &id, used).await {
+                                    Ok(_) => return,
+                                    Err(e) if Instant::now() >= give_up => {
+                                        tracing::warn!(error = %e, "settlement failed; the reservation expires instead");
+                                        return;
+                                    }
+                                    Err(_) => delay = (delay * 2).min(Duration::from_secs(5)),
+                                }
+                            }
+                        }));
                     }
                 }
             }
@@ -997,6 +1027,9 @@ struct EngineOutcome {
     completion_tokens: u64,
     cached_tokens: u64,
 }
+
+/// How long a failed settlement of a Redis reservation is retried before it is left to expire.
+const SETTLE_RETRY_FOR: Duration = Duration::from_secs(120);
 
 /// How long the gateway waits for an engine to finish aborting a request it asks about.
 const OUTCOME_WAIT: Duration = Duration::from_secs(10);
@@ -1103,12 +1136,9 @@ impl ProxyHttp for Gateway {
         // Entering once starts the exported span, fixing the id the engine's span will name
         // as its parent.
         ctx.span.in_scope(|| ());
-        // In flight from here to `logging`: registered before the drain is checked, so a drain
-        // that begins now waits for this request.
+        // In flight from here to `logging`: registered before the drain is checked (in
+        // `admit`), so a drain that begins now waits for this request.
         self.drain.begin(&ctx.request_id);
-        if self.drain.draining() {
-            return self.refuse(session, ctx, Refusal::ShuttingDown).await;
-        }
         // One address cannot hold every task (a flood of slow bodies, say).
         ctx.client_ip = session.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip());
         if let Some(ip) = ctx.client_ip
@@ -1191,6 +1221,20 @@ impl ProxyHttp for Gateway {
             if respond(session, code, body, &headers).await.is_ok() {
                 ctx.status = code;
             }
+        } else if code > 0 && ctx.stream && ctx.status == 200 && !ctx.cancelled {
+            // The engine broke off a stream the client is reading (it died, say): the stream
+            // ends with a terminal error event and [DONE], not a cut connection, so the client
+            // knows the answer is cut short (it is billed for the tokens it received).
+            let err = error_json(
+                "the engine failed while streaming this answer; retry it",
+                "server_error",
+                None,
+                Some("upstream_error"),
+            );
+            let mut out = b"data: ".to_vec();
+            out.extend_from_slice(&err);
+            out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
+            let _ = session.downstream_session.write_response_body(Bytes::from(out), true).await;
         }
         pingora::proxy::FailToProxy { error_code: code, can_reuse_downstream: false }
     }
@@ -1561,8 +1605,11 @@ impl Gateway {
         }
         ctx.fair_slot = None;
         let usage = timings.usage.clone().unwrap_or(Value::Null);
+        // A stream cut short without [DONE] is the client's leaving, unless the engine broke
+        // it off (then it is an error, billed for what the client received).
+        let upstream_failed = e.is_some_and(|e| matches!(e.esource(), ErrorSource::Upstream));
         let downstream_gone = e.is_some_and(|e| matches!(e.esource(), ErrorSource::Downstream))
-            || (ctx.stream && !timings.done && ctx.status == 200);
+            || (ctx.stream && !timings.done && ctx.status == 200 && !upstream_failed);
         let mut completion = usage["completion_tokens"].as_u64().unwrap_or(timings.streamed_tokens);
         let mut cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
         if usage.is_null() && (ctx.status == 200 || ctx.status == 0) {

@@ -4,10 +4,13 @@
 //! An event is never dropped while either path works: when Redis refuses it, it is written
 //! straight into the ledger (idempotent on the request id, so a late duplicate through the
 //! stream is harmless); when both fail, a background task keeps trying both, with backoff,
-//! for as long as the process lives.
+//! for as long as the process lives. At exit [`UsageSink::flush`] waits for those, and
+//! `finish` logs any still undelivered (counts, hashes and ids only: an event never holds
+//! prompt text) so an operator can replay them.
 
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use sluice_billing::local::LocalIngest;
 use sluice_billing::{BillingError, Ledger, UsageEvent};
@@ -23,9 +26,33 @@ pub enum UsageSink {
         stream: String,
         /// Written directly when Redis fails.
         fallback: Ledger,
+        /// Events neither path took yet, retried in the background.
+        retrying: Arc<Retrying>,
     },
     /// In-process batched writer.
     Local(Arc<LocalIngest>),
+}
+
+/// Events being retried in the background, by request id.
+#[derive(Debug, Default)]
+pub struct Retrying {
+    events: Mutex<HashMap<String, UsageEvent>>,
+    changed: tokio::sync::Notify,
+}
+
+impl Retrying {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, UsageEvent>> {
+        self.events.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn add(&self, event: &UsageEvent) {
+        self.lock().insert(event.request_id.clone(), event.clone());
+    }
+
+    fn done(&self, request_id: &str) {
+        self.lock().remove(request_id);
+        self.changed.notify_waiters();
+    }
 }
 
 /// How an event reached billing.
@@ -53,7 +80,7 @@ impl UsageSink {
     pub async fn emit(&self, event: UsageEvent) -> Result<Delivered, BillingError> {
         match self {
             Self::Local(l) => l.emit(event).await.map(|()| Delivered::Primary),
-            Self::Redis { conn, stream, fallback } => {
+            Self::Redis { conn, stream, fallback, retrying } => {
                 event.validate()?;
                 let mut delay = Duration::from_millis(20);
                 for attempt in 0..3 {
@@ -77,7 +104,9 @@ impl UsageSink {
                     return Ok(Delivered::Fallback);
                 }
                 tracing::error!(request_id = %event.request_id, "usage stream and ledger both down; retrying in the background");
+                retrying.add(&event);
                 let (conn, stream, fallback) = (conn.clone(), stream.clone(), fallback.clone());
+                let retrying = Arc::clone(retrying);
                 tokio::spawn(async move {
                     let mut delay = Duration::from_millis(200);
                     loop {
@@ -93,6 +122,7 @@ impl UsageSink {
                         if sent || fallback.insert_batch(std::slice::from_ref(&event)).await.is_ok()
                         {
                             tracing::info!(request_id = %event.request_id, "usage event delivered after an outage");
+                            retrying.done(&event.request_id);
                             return;
                         }
                         delay = (delay * 2).min(Duration::from_secs(10));
@@ -100,6 +130,28 @@ impl UsageSink {
                 });
                 Ok(Delivered::Retrying)
             }
+        }
+    }
+}
+
+impl UsageSink {
+    /// Waits up to `within` for the events being retried in the background; returns those
+    /// still undelivered then (the process is about to exit and take their tasks with it).
+    pub async fn flush(&self, within: Duration) -> Vec<UsageEvent> {
+        let Self::Redis { retrying, .. } = self else { return Vec::new() };
+        let deadline = Instant::now() + within;
+        loop {
+            let changed = retrying.changed.notified();
+            let left = retrying.lock().len();
+            if left == 0 {
+                return Vec::new();
+            }
+            let wait = deadline.saturating_duration_since(Instant::now());
+            if wait.is_zero() {
+                return retrying.lock().values().cloned().collect();
+            }
+            tracing::info!(events = left, "waiting for usage events retried in the background");
+            let _ = tokio::time::timeout(wait.min(Duration::from_millis(500)), changed).await;
         }
     }
 }

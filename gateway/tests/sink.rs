@@ -65,24 +65,7 @@ async fn events_reach_the_ledger_when_redis_is_gone() -> anyhow::Result<()> {
     // A Redis of this test's own, so stopping it disturbs nothing else.
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let dir = tempfile_dir()?;
-    let server = RedisServer(
-        Command::new("redis-server")
-            .args([
-                "--port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ])
-            .arg("--dir")
-            .arg(&dir)
-            .stdout(Stdio::null())
-            .spawn()
-            .context("redis-server is needed for this test")?,
-    );
+    let server = start_redis(port, &dir)?;
     let url = format!("redis://127.0.0.1:{port}");
     let client = redis::Client::open(url.as_str())?;
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -96,7 +79,12 @@ async fn events_reach_the_ledger_when_redis_is_gone() -> anyhow::Result<()> {
         }
     };
     let ledger = Ledger::connect(&format!("sqlite://{}", dir.join("ledger.db").display())).await?;
-    let sink = UsageSink::Redis { conn, stream: "{t}:usage".into(), fallback: ledger.clone() };
+    let sink = UsageSink::Redis {
+        conn,
+        stream: "{t}:usage".into(),
+        fallback: ledger.clone(),
+        retrying: Default::default(),
+    };
     ensure!(sink.emit(event("a")).await? == Delivered::Primary);
     drop(server);
     for id in ["b", "c"] {
@@ -114,8 +102,34 @@ async fn events_reach_the_ledger_when_redis_is_gone() -> anyhow::Result<()> {
     let ids: Vec<&str> = page.records.iter().filter_map(|r| r["request_id"].as_str()).collect();
     ensure!(ids.len() == 3 && ["a", "b", "c"].iter().all(|i| ids.contains(i)), "{ids:?}");
     ledger.close().await;
+
+    // Both paths down: the event is retried in the background, and `flush` (what the gateway
+    // runs before it exits) names it while it is undelivered...
+    ensure!(sink.emit(event("d")).await? == Delivered::Retrying);
+    let left = sink.flush(Duration::from_millis(300)).await;
+    ensure!(left.len() == 1 && left[0].request_id == "d", "{left:?}");
+    // ...and waits for it once Redis is back.
+    let _server = start_redis(port, &dir)?;
+    let left = sink.flush(Duration::from_secs(30)).await;
+    ensure!(left.is_empty(), "still undelivered: {left:?}");
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    let entries: redis::streams::StreamRangeReply =
+        redis::AsyncCommands::xrange_all(&mut conn, "{t}:usage").await?;
+    ensure!(entries.ids.len() == 1, "{} entries in the restarted stream", entries.ids.len());
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
+}
+
+fn start_redis(port: u16, dir: &std::path::Path) -> anyhow::Result<RedisServer> {
+    Ok(RedisServer(
+        Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+            .args(["--appendonly", "no", "--dir"])
+            .arg(dir)
+            .stdout(Stdio::null())
+            .spawn()
+            .context("redis-server is needed for this test")?,
+    ))
 }
 
 fn tempfile_dir() -> anyhow::Result<std::path::PathBuf> {
