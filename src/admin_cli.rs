@@ -228,8 +228,12 @@ pub fn run_billing(args: BillingArgs) -> anyhow::Result<()> {
             service.set_consumer(consumer.stats(), &args.usage_stream, &args.consumer_group);
             consumer_task = Some(tokio::spawn(consumer.run(stop_rx)));
         }
-        let state =
-            Arc::new(ApiState { ledger: ledger.clone(), verifier, redis, service: service.clone() });
+        let state = Arc::new(ApiState {
+            ledger: ledger.clone(),
+            verifier,
+            redis,
+            service: service.clone(),
+        });
         let listener = tokio::net::TcpListener::bind(&args.listen)
             .await
             .with_context(|| format!("binding {}", args.listen))?;

@@ -471,8 +471,14 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     ));
     // First come, first served all the way: the gateway does not share places out either.
     cfg.fair_admission &= args.scheduling == sluice_engine::serve::core::Scheduling::Fair;
-    let gateway =
-        Gateway::new(cfg, ledger.clone(), usage.limiter, texts, usage.sink.clone(), io.handle.clone());
+    let gateway = Gateway::new(
+        cfg,
+        ledger.clone(),
+        usage.limiter,
+        texts,
+        usage.sink.clone(),
+        io.handle.clone(),
+    );
     for model in &models {
         gateway.seed_identity(serde_json::to_value(&model.identity)?);
     }

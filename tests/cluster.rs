@@ -211,7 +211,7 @@ fn load(fleet: &Fleet, key: &str, stream: bool, log: &Path) -> anyhow::Result<st
     let mut args = vec!["bench", "serve", "--base-url", &base, "--failover-url", &other];
     args.extend(["--model", MODEL_ID, "--endpoint", "completions", "--request-rate", "1.5"]);
     args.extend(["--duration", &secs, "--max-concurrency", "12", "--input-len", "24"]);
-    args.extend(["--output-len", "uniform:8:24", "--timeout", "120"]);
+    args.extend(["--output-len", "uniform:16:48", "--timeout", "120"]);
     args.extend(["--idempotent-retries", "8", "--requests-log", log_s]);
     args.extend(["--seed", if stream { "1" } else { "2" }]);
     if !stream {
@@ -296,16 +296,29 @@ async fn a_fleet_loses_nothing_through_restarts_kills_and_outages() -> anyhow::R
     wait_healthy(&c, &format!("http://{}/health", fleet.engines[0].1)).await?;
     faults.add("SIGTERM engine 0, restart", began, t0, format!("exit {status}"));
 
-    // 2. An engine is killed mid-stream and comes back.
+    // 2. An engine is killed with requests running on it, and comes back.
     at(16).await;
     let began = Instant::now();
+    let metrics = format!("http://{}/metrics", fleet.engines[1].1);
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut running = 0;
+    while running == 0 && Instant::now() < deadline {
+        let text = c.get(&metrics).send().await?.text().await?;
+        running = text
+            .lines()
+            .find_map(|l| l.strip_prefix("sluice_engine_num_requests_running "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0) as u64;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    ensure!(running > 0, "engine 1 ran nothing to kill within 15 s");
     let mut p = fleet.engines[1].0.take().context("engine 1")?;
     p.0.kill()?;
     p.0.wait()?;
     tokio::time::sleep(Duration::from_secs(2)).await;
     fleet.start_engine(1)?;
     wait_healthy(&c, &format!("http://{}/health", fleet.engines[1].1)).await?;
-    faults.add("SIGKILL engine 1, restart", began, t0, String::new());
+    faults.add("SIGKILL engine 1, restart", began, t0, format!("{running} requests running"));
 
     // 3. A rolling restart of a gateway.
     at(26).await;
@@ -387,7 +400,9 @@ async fn a_fleet_loses_nothing_through_restarts_kills_and_outages() -> anyhow::R
         let page = ledger.records(&RecordFilter { limit: 10_000, ..Default::default() }).await?;
         let mut rows: HashMap<String, Vec<serde_json::Map<String, Value>>> = HashMap::new();
         for r in page.records {
-            rows.entry(r["request_id"].as_str().unwrap_or_default().to_owned()).or_default().push(r);
+            rows.entry(r["request_id"].as_str().unwrap_or_default().to_owned())
+                .or_default()
+                .push(r);
         }
         let missing: Vec<_> = with_id
             .iter()
@@ -438,7 +453,8 @@ async fn a_fleet_loses_nothing_through_restarts_kills_and_outages() -> anyhow::R
             );
             *counts.entry("refused or failed, free").or_default() += 1;
         }
-        if t.status == Some(200) && tries.iter().filter(|u| u.request_id == t.request_id).count() > 1
+        if t.status == Some(200)
+            && tries.iter().filter(|u| u.request_id == t.request_id).count() > 1
         {
             replays += 1;
         }
@@ -459,12 +475,13 @@ async fn a_fleet_loses_nothing_through_restarts_kills_and_outages() -> anyhow::R
         let cut = req.iter().filter(|t| t.status == Some(200) && !t.ok).count();
         ensure!(done <= 1 + cut, "key {k}: {done} completed rows for {} tries: {req:?}", req.len());
     }
-    let failed = requests.iter().filter(|r| !r.last().is_some_and(|t| t.ok)).count();
-    ensure!(
-        failed * 20 <= requests.len(),
-        "{failed} of {} requests failed after their retries",
-        requests.len()
-    );
+    // Every request ends answered: what a fault cut short was retried under its key.
+    let failed: Vec<_> = requests.iter().filter(|r| !r.last().is_some_and(|t| t.ok)).collect();
+    ensure!(failed.is_empty(), "{} requests failed after their retries: {failed:?}", failed.len());
+    let failed = failed.len();
+    // The killed engine's streams ended with an error event (its whole answers, not begun at
+    // the client, the gateway retried on another engine itself).
+    let killed = tries.iter().filter(|t| t.error_code.as_deref() == Some("upstream_error")).count();
 
     // The tenant's day counter in Redis against the ledger; nothing left reserved.
     let now = chrono::Utc::now();
@@ -475,14 +492,18 @@ async fn a_fleet_loses_nothing_through_restarts_kills_and_outages() -> anyhow::R
         let (day, _) = ledger.tokens_used("fleet", None, day_start, month_start).await?;
         let win = "{sluice:t:fleet}:windows";
         let counter = int(&redis_cmd(&redis_url, &["HGET", win, "day_n"]).await?);
-        let reserved = int(&redis_cmd(&redis_url, &["HLEN", "{sluice:t:fleet}:reservations"]).await?);
+        let reserved =
+            int(&redis_cmd(&redis_url, &["HLEN", "{sluice:t:fleet}:reservations"]).await?);
         if counter as u64 == day && reserved == 0 || Instant::now() > deadline {
             break (counter, day, reserved);
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
     ensure!(reserved == 0, "{reserved} reservations left in Redis");
-    ensure!(counter as u64 == ledger_day, "Redis counts {counter} tokens today, the ledger {ledger_day}");
+    ensure!(
+        counter as u64 == ledger_day,
+        "Redis counts {counter} tokens today, the ledger {ledger_day}"
+    );
     // Nothing pending in the usage stream.
     let pending = redis_cmd(&redis_url, &["XPENDING", STREAM, "billing"]).await?;
     let pending = match &pending {
@@ -533,7 +554,7 @@ async fn a_fleet_loses_nothing_through_restarts_kills_and_outages() -> anyhow::R
          | request ids checked, one row each | {} |\n| requests retried under their key | {keys_with_retries} |\n\
          | retries answered by replay | {replays} |\n| requests failed after retries | {failed} |\n\
          | Redis day counter = ledger day tokens | {counter} = {ledger_day} |\n\
-         | usage entries pending | {pending} |",
+         | usage entries pending | {pending} |\n| tries ended by the killed engine | {killed} |",
         requests.len(),
         tries.len(),
         with_id.len()

@@ -771,7 +771,11 @@ async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
             ("inserted", "Usage events that became new ledger rows.", s.inserted()),
             ("duplicates", "Usage events the ledger already held (redeliveries).", s.duplicates()),
             ("dead_lettered", "Entries moved to the dead-letter stream.", s.dead_lettered()),
-            ("claimed", "Pending entries taken over (own after a restart, or others').", s.claimed()),
+            (
+                "claimed",
+                "Pending entries taken over (own after a restart, or others').",
+                s.claimed(),
+            ),
             ("database_failures", "Failed ledger writes that were retried.", s.database_failures()),
         ] {
             family(&format!("sluice_billing_ingest_{name}_total"), "counter", help, v as f64);
@@ -780,7 +784,10 @@ async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
             let mut conn = redis.clone();
             let pending = tokio::time::timeout(
                 std::time::Duration::from_secs(1),
-                redis::cmd("XPENDING").arg(&c.stream).arg(&c.group).query_async::<redis::Value>(&mut conn),
+                redis::cmd("XPENDING")
+                    .arg(&c.stream)
+                    .arg(&c.group)
+                    .query_async::<redis::Value>(&mut conn),
             )
             .await;
             // The summary form's first element is the count.

@@ -10,12 +10,14 @@ use std::time::Duration;
 
 use anyhow::{Context, bail, ensure};
 use chrono::TimeDelta;
-use common::{Inspect, PgDatabase, REDIS_URL, SqliteFile, base_time, event, stream_names, wait_until};
+use common::{
+    Inspect, PgDatabase, REDIS_URL, SqliteFile, base_time, event, stream_names, wait_until,
+};
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
 use sluice_billing::api::{ApiState, CONTROL_CHANNEL, CONTROL_VERSION_KEY, ServiceStatus, router};
-use sluice_billing::ingest::{IngestConfig, UsageConsumer, publish_to};
 use sluice_billing::auth::{Principal, Role, Verifier, mint_hs256};
+use sluice_billing::ingest::{IngestConfig, UsageConsumer, publish_to};
 use sluice_billing::query::RECORD_COLUMNS;
 use sluice_billing::{FinishReason, Ledger};
 
@@ -737,7 +739,10 @@ async fn metrics_count_ingestion_and_a_draining_replica_is_not_ready() -> anyhow
     ensure!(status == StatusCode::OK, "ready before the drain: {status}");
     api.service.begin_drain();
     let (status, text) = api.call(Method::GET, "/readyz", None, None).await?;
-    ensure!(status == StatusCode::SERVICE_UNAVAILABLE && text.contains("draining"), "{status} {text}");
+    ensure!(
+        status == StatusCode::SERVICE_UNAVAILABLE && text.contains("draining"),
+        "{status} {text}"
+    );
     let (_, text) = api.call(Method::GET, "/metrics", None, None).await?;
     ensure!(text.contains("sluice_billing_draining 1"), "{text}");
     let (status, _) = api.call(Method::GET, "/livez", None, None).await?;

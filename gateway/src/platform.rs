@@ -169,11 +169,12 @@ impl Usage {
         match redis_url {
             Some(url) => {
                 let client = redis::Client::open(url).map_err(redis("--redis-url"))?;
-                let conn = redis::aio::ConnectionManager::new(client)
+                let conn = redis::aio::ConnectionManager::new(client.clone())
                     .await
                     .map_err(redis("connecting to --redis-url"))?;
                 let limiter = Limiter::new(conn.clone(), "sluice", Duration::from_secs(600));
                 let sink = UsageSink::Redis {
+                    client,
                     conn,
                     stream: stream.to_owned(),
                     fallback: ledger.clone(),

@@ -20,6 +20,9 @@ use sluice_billing::{BillingError, Ledger, UsageEvent};
 pub enum UsageSink {
     /// `XADD` to the usage stream, falling back to the ledger.
     Redis {
+        /// For the background retries: a fresh connection each time (a connection manager
+        /// can stay wedged after a long outage; see `retry_publish`).
+        client: redis::Client,
         /// Connection.
         conn: redis::aio::ConnectionManager,
         /// Stream name.
@@ -75,12 +78,25 @@ async fn publish(
     sluice_billing::ingest::publish_to(&mut conn, stream, event).await.map(|_| ())
 }
 
+/// One background retry over a connection of its own: the shared connection manager was seen
+/// to leave every command pending, even after Redis came back, once an outage outlasted its
+/// reconnection attempts (redis 0.32), and an event must not wait on that.
+async fn retry_publish(client: &redis::Client, stream: &str, event: &UsageEvent) -> bool {
+    let attempt = async {
+        let mut conn = client.get_multiplexed_async_connection().await?;
+        sluice_billing::ingest::publish_to(&mut conn, stream, event).await.map_err(|e| {
+            redis::RedisError::from((redis::ErrorKind::IoError, "publish", e.to_string()))
+        })
+    };
+    matches!(tokio::time::timeout(Duration::from_secs(2), attempt).await, Ok(Ok(_)))
+}
+
 impl UsageSink {
     /// Delivers one event; see the module docs for what happens on failures.
     pub async fn emit(&self, event: UsageEvent) -> Result<Delivered, BillingError> {
         match self {
             Self::Local(l) => l.emit(event).await.map(|()| Delivered::Primary),
-            Self::Redis { conn, stream, fallback, retrying } => {
+            Self::Redis { client, conn, stream, fallback, retrying } => {
                 event.validate()?;
                 let mut delay = Duration::from_millis(20);
                 for attempt in 0..3 {
@@ -105,20 +121,13 @@ impl UsageSink {
                 }
                 tracing::error!(request_id = %event.request_id, "usage stream and ledger both down; retrying in the background");
                 retrying.add(&event);
-                let (conn, stream, fallback) = (conn.clone(), stream.clone(), fallback.clone());
+                let (client, stream, fallback) = (client.clone(), stream.clone(), fallback.clone());
                 let retrying = Arc::clone(retrying);
                 tokio::spawn(async move {
                     let mut delay = Duration::from_millis(200);
                     loop {
                         tokio::time::sleep(delay).await;
-                        let sent = matches!(
-                            tokio::time::timeout(
-                                Duration::from_secs(1),
-                                publish(&conn, &stream, &event)
-                            )
-                            .await,
-                            Ok(Ok(()))
-                        );
+                        let sent = retry_publish(&client, &stream, &event).await;
                         if sent || fallback.insert_batch(std::slice::from_ref(&event)).await.is_ok()
                         {
                             tracing::info!(request_id = %event.request_id, "usage event delivered after an outage");
