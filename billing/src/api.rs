@@ -766,19 +766,40 @@ async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
     );
     if let Some(c) = state.service.consumer.get() {
         let s = &c.stats;
+        // Whole names, so a search of the source finds each exported metric.
         for (name, help, v) in [
-            ("batches", "Usage batches committed and acknowledged.", s.committed_batches()),
-            ("inserted", "Usage events that became new ledger rows.", s.inserted()),
-            ("duplicates", "Usage events the ledger already held (redeliveries).", s.duplicates()),
-            ("dead_lettered", "Entries moved to the dead-letter stream.", s.dead_lettered()),
             (
-                "claimed",
+                "sluice_billing_ingest_batches_total",
+                "Usage batches committed and acknowledged.",
+                s.committed_batches(),
+            ),
+            (
+                "sluice_billing_ingest_inserted_total",
+                "Usage events that became new ledger rows.",
+                s.inserted(),
+            ),
+            (
+                "sluice_billing_ingest_duplicates_total",
+                "Usage events the ledger already held (redeliveries).",
+                s.duplicates(),
+            ),
+            (
+                "sluice_billing_ingest_dead_lettered_total",
+                "Entries moved to the dead-letter stream.",
+                s.dead_lettered(),
+            ),
+            (
+                "sluice_billing_ingest_claimed_total",
                 "Pending entries taken over (own after a restart, or others').",
                 s.claimed(),
             ),
-            ("database_failures", "Failed ledger writes that were retried.", s.database_failures()),
+            (
+                "sluice_billing_ingest_database_failures_total",
+                "Failed ledger writes that were retried.",
+                s.database_failures(),
+            ),
         ] {
-            family(&format!("sluice_billing_ingest_{name}_total"), "counter", help, v as f64);
+            family(name, "counter", help, v as f64);
         }
         if let Some(redis) = &state.redis {
             let mut conn = redis.clone();
