@@ -10,6 +10,7 @@ use serde_json::{Value, json};
 use sluice_billing::api::{ApiState, ServiceStatus, router};
 use sluice_billing::auth::{Principal, Role, Verifier, mint_hs256};
 use sluice_billing::ingest::{IngestConfig, UsageConsumer};
+use sluice_billing::redis_conn::RedisTarget;
 use sluice_billing::{Ledger, LedgerOptions};
 
 /// JWT settings shared by the service and `sluice admin token`.
@@ -206,12 +207,8 @@ pub fn run_billing(args: BillingArgs) -> anyhow::Result<()> {
         let mut consumer_task = None;
         let mut redis = None;
         if let Some(url) = &args.redis_url {
-            let client = redis::Client::open(url.as_str()).context("--redis-url")?;
-            redis = Some(
-                redis::aio::ConnectionManager::new(client.clone())
-                    .await
-                    .context("connecting to --redis-url")?,
-            );
+            let client = RedisTarget::open(url).context("--redis-url")?;
+            redis = Some(client.connect().await.context("connecting to --redis-url")?);
             let mut config = IngestConfig::new(&args.consumer);
             // The dead-letter stream shares the usage stream's hash tag (same cluster slot).
             config.dead_letter_stream = format!("{}:dead", args.usage_stream);

@@ -178,8 +178,13 @@ async fn against_engines(
         }
         let v: Value = resp.json().await.context("the engine sent invalid JSON")?;
         let model = v["model"].as_str().unwrap_or("?").to_owned();
-        let started = DateTime::from_timestamp(v["started"].as_i64().unwrap_or(0), 0)
-            .unwrap_or(DateTime::UNIX_EPOCH);
+        // To the millisecond where the engine says it: a row from within its first second may
+        // belong to the process before it on the same address (a restart).
+        let started = match v["started_ms"].as_i64() {
+            Some(ms) => DateTime::from_timestamp_millis(ms),
+            None => DateTime::from_timestamp(v["started"].as_i64().unwrap_or(0), 0),
+        }
+        .unwrap_or(DateTime::UNIX_EPOCH);
         let outcomes = v["data"].as_array().cloned().unwrap_or_default();
         let (mut running, mut matched) = (0, 0);
         let mut known = HashSet::new();

@@ -42,7 +42,10 @@ use sluice_billing::Ledger;
 use sluice_billing::auth::{Principal, Role};
 use sluice_billing::control::NewTenant;
 use sluice_billing::query::RecordFilter;
-use support::{Proc, free_port, redis_server, signal_and_wait, spawn_sluice_logged, wait_healthy};
+use support::{
+    Proc, Try, free_port, read_tries, redis_server, signal_and_wait, spawn_sluice_logged,
+    wait_healthy,
+};
 
 const MODEL_ID: &str = "smollm2-135m-instruct";
 const TOKEN: &str = "cluster-internal-token";
@@ -160,46 +163,6 @@ async fn pending_of(url: &str, consumer: &str) -> anyhow::Result<i64> {
         }
     }
     Ok(0)
-}
-
-/// One try of one request, as `sluice bench serve --requests-log` wrote it.
-#[derive(Debug, Clone)]
-struct Try {
-    stream: bool,
-    key: String,
-    status: Option<u16>,
-    request_id: Option<String>,
-    error_code: Option<String>,
-    ok: bool,
-    usage_tokens: Option<u64>,
-    streamed_tokens: u64,
-}
-
-fn read_tries(path: &Path) -> anyhow::Result<Vec<Vec<Try>>> {
-    let text = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
-    let mut out = Vec::new();
-    for line in text.lines() {
-        let v: Value = serde_json::from_str(line)?;
-        let key = v["idempotency_key"].as_str().context("no idempotency key")?.to_owned();
-        let stream = v["stream"].as_bool().unwrap_or(false);
-        let tries = v["tries"].as_array().context("no tries")?;
-        out.push(
-            tries
-                .iter()
-                .map(|t| Try {
-                    stream,
-                    key: key.clone(),
-                    status: t["status"].as_u64().map(|s| s as u16),
-                    request_id: t["request_id"].as_str().map(str::to_owned),
-                    error_code: t["error_code"].as_str().map(str::to_owned),
-                    ok: t["ok"].as_bool().unwrap_or(false),
-                    usage_tokens: t["usage_tokens"].as_u64(),
-                    streamed_tokens: t["streamed_tokens"].as_u64().unwrap_or(0),
-                })
-                .collect(),
-        );
-    }
-    Ok(out)
 }
 
 /// A `sluice bench serve` load against both gateways.
@@ -326,6 +289,8 @@ async fn a_fleet_loses_nothing_through_restarts_kills_and_outages() -> anyhow::R
     let mut p = fleet.gateways[0].0.take().context("gateway 0")?;
     let status = block(&mut || signal_and_wait(&mut p.0, "TERM", Duration::from_secs(60)))?;
     ensure!(status.success(), "gateway 0 exited with {status} after SIGTERM");
+    // Down for 2 s, as a replaced pod is: its clients retry on the other one.
+    tokio::time::sleep(Duration::from_secs(2)).await;
     fleet.start_gateway(0)?;
     wait_healthy(&c, &format!("http://{}/readyz", fleet.gateways[0].1)).await?;
     faults.add("SIGTERM gateway 0, restart", began, t0, format!("exit {status}"));
@@ -469,6 +434,8 @@ async fn a_fleet_loses_nothing_through_restarts_kills_and_outages() -> anyhow::R
         }
     }
     let keys_with_retries = requests.iter().filter(|r| r.len() > 1).count();
+    // The restarted gateway's clients found nobody there and went to the other one.
+    ensure!(tries.iter().any(|t| t.status.is_none()), "no client retried while gateway 0 was down");
     for req in &requests {
         let k = req[0].key.as_str();
         let done = completed_per_key.get(k).copied().unwrap_or(0);

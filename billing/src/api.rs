@@ -38,7 +38,7 @@ pub struct ApiState {
     /// Token verification.
     pub verifier: Verifier,
     /// Where control-plane changes are announced, when configured.
-    pub redis: Option<redis::aio::ConnectionManager>,
+    pub redis: Option<crate::redis_conn::RedisConn>,
     /// Draining and ingestion, for `/readyz` and `/metrics`.
     pub service: Arc<ServiceStatus>,
 }

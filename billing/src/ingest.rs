@@ -25,12 +25,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use redis::AsyncCommands;
-use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::aio::ConnectionLike;
 use redis::streams::{
     StreamAutoClaimOptions, StreamAutoClaimReply, StreamId, StreamReadOptions, StreamReadReply,
 };
 use tokio::sync::watch;
 
+use crate::redis_conn::{RedisConn, RedisTarget};
 use crate::{BillingError, Ledger, UsageEvent};
 
 /// Stream gateways publish usage events to.
@@ -207,7 +208,7 @@ enum Phase {
 
 /// One member of the billing consumer group.
 pub struct UsageConsumer {
-    redis: ConnectionManager,
+    redis: RedisConn,
     ledger: Ledger,
     config: IngestConfig,
     stats: Arc<ConsumerStats>,
@@ -218,11 +219,11 @@ pub struct UsageConsumer {
 impl UsageConsumer {
     /// Connects and creates the consumer group (reading from the stream's start) if missing.
     pub async fn new(
-        client: redis::Client,
+        redis: impl Into<RedisTarget>,
         ledger: Ledger,
         config: IngestConfig,
     ) -> Result<Self, BillingError> {
-        let mut redis = ConnectionManager::new(client).await?;
+        let mut redis = redis.into().connect().await?;
         let created: Result<(), redis::RedisError> =
             redis.xgroup_create_mkstream(&config.stream, &config.group, "0").await;
         match created {

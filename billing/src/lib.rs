@@ -16,6 +16,7 @@ pub mod ingest;
 pub mod local;
 pub mod prices;
 pub mod query;
+pub mod redis_conn;
 pub mod retention;
 pub mod store;
 

@@ -34,8 +34,7 @@ struct Api {
 async fn start(url: &str, redis: bool) -> anyhow::Result<Api> {
     let ledger = Ledger::connect(url).await?;
     let redis = if redis {
-        let client = redis::Client::open(REDIS_URL)?;
-        Some(redis::aio::ConnectionManager::new(client).await?)
+        Some(sluice_billing::redis_conn::RedisTarget::open(REDIS_URL)?.connect().await?)
     } else {
         None
     };

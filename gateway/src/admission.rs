@@ -325,8 +325,8 @@ impl Refusal {
             | Self::InvalidPrompt
             | Self::InvalidTools { .. }
             | Self::InvalidSlo { .. } => (None, "invalid_parameter"),
-            Self::IdempotencyUnavailable => (None, "idempotency_unavailable"),
-            Self::LimiterUnavailable => (None, "limiter_unavailable"),
+            Self::IdempotencyUnavailable => code("idempotency_unavailable"),
+            Self::LimiterUnavailable => code("limiter_unavailable"),
             Self::WriteFailed => (None, "write_failed"),
         }
     }

@@ -16,8 +16,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use redis::aio::ConnectionManager;
 use sha2::{Digest, Sha256};
+use sluice_billing::redis_conn::RedisConn;
 
 use crate::limits::REDIS_TIMEOUT;
 
@@ -110,7 +110,7 @@ struct LocalClaim {
 }
 
 struct Shared {
-    conn: ConnectionManager,
+    conn: RedisConn,
     prefix: String,
     claim: redis::Script,
     complete: redis::Script,
@@ -152,7 +152,7 @@ impl Idempotency {
     /// Claims in Redis when `redis` (connection, key prefix) is given, else in this process;
     /// completed claims hold `window`, running ones `running_ttl`.
     pub fn new(
-        redis: Option<(ConnectionManager, String)>,
+        redis: Option<(RedisConn, String)>,
         window: Duration,
         running_ttl: Duration,
     ) -> Self {

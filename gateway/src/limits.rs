@@ -11,8 +11,8 @@
 
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
 use serde::{Deserialize, Serialize};
+use sluice_billing::redis_conn::RedisConn;
 
 pub use sluice_billing::control::Limits;
 
@@ -168,7 +168,7 @@ pub(crate) const REDIS_TIMEOUT: Duration = Duration::from_millis(300);
 /// Atomic admissions and settlements for every tenant, over one Redis connection manager.
 #[derive(Clone)]
 pub struct Limiter {
-    conn: ConnectionManager,
+    conn: RedisConn,
     admit: redis::Script,
     settle: redis::Script,
     /// How long a reservation lives without being settled.
@@ -196,9 +196,9 @@ fn unlim(v: i64) -> Option<u64> {
 impl Limiter {
     /// A limiter whose keys start with `prefix` (`sluice` in production; tests isolate
     /// themselves with their own), reservations living `reservation_ttl`.
-    pub fn new(conn: ConnectionManager, prefix: &str, reservation_ttl: Duration) -> Self {
+    pub fn new(conn: impl Into<RedisConn>, prefix: &str, reservation_ttl: Duration) -> Self {
         Self {
-            conn,
+            conn: conn.into(),
             admit: redis::Script::new(include_str!("admit.lua")),
             settle: redis::Script::new(include_str!("settle.lua")),
             reservation_ttl,
@@ -208,7 +208,7 @@ impl Limiter {
 
     /// The Redis connection and key prefix, for other per-tenant state kept beside the
     /// limits (idempotency keys).
-    pub fn shared(&self) -> (ConnectionManager, String) {
+    pub fn shared(&self) -> (RedisConn, String) {
         (self.conn.clone(), self.prefix.clone())
     }
 

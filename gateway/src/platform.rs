@@ -13,6 +13,7 @@ use pingora::server::ShutdownSignalWatch;
 use pingora::server::configuration::ServerConf;
 use sluice_billing::local::{LocalIngest, LocalIngestConfig};
 use sluice_billing::prices::PRICES;
+use sluice_billing::redis_conn::RedisTarget;
 use sluice_billing::{BillingError, Ledger};
 
 use crate::drain::DrainOnSignal;
@@ -168,10 +169,8 @@ impl Usage {
         let redis = |what| move |source| StartError::Redis { what, source };
         match redis_url {
             Some(url) => {
-                let client = redis::Client::open(url).map_err(redis("--redis-url"))?;
-                let conn = redis::aio::ConnectionManager::new(client.clone())
-                    .await
-                    .map_err(redis("connecting to --redis-url"))?;
+                let client = RedisTarget::open(url).map_err(redis("--redis-url"))?;
+                let conn = client.connect().await.map_err(redis("connecting to --redis-url"))?;
                 let limiter = Limiter::new(conn.clone(), "sluice", Duration::from_secs(600));
                 let sink = UsageSink::Redis {
                     client,

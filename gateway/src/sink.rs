@@ -13,6 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sluice_billing::local::LocalIngest;
+use sluice_billing::redis_conn::{RedisConn, RedisTarget};
 use sluice_billing::{BillingError, Ledger, UsageEvent};
 
 /// A usage event destination. Cheap to clone.
@@ -20,11 +21,10 @@ use sluice_billing::{BillingError, Ledger, UsageEvent};
 pub enum UsageSink {
     /// `XADD` to the usage stream, falling back to the ledger.
     Redis {
-        /// For the background retries: a fresh connection each time (a connection manager
-        /// can stay wedged after a long outage; see `retry_publish`).
-        client: redis::Client,
+        /// For the background retries: a fresh connection each time (see `retry_publish`).
+        client: RedisTarget,
         /// Connection.
-        conn: redis::aio::ConnectionManager,
+        conn: RedisConn,
         /// Stream name.
         stream: String,
         /// Written directly when Redis fails.
@@ -69,21 +69,35 @@ pub enum Delivered {
     Retrying,
 }
 
-async fn publish(
-    conn: &redis::aio::ConnectionManager,
-    stream: &str,
-    event: &UsageEvent,
-) -> Result<(), BillingError> {
+/// How long an event's `XADD` on a Redis Cluster waits for a replica to have it.
+const REPLICA_WAIT_MS: u64 = 100;
+
+/// `XADD`s the event. On a Redis Cluster the same round trip asks `WAIT 1`: an entry no
+/// replica acknowledged would be lost if its primary failed over now, so it is returned as
+/// `Ok(false)` and the caller writes the event to the ledger as well (the consumer's later
+/// insert of the same request id is absorbed as a duplicate).
+async fn publish(conn: &RedisConn, stream: &str, event: &UsageEvent) -> Result<bool, BillingError> {
     let mut conn = conn.clone();
-    sluice_billing::ingest::publish_to(&mut conn, stream, event).await.map(|_| ())
+    if !matches!(conn, RedisConn::Cluster(_)) {
+        return sluice_billing::ingest::publish_to(&mut conn, stream, event).await.map(|_| true);
+    }
+    event.validate()?;
+    let json = serde_json::to_string(event).map_err(BillingError::Encode)?;
+    let (_id, replicas): (String, i64) = redis::pipe()
+        .xadd(stream, "*", &[(sluice_billing::ingest::EVENT_FIELD, json)])
+        .cmd("WAIT")
+        .arg(1)
+        .arg(REPLICA_WAIT_MS)
+        .query_async(&mut conn)
+        .await?;
+    Ok(replicas > 0)
 }
 
-/// One background retry over a connection of its own: the shared connection manager was seen
-/// to leave every command pending, even after Redis came back, once an outage outlasted its
-/// reconnection attempts (redis 0.32), and an event must not wait on that.
-async fn retry_publish(client: &redis::Client, stream: &str, event: &UsageEvent) -> bool {
+/// One background retry over a connection of its own, so an event never waits on the shared
+/// connection's own recovery.
+async fn retry_publish(client: &RedisTarget, stream: &str, event: &UsageEvent) -> bool {
     let attempt = async {
-        let mut conn = client.get_multiplexed_async_connection().await?;
+        let mut conn = client.connect().await?;
         sluice_billing::ingest::publish_to(&mut conn, stream, event).await.map_err(|e| {
             redis::RedisError::from((redis::ErrorKind::IoError, "publish", e.to_string()))
         })
@@ -106,7 +120,16 @@ impl UsageSink {
                     )
                     .await
                     {
-                        Ok(Ok(())) => return Ok(Delivered::Primary),
+                        Ok(Ok(true)) => return Ok(Delivered::Primary),
+                        Ok(Ok(false)) => {
+                            // In the stream, on its primary alone: the ledger gets it too.
+                            if let Err(e) =
+                                fallback.insert_batch(std::slice::from_ref(&event)).await
+                            {
+                                tracing::warn!(error = %e, request_id = %event.request_id, "usage event on an unreplicated primary only");
+                            }
+                            return Ok(Delivered::Primary);
+                        }
                         Ok(Err(e)) if !e.is_retryable() => return Err(e),
                         Ok(Err(e)) => {
                             tracing::warn!(error = %e, attempt, "usage stream refused an event")

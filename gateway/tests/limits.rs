@@ -10,8 +10,7 @@ use sluice_gateway::limits::{Decision, LedgerUsage, Limit, Limiter, Limits, Scop
 const REDIS_URL: &str = "redis://127.0.0.1:6379";
 
 async fn limiter(prefix: &str, ttl: Duration) -> anyhow::Result<Limiter> {
-    let client = redis::Client::open(REDIS_URL)?;
-    let conn = redis::aio::ConnectionManager::new(client).await?;
+    let conn = sluice_billing::redis_conn::RedisTarget::open(REDIS_URL)?.connect().await?;
     Ok(Limiter::new(conn, prefix, ttl))
 }
 

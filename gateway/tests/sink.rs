@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use chrono::Utc;
+use sluice_billing::redis_conn::RedisTarget;
 use sluice_billing::{FinishReason, Ledger, UsageEvent};
 use sluice_gateway::sink::{Delivered, UsageSink};
 
@@ -67,10 +68,10 @@ async fn events_reach_the_ledger_when_redis_is_gone() -> anyhow::Result<()> {
     let dir = tempfile_dir()?;
     let server = start_redis(port, &dir)?;
     let url = format!("redis://127.0.0.1:{port}");
-    let client = redis::Client::open(url.as_str())?;
+    let client = RedisTarget::open(&url)?;
     let deadline = Instant::now() + Duration::from_secs(10);
     let conn = loop {
-        match redis::aio::ConnectionManager::new(client.clone()).await {
+        match client.connect().await {
             Ok(c) => break c,
             Err(e) => {
                 ensure!(Instant::now() < deadline, "redis-server did not start: {e}");
@@ -113,7 +114,7 @@ async fn events_reach_the_ledger_when_redis_is_gone() -> anyhow::Result<()> {
     let _server = start_redis(port, &dir)?;
     let left = sink.flush(Duration::from_secs(30)).await;
     ensure!(left.is_empty(), "still undelivered: {left:?}");
-    let mut conn = client.get_multiplexed_async_connection().await?;
+    let mut conn = redis::Client::open(url.as_str())?.get_multiplexed_async_connection().await?;
     let entries: redis::streams::StreamRangeReply =
         redis::AsyncCommands::xrange_all(&mut conn, "{t}:usage").await?;
     ensure!(entries.ids.len() == 1, "{} entries in the restarted stream", entries.ids.len());

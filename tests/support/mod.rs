@@ -333,3 +333,110 @@ pub fn random_hex(bytes: usize) -> anyhow::Result<String> {
     std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;
     Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
+
+/// A local Redis Cluster: `primaries` primaries with one replica each (redis-server in cluster
+/// mode, joined by `redis-cli --cluster create`), a node timeout of `node_timeout_ms` (how soon
+/// a replica takes over a primary that stopped answering). Returns the nodes (process, port)
+/// and the comma-separated URL list Sluice takes as `--redis-url`, once the cluster is `ok`.
+pub fn redis_cluster(
+    dir: &Path,
+    primaries: usize,
+    node_timeout_ms: u64,
+) -> anyhow::Result<(Vec<(Proc, u16)>, String)> {
+    let mut nodes = Vec::new();
+    for _ in 0..primaries * 2 {
+        let port = free_port()?;
+        let node_dir = dir.join(format!("node-{port}"));
+        std::fs::create_dir_all(&node_dir)?;
+        let proc = Proc(
+            Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+                .args(["--appendonly", "no", "--cluster-enabled", "yes"])
+                .args(["--cluster-node-timeout", &node_timeout_ms.to_string()])
+                .arg("--dir")
+                .arg(&node_dir)
+                .stdout(Stdio::null())
+                .spawn()
+                .context("redis-server is needed for this test")?,
+        );
+        nodes.push((proc, port));
+    }
+    for (_, port) in &nodes {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", *port)).is_err() {
+            ensure!(Instant::now() < deadline, "redis-server {port} did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let addrs: Vec<String> = nodes.iter().map(|(_, p)| format!("127.0.0.1:{p}")).collect();
+    let out = Command::new("redis-cli")
+        .arg("--cluster")
+        .arg("create")
+        .args(&addrs)
+        .args(["--cluster-replicas", "1", "--cluster-yes"])
+        .output()
+        .context("redis-cli is needed for this test")?;
+    ensure!(
+        out.status.success(),
+        "redis-cli --cluster create: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Every node agrees the cluster is ok (slots assigned, gossip settled).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for (_, port) in &nodes {
+        loop {
+            let info = Command::new("redis-cli")
+                .args(["-p", &port.to_string(), "cluster", "info"])
+                .output()?;
+            if String::from_utf8_lossy(&info.stdout).contains("cluster_state:ok") {
+                break;
+            }
+            ensure!(Instant::now() < deadline, "the cluster did not become ok");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    let url = addrs.iter().map(|a| format!("redis://{a}")).collect::<Vec<_>>().join(",");
+    Ok((nodes, url))
+}
+
+/// One try of one request, as `sluice bench serve --requests-log` wrote it.
+#[derive(Debug, Clone)]
+pub struct Try {
+    pub stream: bool,
+    pub key: String,
+    pub status: Option<u16>,
+    pub request_id: Option<String>,
+    pub error_code: Option<String>,
+    pub ok: bool,
+    pub usage_tokens: Option<u64>,
+    pub streamed_tokens: u64,
+}
+
+/// The requests of a `--requests-log`, each as its tries in order.
+pub fn read_tries(path: &Path) -> anyhow::Result<Vec<Vec<Try>>> {
+    let text = std::fs::read_to_string(path).with_context(|| path.display().to_string())?;
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(line)?;
+        let key = v["idempotency_key"].as_str().context("no idempotency key")?.to_owned();
+        let stream = v["stream"].as_bool().unwrap_or(false);
+        let tries = v["tries"].as_array().context("no tries")?;
+        out.push(
+            tries
+                .iter()
+                .map(|t| Try {
+                    stream,
+                    key: key.clone(),
+                    status: t["status"].as_u64().map(|s| s as u16),
+                    request_id: t["request_id"].as_str().map(str::to_owned),
+                    error_code: t["error_code"].as_str().map(str::to_owned),
+                    ok: t["ok"].as_bool().unwrap_or(false),
+                    usage_tokens: t["usage_tokens"].as_u64(),
+                    streamed_tokens: t["streamed_tokens"].as_u64().unwrap_or(0),
+                })
+                .collect(),
+        );
+    }
+    Ok(out)
+}

@@ -97,6 +97,9 @@ struct App {
     identity_header: Option<HeaderValue>,
     revision_header: Option<HeaderValue>,
     started: u64,
+    /// The same instant in milliseconds: a request billed within the second this engine
+    /// started may have run on the process before it, on the same address.
+    started_ms: u64,
 }
 
 /// The server's routes over a running engine.
@@ -127,6 +130,9 @@ pub fn router(handle: EngineHandle, cfg: ServerConfig) -> Router {
         identity_header: HeaderValue::from_str(&identity.header_value()).ok(),
         revision_header: HeaderValue::from_str(&identity.model_revision).ok(),
         started: unix_now(),
+        started_ms: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
         handle,
     });
     let v1 = Router::new()
@@ -370,8 +376,9 @@ async fn outcomes(
     axum::extract::Query(q): axum::extract::Query<OutcomesQuery>,
 ) -> Response {
     let data = app.handle.outcomes().since(q.since.unwrap_or(0));
-    Json(serde_json::json!({"model": app.served_name, "started": app.started, "data": data}))
-        .into_response()
+    Json(serde_json::json!({"model": app.served_name, "started": app.started,
+        "started_ms": app.started_ms, "data": data}))
+    .into_response()
 }
 
 /// `POST /v1/internal/requests/{id}/abort`: ends a request's running choices now, with the

@@ -1,0 +1,193 @@
+//! One Redis connection type for the whole platform, over one server or a Redis Cluster.
+//!
+//! `--redis-url redis://host:port` is one server; several URLs separated by commas
+//! (`redis://10.0.0.1:6379,redis://10.0.0.2:6379`) are seed nodes of a Cluster, whose slots
+//! are learned from them and followed across failovers. Everything Sluice keeps in Redis is
+//! usable on a Cluster unchanged: each script, transaction and pipeline touches the keys of one
+//! hash tag (a tenant's `{sluice:t:<tenant>}`, the usage stream's `{sluice}`), so one slot.
+//!
+//! A connection to one server is [`Reconnecting`]: one multiplexed connection, with a
+//! connection and a response timeout, dropped on the first sign that it broke and made anew by
+//! the next command. redis-rs's `ConnectionManager` was not used for it: after an outage longer
+//! than its reconnection attempts it left every later command pending even once the server was
+//! back (`gateway/tests/redis_reconnect.rs` holds that case), which would have held every
+//! admission that waits on Redis for good.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use redis::aio::{ConnectionLike, MultiplexedConnection};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
+use redis::{AsyncConnectionConfig, RedisError};
+use redis::{Cmd, Pipeline, RedisFuture, RedisResult, Value};
+
+/// How long a connection attempt may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a command may wait for its answer (longer than any `BLOCK` Sluice sends: the
+/// usage consumer blocks for 1 s).
+const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Where Redis is: one server, or a Redis Cluster given by some of its nodes.
+#[derive(Clone)]
+pub enum RedisTarget {
+    /// One server.
+    Server(redis::Client),
+    /// A Redis Cluster.
+    Cluster(Box<ClusterClient>),
+}
+
+impl std::fmt::Debug for RedisTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never the URL: it may hold a password.
+        f.write_str(match self {
+            Self::Server(_) => "RedisTarget::Server",
+            Self::Cluster(_) => "RedisTarget::Cluster",
+        })
+    }
+}
+
+impl From<redis::Client> for RedisTarget {
+    fn from(c: redis::Client) -> Self {
+        Self::Server(c)
+    }
+}
+
+impl RedisTarget {
+    /// `redis://...` (one server) or comma-separated `redis://...` seed nodes (a Cluster).
+    pub fn open(url: &str) -> RedisResult<Self> {
+        let nodes: Vec<&str> = url.split(',').map(str::trim).filter(|u| !u.is_empty()).collect();
+        if nodes.len() > 1 {
+            let client = redis::cluster::ClusterClientBuilder::new(nodes)
+                .connection_timeout(CONNECT_TIMEOUT)
+                .response_timeout(RESPONSE_TIMEOUT)
+                .build()?;
+            Ok(Self::Cluster(Box::new(client)))
+        } else {
+            Ok(Self::Server(redis::Client::open(url)?))
+        }
+    }
+
+    /// Whether this is a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, Self::Cluster(_))
+    }
+
+    /// A shared connection (cheap to clone): reconnecting, or following the Cluster's slots.
+    pub async fn connect(&self) -> RedisResult<RedisConn> {
+        match self {
+            Self::Server(c) => {
+                let conn = Reconnecting { client: c.clone(), current: Default::default() };
+                // Connected now, so a wrong address is an error at start, not at first use.
+                conn.connection().await?;
+                Ok(RedisConn::Server(Arc::new(conn)))
+            }
+            Self::Cluster(c) => Ok(RedisConn::Cluster(c.get_async_connection().await?)),
+        }
+    }
+}
+
+/// One server's connection, made anew after it broke (see the module docs).
+pub struct Reconnecting {
+    client: redis::Client,
+    /// The connection and its generation (which connection an error came from).
+    current: tokio::sync::Mutex<(u64, Option<MultiplexedConnection>)>,
+}
+
+impl Reconnecting {
+    /// The live connection, or a new one (one attempt, bounded by the connection timeout;
+    /// callers waiting meanwhile share it).
+    async fn connection(&self) -> Result<(u64, MultiplexedConnection), RedisError> {
+        let mut current = self.current.lock().await;
+        if let Some(c) = current.1.as_ref() {
+            return Ok((current.0, c.clone()));
+        }
+        let config = AsyncConnectionConfig::new()
+            .set_connection_timeout(CONNECT_TIMEOUT)
+            .set_response_timeout(RESPONSE_TIMEOUT);
+        let c = self.client.get_multiplexed_async_connection_with_config(&config).await?;
+        current.0 += 1;
+        current.1 = Some(c.clone());
+        Ok((current.0, c))
+    }
+
+    /// After an error: a broken or silent connection is dropped, so the next command
+    /// connects again. (A reply error, `NOSCRIPT` say, leaves it.)
+    async fn after(&self, generation: u64, e: &RedisError) {
+        if e.is_io_error()
+            || e.is_timeout()
+            || e.is_connection_dropped()
+            || e.is_connection_refusal()
+            || e.is_unrecoverable_error()
+        {
+            let mut current = self.current.lock().await;
+            // Not a newer connection another caller already made.
+            if current.0 == generation {
+                current.1 = None;
+            }
+        }
+    }
+}
+
+/// A connection to one server or to a Cluster; every command Sluice sends works on both.
+#[derive(Clone)]
+pub enum RedisConn {
+    /// One server.
+    Server(Arc<Reconnecting>),
+    /// A Redis Cluster.
+    Cluster(ClusterConnection),
+}
+
+impl std::fmt::Debug for RedisConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Server(_) => "RedisConn::Server",
+            Self::Cluster(_) => "RedisConn::Cluster",
+        })
+    }
+}
+
+impl ConnectionLike for RedisConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Server(s) => async move {
+                let (generation, mut c) = s.connection().await?;
+                let r = c.req_packed_command(cmd).await;
+                if let Err(e) = &r {
+                    s.after(generation, e).await;
+                }
+                r
+            }
+            .boxed(),
+            Self::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Server(s) => async move {
+                let (generation, mut c) = s.connection().await?;
+                let r = c.req_packed_commands(cmd, offset, count).await;
+                if let Err(e) = &r {
+                    s.after(generation, e).await;
+                }
+                r
+            }
+            .boxed(),
+            Self::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Server(s) => s.client.get_connection_info().redis.db,
+            Self::Cluster(c) => c.get_db(),
+        }
+    }
+}

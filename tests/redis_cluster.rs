@@ -1,0 +1,305 @@
+//! Redis Cluster: the limiter, idempotency claims and the usage stream run unchanged against a
+//! local Redis Cluster of 3 primaries with a replica each (`--redis-url` lists seed nodes),
+//! and what a primary's failover under load does is measured.
+//!
+//! - Hash tags: every key of a tenant (windows, in-flight, reservations, a limited key's scope,
+//!   idempotency claims) hashes to one slot, and so do the usage stream, its dead-letter stream
+//!   and the control version; the scripts and transactions on them are therefore valid.
+//! - Unchanged: a tenant capped at 2 requests a minute gets its 429 on the third; a retry with
+//!   the same Idempotency-Key is the stored answer under the first id; billing consumes the
+//!   stream from the cluster, so every id gets its row.
+//! - Failover: under a `sluice bench serve` load with Idempotency-Key retries, the primary that
+//!   holds the tenant's slot is killed, then the one that holds the usage stream's; a replica
+//!   takes over each after the node timeout. The test prints how long that took, what the clients saw meanwhile (refusals by code), duplicates
+//!   (a key with two completed rows) and rows missing; it requires that no request id is
+//!   missing its row and every request ends answered.
+
+#[path = "../billing/tests/common/mod.rs"]
+mod billing_common;
+#[path = "../engine/tests/common/mod.rs"]
+mod common;
+mod support;
+
+use std::collections::{BTreeMap, HashMap};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail, ensure};
+use serde_json::{Value, json};
+use sluice_billing::Ledger;
+use sluice_billing::auth::{Principal, Role};
+use sluice_billing::control::{Limits, NewTenant, QuotaSettings};
+use sluice_billing::query::RecordFilter;
+use support::{read_tries, redis_cluster, spawn_engine, spawn_sluice, wait_healthy};
+
+const MODEL_ID: &str = "smollm2-135m-instruct";
+const TOKEN: &str = "redis-cluster-token";
+const JWT_SECRET: &str = "redis-cluster-secret-redis-cluster-0";
+
+fn keyslot(port: u16, key: &str) -> anyhow::Result<u64> {
+    let out = Command::new("redis-cli")
+        .args(["-p", &port.to_string(), "cluster", "keyslot", key])
+        .output()?;
+    String::from_utf8_lossy(&out.stdout).trim().parse().with_context(|| format!("keyslot {key}"))
+}
+
+/// The port of the primary (not failed) that serves `slot`, as node `port` sees the cluster.
+fn owner(port: u16, slot: u64) -> anyhow::Result<Option<u16>> {
+    let out =
+        Command::new("redis-cli").args(["-p", &port.to_string(), "cluster", "nodes"]).output()?;
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 9 || !f[2].contains("master") || f[2].contains("fail") {
+            continue;
+        }
+        let serves = f[8..].iter().any(|r| match r.split_once('-') {
+            Some((a, b)) => {
+                a.parse::<u64>().is_ok_and(|a| a <= slot)
+                    && b.parse::<u64>().is_ok_and(|b| slot <= b)
+            }
+            None => r.parse::<u64>().is_ok_and(|s| s == slot),
+        });
+        if serves {
+            let addr = f[1].split('@').next().unwrap_or_default();
+            return Ok(addr.rsplit(':').next().and_then(|p| p.parse().ok()));
+        }
+    }
+    Ok(None)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_platform_runs_unchanged_on_a_redis_cluster_and_through_a_failover()
+-> anyhow::Result<()> {
+    let pg = billing_common::PgDatabase::create().await?;
+    let ledger = Ledger::connect(&pg.url).await?;
+    let ops = Principal { actor: "redis-cluster".into(), role: Role::Ops, tenant: None };
+    let mut keys = HashMap::new();
+    for id in ["rc", "rc-capped"] {
+        let new = NewTenant { id: id.into(), name: None, tier: None, overrides: None };
+        ledger.create_tenant(&ops, &new).await?;
+        keys.insert(id, ledger.issue_key(&ops, id, None, None, Default::default()).await?.1);
+    }
+    let capped = QuotaSettings {
+        limits: Limits { rpm: Some(2), ..Default::default() },
+        ..Default::default()
+    };
+    ledger.set_quota(&ops, "rc-capped", &capped).await?;
+
+    let dir = tempfile::tempdir()?;
+    let (mut nodes, url) = redis_cluster(dir.path(), 3, 2000)?;
+    let port0 = nodes[0].1;
+
+    // Hash tags: one slot per family.
+    let tenant_keys = [
+        "{sluice:t:rc}:windows",
+        "{sluice:t:rc}:inflight",
+        "{sluice:t:rc}:reservations",
+        "{sluice:t:rc}:k:key-1:windows",
+        "{sluice:t:rc}:idem:00ff",
+    ];
+    let tenant_slot = keyslot(port0, tenant_keys[0])?;
+    for k in tenant_keys {
+        ensure!(keyslot(port0, k)? == tenant_slot, "{k} is not in the tenant's slot");
+    }
+    let stream_slot = keyslot(port0, sluice_billing::ingest::USAGE_STREAM)?;
+    for k in [sluice_billing::ingest::DEAD_LETTER_STREAM, sluice_billing::api::CONTROL_VERSION_KEY]
+    {
+        ensure!(keyslot(port0, k)? == stream_slot, "{k} is not in the usage stream's slot");
+    }
+    // Other tenants spread over the slots (the tag is per tenant, not one for all).
+    ensure!(keyslot(port0, "{sluice:t:rc-capped}:windows")? != tenant_slot);
+
+    let model = common::default_model()?.to_str().context("utf-8")?.to_owned();
+    let (_engine, engine) = spawn_engine(&model, TOKEN, "64", &[], None)?;
+    let (_billing, _admin) = spawn_sluice(
+        &["billing", "--database-url", &pg.url, "--redis-url", &url, "--listen", "127.0.0.1:0"],
+        &[("SLUICE_JWT_SECRET", JWT_SECRET)],
+    )?;
+    let listen = format!("127.0.0.1:{}", support::free_port()?);
+    let gw_args = ["gateway", "--plain-http", "--listen", &listen, "--engine", &engine]
+        .into_iter()
+        .chain(["--model", &model, "--redis-url", &url, "--redis-down", "refuse"])
+        .collect::<Vec<_>>();
+    let (_gateway, gw) = spawn_sluice(
+        &gw_args,
+        &[("SLUICE_DATABASE_URL", pg.url.as_str()), ("SLUICE_INTERNAL_TOKEN", TOKEN)],
+    )?;
+    let gw = format!("http://{gw}");
+    let c = reqwest::Client::builder().timeout(Duration::from_secs(60)).build()?;
+    wait_healthy(&c, &format!("{gw}/readyz")).await?;
+
+    // Unchanged: the limiter's refusal, an idempotent replay, rows through the stream.
+    let body = json!({"model": MODEL_ID, "prompt": "Hello", "max_tokens": 4});
+    let post = |key: &str, idem: Option<&str>| {
+        let mut r = c.post(format!("{gw}/v1/completions")).bearer_auth(key).json(&body);
+        if let Some(k) = idem {
+            r = r.header("idempotency-key", k);
+        }
+        r.send()
+    };
+    let mut ids = Vec::new();
+    let mut statuses = Vec::new();
+    for _ in 0..3 {
+        let r = post(&keys["rc-capped"], None).await?;
+        statuses.push(r.status().as_u16());
+        ids.extend(
+            r.headers().get("x-sluice-request-id").and_then(|v| v.to_str().ok()).map(str::to_owned),
+        );
+    }
+    ensure!(statuses == [200, 200, 429], "a tenant capped at 2 a minute: {statuses:?}");
+    let first = post(&keys["rc"], Some("cluster-same")).await?;
+    ensure!(first.status() == 200, "{}", first.status());
+    let first_id = first.headers()["x-sluice-request-id"].to_str()?.to_owned();
+    let retry = post(&keys["rc"], Some("cluster-same")).await?;
+    ensure!(retry.headers().get("idempotent-replayed").is_some(), "the retry was not replayed");
+    ensure!(retry.headers()["x-sluice-request-id"].to_str()? == first_id);
+    ids.push(first_id.clone());
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let page = ledger.records(&RecordFilter { limit: 100, ..Default::default() }).await?;
+        let have: Vec<&str> =
+            page.records.iter().filter_map(|r| r["request_id"].as_str()).collect();
+        if ids.iter().all(|i| have.contains(&i.as_str())) {
+            ensure!(
+                page.records.len() == ids.len(),
+                "{} rows for {} ids",
+                page.records.len(),
+                ids.len()
+            );
+            break;
+        }
+        ensure!(Instant::now() < deadline, "rows did not arrive through the cluster's stream");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Failover under load.
+    let log = dir.path().join("load.jsonl");
+    let out = std::fs::File::create(dir.path().join("load.out"))?;
+    let mut load = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["bench", "serve", "--base-url", &gw, "--model", MODEL_ID])
+        .args(["--request-rate", "3", "--duration", "30", "--max-concurrency", "12"])
+        .args(["--input-len", "24", "--output-len", "uniform:8:24", "--timeout", "120"])
+        .args(["--idempotent-retries", "8", "--requests-log"])
+        .arg(&log)
+        .env("OPENAI_API_KEY", &keys["rc"])
+        .stdout(out.try_clone()?)
+        .stderr(out)
+        .spawn()?;
+    let load_started = Instant::now();
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let victim = owner(port0, tenant_slot)?.context("no primary serves the tenant's slot")?;
+    let index = nodes.iter().position(|(_, p)| *p == victim).context("victim")?;
+    let survivor = nodes.iter().find(|(_, p)| *p != victim).map(|(_, p)| *p).context("survivor")?;
+    let killed_at = Instant::now();
+    drop(nodes.remove(index));
+    let promoted = loop {
+        if let Some(p) = owner(survivor, tenant_slot)?
+            && p != victim
+        {
+            break killed_at.elapsed();
+        }
+        ensure!(killed_at.elapsed() < Duration::from_secs(30), "no replica took the slot over");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // Then the usage stream's primary: entries no replica had yet were written to the ledger
+    // by the gateway too, so nothing is lost with it.
+    tokio::time::sleep_until((load_started + Duration::from_secs(18)).into()).await;
+    let stream_victim = owner(survivor, stream_slot)?.context("no primary serves the stream")?;
+    let index = nodes.iter().position(|(_, p)| *p == stream_victim).context("stream victim")?;
+    let survivor =
+        nodes.iter().find(|(_, p)| *p != stream_victim).map(|(_, p)| *p).context("survivor")?;
+    let killed_at = Instant::now();
+    drop(nodes.remove(index));
+    let stream_promoted = loop {
+        if let Some(p) = owner(survivor, stream_slot)?
+            && p != stream_victim
+        {
+            break killed_at.elapsed();
+        }
+        ensure!(killed_at.elapsed() < Duration::from_secs(30), "no replica took the stream over");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let deadline = Instant::now() + Duration::from_secs(180);
+    let status = loop {
+        if let Some(s) = load.try_wait()? {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = load.kill();
+            bail!("the load did not finish");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let text = std::fs::read_to_string(dir.path().join("load.out")).unwrap_or_default();
+    ensure!(status.success(), "bench serve: {status}\n{text}");
+
+    let requests = read_tries(&log)?;
+    let tries: Vec<_> = requests.iter().flatten().collect();
+    let with_id: Vec<_> = tries.iter().filter(|t| t.request_id.is_some()).collect();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let rows = loop {
+        let page = ledger.records(&RecordFilter { limit: 10_000, ..Default::default() }).await?;
+        let mut rows: HashMap<String, Vec<serde_json::Map<String, Value>>> = HashMap::new();
+        for r in page.records {
+            rows.entry(r["request_id"].as_str().unwrap_or_default().to_owned())
+                .or_default()
+                .push(r);
+        }
+        let missing = with_id
+            .iter()
+            .filter(|t| !rows.contains_key(t.request_id.as_deref().unwrap_or("")))
+            .count();
+        if missing == 0 {
+            break rows;
+        }
+        if Instant::now() > deadline {
+            bail!("{missing} request ids without a row 60 s after the load");
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    for t in &with_id {
+        let id = t.request_id.as_deref().unwrap_or_default();
+        ensure!(rows[id].len() == 1, "{} rows for {id}", rows[id].len());
+    }
+    let mut completed: HashMap<&str, usize> = HashMap::new();
+    for r in rows.values().flatten() {
+        // Requests sent without a key (the first checks above) are not the load's.
+        let Some(k) = r["idempotency_key"].as_str() else { continue };
+        if r["http_status"] == 200 && r["completion_tokens"].as_u64().is_some_and(|n| n > 0) {
+            *completed.entry(k.split('#').next().unwrap_or_default()).or_default() += 1;
+        }
+    }
+    let duplicates = completed.values().filter(|n| **n > 1).count();
+    let failed = requests.iter().filter(|r| !r.last().is_some_and(|t| t.ok)).count();
+    let mut outcomes: BTreeMap<String, usize> = BTreeMap::new();
+    for t in &tries {
+        let k = match (&t.status, &t.error_code) {
+            (Some(s), Some(c)) => format!("{s} {c}"),
+            (Some(200), None) => format!("200{}", if t.ok { "" } else { " cut short" }),
+            (Some(s), None) => format!("{s} (no code)"),
+            (None, _) => "no answer".to_owned(),
+        };
+        *outcomes.entry(k).or_default() += 1;
+    }
+    eprintln!(
+        "\n| Redis Cluster failover | value |\n|---|---|\n| primary killed at 8 s | 127.0.0.1:{victim} \
+         (the tenant's slot {tenant_slot}) |\n\
+         | replica serving the slot after | {:.2} s (cluster-node-timeout 2 s) |\n\
+         | primary killed at 18 s | 127.0.0.1:{stream_victim} (the usage stream's slot {stream_slot}) |\n\
+         | replica serving the stream after | {:.2} s |\n\
+         | requests | {} |\n| tries | {} |\n| requests retried | {} |\n\
+         | keys billed for two completions | {duplicates} |\n| request ids without a row | 0 |\n\
+         | requests failed after retries | {failed} |",
+        promoted.as_secs_f64(),
+        stream_promoted.as_secs_f64(),
+        requests.len(),
+        tries.len(),
+        requests.iter().filter(|r| r.len() > 1).count()
+    );
+    for (k, n) in &outcomes {
+        eprintln!("| tries {k} | {n} |");
+    }
+    ensure!(failed == 0, "{failed} requests failed after their retries");
+    ledger.close().await;
+    Ok(())
+}
