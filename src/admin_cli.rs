@@ -261,13 +261,16 @@ pub fn run_billing(args: BillingArgs) -> anyhow::Result<()> {
         eprintln!("shutting down: draining (up to {drain_timeout:?})");
         let _ = stop_tx.send(true);
         partitions.abort();
-        if let Some(task) = consumer_task {
-            match tokio::time::timeout_at(deadline, task).await {
+        if let Some(mut task) = consumer_task {
+            match tokio::time::timeout_at(deadline, &mut task).await {
                 Ok(done) => done.context("usage consumer")?.context("usage consumer")?,
-                Err(_) => tracing::warn!(
-                    "the usage consumer did not finish its batch within the drain timeout; \
-                     it stays pending in the stream"
-                ),
+                Err(_) => {
+                    tracing::warn!(
+                        "the usage consumer did not finish its batch within the drain timeout; \
+                         it stays pending in the stream"
+                    );
+                    task.abort();
+                }
             }
         }
         let _ = http_stop_tx.send(());
@@ -278,7 +281,8 @@ pub fn run_billing(args: BillingArgs) -> anyhow::Result<()> {
                 server.abort();
             }
         }
-        ledger.close().await;
+        // Bounded too: a connection still held by an aborted write must not hold the exit.
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), ledger.close()).await;
         eprintln!("shut down");
         anyhow::Ok(())
     })

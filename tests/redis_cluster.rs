@@ -137,6 +137,11 @@ async fn the_platform_runs_unchanged_on_a_redis_cluster_and_through_a_failover()
         }
         r.send()
     };
+    // The three in one calendar minute (the window the limit counts).
+    let second = chrono::Utc::now().timestamp().rem_euclid(60) as u64;
+    if second > 45 {
+        tokio::time::sleep(Duration::from_secs(62 - second)).await;
+    }
     let mut ids = Vec::new();
     let mut statuses = Vec::new();
     for _ in 0..3 {

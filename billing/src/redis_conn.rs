@@ -17,6 +17,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::FutureExt;
+use futures_util::future::{BoxFuture, Shared};
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
@@ -78,10 +79,10 @@ impl RedisTarget {
     pub async fn connect(&self) -> RedisResult<RedisConn> {
         match self {
             Self::Server(c) => {
-                let conn = Reconnecting { client: c.clone(), current: Default::default() };
+                let conn = Arc::new(Reconnecting { client: c.clone(), state: Default::default() });
                 // Connected now, so a wrong address is an error at start, not at first use.
                 conn.connection().await?;
-                Ok(RedisConn::Server(Arc::new(conn)))
+                Ok(RedisConn::Server(conn))
             }
             Self::Cluster(c) => Ok(RedisConn::Cluster(c.get_async_connection().await?)),
         }
@@ -91,41 +92,133 @@ impl RedisTarget {
 /// One server's connection, made anew after it broke (see the module docs).
 pub struct Reconnecting {
     client: redis::Client,
-    /// The connection and its generation (which connection an error came from).
-    current: tokio::sync::Mutex<(u64, Option<MultiplexedConnection>)>,
+    state: std::sync::Mutex<State>,
+}
+
+type Connecting = Shared<BoxFuture<'static, Result<(), Arc<RedisError>>>>;
+
+#[derive(Default)]
+struct State {
+    /// Which connection this is: an error or a cancellation only drops the one it came from.
+    generation: u64,
+    conn: Option<MultiplexedConnection>,
+    /// The connection attempt under way, shared by every caller waiting for it. It runs as a
+    /// task of its own, so a caller that gives up (the limiter waits 300 ms) does not cancel
+    /// it for the others.
+    connecting: Option<Connecting>,
 }
 
 impl Reconnecting {
-    /// The live connection, or a new one (one attempt, bounded by the connection timeout;
-    /// callers waiting meanwhile share it).
-    async fn connection(&self) -> Result<(u64, MultiplexedConnection), RedisError> {
-        let mut current = self.current.lock().await;
-        if let Some(c) = current.1.as_ref() {
-            return Ok((current.0, c.clone()));
-        }
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(CONNECT_TIMEOUT)
-            .set_response_timeout(RESPONSE_TIMEOUT);
-        let c = self.client.get_multiplexed_async_connection_with_config(&config).await?;
-        current.0 += 1;
-        current.1 = Some(c.clone());
-        Ok((current.0, c))
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// After an error: a broken or silent connection is dropped, so the next command
-    /// connects again. (A reply error, `NOSCRIPT` say, leaves it.)
-    async fn after(&self, generation: u64, e: &RedisError) {
+    /// The live connection, or a new one once the shared attempt (bounded by the connection
+    /// timeout) succeeds.
+    async fn connection(self: &Arc<Self>) -> Result<(u64, MultiplexedConnection), RedisError> {
+        let attempt = {
+            let mut st = self.state();
+            if let Some(c) = &st.conn {
+                return Ok((st.generation, c.clone()));
+            }
+            match &st.connecting {
+                Some(a) => a.clone(),
+                None => {
+                    let me = Arc::clone(self);
+                    let task = tokio::spawn(async move {
+                        let config = AsyncConnectionConfig::new()
+                            .set_connection_timeout(CONNECT_TIMEOUT)
+                            .set_response_timeout(RESPONSE_TIMEOUT);
+                        let made =
+                            me.client.get_multiplexed_async_connection_with_config(&config).await;
+                        let mut st = me.state();
+                        st.connecting = None;
+                        let c = made.map_err(Arc::new)?;
+                        st.generation += 1;
+                        st.conn = Some(c);
+                        Ok(())
+                    });
+                    let attempt: Connecting = async move {
+                        task.await.unwrap_or_else(|e| {
+                            Err(Arc::new(RedisError::from(std::io::Error::other(e.to_string()))))
+                        })
+                    }
+                    .boxed()
+                    .shared();
+                    st.connecting = Some(attempt.clone());
+                    attempt
+                }
+            }
+        };
+        attempt
+            .await
+            .map_err(|e| RedisError::from((e.kind(), "connecting to Redis", e.to_string())))?;
+        let st = self.state();
+        match &st.conn {
+            Some(c) => Ok((st.generation, c.clone())),
+            None => Err(RedisError::from((
+                redis::ErrorKind::IoError,
+                "connecting to Redis",
+                "the new connection was dropped at once".to_owned(),
+            ))),
+        }
+    }
+
+    /// Drops connection `generation` (not a newer one another caller already made), so the
+    /// next command connects again.
+    fn invalidate(&self, generation: u64) {
+        let mut st = self.state();
+        if st.generation == generation {
+            st.conn = None;
+        }
+    }
+
+    /// After an error: a broken or silent connection is dropped. (A reply error, `NOSCRIPT`
+    /// say, leaves it.)
+    fn after(&self, generation: u64, e: &RedisError) {
         if e.is_io_error()
             || e.is_timeout()
             || e.is_connection_dropped()
             || e.is_connection_refusal()
             || e.is_unrecoverable_error()
         {
-            let mut current = self.current.lock().await;
-            // Not a newer connection another caller already made.
-            if current.0 == generation {
-                current.1 = None;
-            }
+            self.invalidate(generation);
+        }
+    }
+
+    /// Runs one command or pipeline on the live connection. A caller that gives up before
+    /// the answer (its own timeout) drops the connection too: a connection that left it
+    /// unanswered may be half-open (a peer gone without a reset), and would otherwise hold
+    /// every later command until the kernel gives up on it.
+    async fn run<T, F>(
+        self: &Arc<Self>,
+        send: impl FnOnce(MultiplexedConnection) -> F,
+    ) -> RedisResult<T>
+    where
+        F: Future<Output = RedisResult<T>>,
+    {
+        let (generation, c) = self.connection().await?;
+        let mut pending = Pending { conn: self, generation, armed: true };
+        let r = send(c).await;
+        pending.armed = false;
+        if let Err(e) = &r {
+            self.after(generation, e);
+        }
+        r
+    }
+}
+
+/// Drops the connection when a command's caller gave up before its answer.
+struct Pending<'a> {
+    conn: &'a Reconnecting,
+    generation: u64,
+    armed: bool,
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            self.conn.invalidate(self.generation);
         }
     }
 }
@@ -151,15 +244,10 @@ impl std::fmt::Debug for RedisConn {
 impl ConnectionLike for RedisConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
-            Self::Server(s) => async move {
-                let (generation, mut c) = s.connection().await?;
-                let r = c.req_packed_command(cmd).await;
-                if let Err(e) = &r {
-                    s.after(generation, e).await;
-                }
-                r
+            Self::Server(s) => {
+                async move { s.run(|mut c| async move { c.req_packed_command(cmd).await }).await }
+                    .boxed()
             }
-            .boxed(),
             Self::Cluster(c) => c.req_packed_command(cmd),
         }
     }
@@ -172,12 +260,7 @@ impl ConnectionLike for RedisConn {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             Self::Server(s) => async move {
-                let (generation, mut c) = s.connection().await?;
-                let r = c.req_packed_commands(cmd, offset, count).await;
-                if let Err(e) = &r {
-                    s.after(generation, e).await;
-                }
-                r
+                s.run(|mut c| async move { c.req_packed_commands(cmd, offset, count).await }).await
             }
             .boxed(),
             Self::Cluster(c) => c.req_packed_commands(cmd, offset, count),

@@ -95,6 +95,11 @@ impl StreamObserver {
         self.events.push(ms(now.saturating_duration_since(self.arrival)), carried);
     }
 
+    /// Whether `[DONE]` went by already.
+    pub fn done(&self) -> bool {
+        self.out.done
+    }
+
     /// The timings, with the response ending at `end`.
     pub fn finish(mut self, end: Instant) -> Timings {
         let e = &self.events;

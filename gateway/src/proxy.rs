@@ -581,15 +581,18 @@ impl Gateway {
     }
 
     /// Answers the health probes, which need no key: `/health` and `/livez` (the process
-    /// answers) and `/readyz`. A draining gateway answers 503 to all three (the drain's refusal
-    /// comes first), so load balancers stop sending here. An engine fleet that
+    /// answers) and `/readyz`. A draining gateway answers 503 to `/health` and `/readyz`, so
+    /// load balancers stop sending here, and 200 to `/livez`, so nothing restarts it while it
+    /// finishes what it runs. An engine fleet that
     /// is down leaves the gateway ready: clients get an OpenAI error from it rather than a
     /// refused connection. `None` for every other path.
     async fn probe(&self, session: &mut Session, ctx: &mut Ctx) -> Result<Option<bool>> {
         let path = session.req_header().uri.path();
         let (status, body) = match path {
+            "/health" | "/readyz" if self.drain.draining() => {
+                (503, serde_json::json!({"status": "draining"}))
+            }
             "/health" | "/livez" => (200, serde_json::json!({"status": "ok"})),
-            "/readyz" if self.drain.draining() => (503, serde_json::json!({"status": "draining"})),
             "/readyz" => (
                 200,
                 serde_json::json!({
@@ -1221,7 +1224,13 @@ impl ProxyHttp for Gateway {
             if respond(session, code, body, &headers).await.is_ok() {
                 ctx.status = code;
             }
-        } else if code > 0 && ctx.stream && ctx.status == 200 && !ctx.cancelled {
+        } else if code > 0
+            && ctx.stream
+            && ctx.status == 200
+            && !ctx.cancelled
+            && matches!(e.esource(), ErrorSource::Upstream)
+            && !ctx.observer.as_ref().is_some_and(StreamObserver::done)
+        {
             // The engine broke off a stream the client is reading (it died, say): the stream
             // ends with a terminal error event and [DONE], not a cut connection, so the client
             // knows the answer is cut short (it is billed for the tokens it received).
@@ -1231,7 +1240,9 @@ impl ProxyHttp for Gateway {
                 None,
                 Some("upstream_error"),
             );
-            let mut out = b"data: ".to_vec();
+            // A blank line first: should the engine have died inside an event, that event
+            // ends there rather than running into this one.
+            let mut out = b"\n\ndata: ".to_vec();
             out.extend_from_slice(&err);
             out.extend_from_slice(b"\n\ndata: [DONE]\n\n");
             let _ = session.downstream_session.write_response_body(Bytes::from(out), true).await;
@@ -1614,10 +1625,15 @@ impl Gateway {
         let mut cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
         if usage.is_null() && (ctx.status == 200 || ctx.status == 0) {
             // The engine's final count never reached us (the client went away, or the
-            // connection broke): the engine says what it did.
+            // connection broke): the engine says what it did. A stream the engine broke off
+            // is billed for what the client received, never more (a live engine may have
+            // generated tokens that never left it).
             if let Some(o) = self.engine_outcome(ctx).await {
                 completion = o.completion_tokens;
                 cached = o.cached_tokens;
+            }
+            if upstream_failed && ctx.stream {
+                completion = completion.min(timings.streamed_tokens);
             }
         }
         let (finish, error) = if ctx.cancelled {

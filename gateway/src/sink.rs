@@ -94,15 +94,14 @@ async fn publish(conn: &RedisConn, stream: &str, event: &UsageEvent) -> Result<b
 }
 
 /// One background retry over a connection of its own, so an event never waits on the shared
-/// connection's own recovery.
+/// connection's own recovery. True only once the stream has it durably (on a Cluster, on a
+/// replica too).
 async fn retry_publish(client: &RedisTarget, stream: &str, event: &UsageEvent) -> bool {
     let attempt = async {
-        let mut conn = client.connect().await?;
-        sluice_billing::ingest::publish_to(&mut conn, stream, event).await.map_err(|e| {
-            redis::RedisError::from((redis::ErrorKind::IoError, "publish", e.to_string()))
-        })
+        let conn = client.connect().await.map_err(BillingError::from)?;
+        publish(&conn, stream, event).await
     };
-    matches!(tokio::time::timeout(Duration::from_secs(2), attempt).await, Ok(Ok(_)))
+    matches!(tokio::time::timeout(Duration::from_secs(2), attempt).await, Ok(Ok(true)))
 }
 
 impl UsageSink {
@@ -122,13 +121,13 @@ impl UsageSink {
                     {
                         Ok(Ok(true)) => return Ok(Delivered::Primary),
                         Ok(Ok(false)) => {
-                            // In the stream, on its primary alone: the ledger gets it too.
-                            if let Err(e) =
-                                fallback.insert_batch(std::slice::from_ref(&event)).await
-                            {
-                                tracing::warn!(error = %e, request_id = %event.request_id, "usage event on an unreplicated primary only");
+                            // In the stream, on its primary alone: the ledger gets it too,
+                            // else it is retried below like an event nothing took.
+                            if fallback.insert_batch(std::slice::from_ref(&event)).await.is_ok() {
+                                return Ok(Delivered::Primary);
                             }
-                            return Ok(Delivered::Primary);
+                            tracing::warn!(request_id = %event.request_id, "usage event on an unreplicated primary only; retrying");
+                            break;
                         }
                         Ok(Err(e)) if !e.is_retryable() => return Err(e),
                         Ok(Err(e)) => {

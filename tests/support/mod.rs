@@ -403,6 +403,7 @@ pub fn redis_cluster(
 /// One try of one request, as `sluice bench serve --requests-log` wrote it.
 #[derive(Debug, Clone)]
 pub struct Try {
+    pub url: String,
     pub stream: bool,
     pub key: String,
     pub status: Option<u16>,
@@ -426,6 +427,7 @@ pub fn read_tries(path: &Path) -> anyhow::Result<Vec<Vec<Try>>> {
             tries
                 .iter()
                 .map(|t| Try {
+                    url: t["url"].as_str().unwrap_or_default().to_owned(),
                     stream,
                     key: key.clone(),
                     status: t["status"].as_u64().map(|s| s as u16),
