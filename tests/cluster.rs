@@ -37,13 +37,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use chrono::{Datelike, DurationRound};
-use serde_json::Value;
 use sluice_billing::Ledger;
 use sluice_billing::auth::{Principal, Role};
 use sluice_billing::control::NewTenant;
-use sluice_billing::query::RecordFilter;
 use support::{
-    Proc, Try, free_port, read_tries, redis_server, signal_and_wait, spawn_sluice_logged,
+    Proc, Try, free_port, read_tries, redis_server, rows_for, signal_and_wait, spawn_sluice_logged,
     wait_healthy,
 };
 
@@ -360,27 +358,8 @@ async fn a_fleet_loses_nothing_through_restarts_kills_and_outages() -> anyhow::R
         .filter(|t| t.request_id.is_some() && t.error_code.as_deref() != Some("auth_unavailable"))
         .collect();
     let ledger = Ledger::connect(&pg.url).await?;
-    let deadline = Instant::now() + Duration::from_secs(90);
-    let rows = loop {
-        let page = ledger.records(&RecordFilter { limit: 10_000, ..Default::default() }).await?;
-        let mut rows: HashMap<String, Vec<serde_json::Map<String, Value>>> = HashMap::new();
-        for r in page.records {
-            rows.entry(r["request_id"].as_str().unwrap_or_default().to_owned())
-                .or_default()
-                .push(r);
-        }
-        let missing: Vec<_> = with_id
-            .iter()
-            .filter(|t| !rows.contains_key(t.request_id.as_deref().unwrap_or_default()))
-            .collect();
-        if missing.is_empty() {
-            break rows;
-        }
-        if Instant::now() > deadline {
-            bail!("{} request ids without a row after 90 s: {missing:?}", missing.len());
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    };
+    let ids: Vec<&str> = with_id.iter().filter_map(|t| t.request_id.as_deref()).collect();
+    let rows = rows_for(&ledger, &ids, Duration::from_secs(90)).await?;
     let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
     let mut replays = 0;
     for t in &with_id {

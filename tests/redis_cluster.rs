@@ -25,12 +25,11 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
-use serde_json::{Value, json};
+use serde_json::json;
 use sluice_billing::Ledger;
 use sluice_billing::auth::{Principal, Role};
 use sluice_billing::control::{Limits, NewTenant, QuotaSettings};
-use sluice_billing::query::RecordFilter;
-use support::{read_tries, redis_cluster, spawn_engine, spawn_sluice, wait_healthy};
+use support::{read_tries, redis_cluster, rows_for, spawn_engine, spawn_sluice, wait_healthy};
 
 const MODEL_ID: &str = "smollm2-135m-instruct";
 const TOKEN: &str = "redis-cluster-token";
@@ -65,6 +64,28 @@ fn owner(port: u16, slot: u64) -> anyhow::Result<Option<u16>> {
         }
     }
     Ok(None)
+}
+
+/// Kills the primary serving `slot` (as node `seen_from` sees the cluster) and waits for a
+/// replica to serve it; returns the killed port, a surviving one and how long that took.
+async fn fail_over(
+    nodes: &mut Vec<(support::Proc, u16)>,
+    seen_from: u16,
+    slot: u64,
+) -> anyhow::Result<(u16, u16, Duration)> {
+    let victim = owner(seen_from, slot)?.with_context(|| format!("no primary serves {slot}"))?;
+    let index = nodes.iter().position(|(_, p)| *p == victim).context("the victim")?;
+    let survivor =
+        nodes.iter().find(|(_, p)| *p != victim).map(|(_, p)| *p).context("a survivor")?;
+    let killed_at = Instant::now();
+    drop(nodes.remove(index));
+    loop {
+        if owner(survivor, slot)?.is_some_and(|p| p != victim) {
+            return Ok((victim, survivor, killed_at.elapsed()));
+        }
+        ensure!(killed_at.elapsed() < Duration::from_secs(30), "no replica took slot {slot} over");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -159,23 +180,11 @@ async fn the_platform_runs_unchanged_on_a_redis_cluster_and_through_a_failover()
     ensure!(retry.headers().get("idempotent-replayed").is_some(), "the retry was not replayed");
     ensure!(retry.headers()["x-sluice-request-id"].to_str()? == first_id);
     ids.push(first_id.clone());
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let page = ledger.records(&RecordFilter { limit: 100, ..Default::default() }).await?;
-        let have: Vec<&str> =
-            page.records.iter().filter_map(|r| r["request_id"].as_str()).collect();
-        if ids.iter().all(|i| have.contains(&i.as_str())) {
-            ensure!(
-                page.records.len() == ids.len(),
-                "{} rows for {} ids",
-                page.records.len(),
-                ids.len()
-            );
-            break;
-        }
-        ensure!(Instant::now() < deadline, "rows did not arrive through the cluster's stream");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+    // Through the cluster's stream, one row each (the replay has none of its own).
+    let id_refs: Vec<&str> = ids.iter().map(String::as_str).collect();
+    let rows = rows_for(&ledger, &id_refs, Duration::from_secs(30)).await?;
+    let count: usize = rows.values().map(Vec::len).sum();
+    ensure!(count == ids.len(), "{count} rows for {} ids", ids.len());
 
     // Failover under load.
     let log = dir.path().join("load.jsonl");
@@ -192,38 +201,11 @@ async fn the_platform_runs_unchanged_on_a_redis_cluster_and_through_a_failover()
         .spawn()?;
     let load_started = Instant::now();
     tokio::time::sleep(Duration::from_secs(8)).await;
-    let victim = owner(port0, tenant_slot)?.context("no primary serves the tenant's slot")?;
-    let index = nodes.iter().position(|(_, p)| *p == victim).context("victim")?;
-    let survivor = nodes.iter().find(|(_, p)| *p != victim).map(|(_, p)| *p).context("survivor")?;
-    let killed_at = Instant::now();
-    drop(nodes.remove(index));
-    let promoted = loop {
-        if let Some(p) = owner(survivor, tenant_slot)?
-            && p != victim
-        {
-            break killed_at.elapsed();
-        }
-        ensure!(killed_at.elapsed() < Duration::from_secs(30), "no replica took the slot over");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let (victim, survivor, promoted) = fail_over(&mut nodes, port0, tenant_slot).await?;
     // Then the usage stream's primary: entries no replica had yet were written to the ledger
     // by the gateway too, so nothing is lost with it.
     tokio::time::sleep_until((load_started + Duration::from_secs(18)).into()).await;
-    let stream_victim = owner(survivor, stream_slot)?.context("no primary serves the stream")?;
-    let index = nodes.iter().position(|(_, p)| *p == stream_victim).context("stream victim")?;
-    let survivor =
-        nodes.iter().find(|(_, p)| *p != stream_victim).map(|(_, p)| *p).context("survivor")?;
-    let killed_at = Instant::now();
-    drop(nodes.remove(index));
-    let stream_promoted = loop {
-        if let Some(p) = owner(survivor, stream_slot)?
-            && p != stream_victim
-        {
-            break killed_at.elapsed();
-        }
-        ensure!(killed_at.elapsed() < Duration::from_secs(30), "no replica took the stream over");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let (stream_victim, _, stream_promoted) = fail_over(&mut nodes, survivor, stream_slot).await?;
     let deadline = Instant::now() + Duration::from_secs(180);
     let status = loop {
         if let Some(s) = load.try_wait()? {
@@ -241,27 +223,8 @@ async fn the_platform_runs_unchanged_on_a_redis_cluster_and_through_a_failover()
     let requests = read_tries(&log)?;
     let tries: Vec<_> = requests.iter().flatten().collect();
     let with_id: Vec<_> = tries.iter().filter(|t| t.request_id.is_some()).collect();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let rows = loop {
-        let page = ledger.records(&RecordFilter { limit: 10_000, ..Default::default() }).await?;
-        let mut rows: HashMap<String, Vec<serde_json::Map<String, Value>>> = HashMap::new();
-        for r in page.records {
-            rows.entry(r["request_id"].as_str().unwrap_or_default().to_owned())
-                .or_default()
-                .push(r);
-        }
-        let missing = with_id
-            .iter()
-            .filter(|t| !rows.contains_key(t.request_id.as_deref().unwrap_or("")))
-            .count();
-        if missing == 0 {
-            break rows;
-        }
-        if Instant::now() > deadline {
-            bail!("{missing} request ids without a row 60 s after the load");
-        }
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    };
+    let ids: Vec<&str> = with_id.iter().filter_map(|t| t.request_id.as_deref()).collect();
+    let rows = rows_for(&ledger, &ids, Duration::from_secs(60)).await?;
     for t in &with_id {
         let id = t.request_id.as_deref().unwrap_or_default();
         ensure!(rows[id].len() == 1, "{} rows for {id}", rows[id].len());

@@ -442,3 +442,35 @@ pub fn read_tries(path: &Path) -> anyhow::Result<Vec<Vec<Try>>> {
     }
     Ok(out)
 }
+
+/// A ledger row as the records API gives it.
+pub type Row = serde_json::Map<String, serde_json::Value>;
+
+/// The ledger's rows grouped by request id, once each of `ids` has at least one; an error
+/// naming those still without one after `within` (ingestion runs behind the answers).
+pub async fn rows_for(
+    ledger: &sluice_billing::Ledger,
+    ids: &[&str],
+    within: Duration,
+) -> anyhow::Result<HashMap<String, Vec<Row>>> {
+    let filter = sluice_billing::query::RecordFilter { limit: 10_000, ..Default::default() };
+    let deadline = Instant::now() + within;
+    loop {
+        let mut rows: HashMap<String, Vec<Row>> = HashMap::new();
+        for r in ledger.records(&filter).await?.records {
+            rows.entry(r["request_id"].as_str().unwrap_or_default().to_owned())
+                .or_default()
+                .push(r);
+        }
+        let missing: Vec<&&str> = ids.iter().filter(|id| !rows.contains_key(**id)).collect();
+        if missing.is_empty() {
+            return Ok(rows);
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "{} request ids without a row after {within:?}: {missing:?}",
+            missing.len()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
