@@ -179,11 +179,16 @@ async fn the_platform_runs_unchanged_on_a_redis_cluster_and_through_a_failover()
     // The first completes its claim as it is logged, just after its answer went out: a retry
     // sent before that gets 409 (still running) and, as a client would, tries again.
     let deadline = Instant::now() + Duration::from_secs(10);
+    let mut in_progress = Vec::new();
     let retry = loop {
         let r = post(&keys["rc"], Some("cluster-same")).await?;
         if r.status() != 409 || Instant::now() > deadline {
             break r;
         }
+        // Refused, so a row of its own that costs nothing.
+        in_progress.extend(
+            r.headers().get("x-sluice-request-id").and_then(|v| v.to_str().ok()).map(str::to_owned),
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     ensure!(
@@ -194,11 +199,16 @@ async fn the_platform_runs_unchanged_on_a_redis_cluster_and_through_a_failover()
     );
     ensure!(retry.headers()["x-sluice-request-id"].to_str()? == first_id);
     ids.push(first_id.clone());
+    ids.extend(in_progress.iter().cloned());
     // Through the cluster's stream, one row each (the replay has none of its own).
     let id_refs: Vec<&str> = ids.iter().map(String::as_str).collect();
     let rows = rows_for(&ledger, &id_refs, Duration::from_secs(30)).await?;
     let count: usize = rows.values().map(Vec::len).sum();
-    ensure!(count == ids.len(), "{count} rows for {} ids", ids.len());
+    ensure!(count == ids.len(), "{count} rows for {} ids: {rows:?}", ids.len());
+    for id in &in_progress {
+        let r = &rows[id][0];
+        ensure!(r["http_status"] == 409 && r["cost_micros"] == 0, "a 409's row: {r:?}");
+    }
 
     // Failover under load.
     let log = dir.path().join("load.jsonl");
