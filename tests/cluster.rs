@@ -8,7 +8,7 @@
 //!    started again.
 //! 2. SIGKILLs an engine: its streams end with a terminal error event and are billed for what
 //!    the client received; new requests go elsewhere; it is started again.
-//! 3. Restarts a gateway (SIGTERM, drained, down 2 s, started again on its port): clients retry
+//! 3. Restarts a gateway (SIGTERM, drained, down 4 s, started again on its port): clients retry
 //!    on the other one with the same Idempotency-Key and are billed once.
 //! 4. Stops Postgres, SIGKILLs the billing consumer that holds a batch it could not commit
 //!    (read, unacknowledged), starts Postgres and the consumer again.
@@ -80,20 +80,29 @@ impl Fleet {
         }
     }
 
+    /// `sluice ARGS`, logging to a file of its own; a start that fails says what it logged.
+    fn spawn(&self, args: &[&str], envs: &[(&str, &str)], name: &str) -> anyhow::Result<Proc> {
+        let log = self.log(name);
+        spawn_sluice_logged(args, envs, &log).map(|(p, _)| p).map_err(|e| {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            anyhow::anyhow!("{e}\n--- {name}'s log:\n{text}")
+        })
+    }
+
     fn start_engine(&mut self, i: usize) -> anyhow::Result<()> {
-        let listen = self.engines[i].1.clone();
+        let listen = address(&mut self.engines[i].1)?;
         let args = ["engine", "--model", &self.model, "--listen", &listen]
             .into_iter()
             .chain(["--internal-token", TOKEN, "--served-model-name", MODEL_ID])
             .chain(["--kv-cache-mb", "64", "--threads", "1", "--drain-timeout", "20"])
             .collect::<Vec<_>>();
-        let (p, _) = spawn_sluice_logged(&args, &[], &self.log(&format!("engine{i}")))?;
+        let p = self.spawn(&args, &[], &format!("engine{i}"))?;
         self.engines[i].0 = Some(p);
         Ok(())
     }
 
     fn start_gateway(&mut self, i: usize) -> anyhow::Result<()> {
-        let listen = self.gateways[i].1.clone();
+        let listen = address(&mut self.gateways[i].1)?;
         let redis = self.redis_url();
         let mut args = vec!["gateway", "--plain-http", "--listen", &listen, "--model", &self.model];
         for (_, e) in &self.engines {
@@ -104,13 +113,13 @@ impl Fleet {
         args.extend(["--redis-url", &redis, "--redis-down", "refuse", "--drain-timeout", "20"]);
         args.extend(["--usage-stream", STREAM]);
         let envs = [("SLUICE_DATABASE_URL", self.pg.as_str()), ("SLUICE_INTERNAL_TOKEN", TOKEN)];
-        let (p, _) = spawn_sluice_logged(&args, &envs, &self.log(&format!("gateway{i}")))?;
+        let p = self.spawn(&args, &envs, &format!("gateway{i}"))?;
         self.gateways[i].0 = Some(p);
         Ok(())
     }
 
     fn start_billing(&mut self, i: usize) -> anyhow::Result<()> {
-        let listen = self.billing[i].1.clone();
+        let listen = address(&mut self.billing[i].1)?;
         let (redis, consumer) = (self.redis_url(), format!("billing-{}", i + 1));
         let args = ["billing", "--database-url", &self.pg, "--redis-url", &redis]
             .into_iter()
@@ -118,15 +127,25 @@ impl Fleet {
             .chain(["--claim-min-idle", "5", "--drain-timeout", "10"])
             .collect::<Vec<_>>();
         let envs = [("SLUICE_JWT_SECRET", JWT_SECRET)];
-        let (p, _) = spawn_sluice_logged(&args, &envs, &self.log(&format!("billing{i}")))?;
+        let p = self.spawn(&args, &envs, &format!("billing{i}"))?;
         self.billing[i].0 = Some(p);
         Ok(())
     }
 }
 
-/// `(address, process slot)` lists on fresh ports.
-fn slots(n: usize) -> anyhow::Result<Vec<(Option<Proc>, String)>> {
-    (0..n).map(|_| Ok((None, format!("127.0.0.1:{}", free_port()?)))).collect()
+/// `n` process slots, each with the address its process keeps across restarts (chosen when
+/// it first starts: a port picked long before could meanwhile serve as another connection's
+/// ephemeral port).
+fn slots(n: usize) -> Vec<(Option<Proc>, String)> {
+    (0..n).map(|_| (None, String::new())).collect()
+}
+
+/// The slot's address, picked now if it has none yet.
+fn address(slot: &mut String) -> anyhow::Result<String> {
+    if slot.is_empty() {
+        *slot = format!("127.0.0.1:{}", free_port()?);
+    }
+    Ok(slot.clone())
 }
 
 async fn redis_cmd(url: &str, args: &[&str]) -> anyhow::Result<redis::Value> {
@@ -214,9 +233,9 @@ async fn a_fleet_loses_nothing_through_restarts_kills_and_outages() -> anyhow::R
         model: common::default_model()?.to_str().context("utf-8")?.to_owned(),
         pg: pg.url.clone(),
         redis_port: free_port()?,
-        engines: slots(3)?,
-        gateways: slots(2)?,
-        billing: slots(2)?,
+        engines: slots(3),
+        gateways: slots(2),
+        billing: slots(2),
     };
     let redis_url = fleet.redis_url();
     let mut redis_proc = Some(redis_server(fleet.dir.path(), fleet.redis_port, true)?);
@@ -287,8 +306,8 @@ async fn a_fleet_loses_nothing_through_restarts_kills_and_outages() -> anyhow::R
     let mut p = fleet.gateways[0].0.take().context("gateway 0")?;
     let status = block(&mut || signal_and_wait(&mut p.0, "TERM", Duration::from_secs(60)))?;
     ensure!(status.success(), "gateway 0 exited with {status} after SIGTERM");
-    // Down for 2 s, as a replaced pod is: its clients retry on the other one.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Down for 4 s, as a replaced pod is: its clients retry on the other one.
+    tokio::time::sleep(Duration::from_secs(4)).await;
     fleet.start_gateway(0)?;
     wait_healthy(&c, &format!("http://{}/readyz", fleet.gateways[0].1)).await?;
     faults.add("SIGTERM gateway 0, restart", began, t0, format!("exit {status}"));
@@ -417,13 +436,18 @@ async fn a_fleet_loses_nothing_through_restarts_kills_and_outages() -> anyhow::R
         }
     }
     let keys_with_retries = requests.iter().filter(|r| r.len() > 1).count();
-    // The restarted gateway's clients found nobody there and went to the other one (the
-    // only time gateway 0 gave no answer at all).
+    // The restarted gateway's clients were refused while it drained or found nobody there
+    // (the only times gateway 0 answered 503 `shutting_down` or nothing), and went to the
+    // other one.
     let gateway0 = format!("http://{}/", fleet.gateways[0].1);
-    ensure!(
-        tries.iter().any(|t| t.status.is_none() && t.url.starts_with(&gateway0)),
-        "no client retried while gateway 0 was down"
-    );
+    let restart_retries = tries
+        .iter()
+        .filter(|t| {
+            t.url.starts_with(&gateway0)
+                && (t.status.is_none() || t.error_code.as_deref() == Some("shutting_down"))
+        })
+        .count();
+    ensure!(restart_retries > 0, "no client retried while gateway 0 restarted");
     for req in &requests {
         let Some(k) = req.first().map(|t| t.key.as_str()) else { bail!("a request without tries") };
         let done = completed_per_key.get(k).copied().unwrap_or(0);
@@ -507,6 +531,7 @@ async fn a_fleet_loses_nothing_through_restarts_kills_and_outages() -> anyhow::R
     eprintln!(
         "\n| reconciliation | count |\n|---|---|\n| requests | {} |\n| tries | {} |\n\
          | request ids checked, one row each | {} |\n| requests retried under their key | {keys_with_retries} |\n\
+         | tries refused or unanswered by the restarting gateway | {restart_retries} |\n\
          | retries answered by replay | {replays} |\n| requests failed after retries | {failed} |\n\
          | Redis day counter = ledger day tokens | {counter} = {ledger_day} |\n\
          | usage entries pending | {pending} |\n| tries ended by the killed engine | {killed} |",
