@@ -38,8 +38,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use chrono::{Datelike, DurationRound};
 use sluice_billing::Ledger;
-use sluice_billing::auth::{Principal, Role};
-use sluice_billing::control::NewTenant;
 use support::{
     Proc, Try, free_port, read_tries, redis_server, rows_for, signal_and_wait, spawn_sluice_logged,
     wait_healthy,
@@ -222,10 +220,8 @@ async fn a_fleet_loses_nothing_through_restarts_kills_and_outages() -> anyhow::R
     let _lock = billing_common::postgres_lock(true).await?;
     let pg = billing_common::PgDatabase::create_unlocked().await?;
     let ledger = Ledger::connect(&pg.url).await?;
-    let ops = Principal { actor: "cluster".into(), role: Role::Ops, tenant: None };
-    let new = NewTenant { id: "fleet".into(), name: None, tier: None, overrides: None };
-    ledger.create_tenant(&ops, &new).await?;
-    let key = ledger.issue_key(&ops, "fleet", None, None, Default::default()).await?.1;
+    let key = support::tenants_with_keys(&ledger, &["fleet"], None).await?.remove("fleet");
+    let key = key.context("the tenant's key")?;
     ledger.close().await;
 
     let mut fleet = Fleet {

@@ -24,8 +24,6 @@ use anyhow::{Context, bail, ensure};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 use sluice_billing::Ledger;
-use sluice_billing::auth::{Principal, Role};
-use sluice_billing::control::{Limits, NewTenant, QuotaSettings};
 use sluice_billing::query::RecordFilter;
 use support::{
     Proc, free_port, redis_server, signal_and_wait, spawn_engine, spawn_sluice, wait_healthy,
@@ -109,18 +107,7 @@ async fn the_ledger_survives_restarts_disconnects_and_a_shutdown() -> anyhow::Re
     let _lock = billing_common::postgres_lock(true).await?;
     let pg = billing_common::PgDatabase::create_unlocked().await?;
     let ledger = Ledger::connect(&pg.url).await?;
-    let ops = Principal { actor: "drill".into(), role: Role::Ops, tenant: None };
-    let mut keys = HashMap::new();
-    for id in ["drill", "capped"] {
-        let new = NewTenant { id: id.into(), name: None, tier: None, overrides: None };
-        ledger.create_tenant(&ops, &new).await?;
-        keys.insert(id, ledger.issue_key(&ops, id, None, None, Default::default()).await?.1);
-    }
-    let capped = QuotaSettings {
-        limits: Limits { rpm: Some(2), ..Default::default() },
-        ..Default::default()
-    };
-    ledger.set_quota(&ops, "capped", &capped).await?;
+    let keys = support::tenants_with_keys(&ledger, &["drill", "capped"], Some("capped")).await?;
     ledger.close().await;
 
     let dir = tempfile::tempdir()?;

@@ -27,8 +27,6 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use serde_json::json;
 use sluice_billing::Ledger;
-use sluice_billing::auth::{Principal, Role};
-use sluice_billing::control::{Limits, NewTenant, QuotaSettings};
 use support::{read_tries, redis_cluster, rows_for, spawn_engine, spawn_sluice, wait_healthy};
 
 const MODEL_ID: &str = "smollm2-135m-instruct";
@@ -93,18 +91,7 @@ async fn the_platform_runs_unchanged_on_a_redis_cluster_and_through_a_failover()
 -> anyhow::Result<()> {
     let pg = billing_common::PgDatabase::create().await?;
     let ledger = Ledger::connect(&pg.url).await?;
-    let ops = Principal { actor: "redis-cluster".into(), role: Role::Ops, tenant: None };
-    let mut keys = HashMap::new();
-    for id in ["rc", "rc-capped"] {
-        let new = NewTenant { id: id.into(), name: None, tier: None, overrides: None };
-        ledger.create_tenant(&ops, &new).await?;
-        keys.insert(id, ledger.issue_key(&ops, id, None, None, Default::default()).await?.1);
-    }
-    let capped = QuotaSettings {
-        limits: Limits { rpm: Some(2), ..Default::default() },
-        ..Default::default()
-    };
-    ledger.set_quota(&ops, "rc-capped", &capped).await?;
+    let keys = support::tenants_with_keys(&ledger, &["rc", "rc-capped"], Some("rc-capped")).await?;
 
     let dir = tempfile::tempdir()?;
     let (mut nodes, url) = redis_cluster(dir.path(), 3, 2000)?;

@@ -60,10 +60,14 @@ pub async fn publish_to<C>(
 where
     C: ConnectionLike + Send + Sync,
 {
-    event.validate()?;
-    let json = serde_json::to_string(event).map_err(BillingError::Encode)?;
-    let id: String = conn.xadd(stream, "*", &[(EVENT_FIELD, json)]).await?;
+    let id: String = conn.xadd(stream, "*", &[(EVENT_FIELD, entry(event)?)]).await?;
     Ok(id)
+}
+
+/// The stream entry's [`EVENT_FIELD`] value of a valid event.
+pub fn entry(event: &UsageEvent) -> Result<String, BillingError> {
+    event.validate()?;
+    serde_json::to_string(event).map_err(BillingError::Encode)
 }
 
 /// Settings of one [`UsageConsumer`].

@@ -173,7 +173,6 @@ impl Usage {
                 let conn = client.connect().await.map_err(redis("connecting to --redis-url"))?;
                 let limiter = Limiter::new(conn.clone(), "sluice", Duration::from_secs(600));
                 let sink = UsageSink::Redis {
-                    client,
                     conn,
                     stream: stream.to_owned(),
                     fallback: ledger.clone(),

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sluice_billing::local::LocalIngest;
-use sluice_billing::redis_conn::{RedisConn, RedisTarget};
+use sluice_billing::redis_conn::RedisConn;
 use sluice_billing::{BillingError, Ledger, UsageEvent};
 
 /// A usage event destination. Cheap to clone.
@@ -21,8 +21,6 @@ use sluice_billing::{BillingError, Ledger, UsageEvent};
 pub enum UsageSink {
     /// `XADD` to the usage stream, falling back to the ledger.
     Redis {
-        /// For the background retries: a fresh connection each time (see `retry_publish`).
-        client: RedisTarget,
         /// Connection.
         conn: RedisConn,
         /// Stream name.
@@ -81,8 +79,7 @@ async fn publish(conn: &RedisConn, stream: &str, event: &UsageEvent) -> Result<b
     if !matches!(conn, RedisConn::Cluster(_)) {
         return sluice_billing::ingest::publish_to(&mut conn, stream, event).await.map(|_| true);
     }
-    event.validate()?;
-    let json = serde_json::to_string(event).map_err(BillingError::Encode)?;
+    let json = sluice_billing::ingest::entry(event)?;
     let (_id, replicas): (String, i64) = redis::pipe()
         .xadd(stream, "*", &[(sluice_billing::ingest::EVENT_FIELD, json)])
         .cmd("WAIT")
@@ -93,15 +90,13 @@ async fn publish(conn: &RedisConn, stream: &str, event: &UsageEvent) -> Result<b
     Ok(replicas > 0)
 }
 
-/// One background retry over a connection of its own, so an event never waits on the shared
-/// connection's own recovery. True only once the stream has it durably (on a Cluster, on a
-/// replica too).
-async fn retry_publish(client: &RedisTarget, stream: &str, event: &UsageEvent) -> bool {
-    let attempt = async {
-        let conn = client.connect().await.map_err(BillingError::from)?;
-        publish(&conn, stream, event).await
-    };
-    matches!(tokio::time::timeout(Duration::from_secs(2), attempt).await, Ok(Ok(true)))
+/// One background retry: true only once the stream has the event durably (on a Cluster, on
+/// a replica too).
+async fn durably_published(conn: &RedisConn, stream: &str, event: &UsageEvent) -> bool {
+    matches!(
+        tokio::time::timeout(Duration::from_secs(2), publish(conn, stream, event)).await,
+        Ok(Ok(true))
+    )
 }
 
 impl UsageSink {
@@ -109,7 +104,7 @@ impl UsageSink {
     pub async fn emit(&self, event: UsageEvent) -> Result<Delivered, BillingError> {
         match self {
             Self::Local(l) => l.emit(event).await.map(|()| Delivered::Primary),
-            Self::Redis { client, conn, stream, fallback, retrying } => {
+            Self::Redis { conn, stream, fallback, retrying } => {
                 event.validate()?;
                 let mut delay = Duration::from_millis(20);
                 for attempt in 0..3 {
@@ -143,13 +138,13 @@ impl UsageSink {
                 }
                 tracing::error!(request_id = %event.request_id, "usage stream and ledger both down; retrying in the background");
                 retrying.add(&event);
-                let (client, stream, fallback) = (client.clone(), stream.clone(), fallback.clone());
+                let (conn, stream, fallback) = (conn.clone(), stream.clone(), fallback.clone());
                 let retrying = Arc::clone(retrying);
                 tokio::spawn(async move {
                     let mut delay = Duration::from_millis(200);
                     loop {
                         tokio::time::sleep(delay).await;
-                        let sent = retry_publish(&client, &stream, &event).await;
+                        let sent = durably_published(&conn, &stream, &event).await;
                         if sent || fallback.insert_batch(std::slice::from_ref(&event)).await.is_ok()
                         {
                             tracing::info!(request_id = %event.request_id, "usage event delivered after an outage");

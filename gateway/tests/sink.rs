@@ -81,7 +81,6 @@ async fn events_reach_the_ledger_when_redis_is_gone() -> anyhow::Result<()> {
     };
     let ledger = Ledger::connect(&format!("sqlite://{}", dir.join("ledger.db").display())).await?;
     let sink = UsageSink::Redis {
-        client: client.clone(),
         conn,
         stream: "{t}:usage".into(),
         fallback: ledger.clone(),

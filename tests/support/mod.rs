@@ -474,3 +474,26 @@ pub async fn rows_for(
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
 }
+
+/// Creates `tenants` in `ledger`, each with one API key (the secrets, by tenant); the tenant
+/// named `capped`, if any, is held to 2 requests a minute.
+pub async fn tenants_with_keys<'a>(
+    ledger: &sluice_billing::Ledger,
+    tenants: &[&'a str],
+    capped: Option<&str>,
+) -> anyhow::Result<HashMap<&'a str, String>> {
+    use sluice_billing::auth::{Principal, Role};
+    use sluice_billing::control::{Limits, NewTenant, QuotaSettings};
+    let ops = Principal { actor: "test-setup".into(), role: Role::Ops, tenant: None };
+    let mut keys = HashMap::new();
+    for id in tenants {
+        let new = NewTenant { id: (*id).into(), name: None, tier: None, overrides: None };
+        ledger.create_tenant(&ops, &new).await?;
+        keys.insert(*id, ledger.issue_key(&ops, id, None, None, Default::default()).await?.1);
+    }
+    if let Some(id) = capped {
+        let limits = Limits { rpm: Some(2), ..Default::default() };
+        ledger.set_quota(&ops, id, &QuotaSettings { limits, ..Default::default() }).await?;
+    }
+    Ok(keys)
+}
