@@ -125,6 +125,29 @@ enum ModelCommand {
     },
     /// The catalog: names, what they are, and whether they are fetched.
     List,
+    /// Write a random-weight Llama of a named shape as a Hugging Face directory
+    /// (config.json, safetensors, tokenizer.json), for benchmarks of shapes no catalog model
+    /// has: `tiny`, `llama-1b` (Llama 3.2 1B's shape), `llama-8b` (Llama 3.1 8B's).
+    Synth(SynthArgs),
+}
+
+#[derive(Args, Debug)]
+struct SynthArgs {
+    /// The shape: tiny, small, llama-1b or llama-8b.
+    #[arg(long, default_value = "llama-8b")]
+    shape: String,
+    /// Weight type: bf16, f16 or f32.
+    #[arg(long, default_value = "bf16")]
+    dtype: String,
+    /// Safetensors files (an index is written for more than one).
+    #[arg(long, default_value_t = 1)]
+    shards: usize,
+    /// Seed of every weight.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// The directory to write (created; its name is the model's id).
+    #[arg(long)]
+    out: PathBuf,
 }
 
 fn catalog_entry(name: &str) -> anyhow::Result<&'static sluice_engine::fetch::ModelPackage> {
@@ -139,6 +162,9 @@ enum BenchCommand {
     Model(BenchModelArgs),
     /// Serving-engine throughput and TTFT at several concurrency levels, in process.
     Engine(BenchEngineArgs),
+    /// The forward pass alone at several decode batch sizes, called as the engine calls it
+    /// (on the CPU or a GPU): the baseline of `bench serve` against `sluice engine`.
+    Forward(BenchForwardArgs),
     /// Ledger insert rate into Postgres and Redis-to-ledger ingestion lag, in a scratch database.
     Billing(BenchBillingArgs),
     /// The gateway's own added time and its end-to-end cost, at several request rates.
@@ -363,6 +389,33 @@ struct EngineArgs {
 }
 
 #[derive(Args, Debug)]
+struct BenchForwardArgs {
+    #[command(flatten)]
+    model: ModelArg,
+    /// Where the passes run: cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: sluice_engine::backend::Device,
+    /// Decode batch sizes.
+    #[arg(long = "batch", value_delimiter = ',', default_value = "1,16,64,256")]
+    batches: Vec<usize>,
+    /// Context every sequence holds when the timed decode steps begin.
+    #[arg(long, default_value_t = 1024)]
+    context: usize,
+    /// Timed decode steps per batch size.
+    #[arg(long, default_value_t = 32)]
+    steps: usize,
+    /// Most token rows of a prefill pass.
+    #[arg(long, default_value_t = 8192)]
+    max_num_batched_tokens: usize,
+    /// CPU compute threads (0: all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Print JSON lines instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args, Debug)]
 struct BenchModelArgs {
     #[command(flatten)]
     model: ModelArg,
@@ -406,6 +459,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Model(ModelCommand::Path { name }) => {
             println!("{}", model_dir().join(catalog_entry(&name)?.file).display());
         }
+        Command::Model(ModelCommand::Synth(args)) => run_synth(args)?,
         Command::Model(ModelCommand::List) => {
             for p in &CATALOG {
                 let here = model_dir().join(p.file);
@@ -427,6 +481,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Run(args) => run_generate(args)?,
         Command::Bench(BenchCommand::Model(args)) => run_bench_model(args)?,
         Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args)?,
+        Command::Bench(BenchCommand::Forward(args)) => run_bench_forward(args)?,
         Command::Bench(BenchCommand::Billing(args)) => run_bench_billing(args)?,
         Command::Bench(BenchCommand::Gateway(args)) => bench_gateway::run_bench_gateway(args)?,
         Command::Bench(BenchCommand::Serve(args)) => sluice_bench::serve::run_bench_serve(*args)?,
@@ -615,6 +670,59 @@ fn run_bench_model(args: BenchModelArgs) -> anyhow::Result<()> {
         println!("{}", serde_json::to_string_pretty(&comparison)?);
     } else {
         print!("{comparison}");
+    }
+    Ok(())
+}
+
+fn run_synth(args: SynthArgs) -> anyhow::Result<()> {
+    use sluice_engine::quant::GgmlType;
+    use sluice_engine::synth::{SynthSpec, write_safetensors_dir};
+    let spec = SynthSpec::named(&args.shape).with_context(|| {
+        format!("--shape {:?} is not a shape ({})", args.shape, SynthSpec::NAMES.join(", "))
+    })?;
+    let spec = SynthSpec { seed: args.seed, ..spec };
+    let ty = match args.dtype.as_str() {
+        "bf16" => GgmlType::BF16,
+        "f16" => GgmlType::F16,
+        "f32" => GgmlType::F32,
+        other => bail!("--dtype {other:?} is not a weight type (bf16, f16 or f32)"),
+    };
+    let started = std::time::Instant::now();
+    write_safetensors_dir(&spec, ty, &args.out, args.shards)
+        .with_context(|| format!("writing {}", args.out.display()))?;
+    eprintln!(
+        "{}: {} ({:.2} B parameters, {}) in {:.1} s",
+        args.out.display(),
+        args.shape,
+        spec.parameters() as f64 / 1e9,
+        args.dtype,
+        started.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn run_bench_forward(args: BenchForwardArgs) -> anyhow::Result<()> {
+    use sluice_engine::pass_bench::{ForwardBenchConfig, bench_forward, table};
+    let m = args.model.load()?;
+    let cfg = ForwardBenchConfig {
+        device: args.device,
+        batches: args.batches,
+        context: args.context,
+        steps: args.steps,
+        max_num_batched_tokens: args.max_num_batched_tokens,
+        threads: args.threads,
+    };
+    let points = bench_forward(&m, &cfg)?;
+    if args.json {
+        for p in &points {
+            println!("{}", serde_json::to_string(p)?);
+        }
+    } else {
+        println!(
+            "model {} on {}: decode steps through the backend alone (greedy, picked there)",
+            m.identity.model_id, args.device
+        );
+        print!("{}", table(&points));
     }
     Ok(())
 }

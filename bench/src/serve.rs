@@ -130,6 +130,10 @@ pub struct BenchServeArgs {
     /// ledger by request id).
     #[arg(long, value_name = "FILE")]
     requests_log: Option<std::path::PathBuf>,
+    /// An extra header on every request, `NAME:VALUE` (repeatable): e.g. `x-sluice-tenant:a`
+    /// to load an engine directly as one tenant, whose prompts then share its prefix cache.
+    #[arg(long = "header", value_name = "NAME:VALUE")]
+    headers: Vec<String>,
 }
 
 pub(crate) fn parse_slo(s: Option<&str>) -> anyhow::Result<Slo> {
@@ -564,6 +568,7 @@ async fn scrape(c: &reqwest::Client, url: &str) -> Option<std::collections::BTre
         "generation_tokens",
         "num_requests",
         "kv_cache_usage",
+        "device_",
     ];
     let mut out = std::collections::BTreeMap::new();
     for line in text.lines().filter(|l| !l.starts_with('#')) {
@@ -576,6 +581,49 @@ async fn scrape(c: &reqwest::Client, url: &str) -> Option<std::collections::BTre
         }
     }
     Some(out)
+}
+
+/// `--header NAME:VALUE` flags as a header map.
+fn extra_headers(flags: &[String]) -> anyhow::Result<reqwest::header::HeaderMap> {
+    use reqwest::header::{HeaderName, HeaderValue};
+    let mut map = reqwest::header::HeaderMap::new();
+    for flag in flags {
+        let (name, value) = flag
+            .split_once(':')
+            .with_context(|| format!("--header {flag:?}: expected NAME:VALUE"))?;
+        let name = HeaderName::from_bytes(name.trim().as_bytes())
+            .with_context(|| format!("--header {flag:?}: {name:?} is not a header name"))?;
+        let value = HeaderValue::from_str(value.trim())
+            .with_context(|| format!("--header {flag:?}: the value is not a header value"))?;
+        map.append(name, value);
+    }
+    Ok(map)
+}
+
+/// How much of the time the engine's device had work it spent between passes (Sluice's
+/// `sluice_engine_device_*` counters over the run).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct DeviceIdle {
+    /// Gap time over gap and pass time.
+    pub share: f64,
+    /// Mean gap between consecutive passes, ms.
+    pub gap_ms: f64,
+    /// Mean pass, ms.
+    pub pass_ms: f64,
+}
+
+/// [`DeviceIdle`] from the run's server metrics (deltas), when the server reports them.
+pub fn device_idle(server: &std::collections::BTreeMap<String, f64>) -> Option<DeviceIdle> {
+    let get = |name: &str| server.iter().find(|(k, _)| k.ends_with(name)).map(|(_, v)| *v);
+    let busy = get("engine_device_busy_seconds_total")?;
+    let gap = get("engine_device_gap_seconds_total")?;
+    let gaps = get("engine_device_gaps_total")?;
+    let passes = get("engine_device_passes_total")?;
+    (busy + gap > 0.0).then(|| DeviceIdle {
+        share: gap / (busy + gap),
+        gap_ms: 1e3 * gap / gaps.max(1.0),
+        pass_ms: 1e3 * busy / passes.max(1.0),
+    })
 }
 
 /// One planned request of the measured window.
@@ -769,7 +817,8 @@ pub fn measure_tenants(
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let mut builder = reqwest::Client::builder()
         .timeout(Duration::from_secs_f64(args.timeout))
-        .pool_max_idle_per_host(1024);
+        .pool_max_idle_per_host(1024)
+        .default_headers(extra_headers(&args.headers)?);
     if let Ok(ca) = std::env::var("SSL_CERT_FILE") {
         let pem = std::fs::read(&ca).with_context(|| format!("reading SSL_CERT_FILE {ca}"))?;
         builder = builder.add_root_certificate(reqwest::Certificate::from_pem(&pem)?);
@@ -916,6 +965,9 @@ pub fn measure_tenants(
     result["model_id"] = json!(model);
     result["identity"] = json!(ident);
     result["server_metrics"] = json!(server);
+    if let Some(idle) = device_idle(&server) {
+        result["device_idle"] = json!(idle);
+    }
     // Breakdowns: per tenant (with several) and per input-length bucket.
     let mut per_tenant = Vec::new();
     if tenants.len() > 1 {
@@ -1026,6 +1078,14 @@ pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
         println!("server-side (deltas over the run; gauges at the end):");
         for (k, v) in &server {
             println!("  {k} {v}");
+        }
+        if let Some(d) = device_idle(&server) {
+            println!(
+                "  the engine's device sat idle {:.1}% of the time between consecutive passes                  ({:.3} ms a gap, {:.3} ms a pass)",
+                100.0 * d.share,
+                d.gap_ms,
+                d.pass_ms
+            );
         }
     }
     if let Some(path) = &args.save_result {

@@ -8,7 +8,7 @@ use crate::error::{EngineError, Result};
 use crate::forward::{ForwardProfile, KvCache, KvDtype, Runner, SeqInput};
 // The types a step speaks live below every backend (the CPU runner, the CUDA runner, the
 // sampler), so none of them imports upward from here.
-pub use crate::forward::{Pick, StepOutput, wanted_rows};
+pub use crate::forward::{PassTimes, Pick, StepOutput, wanted_rows};
 use crate::model::LlamaWeights;
 
 /// A compute device.
@@ -138,10 +138,19 @@ pub enum Backend {
         runner: Runner,
         /// The paged cache.
         cache: KvCache,
+        /// The passes' times, by the host's clock (the CPU's passes are synchronous).
+        clock: HostClock,
     },
     /// A GPU.
     #[cfg(feature = "cuda")]
     Cuda(Box<CudaBackend>),
+}
+
+/// The CPU passes' [`PassTimes`]: when the last one ended, while the next one's gap counts.
+#[derive(Debug, Default)]
+pub struct HostClock {
+    last_end: Option<std::time::Instant>,
+    times: PassTimes,
 }
 
 /// The runner, the weights on the device and the device cache.
@@ -193,6 +202,7 @@ impl Backend {
             (Device::Cpu, KvSize::Blocks(num_blocks)) => Ok(Backend::Cpu {
                 runner: Runner::new(threads),
                 cache: KvCache::with_dtype(weights, block_size, num_blocks, dtype),
+                clock: HostClock::default(),
             }),
             #[cfg(feature = "cuda")]
             (Device::Cuda(n), kv) => {
@@ -278,6 +288,31 @@ impl Backend {
         }
     }
 
+    /// How long the passes since the last call kept the device busy, and how long it sat
+    /// idle between them ([`PassTimes`]): on a GPU by events on its stream, on the CPU by the
+    /// host's clock.
+    pub fn take_pass_times(&mut self) -> PassTimes {
+        match self {
+            Backend::Cpu { clock, .. } => std::mem::take(&mut clock.times),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(b) => b.runner.take_pass_times(),
+        }
+    }
+
+    /// The device is about to go idle for want of work (nothing runs or waits): the time
+    /// until the next pass is not a gap between passes.
+    pub fn pass_break(&mut self) {
+        match self {
+            Backend::Cpu { clock, .. } => clock.last_end = None,
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(b) => {
+                if let Err(e) = b.runner.pass_break() {
+                    tracing::warn!(error = %e, "reading the passes' device times");
+                }
+            }
+        }
+    }
+
     /// Runs one batch (the wanted logits, `vocab` floats per wanted row, in batch order),
     /// choosing the next token where it can: for each sequence `i` whose last logits are
     /// wanted and `picks[i]` is [`Pick::Argmax`] (or [`Pick::Draw`], on a device that
@@ -293,8 +328,18 @@ impl Backend {
         let vocab = weights.config.vocab_size;
         let rows = wanted_rows(batch, picks);
         match self {
-            Backend::Cpu { runner, cache } => {
-                let all = runner.forward(weights, cache, batch)?;
+            Backend::Cpu { runner, cache, clock } => {
+                let began = std::time::Instant::now();
+                let all = runner.forward(weights, cache, batch);
+                let ended = std::time::Instant::now();
+                if let Some(last) = clock.last_end {
+                    clock.times.gap += (began - last).as_secs_f64();
+                    clock.times.gaps += 1;
+                }
+                clock.times.busy += (ended - began).as_secs_f64();
+                clock.times.passes += 1;
+                clock.last_end = Some(ended);
+                let all = all?;
                 let mut out = StepOutput { logits: Vec::new(), picked: vec![None; batch.len()] };
                 for (r, pick) in rows.iter().enumerate() {
                     let row = all.get(r * vocab..(r + 1) * vocab).ok_or_else(|| {

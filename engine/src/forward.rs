@@ -232,6 +232,30 @@ pub struct StepOutput {
     pub picked: Vec<Option<u32>>,
 }
 
+/// How long the device ran a backend's serving passes and sat idle between them (seconds),
+/// since they were last taken ([`crate::backend::Backend::take_pass_times`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PassTimes {
+    /// Passes.
+    pub passes: u64,
+    /// From each pass's start to its end.
+    pub busy: f64,
+    /// Idle gaps between a pass and the one after it (not across a break for want of work).
+    pub gaps: u64,
+    /// Their total.
+    pub gap: f64,
+}
+
+impl PassTimes {
+    /// Adds `other`'s figures to these.
+    pub fn add(&mut self, other: PassTimes) {
+        self.passes += other.passes;
+        self.busy += other.busy;
+        self.gaps += other.gaps;
+        self.gap += other.gap;
+    }
+}
+
 /// How the backend may choose a sequence's next token.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub enum Pick {

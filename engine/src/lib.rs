@@ -16,6 +16,7 @@ pub mod identity;
 pub mod interrupt;
 pub mod loader;
 pub mod model;
+pub mod pass_bench;
 pub mod quant;
 pub mod safetensors;
 pub mod sampler;

@@ -65,6 +65,41 @@ impl SynthSpec {
         }
     }
 
+    /// The shapes `sluice model synth` writes by name: `tiny`, `small` (tiny layers under a
+    /// 32,000-token vocabulary, so clients' usual token ids are in range), `llama-1b` (Llama
+    /// 3.2 1B's shape) and `llama-8b` (Llama 3.1 8B's), the last three with an 8,192-token
+    /// context.
+    pub const NAMES: [&str; 4] = ["tiny", "small", "llama-1b", "llama-8b"];
+
+    /// The shape called `name` ([`SynthSpec::NAMES`]), seed 1.
+    pub fn named(name: &str) -> Option<SynthSpec> {
+        let llama3 = |hidden, intermediate, layers, tied| SynthSpec {
+            vocab: 128_256,
+            hidden,
+            intermediate,
+            layers,
+            heads: 32,
+            kv_heads: 8,
+            context: 8192,
+            rope_theta: 500_000.0,
+            tied,
+            qkv_bias: false,
+            seed: 1,
+        };
+        match name {
+            "tiny" => Some(SynthSpec::tiny()),
+            "small" => Some(SynthSpec { vocab: 32_000, context: 8192, ..SynthSpec::tiny() }),
+            "llama-1b" => Some(llama3(2048, 8192, 16, true)),
+            "llama-8b" => Some(llama3(4096, 14_336, 32, false)),
+            _ => None,
+        }
+    }
+
+    /// Parameters (weights, norms and biases).
+    pub fn parameters(&self) -> usize {
+        self.tensors().iter().map(|t| t.shape.iter().product::<usize>()).sum()
+    }
+
     /// Per-head dimension.
     pub fn head_dim(&self) -> usize {
         self.hidden.checked_div(self.heads).unwrap_or(0)
@@ -484,6 +519,22 @@ mod tests {
         assert_eq!(again.values(t), norm);
         let other = SynthSpec { seed: 2, ..spec };
         assert_ne!(other.values(t), norm);
+    }
+
+    /// The named shapes are the models they are named after: Llama 3.1 8B has 8.03 billion
+    /// parameters, Llama 3.2 1B 1.24 billion (tied embeddings).
+    #[test]
+    fn named_shapes_have_their_models_sizes() {
+        let billions = |name: &str| {
+            let spec = SynthSpec::named(name);
+            assert!(spec.as_ref().is_some_and(|s| s.validate().is_ok()), "{name}");
+            spec.map_or(0.0, |s| s.parameters() as f64 / 1e9)
+        };
+        assert!((billions("llama-8b") - 8.03).abs() < 0.01, "{}", billions("llama-8b"));
+        assert!((billions("llama-1b") - 1.24).abs() < 0.01, "{}", billions("llama-1b"));
+        assert_eq!(SynthSpec::named("tiny"), Some(SynthSpec::tiny()));
+        assert!(SynthSpec::NAMES.iter().all(|n| SynthSpec::named(n).is_some()));
+        assert_eq!(SynthSpec::named("llama-70b"), None);
     }
 
     #[test]

@@ -444,5 +444,47 @@ fn the_serving_engine_runs_on_the_emulated_device() -> anyhow::Result<()> {
         by_seed[2..].iter().any(|t| *t != by_seed[0]),
         "seeds 5, 6 and 7 drew the same tokens: {by_seed:?}"
     );
+
+    // The passes' device time, by events on the stream: every pass counted, and gaps only
+    // between passes that followed one another (the batched streams' steps).
+    let m = h.metrics();
+    let (busy, gap, gaps, steps) =
+        (m.device_busy.get(), m.device_gap.get(), m.device_gaps.get(), m.steps.get());
+    ensure!(busy > 0.0 && gap > 0.0, "device busy {busy} s, idle between passes {gap} s");
+    ensure!(gaps > 0 && gaps < steps, "{gaps} gaps counted over {steps} steps");
+    Ok(())
+}
+
+/// `sluice bench forward` on the CUDA backend: decode steps through the graphs, timed by the
+/// host and by events on the stream.
+#[test]
+fn the_forward_bench_runs_on_the_emulated_device() -> anyhow::Result<()> {
+    use sluice_engine::backend::Device;
+    use sluice_engine::loader::LoadedModel;
+    use sluice_engine::pass_bench::{ForwardBenchConfig, bench_forward};
+    use sluice_engine::synth::{SynthSpec, write_gguf};
+
+    let Some(_device) = emulated_cuda()? else {
+        return Ok(());
+    };
+    let spec = SynthSpec { hidden: 128, heads: 2, kv_heads: 1, ..SynthSpec::tiny() };
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("m.gguf");
+    write_gguf(&spec, GgmlType::BF16, &path)?;
+    let model = LoadedModel::load(&path)?;
+    let cfg = ForwardBenchConfig {
+        device: Device::Cuda(0),
+        batches: vec![1, 3],
+        context: 20,
+        steps: 2,
+        max_num_batched_tokens: 32,
+        threads: 1,
+    };
+    let points = bench_forward(&model, &cfg)?;
+    ensure!(points.len() == 2, "{points:?}");
+    for p in &points {
+        ensure!(p.step_ms > 0.0 && p.device_step_ms > 0.0, "{p:?}");
+        ensure!(p.device_step_ms <= p.step_ms_mean * 1.0001, "{p:?}");
+    }
     Ok(())
 }

@@ -142,6 +142,15 @@ impl PackedWeight {
         }
     }
 
+    /// The rows as the file stored them, for the types kept that way (F32, F16, BF16 and the
+    /// K-quants); `None` for the repacked block types ([`PackedWeight::file_blocks`]).
+    pub fn raw_rows(&self) -> Option<&[u8]> {
+        match &self.data {
+            PackedData::Raw { bytes, .. } => Some(bytes),
+            PackedData::Blocks { .. } => None,
+        }
+    }
+
     /// The weight as the file stored it (GGML blocks, row after row) for the 4- and 8-bit
     /// block types, rebuilt from the packed layout; `None` for the other types. For a device
     /// that dequantizes on its own: it takes the quantized bytes, not four-byte floats.

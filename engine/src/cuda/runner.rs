@@ -37,7 +37,7 @@ use half::bf16;
 use super::{CudaError, KERNELS, compile, compile_with, probe};
 use crate::cpu::matmul::PackedWeight;
 use crate::forward::{LogitsWanted, SeqInput};
-use crate::forward::{Pick, StepOutput};
+use crate::forward::{PassTimes, Pick, StepOutput};
 use crate::model::{LlamaConfig, LlamaWeights, RopeStyle};
 use crate::quant::{GgmlType, QK};
 
@@ -474,6 +474,22 @@ pub struct CudaRunner {
     arch: String,
     /// While [`CudaRunner::profile`] runs a pass: an event recorded after each phase.
     marks: std::cell::RefCell<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
+    /// The serving passes' device time ([`CudaRunner::take_pass_times`]).
+    passes: std::cell::RefCell<PassClock>,
+}
+
+/// The serving passes' device time, from an event recorded on the stream before each pass's
+/// first work and one after its last: how long the device ran them, and how long it sat idle
+/// between one pass's end and the next one's start (the host's scheduling, sampling and
+/// launching, when nothing overlaps them).
+#[derive(Default)]
+struct PassClock {
+    /// Start and end events of passes whose times are not read yet, in order.
+    recorded: Vec<(cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
+    /// The end of the last pass read, while the next pass's gap counts.
+    last_end: Option<cudarc::driver::CudaEvent>,
+    /// Read so far and not yet taken.
+    times: PassTimes,
 }
 
 impl std::fmt::Debug for CudaRunner {
@@ -616,6 +632,7 @@ impl CudaRunner {
             pdl: std::cell::Cell::new(false),
             arch,
             marks: std::cell::RefCell::new(None),
+            passes: std::cell::RefCell::default(),
         })
     }
 
@@ -626,7 +643,7 @@ impl CudaRunner {
 
     /// A weight to bf16 on the device: Q4_0, Q4_1 and Q8_0 go up as the file's blocks and are
     /// dequantized there (a quarter to a half of bf16's bytes over the bus, no host pass over
-    /// every element); other types are dequantized here.
+    /// every element), BF16 as stored; other types are dequantized here.
     fn upload_weight(&self, w: &PackedWeight) -> Result<CudaSlice<bf16>, CudaError> {
         let kernel = match w.ty {
             GgmlType::Q4_0 => Some(&self.k.dequant_q4_0),
@@ -645,6 +662,14 @@ impl CudaRunner {
             // the weight's type (rows x cols / 32, cols a multiple of 32), `out` 32 bf16 each.
             unsafe { b.launch(flat(n / QK)) }.map_err(run_err)?;
             return Ok(out);
+        }
+        // bf16 goes up as stored (little-endian on both sides).
+        if let (GgmlType::BF16, Some(bytes)) = (w.ty, w.raw_rows())
+            && bytes.len() == w.rows * w.cols * 2
+        {
+            let all: Vec<bf16> =
+                bytes.chunks_exact(2).map(|b| bf16::from_le_bytes([b[0], b[1]])).collect();
+            return self.stream.clone_htod(&all).map_err(run_err);
         }
         let mut row = vec![0f32; w.cols];
         let mut all = Vec::with_capacity(w.rows * w.cols);
@@ -1127,7 +1152,11 @@ impl CudaRunner {
     ) -> Result<StepOutput, CudaError> {
         let vocab = m.config.vocab_size;
         let mut out = StepOutput { logits: Vec::new(), picked: vec![None; batch.len()] };
+        let start = self.timing_event()?;
         let Some(logits) = self.forward_device(m, cache, batch)? else {
+            // Queued, not waited for: its times are read after a later pass.
+            let end = self.timing_event()?;
+            self.passes.borrow_mut().recorded.push((start, end));
             return Ok(out);
         };
         if logits.len() != rows.len() * vocab {
@@ -1186,8 +1215,54 @@ impl CudaRunner {
                 .map_err(run_err)?;
             r = end;
         }
+        let end = self.timing_event()?;
         self.stream.synchronize().map_err(run_err)?;
+        self.passes.borrow_mut().recorded.push((start, end));
+        self.read_pass_times()?;
         Ok(out)
+    }
+
+    /// An event with timing, recorded on the stream now.
+    fn timing_event(&self) -> Result<cudarc::driver::CudaEvent, CudaError> {
+        let timed = cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT;
+        self.stream.record_event(Some(timed)).map_err(run_err)
+    }
+
+    /// Reads the recorded passes' times (the stream is synchronized: every event is done).
+    fn read_pass_times(&self) -> Result<(), CudaError> {
+        let mut clock = self.passes.borrow_mut();
+        let PassClock { recorded, last_end, times } = &mut *clock;
+        for (start, end) in recorded.drain(..) {
+            let seconds = |a: &cudarc::driver::CudaEvent, b: &cudarc::driver::CudaEvent| {
+                a.elapsed_ms(b).map(|ms| f64::from(ms.max(0.0)) / 1e3).map_err(run_err)
+            };
+            if let Some(prev) = last_end.as_ref() {
+                times.gap += seconds(prev, &start)?;
+                times.gaps += 1;
+            }
+            times.busy += seconds(&start, &end)?;
+            times.passes += 1;
+            *last_end = Some(end);
+        }
+        Ok(())
+    }
+
+    /// The device time of the serving passes ([`CudaRunner::forward_picking`]) read since the
+    /// last call. A pass queued without waiting (no logits wanted) is read after the next
+    /// pass that waits.
+    pub fn take_pass_times(&self) -> PassTimes {
+        std::mem::take(&mut self.passes.borrow_mut().times)
+    }
+
+    /// The device goes idle for want of work, not for the host: the gap before the next pass
+    /// is not counted. (Passes still queued are waited for and read first.)
+    pub fn pass_break(&self) -> Result<(), CudaError> {
+        if !self.passes.borrow().recorded.is_empty() {
+            self.stream.synchronize().map_err(run_err)?;
+            self.read_pass_times()?;
+        }
+        self.passes.borrow_mut().last_end = None;
+        Ok(())
     }
 
     /// As [`CudaRunner::forward`], leaving the logits on the device, in the cache's workspace

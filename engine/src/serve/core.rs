@@ -277,6 +277,10 @@ impl EngineCore {
 
     /// Queues a request; events go to `tx`.
     pub fn add_request(&mut self, req: ValidRequest, tx: UnboundedSender<EngineEvent>) {
+        if !self.sched.has_work() {
+            // The device sat idle for want of work since the last pass, not for the host.
+            self.backend.pass_break();
+        }
         if self.reqs.contains_key(&req.request_id) {
             let _ = tx.send(finished_error(&req, "duplicate request id"));
             return;
@@ -368,6 +372,7 @@ impl EngineCore {
             }
         }
         if plan.scheduled.is_empty() {
+            self.backend.pass_break();
             self.update_gauges();
             return;
         }
@@ -458,6 +463,11 @@ impl EngineCore {
             }
             _ => self.metrics.add_step_time(StepPhase::ForwardOther, seconds),
         }
+        let times = self.backend.take_pass_times();
+        self.metrics.device_busy.inc_by(times.busy);
+        self.metrics.device_gap.inc_by(times.gap);
+        self.metrics.device_gaps.inc_by(times.gaps);
+        self.metrics.device_passes.inc_by(times.passes);
         let cut = matches!(result, Err(EngineError::Interrupted));
         self.interrupt.end(cut);
         if cut {

@@ -230,6 +230,15 @@ pub struct EngineMetrics {
     pub step_seconds: Family<PhaseLabel, Counter<f64, AtomicU64>>,
     /// Steps whose pass ran whole.
     pub steps: Counter,
+    /// Seconds the device ran the passes (GPU: by events on its stream; CPU: host clock).
+    pub device_busy: Counter<f64, AtomicU64>,
+    /// Seconds the device sat idle between one pass and the next while there was work (the
+    /// host scheduling, sampling, streaming and launching in between).
+    pub device_gap: Counter<f64, AtomicU64>,
+    /// Gaps counted in `device_gap`.
+    pub device_gaps: Counter,
+    /// Passes counted in `device_busy`.
+    pub device_passes: Counter,
 }
 
 fn latency_buckets() -> impl Iterator<Item = f64> {
@@ -284,6 +293,10 @@ impl EngineMetrics {
             tenant_wait: Family::default(),
             step_seconds: Family::default(),
             steps: Counter::default(),
+            device_busy: Counter::default(),
+            device_gap: Counter::default(),
+            device_gaps: Counter::default(),
+            device_passes: Counter::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -353,6 +366,22 @@ impl EngineMetrics {
             m.step_seconds.clone(),
         );
         r.register("steps", "Engine steps whose forward pass ran whole", m.steps.clone());
+        r.register(
+            "device_busy_seconds",
+            "Seconds the device ran forward passes (a GPU's by events on its stream)",
+            m.device_busy.clone(),
+        );
+        r.register(
+            "device_gap_seconds",
+            "Seconds the device sat idle between consecutive passes while work was waiting",
+            m.device_gap.clone(),
+        );
+        r.register("device_gaps", "Gaps counted in device_gap_seconds", m.device_gaps.clone());
+        r.register(
+            "device_passes",
+            "Passes counted in device_busy_seconds",
+            m.device_passes.clone(),
+        );
         r.register("prompt_tokens", "Prompt tokens of finished requests", m.prompt_tokens.clone());
         r.register("generation_tokens", "Generated tokens", m.generation_tokens.clone());
         r.register("request_success", "Finished requests by finish reason", m.finished.clone());

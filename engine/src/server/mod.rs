@@ -173,6 +173,15 @@ pub async fn serve(
     let stopping = Arc::new(tokio::sync::Notify::new());
     let notify = Arc::clone(&stopping);
     let draining = handle.clone();
+    // Each token's event goes out as written: without TCP_NODELAY, Nagle's algorithm holds a
+    // small write until the last one is acknowledged, and a client delaying its ACKs turns
+    // that into tens of milliseconds of TTFT and tokens arriving in bursts.
+    use axum::serve::ListenerExt;
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection");
+        }
+    });
     let server = axum::serve(listener, router)
         .with_graceful_shutdown(async move {
             shutdown.await;

@@ -1156,10 +1156,10 @@ pub fn forward_parity() -> anyhow::Result<()> {
 }
 
 /// Q8_0, Q4_0 and Q4_1 weights uploaded as the file's blocks and dequantized by our kernels,
-/// against the CPU backend.
+/// and BF16 weights uploaded as stored, against the CPU backend.
 pub fn quantized_parity() -> anyhow::Result<()> {
     let gpu_runner = CudaRunner::new(0)?;
-    for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1] {
+    for ty in [GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4_1, GgmlType::BF16] {
         let w = synthetic(ty)?;
         let vocab = w.config.vocab_size;
         let mut cpu = Runner::new(2);
