@@ -382,6 +382,10 @@ struct EngineArgs {
     /// share of service, priorities first) or `fcfs` (arrival order).
     #[arg(long, default_value = "fair")]
     scheduling: sluice_engine::serve::core::Scheduling,
+    /// Stream a pass's tokens while the device runs the next pass: `auto` (on a GPU), `on`
+    /// or `off`.
+    #[arg(long, default_value = "auto")]
+    overlap_output: sluice_engine::serve::core::Overlap,
     /// On SIGINT or SIGTERM: how long running requests may go on before they are aborted
     /// (each still answers with the tokens it has), in seconds.
     #[arg(long, default_value_t = 30)]
@@ -590,6 +594,7 @@ fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
         threads: args.threads,
         device: args.device,
         scheduling: args.scheduling,
+        overlap: args.overlap_output,
     };
     let handle = EngineHandle::start(model, config)
         .with_context(|| format!("starting the engine on {}", args.device))?;

@@ -78,29 +78,40 @@ impl Fleet {
         }
     }
 
-    /// `sluice ARGS`, logging to a file of its own; a start that fails says what it logged.
-    fn spawn(&self, args: &[&str], envs: &[(&str, &str)], name: &str) -> anyhow::Result<Proc> {
+    /// `sluice ARGS`, logging to a file of its own, and the address it says it listens on;
+    /// a start that fails says what it logged.
+    fn spawn(
+        &self,
+        args: &[&str],
+        envs: &[(&str, &str)],
+        name: &str,
+    ) -> anyhow::Result<(Proc, String)> {
         let log = self.log(name);
-        spawn_sluice_logged(args, envs, &log).map(|(p, _)| p).map_err(|e| {
+        spawn_sluice_logged(args, envs, &log).map_err(|e| {
             let text = std::fs::read_to_string(&log).unwrap_or_default();
             anyhow::anyhow!("{e}\n--- {name}'s log:\n{text}")
         })
     }
 
     fn start_engine(&mut self, i: usize) -> anyhow::Result<()> {
-        let listen = address(&mut self.engines[i].1)?;
+        let listen = address(&self.engines[i].1);
         let args = ["engine", "--model", &self.model, "--listen", &listen]
             .into_iter()
             .chain(["--internal-token", TOKEN, "--served-model-name", MODEL_ID])
             .chain(["--kv-cache-mb", "64", "--threads", "1", "--drain-timeout", "20"])
             .collect::<Vec<_>>();
-        let p = self.spawn(&args, &[], &format!("engine{i}"))?;
-        self.engines[i].0 = Some(p);
+        let (p, at) = self.spawn(&args, &[], &format!("engine{i}"))?;
+        self.engines[i] = (Some(p), bound(&at)?);
         Ok(())
     }
 
     fn start_gateway(&mut self, i: usize) -> anyhow::Result<()> {
-        let listen = address(&mut self.gateways[i].1)?;
+        // The gateway's proxy binds after it prints its address, so it cannot say which port
+        // the system gave it: it gets one picked here, just before it starts.
+        let listen = match self.gateways[i].1.as_str() {
+            "" => format!("127.0.0.1:{}", free_port()?),
+            at => at.to_string(),
+        };
         let redis = self.redis_url();
         let mut args = vec!["gateway", "--plain-http", "--listen", &listen, "--model", &self.model];
         for (_, e) in &self.engines {
@@ -111,13 +122,13 @@ impl Fleet {
         args.extend(["--redis-url", &redis, "--redis-down", "refuse", "--drain-timeout", "20"]);
         args.extend(["--usage-stream", STREAM]);
         let envs = [("SLUICE_DATABASE_URL", self.pg.as_str()), ("SLUICE_INTERNAL_TOKEN", TOKEN)];
-        let p = self.spawn(&args, &envs, &format!("gateway{i}"))?;
-        self.gateways[i].0 = Some(p);
+        let (p, at) = self.spawn(&args, &envs, &format!("gateway{i}"))?;
+        self.gateways[i] = (Some(p), bound(&at)?);
         Ok(())
     }
 
     fn start_billing(&mut self, i: usize) -> anyhow::Result<()> {
-        let listen = address(&mut self.billing[i].1)?;
+        let listen = address(&self.billing[i].1);
         let (redis, consumer) = (self.redis_url(), format!("billing-{}", i + 1));
         let args = ["billing", "--database-url", &self.pg, "--redis-url", &redis]
             .into_iter()
@@ -125,25 +136,31 @@ impl Fleet {
             .chain(["--claim-min-idle", "5", "--drain-timeout", "10"])
             .collect::<Vec<_>>();
         let envs = [("SLUICE_JWT_SECRET", JWT_SECRET)];
-        let p = self.spawn(&args, &envs, &format!("billing{i}"))?;
-        self.billing[i].0 = Some(p);
+        let (p, at) = self.spawn(&args, &envs, &format!("billing{i}"))?;
+        self.billing[i] = (Some(p), bound(&at)?);
         Ok(())
     }
 }
 
-/// `n` process slots, each with the address its process keeps across restarts (chosen when
-/// it first starts: a port picked long before could meanwhile serve as another connection's
+/// `n` process slots, each with the address its process keeps across restarts (for engines
+/// and billing consumers, the one it bound at its first start, on a port the system chose: a
+/// port picked by the test and bound later could meanwhile serve as another connection's
 /// ephemeral port).
 fn slots(n: usize) -> Vec<(Option<Proc>, String)> {
     (0..n).map(|_| (None, String::new())).collect()
 }
 
 /// The slot's address, picked now if it has none yet.
-fn address(slot: &mut String) -> anyhow::Result<String> {
-    if slot.is_empty() {
-        *slot = format!("127.0.0.1:{}", free_port()?);
-    }
-    Ok(slot.clone())
+/// Where a slot's process listens: its first start's address, or any free port at the first.
+fn address(slot: &str) -> String {
+    if slot.is_empty() { "127.0.0.1:0".into() } else { slot.to_string() }
+}
+
+/// `HOST:PORT` of the `SCHEME://HOST:PORT` a process said it listens on.
+fn bound(url: &str) -> anyhow::Result<String> {
+    let at = url.split_once("://").map_or(url, |(_, rest)| rest).trim_end_matches('/');
+    anyhow::ensure!(at.rsplit_once(':').is_some_and(|(_, p)| p != "0"), "listening on {url:?}");
+    Ok(at.to_string())
 }
 
 async fn redis_cmd(url: &str, args: &[&str]) -> anyhow::Result<redis::Value> {

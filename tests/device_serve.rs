@@ -72,7 +72,19 @@ fn the_device_serving_script_runs_on_the_cpu() -> anyhow::Result<()> {
     let names: Vec<&str> = tenants.iter().filter_map(|t| t["name"].as_str()).collect();
     ensure!(names == ["decoders", "long-prompts"], "{names:?}");
     ensure!(tenants[0]["mixed_over_alone"]["tpot_p99"].as_f64().is_some(), "{}", tenants[0]);
+    // The engine's default order (on the CPU: tokens streamed before the next pass) against
+    // the other (streamed while it runs), both answering every request.
+    let overlap = summary["overlap"]["points"].as_array().context("overlap")?;
+    let modes: Vec<&str> = overlap.iter().filter_map(|p| p["overlap"].as_str()).collect();
+    ensure!(modes == ["off", "on"], "{modes:?}");
+    for p in overlap {
+        ensure!(p["failed"] == 0 && p["completed"].as_u64().is_some_and(|n| n >= 4), "{p}");
+        ensure!(p["device_idle_share"].as_f64().is_some_and(|s| (0.0..1.0).contains(&s)), "{p}");
+    }
     let md = log("summary.md");
-    ensure!(md.contains("| 4 |") && md.contains("prefix cache") && md.contains("chunked"), "{md}");
+    ensure!(
+        md.contains("| 4 |") && md.contains("prefix cache") && md.contains("output overlap on"),
+        "{md}"
+    );
     Ok(())
 }

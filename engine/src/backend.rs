@@ -153,6 +153,37 @@ pub struct HostClock {
     times: PassTimes,
 }
 
+/// A pass [launched](Backend::launch) and not yet [collected](Backend::collect).
+#[must_use = "a launched pass is collected"]
+pub struct PendingPass(Pending);
+
+enum Pending {
+    /// Run already (the CPU), or refused.
+    Done(Result<StepOutput>),
+    /// Queued on a GPU.
+    #[cfg(feature = "cuda")]
+    Cuda(crate::cuda::PendingPicks),
+}
+
+impl std::fmt::Debug for PendingPass {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self.0 {
+            Pending::Done(_) => "PendingPass(done)",
+            #[cfg(feature = "cuda")]
+            Pending::Cuda(_) => "PendingPass(queued)",
+        })
+    }
+}
+
+/// A CUDA error as the engine reports it: the request's fault or the device's.
+#[cfg(feature = "cuda")]
+fn cuda_error(e: crate::cuda::CudaError) -> EngineError {
+    match e {
+        crate::cuda::CudaError::Invalid(m) => EngineError::InvalidRequest(m),
+        other => EngineError::Device(other.to_string()),
+    }
+}
+
 /// The runner, the weights on the device and the device cache.
 #[cfg(feature = "cuda")]
 pub struct CudaBackend {
@@ -313,6 +344,45 @@ impl Backend {
         }
     }
 
+    /// As [`Backend::forward_picking`], without waiting for the pass: a GPU's pass is queued
+    /// and its picks copied back as it ends, while the host goes on; [`Backend::collect`]
+    /// waits for it and gives its output. (The CPU's pass runs here, whole.) At most one pass
+    /// may be pending at a time.
+    pub fn launch(
+        &mut self,
+        weights: &LlamaWeights,
+        batch: &[SeqInput<'_>],
+        picks: &[Pick],
+    ) -> PendingPass {
+        match self {
+            Backend::Cpu { .. } => {
+                PendingPass(Pending::Done(self.forward_cpu(weights, batch, picks)))
+            }
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(b) => {
+                let rows = wanted_rows(batch, picks);
+                let CudaBackend { runner, model, cache } = &mut **b;
+                match runner.launch_picking(model, cache, batch, rows, picks) {
+                    Ok(p) => PendingPass(Pending::Cuda(p)),
+                    Err(e) => PendingPass(Pending::Done(Err(cuda_error(e)))),
+                }
+            }
+        }
+    }
+
+    /// Waits for a pass [launched](Backend::launch) here and gives its output.
+    pub fn collect(&mut self, pass: PendingPass) -> Result<StepOutput> {
+        match (self, pass.0) {
+            (_, Pending::Done(out)) => out,
+            #[cfg(feature = "cuda")]
+            (Backend::Cuda(b), Pending::Cuda(p)) => b.runner.collect_picks(p).map_err(cuda_error),
+            #[cfg(feature = "cuda")]
+            (Backend::Cpu { .. }, Pending::Cuda(_)) => {
+                Err(EngineError::Device("a GPU's pass collected on the CPU backend".into()))
+            }
+        }
+    }
+
     /// Runs one batch (the wanted logits, `vocab` floats per wanted row, in batch order),
     /// choosing the next token where it can: for each sequence `i` whose last logits are
     /// wanted and `picks[i]` is [`Pick::Argmax`] (or [`Pick::Draw`], on a device that
@@ -325,49 +395,51 @@ impl Backend {
         batch: &[SeqInput<'_>],
         picks: &[Pick],
     ) -> Result<StepOutput> {
+        let pass = self.launch(weights, batch, picks);
+        self.collect(pass)
+    }
+
+    /// The CPU backend's pass, timed by the host's clock.
+    fn forward_cpu(
+        &mut self,
+        weights: &LlamaWeights,
+        batch: &[SeqInput<'_>],
+        picks: &[Pick],
+    ) -> Result<StepOutput> {
         let vocab = weights.config.vocab_size;
         let rows = wanted_rows(batch, picks);
-        match self {
-            Backend::Cpu { runner, cache, clock } => {
-                let began = std::time::Instant::now();
-                let all = runner.forward(weights, cache, batch);
-                let ended = std::time::Instant::now();
-                if let Some(last) = clock.last_end {
-                    clock.times.gap += (began - last).as_secs_f64();
-                    clock.times.gaps += 1;
+        let Backend::Cpu { runner, cache, clock } = self else {
+            return Err(EngineError::Device("not the CPU backend".into()));
+        };
+        let began = std::time::Instant::now();
+        let all = runner.forward(weights, cache, batch);
+        let ended = std::time::Instant::now();
+        if let Some(last) = clock.last_end {
+            clock.times.gap += (began - last).as_secs_f64();
+            clock.times.gaps += 1;
+        }
+        clock.times.busy += (ended - began).as_secs_f64();
+        clock.times.passes += 1;
+        clock.last_end = Some(ended);
+        let all = all?;
+        let mut out = StepOutput { logits: Vec::new(), picked: vec![None; batch.len()] };
+        for (r, pick) in rows.iter().enumerate() {
+            let row = all.get(r * vocab..(r + 1) * vocab).ok_or_else(|| {
+                EngineError::Device("the pass returned fewer logits than wanted".into())
+            })?;
+            match pick.map(|i| (i, picks[i])) {
+                Some((i, Pick::Argmax)) => {
+                    out.picked[i] = Some(crate::sampler::argmax(row));
                 }
-                clock.times.busy += (ended - began).as_secs_f64();
-                clock.times.passes += 1;
-                clock.last_end = Some(ended);
-                let all = all?;
-                let mut out = StepOutput { logits: Vec::new(), picked: vec![None; batch.len()] };
-                for (r, pick) in rows.iter().enumerate() {
-                    let row = all.get(r * vocab..(r + 1) * vocab).ok_or_else(|| {
-                        EngineError::Device("the pass returned fewer logits than wanted".into())
-                    })?;
-                    match pick.map(|i| (i, picks[i])) {
-                        Some((i, Pick::Argmax)) => {
-                            out.picked[i] = Some(crate::sampler::argmax(row));
-                        }
-                        Some((_, Pick::Draw { .. })) => {
-                            return Err(EngineError::Device(
-                                "the CPU backend leaves draws to the host sampler".into(),
-                            ));
-                        }
-                        _ => out.logits.extend_from_slice(row),
-                    }
+                Some((_, Pick::Draw { .. })) => {
+                    return Err(EngineError::Device(
+                        "the CPU backend leaves draws to the host sampler".into(),
+                    ));
                 }
-                Ok(out)
-            }
-            #[cfg(feature = "cuda")]
-            Backend::Cuda(b) => {
-                let CudaBackend { runner, model, cache } = &mut **b;
-                runner.forward_picking(model, cache, batch, &rows, picks).map_err(|e| match e {
-                    crate::cuda::CudaError::Invalid(m) => EngineError::InvalidRequest(m),
-                    other => EngineError::Device(other.to_string()),
-                })
+                _ => out.logits.extend_from_slice(row),
             }
         }
+        Ok(out)
     }
 }
 

@@ -1,5 +1,7 @@
 //! The serving engine on the real default model, through its handle (no HTTP): batch
-//! invariance, prefix-cache isolation, stop strings, UTF-8, cancellation, preemption.
+//! invariance, prefix-cache isolation, stop strings, UTF-8, cancellation, preemption. The
+//! tests of the step's order run with the output overlapped too (`Overlap::On`: tokens
+//! streamed after the next pass is launched, as on a GPU), which must not change an answer.
 
 mod common;
 
@@ -9,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, ensure};
 use sluice_engine::loader::LoadedModel;
 use sluice_engine::sampler::SamplingParams;
-use sluice_engine::serve::core::EngineConfig;
+use sluice_engine::serve::core::{EngineConfig, Overlap};
 use sluice_engine::serve::handle::{EngineHandle, RequestStream};
 use sluice_engine::serve::{CacheScope, EngineEvent, FinishReason, Usage, ValidRequest};
 
@@ -94,10 +96,30 @@ fn golden_prompts(m: &LoadedModel) -> anyhow::Result<Vec<Vec<u32>>> {
 #[test]
 fn greedy_is_batch_invariant_on_the_golden_prompts() -> anyhow::Result<()> {
     let m = model()?;
-    let prompts = golden_prompts(&m)?;
+    let mut answers = Vec::new();
+    for overlap in [Overlap::Off, Overlap::On] {
+        answers.push(batch_invariance(&m, overlap).with_context(|| format!("{overlap:?}"))?);
+    }
+    ensure!(answers[0] == answers[1], "the overlapped output changed the answers");
+    Ok(())
+}
+
+/// What one engine answered in [`batch_invariance`].
+#[derive(Debug, PartialEq)]
+struct Answers {
+    /// Each golden prompt's greedy tokens.
+    greedy: Vec<Vec<u32>>,
+    /// A seeded sampled answer (sampled on the host): tokens, text, usage.
+    sampled: (Vec<u32>, String, Usage),
+}
+
+/// The golden prompts alone, then all at once: the same tokens. Returns them, and a seeded
+/// sampled answer.
+fn batch_invariance(m: &Arc<LoadedModel>, overlap: Overlap) -> anyhow::Result<Answers> {
+    let prompts = golden_prompts(m)?;
     let h = EngineHandle::start(
-        Arc::clone(&m),
-        EngineConfig { kv_cache_bytes: 64 << 20, ..Default::default() },
+        Arc::clone(m),
+        EngineConfig { kv_cache_bytes: 64 << 20, overlap, ..Default::default() },
     )?;
     let mut alone = Vec::new();
     for (i, p) in prompts.iter().enumerate() {
@@ -126,7 +148,11 @@ fn greedy_is_batch_invariant_on_the_golden_prompts() -> anyhow::Result<()> {
         let got = collect(s)?.tokens;
         ensure!(got == alone[i], "prompt {i}: alone {:?} vs batched {:?}", alone[i], got);
     }
-    wait_idle(&h)
+    let mut r = request("sampled", prompts[0].clone(), 16, CacheScope::Private("d".into()));
+    r.sampling = SamplingParams { temperature: 0.8, seed: 7, ..SamplingParams::default() };
+    let sampled = collect(h.submit(r)?)?;
+    wait_idle(&h)?;
+    Ok(Answers { greedy: alone, sampled: (sampled.tokens, sampled.texts.concat(), sampled.usage) })
 }
 
 #[test]
@@ -162,9 +188,16 @@ fn prefix_cache_hits_only_within_a_tenant() -> anyhow::Result<()> {
 #[test]
 fn stop_strings_across_tokens_and_split_characters() -> anyhow::Result<()> {
     let m = model()?;
+    for overlap in [Overlap::Off, Overlap::On] {
+        stop_strings(&m, overlap).with_context(|| format!("{overlap:?}"))?;
+    }
+    Ok(())
+}
+
+fn stop_strings(m: &Arc<LoadedModel>, overlap: Overlap) -> anyhow::Result<()> {
     let h = EngineHandle::start(
-        Arc::clone(&m),
-        EngineConfig { kv_cache_bytes: 64 << 20, threads: 1, ..Default::default() },
+        Arc::clone(m),
+        EngineConfig { kv_cache_bytes: 64 << 20, threads: 1, overlap, ..Default::default() },
     )?;
     // Greedy continuation: " Paris.\n\nThe United States has ..." -- "s.\n" spans three tokens.
     let mut r = request(
@@ -206,15 +239,22 @@ fn stop_strings_across_tokens_and_split_characters() -> anyhow::Result<()> {
 #[test]
 fn cancelled_and_preempted_requests_free_every_block() -> anyhow::Result<()> {
     let m = model()?;
+    for overlap in [Overlap::Off, Overlap::On] {
+        cancelled_and_preempted(&m, overlap).with_context(|| format!("{overlap:?}"))?;
+    }
+    Ok(())
+}
+
+fn cancelled_and_preempted(m: &Arc<LoadedModel>, overlap: Overlap) -> anyhow::Result<()> {
     // Room for about 7 blocks of 16 tokens: four 40-token generations cannot all fit, so
     // the scheduler must preempt and recompute.
     let per_block =
         sluice_engine::forward::KvCache::bytes_per_block(&m.weights, 16, Default::default());
     let h = EngineHandle::start(
-        Arc::clone(&m),
-        EngineConfig { kv_cache_bytes: per_block * 7, threads: 1, ..Default::default() },
+        Arc::clone(m),
+        EngineConfig { kv_cache_bytes: per_block * 7, threads: 1, overlap, ..Default::default() },
     )?;
-    let prompts = golden_prompts(&m)?;
+    let prompts = golden_prompts(m)?;
     let mut alone = Vec::new();
     for (i, p) in prompts.iter().take(4).enumerate() {
         let mut r =

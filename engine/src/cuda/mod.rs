@@ -8,7 +8,9 @@ use std::ffi::CString;
 
 mod runner;
 
-pub use runner::{CudaKvCache, CudaModel, CudaRunner, attention_options, gemv_options};
+pub use runner::{
+    CudaKvCache, CudaModel, CudaRunner, PendingPicks, attention_options, gemv_options,
+};
 
 /// Declarations every kernel source starts with (bf16 and f16 bit-pattern conversions,
 /// reductions); NVRTC then needs no CUDA headers.

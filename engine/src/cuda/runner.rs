@@ -476,6 +476,29 @@ pub struct CudaRunner {
     marks: std::cell::RefCell<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
     /// The serving passes' device time ([`CudaRunner::take_pass_times`]).
     passes: std::cell::RefCell<PassClock>,
+    /// Where two passes' picked ids are made and copied back, used in turn.
+    pick_slots: std::cell::RefCell<[Option<PickSlot>; 2]>,
+    /// The pick slot the next pass uses.
+    next_pick_slot: std::cell::Cell<usize>,
+}
+
+/// One pass's picked ids: on the device, and the page-locked host memory they are copied to
+/// (as long as each other: a copy's length is its destination's).
+struct PickSlot {
+    dev: CudaSlice<i32>,
+    host: cudarc::driver::PinnedHostSlice<i32>,
+}
+
+/// A pass [launched](CudaRunner::launch_picking) and not yet collected.
+pub struct PendingPicks {
+    /// The logits copied back already, and a pick per sequence (filled at collection).
+    out: StepOutput,
+    /// The pick slot holding the picked ids, if any were picked.
+    picked: Option<usize>,
+    /// The pass's wanted rows ([`wanted_rows`](crate::forward::wanted_rows)).
+    rows: Vec<Option<usize>>,
+    /// Whether collecting waits for the pass (one that wants no logits is left queued).
+    wait: bool,
 }
 
 /// The serving passes' device time, from an event recorded on the stream before each pass's
@@ -633,6 +656,8 @@ impl CudaRunner {
             arch,
             marks: std::cell::RefCell::new(None),
             passes: std::cell::RefCell::default(),
+            pick_slots: std::cell::RefCell::new([None, None]),
+            next_pick_slot: std::cell::Cell::new(0),
         })
     }
 
@@ -1150,6 +1175,23 @@ impl CudaRunner {
         rows: &[Option<usize>],
         picks: &[Pick],
     ) -> Result<StepOutput, CudaError> {
+        let pending = self.launch_picking(m, cache, batch, rows.to_vec(), picks)?;
+        self.collect_picks(pending)
+    }
+
+    /// As [`CudaRunner::forward_picking`], returning once the pass is queued: the picked ids
+    /// come back by a copy into page-locked memory queued behind it, which
+    /// [`CudaRunner::collect_picks`] waits for. (Rows whose logits come back are copied
+    /// before this returns, so a pass with any waits for its end here.) Two passes' picks
+    /// have buffers of their own: one may be collected while the next is queued.
+    pub fn launch_picking(
+        &self,
+        m: &CudaModel,
+        cache: &mut CudaKvCache,
+        batch: &[SeqInput<'_>],
+        rows: Vec<Option<usize>>,
+        picks: &[Pick],
+    ) -> Result<PendingPicks, CudaError> {
         let vocab = m.config.vocab_size;
         let mut out = StepOutput { logits: Vec::new(), picked: vec![None; batch.len()] };
         let start = self.timing_event()?;
@@ -1157,14 +1199,32 @@ impl CudaRunner {
             // Queued, not waited for: its times are read after a later pass.
             let end = self.timing_event()?;
             self.passes.borrow_mut().recorded.push((start, end));
-            return Ok(out);
+            return Ok(PendingPicks { out, picked: None, rows, wait: false });
         };
         if logits.len() != rows.len() * vocab {
             return Err(run_err("the pass left other logit rows than wanted"));
         }
         let pick_of = |row: &Option<usize>| row.map(|i| picks.get(i).copied().unwrap_or_default());
+        let mut picked = None;
         if rows.iter().any(Option::is_some) {
-            let mut ids = self.stream.alloc_zeros::<i32>(rows.len()).map_err(run_err)?;
+            let slot = self.next_pick_slot.get();
+            self.next_pick_slot.set(1 - slot);
+            let mut slots = self.pick_slots.borrow_mut();
+            if slots[slot].as_ref().is_none_or(|s| s.dev.len() < rows.len()) {
+                // Grown with headroom; the old buffers go first.
+                slots[slot] = None;
+                let cap = rows.len().next_power_of_two().max(64);
+                let dev = self.stream.alloc_zeros::<i32>(cap).map_err(run_err)?;
+                // SAFETY: read only where a copy from the device wrote it (`collect_picks`
+                // reads the first rows.len() ids after the copy of all `cap` ends). Not
+                // write-combined: the host reads it.
+                let host =
+                    unsafe { self.ctx.alloc_pinned_with_flags::<i32>(cap, 0) }.map_err(run_err)?;
+                slots[slot] = Some(PickSlot { dev, host });
+            }
+            let Some(PickSlot { dev: ids, host }) = slots[slot].as_mut() else {
+                return Err(run_err("no pick buffers"));
+            };
             let vocab_i = vocab as i32;
             if rows.iter().any(|r| matches!(pick_of(r), Some(Pick::Draw { .. }))) {
                 // Per row: temperature (0: argmax, also for rows whose logits go back), top-k,
@@ -1182,23 +1242,20 @@ impl CudaRunner {
                 let (t, p, u) = (up(&t)?, up(&p)?, up(&u)?);
                 let k = self.stream.clone_htod(&k).map_err(run_err)?;
                 let mut b = self.stream.launch_builder(&self.k.sample);
-                b.arg(&logits).arg(&t).arg(&k).arg(&p).arg(&u).arg(&mut ids).arg(&vocab_i);
+                b.arg(&logits).arg(&t).arg(&k).arg(&p).arg(&u).arg(&mut *ids).arg(&vocab_i);
                 // SAFETY: arguments match `sample_rows`; `logits` holds rows x vocab floats,
-                // each per-row array and `ids` one value per row.
+                // each per-row array one value per row and `ids` at least one int per row.
                 unsafe { b.launch(grid(n, 1, 1024)) }.map_err(run_err)?;
             } else {
                 let mut b = self.stream.launch_builder(&self.k.argmax);
-                b.arg(&logits).arg(&mut ids).arg(&vocab_i);
+                b.arg(&logits).arg(&mut *ids).arg(&vocab_i);
                 // SAFETY: arguments match `argmax_rows`; `logits` holds rows x vocab floats and
-                // `ids` one int per row.
+                // `ids` at least one int per row.
                 unsafe { b.launch(grid(rows.len(), 1, 1024)) }.map_err(run_err)?;
             }
-            let ids = self.stream.clone_dtoh(&ids).map_err(run_err)?;
-            for (row, pick) in rows.iter().enumerate() {
-                if let (Some(i), Some(&id)) = (pick, ids.get(row)) {
-                    out.picked[*i] = Some(id as u32);
-                }
-            }
+            // The whole buffer: a copy into page-locked memory is as long as its destination.
+            self.stream.memcpy_dtoh(&*ids, host).map_err(run_err)?;
+            picked = Some(slot);
         }
         // The other rows' logits, a run of consecutive rows per copy.
         let mut r = 0;
@@ -1216,8 +1273,32 @@ impl CudaRunner {
             r = end;
         }
         let end = self.timing_event()?;
-        self.stream.synchronize().map_err(run_err)?;
         self.passes.borrow_mut().recorded.push((start, end));
+        Ok(PendingPicks { out, picked, rows, wait: true })
+    }
+
+    /// Waits for a pass [launched](CudaRunner::launch_picking) on this runner and gives its
+    /// output.
+    pub fn collect_picks(&self, pending: PendingPicks) -> Result<StepOutput, CudaError> {
+        let PendingPicks { mut out, picked, rows, wait } = pending;
+        if !wait {
+            return Ok(out);
+        }
+        self.stream.synchronize().map_err(run_err)?;
+        if let Some(slot) = picked {
+            let slots = self.pick_slots.borrow();
+            let Some(PickSlot { host, .. }) = slots[slot].as_ref() else {
+                return Err(run_err("the pass's pick buffers are gone"));
+            };
+            let ids = host.as_slice().map_err(run_err)?;
+            for (row, pick) in rows.iter().enumerate() {
+                if let (Some(i), Some(&id)) = (pick, ids.get(row))
+                    && let Some(p) = out.picked.get_mut(*i)
+                {
+                    *p = Some(id as u32);
+                }
+            }
+        }
         self.read_pass_times()?;
         Ok(out)
     }

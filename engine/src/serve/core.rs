@@ -7,9 +7,9 @@ use std::time::Instant;
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::backend::{Backend, Device, KvSize, Pick, StepOutput};
+use crate::backend::{Backend, Device, KvSize, PendingPass, Pick, StepOutput};
 use crate::error::{EngineError, Result};
-use crate::forward::{KvDtype, LogitsWanted, SeqInput};
+use crate::forward::{ForwardProfile, KvDtype, LogitsWanted, SeqInput};
 use crate::generate::IncrementalDecoder;
 use crate::interrupt::Interrupt;
 use crate::loader::LoadedModel;
@@ -52,6 +52,38 @@ pub struct EngineConfig {
     pub device: Device,
     /// The order in which waiting requests are admitted.
     pub scheduling: Scheduling,
+    /// Whether a step's tokens are streamed while the device runs the next pass.
+    pub overlap: Overlap,
+}
+
+/// Whether the engine streams a pass's tokens (detokenizing, stop strings, the requests'
+/// channels) while the device runs the next pass, rather than between the two (vLLM's
+/// asynchronous output processing). The next pass is planned once the tokens are known, so
+/// the device still waits for the scheduling; a request that a stop string ends has one row
+/// of the pass after wasted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Overlap {
+    /// On a GPU, whose passes run while the host goes on; off on the CPU, whose pass is the
+    /// host's own work (overlapping would only hold each token back one step).
+    #[default]
+    Auto,
+    /// Always (on the CPU: for tests of the overlapped order).
+    On,
+    /// Never.
+    Off,
+}
+
+impl std::str::FromStr for Overlap {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(Overlap::Auto),
+            "on" => Ok(Overlap::On),
+            "off" => Ok(Overlap::Off),
+            other => Err(format!("{other:?} is not auto, on or off")),
+        }
+    }
 }
 
 /// The order in which waiting requests are admitted.
@@ -98,6 +130,7 @@ impl Default for EngineConfig {
             threads: 0,
             device: Device::Cpu,
             scheduling: Scheduling::default(),
+            overlap: Overlap::default(),
         }
     }
 }
@@ -117,6 +150,11 @@ pub struct EngineStats {
 
 struct ReqState {
     req: ValidRequest,
+    /// Tells this request from an earlier one under the same id.
+    serial: u64,
+    /// Its scheduler state, once a token ended it and it left the scheduler (the token is
+    /// still to be streamed).
+    removed: Option<crate::serve::scheduler::SeqState>,
     tx: UnboundedSender<EngineEvent>,
     sampler: Sampler,
     decoder: IncrementalDecoder,
@@ -137,6 +175,43 @@ struct ReqState {
     matcher_stops: Vec<u32>,
     /// The token budget made the grammar close the value.
     closed_by_budget: bool,
+}
+
+/// A step's row, owned (the scheduler changes while results are applied).
+struct Work {
+    id: String,
+    serial: u64,
+    tokens: Vec<u32>,
+    start: usize,
+    table: Vec<u32>,
+    logits: LogitsWanted,
+    reaches_end: bool,
+    prompt_len: usize,
+}
+
+/// A pass launched and not yet landed.
+struct Flight {
+    work: Vec<Work>,
+    pass: PendingPass,
+    /// When its plan began.
+    planned: Instant,
+    /// When it was launched.
+    began: Instant,
+    /// The CPU passes' profile before it.
+    profile: Option<ForwardProfile>,
+    /// Whether arrivals could interrupt it.
+    armed: bool,
+}
+
+/// A token chosen for a request, not yet streamed.
+struct Chosen {
+    id: String,
+    serial: u64,
+    token: TokenOutput,
+    /// One of the model's or the request's stop tokens (no text).
+    stop_token: bool,
+    /// How the request ends with it, as far as the token alone says.
+    finish: Option<FinishReason>,
 }
 
 /// Where a sequence's next token comes from.
@@ -163,8 +238,15 @@ pub struct EngineCore {
     unplanned: Vec<String>,
     /// The running step's priority, for arrivals to interrupt (armed with the fair policy).
     interrupt: Arc<Interrupt>,
-    /// Whether passes stop for arrivals (the fair policy armed the backend).
+    /// Whether passes stop for arrivals (the fair policy armed the backend, and the output
+    /// is not overlapped).
     interrupts: bool,
+    /// Whether tokens are streamed while the device runs the next pass.
+    overlap: bool,
+    /// The pass launched and not yet landed (only between steps when overlapping).
+    in_flight: Option<Flight>,
+    /// The next request's serial.
+    next_serial: u64,
 }
 
 impl EngineCore {
@@ -220,7 +302,13 @@ impl EngineCore {
         // Priorities are strict bands under the fair policy: a higher one interrupts a pass
         // of lower ones between layers. First come, first served knows no priorities.
         let interrupt = Arc::new(Interrupt::default());
-        let interrupts = config.scheduling == Scheduling::Fair;
+        let overlap = match config.overlap {
+            Overlap::Auto => config.device != Device::Cpu,
+            Overlap::On => true,
+            Overlap::Off => false,
+        };
+        // A pass the host no longer waits on cannot be stopped between layers.
+        let interrupts = config.scheduling == Scheduling::Fair && !overlap;
         if interrupts {
             backend.set_interrupt(Arc::clone(&interrupt));
         }
@@ -246,6 +334,9 @@ impl EngineCore {
             unplanned: Vec::new(),
             interrupt,
             interrupts,
+            overlap,
+            in_flight: None,
+            next_serial: 0,
         })
     }
 
@@ -259,9 +350,9 @@ impl EngineCore {
         self.num_blocks * self.block_size
     }
 
-    /// Whether any request is waiting or running.
+    /// Whether any request is waiting or running, or a pass is still to land.
     pub fn has_work(&self) -> bool {
-        self.sched.has_work()
+        self.sched.has_work() || self.in_flight.is_some()
     }
 
     /// Load snapshot.
@@ -277,7 +368,7 @@ impl EngineCore {
 
     /// Queues a request; events go to `tx`.
     pub fn add_request(&mut self, req: ValidRequest, tx: UnboundedSender<EngineEvent>) {
-        if !self.sched.has_work() {
+        if !self.has_work() {
             // The device sat idle for want of work since the last pass, not for the host.
             self.backend.pass_break();
         }
@@ -285,7 +376,10 @@ impl EngineCore {
             let _ = tx.send(finished_error(&req, "duplicate request id"));
             return;
         }
+        self.next_serial += 1;
         let state = ReqState {
+            serial: self.next_serial,
+            removed: None,
             sampler: Sampler::new(req.sampling.clone()),
             decoder: IncrementalDecoder::default(),
             stop: StopText::new(&req.stop),
@@ -350,8 +444,28 @@ impl EngineCore {
         self.metrics.kv_usage.set(if total == 0 { 0.0 } else { 1.0 - free as f64 / total as f64 });
     }
 
-    /// Runs one scheduler step: plan, forward, sample, emit.
+    /// Runs one scheduler step: plan, forward, sample, emit. With the output overlapped (a
+    /// GPU's), a step lands the pass the step before launched (its tokens chosen and the
+    /// requests it ends taken out of the plan), launches the next one, and streams the landed
+    /// pass's tokens while the device runs it.
     pub fn step(&mut self) {
+        let landed = match self.in_flight.take() {
+            Some(f) => self.land(f),
+            None => Vec::new(),
+        };
+        self.launch_next();
+        self.deliver(landed);
+        if !self.overlap
+            && let Some(f) = self.in_flight.take()
+        {
+            let landed = self.land(f);
+            self.deliver(landed);
+        }
+        self.update_gauges();
+    }
+
+    /// Plans the next pass and launches it (it lands at `in_flight`).
+    fn launch_next(&mut self) {
         let planned = Instant::now();
         for id in self.unplanned.drain(..) {
             if let Some(st) = self.reqs.get_mut(&id) {
@@ -373,18 +487,7 @@ impl EngineCore {
         }
         if plan.scheduled.is_empty() {
             self.backend.pass_break();
-            self.update_gauges();
             return;
-        }
-        // Inputs (owned copies: the scheduler is updated while results are applied).
-        struct Work {
-            id: String,
-            tokens: Vec<u32>,
-            start: usize,
-            table: Vec<u32>,
-            logits: LogitsWanted,
-            reaches_end: bool,
-            prompt_len: usize,
         }
         let mut work = Vec::with_capacity(plan.scheduled.len());
         for w in &plan.scheduled {
@@ -404,6 +507,7 @@ impl EngineCore {
             };
             work.push(Work {
                 id: w.id.clone(),
+                serial: st.serial,
                 tokens: seq.tokens[w.start..w.start + w.len].to_vec(),
                 start: w.start,
                 table: self.sched.kv().blocks(&w.id).to_vec(),
@@ -440,19 +544,34 @@ impl EngineCore {
             })
             .collect();
         // What arrivals are judged against, only where they can interrupt (the fair policy).
-        let (lowest, band_load, loads) = if self.interrupts {
-            self.sched.step_loads(work.iter().map(|w| w.id.as_str()))
-        } else {
-            (None, 0.0, HashMap::new())
-        };
-        self.interrupt.begin(lowest.unwrap_or(i32::MAX), band_load, loads);
-        let before = self.backend.profile();
+        if self.interrupts {
+            let (lowest, band_load, loads) =
+                self.sched.step_loads(work.iter().map(|w| w.id.as_str()));
+            self.interrupt.begin(lowest.unwrap_or(i32::MAX), band_load, loads);
+        }
+        let profile = self.backend.profile();
         let began = Instant::now();
-        let result = self.backend.forward_picking(&self.model.weights, &inputs, &picks);
+        let pass = self.backend.launch(&self.model.weights, &inputs, &picks);
+        drop(inputs);
+        self.in_flight =
+            Some(Flight { work, pass, planned, began, profile, armed: self.interrupts });
+    }
+
+    /// Whether `id` is still the request a pass was launched for.
+    fn current(&self, id: &str, serial: u64) -> bool {
+        self.reqs.get(id).is_some_and(|st| st.serial == serial)
+    }
+
+    /// Waits for a launched pass and applies it: computed tokens to the scheduler, prompt
+    /// logprobs, and each finished row's next token chosen (not yet streamed). Rows of
+    /// requests that ended since the launch are dropped.
+    fn land(&mut self, f: Flight) -> Vec<Chosen> {
+        let Flight { work, pass, planned, began, profile, armed } = f;
+        let result = self.backend.collect(pass);
         let seconds = began.elapsed().as_secs_f64();
         let passed = Instant::now();
         self.metrics.add_step_time(StepPhase::Schedule, (began - planned).as_secs_f64());
-        match (before, self.backend.profile()) {
+        match (profile, self.backend.profile()) {
             (Some(b), Some(a)) => {
                 let p = a.since(&b);
                 self.metrics.add_step_time(StepPhase::Attention, p.attention);
@@ -469,33 +588,38 @@ impl EngineCore {
         self.metrics.device_gaps.inc_by(times.gaps);
         self.metrics.device_passes.inc_by(times.passes);
         let cut = matches!(result, Err(EngineError::Interrupted));
-        self.interrupt.end(cut);
+        if armed {
+            self.interrupt.end(cut);
+        }
         if cut {
             // Nothing of the step stands: the next plan, with the arrival in it, computes
             // its tokens again.
             self.metrics.interrupted_steps.inc();
             self.sched.observe_interrupted(seconds);
-            self.update_gauges();
-            return;
+            return Vec::new();
         }
-        // The step-time model behind the TPOT limit learns from every whole pass.
+        // The step-time model behind the TPOT limit learns from every whole pass: by the
+        // device's own time where this pass alone was read (the host's wait includes what
+        // the host did meanwhile when the output overlaps).
         let shape = StepShape {
             tokens: work.iter().map(|w| w.tokens.len()).sum(),
             context: work.iter().map(|w| w.start + w.tokens.len()).sum(),
         };
-        self.sched.observe_step(shape, seconds);
+        self.sched.observe_step(shape, if times.passes == 1 { times.busy } else { seconds });
         let StepOutput { logits, picked } = match result {
             Ok(out) => out,
             Err(e) => {
                 for w in &work {
-                    self.finish(&w.id, FinishReason::Error, Some(e.to_string()));
+                    if self.current(&w.id, w.serial) {
+                        self.finish(&w.id, FinishReason::Error, Some(e.to_string()));
+                    }
                 }
-                self.update_gauges();
-                return;
+                return Vec::new();
             }
         };
         let vocab = self.model.weights.config.vocab_size;
         let mut row = 0;
+        let mut chosen = Vec::new();
         for (i, w) in work.iter().enumerate() {
             let pick = picked.get(i).copied().flatten();
             let rows = match (w.logits, pick) {
@@ -503,29 +627,46 @@ impl EngineCore {
                 (LogitsWanted::Last, None) => 1,
                 (LogitsWanted::All, _) => w.tokens.len(),
             };
-            let Some(chunk) = logits.get(row * vocab..(row + rows) * vocab) else {
+            let chunk = logits.get(row * vocab..(row + rows) * vocab);
+            row += rows;
+            if !self.current(&w.id, w.serial) {
+                // Ended since the launch (a stop string, its client gone): a wasted row.
+                continue;
+            }
+            let Some(chunk) = chunk else {
                 self.finish(&w.id, FinishReason::Error, Some("missing logits".into()));
                 continue;
             };
-            row += rows;
             self.sched.mark_computed(&w.id, w.tokens.len());
             if w.logits == LogitsWanted::All {
                 self.collect_prompt_logprobs(w.id.as_str(), w.start, w.prompt_len, chunk, vocab);
             }
             if w.reaches_end {
-                match pick {
-                    Some(token) => self.emit_token(&w.id, Choice::Picked(token)),
-                    None if rows > 0 => {
-                        let last = &chunk[(rows - 1) * vocab..rows * vocab];
-                        self.emit_token(&w.id, Choice::Logits(last));
-                    }
-                    None => {}
+                let choice = match pick {
+                    Some(token) => Some(Choice::Picked(token)),
+                    None if rows > 0 => Some(Choice::Logits(&chunk[(rows - 1) * vocab..])),
+                    None => None,
+                };
+                if let Some(c) = choice.and_then(|c| self.accept_token(&w.id, c)) {
+                    chosen.push(c);
                 }
             }
         }
         self.metrics.add_step_time(StepPhase::Emit, passed.elapsed().as_secs_f64());
         self.metrics.steps.inc();
-        self.update_gauges();
+        chosen
+    }
+
+    /// Streams the chosen tokens.
+    fn deliver(&mut self, chosen: Vec<Chosen>) {
+        if chosen.is_empty() {
+            return;
+        }
+        let began = Instant::now();
+        for c in chosen {
+            self.deliver_token(c);
+        }
+        self.metrics.add_step_time(StepPhase::Emit, began.elapsed().as_secs_f64());
     }
 
     fn collect_prompt_logprobs(
@@ -569,10 +710,14 @@ impl EngineCore {
         }
     }
 
-    fn emit_token(&mut self, id: &str, choice: Choice<'_>) {
+    /// Chooses `id`'s next token from `choice` and adds it to the sequence; a request the
+    /// token ends (a stop token, its length, a closed response format) leaves the scheduler
+    /// now, so the next plan has no row for it. The text and the stream come in
+    /// [`EngineCore::deliver_token`].
+    fn accept_token(&mut self, id: &str, choice: Choice<'_>) -> Option<Chosen> {
         let ctx = self.model.weights.config.context_length;
         let stops = self.model.tokenizer.stop_ids();
-        let Some(st) = self.reqs.get_mut(id) else { return };
+        let st = self.reqs.get_mut(id)?;
         // Tokens that may still come, this one included.
         let left = (st.req.max_tokens.saturating_sub(st.output))
             .min(ctx.saturating_sub(st.req.prompt.len() + st.output));
@@ -599,11 +744,44 @@ impl EngineCore {
                     Err(_) => {
                         let msg = "no token continues the response format".to_string();
                         self.finish(id, FinishReason::Error, Some(msg));
-                        return;
+                        return None;
                     }
                 }
             }
             (Choice::Picked(token), _) => st.sampler.accept(token),
+        };
+        st.output += 1;
+        self.metrics.generation_tokens.inc();
+        self.sched.append_token(id, s.token);
+        let token = TokenOutput {
+            token: s.token,
+            logprob: s.logprob,
+            top: if st.req.logprobs.is_some() { s.top } else { Vec::new() },
+        };
+        let stop_token = (!st.req.ignore_eos && stops.contains(&s.token))
+            || st.req.stop_token_ids.contains(&s.token);
+        let mut finish = stop_token.then_some(FinishReason::Stop);
+        // A constrained output ends as soon as its value is closed: a stop, unless the
+        // token budget made the grammar close it (then it is cut short, valid).
+        if finish.is_none() && st.matcher.as_ref().is_some_and(Matcher::is_closed) {
+            finish =
+                Some(if st.closed_by_budget { FinishReason::Length } else { FinishReason::Stop });
+        }
+        let total = st.req.prompt.len() + st.output;
+        if finish.is_none() && (st.output >= st.req.max_tokens || total >= ctx) {
+            finish = Some(FinishReason::Length);
+        }
+        if finish.is_some() {
+            st.removed = self.sched.remove(id);
+        }
+        Some(Chosen { id: id.to_string(), serial: st.serial, token, stop_token, finish })
+    }
+
+    /// Streams a chosen token: its text (held back while it may begin a stop string), and
+    /// the request's end when the token, a stop string or a closed stream ends it.
+    fn deliver_token(&mut self, c: Chosen) {
+        let Some(st) = self.reqs.get_mut(&c.id).filter(|st| st.serial == c.serial) else {
+            return;
         };
         let now = Instant::now();
         match st.last_token {
@@ -617,57 +795,41 @@ impl EngineCore {
             }
         }
         st.last_token = Some(now);
-        st.output += 1;
-        self.metrics.generation_tokens.inc();
-        self.sched.append_token(id, s.token);
-        let token_out = TokenOutput {
-            token: s.token,
-            logprob: s.logprob,
-            top: if st.req.logprobs.is_some() { s.top } else { Vec::new() },
-        };
-        let is_stop_token = (!st.req.ignore_eos && stops.contains(&s.token))
-            || st.req.stop_token_ids.contains(&s.token);
-        let (text, mut finish) = if is_stop_token {
-            (String::new(), Some(FinishReason::Stop))
+        let mut finish = c.finish;
+        let text = if c.stop_token {
+            String::new()
         } else {
-            let delta = match st.decoder.push(&self.model.tokenizer, s.token) {
+            let delta = match st.decoder.push(&self.model.tokenizer, c.token.token) {
                 Ok(d) => d,
                 Err(e) => {
                     let msg = e.to_string();
-                    self.finish(id, FinishReason::Error, Some(msg));
+                    self.finish(&c.id, FinishReason::Error, Some(msg));
                     return;
                 }
             };
             match st.stop.push(&delta) {
-                StopOutcome::Continue(t) => (t, None),
+                StopOutcome::Continue(t) => t,
                 StopOutcome::Stopped(t) => {
+                    // A stop string ends it whatever else the token said.
                     st.stop_matched = true;
-                    (t, Some(FinishReason::Stop))
+                    finish = Some(FinishReason::Stop);
+                    t
                 }
             }
         };
-        // A constrained output ends as soon as its value is closed: a stop, unless the
-        // token budget made the grammar close it (then it is cut short, valid).
-        if finish.is_none() && st.matcher.as_ref().is_some_and(Matcher::is_closed) {
-            finish =
-                Some(if st.closed_by_budget { FinishReason::Length } else { FinishReason::Stop });
-        }
-        let total = st.req.prompt.len() + st.output;
-        if finish.is_none() && (st.output >= st.req.max_tokens || total >= ctx) {
-            finish = Some(FinishReason::Length);
-        }
-        if st.tx.send(EngineEvent::Tokens { tokens: vec![token_out], text }).is_err() {
+        if st.tx.send(EngineEvent::Tokens { tokens: vec![c.token], text }).is_err() {
             // The client went away.
             finish = Some(FinishReason::Abort);
         }
         if let Some(reason) = finish {
-            self.finish(id, reason, None);
+            self.finish(&c.id, reason, None);
         }
     }
 
     fn finish(&mut self, id: &str, reason: FinishReason, error: Option<String>) {
         let seq = self.sched.remove(id);
         let Some(mut st) = self.reqs.remove(id) else { return };
+        let seq = seq.or_else(|| st.removed.take());
         let now = Instant::now();
         // Text held back for a possible stop string (or a split character) is released,
         // unless a stop string matched.

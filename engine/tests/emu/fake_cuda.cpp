@@ -366,6 +366,29 @@ int cuMemFree_v2(unsigned long long p) {
     return fake::OK;
 }
 int cuMemFreeAsync(unsigned long long p, void*) { return cuMemFree_v2(p); }
+// Page-locked host memory is ordinary host memory here (poisoned like device memory, so a
+// read of what no copy wrote shows).
+int cuMemHostAlloc(void** p, size_t bytes, unsigned) {
+    if (bytes == 0) {
+        return fake::INVALID_VALUE;
+    }
+    if (fake::refuse_during_capture()) {
+        return fake::CAPTURE_UNSUPPORTED;
+    }
+    *p = std::malloc(bytes);
+    if (*p == nullptr) {
+        return 2;  // out of memory
+    }
+    std::memset(*p, 0xFF, bytes);
+    return fake::OK;
+}
+int cuMemFreeHost(void* p) {
+    if (fake::refuse_during_capture()) {
+        return fake::CAPTURE_UNSUPPORTED;
+    }
+    std::free(p);
+    return fake::OK;
+}
 // 1 GiB (a device small enough that a test may fill a share of it), less what is allocated.
 int cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
     std::lock_guard<std::mutex> g(fake::g_lock);
