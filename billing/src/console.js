@@ -196,8 +196,10 @@
       .map(([name, v]) => el('a', { href: `#/${name}`, 'aria-current': name === current ? 'page' : null, text: v.title })));
   }
 
+  let drawing = 0; // the latest render's number: an older one still loading draws nothing
   async function render() {
     if (!me) return;
+    const mine = ++drawing;
     const r = route();
     renderNav(r.name);
     const view = VIEWS[r.name];
@@ -217,9 +219,14 @@
       return;
     }
     try {
-      box.append(...[await view.render(r.arg, r.params)].flat());
+      const content = [await view.render(r.arg, r.params)].flat();
+      // Two renders overlapping (a sign-in's and a hashchange's) would both append: only
+      // the latest draws.
+      if (mine !== drawing) return;
+      box.append(...content);
       document.body.dataset.state = 'ready';
     } catch (e) {
+      if (mine !== drawing) return;
       report(e);
       document.body.dataset.state = 'error';
     }
