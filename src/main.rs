@@ -382,8 +382,8 @@ struct EngineArgs {
     /// share of service, priorities first) or `fcfs` (arrival order).
     #[arg(long, default_value = "fair")]
     scheduling: sluice_engine::serve::core::Scheduling,
-    /// Stream a pass's tokens while the device runs the next pass: `auto` (on a GPU), `on`
-    /// or `off`.
+    /// Plan the next pass and stream the last one's tokens while the device runs a pass:
+    /// `auto` (on a GPU), `on` or `off`.
     #[arg(long, default_value = "auto")]
     overlap_output: sluice_engine::serve::core::Overlap,
     /// On SIGINT or SIGTERM: how long running requests may go on before they are aborted

@@ -413,6 +413,8 @@ impl Backend {
         };
         let began = std::time::Instant::now();
         let all = runner.forward(weights, cache, batch);
+        let out = Self::pick_cpu(all, batch.len(), &rows, picks, vocab);
+        // The picking is the device's work here (a GPU's argmax is in its pass).
         let ended = std::time::Instant::now();
         if let Some(last) = clock.last_end {
             clock.times.gap += (began - last).as_secs_f64();
@@ -421,8 +423,20 @@ impl Backend {
         clock.times.busy += (ended - began).as_secs_f64();
         clock.times.passes += 1;
         clock.last_end = Some(ended);
+        out
+    }
+
+    /// The CPU pass's wanted logits over `seqs` sequences, with the argmax rows' tokens
+    /// picked.
+    fn pick_cpu(
+        all: Result<Vec<f32>>,
+        seqs: usize,
+        rows: &[Option<usize>],
+        picks: &[Pick],
+        vocab: usize,
+    ) -> Result<StepOutput> {
         let all = all?;
-        let mut out = StepOutput { logits: Vec::new(), picked: vec![None; batch.len()] };
+        let mut out = StepOutput { logits: Vec::new(), picked: vec![None; seqs] };
         for (r, pick) in rows.iter().enumerate() {
             let row = all.get(r * vocab..(r + 1) * vocab).ok_or_else(|| {
                 EngineError::Device("the pass returned fewer logits than wanted".into())

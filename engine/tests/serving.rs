@@ -158,9 +158,17 @@ fn batch_invariance(m: &Arc<LoadedModel>, overlap: Overlap) -> anyhow::Result<An
 #[test]
 fn prefix_cache_hits_only_within_a_tenant() -> anyhow::Result<()> {
     let m = model()?;
+    // Overlapped, a pass's blocks are offered to the cache at its launch: the same hits.
+    for overlap in [Overlap::Off, Overlap::On] {
+        prefix_cache(&m, overlap).with_context(|| format!("{overlap:?}"))?;
+    }
+    Ok(())
+}
+
+fn prefix_cache(m: &Arc<LoadedModel>, overlap: Overlap) -> anyhow::Result<()> {
     let h = EngineHandle::start(
-        Arc::clone(&m),
-        EngineConfig { kv_cache_bytes: 64 << 20, threads: 1, ..Default::default() },
+        Arc::clone(m),
+        EngineConfig { kv_cache_bytes: 64 << 20, threads: 1, overlap, ..Default::default() },
     )?;
     let text = "You are a careful assistant. ".repeat(12);
     let prompt = m.encode_prompt(&text)?;
@@ -322,12 +330,23 @@ fn requests_the_cache_can_never_hold_are_refused() -> anyhow::Result<()> {
 /// seeds, every output is a closed JSON value of its schema, ended by the grammar (`stop`).
 #[test]
 fn constrained_outputs_parse_and_follow_their_schema() -> anyhow::Result<()> {
-    use sluice_engine::structured::Grammar;
     let m = model()?;
+    let mut answers = Vec::new();
+    for overlap in [Overlap::Off, Overlap::On] {
+        answers.push(constrained(&m, overlap).with_context(|| format!("{overlap:?}"))?);
+    }
+    ensure!(answers[0] == answers[1], "the overlapped order changed a constrained answer");
+    Ok(())
+}
+
+/// Every constrained answer's text, after checking it.
+fn constrained(m: &Arc<LoadedModel>, overlap: Overlap) -> anyhow::Result<Vec<String>> {
+    use sluice_engine::structured::Grammar;
     let h = EngineHandle::start(
-        Arc::clone(&m),
-        EngineConfig { kv_cache_bytes: 64 << 20, ..Default::default() },
+        Arc::clone(m),
+        EngineConfig { kv_cache_bytes: 64 << 20, overlap, ..Default::default() },
     )?;
+    let mut texts = Vec::new();
     let schema = serde_json::json!({
         "type": "object",
         "properties": {
@@ -356,6 +375,7 @@ fn constrained_outputs_parse_and_follow_their_schema() -> anyhow::Result<()> {
             req.grammar = Some(Arc::clone(grammar));
             let out = collect(h.submit(req)?)?;
             let text = out.texts.concat();
+            texts.push(text.clone());
             // The model ends the JSON itself, or a sampled ramble is closed by the grammar in
             // the last tokens of the budget: JSON either way (greedy ones end on their own).
             let closed = out.reason == FinishReason::Length && out.tokens.len() == 256;
@@ -379,5 +399,6 @@ fn constrained_outputs_parse_and_follow_their_schema() -> anyhow::Result<()> {
             }
         }
     }
-    wait_idle(&h)
+    wait_idle(&h)?;
+    Ok(texts)
 }

@@ -20,7 +20,7 @@ use crate::serve::kv_manager::KvManager;
 use crate::serve::metrics::{EngineMetrics, FinishLabel, StepPhase, TenantLabels, TenantSample};
 use crate::serve::outcomes::OutcomeLog;
 use crate::serve::scheduler::{
-    Fcfs, Scheduler, SchedulerConfig, SeqPolicy, WaitReason, WaitTimes, WaitingPolicy,
+    Fcfs, Scheduler, SchedulerConfig, SeqPolicy, StepPlan, WaitReason, WaitTimes, WaitingPolicy,
 };
 use crate::serve::step_model::StepShape;
 use crate::serve::stop::{StopOutcome, StopText};
@@ -52,15 +52,16 @@ pub struct EngineConfig {
     pub device: Device,
     /// The order in which waiting requests are admitted.
     pub scheduling: Scheduling,
-    /// Whether a step's tokens are streamed while the device runs the next pass.
+    /// Whether planning and streaming overlap the device's passes.
     pub overlap: Overlap,
 }
 
-/// Whether the engine streams a pass's tokens (detokenizing, stop strings, the requests'
-/// channels) while the device runs the next pass, rather than between the two (vLLM's
-/// asynchronous output processing). The next pass is planned once the tokens are known, so
-/// the device still waits for the scheduling; a request that a stop string ends has one row
-/// of the pass after wasted.
+/// Whether the engine's host work overlaps the device's passes: the next pass planned, and
+/// the landed pass's tokens streamed (detokenizing, stop strings, the requests' channels),
+/// while the device runs a pass, so the device waits only for a pass to land and the next
+/// to launch (vLLM's asynchronous scheduling and output processing). A planned row that a
+/// landed token ends is left out; a request that a stop string ends has one row of the pass
+/// after wasted.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Overlap {
     /// On a GPU, whose passes run while the host goes on; off on the CPU, whose pass is the
@@ -155,6 +156,8 @@ struct ReqState {
     /// Its scheduler state, once a token ended it and it left the scheduler (the token is
     /// still to be streamed).
     removed: Option<crate::serve::scheduler::SeqState>,
+    /// Where its sequence holds [`PLACEHOLDER`] for the token of the pass in flight.
+    placeholder: Option<usize>,
     tx: UnboundedSender<EngineEvent>,
     sampler: Sampler,
     decoder: IncrementalDecoder,
@@ -193,15 +196,18 @@ struct Work {
 struct Flight {
     work: Vec<Work>,
     pass: PendingPass,
-    /// When its plan began.
-    planned: Instant,
     /// When it was launched.
     began: Instant,
     /// The CPU passes' profile before it.
     profile: Option<ForwardProfile>,
     /// Whether arrivals could interrupt it.
     armed: bool,
+    /// Whether its rows were counted as computed at its launch (overlapped).
+    marked: bool,
 }
+
+/// Holds the place of a token chosen when its pass lands ([`EngineCore::step`] overlapped).
+const PLACEHOLDER: u32 = u32::MAX;
 
 /// A token chosen for a request, not yet streamed.
 struct Chosen {
@@ -241,7 +247,7 @@ pub struct EngineCore {
     /// Whether passes stop for arrivals (the fair policy armed the backend, and the output
     /// is not overlapped).
     interrupts: bool,
-    /// Whether tokens are streamed while the device runs the next pass.
+    /// Whether planning and streaming overlap the device's passes.
     overlap: bool,
     /// The pass launched and not yet landed (only between steps when overlapping).
     in_flight: Option<Flight>,
@@ -380,6 +386,7 @@ impl EngineCore {
         let state = ReqState {
             serial: self.next_serial,
             removed: None,
+            placeholder: None,
             sampler: Sampler::new(req.sampling.clone()),
             decoder: IncrementalDecoder::default(),
             stop: StopText::new(&req.stop),
@@ -444,28 +451,36 @@ impl EngineCore {
         self.metrics.kv_usage.set(if total == 0 { 0.0 } else { 1.0 - free as f64 / total as f64 });
     }
 
-    /// Runs one scheduler step: plan, forward, sample, emit. With the output overlapped (a
-    /// GPU's), a step lands the pass the step before launched (its tokens chosen and the
-    /// requests it ends taken out of the plan), launches the next one, and streams the landed
-    /// pass's tokens while the device runs it.
+    /// Runs one scheduler step: plan, forward, sample, emit. Overlapped (a GPU's order), a
+    /// step plans the next pass while the device runs the one the step before launched, then
+    /// lands that one (its tokens chosen, the requests they end taken out), launches the next
+    /// and streams the landed tokens while the device runs it: the device waits only for the
+    /// landing and the launch.
     pub fn step(&mut self) {
-        let landed = match self.in_flight.take() {
-            Some(f) => self.land(f),
-            None => Vec::new(),
-        };
-        self.launch_next();
-        self.deliver(landed);
-        if !self.overlap
-            && let Some(f) = self.in_flight.take()
-        {
-            let landed = self.land(f);
+        if self.overlap {
+            let plan = self.plan_next();
+            let landed = match self.in_flight.take() {
+                Some(f) => self.land(f),
+                None => Vec::new(),
+            };
+            if let Some(plan) = plan {
+                self.launch(plan);
+            }
             self.deliver(landed);
+        } else {
+            if let Some(plan) = self.plan_next() {
+                self.launch(plan);
+            }
+            if let Some(f) = self.in_flight.take() {
+                let landed = self.land(f);
+                self.deliver(landed);
+            }
         }
         self.update_gauges();
     }
 
-    /// Plans the next pass and launches it (it lands at `in_flight`).
-    fn launch_next(&mut self) {
+    /// Plans the next pass (`None`: nothing to run).
+    fn plan_next(&mut self) -> Option<StepPlan> {
         let planned = Instant::now();
         for id in self.unplanned.drain(..) {
             if let Some(st) = self.reqs.get_mut(&id) {
@@ -485,15 +500,34 @@ impl EngineCore {
                 self.metrics.queue.observe((now - st.req.arrival).as_secs_f64());
             }
         }
+        self.metrics.add_step_time(StepPhase::Schedule, planned.elapsed().as_secs_f64());
         if plan.scheduled.is_empty() {
-            self.backend.pass_break();
-            return;
+            if self.in_flight.is_none() {
+                self.backend.pass_break();
+            }
+            return None;
         }
+        Some(plan)
+    }
+
+    /// Launches a planned pass (it lands at `in_flight`). A planned row whose request has
+    /// ended since (a landed token ended it) is left out. Overlapped, its rows count as
+    /// computed now, and a row that gives a token holds its place with [`PLACEHOLDER`] until
+    /// it lands, so the next pass can be planned while this one runs.
+    fn launch(&mut self, plan: StepPlan) {
+        let building = Instant::now();
         let mut work = Vec::with_capacity(plan.scheduled.len());
         for w in &plan.scheduled {
             let (Some(seq), Some(st)) = (self.sched.seq(&w.id), self.reqs.get(&w.id)) else {
                 continue;
             };
+            if seq.tokens[w.start..w.start + w.len].contains(&PLACEHOLDER) {
+                // Every landed token replaced its placeholder: one left is a bug, and never
+                // a token to compute.
+                let msg = "internal error: a token still to be chosen was planned".to_string();
+                self.finish(&w.id, FinishReason::Error, Some(msg));
+                continue;
+            }
             let reaches_end = w.start + w.len == seq.tokens.len();
             let want_prompt_lp = st.req.prompt_logprobs.is_some()
                 && !st.prompt_logprobs_sent
@@ -515,6 +549,9 @@ impl EngineCore {
                 reaches_end,
                 prompt_len: seq.prompt_len,
             });
+        }
+        if work.is_empty() {
+            return;
         }
         let inputs: Vec<SeqInput<'_>> = work
             .iter()
@@ -551,10 +588,24 @@ impl EngineCore {
         }
         let profile = self.backend.profile();
         let began = Instant::now();
+        // Building the inputs counts as planning.
+        self.metrics.add_step_time(StepPhase::Schedule, (began - building).as_secs_f64());
         let pass = self.backend.launch(&self.model.weights, &inputs, &picks);
         drop(inputs);
+        if self.overlap {
+            for w in &work {
+                self.sched.mark_computed(&w.id, w.tokens.len());
+                if w.reaches_end
+                    && let Some(st) = self.reqs.get_mut(&w.id)
+                {
+                    st.placeholder = self.sched.seq(&w.id).map(|s| s.tokens.len());
+                    self.sched.append_token(&w.id, PLACEHOLDER);
+                }
+            }
+        }
+        let marked = self.overlap;
         self.in_flight =
-            Some(Flight { work, pass, planned, began, profile, armed: self.interrupts });
+            Some(Flight { work, pass, began, profile, armed: self.interrupts, marked });
     }
 
     /// Whether `id` is still the request a pass was launched for.
@@ -566,11 +617,10 @@ impl EngineCore {
     /// logprobs, and each finished row's next token chosen (not yet streamed). Rows of
     /// requests that ended since the launch are dropped.
     fn land(&mut self, f: Flight) -> Vec<Chosen> {
-        let Flight { work, pass, planned, began, profile, armed } = f;
+        let Flight { work, pass, began, profile, armed, marked } = f;
         let result = self.backend.collect(pass);
         let seconds = began.elapsed().as_secs_f64();
         let passed = Instant::now();
-        self.metrics.add_step_time(StepPhase::Schedule, (began - planned).as_secs_f64());
         match (profile, self.backend.profile()) {
             (Some(b), Some(a)) => {
                 let p = a.since(&b);
@@ -637,7 +687,9 @@ impl EngineCore {
                 self.finish(&w.id, FinishReason::Error, Some("missing logits".into()));
                 continue;
             };
-            self.sched.mark_computed(&w.id, w.tokens.len());
+            if !marked {
+                self.sched.mark_computed(&w.id, w.tokens.len());
+            }
             if w.logits == LogitsWanted::All {
                 self.collect_prompt_logprobs(w.id.as_str(), w.start, w.prompt_len, chunk, vocab);
             }
@@ -752,7 +804,10 @@ impl EngineCore {
         };
         st.output += 1;
         self.metrics.generation_tokens.inc();
-        self.sched.append_token(id, s.token);
+        match st.placeholder.take() {
+            Some(at) => self.sched.set_token(id, at, s.token),
+            None => self.sched.append_token(id, s.token),
+        }
         let token = TokenOutput {
             token: s.token,
             logprob: s.logprob,

@@ -424,6 +424,14 @@ impl Scheduler {
         }
     }
 
+    /// Sets the token at `index` of `id`'s sequence (one held by a placeholder until its pass
+    /// landed).
+    pub fn set_token(&mut self, id: &str, index: usize, token: u32) {
+        if let Some(t) = self.seqs.get_mut(id).and_then(|s| s.tokens.get_mut(index)) {
+            *t = token;
+        }
+    }
+
     /// Records that a step computed `len` more tokens of `id`, and caches full blocks; the
     /// waiting policy counts the service.
     pub fn mark_computed(&mut self, id: &str, len: usize) {
