@@ -394,7 +394,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
             engine_addrs.push(listener.local_addr()?.to_string());
             tokio::spawn(async move {
-                let _ = axum::serve(listener, app).await;
+                let _ = axum::serve(sluice_engine::server::no_delay(listener), app).await;
             });
         }
         let ledger = Ledger::connect(&db_url).await.context("opening the ledger")?;

@@ -2,7 +2,7 @@
 //! result carries vLLM's field names and the per-request arrays, and the per-request numbers
 //! are consistent with each other and with the workload asked for; a multi-tenant mix of
 //! workloads with warm-up, per-tenant and per-length breakdowns and a Markdown report; whole
-//! (non-streamed) responses.
+//! (non-streamed) responses; a closed loop timed from each send.
 
 #[path = "../engine/tests/common/mod.rs"]
 mod common;
@@ -115,6 +115,24 @@ async fn bench_serve_measures_an_engine() -> anyhow::Result<()> {
         let x = v[d].as_f64().context("estimate")?;
         ensure!(ci.len() == 2 && ci[0] <= x && x <= ci[1], "{k} {ci:?} around {x}");
     }
+
+    // A closed loop of one stream, timed from each send (--from-send): the requests follow
+    // one another, so their latencies add up to no more than the run, and each first token
+    // comes after its own send, not after the queue of the ones before it.
+    let closed = dir.path().join("closed.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["bench", "serve", "--base-url", &format!("http://{addr}"), "--num-prompts", "4"])
+        .args(["--request-rate", "inf", "--max-concurrency", "1", "--from-send"])
+        .args(["--input-len", "12", "--output-len", "5", "--save-detailed", "--save-result"])
+        .arg(&closed)
+        .output()?;
+    ensure!(out.status.success(), "closed loop: {}", String::from_utf8_lossy(&out.stderr));
+    let c: Value = serde_json::from_str(&std::fs::read_to_string(&closed)?)?;
+    ensure!(c["completed"] == 4 && c["from_send"] == true, "{c}");
+    let e2els: Vec<f64> =
+        c["e2els"].as_array().into_iter().flatten().filter_map(Value::as_f64).collect();
+    let duration = c["duration"].as_f64().context("duration")?;
+    ensure!(e2els.len() == 4 && e2els.iter().sum::<f64>() <= duration, "{e2els:?} in {duration}");
 
     // A multi-tenant mix: a noisy tenant with shared prefixes beside a quiet one holding
     // multi-turn chats, after two warm-up requests left out of every figure; the report

@@ -40,9 +40,15 @@ pub struct BenchServeArgs {
     /// Gamma shape of the gaps (1 = Poisson).
     #[arg(long, default_value_t = 1.0)]
     burstiness: f64,
-    /// Most requests in flight (sends wait for a slot; the wait counts as latency).
+    /// Most requests in flight (sends wait for a slot; the wait counts as latency unless
+    /// --from-send).
     #[arg(long)]
     max_concurrency: Option<usize>,
+    /// Time each request from when it is sent, after any wait for a --max-concurrency slot,
+    /// not from its place in the schedule: a closed loop's latencies (as vLLM's benchmark
+    /// reports them), where the client's own queue is not the server's time.
+    #[arg(long)]
+    from_send: bool,
     /// Prompt length in tokens: `N`, `uniform:LO:HI`, `normal:MEAN:SD`,
     /// `lognormal:MEDIAN:SIGMA` or `file:PATH` (lengths, whitespace-separated). Completions
     /// send token ids; chat sends that many words.
@@ -877,6 +883,7 @@ pub fn measure_tenants(
         let start = tokio::time::Instant::now() + Duration::from_millis(100);
         let mut tasks = Vec::with_capacity(plan.len());
         let retries = args.idempotent_retries;
+        let from_send = args.from_send;
         for (i, p) in plan.iter().enumerate() {
             let at = start + Duration::from_secs_f64(p.at);
             let b = body(&p.req, chat, stream, &model);
@@ -896,9 +903,12 @@ pub fn measure_tenants(
                     Some(g) => g.clone().acquire_owned().await.ok(),
                     None => None,
                 };
+                let origin = if from_send { tokio::time::Instant::now() } else { at };
                 let (mut o, extra) =
-                    send_with_retries(&c, &urls, i, key.as_deref(), b, at, retries, idem).await;
-                o.scheduled_s = t;
+                    send_with_retries(&c, &urls, i, key.as_deref(), b, origin, retries, idem).await;
+                // Timed from the send, a request counts from when it went (the run's duration
+                // runs from the first one's send to the last one's end either way).
+                o.scheduled_s = t + origin.saturating_duration_since(at).as_secs_f64();
                 o.lateness_s = late.as_secs_f64();
                 (o, extra)
             }));
@@ -1141,7 +1151,7 @@ fn result_json(
     let mut v = json!({
         "backend": "openai", "base_url": args.base_url, "endpoint": args.endpoint,
         "num_prompts": outcomes.len(), "request_rate": tenants.iter().map(|t| t.rate).sum::<f64>(),
-        "burstiness": t0.burstiness, "max_concurrency": args.max_concurrency,
+        "burstiness": t0.burstiness, "max_concurrency": args.max_concurrency, "from_send": args.from_send,
         "input_len": t0.input_spec, "output_len": t0.output_spec, "workload": t0.workload_name,
         "warmup": args.warmup, "ramp_up_s": args.ramp_up, "timeout_s": args.timeout,
         "seed": args.seed, "open_loop": true, "streaming": !args.no_stream,

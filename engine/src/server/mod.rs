@@ -158,6 +158,23 @@ pub fn router(handle: EngineHandle, cfg: ServerConfig) -> Router {
         .with_state(app)
 }
 
+/// The engine's listener, TCP_NODELAY on every connection it accepts: each token's event
+/// goes out as written. Without it, Nagle's algorithm holds a small write until the last one
+/// is acknowledged, and a client delaying its ACKs turns that into tens of milliseconds of
+/// TTFT and tokens arriving in bursts.
+pub fn no_delay(
+    listener: tokio::net::TcpListener,
+) -> axum::serve::TapIo<tokio::net::TcpListener, fn(&mut tokio::net::TcpStream)> {
+    use axum::serve::ListenerExt;
+    listener.tap_io(set_no_delay as fn(&mut tokio::net::TcpStream))
+}
+
+fn set_no_delay(tcp: &mut tokio::net::TcpStream) {
+    if let Err(e) = tcp.set_nodelay(true) {
+        tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection");
+    }
+}
+
 /// Serves `router` on `listener` until `shutdown` resolves; then drains: stops accepting
 /// connections, `/health` says `draining` on connections still open (gateways route
 /// elsewhere), open requests run on for up to `drain_timeout`; then what is left is aborted, so
@@ -173,16 +190,7 @@ pub async fn serve(
     let stopping = Arc::new(tokio::sync::Notify::new());
     let notify = Arc::clone(&stopping);
     let draining = handle.clone();
-    // Each token's event goes out as written: without TCP_NODELAY, Nagle's algorithm holds a
-    // small write until the last one is acknowledged, and a client delaying its ACKs turns
-    // that into tens of milliseconds of TTFT and tokens arriving in bursts.
-    use axum::serve::ListenerExt;
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection");
-        }
-    });
-    let server = axum::serve(listener, router)
+    let server = axum::serve(no_delay(listener), router)
         .with_graceful_shutdown(async move {
             shutdown.await;
             draining.set_draining();
