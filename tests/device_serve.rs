@@ -54,6 +54,10 @@ fn the_device_serving_script_runs_on_the_cpu() -> anyhow::Result<()> {
         ensure!(f("output_tok_s")? > 0.0 && f("forward_tok_s")? > 0.0, "{p}");
         let ratio = f("output_tok_s")? / f("forward_tok_s")?;
         ensure!((f("ratio_to_forward")? - ratio).abs() < 1e-9 * ratio, "{p}");
+        // The same work through the forward pass alone includes the prompts' prefill: less
+        // output a second than decode steps alone.
+        ensure!(f("forward_workload_tok_s")? < f("forward_tok_s")?, "{p}");
+        ensure!(f("ratio_to_workload")? > f("ratio_to_forward")?, "{p}");
         ensure!(f("tpot_ms_p50")? > 0.0 && f("tpot_ms_p99")? >= f("tpot_ms_p50")?, "{p}");
         // The engine's own counters came back through bench serve: a share of idle time
         // between passes, with passes and gaps of some length.
