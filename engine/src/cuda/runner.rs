@@ -480,6 +480,8 @@ pub struct CudaRunner {
     pick_slots: std::cell::RefCell<[Option<PickSlot>; 2]>,
     /// The pick slot the next pass uses.
     next_pick_slot: std::cell::Cell<usize>,
+    /// While a serving pass is launched: where its first copy up records its start.
+    pass_start: std::cell::RefCell<Option<Option<cudarc::driver::CudaEvent>>>,
 }
 
 /// One pass's picked ids: on the device, and the page-locked host memory they are copied to
@@ -658,6 +660,7 @@ impl CudaRunner {
             passes: std::cell::RefCell::default(),
             pick_slots: std::cell::RefCell::new([None, None]),
             next_pick_slot: std::cell::Cell::new(0),
+            pass_start: std::cell::RefCell::new(None),
         })
     }
 
@@ -1194,8 +1197,15 @@ impl CudaRunner {
     ) -> Result<PendingPicks, CudaError> {
         let vocab = m.config.vocab_size;
         let mut out = StepOutput { logits: Vec::new(), picked: vec![None; batch.len()] };
-        let start = self.timing_event()?;
-        let Some(logits) = self.forward_device(m, cache, batch)? else {
+        // The pass starts at its first copy up (`load`); the host's planning before is not
+        // the device's time.
+        *self.pass_start.borrow_mut() = Some(None);
+        let logits = self.forward_device(m, cache, batch);
+        let start = match self.pass_start.borrow_mut().take().flatten() {
+            Some(e) => e,
+            None => self.timing_event()?,
+        };
+        let Some(logits) = logits? else {
             // Queued, not waited for: its times are read after a later pass.
             let end = self.timing_event()?;
             self.passes.borrow_mut().recorded.push((start, end));
@@ -1681,6 +1691,11 @@ impl CudaRunner {
     /// reads them): each input into its place in the staging buffer, then the staging buffer
     /// up to the end of the block tables.
     fn load(&self, ws: &mut Workspace, p: &Plan) -> Result<(), CudaError> {
+        if let Some(slot) = self.pass_start.borrow_mut().as_mut()
+            && slot.is_none()
+        {
+            *slot = Some(self.timing_event()?);
+        }
         let mut end = 0;
         for (input, src) in [
             (Input::Ids, &p.ids),

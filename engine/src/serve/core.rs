@@ -20,7 +20,8 @@ use crate::serve::kv_manager::KvManager;
 use crate::serve::metrics::{EngineMetrics, FinishLabel, StepPhase, TenantLabels, TenantSample};
 use crate::serve::outcomes::OutcomeLog;
 use crate::serve::scheduler::{
-    Fcfs, Scheduler, SchedulerConfig, SeqPolicy, StepPlan, WaitReason, WaitTimes, WaitingPolicy,
+    Fcfs, Scheduler, SchedulerConfig, SeqPolicy, StepContext, StepPlan, WaitReason, WaitTimes,
+    WaitingPolicy,
 };
 use crate::serve::step_model::StepShape;
 use crate::serve::stop::{StopOutcome, StopText};
@@ -204,6 +205,8 @@ struct Flight {
     armed: bool,
     /// Whether its rows were counted as computed at its launch (overlapped).
     marked: bool,
+    /// What the scheduler judges its time by.
+    context: StepContext,
 }
 
 /// Holds the place of a token chosen when its pass lands ([`EngineCore::step`] overlapped).
@@ -479,8 +482,8 @@ impl EngineCore {
         self.update_gauges();
     }
 
-    /// Plans the next pass (`None`: nothing to run).
-    fn plan_next(&mut self) -> Option<StepPlan> {
+    /// Plans the next pass (`None`: nothing to run), with what its landing is judged by.
+    fn plan_next(&mut self) -> Option<(StepPlan, StepContext)> {
         let planned = Instant::now();
         for id in self.unplanned.drain(..) {
             if let Some(st) = self.reqs.get_mut(&id) {
@@ -488,6 +491,7 @@ impl EngineCore {
             }
         }
         let plan = self.sched.schedule();
+        let context = self.sched.take_step_context();
         let now = Instant::now();
         self.metrics.preemptions.inc_by(plan.preempted.len() as u64);
         self.metrics.fairness_preemptions.inc_by(plan.fairness_preemptions as u64);
@@ -507,14 +511,14 @@ impl EngineCore {
             }
             return None;
         }
-        Some(plan)
+        Some((plan, context))
     }
 
     /// Launches a planned pass (it lands at `in_flight`). A planned row whose request has
     /// ended since (a landed token ended it) is left out. Overlapped, its rows count as
     /// computed now, and a row that gives a token holds its place with [`PLACEHOLDER`] until
     /// it lands, so the next pass can be planned while this one runs.
-    fn launch(&mut self, plan: StepPlan) {
+    fn launch(&mut self, (plan, context): (StepPlan, StepContext)) {
         let building = Instant::now();
         let mut work = Vec::with_capacity(plan.scheduled.len());
         for w in &plan.scheduled {
@@ -594,7 +598,9 @@ impl EngineCore {
         drop(inputs);
         if self.overlap {
             for w in &work {
-                self.sched.mark_computed(&w.id, w.tokens.len());
+                // Offered to the prefix cache when it lands whole: a failed pass's blocks
+                // must never be found.
+                self.sched.advance_computed(&w.id, w.tokens.len());
                 if w.reaches_end
                     && let Some(st) = self.reqs.get_mut(&w.id)
                 {
@@ -605,7 +611,7 @@ impl EngineCore {
         }
         let marked = self.overlap;
         self.in_flight =
-            Some(Flight { work, pass, began, profile, armed: self.interrupts, marked });
+            Some(Flight { work, pass, began, profile, armed: self.interrupts, marked, context });
     }
 
     /// Whether `id` is still the request a pass was launched for.
@@ -617,7 +623,7 @@ impl EngineCore {
     /// logprobs, and each finished row's next token chosen (not yet streamed). Rows of
     /// requests that ended since the launch are dropped.
     fn land(&mut self, f: Flight) -> Vec<Chosen> {
-        let Flight { work, pass, began, profile, armed, marked } = f;
+        let Flight { work, pass, began, profile, armed, marked, context } = f;
         let result = self.backend.collect(pass);
         let seconds = began.elapsed().as_secs_f64();
         let passed = Instant::now();
@@ -641,6 +647,7 @@ impl EngineCore {
         if armed {
             self.interrupt.end(cut);
         }
+        self.sched.restore_step_context(context);
         if cut {
             // Nothing of the step stands: the next plan, with the arrival in it, computes
             // its tokens again.
@@ -648,14 +655,16 @@ impl EngineCore {
             self.sched.observe_interrupted(seconds);
             return Vec::new();
         }
-        // The step-time model behind the TPOT limit learns from every whole pass: by the
-        // device's own time where this pass alone was read (the host's wait includes what
-        // the host did meanwhile when the output overlaps).
+        // The step-time model behind the TPOT limit learns from every whole pass, by the time
+        // a step takes: the host's wait for the pass; overlapped, the device's time from the
+        // end of the pass before to the end of this one, where this pass alone was read (the
+        // host's wait then holds only what it did not overlap).
         let shape = StepShape {
             tokens: work.iter().map(|w| w.tokens.len()).sum(),
             context: work.iter().map(|w| w.start + w.tokens.len()).sum(),
         };
-        self.sched.observe_step(shape, if times.passes == 1 { times.busy } else { seconds });
+        let step = if self.overlap && times.passes == 1 { times.busy + times.gap } else { seconds };
+        self.sched.observe_step(shape, step);
         let StepOutput { logits, picked } = match result {
             Ok(out) => out,
             Err(e) => {
@@ -687,7 +696,9 @@ impl EngineCore {
                 self.finish(&w.id, FinishReason::Error, Some("missing logits".into()));
                 continue;
             };
-            if !marked {
+            if marked {
+                self.sched.offer_computed(&w.id);
+            } else {
                 self.sched.mark_computed(&w.id, w.tokens.len());
             }
             if w.logits == LogitsWanted::All {

@@ -136,6 +136,14 @@ impl WaitingPolicy for Fcfs {
     }
 }
 
+/// A planned step's cap (and whether it carried a light prefill) and why admission stopped
+/// in it ([`Scheduler::take_step_context`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepContext {
+    cap: Option<(f64, bool)>,
+    stopped: Option<WaitReason>,
+}
+
 /// Why a request waited: for the steps it waited through, the reason admission stopped in
 /// each (the requests behind the one that stopped it wait for the same reason), and the wait
 /// from its arrival to the first step planned after it.
@@ -435,6 +443,15 @@ impl Scheduler {
     /// Records that a step computed `len` more tokens of `id`, and caches full blocks; the
     /// waiting policy counts the service.
     pub fn mark_computed(&mut self, id: &str, len: usize) {
+        self.advance_computed(id, len);
+        self.offer_computed(id);
+    }
+
+    /// The first half of [`Scheduler::mark_computed`]: `len` more tokens of `id` count as
+    /// computed (a pass launched and not yet landed), and the waiting policy counts the
+    /// service; its full blocks go to the cache only at [`Scheduler::offer_computed`], once
+    /// the pass has written them.
+    pub fn advance_computed(&mut self, id: &str, len: usize) {
         if let Some(s) = self.seqs.get_mut(id) {
             // One new token of a sequence past its prompt is decode; anything else (prompt,
             // or generated tokens recomputed after a preemption) is prefill.
@@ -442,8 +459,27 @@ impl Scheduler {
             let (prefill, decode) = if decode { (0, 1) } else { (len, 0) };
             self.waiting.served(s.scope.tenant(), s.weight, prefill, decode);
             s.computed += len;
+        }
+    }
+
+    /// Offers `id`'s full blocks among its computed tokens to the prefix cache.
+    pub fn offer_computed(&mut self, id: &str) {
+        if let Some(s) = self.seqs.get(id) {
             self.kv.cache_computed(id, &s.tokens, s.computed, &s.scope);
         }
+    }
+
+    /// What the step last planned left for [`Scheduler::observe_step`] to judge it by, taken:
+    /// an engine that plans a step before the one before it has landed keeps each step's with
+    /// it and [puts it back](Scheduler::restore_step_context) before observing that step.
+    pub fn take_step_context(&mut self) -> StepContext {
+        StepContext { cap: self.last_cap.take(), stopped: self.stopped.take() }
+    }
+
+    /// Makes `c` the step last planned's, for the observation that follows.
+    pub fn restore_step_context(&mut self, c: StepContext) {
+        self.last_cap = c.cap;
+        self.stopped = c.stopped;
     }
 
     /// Removes a request (finished or aborted) and frees its blocks.
