@@ -749,6 +749,8 @@ pub struct Run {
     pub buckets: Vec<(String, Summary)>,
     /// The server's metrics over the run: counters as deltas, gauges at the end.
     pub server: std::collections::BTreeMap<String, f64>,
+    /// The engine's device idle between passes over the run, when the server reports it.
+    pub device_idle: Option<DeviceIdle>,
 }
 
 /// Plans, sends and measures one run (`quiet`: no progress bar).
@@ -975,7 +977,8 @@ pub fn measure_tenants(
     result["model_id"] = json!(model);
     result["identity"] = json!(ident);
     result["server_metrics"] = json!(server);
-    if let Some(idle) = device_idle(&server) {
+    let device_idle = device_idle(&server);
+    if let Some(idle) = device_idle {
         result["device_idle"] = json!(idle);
     }
     // Breakdowns: per tenant (with several) and per input-length bucket.
@@ -1036,12 +1039,12 @@ pub fn measure_tenants(
             "client_minus_gateway_ms": Dist::of_seconds(diffs),
         });
     }
-    Ok(Run { summary, result, outcomes, tenants, per_tenant, buckets, server })
+    Ok(Run { summary, result, outcomes, tenants, per_tenant, buckets, server, device_idle })
 }
 
 /// Runs `sluice bench serve`.
 pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
-    let Run { summary, result, outcomes, tenants, per_tenant, buckets, server } =
+    let Run { summary, result, outcomes, tenants, per_tenant, buckets, server, device_idle } =
         measure(&args, false)?;
     if let Some(dir) = &args.plots {
         std::fs::create_dir_all(dir)
@@ -1089,9 +1092,10 @@ pub fn run_bench_serve(args: BenchServeArgs) -> anyhow::Result<()> {
         for (k, v) in &server {
             println!("  {k} {v}");
         }
-        if let Some(d) = device_idle(&server) {
+        if let Some(d) = device_idle {
             println!(
-                "  the engine's device sat idle {:.1}% of the time between consecutive passes                  ({:.3} ms a gap, {:.3} ms a pass)",
+                "  the engine's device sat idle {:.1}% of the time between consecutive passes \
+                 ({:.3} ms a gap, {:.3} ms a pass)",
                 100.0 * d.share,
                 d.gap_ms,
                 d.pass_ms

@@ -412,16 +412,13 @@ impl Backend {
             return Err(EngineError::Device("not the CPU backend".into()));
         };
         let began = std::time::Instant::now();
-        let all = runner.forward(weights, cache, batch);
-        let out = Self::pick_cpu(all, batch.len(), &rows, picks, vocab);
+        let out = runner
+            .forward(weights, cache, batch)
+            .and_then(|all| Self::pick_cpu(&all, batch.len(), &rows, picks, vocab));
         // The picking is the device's work here (a GPU's argmax is in its pass).
         let ended = std::time::Instant::now();
-        if let Some(last) = clock.last_end {
-            clock.times.gap += (began - last).as_secs_f64();
-            clock.times.gaps += 1;
-        }
-        clock.times.busy += (ended - began).as_secs_f64();
-        clock.times.passes += 1;
+        let gap = clock.last_end.map(|last| (began - last).as_secs_f64());
+        clock.times.record(gap, (ended - began).as_secs_f64());
         clock.last_end = Some(ended);
         out
     }
@@ -429,13 +426,12 @@ impl Backend {
     /// The CPU pass's wanted logits over `seqs` sequences, with the argmax rows' tokens
     /// picked.
     fn pick_cpu(
-        all: Result<Vec<f32>>,
+        all: &[f32],
         seqs: usize,
         rows: &[Option<usize>],
         picks: &[Pick],
         vocab: usize,
     ) -> Result<StepOutput> {
-        let all = all?;
         let mut out = StepOutput { logits: Vec::new(), picked: vec![None; seqs] };
         for (r, pick) in rows.iter().enumerate() {
             let row = all.get(r * vocab..(r + 1) * vocab).ok_or_else(|| {

@@ -247,6 +247,17 @@ pub struct PassTimes {
 }
 
 impl PassTimes {
+    /// Counts one pass of `busy` seconds, after an idle `gap` from the pass before (none
+    /// after a break for want of work).
+    pub fn record(&mut self, gap: Option<f64>, busy: f64) {
+        if let Some(gap) = gap {
+            self.gap += gap;
+            self.gaps += 1;
+        }
+        self.busy += busy;
+        self.passes += 1;
+    }
+
     /// Adds `other`'s figures to these.
     pub fn add(&mut self, other: PassTimes) {
         self.passes += other.passes;

@@ -476,10 +476,8 @@ pub struct CudaRunner {
     marks: std::cell::RefCell<Option<Vec<(&'static str, cudarc::driver::CudaEvent)>>>,
     /// The serving passes' device time ([`CudaRunner::take_pass_times`]).
     passes: std::cell::RefCell<PassClock>,
-    /// Where two passes' picked ids are made and copied back, used in turn.
-    pick_slots: std::cell::RefCell<[Option<PickSlot>; 2]>,
-    /// The pick slot the next pass uses.
-    next_pick_slot: std::cell::Cell<usize>,
+    /// Where the pending pass's picked ids are made and copied back.
+    pick_slot: std::cell::RefCell<Option<PickSlot>>,
     /// While a serving pass is launched: where its first copy up records its start.
     pass_start: std::cell::RefCell<Option<Option<cudarc::driver::CudaEvent>>>,
 }
@@ -495,8 +493,8 @@ struct PickSlot {
 pub struct PendingPicks {
     /// The logits copied back already, and a pick per sequence (filled at collection).
     out: StepOutput,
-    /// The pick slot holding the picked ids, if any were picked.
-    picked: Option<usize>,
+    /// Whether ids were picked (they are in the runner's pick slot).
+    picked: bool,
     /// The pass's wanted rows ([`wanted_rows`](crate::forward::wanted_rows)).
     rows: Vec<Option<usize>>,
     /// Whether collecting waits for the pass (one that wants no logits is left queued).
@@ -658,8 +656,7 @@ impl CudaRunner {
             arch,
             marks: std::cell::RefCell::new(None),
             passes: std::cell::RefCell::default(),
-            pick_slots: std::cell::RefCell::new([None, None]),
-            next_pick_slot: std::cell::Cell::new(0),
+            pick_slot: std::cell::RefCell::new(None),
             pass_start: std::cell::RefCell::new(None),
         })
     }
@@ -1185,8 +1182,8 @@ impl CudaRunner {
     /// As [`CudaRunner::forward_picking`], returning once the pass is queued: the picked ids
     /// come back by a copy into page-locked memory queued behind it, which
     /// [`CudaRunner::collect_picks`] waits for. (Rows whose logits come back are copied
-    /// before this returns, so a pass with any waits for its end here.) Two passes' picks
-    /// have buffers of their own: one may be collected while the next is queued.
+    /// before this returns, so a pass with any waits for its end here.) One pass may be
+    /// pending at a time: the next reuses its buffers.
     pub fn launch_picking(
         &self,
         m: &CudaModel,
@@ -1209,20 +1206,18 @@ impl CudaRunner {
             // Queued, not waited for: its times are read after a later pass.
             let end = self.timing_event()?;
             self.passes.borrow_mut().recorded.push((start, end));
-            return Ok(PendingPicks { out, picked: None, rows, wait: false });
+            return Ok(PendingPicks { out, picked: false, rows, wait: false });
         };
         if logits.len() != rows.len() * vocab {
             return Err(run_err("the pass left other logit rows than wanted"));
         }
         let pick_of = |row: &Option<usize>| row.map(|i| picks.get(i).copied().unwrap_or_default());
-        let mut picked = None;
-        if rows.iter().any(Option::is_some) {
-            let slot = self.next_pick_slot.get();
-            self.next_pick_slot.set(1 - slot);
-            let mut slots = self.pick_slots.borrow_mut();
-            if slots[slot].as_ref().is_none_or(|s| s.dev.len() < rows.len()) {
+        let picked = rows.iter().any(Option::is_some);
+        if picked {
+            let mut slot = self.pick_slot.borrow_mut();
+            if slot.as_ref().is_none_or(|s| s.dev.len() < rows.len()) {
                 // Grown with headroom; the old buffers go first.
-                slots[slot] = None;
+                *slot = None;
                 let cap = rows.len().next_power_of_two().max(64);
                 let dev = self.stream.alloc_zeros::<i32>(cap).map_err(run_err)?;
                 // SAFETY: read only where a copy from the device wrote it (`collect_picks`
@@ -1230,9 +1225,9 @@ impl CudaRunner {
                 // write-combined: the host reads it.
                 let host =
                     unsafe { self.ctx.alloc_pinned_with_flags::<i32>(cap, 0) }.map_err(run_err)?;
-                slots[slot] = Some(PickSlot { dev, host });
+                *slot = Some(PickSlot { dev, host });
             }
-            let Some(PickSlot { dev: ids, host }) = slots[slot].as_mut() else {
+            let Some(PickSlot { dev: ids, host }) = slot.as_mut() else {
                 return Err(run_err("no pick buffers"));
             };
             let vocab_i = vocab as i32;
@@ -1265,7 +1260,6 @@ impl CudaRunner {
             }
             // The whole buffer: a copy into page-locked memory is as long as its destination.
             self.stream.memcpy_dtoh(&*ids, host).map_err(run_err)?;
-            picked = Some(slot);
         }
         // The other rows' logits, a run of consecutive rows per copy.
         let mut r = 0;
@@ -1295,9 +1289,9 @@ impl CudaRunner {
             return Ok(out);
         }
         self.stream.synchronize().map_err(run_err)?;
-        if let Some(slot) = picked {
-            let slots = self.pick_slots.borrow();
-            let Some(PickSlot { host, .. }) = slots[slot].as_ref() else {
+        if picked {
+            let slot = self.pick_slot.borrow();
+            let Some(PickSlot { host, .. }) = slot.as_ref() else {
                 return Err(run_err("the pass's pick buffers are gone"));
             };
             let ids = host.as_slice().map_err(run_err)?;
@@ -1327,12 +1321,8 @@ impl CudaRunner {
             let seconds = |a: &cudarc::driver::CudaEvent, b: &cudarc::driver::CudaEvent| {
                 a.elapsed_ms(b).map(|ms| f64::from(ms.max(0.0)) / 1e3).map_err(run_err)
             };
-            if let Some(prev) = last_end.as_ref() {
-                times.gap += seconds(prev, &start)?;
-                times.gaps += 1;
-            }
-            times.busy += seconds(&start, &end)?;
-            times.passes += 1;
+            let gap = last_end.as_ref().map(|prev| seconds(prev, &start)).transpose()?;
+            times.record(gap, seconds(&start, &end)?);
             *last_end = Some(end);
         }
         Ok(())

@@ -201,10 +201,6 @@ struct Flight {
     began: Instant,
     /// The CPU passes' profile before it.
     profile: Option<ForwardProfile>,
-    /// Whether arrivals could interrupt it.
-    armed: bool,
-    /// Whether its rows were counted as computed at its launch (overlapped).
-    marked: bool,
     /// What the scheduler judges its time by.
     context: StepContext,
 }
@@ -525,7 +521,8 @@ impl EngineCore {
             let (Some(seq), Some(st)) = (self.sched.seq(&w.id), self.reqs.get(&w.id)) else {
                 continue;
             };
-            if seq.tokens[w.start..w.start + w.len].contains(&PLACEHOLDER) {
+            let tokens = &seq.tokens[w.start..w.start + w.len];
+            if tokens.contains(&PLACEHOLDER) {
                 // Every landed token replaced its placeholder: one left is a bug, and never
                 // a token to compute.
                 let msg = "internal error: a token still to be chosen was planned".to_string();
@@ -546,7 +543,7 @@ impl EngineCore {
             work.push(Work {
                 id: w.id.clone(),
                 serial: st.serial,
-                tokens: seq.tokens[w.start..w.start + w.len].to_vec(),
+                tokens: tokens.to_vec(),
                 start: w.start,
                 table: self.sched.kv().blocks(&w.id).to_vec(),
                 logits,
@@ -609,9 +606,7 @@ impl EngineCore {
                 }
             }
         }
-        let marked = self.overlap;
-        self.in_flight =
-            Some(Flight { work, pass, began, profile, armed: self.interrupts, marked, context });
+        self.in_flight = Some(Flight { work, pass, began, profile, context });
     }
 
     /// Whether `id` is still the request a pass was launched for.
@@ -623,7 +618,7 @@ impl EngineCore {
     /// logprobs, and each finished row's next token chosen (not yet streamed). Rows of
     /// requests that ended since the launch are dropped.
     fn land(&mut self, f: Flight) -> Vec<Chosen> {
-        let Flight { work, pass, began, profile, armed, marked, context } = f;
+        let Flight { work, pass, began, profile, context } = f;
         let result = self.backend.collect(pass);
         let seconds = began.elapsed().as_secs_f64();
         let passed = Instant::now();
@@ -644,7 +639,7 @@ impl EngineCore {
         self.metrics.device_gaps.inc_by(times.gaps);
         self.metrics.device_passes.inc_by(times.passes);
         let cut = matches!(result, Err(EngineError::Interrupted));
-        if armed {
+        if self.interrupts {
             self.interrupt.end(cut);
         }
         self.sched.restore_step_context(context);
@@ -696,7 +691,8 @@ impl EngineCore {
                 self.finish(&w.id, FinishReason::Error, Some("missing logits".into()));
                 continue;
             };
-            if marked {
+            // Overlapped, its rows counted as computed at the launch.
+            if self.overlap {
                 self.sched.offer_computed(&w.id);
             } else {
                 self.sched.mark_computed(&w.id, w.tokens.len());
