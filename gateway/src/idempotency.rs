@@ -95,9 +95,10 @@ redis.call('PEXPIRE', KEYS[1], ARGV[5])
 return 1
 ";
 
-/// KEYS[1] claim hash; ARGV request id.
+/// KEYS[1] claim hash; ARGV request id, then `running` to release only a claim still running.
 const RELEASE: &str = r"
 if redis.call('HGET', KEYS[1], 'id') ~= ARGV[1] then return 0 end
+if ARGV[2] == 'running' and redis.call('HGET', KEYS[1], 'state') ~= 'running' then return 0 end
 redis.call('DEL', KEYS[1])
 return 1
 ";
@@ -294,10 +295,27 @@ impl Idempotency {
 
     /// The first request did not complete: its claim is dropped, so a retry runs anew.
     pub async fn release(&self, tenant: &str, key: &str, request_id: &str, shared: bool) {
+        self.release_if(tenant, key, request_id, shared, "any").await;
+    }
+
+    /// The Redis claim of a request whose gateway died: dropped if still running (a
+    /// completed one keeps answering retries).
+    pub async fn release_abandoned(&self, tenant: &str, key: &str, request_id: &str) {
+        self.release_if(tenant, key, request_id, true, "running").await;
+    }
+
+    async fn release_if(
+        &self,
+        tenant: &str,
+        key: &str,
+        request_id: &str,
+        shared: bool,
+        when: &str,
+    ) {
         if let Some(r) = self.redis.as_ref().filter(|_| shared) {
             let mut conn = r.conn.clone();
             let mut inv = r.release.key(Self::slot(&r.prefix, tenant, key));
-            let call = inv.arg(request_id).invoke_async::<i64>(&mut conn);
+            let call = inv.arg(request_id).arg(when).invoke_async::<i64>(&mut conn);
             match tokio::time::timeout(REDIS_TIMEOUT, call).await {
                 Ok(Ok(_)) => return,
                 Ok(Err(e)) => tracing::warn!(error = %e, "idempotency claim not released"),

@@ -12,6 +12,7 @@ pub mod door;
 pub mod drain;
 pub mod fair;
 pub mod idempotency;
+pub mod journal;
 pub mod limits;
 pub mod local;
 pub mod metrics;

@@ -38,11 +38,12 @@ use crate::catalog::Catalog;
 use crate::drain::Drain;
 use crate::fair::{FairShare, Slot};
 use crate::idempotency::{self, Claim, Idempotency, RUNNING_TTL, Stored};
+use crate::journal::{Entry, Journal, Recovery};
 use crate::limits::{Decision, LedgerUsage, Limiter, RateState, ScopeLimits, current_periods};
 use crate::local::{LocalLimiter, RedisDownPolicy};
 use crate::metrics::{GatewayMetrics, RefusalLabels, RequestLabels};
 use crate::observe::{StreamObserver, Timings};
-use crate::sink::UsageSink;
+use crate::sink::{Delivered, UsageSink};
 use crate::workers::Workers;
 
 /// The client headers forwarded to an engine; every other one is dropped.
@@ -128,6 +129,9 @@ pub struct Gateway {
     fair: Arc<FairShare>,
     /// Asks engines what they did for requests whose final count never arrived.
     http: reqwest::Client,
+    /// Requests sent to engines and not yet billed, in Redis (with the usage stream), for
+    /// another gateway to bill if this one dies.
+    journal: Option<Arc<Journal>>,
     /// The async runtime that owns the database and Redis connections.
     io: tokio::runtime::Handle,
 }
@@ -150,14 +154,31 @@ impl Gateway {
         let workers = Workers::new(&addrs, cfg.internal_token.clone());
         let catalog = Arc::new(Catalog::new(texts));
         workers.spawn_health_checks(&io, &catalog, Duration::from_millis(500), FIRST_POLL);
-        let idempotency = Idempotency::new(
+        let idempotency = Arc::new(Idempotency::new(
             limiter.as_ref().map(Limiter::shared),
             idempotency::WINDOW,
             RUNNING_TTL,
-        );
+        ));
         let served = Arc::new(Served { catalog, default_max_tokens: cfg.default_max_tokens });
+        let http = reqwest::Client::new();
+        let journal = match (&usage, &limiter) {
+            (UsageSink::Redis { stream, .. }, Some(l)) => {
+                let (conn, prefix) = l.shared();
+                let journal = Arc::new(Journal::new(conn, &prefix, stream));
+                let recovery = Recovery {
+                    sink: usage.clone(),
+                    limiter: limiter.clone(),
+                    http: http.clone(),
+                    token: cfg.internal_token.clone(),
+                    idempotency: Arc::clone(&idempotency),
+                };
+                journal.spawn(&io, recovery);
+                Some(journal)
+            }
+            _ => None,
+        };
         Self {
-            idempotency: Arc::new(idempotency),
+            idempotency,
             served,
             cfg,
             workers,
@@ -168,7 +189,8 @@ impl Gateway {
             keys: Mutex::new(HashMap::new()),
             identities: Mutex::new(HashMap::new()),
             metrics: Arc::default(),
-            http: reqwest::Client::new(),
+            http,
+            journal,
             drain: Arc::default(),
             per_client: PerClient::default(),
             fair: Arc::new(FairShare::default()),
@@ -366,6 +388,8 @@ pub struct Ctx {
     content_type: String,
     trace_id: Option<String>,
     worker: Option<String>,
+    /// In this gateway's journal (until its usage event is delivered).
+    journaled: bool,
     model_revision: Option<String>,
     tried: Vec<String>,
     /// Cancelled by the shutdown's drain.
@@ -955,23 +979,82 @@ impl Gateway {
         })
     }
 
-    async fn emit(&self, event: UsageEvent) {
+    /// Delivers a usage event; true once the stream or the ledger has it.
+    async fn emit(&self, event: UsageEvent) -> bool {
         let id = event.request_id.clone();
         // The in-process writer takes events over a channel from any runtime: no hand-off to
         // the I/O runtime and back (two thread wake-ups per request).
         if let UsageSink::Local(local) = &self.usage {
             if let Err(e) = local.emit(event).await {
                 tracing::error!(error = %e, request_id = %id, "usage event not delivered");
+                return false;
             }
-            return;
+            return true;
         }
         let sink = self.usage.clone();
         match self.on_io(async move { sink.emit(event).await }).await {
-            Ok(Ok(_)) => {}
+            Ok(Ok(delivered)) => delivered != Delivered::Retrying,
             Ok(Err(e)) => {
-                tracing::error!(error = %e, request_id = %id, "usage event not delivered")
+                tracing::error!(error = %e, request_id = %id, "usage event not delivered");
+                false
             }
-            Err(e) => tracing::error!(error = %e, request_id = %id, "usage task failed"),
+            Err(e) => {
+                tracing::error!(error = %e, request_id = %id, "usage task failed");
+                false
+            }
+        }
+    }
+
+    /// Writes the request, about to go to `ctx.worker`, into the journal: its usage event
+    /// with nothing generated yet. Without Redis it goes unjournaled (served all the same);
+    /// so does a request admitted on local limits, Redis having just failed to answer.
+    async fn journal_routed(&self, ctx: &mut Ctx) {
+        let Some(journal) = &self.journal else { return };
+        if !matches!(ctx.outcome, Outcome::Admitted { via: AdmitVia::Redis, .. }) {
+            return;
+        }
+        // The identity the catalog gives the model (the engine's response names its own).
+        let seen = ctx.model_revision.clone();
+        if seen.is_none() {
+            let model = ctx.model.as_deref().unwrap_or_default();
+            ctx.model_revision = self.served.catalog.entries().into_iter().find_map(|e| {
+                (e.id == model).then(|| e.identity["model_revision"].as_str().map(str::to_owned))?
+            });
+        }
+        let event = self.event(ctx, None, 0, 0, FinishReason::Error, None);
+        ctx.model_revision = seen;
+        let Some(event) = event else { return };
+        let entry = Entry {
+            event,
+            routed_ms: Utc::now().timestamp_millis(),
+            limit_key: ctx.key_scope.as_ref().map(|(k, _)| k.clone()),
+            claim_key: ctx.claim.as_ref().filter(|c| c.shared).and(ctx.idempotency_key.clone()),
+        };
+        let journal = Arc::clone(journal);
+        let began = Instant::now();
+        let written = self.on_io(async move { journal.write(&entry).await }).await;
+        // Part of what the gateway adds before the engine sees the request.
+        ctx.overhead += began.elapsed();
+        match written {
+            Ok(Ok(())) => ctx.journaled = true,
+            Ok(Err(e)) => tracing::warn!(error = %e, request_id = %ctx.request_id,
+                "not journaled: this request is lost to billing if this gateway dies"),
+            Err(e) => tracing::warn!(error = %e, "journal task failed"),
+        }
+    }
+
+    /// Emits the request's final event, then takes it out of the journal once delivered.
+    async fn emit_final(&self, ctx: &mut Ctx, event: UsageEvent) {
+        let delivered = self.emit(event).await;
+        if delivered
+            && std::mem::take(&mut ctx.journaled)
+            && let Some(journal) = &self.journal
+        {
+            let (journal, id) = (Arc::clone(journal), ctx.request_id.clone());
+            if let Ok(Err(e)) = self.on_io(async move { journal.forget(&id).await }).await {
+                // Billed already: a recovery would only bill it again, which billing absorbs.
+                tracing::warn!(error = %e, request_id = %ctx.request_id, "journal entry not removed");
+            }
         }
     }
 
@@ -1109,6 +1192,7 @@ impl ProxyHttp for Gateway {
             content_type: String::new(),
             trace_id: None,
             worker: None,
+            journaled: false,
             model_revision: None,
             tried: Vec::new(),
             cancelled: false,
@@ -1187,6 +1271,7 @@ impl ProxyHttp for Gateway {
         ctx.tried.push(w.addr.clone());
         ctx.worker = Some(w.addr.clone());
         self.drain.routed(&ctx.request_id, &w.addr);
+        self.journal_routed(ctx).await;
         Ok(Box::new(HttpPeer::new(w.addr.as_str(), false, String::new())))
     }
 
@@ -1439,11 +1524,13 @@ impl ProxyHttp for Gateway {
     }
 
     async fn logging(&self, session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
-        self.log_request(session, e, ctx).await;
-        self.drain.end(&ctx.request_id);
+        // The answer is out: the address's slot frees now, not after its usage event is
+        // written, or a client's next request could be refused for our ledger's latency.
         if let Some(ip) = ctx.client_ip.take() {
             self.per_client.leave(ip);
         }
+        self.log_request(session, e, ctx).await;
+        self.drain.end(&ctx.request_id);
     }
 }
 
@@ -1677,7 +1764,7 @@ impl Gateway {
             self.release_claim(ctx).await;
         }
         if let Some(ev) = self.event(ctx, Some(&timings), completion, cached, finish, error) {
-            self.emit(ev).await;
+            self.emit_final(ctx, ev).await;
         }
     }
 }

@@ -1,0 +1,273 @@
+//! A gateway SIGKILLed with requests in flight at an engine loses no usage: the other gateway
+//! finds its journal in Redis once its heartbeat stops, and bills each of those requests by
+//! what the engine did. Checked as an auditor would, per request id: every request the engine
+//! ran has exactly one row with the tokens the engine counted, the dead gateway's Redis
+//! reservations are settled (the tenant's day counter equals the ledger), its running
+//! Idempotency-Key claim is released (a retry runs, not 409), nothing is left in any journal,
+//! and `sluice audit reconcile` over the engine finds no difference.
+
+#[path = "../engine/tests/common/mod.rs"]
+mod common;
+mod support;
+
+use std::collections::HashMap;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
+use chrono::{Datelike, DurationRound};
+use serde_json::{Value, json};
+use sluice_billing::Ledger;
+use sluice_billing::prices::Rates;
+use support::{
+    ScratchDatabase, free_port, private_redis, rows_for, spawn_engine, spawn_sluice_logged,
+    tenants_with_keys, wait_healthy,
+};
+
+const MODEL_ID: &str = "smollm2-135m-instruct";
+const TOKEN: &str = "crash-internal-token";
+const JWT_SECRET: &str = "crash-secret-crash-secret-0123456";
+const STREAM: &str = "{sluice}:usage:crash";
+const TENANT: &str = "crash-a";
+
+async fn redis_cmd(url: &str, args: &[&str]) -> anyhow::Result<redis::Value> {
+    let client = redis::Client::open(url)?;
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    let mut cmd = redis::cmd(args[0]);
+    for a in &args[1..] {
+        cmd.arg(*a);
+    }
+    Ok(cmd.query_async(&mut conn).await?)
+}
+
+fn int(v: &redis::Value) -> u64 {
+    match v {
+        redis::Value::Int(n) => u64::try_from(*n).unwrap_or(0),
+        redis::Value::BulkString(b) => String::from_utf8_lossy(b).parse().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+fn uint(v: &Value) -> u64 {
+    v.as_u64().unwrap_or(0)
+}
+
+/// The engine's record of every request it ran.
+async fn outcomes(c: &reqwest::Client, engine: &str) -> anyhow::Result<Vec<Value>> {
+    let v: Value = c
+        .get(format!("http://{engine}/v1/internal/outcomes"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await?
+        .json()
+        .await?;
+    Ok(v["data"].as_array().cloned().unwrap_or_default())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateway_killed_mid_request_loses_no_usage() -> anyhow::Result<()> {
+    let model = common::default_model()?;
+    let model = model.to_str().context("utf-8")?;
+    let dir = tempfile::tempdir()?;
+    let pg = ScratchDatabase::create("crash")?;
+    let ledger = Ledger::connect(&pg.url).await?;
+    let key = tenants_with_keys(&ledger, &[TENANT], None).await?.remove(TENANT).context("key")?;
+    let (_redis, redis_url) = private_redis(dir.path()).await?;
+
+    let (_engine, engine) =
+        spawn_engine(model, TOKEN, "64", &[], Some(&dir.path().join("engine.log")))?;
+    let billing_args = ["billing", "--database-url", &pg.url, "--redis-url", &redis_url]
+        .into_iter()
+        .chain(["--listen", "127.0.0.1:0", "--consumer", "crash-1", "--usage-stream", STREAM])
+        .collect::<Vec<_>>();
+    let (_billing, billing) = spawn_sluice_logged(
+        &billing_args,
+        &[("SLUICE_JWT_SECRET", JWT_SECRET)],
+        &dir.path().join("billing.log"),
+    )?;
+    let gateway = |name: &str| -> anyhow::Result<(support::Proc, String)> {
+        let listen = format!("127.0.0.1:{}", free_port()?);
+        let args = ["gateway", "--plain-http", "--listen", &listen, "--model", model]
+            .into_iter()
+            .chain(["--engine", &engine, "--redis-url", &redis_url, "--usage-stream", STREAM])
+            .collect::<Vec<_>>();
+        let envs = [("SLUICE_DATABASE_URL", pg.url.as_str()), ("SLUICE_INTERNAL_TOKEN", TOKEN)];
+        spawn_sluice_logged(&args, &envs, &dir.path().join(format!("{name}.log")))
+    };
+    let (mut doomed, a) = gateway("gateway-a")?;
+    let (_survivor, b) = gateway("gateway-b")?;
+    let c = reqwest::Client::builder().timeout(Duration::from_secs(120)).build()?;
+    wait_healthy(&c, &format!("http://{engine}/health")).await?;
+    for g in [&a, &b] {
+        wait_healthy(&c, &format!("http://{g}/readyz")).await?;
+    }
+
+    // One request through A that completes: billed by A itself.
+    let r = c
+        .post(format!("http://{a}/v1/completions"))
+        .bearer_auth(&key)
+        .json(&json!({"model": MODEL_ID, "prompt": "Hello", "max_tokens": 4}))
+        .send()
+        .await?;
+    ensure!(r.status() == 200, "a first request: {}", r.status());
+    let served = r.headers()["x-sluice-request-id"].to_str()?.to_owned();
+
+    // Long requests through A, running at the engine when A dies: three streamed (one with an
+    // Idempotency-Key) and one whole answer (its client never learns its request id).
+    let long = |stream: bool| {
+        json!({"model": MODEL_ID, "prompt": "Tell a long story about a river.",
+            "max_tokens": 300, "ignore_eos": true, "stream": stream})
+    };
+    let mut streams = Vec::new();
+    for i in 0..3 {
+        let mut req = c.post(format!("http://{a}/v1/completions")).bearer_auth(&key);
+        if i == 0 {
+            req = req.header("Idempotency-Key", "crash-retry-1");
+        }
+        let mut r = req.json(&long(true)).send().await?;
+        ensure!(r.status() == 200, "stream {i}: {}", r.status());
+        let id = r.headers()["x-sluice-request-id"].to_str()?.to_owned();
+        // Its first tokens arrived: it runs at the engine.
+        r.chunk().await?.context("a stream with no first chunk")?;
+        streams.push((id, r));
+    }
+    let whole = {
+        let req = c.post(format!("http://{a}/v1/completions")).bearer_auth(&key).json(&long(false));
+        tokio::spawn(async move { req.send().await.map(|r| r.status()) })
+    };
+    // All four run at the engine (the whole one too) before A dies.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let running =
+            outcomes(&c, &engine).await?.iter().filter(|o| o["state"] == "running").count();
+        if running == 4 {
+            break;
+        }
+        ensure!(Instant::now() < deadline, "{running} requests running at the engine, not 4");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    doomed.0.kill()?;
+    doomed.0.wait()?;
+    let killed = Instant::now();
+    // What each stream's client received before the connection broke.
+    let mut received = HashMap::new();
+    for (id, mut r) in streams {
+        let mut text = String::new();
+        while let Ok(Some(chunk)) = r.chunk().await {
+            text.push_str(&String::from_utf8_lossy(&chunk));
+        }
+        ensure!(!text.contains("[DONE]"), "{id} completed before the kill");
+        received.insert(id, text);
+    }
+    ensure!(whole.await?.is_err(), "the whole answer came through a gateway that was killed");
+
+    // Every request the engine ran for the tenant, once it has ended them all.
+    let outcomes = loop {
+        let data = outcomes(&c, &engine).await?;
+        if data.iter().all(|o| o["state"] == "finished") {
+            break data;
+        }
+        ensure!(killed.elapsed() < Duration::from_secs(60), "the engine still runs: {data:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    ensure!(outcomes.len() == 5, "the engine ran {} requests: {outcomes:?}", outcomes.len());
+    let ids: Vec<&str> = outcomes.iter().filter_map(|o| o["request_id"].as_str()).collect();
+    // Billed within the heartbeat's expiry and a sweep.
+    let rows = rows_for(&ledger, &ids, Duration::from_secs(60)).await?;
+    let recovered_after = killed.elapsed();
+    for o in &outcomes {
+        let id = o["request_id"].as_str().unwrap_or_default();
+        let mine = &rows[id];
+        ensure!(mine.len() == 1, "{id} has {} rows", mine.len());
+        let row = &mine[0];
+        ensure!(row["tenant_id"] == TENANT, "{id}: {row:?}");
+        ensure!(
+            uint(&row["completion_tokens"]) == uint(&o["completion_tokens"])
+                && uint(&row["prompt_tokens"]) == uint(&o["prompt_tokens"]),
+            "{id}: the ledger has {} + {} tokens, the engine counted {} + {}",
+            row["prompt_tokens"],
+            row["completion_tokens"],
+            o["prompt_tokens"],
+            o["completion_tokens"]
+        );
+        let lost = id != served;
+        ensure!(
+            (row["error_type"] == "gateway_lost") == lost,
+            "{id}: error_type {} (in flight at the kill: {lost})",
+            row["error_type"]
+        );
+        if lost {
+            ensure!(uint(&o["completion_tokens"]) > 0, "{id} generated nothing: {o}");
+            ensure!(row["http_status"] == 200, "{id}: {row:?}");
+            let rates = Rates {
+                input: uint(&row["price_input_micros"]),
+                cached_input: uint(&row["price_cached_input_micros"]),
+                output: uint(&row["price_output_micros"]),
+            };
+            let cost = rates.charge(
+                200,
+                uint(&row["prompt_tokens"]),
+                uint(&row["cached_prompt_tokens"]),
+                uint(&row["completion_tokens"]),
+            );
+            ensure!(cost > 0 && uint(&row["cost_micros"]) == cost, "{id}: {row:?}");
+            ensure!(row["model_revision"] != "unknown", "{id}: {row:?}");
+        }
+    }
+    // The streams' clients received no more than the engine counted.
+    for (id, text) in &received {
+        let chunks = text.matches("\"text\"").count() as u64;
+        let counted = outcomes
+            .iter()
+            .find(|o| o["request_id"] == id.as_str())
+            .map_or(0, |o| uint(&o["completion_tokens"]));
+        ensure!(chunks <= counted, "{id}: {chunks} chunks received, {counted} counted");
+    }
+
+    // The dead gateway's reservations were settled with what was used: the tenant's day
+    // counter equals the ledger's, nothing is left reserved or journaled.
+    let day_start = chrono::Utc::now().duration_trunc(chrono::TimeDelta::days(1))?;
+    let month_start = day_start.with_day(1).context("month")?;
+    let (day, _) = ledger.tokens_used(TENANT, None, day_start, month_start).await?;
+    let tag = format!("{{sluice:t:{TENANT}}}");
+    let counter = int(&redis_cmd(&redis_url, &["HGET", &format!("{tag}:windows"), "day_n"]).await?);
+    let reserved = int(&redis_cmd(&redis_url, &["HLEN", &format!("{tag}:reservations")]).await?);
+    ensure!(reserved == 0, "{reserved} reservations left in Redis");
+    ensure!(counter == day, "Redis counts {counter} tokens today, the ledger {day}");
+    let journals = redis_cmd(&redis_url, &["KEYS", "sluice:journal:*"]).await?;
+    ensure!(journals == redis::Value::Array(vec![]), "journals left: {journals:?}");
+
+    // The key's claim was released: a retry through B runs (and is billed) anew.
+    let r = c
+        .post(format!("http://{b}/v1/completions"))
+        .bearer_auth(&key)
+        .header("Idempotency-Key", "crash-retry-1")
+        .json(&long(true))
+        .send()
+        .await?;
+    ensure!(r.status() == 200, "a retry of the lost request's key: {}", r.status());
+    let retry = r.headers()["x-sluice-request-id"].to_str()?.to_owned();
+    let text = r.text().await?;
+    ensure!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let rows = rows_for(&ledger, &[retry.as_str()], Duration::from_secs(30)).await?;
+    ensure!(rows[&retry][0]["completion_tokens"] == 300, "{:?}", rows[&retry]);
+
+    // The auditor's reconciliation over the engine agrees.
+    let auditor = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["admin", "token", "--role", "auditor", "--sub", "crash"])
+        .env("SLUICE_JWT_SECRET", JWT_SECRET)
+        .output()?;
+    let auditor = String::from_utf8(auditor.stdout)?.trim().to_owned();
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["audit", "reconcile", "--since", "1h", "--engine", &engine])
+        .env("SLUICE_ADMIN_URL", format!("http://{billing}"))
+        .env("SLUICE_ADMIN_TOKEN", &auditor)
+        .env("SLUICE_INTERNAL_TOKEN", TOKEN)
+        .output()?;
+    let report = String::from_utf8_lossy(&out.stdout).into_owned();
+    ensure!(out.status.success(), "reconcile:\n{report}\n{}", String::from_utf8_lossy(&out.stderr));
+    eprintln!("recovered {} requests {recovered_after:?} after the kill\n{report}", ids.len() - 1);
+    ledger.close().await;
+    Ok(())
+}
