@@ -237,6 +237,18 @@ async fn a_gateway_killed_mid_request_loses_no_usage() -> anyhow::Result<()> {
     ensure!(counter == day, "Redis counts {counter} tokens today, the ledger {day}");
     let journals = redis_cmd(&redis_url, &["KEYS", "sluice:journal:*"]).await?;
     ensure!(journals == redis::Value::Array(vec![]), "journals left: {journals:?}");
+    // B says so on its metrics.
+    let log = std::fs::read_to_string(dir.path().join("gateway-b.log"))?;
+    let metrics = log
+        .lines()
+        .find_map(|l| l.strip_prefix("metrics on "))
+        .context("gateway B's metrics address")?;
+    let text = c.get(metrics).send().await?.text().await?;
+    let recovered = text
+        .lines()
+        .find_map(|l| l.strip_prefix("sluice_gateway_journal_recovered_total "))
+        .context("no journal_recovered metric")?;
+    ensure!(recovered.trim() == "4", "gateway B recovered {recovered}");
 
     // The key's claim was released: a retry through B runs (and is billed) anew.
     let r = c

@@ -24,6 +24,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::Utc;
+use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use sluice_billing::prices::Rates;
 use sluice_billing::redis_conn::RedisConn;
@@ -51,6 +52,9 @@ pub const GIVE_UP: Duration = Duration::from_secs(15 * 60);
 
 /// How long the recovery waits on an engine for a request still running.
 const OUTCOME_WAIT: Duration = Duration::from_secs(5);
+
+/// Entries whose engines are asked at once.
+const AT_ONCE: usize = 32;
 
 /// The error type of a recovered row.
 pub const GATEWAY_LOST: &str = "gateway_lost";
@@ -91,13 +95,17 @@ pub struct Recovery {
     pub token: Option<String>,
     /// The idempotency claims released.
     pub idempotency: Arc<Idempotency>,
+    /// Counts the requests billed.
+    pub recovered: prometheus_client::metrics::counter::Counter,
 }
 
 /// What came of one entry.
 #[derive(Debug, PartialEq, Eq)]
 enum Settled {
-    /// Billed (or not billable): removed.
-    Done,
+    /// Its event delivered: removed.
+    Billed,
+    /// Not billable (unreadable, or refused by the ledger's checks): removed.
+    Dropped,
     /// Tried again at a later sweep.
     Later,
 }
@@ -205,7 +213,10 @@ impl Journal {
                 tokio::time::sleep(SWEEP_EVERY).await;
                 match me.sweep(&recovery).await {
                     Ok(0) => {}
-                    Ok(n) => tracing::info!(billed = n, "recovered a dead gateway's requests"),
+                    Ok(n) => {
+                        recovery.recovered.inc_by(n as u64);
+                        tracing::info!(billed = n, "recovered a dead gateway's requests")
+                    }
                     Err(e) => tracing::warn!(error = %e, "sweeping dead gateways' journals failed"),
                 }
             }
@@ -255,20 +266,28 @@ impl Journal {
         let key = self.journal_key(gw);
         let entries: HashMap<String, String> =
             timed(redis::cmd("HGETALL").arg(&key).query_async(&mut conn)).await?;
+        // Engines asked at once (one still running a request waits up to OUTCOME_WAIT).
+        let settled: Vec<(String, Settled)> = futures_util::stream::iter(entries)
+            .map(|(id, json)| async move {
+                let settled = match serde_json::from_str::<Entry>(&json) {
+                    Ok(entry) => settle(entry, recovery).await,
+                    Err(e) => {
+                        tracing::error!(request_id = %id, gateway = %gw, error = %e,
+                            "a journal entry is unreadable; it cannot be billed");
+                        Settled::Dropped
+                    }
+                };
+                (id, settled)
+            })
+            .buffer_unordered(AT_ONCE)
+            .collect()
+            .await;
         let mut billed = 0;
-        for (id, json) in &entries {
-            let settled = match serde_json::from_str::<Entry>(json) {
-                Ok(entry) => settle(entry, recovery).await,
-                Err(e) => {
-                    tracing::error!(request_id = %id, gateway = %gw, error = %e,
-                        "a journal entry is unreadable; it cannot be billed");
-                    Settled::Done
-                }
-            };
-            if settled == Settled::Done {
-                timed(redis::cmd("HDEL").arg(&key).arg(id).query_async::<()>(&mut conn)).await?;
-                billed += 1;
+        for (id, settled) in settled {
+            if settled != Settled::Later {
+                timed(redis::cmd("HDEL").arg(&key).arg(&id).query_async::<()>(&mut conn)).await?;
             }
+            billed += usize::from(settled == Settled::Billed);
         }
         let left: u64 = timed(redis::cmd("HLEN").arg(&key).query_async(&mut conn)).await?;
         if left == 0 {
@@ -317,6 +336,8 @@ async fn settle(mut entry: Entry, recovery: &Recovery) -> Settled {
     ev.http_status = status;
     ev.error_type = Some(GATEWAY_LOST.to_owned());
     ev.client_disconnected = false;
+    // Nothing was observed at a gateway: no latency is claimed.
+    ev.e2e_ms = None;
     let rates = Rates {
         input: ev.price_input_micros,
         cached_input: ev.price_cached_input_micros,
@@ -330,7 +351,7 @@ async fn settle(mut entry: Entry, recovery: &Recovery) -> Settled {
         Ok(Delivered::Retrying) => return Settled::Later,
         Err(e) => {
             tracing::error!(request_id = %id, error = %e, "a recovered usage event was refused");
-            return Settled::Done;
+            return Settled::Dropped;
         }
     }
     if let Some(l) = &recovery.limiter
@@ -341,7 +362,7 @@ async fn settle(mut entry: Entry, recovery: &Recovery) -> Settled {
     if let Some(key) = &entry.claim_key {
         recovery.idempotency.release_abandoned(&tenant, key, &id).await;
     }
-    Settled::Done
+    Settled::Billed
 }
 
 /// The engine's outcome of `id`: `None` when it has no record of it.

@@ -44,6 +44,10 @@ pub struct GatewayMetrics {
     pub overhead: Histogram,
     /// Idempotent retries answered with the stored response.
     pub idempotent_replays: Counter,
+    /// Writing a request's journal entry before it goes upstream (part of `overhead`).
+    pub journal_write: Histogram,
+    /// Requests of dead gateways billed from their journals by this one.
+    pub journal_recovered: Counter,
 }
 
 fn seconds() -> impl Iterator<Item = f64> {
@@ -64,9 +68,20 @@ impl Default for GatewayMetrics {
         let itl = Histogram::new(seconds());
         let e2e = Histogram::new(seconds());
         // The overhead is microseconds to a few milliseconds.
-        let overhead = Histogram::new([
-            0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.002, 0.005, 0.01, 0.05,
-        ]);
+        let fine = [0.00005, 0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.002, 0.005, 0.01, 0.05];
+        let overhead = Histogram::new(fine);
+        let journal_write = Histogram::new(fine);
+        let journal_recovered = Counter::default();
+        registry.register(
+            "journal_write_seconds",
+            "Writing a request's journal entry to Redis before it goes upstream",
+            journal_write.clone(),
+        );
+        registry.register(
+            "journal_recovered",
+            "Requests of dead gateways billed from their journals",
+            journal_recovered.clone(),
+        );
         registry.register("requests", "Requests by HTTP status and tenant tier", requests.clone());
         registry.register("admission_refusals", "Admission refusals by reason", refusals.clone());
         let idempotent_replays = Counter::default();
@@ -100,7 +115,19 @@ impl Default for GatewayMetrics {
             "The gateway's own time before going upstream",
             overhead.clone(),
         );
-        Self { registry, requests, refusals, ttft, tpot, itl, e2e, overhead, idempotent_replays }
+        Self {
+            registry,
+            requests,
+            refusals,
+            ttft,
+            tpot,
+            itl,
+            e2e,
+            overhead,
+            idempotent_replays,
+            journal_write,
+            journal_recovered,
+        }
     }
 }
 

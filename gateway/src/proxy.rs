@@ -161,6 +161,7 @@ impl Gateway {
         ));
         let served = Arc::new(Served { catalog, default_max_tokens: cfg.default_max_tokens });
         let http = reqwest::Client::new();
+        let metrics = Arc::new(GatewayMetrics::default());
         let journal = match (&usage, &limiter) {
             (UsageSink::Redis { stream, .. }, Some(l)) => {
                 let (conn, prefix) = l.shared();
@@ -171,6 +172,7 @@ impl Gateway {
                     http: http.clone(),
                     token: cfg.internal_token.clone(),
                     idempotency: Arc::clone(&idempotency),
+                    recovered: metrics.journal_recovered.clone(),
                 };
                 journal.spawn(&io, recovery);
                 Some(journal)
@@ -188,7 +190,7 @@ impl Gateway {
             usage,
             keys: Mutex::new(HashMap::new()),
             identities: Mutex::new(HashMap::new()),
-            metrics: Arc::default(),
+            metrics,
             http,
             journal,
             drain: Arc::default(),
@@ -1035,6 +1037,7 @@ impl Gateway {
         let written = self.on_io(async move { journal.write(&entry).await }).await;
         // Part of what the gateway adds before the engine sees the request.
         ctx.overhead += began.elapsed();
+        self.metrics.journal_write.observe(began.elapsed().as_secs_f64());
         match written {
             Ok(Ok(())) => ctx.journaled = true,
             Ok(Err(e)) => tracing::warn!(error = %e, request_id = %ctx.request_id,
@@ -1051,9 +1054,19 @@ impl Gateway {
             && let Some(journal) = &self.journal
         {
             let (journal, id) = (Arc::clone(journal), ctx.request_id.clone());
-            if let Ok(Err(e)) = self.on_io(async move { journal.forget(&id).await }).await {
-                // Billed already: a recovery would only bill it again, which billing absorbs.
-                tracing::warn!(error = %e, request_id = %ctx.request_id, "journal entry not removed");
+            let first = Arc::clone(&journal);
+            let removed = self.on_io(async move { first.forget(&id).await.map_err(|_| id) }).await;
+            if let Ok(Err(id)) = removed {
+                // Redis is away: tried again in the background, so a live gateway's journal
+                // does not keep it (billed already, a recovery would only bill it again,
+                // which billing absorbs).
+                self.io.spawn(async move {
+                    let mut delay = Duration::from_millis(500);
+                    while journal.forget(&id).await.is_err() && delay < FORGET_FOR {
+                        tokio::time::sleep(delay).await;
+                        delay *= 2;
+                    }
+                });
             }
         }
     }
@@ -1113,6 +1126,10 @@ struct EngineOutcome {
     completion_tokens: u64,
     cached_tokens: u64,
 }
+
+/// About how long removing a delivered request's journal entry is retried (doubling waits
+/// from 0.5 s).
+const FORGET_FOR: Duration = Duration::from_secs(300);
 
 /// How long a failed settlement of a Redis reservation is retried before it is left to expire.
 const SETTLE_RETRY_FOR: Duration = Duration::from_secs(120);
