@@ -59,6 +59,11 @@ pub struct BenchGatewayArgs {
     /// Print JSON lines instead of a table.
     #[arg(long)]
     json: bool,
+    /// The multi-machine path: limits, the usage stream and the in-flight journal in this
+    /// Redis (a stream of the run's own, deleted at the end), instead of in-process limits
+    /// and the embedded ledger's writer.
+    #[arg(long)]
+    redis_url: Option<String>,
 }
 
 /// Where the threads run.
@@ -313,6 +318,8 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
     // The gateway's own I/O runtime (ledger, usage writer, health checks), apart from the
     // engine's HTTP server, so the layout can place each.
     let gw_io = IoRuntime::named("sluice-gw-io")?;
+    let redis_url = args.redis_url.clone();
+    let stream = format!("{{bench}}:usage:{}", uuid::Uuid::new_v4().simple());
     let (ledger, usage, key) = gw_io.handle.block_on(async {
         let ledger = Ledger::connect(&db).await?;
         let ops = Principal { actor: "bench".into(), role: Role::Ops, tenant: None };
@@ -324,8 +331,13 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
         };
         ledger.create_tenant(&ops, &new).await?;
         let (_, key) = ledger.issue_key(&ops, "bench", None, None, Default::default()).await?;
-        // As in `sluice up`: the usage writer at background priority on a thread of its own.
-        anyhow::Ok((ledger, Usage::local(&db).await?, key))
+        let usage = match &redis_url {
+            Some(url) => Usage::connect(&ledger, &db, Some(url), &stream).await?,
+            // As in `sluice up`: the usage writer at background priority on a thread of its
+            // own.
+            None => Usage::local(&db).await?,
+        };
+        anyhow::Ok((ledger, usage, key))
     })?;
     let gw_port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let gw_addr = format!("127.0.0.1:{gw_port}");
@@ -395,12 +407,23 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
     let stopped = proxy.join();
     finish(&gw_io, usage.ingest.as_deref(), &usage.sink, &ledger)?;
     let _ = std::fs::remove_dir_all(&dir);
+    if let Some(url) = &redis_url {
+        // The run's events are not billed anywhere.
+        gw_io.handle.block_on(async {
+            let mut conn =
+                redis::Client::open(url.as_str())?.get_multiplexed_async_connection().await?;
+            redis::cmd("DEL").arg(&stream).query_async::<()>(&mut conn).await
+        })?;
+    }
     match stopped {
         Ok(r) => r.context("running the gateway")?,
         Err(_) => anyhow::bail!("the gateway's thread panicked"),
     }
     if args.json {
-        println!("{}", serde_json::json!({"layout": layout, "cpus": cpus}));
+        println!(
+            "{}",
+            serde_json::json!({"layout": layout, "cpus": cpus, "redis": redis_url.is_some()})
+        );
         for (d, g) in &points {
             println!("{}", serde_json::to_string(d)?);
             println!("{}", serde_json::to_string(g)?);
@@ -420,6 +443,14 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
                 &cpus[..cpus.len().saturating_sub(1)]
             ),
             Layout::Shared => format!("shared (no pinning, {} CPUs)", cpus.len()),
+        }
+    );
+    println!(
+        "usage and limits: {}",
+        if redis_url.is_some() {
+            "Redis (shared limits, the usage stream, the in-flight journal)"
+        } else {
+            "in-process limits, the embedded ledger's writer"
         }
     );
     println!(

@@ -7,10 +7,11 @@ use std::process::Command;
 use anyhow::{Context, ensure};
 use serde_json::Value;
 
-fn bench(layout: &str) -> anyhow::Result<Vec<Value>> {
+fn bench(layout: &str, extra: &[&str]) -> anyhow::Result<Vec<Value>> {
     let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
         .args(["bench", "gateway", "--rates", "100", "--seconds", "0.5", "--rounds", "2"])
         .args(["--layout", layout, "--json"])
+        .args(extra)
         .output()?;
     ensure!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     String::from_utf8(out.stdout)?
@@ -39,10 +40,16 @@ fn check(lines: &[Value], layout: &str) -> anyhow::Result<()> {
 
 #[test]
 fn bench_gateway_measures_both_paths_in_alternating_rounds() -> anyhow::Result<()> {
-    check(&bench("shared")?, "shared")?;
+    let lines = bench("shared", &[])?;
+    check(&lines, "shared")?;
+    ensure!(lines[0]["redis"] == false, "{}", lines[0]);
     if std::thread::available_parallelism()?.get() >= 2 {
-        check(&bench("isolated")?, "isolated")?;
+        check(&bench("isolated", &[])?, "isolated")?;
     }
+    // The multi-machine path: Redis limits, usage stream and journal.
+    let lines = bench("shared", &["--redis-url", "redis://127.0.0.1:6379"])?;
+    check(&lines, "shared")?;
+    ensure!(lines[0]["redis"] == true, "{}", lines[0]);
     let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
         .args(["bench", "gateway", "--rounds", "0"])
         .output()?;

@@ -53,6 +53,12 @@ pub const GIVE_UP: Duration = Duration::from_secs(15 * 60);
 /// How long the recovery waits on an engine for a request still running.
 const OUTCOME_WAIT: Duration = Duration::from_secs(5);
 
+/// Delivered requests removed from the journal in one command at most.
+const FORGET_BATCH: usize = 512;
+
+/// About how long removing delivered requests is retried (doubling waits from 0.5 s).
+const FORGET_FOR: Duration = Duration::from_secs(300);
+
 /// Entries whose engines are asked at once.
 const AT_ONCE: usize = 32;
 
@@ -76,6 +82,9 @@ pub struct Entry {
 /// This gateway's journal, and its part in recovering others'.
 pub struct Journal {
     conn: RedisConn,
+    /// Delivered requests whose entries are removed in the background, in batches.
+    delivered: tokio::sync::mpsc::UnboundedSender<String>,
+    to_forget: std::sync::Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<String>>>,
     prefix: String,
     /// The usage stream: gateways recover only the journals of those billing through theirs.
     stream: String,
@@ -131,8 +140,11 @@ impl Journal {
     /// A journal under `prefix` (the limits' prefix) among the gateways that send usage to
     /// `stream`, with a fresh id for this process.
     pub fn new(conn: RedisConn, prefix: &str, stream: &str) -> Self {
+        let (delivered, to_forget) = tokio::sync::mpsc::unbounded_channel();
         Self {
             conn,
+            delivered,
+            to_forget: std::sync::Mutex::new(Some(to_forget)),
             prefix: prefix.to_owned(),
             stream: stream.to_owned(),
             id: uuid::Uuid::new_v4().simple().to_string(),
@@ -175,11 +187,36 @@ impl Journal {
         timed(cmd.query_async::<()>(&mut conn)).await
     }
 
-    /// A request whose event has been delivered.
-    pub async fn forget(&self, request_id: &str) -> redis::RedisResult<()> {
+    /// Requests whose events have been delivered.
+    pub async fn forget(&self, request_ids: &[String]) -> redis::RedisResult<()> {
         let mut conn = self.conn.clone();
-        let cmd = redis::cmd("HDEL").arg(self.journal_key(&self.id)).arg(request_id).clone();
+        let cmd = redis::cmd("HDEL").arg(self.journal_key(&self.id)).arg(request_ids).clone();
         timed(cmd.query_async::<()>(&mut conn)).await
+    }
+
+    /// A request whose event has been delivered, removed in the background with others (no
+    /// wait on the request's path; were this gateway to die first, its recovery would bill
+    /// the request again, which billing absorbs).
+    pub fn forget_later(&self, request_id: String) {
+        let _ = self.delivered.send(request_id);
+    }
+
+    /// Removes what [`Journal::forget_later`] was given, in batches; a batch Redis refuses is
+    /// tried again for about [`FORGET_FOR`].
+    async fn forget_delivered(&self, mut rx: tokio::sync::mpsc::UnboundedReceiver<String>) {
+        let mut batch = Vec::new();
+        while rx.recv_many(&mut batch, FORGET_BATCH).await > 0 {
+            let mut delay = Duration::from_millis(500);
+            while let Err(e) = self.forget(&batch).await {
+                if delay > FORGET_FOR {
+                    tracing::warn!(error = %e, entries = batch.len(), "delivered requests left in the journal");
+                    break;
+                }
+                tokio::time::sleep(delay).await;
+                delay *= 2;
+            }
+            batch.clear();
+        }
     }
 
     /// Says this gateway is alive.
@@ -198,6 +235,11 @@ impl Journal {
 
     /// Beats and sweeps on `io` for as long as the process lives.
     pub fn spawn(self: &Arc<Self>, io: &tokio::runtime::Handle, recovery: Recovery) {
+        let taken = self.to_forget.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(rx) = taken {
+            let me = Arc::clone(self);
+            io.spawn(async move { me.forget_delivered(rx).await });
+        }
         let me = Arc::clone(self);
         io.spawn(async move {
             loop {

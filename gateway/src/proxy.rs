@@ -1053,21 +1053,7 @@ impl Gateway {
             && std::mem::take(&mut ctx.journaled)
             && let Some(journal) = &self.journal
         {
-            let (journal, id) = (Arc::clone(journal), ctx.request_id.clone());
-            let first = Arc::clone(&journal);
-            let removed = self.on_io(async move { first.forget(&id).await.map_err(|_| id) }).await;
-            if let Ok(Err(id)) = removed {
-                // Redis is away: tried again in the background, so a live gateway's journal
-                // does not keep it (billed already, a recovery would only bill it again,
-                // which billing absorbs).
-                self.io.spawn(async move {
-                    let mut delay = Duration::from_millis(500);
-                    while journal.forget(&id).await.is_err() && delay < FORGET_FOR {
-                        tokio::time::sleep(delay).await;
-                        delay *= 2;
-                    }
-                });
-            }
+            journal.forget_later(ctx.request_id.clone());
         }
     }
 
@@ -1126,10 +1112,6 @@ struct EngineOutcome {
     completion_tokens: u64,
     cached_tokens: u64,
 }
-
-/// About how long removing a delivered request's journal entry is retried (doubling waits
-/// from 0.5 s).
-const FORGET_FOR: Duration = Duration::from_secs(300);
 
 /// How long a failed settlement of a Redis reservation is retried before it is left to expire.
 const SETTLE_RETRY_FOR: Duration = Duration::from_secs(120);
