@@ -412,7 +412,9 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
         gw_io.handle.block_on(async {
             let mut conn =
                 redis::Client::open(url.as_str())?.get_multiplexed_async_connection().await?;
-            redis::cmd("DEL").arg(&stream).query_async::<()>(&mut conn).await
+            // Its gateway's entry in the journal's list, which no other gateway would sweep.
+            let members = format!("sluice:gateways:{stream}");
+            redis::cmd("DEL").arg(&stream).arg(members).query_async::<()>(&mut conn).await
         })?;
     }
     match stopped {

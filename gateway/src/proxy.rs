@@ -1661,7 +1661,7 @@ impl Gateway {
             if let Some(ev) =
                 self.event(ctx, Some(&t), 0, 0, reason, Some(format!("http_{status}")))
             {
-                self.emit(ev).await;
+                self.emit_final(ctx, ev).await;
             }
             return;
         }
