@@ -358,6 +358,7 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
         usage.sink.clone(),
         gw_io.handle.clone(),
     );
+    let journal = gateway.journal();
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let listen = gw_addr.clone();
     let proxy = std::thread::spawn(move || {
@@ -405,7 +406,7 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
     })?;
     let _ = stop_tx.send(true);
     let stopped = proxy.join();
-    finish(&gw_io, usage.ingest.as_deref(), &usage.sink, &ledger)?;
+    finish(&gw_io, usage.ingest.as_deref(), &usage.sink, journal.as_deref(), &ledger)?;
     let _ = std::fs::remove_dir_all(&dir);
     if let Some(url) = &redis_url {
         // The run's events are not billed anywhere.

@@ -133,8 +133,9 @@ pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
     eprintln!("metrics on http://{metrics}/metrics");
     std::io::stdout().flush()?;
     let tls_ref = tls.as_ref().map(|(c, k)| (c.as_path(), k.as_path()));
+    let journal = gateway.journal();
     run_proxy(gateway, &args.listen, tls_ref, args.front.drain(), token)?;
-    finish(&io, ingest.as_deref(), &sink, &ledger)?;
+    finish(&io, ingest.as_deref(), &sink, journal.as_deref(), &ledger)?;
     eprintln!("shut down");
     Ok(())
 }
@@ -511,8 +512,9 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     println!("ready");
     std::io::stdout().flush()?;
     let tls_ref = tls.as_ref().map(|(_, c, k)| (c.as_path(), k.as_path()));
+    let journal = gateway.journal();
     run_proxy(gateway, &args.listen, tls_ref, args.front.drain(), Some(internal_token))?;
-    finish(&io, usage.ingest.as_deref(), &usage.sink, &ledger)?;
+    finish(&io, usage.ingest.as_deref(), &usage.sink, journal.as_deref(), &ledger)?;
     eprintln!("shut down");
     Ok(())
 }

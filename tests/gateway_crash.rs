@@ -52,6 +52,20 @@ fn uint(v: &Value) -> u64 {
     v.as_u64().unwrap_or(0)
 }
 
+/// How many usage events the stream holds for each request id.
+async fn events_per_request(url: &str) -> anyhow::Result<HashMap<String, usize>> {
+    let mut conn = redis::Client::open(url)?.get_multiplexed_async_connection().await?;
+    let reply: redis::streams::StreamRangeReply =
+        redis::cmd("XRANGE").arg(STREAM).arg("-").arg("+").query_async(&mut conn).await?;
+    let mut sent = HashMap::new();
+    for e in &reply.ids {
+        let json: String = e.get("event").context("a stream entry without its event")?;
+        let v: Value = serde_json::from_str(&json)?;
+        *sent.entry(v["request_id"].as_str().unwrap_or_default().to_owned()).or_default() += 1;
+    }
+    Ok(sent)
+}
+
 /// The engine's record of every request it ran.
 async fn outcomes(c: &reqwest::Client, engine: &str) -> anyhow::Result<Vec<Value>> {
     let v: Value = c
@@ -75,7 +89,7 @@ async fn a_gateway_killed_mid_request_loses_no_usage() -> anyhow::Result<()> {
     let (_redis, redis_url) = private_redis(dir.path()).await?;
 
     let (_engine, engine) =
-        spawn_engine(model, TOKEN, "64", &[], Some(&dir.path().join("engine.log")))?;
+        spawn_engine(model, TOKEN, "256", &[], Some(&dir.path().join("engine.log")))?;
     let billing_args = ["billing", "--database-url", &pg.url, "--redis-url", &redis_url]
         .into_iter()
         .chain(["--listen", "127.0.0.1:0", "--consumer", "crash-1", "--usage-stream", STREAM])
@@ -116,7 +130,7 @@ async fn a_gateway_killed_mid_request_loses_no_usage() -> anyhow::Result<()> {
     // Idempotency-Key) and one whole answer (its client never learns its request id).
     let long = |stream: bool| {
         json!({"model": MODEL_ID, "prompt": "Tell a long story about a river.",
-            "max_tokens": 300, "ignore_eos": true, "stream": stream})
+            "max_tokens": 1000, "ignore_eos": true, "stream": stream})
     };
     let mut streams = Vec::new();
     for i in 0..3 {
@@ -176,8 +190,11 @@ async fn a_gateway_killed_mid_request_loses_no_usage() -> anyhow::Result<()> {
     // Billed within the heartbeat's expiry and a sweep.
     let rows = rows_for(&ledger, &ids, Duration::from_secs(60)).await?;
     let recovered_after = killed.elapsed();
+    // Each was sent to billing once: by A, or by B's recovery.
+    let sent = events_per_request(&redis_url).await?;
     for o in &outcomes {
         let id = o["request_id"].as_str().unwrap_or_default();
+        ensure!(sent.get(id) == Some(&1), "{id} was sent {:?} times", sent.get(id));
         let mine = &rows[id];
         ensure!(mine.len() == 1, "{id} has {} rows", mine.len());
         let row = &mine[0];
@@ -229,10 +246,20 @@ async fn a_gateway_killed_mid_request_loses_no_usage() -> anyhow::Result<()> {
     // counter equals the ledger's, nothing is left reserved or journaled.
     let day_start = chrono::Utc::now().duration_trunc(chrono::TimeDelta::days(1))?;
     let month_start = day_start.with_day(1).context("month")?;
-    let (day, _) = ledger.tokens_used(TENANT, None, day_start, month_start).await?;
     let tag = format!("{{sluice:t:{TENANT}}}");
-    let counter = int(&redis_cmd(&redis_url, &["HGET", &format!("{tag}:windows"), "day_n"]).await?);
-    let reserved = int(&redis_cmd(&redis_url, &["HLEN", &format!("{tag}:reservations")]).await?);
+    // Settled just after the events are emitted.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (day, counter, reserved) = loop {
+        let (day, _) = ledger.tokens_used(TENANT, None, day_start, month_start).await?;
+        let counter =
+            int(&redis_cmd(&redis_url, &["HGET", &format!("{tag}:windows"), "day_n"]).await?);
+        let reserved =
+            int(&redis_cmd(&redis_url, &["HLEN", &format!("{tag}:reservations")]).await?);
+        if counter == day && reserved == 0 || Instant::now() > deadline {
+            break (day, counter, reserved);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
     ensure!(reserved == 0, "{reserved} reservations left in Redis");
     ensure!(counter == day, "Redis counts {counter} tokens today, the ledger {day}");
     let journals = redis_cmd(&redis_url, &["KEYS", "sluice:journal:*"]).await?;
@@ -263,7 +290,7 @@ async fn a_gateway_killed_mid_request_loses_no_usage() -> anyhow::Result<()> {
     let text = r.text().await?;
     ensure!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     let rows = rows_for(&ledger, &[retry.as_str()], Duration::from_secs(30)).await?;
-    ensure!(rows[&retry][0]["completion_tokens"] == 300, "{:?}", rows[&retry]);
+    ensure!(rows[&retry][0]["completion_tokens"] == 1000, "{:?}", rows[&retry]);
 
     // The auditor's reconciliation over the engine agrees.
     let auditor = Command::new(env!("CARGO_BIN_EXE_sluice"))

@@ -59,6 +59,17 @@ const FORGET_BATCH: usize = 512;
 /// About how long removing delivered requests is retried (doubling waits from 0.5 s).
 const FORGET_FOR: Duration = Duration::from_secs(300);
 
+/// How long one sweeper may hold a dead gateway's journal.
+const LOCK_FOR: Duration = Duration::from_secs(120);
+
+/// How long one sweep recovers a journal before leaving the rest to the next.
+const RECOVER_FOR: Duration = Duration::from_secs(60);
+
+/// How long after its engine ended it an entry is left to its gateway (one taken for dead,
+/// its heartbeat lost in a Redis restart, may still deliver the real event: up to about 3 s
+/// of retries before the ledger fallback).
+const LIVE_GRACE: Duration = Duration::from_secs(15);
+
 /// Entries whose engines are asked at once.
 const AT_ONCE: usize = 32;
 
@@ -83,8 +94,10 @@ pub struct Entry {
 pub struct Journal {
     conn: RedisConn,
     /// Delivered requests whose entries are removed in the background, in batches.
-    delivered: tokio::sync::mpsc::UnboundedSender<String>,
-    to_forget: std::sync::Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<String>>>,
+    delivered: tokio::sync::mpsc::UnboundedSender<Forget>,
+    to_forget: std::sync::Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<Forget>>>,
+    /// Set at a clean exit: the heartbeat stops.
+    closed: std::sync::atomic::AtomicBool,
     prefix: String,
     /// The usage stream: gateways recover only the journals of those billing through theirs.
     stream: String,
@@ -108,6 +121,14 @@ pub struct Recovery {
     pub recovered: prometheus_client::metrics::counter::Counter,
 }
 
+/// What the removal task is given.
+enum Forget {
+    /// A delivered request.
+    Id(String),
+    /// Answered once everything sent before it is removed.
+    Flush(tokio::sync::oneshot::Sender<()>),
+}
+
 /// What came of one entry.
 #[derive(Debug, PartialEq, Eq)]
 enum Settled {
@@ -126,6 +147,8 @@ struct EngineOutcome {
     completion_tokens: u64,
     cached_tokens: u64,
     finish_reason: Option<String>,
+    /// When it ended, ms since the Unix epoch (absent from older engines).
+    ended_ms: Option<i64>,
 }
 
 async fn timed<T>(
@@ -145,6 +168,7 @@ impl Journal {
             conn,
             delivered,
             to_forget: std::sync::Mutex::new(Some(to_forget)),
+            closed: std::sync::atomic::AtomicBool::new(false),
             prefix: prefix.to_owned(),
             stream: stream.to_owned(),
             id: uuid::Uuid::new_v4().simple().to_string(),
@@ -198,24 +222,52 @@ impl Journal {
     /// wait on the request's path; were this gateway to die first, its recovery would bill
     /// the request again, which billing absorbs).
     pub fn forget_later(&self, request_id: String) {
-        let _ = self.delivered.send(request_id);
+        let _ = self.delivered.send(Forget::Id(request_id));
     }
 
     /// Removes what [`Journal::forget_later`] was given, in batches; a batch Redis refuses is
     /// tried again for about [`FORGET_FOR`].
-    async fn forget_delivered(&self, mut rx: tokio::sync::mpsc::UnboundedReceiver<String>) {
+    async fn forget_delivered(&self, mut rx: tokio::sync::mpsc::UnboundedReceiver<Forget>) {
         let mut batch = Vec::new();
         while rx.recv_many(&mut batch, FORGET_BATCH).await > 0 {
+            let mut ids = Vec::new();
+            let mut flushed = Vec::new();
+            for f in batch.drain(..) {
+                match f {
+                    Forget::Id(id) => ids.push(id),
+                    Forget::Flush(done) => flushed.push(done),
+                }
+            }
             let mut delay = Duration::from_millis(500);
-            while let Err(e) = self.forget(&batch).await {
-                if delay > FORGET_FOR {
-                    tracing::warn!(error = %e, entries = batch.len(), "delivered requests left in the journal");
+            while !ids.is_empty()
+                && let Err(e) = self.forget(&ids).await
+            {
+                if delay > FORGET_FOR || !flushed.is_empty() {
+                    tracing::warn!(error = %e, entries = ids.len(), "delivered requests left in the journal");
                     break;
                 }
                 tokio::time::sleep(delay).await;
                 delay *= 2;
             }
-            batch.clear();
+            for done in flushed {
+                let _ = done.send(());
+            }
+        }
+    }
+
+    /// At a clean exit, once every event is delivered: the last removals are made and the
+    /// heartbeat stops, so whatever is left (events still undelivered) is recovered by
+    /// another gateway at its next sweep.
+    pub async fn close(&self) {
+        self.closed.store(true, std::sync::atomic::Ordering::Relaxed);
+        let (done, flushed) = tokio::sync::oneshot::channel();
+        if self.delivered.send(Forget::Flush(done)).is_ok() {
+            let _ = tokio::time::timeout(Duration::from_secs(5), flushed).await;
+        }
+        let mut conn = self.conn.clone();
+        let alive = redis::cmd("DEL").arg(self.alive_key(&self.id)).clone();
+        if let Err(e) = timed(alive.query_async::<()>(&mut conn)).await {
+            tracing::warn!(error = %e, "the journal's heartbeat key stays until it expires");
         }
     }
 
@@ -242,7 +294,7 @@ impl Journal {
         }
         let me = Arc::clone(self);
         io.spawn(async move {
-            loop {
+            while !me.closed.load(std::sync::atomic::Ordering::Relaxed) {
                 if let Err(e) = me.beat().await {
                     tracing::warn!(error = %e, "the journal's heartbeat failed");
                 }
@@ -286,7 +338,7 @@ impl Journal {
                     .arg(&self.id)
                     .arg("NX")
                     .arg("PX")
-                    .arg(120_000u64)
+                    .arg(LOCK_FOR.as_millis() as u64)
                     .query_async(&mut conn),
             )
             .await?;
@@ -294,9 +346,12 @@ impl Journal {
                 continue;
             }
             let result = self.recover(gw, recovery).await;
-            let _ =
-                timed(redis::cmd("DEL").arg(self.recovering_key(gw)).query_async::<()>(&mut conn))
-                    .await;
+            // Released only if still ours.
+            let release = redis::Script::new(
+                "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end",
+            );
+            let mut inv = release.key(self.recovering_key(gw));
+            let _ = timed(inv.arg(&self.id).invoke_async::<()>(&mut conn)).await;
             billed += result?;
         }
         Ok(billed)
@@ -308,8 +363,10 @@ impl Journal {
         let key = self.journal_key(gw);
         let entries: HashMap<String, String> =
             timed(redis::cmd("HGETALL").arg(&key).query_async(&mut conn)).await?;
-        // Engines asked at once (one still running a request waits up to OUTCOME_WAIT).
-        let settled: Vec<(String, Settled)> = futures_util::stream::iter(entries)
+        // Engines asked at once (one still running a request waits up to OUTCOME_WAIT); the
+        // rest waits for a later sweep once RECOVER_FOR has passed (well within the lock).
+        let began = std::time::Instant::now();
+        let mut settled = futures_util::stream::iter(entries)
             .map(|(id, json)| async move {
                 let settled = match serde_json::from_str::<Entry>(&json) {
                     Ok(entry) => settle(entry, recovery).await,
@@ -321,18 +378,23 @@ impl Journal {
                 };
                 (id, settled)
             })
-            .buffer_unordered(AT_ONCE)
-            .collect()
-            .await;
+            .buffer_unordered(AT_ONCE);
         let mut billed = 0;
-        for (id, settled) in settled {
+        while let Some((id, settled)) = settled.next().await {
             if settled != Settled::Later {
                 timed(redis::cmd("HDEL").arg(&key).arg(&id).query_async::<()>(&mut conn)).await?;
             }
             billed += usize::from(settled == Settled::Billed);
+            if began.elapsed() > RECOVER_FOR {
+                return Ok(billed);
+            }
         }
         let left: u64 = timed(redis::cmd("HLEN").arg(&key).query_async(&mut conn)).await?;
-        if left == 0 {
+        // Forgotten only while still silent (a gateway taken for dead that beats again lists
+        // itself again within BEAT_EVERY).
+        let alive: bool =
+            timed(redis::cmd("EXISTS").arg(self.alive_key(gw)).query_async(&mut conn)).await?;
+        if left == 0 && !alive {
             timed(redis::cmd("SREM").arg(self.members_key()).arg(gw).query_async::<()>(&mut conn))
                 .await?;
         }
@@ -346,19 +408,37 @@ async fn settle(mut entry: Entry, recovery: &Recovery) -> Settled {
         u64::try_from(Utc::now().timestamp_millis() - entry.routed_ms).unwrap_or(0),
     );
     let ev = &mut entry.event;
+    if recovery.sink.retrying(&ev.request_id) {
+        // Its recovered event already waits for Redis or the ledger in this process.
+        return Settled::Later;
+    }
     let outcome = match &ev.engine_worker {
         Some(worker) => ask(recovery, worker, &ev.request_id).await,
         None => Ok(None),
     };
+    let now = Utc::now().timestamp_millis();
     let (completion, cached, finish, status) = match outcome {
         Ok(Some(o)) if o.state == "finished" || age >= GIVE_UP => {
+            // A gateway taken for dead may still be delivering its own event.
+            let ended = o.ended_ms.unwrap_or(entry.routed_ms);
+            if age < GIVE_UP
+                && Duration::from_millis(u64::try_from(now - ended).unwrap_or(0)) < LIVE_GRACE
+            {
+                return Settled::Later;
+            }
             let finish = match o.finish_reason.as_deref() {
                 Some("stop") => FinishReason::Stop,
                 Some("length") => FinishReason::Length,
                 // Ended when the dead gateway's connection closed, or failed.
                 _ => FinishReason::Error,
             };
-            (o.completion_tokens, o.cached_tokens, finish, 200)
+            match o.finish_reason.as_deref() {
+                // Never ran (refused at submission), or failed before its first token: free,
+                // as the live path bills an engine's error answer.
+                None => (0, 0, FinishReason::Error, 502),
+                Some("error") if o.completion_tokens == 0 => (0, 0, FinishReason::Error, 502),
+                _ => (o.completion_tokens, o.cached_tokens, finish, 200),
+            }
         }
         Ok(Some(_)) => return Settled::Later,
         // The engine never had it (or restarted since): nothing to bill but the failure.

@@ -17,6 +17,7 @@ use sluice_billing::redis_conn::RedisTarget;
 use sluice_billing::{BillingError, Ledger};
 
 use crate::drain::DrainOnSignal;
+use crate::journal::Journal;
 use crate::limits::Limiter;
 use crate::local::RedisDownPolicy;
 use crate::proxy::{Gateway, GatewayConfig, Worker};
@@ -265,13 +266,15 @@ pub fn run_proxy(
 const FLUSH_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// After the proxy stopped: everything billed so far reaches the ledger (events the usage
-/// stream and the ledger both refused get [`FLUSH_TIMEOUT`] more), then it closes. An event
+/// stream and the ledger both refused get [`FLUSH_TIMEOUT`] more), the journal makes its last
+/// removals and stops beating (another gateway recovers what is left), then it closes. An event
 /// still undelivered then is logged whole at error level (ids, counts and hashes: no prompt
 /// text), for an operator to replay; the exit status says so.
 pub fn finish(
     io: &IoRuntime,
     ingest: Option<&LocalIngest>,
     sink: &UsageSink,
+    journal: Option<&Journal>,
     ledger: &Ledger,
 ) -> Result<(), StartError> {
     io.handle.block_on(async {
@@ -279,6 +282,9 @@ pub fn finish(
             ingest.flush().await;
         }
         let lost = sink.flush(FLUSH_TIMEOUT).await;
+        if let Some(journal) = journal {
+            journal.close().await;
+        }
         for event in &lost {
             let json = serde_json::to_string(event).unwrap_or_default();
             tracing::error!(request_id = %event.request_id, event = %json, "usage event undelivered at exit");

@@ -43,7 +43,7 @@ use crate::limits::{Decision, LedgerUsage, Limiter, RateState, ScopeLimits, curr
 use crate::local::{LocalLimiter, RedisDownPolicy};
 use crate::metrics::{GatewayMetrics, RefusalLabels, RequestLabels};
 use crate::observe::{StreamObserver, Timings};
-use crate::sink::{Delivered, UsageSink};
+use crate::sink::UsageSink;
 use crate::workers::Workers;
 
 /// The client headers forwarded to an engine; every other one is dropped.
@@ -200,6 +200,11 @@ impl Gateway {
             usage_generation: std::sync::atomic::AtomicU64::new(0),
             io,
         }
+    }
+
+    /// Its in-flight journal (with Redis), for [`crate::platform::finish`] to close.
+    pub fn journal(&self) -> Option<Arc<Journal>> {
+        self.journal.clone()
     }
 
     /// Its Prometheus metrics, for a listener of their own (never the tenants' port).
@@ -981,29 +986,23 @@ impl Gateway {
         })
     }
 
-    /// Delivers a usage event; true once the stream or the ledger has it.
-    async fn emit(&self, event: UsageEvent) -> bool {
+    async fn emit(&self, event: UsageEvent) {
         let id = event.request_id.clone();
         // The in-process writer takes events over a channel from any runtime: no hand-off to
         // the I/O runtime and back (two thread wake-ups per request).
         if let UsageSink::Local(local) = &self.usage {
             if let Err(e) = local.emit(event).await {
                 tracing::error!(error = %e, request_id = %id, "usage event not delivered");
-                return false;
             }
-            return true;
+            return;
         }
         let sink = self.usage.clone();
         match self.on_io(async move { sink.emit(event).await }).await {
-            Ok(Ok(delivered)) => delivered != Delivered::Retrying,
+            Ok(Ok(_)) => {}
             Ok(Err(e)) => {
-                tracing::error!(error = %e, request_id = %id, "usage event not delivered");
-                false
+                tracing::error!(error = %e, request_id = %id, "usage event not delivered")
             }
-            Err(e) => {
-                tracing::error!(error = %e, request_id = %id, "usage task failed");
-                false
-            }
+            Err(e) => tracing::error!(error = %e, request_id = %id, "usage task failed"),
         }
     }
 
@@ -1048,12 +1047,22 @@ impl Gateway {
 
     /// Emits the request's final event, then takes it out of the journal once delivered.
     async fn emit_final(&self, ctx: &mut Ctx, event: UsageEvent) {
-        let delivered = self.emit(event).await;
-        if delivered
-            && std::mem::take(&mut ctx.journaled)
-            && let Some(journal) = &self.journal
-        {
-            journal.forget_later(ctx.request_id.clone());
+        self.emit(event).await;
+        let Some(journal) = self.journal.as_ref().filter(|_| std::mem::take(&mut ctx.journaled))
+        else {
+            return;
+        };
+        let id = ctx.request_id.clone();
+        if self.usage.retrying(&id) {
+            // Redis and the ledger both refused it: the entry stays until the background
+            // retry delivers it (were this gateway to die first, its recovery bills it).
+            let (journal, sink) = (Arc::clone(journal), self.usage.clone());
+            self.io.spawn(async move {
+                sink.delivered(&id).await;
+                journal.forget_later(id);
+            });
+        } else {
+            journal.forget_later(id);
         }
     }
 

@@ -161,6 +161,23 @@ impl UsageSink {
 }
 
 impl UsageSink {
+    /// Whether the event of `request_id` is being retried in the background.
+    pub fn retrying(&self, request_id: &str) -> bool {
+        matches!(self, Self::Redis { retrying, .. } if retrying.lock().contains_key(request_id))
+    }
+
+    /// Returns once the event of `request_id` is no longer being retried (delivered).
+    pub async fn delivered(&self, request_id: &str) {
+        let Self::Redis { retrying, .. } = self else { return };
+        loop {
+            let changed = retrying.changed.notified();
+            if !retrying.lock().contains_key(request_id) {
+                return;
+            }
+            changed.await;
+        }
+    }
+
     /// Waits up to `within` for the events being retried in the background; returns those
     /// still undelivered then (the process is about to exit and take their tasks with it).
     pub async fn flush(&self, within: Duration) -> Vec<UsageEvent> {

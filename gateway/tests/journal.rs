@@ -22,6 +22,8 @@ fn entry(id: &str, worker: Option<&str>, routed_ago: chrono::TimeDelta) -> Entry
     event.engine_worker = worker.map(str::to_owned);
     event.completion_tokens = 0;
     event.cost_micros = 0;
+    // Priced, so a free row is the recovery's doing.
+    (event.price_input_micros, event.price_output_micros) = (150_000, 600_000);
     Entry {
         event,
         routed_ms: (Utc::now() - routed_ago).timestamp_millis(),
@@ -75,8 +77,10 @@ async fn a_dead_gateways_journal_is_billed_and_a_live_ones_is_not() -> anyhow::R
 
     // Nobody is dead yet.
     ensure!(sweeper.sweep(&recovery).await? == 0, "a live gateway's journal was recovered");
-    // The dead one's heartbeat expires (its key is deleted here rather than waited for).
+    // The dead one's heartbeat expires (its key is deleted here rather than waited for); the
+    // live one keeps beating.
     cmd::<()>(&["DEL", &format!("{prefix}:alive:{{gw-{}}}", dead.id())]).await?;
+    live.beat().await?;
     let billed = sweeper.sweep(&recovery).await?;
     ensure!(billed == 2, "{billed} billed");
     let events = stream_events(&stream).await?;
@@ -107,6 +111,7 @@ async fn a_dead_gateways_journal_is_billed_and_a_live_ones_is_not() -> anyhow::R
     // The last entry, once its engine can no longer be waited for: billed, and the dead
     // gateway forgotten.
     dead.write(&entry("fresh", Some(&closed), long_ago)).await?;
+    live.beat().await?;
     ensure!(sweeper.sweep(&recovery).await? == 1);
     let members: Vec<String> = cmd(&["SMEMBERS", &members_key]).await?;
     ensure!(!members.contains(&dead.id().to_owned()) && members.len() == 2, "{members:?}");

@@ -42,6 +42,12 @@ pub struct Outcome {
     pub finish_reason: Option<FinishReason>,
     /// When it was registered, seconds since the Unix epoch.
     pub created: u64,
+    /// When it became `finished`, milliseconds since the Unix epoch.
+    pub ended_ms: Option<u64>,
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 struct Inner {
@@ -112,6 +118,7 @@ impl OutcomeLog {
                     completion_tokens: 0,
                     finish_reason: None,
                     created,
+                    ended_ms: None,
                 },
             );
             g.order.push_back(request_id.to_owned());
@@ -119,6 +126,7 @@ impl OutcomeLog {
         if let Some(o) = g.by_id.get_mut(request_id) {
             o.choices += 1;
             o.state = "running";
+            o.ended_ms = None;
         }
         g.choices.insert(choice_id.to_owned(), request_id.to_owned());
         true
@@ -133,6 +141,7 @@ impl OutcomeLog {
             o.choices = o.choices.saturating_sub(1);
             if o.ended >= o.choices {
                 o.state = "finished";
+                o.ended_ms = Some(now_ms());
             }
         }
         self.ended.notify_all();
@@ -150,6 +159,7 @@ impl OutcomeLog {
             o.finish_reason = Some(reason);
             if o.ended >= o.choices {
                 o.state = "finished";
+                o.ended_ms = Some(now_ms());
             }
         }
         drop(g);
@@ -205,9 +215,11 @@ mod tests {
         log.ended("r-0", &usage(5, 0, 3), FinishReason::Stop);
         let o = log.get("r", Duration::ZERO).ok_or("registered")?;
         assert_eq!((o.state, o.ended, o.completion_tokens), ("running", 1, 3));
+        assert_eq!(o.ended_ms, None);
         log.ended("r-1", &usage(5, 4, 2), FinishReason::Abort);
         let o = log.get("r", Duration::ZERO).ok_or("registered")?;
         assert_eq!((o.state, o.completion_tokens, o.cached_tokens), ("finished", 5, 4));
+        assert!(o.ended_ms.is_some_and(|ms| ms >= o.created * 1000), "{:?}", o.ended_ms);
         assert_eq!(o.finish_reason, Some(FinishReason::Abort));
         assert_eq!(o.tenant.as_deref(), Some("t"));
         // A choice that could not be submitted does not hold the request open.
