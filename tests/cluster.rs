@@ -39,8 +39,8 @@ use anyhow::{Context, bail, ensure};
 use chrono::{Datelike, DurationRound};
 use sluice_billing::Ledger;
 use support::{
-    Proc, Try, free_port, read_tries, redis_server, rows_for, signal_and_wait, spawn_sluice_logged,
-    wait_healthy,
+    Proc, Try, free_port, read_tries, reconcile, redis_cmd, redis_server, rows_for,
+    signal_and_wait, spawn_sluice_logged, wait_healthy,
 };
 
 const MODEL_ID: &str = "smollm2-135m-instruct";
@@ -161,16 +161,6 @@ fn bound(url: &str) -> anyhow::Result<String> {
     let at = url.split_once("://").map_or(url, |(_, rest)| rest).trim_end_matches('/');
     anyhow::ensure!(at.rsplit_once(':').is_some_and(|(_, p)| p != "0"), "listening on {url:?}");
     Ok(at.to_string())
-}
-
-async fn redis_cmd(url: &str, args: &[&str]) -> anyhow::Result<redis::Value> {
-    let client = redis::Client::open(url)?;
-    let mut conn = client.get_multiplexed_async_connection().await?;
-    let mut cmd = redis::cmd(args[0]);
-    for a in &args[1..] {
-        cmd.arg(*a);
-    }
-    Ok(cmd.query_async(&mut conn).await?)
 }
 
 fn int(v: &redis::Value) -> i64 {
@@ -505,23 +495,9 @@ async fn a_fleet_loses_nothing_through_restarts_kills_and_outages() -> anyhow::R
     ensure!(pending == 0, "{pending} usage entries left pending");
 
     // Every engine's record of what it ran, against the ledger.
-    let auditor = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["admin", "token", "--role", "auditor", "--sub", "cluster"])
-        .env("SLUICE_JWT_SECRET", JWT_SECRET)
-        .output()?;
-    let auditor = String::from_utf8(auditor.stdout)?.trim().to_owned();
-    let mut reconcile = Command::new(env!("CARGO_BIN_EXE_sluice"));
-    reconcile.args(["audit", "reconcile", "--since", "1h"]);
-    for (_, e) in &fleet.engines {
-        reconcile.args(["--engine", e]);
-    }
-    let out = reconcile
-        .env("SLUICE_ADMIN_URL", format!("http://{}", fleet.billing[0].1))
-        .env("SLUICE_ADMIN_TOKEN", &auditor)
-        .env("SLUICE_INTERNAL_TOKEN", TOKEN)
-        .output()?;
-    let report = String::from_utf8_lossy(&out.stdout).into_owned();
-    ensure!(out.status.success(), "reconcile:\n{report}\n{}", String::from_utf8_lossy(&out.stderr));
+    let engines: Vec<&str> = fleet.engines.iter().map(|(_, e)| e.as_str()).collect();
+    let admin = format!("http://{}", fleet.billing[0].1);
+    let report = reconcile(JWT_SECRET, &admin, &engines, TOKEN)?;
 
     // The drill's table.
     let mut statuses: BTreeMap<String, usize> = BTreeMap::new();

@@ -16,7 +16,6 @@ mod common;
 mod support;
 
 use std::collections::HashMap;
-use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -26,7 +25,8 @@ use serde_json::{Value, json};
 use sluice_billing::Ledger;
 use sluice_billing::query::RecordFilter;
 use support::{
-    Proc, free_port, redis_server, signal_and_wait, spawn_engine, spawn_sluice, wait_healthy,
+    Proc, free_port, reconcile, redis_server, signal_and_wait, spawn_engine, spawn_sluice,
+    wait_healthy,
 };
 
 const MODEL_ID: &str = "smollm2-135m-instruct";
@@ -247,19 +247,7 @@ async fn the_ledger_survives_restarts_disconnects_and_a_shutdown() -> anyhow::Re
     ensure!(abandoned > 0, "no abandoned whole answer billed ({whole_hangups} abandoned)");
 
     // The engine's own record of every request it ran against the ledger.
-    let auditor = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["admin", "token", "--role", "auditor", "--sub", "drill"])
-        .env("SLUICE_JWT_SECRET", JWT_SECRET)
-        .output()?;
-    let auditor = String::from_utf8(auditor.stdout)?.trim().to_owned();
-    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["audit", "reconcile", "--since", "1h", "--engine", &engine])
-        .env("SLUICE_ADMIN_URL", format!("http://{admin}"))
-        .env("SLUICE_ADMIN_TOKEN", &auditor)
-        .env("SLUICE_INTERNAL_TOKEN", TOKEN)
-        .output()?;
-    let report = String::from_utf8_lossy(&out.stdout).into_owned();
-    ensure!(out.status.success(), "reconcile:\n{report}\n{}", String::from_utf8_lossy(&out.stderr));
+    let report = reconcile(JWT_SECRET, &format!("http://{admin}"), &[&engine], TOKEN)?;
     let served = seen.iter().filter(|s| s.status.is_some()).count();
     let mut statuses: std::collections::BTreeMap<String, usize> = Default::default();
     for s in &seen {

@@ -11,7 +11,6 @@ mod common;
 mod support;
 
 use std::collections::HashMap;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
@@ -20,8 +19,8 @@ use serde_json::{Value, json};
 use sluice_billing::Ledger;
 use sluice_billing::prices::Rates;
 use support::{
-    ScratchDatabase, free_port, private_redis, rows_for, spawn_engine, spawn_sluice_logged,
-    tenants_with_keys, wait_healthy,
+    ScratchDatabase, free_port, private_redis, reconcile, redis_cmd, rows_for, spawn_engine,
+    spawn_sluice_logged, tenants_with_keys, wait_healthy,
 };
 
 const MODEL_ID: &str = "smollm2-135m-instruct";
@@ -29,16 +28,6 @@ const TOKEN: &str = "crash-internal-token";
 const JWT_SECRET: &str = "crash-secret-crash-secret-0123456";
 const STREAM: &str = "{sluice}:usage:crash";
 const TENANT: &str = "crash-a";
-
-async fn redis_cmd(url: &str, args: &[&str]) -> anyhow::Result<redis::Value> {
-    let client = redis::Client::open(url)?;
-    let mut conn = client.get_multiplexed_async_connection().await?;
-    let mut cmd = redis::cmd(args[0]);
-    for a in &args[1..] {
-        cmd.arg(*a);
-    }
-    Ok(cmd.query_async(&mut conn).await?)
-}
 
 fn int(v: &redis::Value) -> u64 {
     match v {
@@ -293,19 +282,7 @@ async fn a_gateway_killed_mid_request_loses_no_usage() -> anyhow::Result<()> {
     ensure!(rows[&retry][0]["completion_tokens"] == 1000, "{:?}", rows[&retry]);
 
     // The auditor's reconciliation over the engine agrees.
-    let auditor = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["admin", "token", "--role", "auditor", "--sub", "crash"])
-        .env("SLUICE_JWT_SECRET", JWT_SECRET)
-        .output()?;
-    let auditor = String::from_utf8(auditor.stdout)?.trim().to_owned();
-    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["audit", "reconcile", "--since", "1h", "--engine", &engine])
-        .env("SLUICE_ADMIN_URL", format!("http://{billing}"))
-        .env("SLUICE_ADMIN_TOKEN", &auditor)
-        .env("SLUICE_INTERNAL_TOKEN", TOKEN)
-        .output()?;
-    let report = String::from_utf8_lossy(&out.stdout).into_owned();
-    ensure!(out.status.success(), "reconcile:\n{report}\n{}", String::from_utf8_lossy(&out.stderr));
+    let report = reconcile(JWT_SECRET, &format!("http://{billing}"), &[&engine], TOKEN)?;
     eprintln!("recovered {} requests {recovered_after:?} after the kill\n{report}", ids.len() - 1);
     ledger.close().await;
     Ok(())

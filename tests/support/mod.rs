@@ -497,3 +497,43 @@ pub async fn tenants_with_keys<'a>(
     }
     Ok(keys)
 }
+
+/// `sluice audit reconcile --since 1h` over `engines` against the billing service at
+/// `admin_url`, as an auditor (a token minted with `jwt_secret`); its report, or an error
+/// with it when anything differs.
+pub fn reconcile(
+    jwt_secret: &str,
+    admin_url: &str,
+    engines: &[&str],
+    internal_token: &str,
+) -> anyhow::Result<String> {
+    let auditor = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["admin", "token", "--role", "auditor", "--sub", "test-auditor"])
+        .env("SLUICE_JWT_SECRET", jwt_secret)
+        .output()?;
+    let auditor = String::from_utf8(auditor.stdout)?.trim().to_owned();
+    let mut reconcile = Command::new(env!("CARGO_BIN_EXE_sluice"));
+    reconcile.args(["audit", "reconcile", "--since", "1h"]);
+    for e in engines {
+        reconcile.args(["--engine", e]);
+    }
+    let out = reconcile
+        .env("SLUICE_ADMIN_URL", admin_url)
+        .env("SLUICE_ADMIN_TOKEN", &auditor)
+        .env("SLUICE_INTERNAL_TOKEN", internal_token)
+        .output()?;
+    let report = String::from_utf8_lossy(&out.stdout).into_owned();
+    ensure!(out.status.success(), "reconcile:\n{report}\n{}", String::from_utf8_lossy(&out.stderr));
+    Ok(report)
+}
+
+/// One Redis command on `url`.
+pub async fn redis_cmd(url: &str, args: &[&str]) -> anyhow::Result<redis::Value> {
+    let client = redis::Client::open(url)?;
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    let mut cmd = redis::cmd(args[0]);
+    for a in &args[1..] {
+        cmd.arg(*a);
+    }
+    Ok(cmd.query_async(&mut conn).await?)
+}
