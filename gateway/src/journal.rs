@@ -98,6 +98,8 @@ pub struct Journal {
     to_forget: std::sync::Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<Forget>>>,
     /// Set at a clean exit: the heartbeat stops.
     closed: std::sync::atomic::AtomicBool,
+    /// Deletes a recovery lock only if it is still this gateway's.
+    release: redis::Script,
     prefix: String,
     /// The usage stream: gateways recover only the journals of those billing through theirs.
     stream: String,
@@ -151,6 +153,11 @@ struct EngineOutcome {
     ended_ms: Option<i64>,
 }
 
+/// Time since `ms` (since the Unix epoch); zero for a time ahead of this clock.
+fn since(ms: i64) -> Duration {
+    Duration::from_millis(u64::try_from(Utc::now().timestamp_millis() - ms).unwrap_or(0))
+}
+
 async fn timed<T>(
     f: impl std::future::Future<Output = redis::RedisResult<T>>,
 ) -> redis::RedisResult<T> {
@@ -169,6 +176,9 @@ impl Journal {
             delivered,
             to_forget: std::sync::Mutex::new(Some(to_forget)),
             closed: std::sync::atomic::AtomicBool::new(false),
+            release: redis::Script::new(
+                "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end",
+            ),
             prefix: prefix.to_owned(),
             stream: stream.to_owned(),
             id: uuid::Uuid::new_v4().simple().to_string(),
@@ -346,11 +356,7 @@ impl Journal {
                 continue;
             }
             let result = self.recover(gw, recovery).await;
-            // Released only if still ours.
-            let release = redis::Script::new(
-                "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end",
-            );
-            let mut inv = release.key(self.recovering_key(gw));
+            let mut inv = self.release.key(self.recovering_key(gw));
             let _ = timed(inv.arg(&self.id).invoke_async::<()>(&mut conn)).await;
             billed += result?;
         }
@@ -404,9 +410,7 @@ impl Journal {
 
 /// Bills one entry of a dead gateway's journal by its engine's count.
 async fn settle(mut entry: Entry, recovery: &Recovery) -> Settled {
-    let age = Duration::from_millis(
-        u64::try_from(Utc::now().timestamp_millis() - entry.routed_ms).unwrap_or(0),
-    );
+    let age = since(entry.routed_ms);
     let ev = &mut entry.event;
     if recovery.sink.retrying(&ev.request_id) {
         // Its recovered event already waits for Redis or the ledger in this process.
@@ -416,28 +420,22 @@ async fn settle(mut entry: Entry, recovery: &Recovery) -> Settled {
         Some(worker) => ask(recovery, worker, &ev.request_id).await,
         None => Ok(None),
     };
-    let now = Utc::now().timestamp_millis();
     let (completion, cached, finish, status) = match outcome {
         Ok(Some(o)) if o.state == "finished" || age >= GIVE_UP => {
             // A gateway taken for dead may still be delivering its own event.
-            let ended = o.ended_ms.unwrap_or(entry.routed_ms);
-            if age < GIVE_UP
-                && Duration::from_millis(u64::try_from(now - ended).unwrap_or(0)) < LIVE_GRACE
-            {
+            if age < GIVE_UP && since(o.ended_ms.unwrap_or(entry.routed_ms)) < LIVE_GRACE {
                 return Settled::Later;
             }
-            let finish = match o.finish_reason.as_deref() {
-                Some("stop") => FinishReason::Stop,
-                Some("length") => FinishReason::Length,
-                // Ended when the dead gateway's connection closed, or failed.
-                _ => FinishReason::Error,
-            };
+            let billed = |finish| (o.completion_tokens, o.cached_tokens, finish, 200);
             match o.finish_reason.as_deref() {
+                Some("stop") => billed(FinishReason::Stop),
+                Some("length") => billed(FinishReason::Length),
                 // Never ran (refused at submission), or failed before its first token: free,
                 // as the live path bills an engine's error answer.
                 None => (0, 0, FinishReason::Error, 502),
                 Some("error") if o.completion_tokens == 0 => (0, 0, FinishReason::Error, 502),
-                _ => (o.completion_tokens, o.cached_tokens, finish, 200),
+                // Ended when the dead gateway's connection closed, or failed.
+                Some(_) => billed(FinishReason::Error),
             }
         }
         Ok(Some(_)) => return Settled::Later,

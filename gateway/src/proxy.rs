@@ -1018,9 +1018,11 @@ impl Gateway {
         let seen = ctx.model_revision.clone();
         if seen.is_none() {
             let model = ctx.model.as_deref().unwrap_or_default();
-            ctx.model_revision = self.served.catalog.entries().into_iter().find_map(|e| {
-                (e.id == model).then(|| e.identity["model_revision"].as_str().map(str::to_owned))?
-            });
+            ctx.model_revision = self
+                .served
+                .catalog
+                .resolve(model)
+                .and_then(|e| e.identity["model_revision"].as_str().map(str::to_owned));
         }
         let event = self.event(ctx, None, 0, 0, FinishReason::Error, None);
         ctx.model_revision = seen;
