@@ -334,6 +334,45 @@ pub fn random_hex(bytes: usize) -> anyhow::Result<String> {
     Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
 }
 
+/// One cluster-mode `redis-server`, once it accepts connections. A node also binds the port
+/// 10000 above its own (the cluster bus): both are probed, and a node that exits at once (a
+/// port taken meanwhile) is started again on other ports.
+fn cluster_node(dir: &Path, node_timeout_ms: u64) -> anyhow::Result<(Proc, u16)> {
+    let mut last = String::new();
+    for _ in 0..5 {
+        let port = free_port()?;
+        if port > 55535 || std::net::TcpListener::bind(("127.0.0.1", port + 10000)).is_err() {
+            continue;
+        }
+        let node_dir = dir.join(format!("node-{port}"));
+        std::fs::create_dir_all(&node_dir)?;
+        let mut proc = Proc(
+            Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+                .args(["--appendonly", "no", "--cluster-enabled", "yes"])
+                .args(["--cluster-node-timeout", &node_timeout_ms.to_string()])
+                .arg("--dir")
+                .arg(&node_dir)
+                .stdout(Stdio::null())
+                .spawn()
+                .context("redis-server is needed for this test")?,
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+                return Ok((proc, port));
+            }
+            if let Some(status) = proc.0.try_wait()? {
+                last = format!("redis-server on {port} exited: {status}");
+                break;
+            }
+            ensure!(Instant::now() < deadline, "redis-server {port} did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    bail!("no cluster node started in 5 tries: {last}")
+}
+
 /// A local Redis Cluster: `primaries` primaries with one replica each (redis-server in cluster
 /// mode, joined by `redis-cli --cluster create`), a node timeout of `node_timeout_ms` (how soon
 /// a replica takes over a primary that stopped answering). Returns the nodes (process, port)
@@ -345,28 +384,7 @@ pub fn redis_cluster(
 ) -> anyhow::Result<(Vec<(Proc, u16)>, String)> {
     let mut nodes = Vec::new();
     for _ in 0..primaries * 2 {
-        let port = free_port()?;
-        let node_dir = dir.join(format!("node-{port}"));
-        std::fs::create_dir_all(&node_dir)?;
-        let proc = Proc(
-            Command::new("redis-server")
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
-                .args(["--appendonly", "no", "--cluster-enabled", "yes"])
-                .args(["--cluster-node-timeout", &node_timeout_ms.to_string()])
-                .arg("--dir")
-                .arg(&node_dir)
-                .stdout(Stdio::null())
-                .spawn()
-                .context("redis-server is needed for this test")?,
-        );
-        nodes.push((proc, port));
-    }
-    for (_, port) in &nodes {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", *port)).is_err() {
-            ensure!(Instant::now() < deadline, "redis-server {port} did not start");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        nodes.push(cluster_node(dir, node_timeout_ms)?);
     }
     let addrs: Vec<String> = nodes.iter().map(|(_, p)| format!("127.0.0.1:{p}")).collect();
     let out = Command::new("redis-cli")
