@@ -27,29 +27,19 @@ impl Drop for Telemetry {
     }
 }
 
-/// Crates whose debug and trace events print request or response headers and bodies (API
-/// keys, the internal token, prompt and completion text): held at `info` whatever `RUST_LOG`
-/// asks, so no log level prints a secret or a prompt.
-const REVEALING: [&str; 9] = [
-    "pingora",
-    "pingora_core",
-    "pingora_proxy",
-    "pingora_http",
-    "hyper",
-    "hyper_util",
-    "h2",
-    "reqwest",
-    "rustls",
-];
-
-/// Whether an event may be logged: nothing below `info` from a revealing crate (or any of its
-/// modules), whatever `RUST_LOG` enables.
+/// Whether an event may be logged: below `info`, only our own crates' events (`sluice`,
+/// `sluice_engine`, ...), whatever `RUST_LOG` enables. Other crates' debug and trace events
+/// print request and response headers and bodies (API keys, the internal token, prompt and
+/// completion text: `tokenizers` logs a prompt one character a line), and a new dependency's
+/// are unknown, so they are denied by default rather than listed.
 fn safe(meta: &tracing::Metadata<'_>) -> bool {
-    let target = meta.target();
-    let revealing = REVEALING.iter().any(|c| {
-        target.strip_prefix(c).is_some_and(|rest| rest.is_empty() || rest.starts_with("::"))
-    });
-    !revealing || *meta.level() <= tracing::Level::INFO
+    *meta.level() <= tracing::Level::INFO || own(meta.target())
+}
+
+/// Whether a target is one of our crates or a module of one.
+fn own(target: &str) -> bool {
+    let krate = target.split("::").next().unwrap_or_default();
+    krate == "sluice" || krate.strip_prefix("sluice_").is_some_and(|rest| !rest.is_empty())
 }
 
 fn log_filter() -> impl tracing_subscriber::layer::Filter<tracing_subscriber::Registry> {
@@ -82,4 +72,27 @@ pub fn init(service: &str) -> anyhow::Result<Telemetry> {
         .with_filter(tracing_subscriber::filter::LevelFilter::INFO);
     let _ = tracing_subscriber::registry().with(fmt).with(otel).try_init();
     Ok(Telemetry { provider: Some(provider) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::own;
+
+    #[test]
+    fn only_our_own_crates_log_below_info() {
+        for ours in ["sluice", "sluice::up", "sluice_engine::serve::core", "sluice_gateway"] {
+            assert!(own(ours), "{ours}");
+        }
+        for theirs in [
+            "tokenizers::tokenizer",
+            "pingora_proxy",
+            "hyper_util::client",
+            "h2",
+            "sluicer",
+            "sluice_",
+            "log",
+        ] {
+            assert!(!own(theirs), "{theirs}");
+        }
+    }
 }

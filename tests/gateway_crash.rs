@@ -287,3 +287,102 @@ async fn a_gateway_killed_mid_request_loses_no_usage() -> anyhow::Result<()> {
     ledger.close().await;
     Ok(())
 }
+
+/// An engine that dies under a whole (not streamed) answer, with no other engine to retry on:
+/// the client gets a 502 in OpenAI's error JSON (once a panic in the gateway's request task
+/// left it with a dropped connection), the request has exactly one ledger row with that status,
+/// its Redis reservation is settled, the address's slot is freed (the next request is served),
+/// and a SIGTERM finds nothing left to drain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_dying_under_a_whole_answer_is_answered_billed_and_settled() -> anyhow::Result<()>
+{
+    let model = common::default_model()?;
+    let model = model.to_str().context("utf-8")?;
+    let dir = tempfile::tempdir()?;
+    let pg = ScratchDatabase::create("engine-death")?;
+    let ledger = Ledger::connect(&pg.url).await?;
+    let tenant = "death-a";
+    let key = tenants_with_keys(&ledger, &[tenant], None).await?.remove(tenant).context("key")?;
+    let (_redis, redis_url) = private_redis(dir.path()).await?;
+    let stream = "{sluice}:usage:death";
+    let (mut engine_proc, engine) =
+        spawn_engine(model, TOKEN, "256", &[], Some(&dir.path().join("engine.log")))?;
+    let billing_args = ["billing", "--database-url", &pg.url, "--redis-url", &redis_url]
+        .into_iter()
+        .chain(["--listen", "127.0.0.1:0", "--consumer", "death-1", "--usage-stream", stream])
+        .collect::<Vec<_>>();
+    let (_billing, _) = spawn_sluice_logged(
+        &billing_args,
+        &[("SLUICE_JWT_SECRET", JWT_SECRET)],
+        &dir.path().join("billing.log"),
+    )?;
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    let args = ["gateway", "--plain-http", "--listen", &listen, "--model", model]
+        .into_iter()
+        .chain(["--engine", &engine, "--redis-url", &redis_url, "--usage-stream", stream])
+        .chain(["--max-per-client", "1", "--drain-timeout", "30"])
+        .collect::<Vec<_>>();
+    let envs = [("SLUICE_DATABASE_URL", pg.url.as_str()), ("SLUICE_INTERNAL_TOKEN", TOKEN)];
+    let (mut gateway_proc, gateway) =
+        spawn_sluice_logged(&args, &envs, &dir.path().join("gateway.log"))?;
+    let c = reqwest::Client::builder().timeout(Duration::from_secs(60)).build()?;
+    wait_healthy(&c, &format!("http://{engine}/health")).await?;
+    wait_healthy(&c, &format!("http://{gateway}/readyz")).await?;
+
+    let body = json!({"model": MODEL_ID, "prompt": "Tell a long story about a river.",
+        "max_tokens": 1000, "ignore_eos": true});
+    let whole = {
+        let req = c.post(format!("http://{gateway}/v1/completions")).bearer_auth(&key).json(&body);
+        tokio::spawn(async move {
+            let r = req.send().await?;
+            let id = r.headers().get("x-sluice-request-id").map(|v| v.to_str().map(str::to_owned));
+            let status = r.status();
+            let text = r.text().await?;
+            anyhow::Ok((status, id.transpose()?, text))
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !outcomes(&c, &engine).await?.iter().any(|o| o["state"] == "running") {
+        ensure!(Instant::now() < deadline, "the request never ran at the engine");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    engine_proc.0.kill()?;
+    engine_proc.0.wait()?;
+
+    let (status, id, text) = tokio::time::timeout(Duration::from_secs(30), whole)
+        .await
+        .context("no answer within 30 s of the engine's death")???;
+    ensure!(status == 502, "status {status}: {text}");
+    let err: Value = serde_json::from_str(&text).with_context(|| format!("not JSON: {text}"))?;
+    ensure!(err["error"]["code"] == "upstream_error", "{err}");
+    let id = id.context("no x-sluice-request-id on the error")?;
+    let rows = rows_for(&ledger, &[id.as_str()], Duration::from_secs(30)).await?;
+    ensure!(rows[&id].len() == 1, "{id}: {:?}", rows[&id]);
+    ensure!(rows[&id][0]["http_status"] == 502, "{id}: {:?}", rows[&id][0]);
+    let tag = format!("{{sluice:t:{tenant}}}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let reserved =
+            int(&redis_cmd(&redis_url, &["HLEN", &format!("{tag}:reservations")]).await?);
+        if reserved == 0 {
+            break;
+        }
+        ensure!(Instant::now() < deadline, "{reserved} reservations left in Redis");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The address's one slot was freed: the next request is answered (502, no engine), not
+    // refused for too many connections.
+    let r = c.post(format!("http://{gateway}/v1/completions")).bearer_auth(&key).json(&body);
+    let r = r.send().await?;
+    ensure!(r.status() == 502, "a request after the death: {}", r.status());
+    // Nothing left in flight: the drain ends at once.
+    let began = Instant::now();
+    let exit = tokio::task::block_in_place(|| {
+        support::signal_and_wait(&mut gateway_proc.0, "TERM", Duration::from_secs(20))
+    })?;
+    ensure!(exit.success(), "the gateway exited with {exit}");
+    ensure!(began.elapsed() < Duration::from_secs(10), "the drain took {:?}", began.elapsed());
+    ledger.close().await;
+    Ok(())
+}

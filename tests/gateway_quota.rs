@@ -140,8 +140,9 @@ async fn two_gateways_never_overdraw_a_shared_quota() -> anyhow::Result<()> {
     }
     ensure!(ok == 3 && limited == 17, "{ok} succeeded, {limited} refused; the key affords 3");
 
-    // A body well over pingora's 64 KiB retry buffer goes through whole (a long field the
-    // engine ignores); one over the 2 MiB cap is refused before it is read.
+    // A body well over pingora's 64 KiB retry buffer goes through whole (a long `user`, the
+    // end user's id, which the ledger keeps as a hash); one over the 2 MiB cap is refused
+    // before it is read.
     let mut big = body.clone();
     big["user"] = Value::from("x".repeat(300_000));
     let (status, _, v) = post(&c, &urls[0], &other_key, &big).await?;

@@ -388,6 +388,21 @@ async fn one_tenant(id: &str) -> anyhow::Result<(tempfile::TempDir, String, Ledg
     Ok((dir, db, ledger, key))
 }
 
+/// A schema that is a chain of `n` references.
+fn deep_refs(n: usize) -> Value {
+    let defs: serde_json::Map<String, Value> = (0..n)
+        .map(|i| {
+            let d = if i + 1 < n {
+                json!({"$ref": format!("#/$defs/d{}", i + 1)})
+            } else {
+                json!({"type": "string"})
+            };
+            (format!("d{i}"), d)
+        })
+        .collect();
+    json!({"$defs": defs, "$ref": "#/$defs/d0"})
+}
+
 /// The front door as an OpenAI client sees it: the scheme's case, one model's card, 405s,
 /// OpenAI's parameter ranges, refusals of what is not implemented, streams without the
 /// gateway's own usage chunk, client headers kept from the engine, no metrics for tenants.
@@ -442,12 +457,40 @@ async fn the_front_door_speaks_openai() -> anyhow::Result<()> {
                 "schema": {"type": "string", "pattern": "^a"}}}}),
             "response_format.json_schema.schema",
         ),
+        // Schemas past the compiler's bounds: once a stack overflow that aborted the engine,
+        // and an allocation of gigabytes.
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "p",
+                "schema": deep_refs(3000)}}}),
+            "response_format.json_schema.schema",
+        ),
+        (
+            json!({"response_format": {"type": "json_schema", "json_schema": {"name": "p",
+                "schema": {"type": "array", "minItems": 3000, "items": {"type": "array",
+                    "minItems": 3000, "items": {"type": "string"}}}}}}),
+            "response_format.json_schema.schema",
+        ),
+        // A budget below the format's shortest answer: once a 200 whose content did not parse.
+        (
+            json!({"max_tokens": 3, "response_format": {"type": "json_schema", "json_schema":
+                {"name": "p", "schema": {"type": "object", "required": ["answer", "reason"],
+                    "properties": {"answer": {"type": "string"}, "reason": {"type": "string"}}}}}}),
+            "max_tokens",
+        ),
     ] {
         let r = chat(extra.clone()).send().await?;
         let status = r.status();
         let body: Value = r.json().await?;
         ensure!(status == 400 && body["error"]["param"] == param, "{extra}: {status} {body}");
     }
+    // A request naming the empty model is refused, and still has its row.
+    let r = chat(json!({"model": ""})).send().await?;
+    let status = r.status().as_u16();
+    let id = r.headers().get("x-sluice-request-id").and_then(|v| v.to_str().ok());
+    let id = id.context("no request id for model \"\"")?.to_owned();
+    ensure!((400..500).contains(&status), "model \"\": {status}");
+    let rows = support::rows_for(&ledger, &[id.as_str()], Duration::from_secs(30)).await?;
+    ensure!(rows[&id].len() == 1 && rows[&id][0]["http_status"] == status, "{:?}", rows[&id]);
     // A JSON answer asked for through the gateway is one.
     let r = chat(json!({"response_format": {"type": "json_object"}, "max_tokens": 48}));
     let body: Value = r.send().await?.json().await?;

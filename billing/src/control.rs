@@ -192,6 +192,11 @@ impl Limits {
 
 /// A tenant's quota: its [`Limits`] and what a request may ask for. In a tenant's quota row
 /// `None` means "the tier's value"; in a tier or an effective quota it means "unlimited".
+/// Most choices (`n`) one request may ask for: the engines' cap
+/// (`sluice_engine::server::ServerConfig`'s default, checked equal by a test) and the ceiling
+/// of every tier and every override, so what the gateway admits the engine runs.
+pub const MAX_N: i64 = 16;
+
 /// On the wire the limits sit beside the other fields, in one flat object.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct QuotaSettings {
@@ -281,6 +286,12 @@ impl QuotaSettings {
                 ("max_n", self.max_n),
             ],
         )?;
+        if let Some(n) = self.max_n
+            && n > MAX_N
+        {
+            let msg = format!("max_n must be 0..={MAX_N} (the most choices an engine runs)");
+            return Err(AdminError::invalid("max_n", msg));
+        }
         if let Some(p) = self.priority
             && !(-100..=100).contains(&p)
         {
@@ -1100,5 +1111,19 @@ mod tests {
         assert_eq!(tier_weight("no-such-tier"), 1);
         assert_eq!(tier_tpot_ms("standard"), Some(100));
         assert_eq!(tier_tpot_ms("no-such-tier"), None);
+    }
+
+    #[test]
+    fn every_tier_parses_and_stays_within_the_platform_caps() {
+        let raw: BTreeMap<String, Value> =
+            serde_json::from_str(include_str!("../../policies/tiers.json")).unwrap_or_default();
+        let named = raw.keys().filter(|k| !k.starts_with('_')).count();
+        assert_eq!(TIERS.len(), named, "an entry of tiers.json does not parse");
+        for (name, tier) in TIERS.iter() {
+            assert_eq!(tier.validate().map_err(|e| e.to_string()), Ok(()), "tier {name}");
+            assert!(tier.max_n.is_some_and(|n| (1..=MAX_N).contains(&n)), "tier {name}");
+        }
+        let over = QuotaSettings { max_n: Some(MAX_N + 1), ..Default::default() };
+        assert!(over.validate().is_err_and(|e| e.to_string().contains("max_n")));
     }
 }

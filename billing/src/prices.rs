@@ -26,12 +26,14 @@ pub struct Rates {
 
 impl Rates {
     /// The cost in micro-dollars of `prompt` prompt tokens (`cached` of them from the prefix
-    /// cache) and `completion` generated ones, rounded down to the micro-dollar.
+    /// cache) and `completion` generated ones, rounded up to the micro-dollar: the sum of the
+    /// charges is never below the exact cost (rounded down, a request under a micro-dollar was
+    /// free, and a tenant splitting its work into tiny requests paid nothing).
     pub fn cost(&self, prompt: u64, cached: u64, completion: u64) -> u64 {
         let p = u128::from(prompt.saturating_sub(cached)) * u128::from(self.input)
             + u128::from(cached.min(prompt)) * u128::from(self.cached_input)
             + u128::from(completion) * u128::from(self.output);
-        u64::try_from(p / 1_000_000).unwrap_or(u64::MAX)
+        u64::try_from(p.div_ceil(1_000_000)).unwrap_or(u64::MAX)
     }
 
     /// What a request that got `http_status` is charged: nothing when it was refused
@@ -206,15 +208,19 @@ mod tests {
     }
 
     #[test]
-    fn costs_round_down_to_the_micro_dollar_and_cached_tokens_are_cheaper() {
+    fn costs_round_up_to_the_micro_dollar_and_cached_tokens_are_cheaper() {
         let r = Rates { input: 100_000, cached_input: 50_000, output: 200_000 };
         // 90 uncached at 0.1, 10 cached at 0.05, 64 out at 0.2 micro-dollars: 9 + 0.5 + 12.8.
-        assert_eq!(r.cost(100, 10, 64), 22);
+        assert_eq!(r.cost(100, 10, 64), 23);
         assert_eq!(r.cost(0, 0, 0), 0);
+        // Under a micro-dollar is not free: a thousand tiny requests cost at least their sum.
+        assert_eq!(r.cost(1, 0, 0), 1);
+        let tiny: u64 = (0..1000).map(|_| r.cost(3, 1, 1)).sum();
+        assert!(tiny * 1_000_000 >= 1000 * (2 * 100_000 + 50_000 + 200_000));
         // More cached than prompt (never valid) does not charge the difference twice.
-        assert_eq!(r.cost(10, 20, 0), 0);
+        assert_eq!(r.cost(10, 20, 0), 1);
         // A refused request is charged nothing; a disconnect (499) what it used.
-        assert_eq!((r.charge(429, 100, 10, 64), r.charge(499, 100, 10, 64)), (0, 22));
+        assert_eq!((r.charge(429, 100, 10, 64), r.charge(499, 100, 10, 64)), (0, 23));
         let huge = Rates { input: u64::MAX, cached_input: 0, output: 0 };
         assert_eq!(huge.cost(u64::MAX, 0, 0), u64::MAX);
     }

@@ -20,6 +20,10 @@ pub struct SamplingParams {
     pub frequency_penalty: f32,
     /// Seed; the same seed and inputs give the same tokens.
     pub seed: u64,
+    /// Added to these tokens' logits before any other transform (OpenAI's `logit_bias`,
+    /// -100 to 100: -100 all but bans a token, 100 all but forces it). Log-probabilities stay
+    /// the model's own.
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -32,6 +36,7 @@ impl Default for SamplingParams {
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
             seed: 0,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -73,12 +78,7 @@ impl Sampler {
     /// The token [`sample`](Self::sample) would pick from `logits`, not yet taken: a
     /// constrained request may refuse it and choose again among other logits.
     pub fn choose(&mut self, logits: &[f32]) -> u32 {
-        let p = &self.params;
-        if p.temperature <= 0.0 && p.presence_penalty == 0.0 && p.frequency_penalty == 0.0 {
-            argmax(logits)
-        } else {
-            self.pick(logits)
-        }
+        if self.argmax_only(None) { argmax(logits) } else { self.pick(logits) }
     }
 
     /// Takes `token` as the next, with its log-probability under `logits` when asked.
@@ -104,6 +104,7 @@ impl Sampler {
         p.temperature <= 0.0
             && p.presence_penalty == 0.0
             && p.frequency_penalty == 0.0
+            && p.logit_bias.is_empty()
             && logprobs.is_none()
     }
 
@@ -120,6 +121,7 @@ impl Sampler {
             || p.presence_penalty != 0.0
             || p.frequency_penalty != 0.0
             || p.min_p > 0.0
+            || !p.logit_bias.is_empty()
             || logprobs.is_some()
         {
             return None;
@@ -143,6 +145,11 @@ impl Sampler {
     fn pick(&mut self, logits: &[f32]) -> u32 {
         let mut adjusted: Vec<f32> = logits.to_vec();
         let p = &self.params;
+        for &(tok, bias) in &p.logit_bias {
+            if let Some(l) = adjusted.get_mut(tok as usize) {
+                *l += bias;
+            }
+        }
         if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
             for (&tok, &n) in &self.counts {
                 if let Some(l) = adjusted.get_mut(tok as usize) {
@@ -299,5 +306,33 @@ mod tests {
         let mut s = Sampler::new(SamplingParams { presence_penalty: 0.5, ..Default::default() });
         assert_eq!(s.sample(&l, None).token, 0);
         assert_eq!(s.sample(&l, None).token, 1);
+    }
+
+    #[test]
+    fn logit_bias_moves_greedy_and_sampled_choices_alike() {
+        let l = logits();
+        let best = argmax(&l);
+        let other = (best + 1) % 100;
+        // Greedy: a bias of 100 makes another token the choice, -100 bans the best.
+        let bias = |b: Vec<(u32, f32)>| SamplingParams { logit_bias: b, ..Default::default() };
+        let mut s = Sampler::new(bias(vec![(other, 100.0)]));
+        assert!(!s.argmax_only(None) && s.device_draw(None).is_none());
+        assert_eq!(s.sample(&l, None).token, other);
+        let banned = Sampler::new(bias(vec![(best, -100.0)])).sample(&l, None).token;
+        assert_ne!(banned, best);
+        // Sampled: never the banned token, and log-probabilities stay the model's.
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            seed: 5,
+            logit_bias: vec![(best, -100.0)],
+            ..Default::default()
+        });
+        for _ in 0..50 {
+            let t = s.sample(&l, Some(1));
+            assert_ne!(t.token, best);
+            assert_eq!(t.top[0].0, best, "the model's own best stays first");
+        }
+        // An id past the vocabulary changes nothing (the request layer refuses it anyway).
+        assert_eq!(Sampler::new(bias(vec![(1000, 100.0)])).sample(&l, None).token, best);
     }
 }

@@ -28,8 +28,18 @@ const MAX_NUMBER: u8 = 24;
 const MAX_DEPTH: usize = 32;
 /// Most live readings at once; beyond, the newest are dropped (the output stays valid).
 const MAX_STACKS: usize = 64;
-/// Most nodes a value may pass through before its first byte (`anyOf`s, `$ref`s).
-const MAX_HOPS: u8 = 12;
+/// Most levels a schema nests, counting `properties`, `items`, `anyOf` and `$ref` hops: the
+/// compiler recurses once a level, so this bounds its stack whatever the schema.
+pub const MAX_SCHEMA_DEPTH: usize = 64;
+/// Most parts (objects, arrays, alternatives, literals, references) one grammar has.
+pub const MAX_NODES: usize = 4096;
+/// Longest shortest value of any part, in bytes: it is built once per grammar and copied into
+/// closings, so a `minItems` of a million cannot take the memory or the time of every step.
+pub const MAX_SHORTEST: u64 = 64 << 10;
+/// Most bytes of all the parts' shortest values together.
+const MAX_SHORTEST_TOTAL: u64 = 8 << 20;
+/// Most entries of all the alternatives' first-part lists together.
+const MAX_STARTS_TOTAL: usize = 1 << 18;
 
 /// Node ids of the parts every grammar has.
 const ANY: u32 = 0;
@@ -47,6 +57,10 @@ pub struct Grammar {
     root: u32,
     /// Per node, its shortest value (`None`: none is finite).
     shortest: Vec<Option<Vec<u8>>>,
+    /// Per `anyOf` node, the parts that consume a value's first byte, reached through any
+    /// number of nested alternatives and references (empty for other nodes), so starting a
+    /// value never recurses through them.
+    starts: Vec<Vec<u32>>,
 }
 
 #[derive(Debug, PartialEq)]
@@ -125,36 +139,208 @@ const ENFORCED: [&str; 12] = [
 impl Grammar {
     /// Any JSON object (`response_format: {"type": "json_object"}`).
     pub fn any_object() -> Grammar {
-        Grammar::new(base_nodes(), ANY_OBJECT)
+        match Grammar::new(base_nodes(), ANY_OBJECT, &[]) {
+            Ok(g) => g,
+            Err(e) => unreachable!("the base grammar is within every bound: {e}"),
+        }
     }
 
     /// The grammar of a JSON Schema: `type` (one or a list), `properties`, `required`,
     /// `additionalProperties`, `items`, `minItems`, `maxItems`, `enum`, `const`, `anyOf`,
     /// local `$ref`s into `$defs` or `definitions` (recursion included) and annotations;
-    /// any other keyword is an error naming it, never ignored.
+    /// any other keyword is an error naming it, never ignored. So is a schema past the bounds
+    /// ([`MAX_SCHEMA_DEPTH`], [`MAX_NODES`], [`MAX_SHORTEST`]): whatever a client sends, the
+    /// compiler's stack, memory and time are bounded, and so is the matcher's work per byte.
     pub fn from_schema(schema: &Value) -> Result<Grammar, SchemaError> {
-        let mut c = Compiler { root: schema, nodes: base_nodes(), refs: Vec::new() };
+        // The bounds make a panic a bug, not a client's doing; still, a bug in here must
+        // cost one request its answer, not the engine its life.
+        std::panic::catch_unwind(|| Grammar::compile_schema(schema)).unwrap_or_else(|_| {
+            Err(Compiler::err("", "this schema could not be compiled (an internal error)"))
+        })
+    }
+
+    fn compile_schema(schema: &Value) -> Result<Grammar, SchemaError> {
+        let mut c = Compiler {
+            root: schema,
+            nodes: base_nodes(),
+            paths: vec![String::new(); base_nodes().len()],
+            refs: Vec::new(),
+            depth: 0,
+        };
         let root = c.compile(schema, "")?;
-        let g = Grammar::new(c.nodes, root);
+        let g = Grammar::new(c.nodes, root, &c.paths)?;
         if g.shortest(root).is_none() {
             return Err(Compiler::err("", "no finite value satisfies this schema"));
         }
         Ok(g)
     }
 
-    fn new(nodes: Vec<Node>, root: u32) -> Grammar {
-        let mut g = Grammar { shortest: vec![None; nodes.len()], nodes, root };
-        // Shortest values by fixed point: each round may finish nodes whose parts are known
-        // (recursive ones once a way out is found), so as many rounds as nodes suffice.
-        for _ in 0..=g.nodes.len() {
-            let next: Vec<Option<Vec<u8>>> =
-                (0..g.nodes.len() as u32).map(|id| g.shortest_of(id)).collect();
-            if next == g.shortest {
+    /// A grammar over `nodes`; `paths` names each node's place in the schema, for errors.
+    fn new(nodes: Vec<Node>, root: u32, paths: &[String]) -> Result<Grammar, SchemaError> {
+        let path = |id: usize| paths.get(id).map_or("", String::as_str);
+        let n = nodes.len();
+        let mut g = Grammar { shortest: vec![None; n], starts: vec![Vec::new(); n], nodes, root };
+        // The shortest values' lengths first, as numbers, so a value too long to build is
+        // refused before a byte of it is.
+        let (lens, choice) = g.shortest_lengths();
+        let mut total = 0u64;
+        for (id, len) in lens.iter().enumerate() {
+            let Some(len) = *len else { continue };
+            if len > MAX_SHORTEST {
+                let what = match g.nodes[id] {
+                    Node::Array { min, .. } => format!("minItems {min} makes"),
+                    _ => "the schema makes".to_string(),
+                };
+                return Err(Compiler::err(
+                    path(id),
+                    format!(
+                        "{what} the shortest value here {len} bytes long; at most {MAX_SHORTEST} are allowed"
+                    ),
+                ));
+            }
+            total += len;
+        }
+        if total > MAX_SHORTEST_TOTAL {
+            return Err(Compiler::err(
+                "",
+                format!(
+                    "the schema's parts have {total} bytes of shortest values together; at most {MAX_SHORTEST_TOTAL} are allowed"
+                ),
+            ));
+        }
+        // Then the values, each from its parts' (built first, without recursion: a chain of
+        // parts may be as long as the grammar).
+        for id in 0..n {
+            let mut work = vec![(id as u32, false)];
+            // Each node is pushed at most twice per dependant; the choices have no cycle.
+            let mut steps = 0usize;
+            while let Some((v, ready)) = work.pop() {
+                steps += 1;
+                if steps > 8 * n + 8 {
+                    break;
+                }
+                let vi = v as usize;
+                if g.shortest[vi].is_some() || lens[vi].is_none() {
+                    continue;
+                }
+                if ready {
+                    g.shortest[vi] = g.shortest_of(v);
+                    continue;
+                }
+                work.push((v, true));
+                let deps: Vec<u32> = match &g.nodes[vi] {
+                    Node::Object { props, .. } => {
+                        props.iter().filter(|p| p.required).map(|p| p.node).collect()
+                    }
+                    Node::Array { items, min, .. } if *min > 0 => vec![*items],
+                    Node::AnyOf(_) => vec![choice[vi]],
+                    _ => Vec::new(),
+                };
+                work.extend(deps.into_iter().filter(|&d| d != v).map(|d| (d, false)));
+            }
+        }
+        g.starts = g.alternative_starts().map_err(|m| Compiler::err("", m))?;
+        Ok(g)
+    }
+
+    /// Each node's shortest value's length (`None`: no finite value), by fixed point over
+    /// the nodes in reverse order (a part is mostly compiled after the node holding it), and
+    /// per `anyOf` the alternative that last lowered it: a choice is only made by a strict
+    /// improvement, so the choices never form a cycle.
+    fn shortest_lengths(&self) -> (Vec<Option<u64>>, Vec<u32>) {
+        let n = self.nodes.len();
+        let mut lens: Vec<Option<u64>> = vec![None; n];
+        let mut choice = vec![ANY; n];
+        let of = |id: u32, lens: &[Option<u64>]| lens.get(id as usize).copied().flatten();
+        for _ in 0..=n {
+            let mut changed = false;
+            for id in (0..n).rev() {
+                let len = match &self.nodes[id] {
+                    Node::Any | Node::Number { .. } => Some(1),
+                    Node::String => Some(2),
+                    Node::Literal(alts) => alts.iter().map(|a| a.len() as u64).min(),
+                    Node::AnyOf(alts) => {
+                        match alts.iter().filter_map(|&a| Some((of(a, &lens)?, a))).min() {
+                            Some((len, a)) => {
+                                if lens[id].is_none_or(|old| len < old) {
+                                    choice[id] = a;
+                                }
+                                Some(len)
+                            }
+                            None => None,
+                        }
+                    }
+                    Node::Object { props, .. } => {
+                        let required = props.iter().filter(|p| p.required);
+                        let mut len = 2 + (required.clone().count() as u64).saturating_sub(1);
+                        let mut finite = true;
+                        for p in required {
+                            match of(p.node, &lens) {
+                                Some(v) => len = len.saturating_add(p.key.len() as u64 + 2 + v),
+                                None => finite = false,
+                            }
+                        }
+                        finite.then_some(len)
+                    }
+                    Node::Array { items, min, .. } => match (*min, of(*items, &lens)) {
+                        (0, _) => Some(2),
+                        (m, Some(v)) => Some(
+                            (v.saturating_add(1)).saturating_mul(u64::from(m)).saturating_add(1),
+                        ),
+                        (_, None) => None,
+                    },
+                    Node::Pending => None,
+                };
+                if len.is_some_and(|l| lens[id].is_none_or(|old| l < old)) {
+                    lens[id] = len;
+                    changed = true;
+                }
+            }
+            if !changed {
                 break;
             }
-            g.shortest = next;
         }
-        g
+        (lens, choice)
+    }
+
+    /// Per `anyOf` node, the distinct non-`anyOf` nodes reached through alternatives alone.
+    fn alternative_starts(&self) -> Result<Vec<Vec<u32>>, String> {
+        let n = self.nodes.len();
+        let mut starts = vec![Vec::new(); n];
+        let mut seen = vec![u32::MAX; n];
+        let mut total = 0usize;
+        for id in 0..n {
+            if !matches!(self.nodes[id], Node::AnyOf(_)) {
+                continue;
+            }
+            let mut work = vec![id as u32];
+            seen[id] = id as u32;
+            while let Some(v) = work.pop() {
+                match self.node(v) {
+                    Node::AnyOf(alts) => {
+                        for &a in alts {
+                            if let Some(s) = seen.get_mut(a as usize).filter(|s| **s != id as u32) {
+                                *s = id as u32;
+                                work.push(a);
+                            }
+                        }
+                    }
+                    _ => starts[id].push(v),
+                }
+            }
+            total += starts[id].len();
+            if total > MAX_STARTS_TOTAL {
+                return Err(format!(
+                    "the schema's alternatives reach over {MAX_STARTS_TOTAL} parts together"
+                ));
+            }
+        }
+        Ok(starts)
+    }
+
+    /// The shortest whole value the grammar allows.
+    pub fn shortest_value(&self) -> Option<&[u8]> {
+        self.shortest(self.root)
     }
 
     fn node(&self, id: u32) -> &Node {
@@ -197,7 +383,7 @@ impl Grammar {
         props: &[Prop],
         next: usize,
         after: bool,
-        out: &mut Vec<u8>,
+        out: &mut impl Out,
     ) -> Option<()> {
         let mut first = !after;
         for p in props.iter().skip(next).filter(|p| p.required) {
@@ -215,16 +401,56 @@ impl Grammar {
     }
 
     /// Appends `count` more items and the closing bracket; `after` says an item came before.
-    fn close_items(&self, items: u32, count: u32, after: bool, out: &mut Vec<u8>) -> Option<()> {
-        let item = if count > 0 { self.shortest(items)? } else { &[] };
-        for i in 0..count {
-            if after || i > 0 {
-                out.push(b',');
+    fn close_items(&self, items: u32, count: u32, after: bool, out: &mut impl Out) -> Option<()> {
+        if count > 0 {
+            let item = self.shortest(items)?;
+            if !after {
+                out.extend_from_slice(item);
             }
-            out.extend_from_slice(item);
+            out.repeat(b",", item, count - u32::from(!after));
         }
         out.push(b']');
         Some(())
+    }
+}
+
+/// Where bytes of a value are written: kept, or only counted.
+trait Out {
+    fn push(&mut self, b: u8);
+    fn extend_from_slice(&mut self, bytes: &[u8]);
+    /// `sep` and `bytes`, `times` over.
+    fn repeat(&mut self, sep: &[u8], bytes: &[u8], times: u32) {
+        for _ in 0..times {
+            self.extend_from_slice(sep);
+            self.extend_from_slice(bytes);
+        }
+    }
+}
+
+impl Out for Vec<u8> {
+    fn push(&mut self, b: u8) {
+        Vec::push(self, b);
+    }
+
+    fn extend_from_slice(&mut self, bytes: &[u8]) {
+        Vec::extend_from_slice(self, bytes);
+    }
+}
+
+/// Bytes counted, not kept.
+struct Count(usize);
+
+impl Out for Count {
+    fn push(&mut self, _: u8) {
+        self.0 += 1;
+    }
+
+    fn extend_from_slice(&mut self, bytes: &[u8]) {
+        self.0 += bytes.len();
+    }
+
+    fn repeat(&mut self, sep: &[u8], bytes: &[u8], times: u32) {
+        self.0 += (sep.len() + bytes.len()) * times as usize;
     }
 }
 
@@ -243,8 +469,12 @@ fn base_nodes() -> Vec<Node> {
 struct Compiler<'a> {
     root: &'a Value,
     nodes: Vec<Node>,
+    /// Per node, where in the schema it was compiled from.
+    paths: Vec<String>,
     /// `$ref`s compiled or being compiled, and their nodes.
     refs: Vec<(String, u32)>,
+    /// Levels of [`Compiler::compile`] now running.
+    depth: usize,
 }
 
 impl Compiler<'_> {
@@ -252,12 +482,34 @@ impl Compiler<'_> {
         SchemaError { path: path.to_string(), message: message.into() }
     }
 
-    fn push(&mut self, node: Node) -> u32 {
+    fn push(&mut self, node: Node, path: &str) -> Result<u32, SchemaError> {
+        if self.nodes.len() >= MAX_NODES {
+            let msg = format!(
+                "the schema has more than {MAX_NODES} parts; at most that many are allowed"
+            );
+            return Err(Self::err(path, msg));
+        }
         self.nodes.push(node);
-        (self.nodes.len() - 1) as u32
+        self.paths.push(path.to_string());
+        Ok((self.nodes.len() - 1) as u32)
     }
 
     fn compile(&mut self, schema: &Value, path: &str) -> Result<u32, SchemaError> {
+        if self.depth >= MAX_SCHEMA_DEPTH {
+            return Err(Self::err(
+                path,
+                format!(
+                    "the schema nests deeper than {MAX_SCHEMA_DEPTH} levels (properties, items, anyOf and $ref each count one)"
+                ),
+            ));
+        }
+        self.depth += 1;
+        let id = self.compile_level(schema, path);
+        self.depth -= 1;
+        id
+    }
+
+    fn compile_level(&mut self, schema: &Value, path: &str) -> Result<u32, SchemaError> {
         let obj = match schema {
             Value::Bool(true) => return Ok(ANY),
             Value::Object(o) => o,
@@ -286,10 +538,10 @@ impl Compiler<'_> {
             for (i, alt) in alts.iter().enumerate() {
                 ids.push(self.compile(alt, &format!("{path}/anyOf/{i}"))?);
             }
-            return Ok(self.push(Node::AnyOf(ids)));
+            return self.push(Node::AnyOf(ids), path);
         }
         if let Some(c) = obj.get("const") {
-            return Ok(self.push(Node::Literal(vec![json_bytes(c)])));
+            return self.push(Node::Literal(vec![json_bytes(c)]), path);
         }
         if let Some(e) = obj.get("enum") {
             let Value::Array(values) = e else {
@@ -298,7 +550,7 @@ impl Compiler<'_> {
             if values.is_empty() {
                 return Err(Self::err(path, "enum must not be empty"));
             }
-            return Ok(self.push(Node::Literal(values.iter().map(json_bytes).collect())));
+            return self.push(Node::Literal(values.iter().map(json_bytes).collect()), path);
         }
         let types: Vec<&str> = match obj.get("type") {
             None if obj.contains_key("properties") => vec!["object"],
@@ -318,7 +570,7 @@ impl Compiler<'_> {
             ids.push(match t {
                 "string" => STRING,
                 "number" => NUMBER,
-                "integer" => self.push(Node::Number { integer: true }),
+                "integer" => self.push(Node::Number { integer: true }, path)?,
                 "boolean" => BOOLEAN,
                 "null" => NULL,
                 "object" => self.object(obj, path)?,
@@ -326,7 +578,7 @@ impl Compiler<'_> {
                 other => return Err(Self::err(path, format!("unknown type `{other}`"))),
             });
         }
-        Ok(if ids.len() == 1 { ids[0] } else { self.push(Node::AnyOf(ids)) })
+        if ids.len() == 1 { Ok(ids[0]) } else { self.push(Node::AnyOf(ids), path) }
     }
 
     fn object(
@@ -370,7 +622,7 @@ impl Compiler<'_> {
             None | Some(Value::Bool(true)) => props.is_empty().then_some(ANY),
             Some(s) => Some(self.compile(s, &format!("{path}/additionalProperties"))?),
         };
-        Ok(self.push(Node::Object { props, extra }))
+        self.push(Node::Object { props, extra }, path)
     }
 
     fn array(
@@ -397,7 +649,7 @@ impl Compiler<'_> {
         if max.is_some_and(|m| m < min) {
             return Err(Self::err(path, "maxItems is below minItems"));
         }
-        Ok(self.push(Node::Array { items, min, max }))
+        self.push(Node::Array { items, min, max }, path)
     }
 
     fn reference(&mut self, r: &Value, path: &str) -> Result<u32, SchemaError> {
@@ -415,7 +667,7 @@ impl Compiler<'_> {
                 Self::err(path, format!("$ref `{r}` is not a local #/$defs/ or #/definitions/"))
             })?;
         // Allocated before its body, so a recursive reference finds it.
-        let id = self.push(Node::Pending);
+        let id = self.push(Node::Pending, r.trim_start_matches('#'))?;
         self.refs.push((r.to_string(), id));
         let body = self.compile(target, r.trim_start_matches('#'))?;
         self.nodes[id as usize] = Node::AnyOf(vec![body]);
@@ -586,12 +838,27 @@ impl Matcher {
 
     /// The shortest bytes that complete the root value from here (empty once complete).
     pub fn closing(&self) -> Option<Vec<u8>> {
-        self.stacks.iter().filter_map(|s| self.closing_of(s)).min_by_key(Vec::len)
+        let (len, stack) = self.shortest_closing()?;
+        let mut out = Vec::with_capacity(len);
+        self.closing_of(stack, &mut out)?;
+        Some(out)
     }
 
-    fn closing_of(&self, stack: &Stack) -> Option<Vec<u8>> {
+    /// The length of [`closing`](Self::closing), counted without building it.
+    pub fn closing_len(&self) -> Option<usize> {
+        self.shortest_closing().map(|(len, _)| len)
+    }
+
+    fn shortest_closing(&self) -> Option<(usize, &Stack)> {
+        let count = |s| {
+            let mut n = Count(0);
+            self.closing_of(s, &mut n).map(|()| (n.0, s))
+        };
+        self.stacks.iter().filter_map(count).min_by_key(|(n, _)| *n)
+    }
+
+    fn closing_of<O: Out>(&self, stack: &Stack, out: &mut O) -> Option<()> {
         let g = &*self.grammar;
-        let mut out = Vec::new();
         // Each frame from the top down, as it stands once the one above it is complete.
         // A declared key on top: the property it names, finished by the key's closing.
         let mut key_done: Option<usize> = None;
@@ -602,7 +869,7 @@ impl Matcher {
                     match at {
                         StrAt::Normal => {}
                         StrAt::Escape => out.push(b'n'),
-                        StrAt::Unicode(n) => out.extend(std::iter::repeat_n(b'0', n as usize)),
+                        StrAt::Unicode(n) => out.extend_from_slice(b"0000".get(..n as usize)?),
                     }
                     out.push(b'"');
                 }
@@ -634,12 +901,12 @@ impl Matcher {
                         (None, at) => (next as usize, at),
                     };
                     match at {
-                        ObjAt::Open => g.close_props(props, next, false, &mut out)?,
-                        ObjAt::AfterValue => g.close_props(props, next, true, &mut out)?,
+                        ObjAt::Open => g.close_props(props, next, false, out)?,
+                        ObjAt::AfterValue => g.close_props(props, next, true, out)?,
                         ObjAt::Colon(value) => {
                             out.push(b':');
                             out.extend_from_slice(g.shortest(value)?);
-                            g.close_props(props, next, true, &mut out)?;
+                            g.close_props(props, next, true, out)?;
                         }
                         ObjAt::AfterComma => {
                             // A property must come: the first required one, else the next
@@ -656,7 +923,7 @@ impl Matcher {
                                     out.extend_from_slice(&p.key);
                                     out.push(b':');
                                     out.extend_from_slice(g.shortest(p.node)?);
-                                    g.close_props(props, i + 1, true, &mut out)?;
+                                    g.close_props(props, i + 1, true, out)?;
                                 }
                                 None => {
                                     out.extend_from_slice(b"\"\":");
@@ -676,15 +943,15 @@ impl Matcher {
                     };
                     let left = min.saturating_sub(count);
                     match at {
-                        ArrAt::Open => g.close_items(items, left, false, &mut out)?,
-                        ArrAt::AfterValue => g.close_items(items, left, true, &mut out)?,
-                        ArrAt::AfterComma => g.close_items(items, left.max(1), false, &mut out)?,
+                        ArrAt::Open => g.close_items(items, left, false, out)?,
+                        ArrAt::AfterValue => g.close_items(items, left, true, out)?,
+                        ArrAt::AfterComma => g.close_items(items, left.max(1), false, out)?,
                         ArrAt::InValue => return None,
                     }
                 }
             }
         }
-        Some(out)
+        Some(())
     }
 
     fn push_out(out: &mut Vec<Stack>, stack: Stack) {
@@ -898,16 +1165,24 @@ impl Matcher {
         }
     }
 
-    /// Starts a value of `node` with its first byte `b`.
+    /// Starts a value of `node` with its first byte `b`: an `anyOf` (a `$ref`) through the
+    /// parts its alternatives reach, listed once per grammar, so however deep alternatives
+    /// nest or refer to themselves, starting a value does not recurse through them.
     fn start(&self, stack: Stack, node: u32, b: u8, out: &mut Vec<Stack>) {
-        self.start_within(stack, node, b, out, MAX_HOPS);
+        match self.grammar.node(node) {
+            Node::AnyOf(_) => {
+                let starts = self.grammar.starts.get(node as usize).map_or(&[][..], Vec::as_slice);
+                for &part in starts {
+                    self.start_part(stack.clone(), part, b, out);
+                }
+            }
+            _ => self.start_part(stack, node, b, out),
+        }
     }
 
-    /// [`start`](Self::start) through at most `hops` more nodes that consume nothing (an
-    /// `anyOf`, a `$ref`, any value), so a schema that refers to itself without consuming a
-    /// byte (`A: anyOf [A]`), or nests alternatives deep, cannot recurse without end.
-    fn start_within(&self, mut stack: Stack, node: u32, b: u8, out: &mut Vec<Stack>, hops: u8) {
-        if stack.frames.len() >= MAX_DEPTH * 2 || hops == 0 || out.len() >= MAX_STACKS {
+    /// [`start`](Self::start) for a node other than an `anyOf`.
+    fn start_part(&self, mut stack: Stack, node: u32, b: u8, out: &mut Vec<Stack>) {
+        if stack.frames.len() >= MAX_DEPTH * 2 || out.len() >= MAX_STACKS {
             return;
         }
         match self.grammar.node(node) {
@@ -921,7 +1196,7 @@ impl Matcher {
                     b'n' => NULL,
                     _ => return,
                 };
-                self.start_within(stack, node, b, out, hops - 1);
+                self.start_part(stack, node, b, out);
             }
             Node::Object { .. } if b == b'{' => {
                 stack.frames.push(Frame::Obj { node, next: 0, at: ObjAt::Open });
@@ -957,11 +1232,6 @@ impl Matcher {
                         s.frames.push(Frame::Lit { node, alt: i as u32, pos: 1 });
                         Self::push_out(out, s);
                     }
-                }
-            }
-            Node::AnyOf(alts) => {
-                for &alt in alts {
-                    self.start_within(stack.clone(), alt, b, out, hops - 1);
                 }
             }
             _ => {}
@@ -1025,6 +1295,18 @@ impl Spelling {
         }
         fewest[0]
     }
+
+    /// Whether a text of `len` bytes might be spelled in fewer than `left` tokens: not when
+    /// even the longest tokens would need `left` or more.
+    fn within_reach(&self, len: usize, left: usize) -> bool {
+        len < left.saturating_mul(self.longest)
+    }
+
+    /// Whether `s` is spelled in fewer than `left` tokens, its spelling counted only when its
+    /// length leaves it in doubt (so the work is bounded by `left`, not by `s`).
+    pub fn fewer_than(&self, s: &[u8], left: usize) -> bool {
+        s.len() < left || (self.within_reach(s.len(), left) && self.tokens(s) < left)
+    }
 }
 
 /// Why a constrained draw could not be made.
@@ -1065,7 +1347,11 @@ pub fn sample_constrained<'t>(
     // which led to `next`.
     let fits = |next: &Matcher, t: u32| {
         stops.contains(&t)
-            || next.closing().is_some_and(|c| c.len() < left || spelling.tokens(&c) < left)
+            || next.closing_len().is_some_and(|n| {
+                n < left
+                    || (spelling.within_reach(n, left)
+                        && next.closing().is_some_and(|c| spelling.fewer_than(&c, left)))
+            })
     };
     let mask = |keep: &dyn Fn(&[u8]) -> bool| {
         let mut masked = vec![f32::NEG_INFINITY; logits.len()];
@@ -1104,7 +1390,7 @@ pub fn sample_constrained<'t>(
         // The shortest closing from here, as far as a token follows it.
         let closing = matcher.closing().unwrap_or_default();
         let in_time =
-            |b: &[u8]| closing.starts_with(b) && spelling.tokens(&closing[b.len()..]) < left;
+            |b: &[u8]| closing.starts_with(b) && spelling.fewer_than(&closing[b.len()..], left);
         if let Some(masked) = mask(&in_time).or_else(|| mask(&|b| closing.starts_with(b))) {
             forced = true;
             token = sampler.choose(&masked);
@@ -1356,5 +1642,174 @@ mod tests {
             );
         }
         Ok(())
+    }
+
+    /// `{"$defs": {"d0": {"$ref": "#/$defs/d1"}, ..., "d{n-1}": {"type": "string"}}}`, rooted
+    /// at `d0`: a chain of `n` references.
+    fn ref_chain(n: usize) -> Value {
+        let mut defs = serde_json::Map::new();
+        for i in 0..n {
+            let d = if i + 1 < n {
+                json!({"$ref": format!("#/$defs/d{}", i + 1)})
+            } else {
+                json!({"type": "string"})
+            };
+            defs.insert(format!("d{i}"), d);
+        }
+        json!({"$defs": defs, "$ref": "#/$defs/d0"})
+    }
+
+    #[test]
+    fn a_long_chain_of_references_is_refused_by_name_and_a_short_one_works() -> Result<(), String> {
+        // Run where the stack is a tokio worker's (2 MiB): a chain of 3,000 once overflowed it.
+        let outcome = std::thread::Builder::new()
+            .stack_size(2 << 20)
+            .spawn(|| {
+                let mut out = Vec::new();
+                for n in [1, 11, 12, 40, 63, 64, 1000, 3000] {
+                    let g = Grammar::from_schema(&ref_chain(n));
+                    out.push((n, g.map(Arc::new).map_err(|e| e.to_string())));
+                }
+                out
+            })
+            .map(|h| h.join());
+        let Ok(Ok(outcome)) = outcome else { return Err("the compiler's thread died".into()) };
+        for (n, g) in outcome {
+            if n < MAX_SCHEMA_DEPTH {
+                // Once 11 hops through references left no byte that could start the value.
+                let g = g.map_err(|e| format!("a chain of {n}: {e}"))?;
+                assert!(accepts(&g, r#""abc""#), "a chain of {n}");
+                assert!(!accepts(&g, "1"), "a chain of {n}");
+            } else {
+                let e = g.err().unwrap_or_default();
+                assert!(e.contains("nests deeper than 64 levels"), "a chain of {n}: {e}");
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn values_too_long_to_build_are_refused_before_they_are_built() -> Result<(), SchemaError> {
+        let refused = |schema: Value| Grammar::from_schema(&schema).err().map(|e| e.to_string());
+        // Three nested arrays of 3,000 would have taken 3.4 GB to write out.
+        let nested = json!({"type": "array", "minItems": 3000, "items": {"type": "array",
+            "minItems": 3000, "items": {"type": "array", "minItems": 3000, "items": {"type": "string"}}}});
+        let e = refused(nested).unwrap_or_default();
+        assert!(e.starts_with("/items: minItems 3000 makes the shortest value here"), "{e}");
+        assert!(e.ends_with("at most 65536 are allowed"), "{e}");
+        let wide = json!({"type": "array", "items": {"type": "string"}, "minItems": 1_000_000});
+        assert_eq!(
+            refused(wide),
+            Some("/: minItems 1000000 makes the shortest value here 3000001 bytes long; at most 65536 are allowed".into())
+        );
+        let huge = json!({"type": "array", "items": {"type": "string"}, "minItems": u32::MAX});
+        assert!(refused(huge).is_some_and(|e| e.contains("minItems 4294967295")));
+        // Within the bound: built, and its closing is the whole of it.
+        let fine = json!({"type": "array", "items": {"type": "integer"}, "minItems": 1000});
+        let g = Arc::new(Grammar::from_schema(&fine)?);
+        let want = format!("[{}0]", "0,".repeat(999)).into_bytes();
+        assert_eq!(g.shortest_value(), Some(&want[..]));
+        assert_eq!(Matcher::new(Arc::clone(&g)).closing_len(), Some(want.len()));
+        // Too many parts.
+        let many: serde_json::Map<String, Value> =
+            (0..5000).map(|i| (format!("p{i}"), json!({"type": "integer"}))).collect();
+        let e = refused(json!({"type": "object", "properties": many})).unwrap_or_default();
+        assert!(e.contains("more than 4096 parts"), "{e}");
+        Ok(())
+    }
+
+    #[test]
+    fn alternatives_that_refer_to_themselves_start_values_through_their_way_out()
+    -> Result<(), SchemaError> {
+        let schema = json!({"$defs": {"A": {"anyOf": [{"$ref": "#/$defs/A"}, {"$ref": "#/$defs/B"}]},
+            "B": {"anyOf": [{"$ref": "#/$defs/A"}, {"type": "integer"}, {"enum": ["x"]}]}},
+            "$ref": "#/$defs/A"});
+        let g = Arc::new(Grammar::from_schema(&schema)?);
+        assert!(accepts(&g, "12") && accepts(&g, r#""x""#) && !accepts(&g, r#""y""#));
+        assert_eq!(g.shortest_value(), Some(&b"0"[..]));
+        Ok(())
+    }
+
+    /// Bytes the grammar holds for its shortest values and alternatives' lists.
+    fn footprint(g: &Grammar) -> usize {
+        let values: usize = g.shortest.iter().flatten().map(Vec::len).sum();
+        let starts: usize = g.starts.iter().map(Vec::len).sum();
+        values + 4 * starts + g.nodes.len() * std::mem::size_of::<Node>()
+    }
+
+    fn fuzz_schema() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let min_items =
+            prop_oneof![0u64..4, Just(3000u64), Just(1_000_000), Just(u64::from(u32::MAX))];
+        let leaf = prop_oneof![
+            Just(json!({"type": "string"})),
+            Just(json!({"type": "integer"})),
+            Just(json!({"type": ["number", "null"]})),
+            Just(json!({"type": "boolean"})),
+            Just(json!(true)),
+            prop::collection::vec("[a-z\\u{e9}\"]{0,3}", 1..4).prop_map(|v| json!({"enum": v})),
+            Just(json!({"$ref": "#/$defs/d0"})),
+            Just(json!({"$ref": "#/$defs/d1"})),
+        ];
+        let node = leaf.prop_recursive(8, 96, 4, move |inner| {
+            prop_oneof![
+                (inner.clone(), min_items.clone(), proptest::option::of(0u64..6)).prop_map(
+                    |(items, min, extra)| {
+                        let mut a = json!({"type": "array", "items": items, "minItems": min});
+                        if let Some(e) = extra {
+                            a["maxItems"] = json!(min.saturating_add(e));
+                        }
+                        a
+                    }
+                ),
+                prop::collection::vec(("[a-c]{1,2}", inner.clone(), any::<bool>()), 0..4).prop_map(
+                    |props| {
+                        let required: Vec<&String> =
+                            props.iter().filter(|p| p.2).map(|p| &p.0).collect();
+                        let map: serde_json::Map<String, Value> =
+                            props.iter().map(|p| (p.0.clone(), p.1.clone())).collect();
+                        let required: Vec<&String> =
+                            required.into_iter().filter(|k| map.contains_key(*k)).collect();
+                        json!({"type": "object", "properties": map, "required": required})
+                    }
+                ),
+                prop::collection::vec(inner, 1..4).prop_map(|alts| json!({"anyOf": alts})),
+            ]
+        });
+        (node.clone(), node.clone(), node)
+            .prop_map(|(root, d0, d1)| json!({"$defs": {"d0": d0, "d1": d1}, "anyOf": [root]}))
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            cases: std::env::var("PROPTEST_CASES").ok().and_then(|c| c.parse().ok()).unwrap_or(256),
+            ..Default::default()
+        })]
+
+        /// Generated schemas, hostile sizes included: every compile ends soon with a grammar
+        /// of bounded size or an error, and every grammar's shortest value is JSON it takes,
+        /// whose closings from any point complete it.
+        #[test]
+        fn generated_schemas_compile_within_bounds(schema in fuzz_schema()) {
+            let started = std::time::Instant::now();
+            let compiled = Grammar::from_schema(&schema);
+            let took = started.elapsed();
+            proptest::prop_assert!(took < std::time::Duration::from_secs(2), "compiling took {took:?}");
+            if let Ok(g) = compiled {
+                proptest::prop_assert!(footprint(&g) < 64 << 20, "{} bytes", footprint(&g));
+                let g = Arc::new(g);
+                let value = g.shortest_value().map(<[u8]>::to_vec).unwrap_or_default();
+                proptest::prop_assert!(serde_json::from_slice::<Value>(&value).is_ok());
+                proptest::prop_assert!(accepts(&g, &String::from_utf8_lossy(&value)));
+                let step = (value.len() / 64).max(1);
+                for cut in (0..value.len()).step_by(step) {
+                    let mut m = Matcher::new(Arc::clone(&g));
+                    proptest::prop_assert!(m.advance(&value[..cut]));
+                    let closing = m.closing().unwrap_or_default();
+                    proptest::prop_assert_eq!(Some(closing.len()), m.closing_len());
+                    proptest::prop_assert!(m.advance(&closing) && m.is_complete());
+                }
+            }
+        }
     }
 }

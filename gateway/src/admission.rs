@@ -586,8 +586,8 @@ pub struct Served {
 /// A generation request that passed [`check`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct Checked {
-    /// The body to forward: defaults filled in, usage asked for in streams, no `cache_salt`,
-    /// the model named by its id (not an alias).
+    /// The body to forward: defaults filled in, usage asked for in streams, the gateway's
+    /// own prompt token ids, the model named by its id (not an alias).
     pub body: Bytes,
     /// The model's id.
     pub model: String,
@@ -702,9 +702,9 @@ pub fn check(
     let mut v: Value =
         serde_json::from_slice(body).map_err(|e| Refusal::InvalidJson(e.to_string()))?;
     let obj = v.as_object_mut().ok_or(Refusal::NotAnObject)?;
-    // The cache scope comes from the tenant and the prompt's token ids from the gateway,
-    // never from the client.
-    obj.remove("cache_salt");
+    // The cache scope comes from the tenant (a body's `cache_salt` is refused by name at the
+    // engine, as is every parameter it does not implement) and the prompt's token ids from
+    // the gateway, never from the client.
     obj.remove(PROMPT_FIELD);
     let model = obj.get("model").and_then(Value::as_str).unwrap_or_default().to_owned();
     if model.is_empty() {
@@ -1029,7 +1029,8 @@ mod tests {
             PROMPT_FIELD: {"ids": [7], "tokenizer_revision": "sha256:client"}});
         let checked = completions(quota.clone(), body).map_err(|r| r.message())?;
         let sent: Value = serde_json::from_slice(&checked.body)?;
-        assert!(sent.get("cache_salt").is_none());
+        // Forwarded as sent: the engine refuses it by name rather than the gateway dropping it.
+        assert_eq!(sent.get("cache_salt"), Some(&json!("client-chosen")));
         // The gateway's own token ids replace whatever the client put there.
         let c = counter()?;
         let carried: sluice_text::tokenizer::PromptTokens =

@@ -197,6 +197,25 @@ impl FairShare {
         *e = (decayed(e.0, e.1, now) + tokens as f64, now);
     }
 
+    /// Whether `n` more sequences of `tenant` (`weight`) would hold more than its weighted
+    /// share of every sequence this gateway has in flight, theirs included. A tenant alone
+    /// holds all of it; beside others, one that floods the engines' queues is past its share
+    /// and one that sends a request now and then is not, so a full queue turns away the
+    /// flood, not everyone.
+    pub fn past_queue_share(&self, tenant: &str, weight: u32, n: u64) -> bool {
+        let Ok(s) = self.state.lock() else { return true };
+        let weight = u64::from(weight.max(1));
+        let n = n.max(1);
+        let mine = s.tenants.get(tenant).map_or(0, |t| t.in_flight) + n;
+        let all: u64 = s.tenants.values().map(|t| t.in_flight).sum::<u64>() + n;
+        let others: u64 =
+            s.tenants.iter().filter(|(t, _)| t.as_str() != tenant).map(|(_, t)| t.weight).sum();
+        if others == 0 {
+            return true;
+        }
+        (mine as f64) > all as f64 * weight as f64 / (others + weight) as f64
+    }
+
     /// Sequences in flight of `tenant`.
     pub fn in_flight(&self, tenant: &str) -> u64 {
         self.state.lock().map_or(0, |s| s.tenants.get(tenant).map_or(0, |t| t.in_flight))
@@ -302,5 +321,30 @@ mod tests {
         fair.served(f64::NAN);
         fair.served(-1.0);
         assert_eq!(fair.state.lock().map(|s| s.samples).unwrap_or(99), 0);
+    }
+
+    #[test]
+    fn a_full_queue_turns_away_the_tenant_past_its_share_not_everyone() -> Result<(), Duration> {
+        let fair = Arc::new(FairShare::default());
+        // The flood: 40 requests of n = 8 from one tenant.
+        let mut held = Vec::new();
+        for _ in 0..40 {
+            held.push(fair.admit("flood", 1, 8, None, None)?);
+        }
+        // Alone, the tenant holding the queue is past its share.
+        assert!(fair.past_queue_share("flood", 1, 1));
+        // A quiet tenant's request (and one of n = 8) is within its share of what is in flight.
+        assert!(!fair.past_queue_share("quiet", 1, 1));
+        assert!(!fair.past_queue_share("quiet", 1, 8));
+        held.push(fair.admit("quiet", 1, 8, None, None)?);
+        // The flood's next, beside the quiet one, is still past its share; n counts.
+        assert!(fair.past_queue_share("flood", 1, 1));
+        assert!(!fair.past_queue_share("quiet", 1, 8));
+        assert!(fair.past_queue_share("quiet", 1, 400));
+        // Weight counts: a weight-100 tenant's share of 329 sequences is 326.
+        assert!(!fair.past_queue_share("big", 100, 300));
+        drop(held);
+        assert_eq!(fair.in_flight("flood"), 0);
+        Ok(())
     }
 }

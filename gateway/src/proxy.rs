@@ -584,7 +584,12 @@ impl Gateway {
         {
             return Ok(true);
         }
-        if self.workers.overloaded(&checked.model, self.cfg.max_waiting) {
+        // Every engine's queue is full: turned away only when this request would hold more
+        // than its tenant's share of what is in flight (its `n` counted), so one tenant's
+        // burst is refused and the others' requests still queue.
+        if self.workers.overloaded(&checked.model, self.cfg.max_waiting)
+            && self.fair.past_queue_share(&grant.tenant_id, tier_weight(&grant.tier), choices)
+        {
             return Err(Refusal::Overloaded);
         }
         // Past its share of backlogged engines, a tenant queues only as far as its TTFT target
@@ -934,7 +939,8 @@ impl Gateway {
         let since =
             |ms: f64| ctx.arrival_at + chrono::TimeDelta::microseconds((ms * 1000.0) as i64);
         let prompt = u32::try_from(ctx.prompt_tokens).unwrap_or(u32::MAX);
-        let model = ctx.model.clone().unwrap_or_else(|| "unknown".into());
+        // A request that named no model (or `""`) still gets its row.
+        let model = ctx.model.clone().filter(|m| !m.is_empty()).unwrap_or_else(|| "unknown".into());
         let rates = self.cfg.prices.rates(&model, &grant.tier);
         let first = t.ttft_ms.map(since);
         let last = t.ttft_ms.map(|ttft| {
@@ -1352,10 +1358,9 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
         mut e: Box<Error>,
     ) -> Box<Error> {
-        // Nothing reached the client yet: another worker may take it.
-        if ctx.tried.len() < self.workers.len() {
-            e.set_retry(true);
-        }
+        // Nothing reached the client yet: another worker may take it. Decided either way:
+        // pingora panics on an error whose retry is left undecided.
+        e.set_retry(ctx.tried.len() < self.workers.len());
         e
     }
 
@@ -1367,10 +1372,11 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
         _client_reused: bool,
     ) -> Box<Error> {
-        // Retry elsewhere only if no byte of the response was sent to the client.
-        if ctx.status == 0 && ctx.tried.len() < self.workers.len() {
-            e.set_retry(true);
-        }
+        // Retry elsewhere only if no byte of the response was sent to the client, and while
+        // a worker is left to try. Decided either way: an engine's broken connection comes
+        // with its retry undecided, and pingora panics on one left so, taking the request's
+        // task (its answer, its ledger row, its settlement) with it.
+        e.set_retry(ctx.status == 0 && ctx.tried.len() < self.workers.len());
         e
     }
 

@@ -154,7 +154,13 @@ impl OutcomeLog {
         if let Some(o) = g.by_id.get_mut(&id) {
             o.ended += 1;
             o.prompt_tokens = usage.prompt_tokens;
-            o.cached_tokens = o.cached_tokens.max(usage.cached_tokens);
+            // One rule with the response's usage: the prompt is billed once, its cached part
+            // that of the choice that reused least (the others reused the first one's work).
+            o.cached_tokens = if o.ended == 1 {
+                usage.cached_tokens
+            } else {
+                o.cached_tokens.min(usage.cached_tokens)
+            };
             o.completion_tokens += usage.completion_tokens;
             o.finish_reason = Some(reason);
             if o.ended >= o.choices {
@@ -218,7 +224,9 @@ mod tests {
         assert_eq!(o.ended_ms, None);
         log.ended("r-1", &usage(5, 4, 2), FinishReason::Abort);
         let o = log.get("r", Duration::ZERO).ok_or("registered")?;
-        assert_eq!((o.state, o.completion_tokens, o.cached_tokens), ("finished", 5, 4));
+        // Cached: the least of the choices', as the response's usage says (once the most,
+        // so a client that hung up paid less for the prompt than one that waited).
+        assert_eq!((o.state, o.completion_tokens, o.cached_tokens), ("finished", 5, 0));
         assert!(o.ended_ms.is_some_and(|ms| ms >= o.created * 1000), "{:?}", o.ended_ms);
         assert_eq!(o.finish_reason, Some(FinishReason::Abort));
         assert_eq!(o.tenant.as_deref(), Some("t"));

@@ -62,7 +62,8 @@ pub struct ServerConfig {
     pub served_model_name: Option<String>,
     /// When set, `/v1` requests must carry `Authorization: Bearer <token>`.
     pub internal_token: Option<String>,
-    /// Most choices (`n`) per request.
+    /// Most choices (`n`) per request: by default the platform's one cap,
+    /// `sluice_billing::control::MAX_N`, which every tier and override stays within.
     pub max_n: usize,
     /// Most log-probability alternatives per token.
     pub max_logprobs: usize,
@@ -70,7 +71,7 @@ pub struct ServerConfig {
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        ServerConfig { served_model_name: None, internal_token: None, max_n: 8, max_logprobs: 20 }
+        ServerConfig { served_model_name: None, internal_token: None, max_n: 16, max_logprobs: 20 }
     }
 }
 

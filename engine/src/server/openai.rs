@@ -52,6 +52,8 @@ pub struct SamplingFields {
     pub presence_penalty: Option<f64>,
     /// In [-2, 2].
     pub frequency_penalty: Option<f64>,
+    /// Token ids (as strings) to biases from -100 to 100.
+    pub logit_bias: Option<serde_json::Value>,
 }
 
 /// `/v1/completions` fields beyond [`SamplingFields`].
@@ -138,6 +140,9 @@ pub struct GenerationParams {
     pub n: usize,
     /// Whether EOS was ignored.
     pub ignore_eos: bool,
+    /// Biases added to these tokens' logits.
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub logit_bias: std::collections::BTreeMap<u32, f32>,
 }
 
 /// Per-choice detail of a request with `n` > 1.

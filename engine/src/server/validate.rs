@@ -14,7 +14,7 @@ use crate::serve::{CacheScope, ValidRequest};
 use crate::server::context::RequestContext;
 use crate::server::error::ApiError;
 use crate::server::openai::{ChatFields, CompletionFields, GenerationParams, SamplingFields};
-use crate::structured::Grammar;
+use crate::structured::{Grammar, Spelling};
 use sluice_text::template::encode_chat_tools;
 use sluice_text::tokenizer::{PROMPT_FIELD, PromptTokens};
 use sluice_text::tools::{ToolChoice, Tools};
@@ -92,6 +92,7 @@ impl Plan {
                     presence_penalty: p.presence_penalty,
                     frequency_penalty: p.frequency_penalty,
                     seed: p.seed.wrapping_add(i as u64),
+                    logit_bias: p.logit_bias.iter().map(|(&t, &b)| (t, b)).collect(),
                 },
                 stop: p.stop.clone(),
                 stop_token_ids: self.stop_token_ids.clone(),
@@ -153,6 +154,7 @@ pub fn completion_plan(
     model: &LoadedModel,
     limits: &Limits,
 ) -> Result<Plan, ApiError> {
+    parameters(body, Api::Completions)?;
     let f: CompletionFields = fields(body)?;
     let s: SamplingFields = fields(body)?;
     // Only a text prompt was tokenized by the gateway.
@@ -177,26 +179,195 @@ pub fn completion_plan(
     Ok(plan)
 }
 
-/// Parameters this server does not implement: refused by name rather than ignored (an answer
-/// that ignores the functions offered is a wrong answer, not a degraded one). The values that
-/// ask for nothing (`function_call: "none"`, empty `functions`) pass.
-fn unsupported(body: &Value) -> Result<(), ApiError> {
-    let asks = |name: &str| match body.get(name) {
-        None | Some(Value::Null) => false,
+/// Which API a body is for: each has its own parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Api {
+    /// `/v1/chat/completions`.
+    Chat,
+    /// `/v1/completions`.
+    Completions,
+}
+
+/// Parameters both APIs take (Sluice's extensions included: `top_k`, `min_p`, `ignore_eos`,
+/// `stop_token_ids`) and the gateway's own fields.
+const COMMON_PARAMS: [&str; 21] = [
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "n",
+    "stream",
+    "stream_options",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "user",
+    "service_tier",
+    "store",
+    "metadata",
+    PROMPT_FIELD,
+];
+
+/// Chat's parameters beyond [`COMMON_PARAMS`].
+const CHAT_PARAMS: [&str; 17] = [
+    "messages",
+    "logprobs",
+    "top_logprobs",
+    "max_completion_tokens",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "functions",
+    "function_call",
+    "reasoning_effort",
+    "modalities",
+    "audio",
+    "prediction",
+    "web_search_options",
+    "verbosity",
+    "prompt_cache_key",
+];
+
+/// Completions' parameters beyond [`COMMON_PARAMS`].
+const COMPLETION_PARAMS: [&str; 5] = ["prompt", "echo", "logprobs", "suffix", "best_of"];
+
+/// Every parameter is implemented or refused by name, never accepted and ignored (an answer
+/// that ignores what was asked is a wrong answer, not a degraded one): a parameter neither
+/// API has is a 400 naming it, and so is a value of one that asks for what this server does
+/// not do. The values that ask for nothing pass (`store: false`, `modalities: ["text"]`,
+/// `function_call: "none"`, `service_tier: "auto"`, a `best_of` equal to `n`, ...).
+pub fn parameters(body: &Value, api: Api) -> Result<(), ApiError> {
+    let Some(obj) = body.as_object() else { return Ok(()) };
+    let own: &[&str] = match api {
+        Api::Chat => &CHAT_PARAMS,
+        Api::Completions => &COMPLETION_PARAMS,
+    };
+    for name in obj.keys() {
+        if !COMMON_PARAMS.contains(&name.as_str()) && !own.contains(&name.as_str()) {
+            let shown: String = name.chars().take(64).collect();
+            return Err(ApiError::invalid(
+                &shown,
+                format!("unrecognized request argument supplied: {shown}"),
+            )
+            .with_code("unknown_parameter"));
+        }
+    }
+    let refuse = |name: &str, why: &str| {
+        Err(ApiError::invalid(name, format!("{name} is not supported: {why}"))
+            .with_code("unsupported_parameter"))
+    };
+    // A value that asks for something: not null, false, empty, or "none".
+    let asks = |name: &str| match obj.get(name) {
+        None | Some(Value::Null) | Some(Value::Bool(false)) => false,
         Some(Value::Array(a)) => !a.is_empty(),
-        Some(Value::String(s)) => s != "none",
+        Some(Value::Object(o)) => !o.is_empty(),
+        Some(Value::String(s)) => !s.is_empty() && s != "none",
         Some(_) => true,
     };
-    for name in ["functions", "function_call"] {
+    let deprecated = "it is deprecated; use tools and tool_choice";
+    let fixed: [(&str, &str); 8] = [
+        ("functions", deprecated),
+        ("function_call", deprecated),
+        ("store", "Sluice does not store completions (the ledger keeps counts, never text)"),
+        ("metadata", "it only annotates stored completions, and Sluice stores none"),
+        ("reasoning_effort", "the served models do not reason before answering"),
+        ("audio", "the served models answer in text only"),
+        ("prediction", "predicted outputs are not implemented"),
+        ("web_search_options", "Sluice does not search the web"),
+    ];
+    for (name, why) in fixed {
         if asks(name) {
-            return Err(ApiError::invalid(
-                name,
-                format!("{name} is not supported (it is deprecated); use tools and tool_choice"),
-            )
-            .with_code("unsupported_parameter"));
+            return refuse(name, why);
+        }
+    }
+    let more: [(&str, &str); 4] = [
+        ("verbosity", "the served models have no verbosity setting"),
+        ("prompt_cache_key", "prefix caching is per tenant and automatic"),
+        ("suffix", "the served models do not fill in the middle"),
+        ("parallel_tool_calls", "only true (the default): the answer may hold several calls"),
+    ];
+    for (name, why) in more {
+        let asked = match obj.get(name) {
+            None | Some(Value::Null) => false,
+            Some(Value::String(s)) => !s.is_empty(),
+            Some(Value::Bool(b)) => name != "parallel_tool_calls" || !b,
+            Some(_) => true,
+        };
+        if asked {
+            return refuse(name, why);
+        }
+    }
+    match obj.get("service_tier") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(t)) if t == "auto" || t == "default" => {}
+        Some(_) => {
+            return refuse(
+                "service_tier",
+                "only auto or default; a key's tier sets its service (ask your operator)",
+            );
+        }
+    }
+    match obj.get("modalities") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(m)) if m.iter().all(|x| x == "text") => {}
+        Some(_) => return refuse("modalities", "the served models answer in text only"),
+    }
+    if obj.get("user").is_some_and(|u| !u.is_null() && !u.is_string()) {
+        return Err(ApiError::invalid("user", "user must be a string"));
+    }
+    if let Some(b) = obj.get("best_of").filter(|b| !b.is_null()) {
+        let n = obj.get("n").and_then(Value::as_i64).unwrap_or(1);
+        match b.as_i64() {
+            Some(b) if b == n => {}
+            Some(b) if b < n => {
+                return Err(ApiError::invalid("best_of", "best_of must be at least n"));
+            }
+            Some(_) => {
+                return refuse(
+                    "best_of",
+                    "only a best_of equal to n (choosing among more candidates than are returned is not implemented)",
+                );
+            }
+            None => return Err(ApiError::invalid("best_of", "best_of must be an integer")),
         }
     }
     Ok(())
+}
+
+/// `logit_bias`: token ids (as strings, OpenAI's form) to biases from -100 to 100, at most
+/// 300 of them, each id inside the vocabulary.
+fn logit_bias(v: Option<&Value>, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let param = "logit_bias";
+    let map = match v {
+        None | Some(Value::Null) => return Ok(Vec::new()),
+        Some(Value::Object(m)) => m,
+        Some(_) => {
+            return Err(ApiError::invalid(param, "logit_bias must map token ids to numbers"));
+        }
+    };
+    if map.len() > 300 {
+        return Err(ApiError::invalid(param, "logit_bias may bias at most 300 tokens"));
+    }
+    let mut out = Vec::with_capacity(map.len());
+    for (id, bias) in map {
+        let at = format!("{param}.{}", id.chars().take(32).collect::<String>());
+        let token = id.parse::<u32>().ok().filter(|&t| (t as usize) < vocab).ok_or_else(|| {
+            ApiError::invalid(&at, format!("{at}: keys must be token ids below {vocab}"))
+        })?;
+        let bias = bias.as_f64().filter(|b| (-100.0..=100.0).contains(b)).ok_or_else(|| {
+            ApiError::invalid(&at, format!("{at} must be a number from -100 to 100"))
+        })?;
+        out.push((token, bias as f32));
+    }
+    out.sort_by_key(|&(t, _)| t);
+    Ok(out)
 }
 
 /// The tools a chat request offers, or a 400 naming the parameter at fault.
@@ -260,7 +431,7 @@ pub fn response_format(body: &Value) -> Result<Option<Arc<Grammar>>, ApiError> {
 
 /// A `/v1/chat/completions` body.
 pub fn chat_plan(body: &Value, model: &LoadedModel, limits: &Limits) -> Result<Plan, ApiError> {
-    unsupported(body)?;
+    parameters(body, Api::Chat)?;
     let f: ChatFields = fields(body)?;
     let s: SamplingFields = fields(body)?;
     let messages =
@@ -327,7 +498,35 @@ pub fn chat_plan(body: &Value, model: &LoadedModel, limits: &Limits) -> Result<P
         plan.grammar = tool_grammar;
         plan.tools = Some(generic);
     }
+    if let Some(g) = &plan.grammar {
+        let param = max.map_or("max_tokens", |(param, _)| param);
+        check_budget(g, plan.params.max_tokens, param, model.spelling())?;
+    }
     Ok(plan)
+}
+
+/// A format whose shortest value does not fit the output budget is a 400 naming the budget:
+/// its answer could only stop mid-value, a 200 whose content does not parse.
+fn check_budget(
+    grammar: &Grammar,
+    max_tokens: usize,
+    param: &str,
+    spelling: &Spelling,
+) -> Result<(), ApiError> {
+    let shortest = grammar.shortest_value().unwrap_or_default();
+    if spelling.fewer_than(shortest, max_tokens.saturating_add(1)) {
+        return Ok(());
+    }
+    let need = match spelling.tokens(shortest) {
+        usize::MAX => format!("{} bytes that this vocabulary cannot spell", shortest.len()),
+        t => format!("{t} tokens"),
+    };
+    Err(ApiError::invalid(
+        param,
+        format!(
+            "{param} is {max_tokens}, but the shortest answer in the requested format takes {need}"
+        ),
+    ))
 }
 
 /// The prompt's token ids as the gateway sent them ([`PROMPT_FIELD`]), when they were made
@@ -551,6 +750,7 @@ fn sampling_plan(
         Some(n) => in_range("n", n, 1, limits.max_n)?,
     };
     let stop = stop_strings(s.stop.as_ref())?;
+    let logit_bias = logit_bias(s.logit_bias.as_ref(), limits.vocab_size)?.into_iter().collect();
     let stop_token_ids = match &s.stop_token_ids {
         None => Vec::new(),
         Some(ids) => {
@@ -588,6 +788,7 @@ fn sampling_plan(
             stream,
             n,
             ignore_eos: s.ignore_eos.unwrap_or(false),
+            logit_bias,
         },
         grammar: None,
         tools: None,
@@ -643,16 +844,63 @@ mod tests {
     }
 
     #[test]
-    fn unsupported_parameters_are_refused_by_name() {
+    fn every_parameter_is_implemented_or_refused_by_name() {
         let tool = json!([{"type": "function", "function": {"name": "f"}}]);
-        for (body, param) in [
+        let chat = |extra: Value| {
+            let mut b = json!({"messages": [{"role": "user", "content": "hi"}]});
+            for (k, v) in extra.as_object().into_iter().flatten() {
+                b[k] = v.clone();
+            }
+            parameters(&b, Api::Chat).err().and_then(|e| e.param)
+        };
+        for (extra, param) in [
             (json!({"functions": [{"name": "f"}]}), Some("functions")),
             (json!({"function_call": {"name": "f"}}), Some("function_call")),
             (json!({"functions": [], "function_call": "none"}), None),
-            (json!({"tools": tool, "tool_choice": "auto"}), None),
+            (json!({"tools": tool, "tool_choice": "auto", "parallel_tool_calls": true}), None),
+            (json!({"parallel_tool_calls": false}), Some("parallel_tool_calls")),
+            (json!({"some_extra": {"x": 1}}), Some("some_extra")),
+            (json!({"store": true}), Some("store")),
+            (json!({"store": false, "metadata": {}}), None),
+            (json!({"metadata": {"a": "b"}}), Some("metadata")),
+            (json!({"service_tier": "auto"}), None),
+            (json!({"service_tier": "flex"}), Some("service_tier")),
+            (json!({"reasoning_effort": "low"}), Some("reasoning_effort")),
+            (json!({"modalities": ["text"]}), None),
+            (json!({"modalities": ["text", "audio"]}), Some("modalities")),
+            (json!({"audio": {"voice": "alloy"}}), Some("audio")),
+            (json!({"prompt_cache_key": "k"}), Some("prompt_cache_key")),
+            (json!({"user": "u-1", "logit_bias": {"5": 1}}), None),
+            (json!({"user": 5}), Some("user")),
+            (json!({"suffix": "x"}), Some("suffix")),
         ] {
-            assert_eq!(unsupported(&body).err().and_then(|e| e.param).as_deref(), param, "{body}");
+            assert_eq!(chat(extra.clone()).as_deref(), param, "{extra}");
         }
+        let completion = |b: Value| parameters(&b, Api::Completions).err().and_then(|e| e.param);
+        for (body, param) in [
+            (json!({"prompt": "x", "suffix": "y"}), Some("suffix")),
+            (json!({"prompt": "x", "suffix": ""}), None),
+            (json!({"prompt": "x", "best_of": 1}), None),
+            (json!({"prompt": "x", "best_of": 3, "n": 3}), None),
+            (json!({"prompt": "x", "best_of": 4, "n": 3}), Some("best_of")),
+            (json!({"prompt": "x", "best_of": 2, "n": 3}), Some("best_of")),
+            (json!({"prompt": "x", "messages": []}), Some("messages")),
+        ] {
+            assert_eq!(completion(body.clone()).as_deref(), param, "{body}");
+        }
+    }
+
+    #[test]
+    fn logit_bias_is_read_and_bounded() {
+        let read = |v: Value| logit_bias(Some(&v), 100).map_err(|e| e.param.unwrap_or_default());
+        assert_eq!(read(json!({"7": -100, "3": 2.5})), Ok(vec![(3, 2.5), (7, -100.0)]));
+        assert_eq!(read(json!({"100": 1})), Err("logit_bias.100".to_string()));
+        assert_eq!(read(json!({"x": 1})), Err("logit_bias.x".to_string()));
+        assert_eq!(read(json!({"1": 101})), Err("logit_bias.1".to_string()));
+        assert_eq!(read(json!([1])), Err("logit_bias".to_string()));
+        let many: serde_json::Map<String, Value> =
+            (0..301).map(|i| (i.to_string(), json!(1))).collect();
+        assert!(logit_bias(Some(&Value::Object(many)), 1000).is_err());
     }
 
     #[test]
