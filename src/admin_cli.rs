@@ -678,14 +678,8 @@ pub fn run_admin(cmd: AdminCommand, client: &ClientArgs) -> anyhow::Result<()> {
             }
             AdminCommand::Tenants(TenantCommand::List) => {
                 let v = c.json(Method::GET, "/v1/tenants", &[], None).await?;
-                for t in v["data"].as_array().into_iter().flatten() {
-                    println!(
-                        "{}\t{}\t{}\t{}",
-                        t["id"].as_str().unwrap_or(""),
-                        t["status"].as_str().unwrap_or(""),
-                        t["tier"].as_str().unwrap_or(""),
-                        t["name"].as_str().unwrap_or("")
-                    );
+                for line in tenant_lines(&v)? {
+                    println!("{line}");
                 }
                 return Ok(());
             }
@@ -775,32 +769,35 @@ pub fn run_audit(cmd: AuditCommand, client: &ClientArgs) -> anyhow::Result<()> {
                 base.push(("format", format.clone()));
                 let mut left = limit;
                 let mut cursor: Option<String> = None;
-                let mut header_done = false;
+                let mut first_header: Option<String> = None;
                 let mut out = std::io::stdout().lock();
                 while left > 0 {
                     let mut q = base.clone();
                     q.push(("limit", left.min(1000).to_string()));
                     opt(&mut q, "cursor", cursor.take());
                     let resp = c.send(Method::GET, "/v1/records", &q, None).await?;
-                    let next = resp
-                        .headers()
-                        .get("x-next-cursor")
-                        .and_then(|v| v.to_str().ok())
-                        .map(str::to_owned);
+                    let header = |name| {
+                        resp.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned)
+                    };
+                    let (next, content_type) = (header("x-next-cursor"), header("content-type"));
                     let text = resp.text().await.context("reading records")?;
-                    let mut lines = text.lines();
-                    if format == "csv" {
-                        let header = lines.next().unwrap_or_default();
-                        if !header_done {
-                            writeln!(out, "{header}")?;
-                            header_done = true;
+                    let page = RecordsPage::read(&format, content_type.as_deref(), &text)?;
+                    if let Some(h) = page.header {
+                        match &first_header {
+                            None => {
+                                writeln!(out, "{h}")?;
+                                first_header = Some(h.to_owned());
+                            }
+                            Some(first) if first != h => {
+                                bail!("the billing service changed the CSV columns between pages")
+                            }
+                            Some(_) => {}
                         }
                     }
-                    let mut n = 0u64;
-                    for line in lines {
-                        writeln!(out, "{line}")?;
-                        n += 1;
+                    for record in &page.records {
+                        writeln!(out, "{record}")?;
                     }
+                    let n = page.records.len() as u64;
                     left = left.saturating_sub(n);
                     match next {
                         Some(c) if n > 0 => cursor = Some(c),
@@ -821,12 +818,12 @@ pub fn run_audit(cmd: AuditCommand, client: &ClientArgs) -> anyhow::Result<()> {
                     q.push(("limit", left.min(1000).to_string()));
                     opt(&mut q, "cursor", cursor.take());
                     let v = c.json(Method::GET, "/v1/audit-log", &q, None).await?;
-                    let entries = v["data"].as_array().cloned().unwrap_or_default();
-                    for e in &entries {
+                    let (entries, next) = audit_log_page(&v)?;
+                    for e in entries {
                         println!("{e}");
                     }
                     left = left.saturating_sub(entries.len() as u64);
-                    match v["next_cursor"].as_str() {
+                    match next {
                         Some(c) if !entries.is_empty() => cursor = Some(c.to_owned()),
                         _ => break,
                     }
@@ -842,8 +839,217 @@ pub fn run_audit(cmd: AuditCommand, client: &ClientArgs) -> anyhow::Result<()> {
                 opt(&mut q, "model", model);
                 opt(&mut q, "since", since);
                 opt(&mut q, "until", until);
-                print_json(&c.json(Method::GET, "/v1/usage", &q, None).await?)
+                let v = c.json(Method::GET, "/v1/usage", &q, None).await?;
+                check_usage(&v)?;
+                print_json(&v)
             }
         }
     })
+}
+
+// What the clients read from the billing API is read strictly: an answer they do not
+// understand is an error naming what is missing, never an empty list printed as "nothing".
+
+/// `GET /v1/tenants` as lines of id, status, tier and name (tab-separated).
+fn tenant_lines(v: &Value) -> anyhow::Result<Vec<String>> {
+    let tenants = v
+        .get("data")
+        .and_then(Value::as_array)
+        .context("the billing service's tenant list has no `data` array")?;
+    tenants
+        .iter()
+        .map(|t| {
+            let text = |field: &str| {
+                t.get(field)
+                    .and_then(Value::as_str)
+                    .with_context(|| format!("a tenant without a `{field}` string: {t}"))
+            };
+            let name = match t.get("name") {
+                Some(Value::String(n)) => n.as_str(),
+                Some(Value::Null) => "",
+                _ => bail!("a tenant without a `name` (a string or null): {t}"),
+            };
+            Ok(format!("{}\t{}\t{}\t{name}", text("id")?, text("status")?, text("tier")?))
+        })
+        .collect()
+}
+
+/// A page of `GET /v1/audit-log`: its entries and the next page's cursor (null on the last).
+fn audit_log_page(v: &Value) -> anyhow::Result<(&[Value], Option<&str>)> {
+    let entries = v
+        .get("data")
+        .and_then(Value::as_array)
+        .context("the billing service's audit log page has no `data` array")?;
+    if let Some(e) = entries.iter().find(|e| !e.is_object()) {
+        bail!("an audit log entry is not an object: {e}");
+    }
+    let next = match v.get("next_cursor") {
+        Some(Value::String(c)) => Some(c.as_str()),
+        Some(Value::Null) => None,
+        _ => bail!("the billing service's audit log page has no `next_cursor` (a string or null)"),
+    };
+    Ok((entries, next))
+}
+
+/// `GET /v1/usage`: its rows and totals must be there to be printed.
+fn check_usage(v: &Value) -> anyhow::Result<()> {
+    if !v.get("data").is_some_and(Value::is_array) {
+        bail!("the billing service's usage has no `data` array");
+    }
+    if !v.get("totals").is_some_and(Value::is_object) {
+        bail!("the billing service's usage has no `totals` object");
+    }
+    Ok(())
+}
+
+/// A page of `GET /v1/records` in the format asked for.
+#[derive(Debug)]
+struct RecordsPage<'a> {
+    /// The CSV header line (`None` for JSON Lines).
+    header: Option<&'a str>,
+    /// Each record's text as printed: a JSON line, or a CSV record (which a quoted cell may
+    /// carry over several lines).
+    records: Vec<&'a str>,
+}
+
+impl<'a> RecordsPage<'a> {
+    fn read(format: &str, content_type: Option<&str>, text: &'a str) -> anyhow::Result<Self> {
+        let want = if format == "csv" { "text/csv" } else { "application/x-ndjson" };
+        if !content_type.is_some_and(|t| t.starts_with(want)) {
+            bail!(
+                "the billing service answered the records query with {}, not {want}",
+                content_type.unwrap_or("no content type")
+            );
+        }
+        if format != "csv" {
+            let records: Vec<&str> = text.lines().filter(|l| !l.is_empty()).collect();
+            for (i, line) in records.iter().enumerate() {
+                let r: Value = serde_json::from_str(line)
+                    .with_context(|| format!("record {} of a page is not JSON", i + 1))?;
+                if !r.get("request_id").is_some_and(Value::is_string) {
+                    bail!("record {} of a page has no `request_id`", i + 1);
+                }
+            }
+            return Ok(Self { header: None, records });
+        }
+        let mut rows = csv_records(text)?.into_iter();
+        let (header, columns) = rows.next().context("a CSV page without its header line")?;
+        if !header.starts_with("request_id,") {
+            bail!("a CSV page whose header is not the records' columns: {header:?}");
+        }
+        let mut records = Vec::new();
+        for (i, (record, fields)) in rows.enumerate() {
+            if fields != columns {
+                bail!("CSV record {} of a page has {fields} cells for {columns} columns", i + 1);
+            }
+            records.push(record);
+        }
+        Ok(Self { header: Some(header), records })
+    }
+}
+
+/// CSV text cut into records (at line ends outside quoted cells), each with its cell count.
+fn csv_records(text: &str) -> anyhow::Result<Vec<(&str, usize)>> {
+    let mut out = Vec::new();
+    let (mut start, mut cells, mut quoted) = (0, 1, false);
+    for (i, c) in text.char_indices() {
+        match c {
+            // An escaped quote (`""`) flips twice.
+            '"' => quoted = !quoted,
+            ',' if !quoted => cells += 1,
+            '\n' if !quoted => {
+                out.push((&text[start..i], cells));
+                (start, cells) = (i + 1, 1);
+            }
+            _ => {}
+        }
+    }
+    if quoted {
+        bail!("a CSV page ends inside a quoted cell");
+    }
+    if start < text.len() {
+        out.push((&text[start..], cells));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_audit_log_page_without_its_fields_is_an_error() {
+        let v = json!({"data": [{"id": 1}], "next_cursor": "1"});
+        assert_eq!(audit_log_page(&v).ok().map(|(e, n)| (e.len(), n)), Some((1, Some("1"))));
+        let last = json!({"data": [], "next_cursor": null});
+        assert_eq!(audit_log_page(&last).ok().map(|(e, n)| (e.len(), n)), Some((0, None)));
+        for bad in [
+            json!({}),
+            json!({"next_cursor": null}),
+            json!({"data": null, "next_cursor": null}),
+            json!({"data": {}, "next_cursor": null}),
+            json!({"data": []}),
+            json!({"data": [], "next_cursor": 5}),
+            json!({"data": [1], "next_cursor": null}),
+            json!([]),
+        ] {
+            assert!(audit_log_page(&bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn usage_and_tenants_without_their_fields_are_an_error() {
+        assert!(check_usage(&json!({"period": "day", "data": [], "totals": {}})).is_ok());
+        for bad in [
+            json!({}),
+            json!({"data": []}),
+            json!({"totals": {}}),
+            json!({"data": {}, "totals": {}}),
+        ] {
+            assert!(check_usage(&bad).is_err(), "{bad}");
+        }
+        let tenants = json!({"data": [
+            {"id": "acme", "status": "active", "tier": "free", "name": "Acme"},
+            {"id": "globex", "status": "suspended", "tier": "standard", "name": null},
+        ]});
+        let lines = tenant_lines(&tenants).ok();
+        let want = ["acme\tactive\tfree\tAcme", "globex\tsuspended\tstandard\t"];
+        assert_eq!(lines.as_deref(), Some(&want.map(str::to_owned)[..]));
+        for bad in [
+            json!({}),
+            json!({"data": null}),
+            json!({"data": [{"id": "acme", "status": "active", "tier": "free"}]}),
+            json!({"data": [{"id": "acme", "tier": "free", "name": null}]}),
+            json!({"data": [{"id": 1, "status": "active", "tier": "free", "name": null}]}),
+        ] {
+            assert!(tenant_lines(&bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn a_records_page_is_read_by_its_format_and_refused_when_it_is_not_one() {
+        let csv = "request_id,model_id,ttft_ms\nr1,\"'=1,\"\"2\"\"\n3\",-5.5\nr2,m,\n";
+        let page = RecordsPage::read("csv", Some("text/csv; charset=utf-8"), csv);
+        let page = page.ok().map(|p| (p.header, p.records));
+        let records = vec!["r1,\"'=1,\"\"2\"\"\n3\",-5.5", "r2,m,"];
+        assert_eq!(page, Some((Some("request_id,model_id,ttft_ms"), records)));
+        let jsonl = "{\"request_id\":\"r1\"}\n{\"request_id\":\"r2\"}\n";
+        let page = RecordsPage::read("jsonl", Some("application/x-ndjson"), jsonl);
+        assert_eq!(page.ok().map(|p| p.records.len()), Some(2));
+        for (format, content_type, text) in [
+            ("csv", Some("text/html"), "request_id\n"),
+            ("csv", None, "request_id\n"),
+            ("csv", Some("text/csv"), ""),
+            ("csv", Some("text/csv"), "<html></html>\n"),
+            ("csv", Some("text/csv"), "request_id,model_id\nr1\n"),
+            ("csv", Some("text/csv"), "request_id,model_id\nr1,\"open\n"),
+            ("jsonl", Some("text/csv"), jsonl),
+            ("jsonl", Some("application/x-ndjson"), "not json\n"),
+            ("jsonl", Some("application/x-ndjson"), "{\"id\":1}\n"),
+            ("jsonl", Some("application/x-ndjson"), "[]\n"),
+        ] {
+            let page = RecordsPage::read(format, content_type, text);
+            assert!(page.is_err(), "{format} {content_type:?} {text:?} was read as {page:?}");
+        }
+    }
 }

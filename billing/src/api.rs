@@ -6,16 +6,20 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::{Path, Query, State};
+use axum::extract::{FromRequestParts, Path, Query, Request, State};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::middleware::Next;
 use axum::response::{Html, IntoResponse, Response};
 use axum::routing::{get, post, put};
-use chrono::{DateTime, NaiveDate, TimeDelta, Utc};
+use chrono::{DateTime, Datelike, NaiveDate, TimeDelta, Utc};
+use futures_util::FutureExt as _;
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
@@ -111,6 +115,38 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/v1/usage", get(usage))
         .fallback(|| async { ApiError(AdminError::NotFound("no such route".into())) })
         .with_state(state)
+        .layer(axum::middleware::from_fn(catch_panic))
+}
+
+/// The last line of defence: a handler that panics answers 500 in the API's error shape
+/// instead of dropping the connection. Every refusal of bad input is a 400 of its own; this
+/// only turns a bug into an answer (the server keeps serving either way).
+pub async fn catch_panic(request: Request, next: Next) -> Response {
+    let (method, path) = (request.method().clone(), request.uri().path().to_owned());
+    match AssertUnwindSafe(next.run(request)).catch_unwind().await {
+        Ok(response) => response,
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            tracing::error!(%method, path, panic = what, "a billing API handler panicked");
+            error_response(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "the billing service failed on this request",
+                None,
+            )
+        }
+    }
+}
+
+/// An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}`.
+fn error_response(status: StatusCode, kind: &str, message: &str, param: Option<&str>) -> Response {
+    let code = status.as_u16().to_string();
+    let body = json!({"error": {"message": message, "type": kind, "param": param, "code": code}});
+    (status, axum::Json(body)).into_response()
 }
 
 /// An [`AdminError`] as an HTTP response.
@@ -146,10 +182,7 @@ impl IntoResponse for ApiError {
             }
             other => other.to_string(),
         };
-        let code = status.as_u16().to_string();
-        let body =
-            json!({"error": {"message": message, "type": kind, "param": param, "code": code}});
-        (status, axum::Json(body)).into_response()
+        error_response(status, kind, &message, param.as_deref())
     }
 }
 
@@ -207,45 +240,80 @@ fn body<T: DeserializeOwned>(bytes: &Bytes) -> ApiResult<T> {
 /// Query parameters, refusing names the route does not know.
 fn query(params: HashMap<String, String>, known: &[&str]) -> ApiResult<HashMap<String, String>> {
     if let Some(k) = params.keys().find(|k| !known.contains(&k.as_str())) {
-        return Err(AdminError::invalid(
-            k,
-            format!("unknown query parameter {k:?} (known: {})", known.join(", ")),
-        )
-        .into());
+        let message = if known.is_empty() {
+            format!("unknown query parameter {k:?} (this route takes none)")
+        } else {
+            format!("unknown query parameter {k:?} (known: {})", known.join(", "))
+        };
+        return Err(AdminError::invalid(k, message).into());
     }
     Ok(params)
 }
 
-/// RFC 3339, a date (`2026-11-29`, UTC midnight), or an age (`30m`, `24h`, `7d`) before now.
-pub fn parse_time(param: &str, s: &str) -> Result<DateTime<Utc>, AdminError> {
-    if let Ok(t) = DateTime::parse_from_rfc3339(s) {
-        return Ok(t.with_timezone(&Utc));
-    }
-    if let Ok(d) = NaiveDate::parse_from_str(s, "%Y-%m-%d")
-        && let Some(t) = d.and_hms_opt(0, 0, 0)
-    {
-        return Ok(t.and_utc());
-    }
-    let (num, unit) = s.split_at(s.len().saturating_sub(1));
-    if let Ok(n) = num.parse::<i64>()
-        && (0..=100_000).contains(&n)
-    {
-        let d = match unit {
-            "s" => TimeDelta::seconds(n),
-            "m" => TimeDelta::minutes(n),
-            "h" => TimeDelta::hours(n),
-            "d" => TimeDelta::days(n),
-            _ => return Err(bad_time(param)),
+/// A route that takes no query parameters refuses any, naming it (as the others refuse names
+/// they do not know).
+fn no_query(params: HashMap<String, String>) -> ApiResult<()> {
+    query(params, &[]).map(drop)
+}
+
+/// Path parameters (a tenant id, a key id), each held to the rules of a filter value
+/// ([`check_text`]); a path axum cannot decode is a 400 in the API's error shape too.
+struct ApiPath<T>(T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Send> FromRequestParts<S> for ApiPath<T> {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        let refused = |e: axum::extract::rejection::PathRejection| {
+            ApiError(AdminError::invalid("path", format!("invalid path: {}", e.body_text())))
         };
-        return Ok(Utc::now() - d);
+        let Path(raw) = Path::<Vec<(String, String)>>::from_request_parts(parts, state)
+            .await
+            .map_err(refused)?;
+        for (name, value) in &raw {
+            check_text(name, value)?;
+        }
+        let Path(value) = Path::<T>::from_request_parts(parts, state).await.map_err(refused)?;
+        Ok(Self(value))
     }
-    Err(bad_time(param))
+}
+
+/// RFC 3339, a date (`2026-11-29`, UTC midnight), or an age (`30m`, `24h`, `7d`) before now;
+/// years 1 to 9999 (what RFC 3339 writes), so every window computed from it stays inside
+/// chrono's range and the databases'.
+pub fn parse_time(param: &str, s: &str) -> Result<DateTime<Utc>, AdminError> {
+    let at = if let Ok(t) = DateTime::parse_from_rfc3339(s) {
+        Some(t.with_timezone(&Utc))
+    } else if let Ok(d) = NaiveDate::parse_from_str(s, "%Y-%m-%d") {
+        d.and_hms_opt(0, 0, 0).map(|t| t.and_utc())
+    } else {
+        age(s).map(|d| Utc::now() - d)
+    };
+    at.filter(|t| (1..=9999).contains(&t.year())).ok_or_else(|| bad_time(param))
+}
+
+/// `30s`, `30m`, `24h`, `7d`: a whole number up to 100,000, then the unit.
+fn age(s: &str) -> Option<TimeDelta> {
+    // The unit is the last character, whatever its width in bytes.
+    let mut chars = s.chars();
+    let unit = chars.next_back()?;
+    let n = chars.as_str().parse::<i64>().ok().filter(|n| (0..=100_000).contains(n))?;
+    match unit {
+        's' => Some(TimeDelta::seconds(n)),
+        'm' => Some(TimeDelta::minutes(n)),
+        'h' => Some(TimeDelta::hours(n)),
+        'd' => Some(TimeDelta::days(n)),
+        _ => None,
+    }
 }
 
 fn bad_time(param: &str) -> AdminError {
     AdminError::invalid(
         param,
-        format!("{param} must be RFC 3339, YYYY-MM-DD, or an age like 24h or 7d"),
+        format!(
+            "{param} must be RFC 3339 or YYYY-MM-DD (years 1-9999), or an age like 24h or 7d \
+             (s, m, h or d, at most 100000)"
+        ),
     )
 }
 
@@ -266,13 +334,22 @@ fn limit_param(q: &HashMap<String, String>, default: u32, max: u32) -> ApiResult
     }
 }
 
-fn text_param(q: &HashMap<String, String>, name: &str) -> ApiResult<Option<String>> {
-    match q.get(name) {
-        Some(v) if v.is_empty() || v.len() > 256 => {
-            Err(AdminError::invalid(name, format!("{name} must be 1-256 characters")).into())
-        }
-        v => Ok(v.cloned()),
+/// A filter value or path segment: 1-256 characters, none of them NUL (which Postgres text
+/// cannot hold: the query would fail rather than match nothing).
+fn check_text(name: &str, value: &str) -> Result<(), AdminError> {
+    if value.is_empty() || value.chars().count() > 256 || value.contains('\0') {
+        return Err(AdminError::invalid(
+            name,
+            format!("{name} must be 1-256 characters, none of them NUL"),
+        ));
     }
+    Ok(())
+}
+
+fn text_param(q: &HashMap<String, String>, name: &str) -> ApiResult<Option<String>> {
+    let Some(value) = q.get(name) else { return Ok(None) };
+    check_text(name, value)?;
+    Ok(Some(value.clone()))
 }
 
 /// Announces a change to gateways: bump the version counter, then publish. A Redis failure
@@ -299,30 +376,53 @@ async fn announce(state: &ApiState, kind: &str, tenant: &str) {
     }
 }
 
-async fn dashboard_page() -> impl IntoResponse {
-    (
-        [(header::CACHE_CONTROL, HeaderValue::from_static("no-store"))],
-        Html(include_str!("dashboard.html")),
+/// What the console's and the dashboard's pages may load: the script `script_src` admits,
+/// their own styles and the API, nothing from elsewhere; no forms posted, no framing.
+fn page_policy(script_src: &str) -> String {
+    format!(
+        "default-src 'none'; script-src {script_src}; style-src 'self' 'unsafe-inline'; \
+         connect-src 'self'; img-src 'self' data:; form-action 'none'; frame-ancestors 'none'; \
+         base-uri 'none'"
     )
 }
 
-/// What the console's pages may load: their own script and the API, nothing from elsewhere.
-const CONSOLE_POLICY: &str = concat!(
-    "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; ",
-    "connect-src 'self'; img-src 'self' data:; form-action 'none'; frame-ancestors 'none'; ",
-    "base-uri 'none'"
-);
-
-async fn console_page() -> impl IntoResponse {
+/// A page that reads the admin token, with the headers both such pages carry: not cached, its
+/// content security policy, no referrer, never framed.
+fn token_page(script_src: &str, html: String) -> Response {
+    let Ok(policy) = HeaderValue::from_str(&page_policy(script_src)) else {
+        return error_response(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "the page's content security policy is not a header value",
+            None,
+        );
+    };
     (
         [
             (header::CACHE_CONTROL, HeaderValue::from_static("no-store")),
-            (header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CONSOLE_POLICY)),
+            (header::CONTENT_SECURITY_POLICY, policy),
             (header::REFERRER_POLICY, HeaderValue::from_static("no-referrer")),
             (header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY")),
         ],
-        Html(include_str!("console.html")),
+        Html(html),
     )
+        .into_response()
+}
+
+/// The dashboard's one script is inline: the policy admits it by a nonce drawn per response
+/// (OS randomness), so the page gets the console's policy without a script file of its own.
+async fn dashboard_page() -> Response {
+    let nonce = uuid::Uuid::new_v4().simple().to_string();
+    let html = include_str!("dashboard.html").replacen(
+        "<script>",
+        &format!("<script nonce=\"{nonce}\">"),
+        1,
+    );
+    token_page(&format!("'nonce-{nonce}'"), html)
+}
+
+async fn console_page() -> Response {
+    token_page("'self'", include_str!("console.html").to_owned())
 }
 
 async fn console_script() -> impl IntoResponse {
@@ -347,16 +447,26 @@ async fn shared_styles() -> impl IntoResponse {
 
 /// `GET /v1/whoami`: the token's principal, so the console shows the pages its role reaches
 /// (the API still checks every call).
-async fn whoami(State(s): State<Arc<ApiState>>, headers: HeaderMap) -> ApiResult<Response> {
+async fn whoami(
+    State(s): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> ApiResult<Response> {
     let who =
         authorize(&s, &headers, &[Role::Ops, Role::Billing, Role::Auditor, Role::TenantAdmin])?;
+    no_query(q)?;
     Ok(axum::Json(json!({"actor": who.actor, "role": who.role.as_str(), "tenant": who.tenant}))
         .into_response())
 }
 
 /// `GET /v1/tiers`: the quota tiers of `policies/tiers.json` and their values.
-async fn tiers(State(s): State<Arc<ApiState>>, headers: HeaderMap) -> ApiResult<Response> {
+async fn tiers(
+    State(s): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> ApiResult<Response> {
     authorize(&s, &headers, &[Role::Ops, Role::TenantAdmin])?;
+    no_query(q)?;
     let data: Vec<Value> =
         TIERS.iter().map(|(name, q)| json!({"name": name, "settings": q})).collect();
     Ok(axum::Json(json!({"data": data})).into_response())
@@ -369,29 +479,49 @@ async fn dashboard_data(
 ) -> ApiResult<Response> {
     authorize(&s, &headers, &[Role::Billing])?;
     let q = query(q, &["since", "until"])?;
-    let until = time_param(&q, "until")?.unwrap_or_else(Utc::now);
-    let since = time_param(&q, "since")?.unwrap_or(until - TimeDelta::days(7));
+    let (since, until) = (time_param(&q, "since")?, time_param(&q, "until")?);
+    // Without `since`, the window is the week before `until`: `until` is then the one to blame.
+    let since_param = if since.is_some() { "since" } else { "until" };
+    let until = until.unwrap_or_else(Utc::now);
+    let since = since.unwrap_or(until - TimeDelta::days(7));
     if since >= until || until - since > TimeDelta::days(400) {
         return Err(AdminError::invalid(
-            "since",
+            since_param,
             "the window must be non-empty and at most 400 days",
         )
         .into());
     }
+    // The window is cut into hours or days in nanoseconds since 1970, which reach 1677 to 2262.
+    for (at, param) in [(since, since_param), (until, "until")] {
+        if at.timestamp_nanos_opt().is_none() {
+            return Err(AdminError::invalid(
+                param,
+                "the dashboard's window must lie between 1677-09-22 and 2262-04-11",
+            )
+            .into());
+        }
+    }
     Ok(axum::Json(s.ledger.dashboard(since, until).await?).into_response())
 }
 
-async fn list_tenants(State(s): State<Arc<ApiState>>, headers: HeaderMap) -> ApiResult<Response> {
+async fn list_tenants(
+    State(s): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
+) -> ApiResult<Response> {
     authorize(&s, &headers, &[Role::Ops])?;
+    no_query(q)?;
     Ok(axum::Json(json!({"data": s.ledger.list_tenants().await?})).into_response())
 }
 
 async fn get_tenant(
     State(s): State<Arc<ApiState>>,
     headers: HeaderMap,
-    Path(tenant): Path<String>,
+    ApiPath(tenant): ApiPath<String>,
+    Query(q): Query<HashMap<String, String>>,
 ) -> ApiResult<Response> {
     let who = authorize(&s, &headers, &[Role::Ops, Role::TenantAdmin])?;
+    no_query(q)?;
     check_tenant(&who, &tenant)?;
     Ok(axum::Json(s.ledger.tenant(&tenant).await?).into_response())
 }
@@ -399,9 +529,11 @@ async fn get_tenant(
 async fn create_tenant(
     State(s): State<Arc<ApiState>>,
     headers: HeaderMap,
+    Query(q): Query<HashMap<String, String>>,
     bytes: Bytes,
 ) -> ApiResult<Response> {
     let who = authorize(&s, &headers, &[Role::Ops])?;
+    no_query(q)?;
     let new: NewTenant = body(&bytes)?;
     let tenant = s.ledger.create_tenant(&who, &new).await?;
     announce(&s, "tenant", &tenant.id).await;
@@ -411,10 +543,12 @@ async fn create_tenant(
 async fn update_tenant(
     State(s): State<Arc<ApiState>>,
     headers: HeaderMap,
-    Path(tenant): Path<String>,
+    ApiPath(tenant): ApiPath<String>,
+    Query(q): Query<HashMap<String, String>>,
     bytes: Bytes,
 ) -> ApiResult<Response> {
     let who = authorize(&s, &headers, &[Role::Ops])?;
+    no_query(q)?;
     let change: TenantChange = body(&bytes)?;
     let t = s.ledger.update_tenant(&who, &tenant, &change).await?;
     announce(&s, "tenant", &tenant).await;
@@ -424,10 +558,12 @@ async fn update_tenant(
 async fn set_status(
     s: &ApiState,
     headers: &HeaderMap,
+    q: HashMap<String, String>,
     tenant: &str,
     status: &str,
 ) -> ApiResult<Response> {
     let who = authorize(s, headers, &[Role::Ops])?;
+    no_query(q)?;
     let t = s.ledger.set_tenant_status(&who, tenant, status).await?;
     announce(s, "tenant", tenant).await;
     Ok(axum::Json(t).into_response())
@@ -436,17 +572,19 @@ async fn set_status(
 async fn suspend_tenant(
     State(s): State<Arc<ApiState>>,
     headers: HeaderMap,
-    Path(tenant): Path<String>,
+    ApiPath(tenant): ApiPath<String>,
+    Query(q): Query<HashMap<String, String>>,
 ) -> ApiResult<Response> {
-    set_status(&s, &headers, &tenant, "suspended").await
+    set_status(&s, &headers, q, &tenant, "suspended").await
 }
 
 async fn activate_tenant(
     State(s): State<Arc<ApiState>>,
     headers: HeaderMap,
-    Path(tenant): Path<String>,
+    ApiPath(tenant): ApiPath<String>,
+    Query(q): Query<HashMap<String, String>>,
 ) -> ApiResult<Response> {
-    set_status(&s, &headers, &tenant, "active").await
+    set_status(&s, &headers, q, &tenant, "active").await
 }
 
 #[derive(Deserialize)]
@@ -463,10 +601,12 @@ struct IssueKey {
 async fn issue_key(
     State(s): State<Arc<ApiState>>,
     headers: HeaderMap,
-    Path(tenant): Path<String>,
+    ApiPath(tenant): ApiPath<String>,
+    Query(q): Query<HashMap<String, String>>,
     bytes: Bytes,
 ) -> ApiResult<Response> {
     let who = authorize(&s, &headers, &[Role::Ops, Role::TenantAdmin])?;
+    no_query(q)?;
     check_tenant(&who, &tenant)?;
     let req: IssueKey = body(&bytes)?;
     let (key, secret) =
@@ -487,9 +627,11 @@ async fn issue_key(
 async fn list_keys(
     State(s): State<Arc<ApiState>>,
     headers: HeaderMap,
-    Path(tenant): Path<String>,
+    ApiPath(tenant): ApiPath<String>,
+    Query(q): Query<HashMap<String, String>>,
 ) -> ApiResult<Response> {
     let who = authorize(&s, &headers, &[Role::Ops, Role::TenantAdmin])?;
+    no_query(q)?;
     check_tenant(&who, &tenant)?;
     Ok(axum::Json(json!({"data": s.ledger.list_keys(&tenant).await?})).into_response())
 }
@@ -497,9 +639,11 @@ async fn list_keys(
 async fn revoke_key(
     State(s): State<Arc<ApiState>>,
     headers: HeaderMap,
-    Path((tenant, key)): Path<(String, String)>,
+    ApiPath((tenant, key)): ApiPath<(String, String)>,
+    Query(q): Query<HashMap<String, String>>,
 ) -> ApiResult<Response> {
     let who = authorize(&s, &headers, &[Role::Ops, Role::TenantAdmin])?;
+    no_query(q)?;
     check_tenant(&who, &tenant)?;
     let k = s.ledger.revoke_key(&who, &tenant, &key).await?;
     announce(&s, "key", &tenant).await;
@@ -509,11 +653,13 @@ async fn revoke_key(
 async fn set_key_limits(
     State(s): State<Arc<ApiState>>,
     headers: HeaderMap,
-    Path((tenant, key)): Path<(String, String)>,
+    ApiPath((tenant, key)): ApiPath<(String, String)>,
+    Query(q): Query<HashMap<String, String>>,
     bytes: Bytes,
 ) -> ApiResult<Response> {
     // A tenant admin may hold its own keys to less; a key never gets more than its tenant.
     let who = authorize(&s, &headers, &[Role::Ops, Role::TenantAdmin])?;
+    no_query(q)?;
     check_tenant(&who, &tenant)?;
     let limits: Limits = body(&bytes)?;
     let k = s.ledger.set_key_limits(&who, &tenant, &key, limits).await?;
@@ -524,10 +670,12 @@ async fn set_key_limits(
 async fn get_quota(
     State(s): State<Arc<ApiState>>,
     headers: HeaderMap,
-    Path(tenant): Path<String>,
+    ApiPath(tenant): ApiPath<String>,
+    Query(q): Query<HashMap<String, String>>,
 ) -> ApiResult<Response> {
     // A tenant admin reads its own limits; only ops changes them.
     let who = authorize(&s, &headers, &[Role::Ops, Role::TenantAdmin])?;
+    no_query(q)?;
     check_tenant(&who, &tenant)?;
     Ok(axum::Json(s.ledger.quota(&tenant).await?).into_response())
 }
@@ -535,19 +683,25 @@ async fn get_quota(
 async fn set_quota(
     State(s): State<Arc<ApiState>>,
     headers: HeaderMap,
-    Path(tenant): Path<String>,
+    ApiPath(tenant): ApiPath<String>,
+    Query(q): Query<HashMap<String, String>>,
     bytes: Bytes,
 ) -> ApiResult<Response> {
     let who = authorize(&s, &headers, &[Role::Ops])?;
+    no_query(q)?;
     let settings: QuotaSettings = body(&bytes)?;
     let q = s.ledger.set_quota(&who, &tenant, &settings).await?;
     announce(&s, "quota", &tenant).await;
     Ok(axum::Json(q).into_response())
 }
 
+/// One CSV cell. Text a spreadsheet would run as a formula (it begins with `=`, `+`, `-`, `@`,
+/// a tab or a carriage return) gets a leading `'`, as OWASP recommends; only text: numbers
+/// stay numbers, so a negative one is still `-5`.
 fn csv_field(v: &Value) -> String {
     let s = match v {
         Value::Null => return String::new(),
+        Value::String(s) if s.starts_with(['=', '+', '-', '@', '\t', '\r']) => format!("'{s}"),
         Value::String(s) => s.clone(),
         other => other.to_string(),
     };
@@ -825,4 +979,121 @@ async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
         }
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn time_parameters_parse_or_name_the_parameter() {
+        for (text, hours_ago) in [("30s", 0), ("90m", 1), ("24h", 24), ("7d", 168), ("0d", 0)] {
+            let t = parse_time("since", text).map_err(|e| e.to_string());
+            // Read after the parse: at least the age has passed since, and far less than an
+            // hour more.
+            let ago = t.map(|t| (Utc::now() - t).num_hours());
+            assert_eq!(ago, Ok(hours_ago), "{text:?}");
+        }
+        let midnight = NaiveDate::from_ymd_opt(2026, 11, 29).and_then(|d| d.and_hms_opt(0, 0, 0));
+        assert_eq!(parse_time("since", "2026-11-29").ok(), midnight.map(|t| t.and_utc()));
+        assert!(parse_time("since", "2026-11-29T10:00:00+02:00").is_ok());
+        // A last character of several bytes once cut the string inside it (a panic).
+        for bad in [
+            "1é",
+            "é",
+            "24ħ",
+            "7日",
+            "🦀",
+            "1🦀",
+            "",
+            "d",
+            "-1d",
+            "100001d",
+            "1.5h",
+            "1 h",
+            "24H",
+            "99999999999999999999d",
+            "0000-12-31",
+            "10000-01-01",
+            "+10000-01-01",
+            "-262143-01-01",
+            "0001-01-01T00:00:00+00:01",
+            "yesterday",
+            "%",
+            "\0",
+        ] {
+            let got = parse_time("until", bad);
+            let named = matches!(&got, Err(AdminError::Invalid { param, .. }) if param == "until");
+            assert!(named, "{bad:?} gave {got:?}");
+        }
+        assert!(
+            parse_time("since", "0001-01-01").is_ok() && parse_time("since", "9999-12-31").is_ok()
+        );
+    }
+
+    #[test]
+    fn csv_cells_never_carry_a_formula_and_numbers_stay_numbers() {
+        for (value, cell) in [
+            (
+                json!("=HYPERLINK(\"http://x\",\"y\")"),
+                "\"'=HYPERLINK(\"\"http://x\"\",\"\"y\"\")\"",
+            ),
+            (json!("+1+1"), "'+1+1"),
+            (json!("-2+3"), "'-2+3"),
+            (json!("-5"), "'-5"),
+            (json!("@SUM(A1)"), "'@SUM(A1)"),
+            (json!("\tcmd"), "'\tcmd"),
+            (json!("\rcmd"), "\"'\rcmd\""),
+            (json!("a=b"), "a=b"),
+            (json!("smollm2"), "smollm2"),
+            (json!("a,b"), "\"a,b\""),
+            (json!(-5), "-5"),
+            (json!(-1.5), "-1.5"),
+            (json!(42), "42"),
+            (json!(false), "false"),
+            (Value::Null, ""),
+        ] {
+            assert_eq!(csv_field(&value), cell, "{value}");
+        }
+    }
+
+    #[test]
+    fn text_parameters_refuse_nul_and_lengths_in_characters() {
+        assert!(check_text("model", "m").is_ok());
+        assert!(check_text("model", &"é".repeat(256)).is_ok());
+        for bad in [String::new(), "é".repeat(257), "a\0b".to_owned()] {
+            let got = check_text("model", &bad);
+            let named = matches!(&got, Err(AdminError::Invalid { param, .. }) if param == "model");
+            assert!(named, "{bad:?} gave {got:?}");
+        }
+    }
+
+    /// A handler that panics answers a 500 in the API's error shape, and the server goes on.
+    #[tokio::test]
+    async fn a_panicking_handler_answers_500_and_the_server_keeps_serving() -> anyhow::Result<()> {
+        #[expect(clippy::panic, reason = "the handler stands for a bug the layer must contain")]
+        async fn bug() -> &'static str {
+            panic!("a bug in a handler")
+        }
+        let app = Router::new()
+            .route("/bug", get(bug))
+            .route("/fine", get(|| async { "fine" }))
+            .layer(axum::middleware::from_fn(catch_panic));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let base = format!("http://{}", listener.local_addr()?);
+        let server = tokio::spawn(async move { axum::serve(listener, app).await });
+        let http = reqwest::Client::new();
+        for _ in 0..3 {
+            let resp = http.get(format!("{base}/bug")).send().await?;
+            assert_eq!(resp.status(), StatusCode::INTERNAL_SERVER_ERROR);
+            let v: Value = resp.json().await?;
+            assert_eq!(v["error"]["type"], "server_error", "{v}");
+            assert_eq!(v["error"]["code"], "500", "{v}");
+            assert!(v["error"]["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+            let fine = http.get(format!("{base}/fine")).send().await?;
+            assert_eq!(fine.status(), StatusCode::OK);
+        }
+        server.abort();
+        Ok(())
+    }
 }

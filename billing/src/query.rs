@@ -601,6 +601,10 @@ pub fn decode_cursor(cursor: &str) -> Result<(DateTime<Utc>, String), AdminError
     let raw = hex::decode(cursor).map_err(|_| bad())?;
     let text = String::from_utf8(raw).map_err(|_| bad())?;
     let (at, id) = text.split_once('\n').ok_or_else(bad)?;
+    // A NUL would fail the query on Postgres (text cannot hold one) rather than match nothing.
+    if id.contains('\0') {
+        return Err(bad());
+    }
     let at = DateTime::parse_from_rfc3339(at).map_err(|_| bad())?.with_timezone(&Utc);
     Ok((at, id.to_owned()))
 }
@@ -645,7 +649,7 @@ pub struct UsageRow {
 }
 
 /// The sums a usage rollup holds.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RollupSums {
     /// Billed requests.
     pub requests: i64,
@@ -662,7 +666,7 @@ pub struct RollupSums {
 }
 
 /// One hour bucket whose rollup does not match its rows.
-#[derive(Clone, Debug, Serialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct RollupDifference {
     /// Bucket start (UTC hour).
     pub bucket_start: DateTime<Utc>,
@@ -676,8 +680,9 @@ pub struct RollupDifference {
     pub rollup: RollupSums,
 }
 
-/// The rollups checked against the rows since an hour.
-#[derive(Clone, Debug, Serialize)]
+/// The rollups checked against the rows since an hour (`sluice audit reconcile` reads it back
+/// with this type, so a field it lacks is an error there, never an empty list).
+#[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct RollupReconciliation {
     /// Start of the first hour checked.
     pub since: DateTime<Utc>,
