@@ -1,4 +1,5 @@
-//! Teacher-forced agreement with llama.cpp on the default model (see shared/golden/README.md).
+//! Teacher-forced agreement with llama.cpp on the default model (see
+//! engine/tests/golden/README.md).
 
 mod common;
 

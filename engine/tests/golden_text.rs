@@ -1,5 +1,5 @@
 //! Tokenizer and chat template agree with llama.cpp on the default model, byte for byte and
-//! token for token (see shared/golden/README.md).
+//! token for token (see engine/tests/golden/README.md).
 
 mod common;
 

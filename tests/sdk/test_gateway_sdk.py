@@ -277,7 +277,7 @@ def two_models():
         model=gemma, prompt="The capital of France is", max_tokens=8, temperature=0)
     comp = raw.parse()
     check(comp.model == gemma and comp.usage.completion_tokens >= 1, comp)
-    # llama.cpp's greedy continuation (shared/golden) begins " the capital of the country".
+    # llama.cpp's greedy continuation (engine/tests/golden) begins " the capital of the country".
     check(comp.choices[0].text.startswith(" the capital of"), comp.choices[0].text)
     record("gemma_completion", 200, raw.headers["x-sluice-request-id"],
            comp.usage.completion_tokens, model=gemma)

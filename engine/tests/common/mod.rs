@@ -31,27 +31,26 @@ fn cached(file: &str, fetch: &str) -> anyhow::Result<PathBuf> {
     Ok(p)
 }
 
-/// The golden llama.cpp reference for the default model, from the `shared/` folder that sits
-/// beside the repository (found from whichever crate's tests are running).
+/// The golden llama.cpp reference for the default model (`engine/tests/golden/`, whose README
+/// says where it came from). Compiled in relative to this file, so every crate whose tests
+/// include this module reads the same in-repository copy.
 pub fn golden() -> anyhow::Result<serde_json::Value> {
-    golden_file("smollm2-135m-q4_1.llamacpp.json")
+    parse_golden(
+        "smollm2-135m-q4_1.llamacpp.json",
+        include_str!("../golden/smollm2-135m-q4_1.llamacpp.json"),
+    )
 }
 
-/// The golden llama.cpp reference for Gemma 3 270M.
+/// The golden llama.cpp reference for Gemma 3 270M (`engine/tests/golden/`).
 pub fn gemma_golden() -> anyhow::Result<serde_json::Value> {
-    golden_file("gemma-3-270m-q4_k_m.llamacpp.json")
+    parse_golden(
+        "gemma-3-270m-q4_k_m.llamacpp.json",
+        include_str!("../golden/gemma-3-270m-q4_k_m.llamacpp.json"),
+    )
 }
 
-fn golden_file(name: &str) -> anyhow::Result<serde_json::Value> {
-    let rel = format!("shared/golden/{name}");
-    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let p = manifest
-        .ancestors()
-        .map(|a| a.join(&rel))
-        .find(|p| p.is_file())
-        .ok_or_else(|| anyhow::anyhow!("{rel} not found above {}", manifest.display()))?;
-    let text = std::fs::read_to_string(&p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?;
-    Ok(serde_json::from_str(&text)?)
+fn parse_golden(name: &str, text: &str) -> anyhow::Result<serde_json::Value> {
+    serde_json::from_str(text).map_err(|e| anyhow::anyhow!("engine/tests/golden/{name}: {e}"))
 }
 
 /// Token ids of a JSON array.
