@@ -38,6 +38,11 @@ fn the_crate_graph_keeps_its_rules() -> anyhow::Result<()> {
         let d = deps(dir)?;
         assert!(!d.contains("sluice-engine"), "{dir} depends on the engine: {d:?}");
     }
+    // The policies crate is below everything that reads a policy, and depends on nothing.
+    assert_eq!(deps("policies")?, BTreeSet::new(), "the policies crate depends on nothing");
+    for dir in ["engine", "gateway", "billing"] {
+        assert!(deps(dir)?.contains("sluice-policies"), "{dir} reads policies another way");
+    }
     let engine = deps("engine")?;
     for other in ["sluice-gateway", "sluice-billing", "sluice-bench"] {
         assert!(!engine.contains(other), "the engine depends on {other}");

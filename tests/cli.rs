@@ -5,7 +5,7 @@ mod common;
 
 use std::process::{Command, Output};
 
-use anyhow::{Context, ensure};
+use anyhow::{Context, bail, ensure};
 use serde_json::Value;
 
 fn sluice(args: &[&str]) -> anyhow::Result<Output> {
@@ -201,5 +201,40 @@ fn bad_input_is_a_clear_error() -> anyhow::Result<()> {
         let err = String::from_utf8_lossy(&out.stderr);
         ensure!(!out.status.success() && err.contains(says), "{args:?}: {err}");
     }
+    Ok(())
+}
+
+/// `--policies DIR`: a file there that does not parse stops the start, naming the file, the
+/// tier and the field; a directory without the file keeps the compiled-in copy.
+#[test]
+fn a_malformed_policy_file_stops_the_start_naming_file_and_field() -> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().to_str().context("utf-8")?;
+    // An empty directory: every policy is the compiled-in one.
+    sluice(&["--policies", path, "model", "list"])
+        .and_then(|o| if o.status.success() { Ok(()) } else { bail!("{o:?}") })?;
+    let cases = [
+        ("tiers.json", r#"{"free": {"rpm": "many"}}"#, "free.rpm"),
+        ("tiers.json", r#"{"free": {"max_n": 99}}"#, "max_n"),
+        ("scheduling.json", r#"{"free": {"weight": 1, "ttft": 5}}"#, "ttft"),
+        (
+            "prices.json",
+            r#"{"version": "v", "default": {"input": -1, "cached_input": 0, "output": 0}}"#,
+            "input",
+        ),
+        ("models.json", r#"{"aliases": {"a": ""}}"#, "a"),
+        ("sampling.json", r#"{"m": {"temperature": 9}}"#, "m"),
+    ];
+    for (file, text, field) in cases {
+        let d = tempfile::tempdir()?;
+        std::fs::write(d.path().join(file), text)?;
+        let out = sluice(&["--policies", d.path().to_str().context("utf-8")?, "model", "list"])?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        ensure!(!out.status.success(), "{file} {text}: started");
+        ensure!(err.contains(file) && err.contains(field), "{file} {text}: {err}");
+    }
+    let out = sluice(&["--policies", "/no/such/dir", "model", "list"])?;
+    ensure!(!out.status.success(), "a missing directory was accepted");
+    ensure!(String::from_utf8_lossy(&out.stderr).contains("--policies"), "{out:?}");
     Ok(())
 }

@@ -336,9 +336,52 @@ fn tier_entries<T: serde::de::DeserializeOwned>(file: &str) -> BTreeMap<String, 
         .collect()
 }
 
-/// The quota tiers of `policies/tiers.json`, compiled in.
+/// The per-tier entries of a policy file, strictly: every entry but `_comment`-style ones must
+/// parse as `T`; an error names the tier and the field.
+fn tier_entries_strict<T: serde::de::DeserializeOwned>(
+    file: &str,
+) -> Result<BTreeMap<String, T>, String> {
+    let raw: BTreeMap<String, Value> = serde_json::from_str(file).map_err(|e| e.to_string())?;
+    let mut out = BTreeMap::new();
+    for (tier, v) in raw.into_iter().filter(|(k, _)| !k.starts_with('_')) {
+        let t = serde_path_to_error::deserialize(v).map_err(|e| {
+            let at = e.path().to_string();
+            let at = if at == "." { String::new() } else { format!(".{at}") };
+            format!("{tier}{at}: {}", e.into_inner())
+        })?;
+        out.insert(tier, t);
+    }
+    Ok(out)
+}
+
+/// A policy file's text (see [`sluice_policies`]), empty when it cannot be read (the services
+/// check the files at start and refuse to start then).
+fn policy_text(name: &str) -> String {
+    sluice_policies::text(name).map(|t| t.into_owned()).unwrap_or_else(|e| {
+        tracing::error!(error = %e, "policy file unreadable");
+        String::new()
+    })
+}
+
+/// Checks the tiers and scheduling policies in force: every entry parses and every tier's
+/// limits are valid; an error names the file, the tier and the field.
+pub fn check_policies() -> Result<(), String> {
+    let at = |name: &str, e: String| format!("{}: {e}", sluice_policies::source(name));
+    let tiers: BTreeMap<String, QuotaSettings> =
+        tier_entries_strict(&sluice_policies::text("tiers.json")?)
+            .map_err(|e| at("tiers.json", e))?;
+    for (name, tier) in &tiers {
+        tier.validate().map_err(|e| at("tiers.json", format!("{name}: {e}")))?;
+    }
+    let _: BTreeMap<String, TierScheduling> =
+        tier_entries_strict(&sluice_policies::text("scheduling.json")?)
+            .map_err(|e| at("scheduling.json", e))?;
+    Ok(())
+}
+
+/// The quota tiers of the tiers policy in force (`tiers.json`).
 pub static TIERS: LazyLock<BTreeMap<String, QuotaSettings>> =
-    LazyLock::new(|| tier_entries(include_str!("../../policies/tiers.json")));
+    LazyLock::new(|| tier_entries(&policy_text("tiers.json")));
 
 /// A tier's scheduling policy (`policies/scheduling.json`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
@@ -354,9 +397,9 @@ pub struct TierScheduling {
     pub ttft_ms: Option<u32>,
 }
 
-/// The tiers' scheduling policies of `policies/scheduling.json`, compiled in.
+/// The tiers' scheduling policies of the scheduling policy in force (`scheduling.json`).
 pub static TIER_SCHEDULING: LazyLock<BTreeMap<String, TierScheduling>> =
-    LazyLock::new(|| tier_entries(include_str!("../../policies/scheduling.json")));
+    LazyLock::new(|| tier_entries(&policy_text("scheduling.json")));
 
 /// The fair-order weight of `tier` (1 for a tier the policy does not name), 1 to 1000.
 pub fn tier_weight(tier: &str) -> u32 {
@@ -1100,7 +1143,7 @@ mod tests {
     #[test]
     fn every_tier_has_a_scheduling_weight_and_the_file_parses_whole() {
         let raw: BTreeMap<String, Value> =
-            serde_json::from_str(include_str!("../../policies/scheduling.json"))
+            serde_json::from_str(sluice_policies::compiled("scheduling.json").unwrap_or_default())
                 .unwrap_or_default();
         let named = raw.keys().filter(|k| !k.starts_with('_')).count();
         assert_eq!(TIER_SCHEDULING.len(), named, "an entry of scheduling.json does not parse");
@@ -1116,7 +1159,8 @@ mod tests {
     #[test]
     fn every_tier_parses_and_stays_within_the_platform_caps() {
         let raw: BTreeMap<String, Value> =
-            serde_json::from_str(include_str!("../../policies/tiers.json")).unwrap_or_default();
+            serde_json::from_str(sluice_policies::compiled("tiers.json").unwrap_or_default())
+                .unwrap_or_default();
         let named = raw.keys().filter(|k| !k.starts_with('_')).count();
         assert_eq!(TIERS.len(), named, "an entry of tiers.json does not parse");
         for (name, tier) in TIERS.iter() {

@@ -161,12 +161,13 @@ impl PriceList {
     }
 }
 
-/// The price list of `policies/prices.json`, compiled in. A list that does not parse fails the
-/// build's tests (below); should it still, every request is priced at nothing rather than at a
-/// guess, under a version that says so.
+/// The price list in force (`prices.json`, see [`sluice_policies`]): the operator's, or the
+/// compiled-in one. Services check it at start ([`check_policy`]) and refuse to start on one
+/// that does not parse; should it still fail here, every request is priced at nothing rather
+/// than at a guess, under a version that says so.
 pub static PRICES: LazyLock<PriceList> = LazyLock::new(|| {
-    PriceList::parse(include_str!("../../policies/prices.json")).unwrap_or_else(|e| {
-        tracing::error!(error = %e, "policies/prices.json does not parse");
+    sluice_policies::text("prices.json").and_then(|t| PriceList::parse(&t)).unwrap_or_else(|e| {
+        tracing::error!(error = %e, "prices.json does not parse");
         PriceList {
             version: "unparsed".into(),
             default: Rates { input: 0, cached_input: 0, output: 0 },
@@ -176,13 +177,22 @@ pub static PRICES: LazyLock<PriceList> = LazyLock::new(|| {
     })
 });
 
+/// Checks the price list in force: an error names the file and the field at fault.
+pub fn check_policy() -> Result<(), String> {
+    let text = sluice_policies::text("prices.json")?;
+    PriceList::parse(&text)
+        .map(|_| ())
+        .map_err(|e| format!("{}: {e}", sluice_policies::source("prices.json")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn the_compiled_in_list_parses_and_prices_by_model_then_tier() -> Result<(), String> {
-        let shipped = PriceList::parse(include_str!("../../policies/prices.json"))?;
+        let shipped =
+            PriceList::parse(sluice_policies::compiled("prices.json").unwrap_or_default())?;
         assert_eq!(shipped, *PRICES);
         let list = PriceList::parse(
             r#"{"_comment": "x", "version": "v7",

@@ -12,8 +12,6 @@ use sluice_text::gguf::GgufFile;
 
 use crate::error::{EngineError, Result};
 
-/// The shipped per-model defaults.
-const POLICY: &str = include_str!("../../policies/sampling.json");
 /// Where a default from the policy file is said to come from.
 const POLICY_SOURCE: &str = "policies/sampling.json";
 
@@ -91,6 +89,15 @@ pub fn policy(text: &str) -> std::result::Result<BTreeMap<String, Recommended>, 
     Ok(out)
 }
 
+/// Checks the sampling policy in force (`sampling.json`, see [`sluice_policies`]): an error
+/// names the file and the model entry at fault.
+pub fn check_policy() -> std::result::Result<(), String> {
+    let text = sluice_policies::text("sampling.json")?;
+    policy(&text)
+        .map(|_| ())
+        .map_err(|e| format!("{}: {e}", sluice_policies::source("sampling.json")))
+}
+
 /// The defaults a served model's requests get, and where each came from.
 #[derive(Clone, Debug, PartialEq, Serialize)]
 pub struct SamplingDefaults {
@@ -136,10 +143,12 @@ impl SamplingDefaults {
     /// The defaults of a model served as `served`, from its file's recommendations and the
     /// shipped policy file.
     pub fn for_model(file: &Recommended, served: &str) -> SamplingDefaults {
-        let shipped = policy(POLICY).unwrap_or_else(|e| {
-            tracing::error!("{POLICY_SOURCE} does not parse: {e}");
-            BTreeMap::new()
-        });
+        let shipped = sluice_policies::text("sampling.json")
+            .and_then(|text| policy(&text))
+            .unwrap_or_else(|e| {
+                tracing::error!("{POLICY_SOURCE} does not parse: {e}");
+                BTreeMap::new()
+            });
         SamplingDefaults::resolve(file, shipped.get(served))
     }
 }
@@ -150,7 +159,7 @@ mod tests {
 
     #[test]
     fn the_shipped_policy_parses_and_names_the_default_model() -> std::result::Result<(), String> {
-        let p = policy(POLICY)?;
+        let p = policy(sluice_policies::compiled("sampling.json").unwrap_or_default())?;
         let smol = p.get("smollm2-135m-instruct").cloned().unwrap_or_default();
         assert_eq!((smol.temperature, smol.top_p), (Some(0.2), Some(0.9)));
         assert_eq!(

@@ -46,13 +46,21 @@ impl ModelEntry {
     }
 }
 
-/// The aliases the shipped policy names (`policies/models.json`).
+/// The aliases the models policy in force names (`models.json`, see [`sluice_policies`]).
 static ALIASES: LazyLock<BTreeMap<String, String>> = LazyLock::new(|| {
-    aliases(include_str!("../../policies/models.json")).unwrap_or_else(|e| {
-        tracing::error!(error = %e, "policies/models.json is invalid; no aliases");
+    sluice_policies::text("models.json").and_then(|t| aliases(&t)).unwrap_or_else(|e| {
+        tracing::error!(error = %e, "models.json is invalid; no aliases");
         BTreeMap::new()
     })
 });
+
+/// Checks the models policy in force: an error names the file and the alias at fault.
+pub fn check_policy() -> Result<(), String> {
+    let text = sluice_policies::text("models.json")?;
+    aliases(&text)
+        .map(|_| ())
+        .map_err(|e| format!("{}: {e}", sluice_policies::source("models.json")))
+}
 
 /// The `aliases` object of a models policy: alias -> model id (an alias naming itself, or
 /// empty, is refused).
@@ -167,7 +175,7 @@ mod tests {
 
     #[test]
     fn the_shipped_aliases_parse_and_bad_ones_are_refused() {
-        let shipped = aliases(include_str!("../../policies/models.json"));
+        let shipped = aliases(sluice_policies::compiled("models.json").unwrap_or_default());
         assert_eq!(
             shipped.as_ref().ok().and_then(|a| a.get("default")).map(String::as_str),
             Some("smollm2-135m-instruct")
