@@ -40,8 +40,32 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Parser, Debug)]
 #[command(name = "sluice", version, about)]
 struct Cli {
+    /// A directory of policy files (`tiers.json`, `prices.json`, `scheduling.json`,
+    /// `models.json`, `sampling.json`) read at start instead of the compiled-in copies, each
+    /// where the directory has it; a file that does not parse stops the start, naming the file
+    /// and the field. Changes take effect on restart.
+    #[arg(long, global = true, env = "SLUICE_POLICIES")]
+    policies: Option<std::path::PathBuf>,
     #[command(subcommand)]
     command: Command,
+}
+
+/// Reads the policy files from `dir` (when given) and checks every one in force, so a
+/// malformed file stops the start rather than a request.
+fn load_policies(dir: Option<&std::path::Path>) -> anyhow::Result<()> {
+    if let Some(dir) = dir {
+        sluice_policies::use_dir(dir).map_err(|e| anyhow::anyhow!("--policies: {e}"))?;
+    }
+    let checks: [fn() -> Result<(), String>; 4] = [
+        sluice_billing::prices::check_policy,
+        sluice_billing::control::check_policies,
+        sluice_gateway::catalog::check_policy,
+        sluice_engine::defaults::check_policy,
+    ];
+    for check in checks {
+        check().map_err(|e| anyhow::anyhow!("policy: {e}"))?;
+    }
+    Ok(())
 }
 
 #[derive(Subcommand, Debug)]
@@ -455,6 +479,7 @@ fn main() -> std::process::ExitCode {
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {
+    load_policies(cli.policies.as_deref())?;
     match cli.command {
         Command::Model(ModelCommand::Fetch { name }) => {
             let path = fetch(catalog_entry(&name)?, &model_dir(), &|s| eprintln!("{s}"))?;
@@ -661,14 +686,14 @@ fn run_bench_model(args: BenchModelArgs) -> anyhow::Result<()> {
     };
     let report = bench_model(&m, &mut runner, cfg)?;
     let baseline = match &args.llama_bench {
-        Some(bin) => ModelBaseline::llama_bench(
+        Some(bin) => Some(ModelBaseline::llama_bench(
             bin,
             &m.path,
             runner.threads(),
             args.prompt_tokens,
             args.decode_tokens,
-        )?,
-        None => ModelBaseline::reference(),
+        )?),
+        None => None,
     };
     let comparison = ModelComparison::new(&m, report, baseline);
     if args.json {
@@ -756,8 +781,8 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
             args.kv_cache_dtype
         );
         println!(
-            "in process; baseline: llama.cpp llama-server -np 32 -t 2 reference figures (same \
-             workload, this machine class)"
+            "in process; no baseline (--llama-server PATH measures llama.cpp beside the engine \
+             over HTTP in the same run)"
         );
         println!("{}", EngineComparison::HEADER);
     }

@@ -183,7 +183,8 @@ pub struct UpArgs {
 #[derive(Args, Debug)]
 pub struct FrontDoorArgs {
     /// On SIGINT or SIGTERM: how long running requests may go on before they are cancelled
-    /// (each still billed for what it generated), in seconds.
+    /// (a stream billed for the tokens it sent; a whole answer, which sent none, recorded
+    /// with what it generated and charged nothing), in seconds.
     #[arg(long, default_value_t = 30)]
     drain_timeout: u64,
     /// Where `/metrics` is served (never on the tenants' port: it shows every tenant).
@@ -202,6 +203,11 @@ pub struct FrontDoorArgs {
     /// Requests one client address may have in flight at once (then 429).
     #[arg(long, default_value_t = 512)]
     max_per_client: u32,
+    /// A load balancer's address or network (CIDR; repeat or separate with commas) whose
+    /// `X-Forwarded-For` names the client: requests from it count against the address it
+    /// forwarded for (the rightmost one that is not itself trusted), not against the proxy.
+    #[arg(long = "trusted-proxy", value_delimiter = ',', value_parser = parse_net)]
+    trusted_proxies: Vec<ipnet::IpNet>,
     /// While the engines are backlogged: `fair` admits each tenant up to its weighted share
     /// of their places and past it only as far as its tier's TTFT target allows (the rest get
     /// 429 at once); `fcfs` lets every request queue at the engines. `sluice up --scheduling
@@ -218,6 +224,7 @@ impl FrontDoorArgs {
             header_timeout: Duration::from_secs(self.header_timeout),
             body_timeout: Duration::from_secs(self.body_timeout),
             max_per_client: self.max_per_client,
+            trusted_proxies: self.trusted_proxies.clone(),
             fair_admission: self.admission == "fair",
             ..cfg
         }
@@ -226,6 +233,13 @@ impl FrontDoorArgs {
     fn drain(&self) -> Duration {
         Duration::from_secs(self.drain_timeout)
     }
+}
+
+/// A `--trusted-proxy` value: a network (`10.0.0.0/8`) or one address.
+fn parse_net(s: &str) -> Result<ipnet::IpNet, String> {
+    s.parse::<ipnet::IpNet>()
+        .or_else(|_| s.parse::<std::net::IpAddr>().map(ipnet::IpNet::from))
+        .map_err(|_| format!("{s:?} is not an IP address or network (CIDR)"))
 }
 
 fn write_private(path: &Path, content: &str) -> anyhow::Result<()> {

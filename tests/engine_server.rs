@@ -341,7 +341,7 @@ async fn bad_requests_get_openai_errors_naming_the_parameter() -> anyhow::Result
         ("/v1/completions", json!({"prompt": "x", "max_tokens": 0}), 400, Some("max_tokens")),
         ("/v1/completions", json!({"prompt": "x", "max_tokens": 8192}), 400, Some("max_tokens")),
         ("/v1/completions", json!({"prompt": "x", "max_tokens": "9"}), 400, Some("max_tokens")),
-        ("/v1/completions", json!({"prompt": "x", "n": 9}), 400, Some("n")),
+        ("/v1/completions", json!({"prompt": "x", "n": 17}), 400, Some("n")),
         (
             "/v1/completions",
             json!({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}),
@@ -441,8 +441,26 @@ async fn internal_token_is_required_when_configured() -> anyhow::Result<()> {
         post(&c, &server.at("/v1/completions"), &body, &[("authorization", "Bearer s3cret-token")])
             .await?;
     ensure!(status == 200, "{v}");
-    // Probes and scrapers need no token.
+    // Probes and scrapers need no token; the per-tenant series (who uses the engine, how
+    // much) do.
     ensure!(c.get(server.at("/health")).send().await?.status() == 200);
+    let tenant = [("authorization", "Bearer s3cret-token"), ("x-sluice-tenant", "acme-private")];
+    let (status, _, _) = post(&c, &server.at("/v1/completions"), &body, &tenant).await?;
+    ensure!(status == 200);
+    // The request's tenant series is written as it ends, just after its answer.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let behind = c.get(server.at("/metrics")).bearer_auth("s3cret-token").send().await?;
+        let behind = behind.text().await?;
+        if behind.contains("tenant=\"acme-private\"") {
+            break;
+        }
+        ensure!(Instant::now() < deadline, "no series of the tenant behind the token: {behind}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let open = c.get(server.at("/metrics")).send().await?.text().await?;
+    ensure!(open.contains("sluice_engine_num_requests_running"), "{open}");
+    ensure!(!open.contains("acme-private") && !open.contains("sluice_engine_tenant_"), "{open}");
     ensure!(!server.log().contains("s3cret"));
     // Token ids handed over with the prompt (as the gateway does) are used as sent behind the
     // token, and ignored by an engine that has none: there anybody could send them.

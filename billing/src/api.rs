@@ -728,8 +728,22 @@ async fn records(
             "limit",
             "cursor",
             "format",
+            "user",
         ],
     )?;
+    // An end user's rows: the ledger holds the hash of the tenant and the `user` value.
+    let tenant = text_param(&q, "tenant")?;
+    let user_sha256 = match (text_param(&q, "user")?, &tenant) {
+        (None, _) => None,
+        (Some(u), Some(t)) => Some(crate::event::user_sha256(t, &u)),
+        (Some(_), None) => {
+            return Err(AdminError::invalid(
+                "user",
+                "user needs tenant: the ledger keeps each user hashed with its tenant",
+            )
+            .into());
+        }
+    };
     let status =
         match q.get("status") {
             None => None,
@@ -738,10 +752,11 @@ async fn records(
             )?),
         };
     let filter = RecordFilter {
-        tenant: text_param(&q, "tenant")?,
+        tenant,
         key: text_param(&q, "key")?,
         model: text_param(&q, "model")?,
         model_revision: text_param(&q, "model_revision")?,
+        user_sha256,
         finish_reason: text_param(&q, "finish_reason")?,
         status,
         since: time_param(&q, "since")?,

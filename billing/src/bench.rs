@@ -377,6 +377,7 @@ impl EventFactory {
             trace_id: Some(trace),
             prompt_sha256: hash,
             prompt_chars: prompt_tokens * 4 + (r >> 36) as u32 % 4,
+            user_sha256: None,
             // Refused requests cost nothing, as the gateway prices them.
             cost_micros: BENCH_RATES.charge(
                 http_status,

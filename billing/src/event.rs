@@ -131,6 +131,10 @@ pub struct UsageEvent {
     pub prompt_sha256: String,
     /// Length of the rendered prompt in Unicode scalar values.
     pub prompt_chars: u32,
+    /// The request's `user` (the tenant's end user), as lowercase hex SHA-256 of the tenant id,
+    /// a newline and the value ([`user_sha256`]): filterable, the value itself never stored.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user_sha256: Option<String>,
     /// Cost in integer micro-units.
     pub cost_micros: u64,
     /// Version of the price list the cost was computed from (`policies/prices.json`).
@@ -187,6 +191,11 @@ impl UsageEvent {
         {
             return Err(BillingError::InvalidEvent("prompt_sha256 is not 64 lowercase hex digits"));
         }
+        if self.user_sha256.as_ref().is_some_and(|h| {
+            h.len() != 64 || !h.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+        }) {
+            return Err(BillingError::InvalidEvent("user_sha256 is not 64 lowercase hex digits"));
+        }
         if i64::try_from(self.cost_micros).is_err() {
             return Err(BillingError::InvalidEvent("cost_micros is out of range"));
         }
@@ -218,4 +227,13 @@ impl UsageEvent {
         }
         Ok(())
     }
+}
+
+/// What the ledger keeps of a request's `user` for `tenant`: lowercase hex SHA-256 of the
+/// tenant id, a newline and the value. Scoped by tenant, so one tenant's end-user ids do not
+/// link to another's; an auditor filters by the value and the API hashes it the same way.
+pub fn user_sha256(tenant: &str, user: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(format!("{tenant}\n{user}").as_bytes());
+    digest.iter().map(|b| format!("{b:02x}")).collect()
 }

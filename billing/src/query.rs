@@ -443,6 +443,7 @@ where
         ("model_id", &filter.model),
         ("model_revision", &filter.model_revision),
         ("finish_reason", &filter.finish_reason),
+        ("user_sha256", &filter.user_sha256),
     ] {
         if let Some(v) = val {
             q.push(format!(" AND {col} = ")).push_bind(v.clone());
@@ -554,6 +555,7 @@ pub const RECORD_COLUMNS: &[(&str, Col)] = &[
     ("price_input_micros", Col::Int),
     ("price_cached_input_micros", Col::Int),
     ("price_output_micros", Col::Int),
+    ("user_sha256", Col::OptText),
 ];
 
 /// Filters for [`Ledger::records`].
@@ -567,6 +569,8 @@ pub struct RecordFilter {
     pub model: Option<String>,
     /// Model revision.
     pub model_revision: Option<String>,
+    /// The request's `user`, as [`crate::event::user_sha256`] of its tenant and the value.
+    pub user_sha256: Option<String>,
     /// Finish reason.
     pub finish_reason: Option<String>,
     /// HTTP status.

@@ -55,6 +55,11 @@ const POSTGRES_MIGRATIONS: &[EmbeddedMigration] = &[
         description: "partitioned records",
         sql: include_str!("../../migrations/postgres/0005_partitioned_records.sql"),
     },
+    EmbeddedMigration {
+        version: 6,
+        description: "user sha256",
+        sql: include_str!("../../migrations/postgres/0006_user_sha256.sql"),
+    },
 ];
 
 const SQLITE_MIGRATIONS: &[EmbeddedMigration] = &[
@@ -82,6 +87,11 @@ const SQLITE_MIGRATIONS: &[EmbeddedMigration] = &[
         version: 5,
         description: "partitioned records",
         sql: include_str!("../../migrations/sqlite/0005_partitioned_records.sql"),
+    },
+    EmbeddedMigration {
+        version: 6,
+        description: "user sha256",
+        sql: include_str!("../../migrations/sqlite/0006_user_sha256.sql"),
     },
 ];
 
@@ -112,7 +122,7 @@ impl MigrationSource<'static> for EmbeddedMigrations {
 /// Rows per multi-row INSERT, largest first: a batch is cut greedily into statements of these
 /// sizes, so only five statement texts ever exist and each stays prepared in the connection's
 /// statement cache (a statement per batch size meant re-preparing an INSERT of hundreds of
-/// binds for nearly every batch). 37 binds a row keeps the largest well under the bind limits
+/// binds for nearly every batch). 38 binds a row keeps the largest well under the bind limits
 /// of both backends (Postgres 65,535; SQLite 32,766).
 const RECORDS_PER_STATEMENT: [usize; 5] = [256, 64, 16, 4, 1];
 /// Rollup rows per upsert statement (10 binds each).
@@ -125,7 +135,7 @@ const INSERT_RECORDS_HEAD: &str = "INSERT INTO request_records (request_id, idem
     first_token_at, last_token_at, ttft_ms, tpot_ms, itl_max_ms, itl_p99_ms, e2e_ms, \
     engine_queue_ms, engine_prefill_ms, engine_decode_ms, trace_id, prompt_sha256, prompt_chars, \
     cost_micros, price_list_version, price_input_micros, price_cached_input_micros, \
-    price_output_micros) ";
+    price_output_micros, user_sha256) ";
 
 // No conflict target: a clash on the request id *or* on (tenant_id, idempotency_key) skips the
 // row, and RETURNING lists only the rows this statement really inserted.
@@ -320,7 +330,8 @@ macro_rules! insert_batch_on {
                         .push_bind(e.price_list_version.as_str())
                         .push_bind(i64::try_from(e.price_input_micros).unwrap_or(i64::MAX))
                         .push_bind(i64::try_from(e.price_cached_input_micros).unwrap_or(i64::MAX))
-                        .push_bind(i64::try_from(e.price_output_micros).unwrap_or(i64::MAX));
+                        .push_bind(i64::try_from(e.price_output_micros).unwrap_or(i64::MAX))
+                        .push_bind(e.user_sha256.as_deref());
                 });
                 query.push(INSERT_RECORDS_TAIL);
                 let rows = query.build().fetch_all(&mut *tx).await?;

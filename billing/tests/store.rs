@@ -13,7 +13,7 @@ use sluice_billing::{Backend, BillingError, FinishReason, Ledger};
 const TABLES: [&str; 6] =
     ["tenants", "api_keys", "quotas", "request_records", "usage_rollups", "admin_audit_log"];
 
-const REQUEST_RECORD_COLUMNS: [&str; 38] = [
+const REQUEST_RECORD_COLUMNS: [&str; 39] = [
     "request_id",
     "idempotency_key",
     "tenant_id",
@@ -52,6 +52,7 @@ const REQUEST_RECORD_COLUMNS: [&str; 38] = [
     "price_input_micros",
     "price_cached_input_micros",
     "price_output_micros",
+    "user_sha256",
 ];
 
 /// Applies migrations twice (the second run is a no-op) and checks both backends end up with
@@ -65,8 +66,8 @@ async fn check_migrations(url: &str, backend: Backend) -> anyhow::Result<Vec<Vec
 
     let db = Inspect::open(url).await?;
     // Every embedded migration applied once (0001 ledger, 0002 key limits, 0003 refused usage,
-    // 0004 price list, 0005 partitioned records), also on reconnect.
-    ensure!(db.scalar("SELECT CAST(COUNT(*) AS BIGINT) FROM _sqlx_migrations").await? == 5);
+    // 0004 price list, 0005 partitioned records, 0006 user sha256), also on reconnect.
+    ensure!(db.scalar("SELECT CAST(COUNT(*) AS BIGINT) FROM _sqlx_migrations").await? == 6);
     let mut columns = Vec::new();
     for table in TABLES {
         ensure!(db.scalar(&format!("SELECT CAST(COUNT(*) AS BIGINT) FROM {table}")).await? == 0);

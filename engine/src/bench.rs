@@ -138,16 +138,6 @@ pub struct ModelBaseline {
 }
 
 impl ModelBaseline {
-    /// llama.cpp's figures for the default model on this machine class (`llama-bench -t 2
-    /// -p 512 -n 128`), for when no `llama-bench` binary is at hand.
-    pub fn reference() -> Self {
-        Self {
-            source: "llama.cpp reference figures (llama-bench -t 2, this machine class)".into(),
-            prefill_tokens_per_second: 315.0,
-            decode_tokens_per_second: 101.0,
-        }
-    }
-
     /// Runs llama.cpp's `llama-bench` (`bin`) now on `model`: a `prompt`-token prefill and a
     /// `decode`-token decode on `threads` threads.
     pub fn llama_bench(
@@ -202,23 +192,32 @@ pub struct ModelComparison {
     pub model_file_bytes: u64,
     /// What was measured.
     pub report: ModelBenchReport,
-    /// What it is set against.
-    pub baseline: ModelBaseline,
+    /// What it is set against: llama.cpp measured in the same run, or none (no stored
+    /// figures stand in: they would be another model's, lengths' or machine's).
+    pub baseline: Option<ModelBaseline>,
     /// Prefill speed over the baseline's.
-    pub prefill_ratio: f64,
+    pub prefill_ratio: Option<f64>,
     /// Decode speed over the baseline's.
-    pub decode_ratio: f64,
+    pub decode_ratio: Option<f64>,
 }
 
 impl ModelComparison {
     /// `report` of `model` against `baseline`.
-    pub fn new(model: &LoadedModel, report: ModelBenchReport, baseline: ModelBaseline) -> Self {
+    pub fn new(
+        model: &LoadedModel,
+        report: ModelBenchReport,
+        baseline: Option<ModelBaseline>,
+    ) -> Self {
         Self {
             model_id: model.identity.model_id.clone(),
             model_revision: model.identity.model_revision.clone(),
             model_file_bytes: std::fs::metadata(&model.path).map_or(0, |m| m.len()),
-            prefill_ratio: report.prefill_tokens_per_second / baseline.prefill_tokens_per_second,
-            decode_ratio: report.decode_tokens_per_second / baseline.decode_tokens_per_second,
+            prefill_ratio: baseline
+                .as_ref()
+                .map(|b| report.prefill_tokens_per_second / b.prefill_tokens_per_second),
+            decode_ratio: baseline
+                .as_ref()
+                .map(|b| report.decode_tokens_per_second / b.decode_tokens_per_second),
             report,
             baseline,
         }
@@ -229,25 +228,34 @@ const MIB: f64 = (1 << 20) as f64;
 
 impl std::fmt::Display for ModelComparison {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let (r, b) = (&self.report, &self.baseline);
+        let r = &self.report;
         writeln!(f, "model      {} ({})", self.model_id, self.model_revision)?;
         writeln!(f, "threads    {} ({})", r.threads, r.isa)?;
-        writeln!(f, "baseline   {}", b.source)?;
+        let against = |base: Option<f64>, ratio: Option<f64>| match (base, ratio) {
+            (Some(b), Some(x)) => format!("baseline {b:>7.1}   ratio {x:.2}x"),
+            _ => "no baseline".to_string(),
+        };
+        let b = self.baseline.as_ref();
+        match b {
+            Some(b) => writeln!(f, "baseline   {}", b.source)?,
+            None => writeln!(
+                f,
+                "baseline   none: --llama-bench PATH runs llama.cpp on this model in the same run"
+            )?,
+        }
         writeln!(
             f,
-            "prefill    {:>8.1} tok/s on {} tokens   baseline {:>7.1}   ratio {:.2}x",
+            "prefill    {:>8.1} tok/s on {} tokens   {}",
             r.prefill_tokens_per_second,
             r.prompt_tokens,
-            b.prefill_tokens_per_second,
-            self.prefill_ratio
+            against(b.map(|b| b.prefill_tokens_per_second), self.prefill_ratio)
         )?;
         writeln!(
             f,
-            "decode     {:>8.1} tok/s over {} tokens  baseline {:>7.1}   ratio {:.2}x",
+            "decode     {:>8.1} tok/s over {} tokens  {}",
             r.decode_tokens_per_second,
             r.decode_tokens,
-            b.decode_tokens_per_second,
-            self.decode_ratio
+            against(b.map(|b| b.decode_tokens_per_second), self.decode_ratio)
         )?;
         writeln!(
             f,
@@ -443,44 +451,22 @@ impl std::fmt::Display for LongContext {
     }
 }
 
-/// llama.cpp's `llama-server -np 32 -t 2` on the default model, this machine class, for
-/// 128-token prompts and 128 output tokens: what `sluice bench engine` is set against.
-#[derive(Clone, Copy, Debug, Serialize)]
-pub struct ServerBaseline {
-    /// Concurrent streams.
-    pub streams: usize,
-    /// Output tokens per second.
-    pub output_tokens_per_second: f64,
-    /// Time to first token, median, seconds.
-    pub ttft_p50: f64,
-}
-
-/// The reference figures, by stream count.
-pub const LLAMA_SERVER_REFERENCE: [ServerBaseline; 3] = [
-    ServerBaseline { streams: 1, output_tokens_per_second: 70.0, ttft_p50: 0.46 },
-    ServerBaseline { streams: 8, output_tokens_per_second: 104.0, ttft_p50: 3.6 },
-    ServerBaseline { streams: 32, output_tokens_per_second: 120.0, ttft_p50: 6.3 },
-];
-
-/// One level of `sluice bench engine` with the reference figures for its stream count.
+/// One level of `sluice bench engine` in process. It has no baseline: llama.cpp is measured
+/// beside the engine only over HTTP (`--llama-server`), and stored figures would be another
+/// model's, workload's or machine's.
 #[derive(Clone, Debug, Serialize)]
 pub struct EngineComparison {
     /// What was measured.
     pub point: EngineBenchPoint,
-    /// The reference at the same stream count, if there is one.
-    pub baseline: Option<ServerBaseline>,
 }
 
 impl EngineComparison {
     /// The header of the table of [`EngineComparison`] rows.
-    pub const HEADER: &str =
-        "streams  output tok/s  ratio   TTFT p50   (baseline)   TTFT p99   TPOT p50";
+    pub const HEADER: &str = "streams  output tok/s   TTFT p50   TTFT p99   TPOT p50";
 
-    /// `point` against the reference at its stream count.
+    /// `point`'s row.
     pub fn new(point: EngineBenchPoint) -> Self {
-        let baseline =
-            LLAMA_SERVER_REFERENCE.iter().find(|b| b.streams == point.concurrency).copied();
-        Self { point, baseline }
+        Self { point }
     }
 }
 
@@ -488,21 +474,12 @@ impl std::fmt::Display for EngineComparison {
     /// One row of the table under [`EngineComparison::HEADER`].
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let p = &self.point;
-        let (ratio, base_ttft) = match &self.baseline {
-            Some(b) => (
-                format!("{:.2}x", p.output_tokens_per_second / b.output_tokens_per_second),
-                format!("{:.2} s", b.ttft_p50),
-            ),
-            None => ("    -".into(), "      -".into()),
-        };
         write!(
             f,
-            "{:>7}  {:>12.1}  {:>5}  {:>7.2} s   ({:>7})   {:>6.2} s   {:>5.1} ms",
+            "{:>7}  {:>12.1}  {:>7.2} s  {:>7.2} s   {:>5.1} ms",
             p.concurrency,
             p.output_tokens_per_second,
-            ratio,
             p.ttft_p50,
-            base_ttft,
             p.ttft_p99,
             p.tpot_p50 * 1e3
         )

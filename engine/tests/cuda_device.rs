@@ -166,9 +166,10 @@ fn quantized_weights_dequantized_on_the_device_match_the_cpu_backend() -> anyhow
 }
 
 /// Issue 7's speed figures on an 8B-shaped Llama with random bf16 weights made on the device:
-/// decode step time at batch 1 against the HBM bound (weight bytes / 4.8 TB/s), decode
-/// throughput at batch 64 and 256, and prefill TFLOP/s on a 2,048-token prompt against the
-/// ~790 TFLOP/s bf16 peak measured on the H200. Prints the figures (logits stay on the device).
+/// decode step time at batch 1 against the memory bound (weight bytes / the device's own
+/// bandwidth), decode throughput at batch 64 and 256, and prefill TFLOP/s on a 2,048-token
+/// prompt against the device's data-sheet bf16 peak; it prints which device and figures it
+/// used. Prints the figures (logits stay on the device).
 #[test]
 #[ignore = "needs an NVIDIA GPU with ~40 GB free: run with --ignored on one"]
 fn bench_8b_shaped_decode_and_prefill() -> anyhow::Result<()> {

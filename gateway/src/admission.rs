@@ -601,6 +601,9 @@ pub struct Checked {
     pub prompt_sha256: String,
     /// The prompt's length in characters.
     pub prompt_chars: u64,
+    /// The request's `user` as the ledger keeps it ([`sluice_billing::event::user_sha256`]):
+    /// the end user's id hashed with the tenant's, never the id itself.
+    pub user_sha256: Option<String>,
     /// The prompt's first 512 characters, for prefix affinity over the engines.
     pub affinity: String,
     /// Streamed.
@@ -799,6 +802,10 @@ pub fn check(
         strip_usage = asked != Some(&Value::Bool(true));
         obj.insert("stream_options".into(), json!({"include_usage": true}));
     }
+    let user_sha256 = obj
+        .get("user")
+        .and_then(Value::as_str)
+        .map(|u| sluice_billing::event::user_sha256(&grant.tenant_id, u));
     Ok(Checked {
         body: Bytes::from(v.to_string()),
         model: entry.id.clone(),
@@ -807,6 +814,7 @@ pub fn check(
         reserved: prompt_tokens.saturating_add(max_tokens.saturating_mul(n)),
         prompt_sha256: hex_digest(prompt_text.as_bytes()),
         prompt_chars: prompt_text.chars().count() as u64,
+        user_sha256,
         affinity: prompt_text.chars().take(512).collect(),
         stream,
         strip_usage,
@@ -1045,6 +1053,7 @@ mod tests {
         assert!(checked.prompt_tokens > 0);
         assert_eq!(checked.reserved, checked.prompt_tokens + 2 * 512);
         assert_eq!(checked.prompt_sha256, hex_digest(b"hello world"));
+        assert_eq!(checked.user_sha256, None, "no user, no hash");
         // The prompt limit is its own step, after the prompt was counted.
         let r = within_prompt_limit(&grant(quota), &checked);
         if checked.prompt_tokens > 3 {

@@ -142,6 +142,7 @@ impl GatewayConfig {
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(30),
             max_per_client: 512,
+            trusted_proxies: Vec::new(),
             fair_admission: true,
         }
     }

@@ -39,7 +39,9 @@ use crate::drain::Drain;
 use crate::fair::{FairShare, Slot};
 use crate::idempotency::{self, Claim, Idempotency, RUNNING_TTL, Stored};
 use crate::journal::{Entry, Journal, Recovery};
-use crate::limits::{Decision, LedgerUsage, Limiter, RateState, ScopeLimits, current_periods};
+use crate::limits::{
+    Decision, LedgerUsage, Limit, Limiter, RateState, Scope, ScopeLimits, current_periods,
+};
 use crate::local::{LocalLimiter, RedisDownPolicy};
 use crate::metrics::{GatewayMetrics, RefusalLabels, RequestLabels};
 use crate::observe::{StreamObserver, Timings};
@@ -92,6 +94,9 @@ pub struct GatewayConfig {
     pub body_timeout: Duration,
     /// Requests one client address may have in flight at once.
     pub max_per_client: u32,
+    /// Proxies (load balancers) whose `X-Forwarded-For` names the client: a request from one
+    /// of them counts against the address it forwarded for ([`client_address`]).
+    pub trusted_proxies: Vec<ipnet::IpNet>,
     /// Fair admission ([`crate::fair`]): off, every tenant queues at the engines as it comes.
     pub fair_admission: bool,
 }
@@ -124,7 +129,10 @@ pub struct Gateway {
     /// Requests in flight, for the shutdown's drain.
     drain: Arc<Drain>,
     /// Requests in flight per client address.
-    per_client: PerClient,
+    per_client: InFlight<std::net::IpAddr>,
+    /// Requests in flight per tenant from their authentication on (their bodies being read
+    /// included), held to the tenant's concurrency limit before a body is read.
+    per_tenant: InFlight<String>,
     /// Requests in flight per tenant, for fair admission.
     fair: Arc<FairShare>,
     /// Asks engines what they did for requests whose final count never arrived.
@@ -194,7 +202,8 @@ impl Gateway {
             http,
             journal,
             drain: Arc::default(),
-            per_client: PerClient::default(),
+            per_client: InFlight::default(),
+            per_tenant: InFlight::default(),
             fair: Arc::new(FairShare::default()),
             usage_reads: Mutex::new(HashMap::new()),
             usage_generation: std::sync::atomic::AtomicU64::new(0),
@@ -386,6 +395,8 @@ pub struct Ctx {
     overhead: Duration,
     prompt_sha256: String,
     prompt_chars: u64,
+    /// The request's `user`, hashed with the tenant's id.
+    user_sha256: Option<String>,
     /// The client's `Idempotency-Key`.
     idempotency_key: Option<String>,
     /// The claim this request made with it.
@@ -403,6 +414,8 @@ pub struct Ctx {
     cancelled: bool,
     /// The client's address, while it counts against its in-flight cap.
     client_ip: Option<std::net::IpAddr>,
+    /// The tenant, while this request counts against its in-flight cap at this gateway.
+    tenant_slot: Option<String>,
     /// The stream's usage-only chunk is the gateway's, not the client's: held back.
     strip_usage: bool,
     /// The part of the stream after its last complete event (while `strip_usage`).
@@ -541,6 +554,21 @@ impl Gateway {
             Route::Generate(endpoint) => endpoint,
         };
         ctx.grant = Some(Arc::clone(&grant));
+        // The tenant's concurrency limit, judged before its body is read: one key trickling
+        // bodies cannot hold the address's (behind a load balancer, every tenant's) slots
+        // past its own limit. The shared limiter judges it again, across gateways, below.
+        if let Some(limit) = grant.quota.limits.concurrency.and_then(|c| u64::try_from(c).ok()) {
+            if !self.per_tenant.enter(&grant.tenant_id, limit) {
+                return Err(Refusal::Limited {
+                    limit: Limit::Concurrency,
+                    scope: Scope::Tenant,
+                    reserved: 0,
+                    retry_after: Some(Duration::from_secs(1)),
+                    rate: RateState::default(),
+                });
+            }
+            ctx.tenant_slot = Some(grant.tenant_id.clone());
+        }
         if ctx.idempotency_key.as_deref().is_some_and(|k| !idempotency::valid_key(k)) {
             ctx.idempotency_key = None;
             return Err(Refusal::InvalidIdempotencyKey);
@@ -570,6 +598,7 @@ impl Gateway {
         ctx.model = Some(checked.model.clone());
         let choices = checked.choices;
         ctx.prompt_sha256 = checked.prompt_sha256;
+        ctx.user_sha256 = checked.user_sha256;
         ctx.prompt_chars = checked.prompt_chars;
         ctx.affinity = checked.affinity;
         ctx.stream = checked.stream;
@@ -983,6 +1012,7 @@ impl Gateway {
                 ctx.prompt_sha256.clone()
             },
             prompt_chars: u32::try_from(ctx.prompt_chars).unwrap_or(u32::MAX),
+            user_sha256: ctx.user_sha256.clone(),
             // A tenant pays for work done: nothing for a request the client was refused.
             cost_micros: rates.charge(ctx.status, ctx.prompt_tokens, cached, completion),
             price_list_version: self.cfg.prices.version.clone(),
@@ -1202,6 +1232,7 @@ impl ProxyHttp for Gateway {
             overhead: Duration::ZERO,
             prompt_sha256: String::new(),
             prompt_chars: 0,
+            user_sha256: None,
             idempotency_key: None,
             claim: None,
             replay_body: Some(Vec::new()),
@@ -1213,6 +1244,7 @@ impl ProxyHttp for Gateway {
             tried: Vec::new(),
             cancelled: false,
             client_ip: None,
+            tenant_slot: None,
             strip_usage: false,
             sse_tail: Vec::new(),
             span: tracing::Span::none(),
@@ -1243,9 +1275,11 @@ impl ProxyHttp for Gateway {
         // `admit`), so a drain that begins now waits for this request.
         self.drain.begin(&ctx.request_id);
         // One address cannot hold every task (a flood of slow bodies, say).
-        ctx.client_ip = session.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip());
+        let peer = session.client_addr().and_then(|a| a.as_inet()).map(|a| a.ip());
+        let forwarded = header(session.req_header(), "x-forwarded-for");
+        ctx.client_ip = peer.map(|p| client_address(p, forwarded, &self.cfg.trusted_proxies));
         if let Some(ip) = ctx.client_ip
-            && !self.per_client.enter(ip, self.cfg.max_per_client)
+            && !self.per_client.enter(&ip, u64::from(self.cfg.max_per_client))
         {
             ctx.client_ip = None;
             return self.refuse(session, ctx, Refusal::TooManyConnections).await;
@@ -1543,22 +1577,36 @@ impl ProxyHttp for Gateway {
         // The answer is out: the address's slot frees now, not after its usage event is
         // written, or a client's next request could be refused for our ledger's latency.
         if let Some(ip) = ctx.client_ip.take() {
-            self.per_client.leave(ip);
+            self.per_client.leave(&ip);
         }
+        if let Some(tenant) = ctx.tenant_slot.take() {
+            self.per_tenant.leave(&tenant);
+        }
+        tracing::trace!(
+            request_id = %ctx.request_id,
+            status = ctx.status,
+            prompt_tokens = ctx.prompt_tokens,
+            "request ended"
+        );
         self.log_request(session, e, ctx).await;
         self.drain.end(&ctx.request_id);
     }
 }
 
-/// Requests in flight per client address.
-#[derive(Default)]
-struct PerClient(Mutex<HashMap<std::net::IpAddr, u32>>);
+/// Requests in flight per client address, or per tenant.
+struct InFlight<K>(Mutex<HashMap<K, u64>>);
 
-impl PerClient {
-    /// Counts one more for `ip` unless it has `max` already.
-    fn enter(&self, ip: std::net::IpAddr, max: u32) -> bool {
+impl<K> Default for InFlight<K> {
+    fn default() -> Self {
+        Self(Mutex::new(HashMap::new()))
+    }
+}
+
+impl<K: std::hash::Hash + Eq + Clone> InFlight<K> {
+    /// Counts one more for `k` unless it has `max` already.
+    fn enter(&self, k: &K, max: u64) -> bool {
         let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let n = m.entry(ip).or_insert(0);
+        let n = m.entry(k.clone()).or_insert(0);
         if *n >= max {
             return false;
         }
@@ -1566,15 +1614,39 @@ impl PerClient {
         true
     }
 
-    fn leave(&self, ip: std::net::IpAddr) {
+    fn leave(&self, k: &K) {
         let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(n) = m.get_mut(&ip) {
+        if let Some(n) = m.get_mut(k) {
             *n = n.saturating_sub(1);
             if *n == 0 {
-                m.remove(&ip);
+                m.remove(k);
             }
         }
     }
+}
+
+/// The client a request comes from: its peer, or, when the peer is a trusted proxy, the
+/// rightmost address of `X-Forwarded-For` that is not itself a trusted proxy (the one the
+/// first trusted hop saw; those left of it are the client's to forge). A header that does
+/// not parse leaves the peer.
+fn client_address(
+    peer: std::net::IpAddr,
+    forwarded: Option<&str>,
+    trusted: &[ipnet::IpNet],
+) -> std::net::IpAddr {
+    let is_trusted = |ip: &std::net::IpAddr| trusted.iter().any(|net| net.contains(ip));
+    if !is_trusted(&peer) {
+        return peer;
+    }
+    let Some(list) = forwarded else { return peer };
+    let mut hops = Vec::new();
+    for part in list.split(',') {
+        match part.trim().parse::<std::net::IpAddr>() {
+            Ok(ip) => hops.push(ip),
+            Err(_) => return peer,
+        }
+    }
+    hops.into_iter().rev().find(|ip| !is_trusted(ip)).unwrap_or(peer)
 }
 
 /// The error a request cancelled at shutdown ends with.
@@ -1809,5 +1881,28 @@ mod tests {
                 "cut at {cut}"
             );
         }
+    }
+
+    #[test]
+    fn the_client_is_the_peer_unless_a_trusted_proxy_forwards_for_it() {
+        let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap_or(std::net::IpAddr::from([0; 4]));
+        let trusted: Vec<ipnet::IpNet> =
+            ["10.0.0.0/8", "::1/128"].iter().filter_map(|n| n.parse().ok()).collect();
+        let lb = ip("10.1.2.3");
+        // An untrusted peer's header is its own to forge: ignored.
+        assert_eq!(client_address(ip("203.0.113.9"), Some("1.2.3.4"), &trusted), ip("203.0.113.9"));
+        // Through the load balancer: the address it saw.
+        assert_eq!(client_address(lb, Some("198.51.100.7"), &trusted), ip("198.51.100.7"));
+        // A client that sends its own header: the rightmost untrusted hop, not its forgery.
+        assert_eq!(
+            client_address(lb, Some("6.6.6.6, 198.51.100.7, 10.9.9.9"), &trusted),
+            ip("198.51.100.7")
+        );
+        // No header, a malformed one, or only trusted hops: the peer.
+        assert_eq!(client_address(lb, None, &trusted), lb);
+        assert_eq!(client_address(lb, Some("not-an-ip"), &trusted), lb);
+        assert_eq!(client_address(lb, Some("10.5.5.5"), &trusted), lb);
+        // Nothing trusted: always the peer.
+        assert_eq!(client_address(lb, Some("198.51.100.7"), &[]), lb);
     }
 }

@@ -179,6 +179,7 @@ pub fn event(request_id: &str, tenant_id: &str) -> UsageEvent {
         trace_id: Some("4bf92f3577b34da6a3ce929d0e0e4736".to_owned()),
         prompt_sha256: "ab".repeat(32),
         prompt_chars: 420,
+        user_sha256: None,
         // 50 completion tokens at $24.68 per million.
         cost_micros: 1_234,
         price_list_version: "test-1".to_owned(),

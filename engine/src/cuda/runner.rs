@@ -835,6 +835,21 @@ impl CudaRunner {
         })
     }
 
+    /// The device's name, as its driver gives it (`NVIDIA H100 80GB HBM3`).
+    pub fn device_name(&self) -> Result<String, CudaError> {
+        self.ctx.name().map_err(run_err)
+    }
+
+    /// The device's peak memory bandwidth in bytes per second, from its own memory clock and
+    /// bus width (double data rate): what its decode steps are bounded by.
+    pub fn memory_bandwidth(&self) -> Result<f64, CudaError> {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let attr = |a| self.ctx.attribute(a).map_err(run_err);
+        let khz = attr(A::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)?;
+        let bits = attr(A::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)?;
+        Ok(2.0 * f64::from(khz) * 1e3 * f64::from(bits) / 8.0)
+    }
+
     /// Waits for everything queued on the device.
     pub fn synchronize(&self) -> Result<(), CudaError> {
         self.stream.synchronize().map_err(run_err)

@@ -231,6 +231,7 @@ async fn api_layer(State(app): State<Arc<App>>, mut req: Request, next: Next) ->
             Err(e) => e.into_response(),
             Ok(ctx) => {
                 let id = HeaderValue::from_str(&ctx.request_id).ok();
+                let ctx_id = ctx.request_id.clone();
                 // A span under the caller's trace (W3C trace context), exported when the
                 // process has an OpenTelemetry exporter; a no-op otherwise.
                 let span = tracing::info_span!(
@@ -246,6 +247,7 @@ async fn api_layer(State(app): State<Arc<App>>, mut req: Request, next: Next) ->
                 let _ = tracing_opentelemetry::OpenTelemetrySpanExt::set_parent(&span, parent);
                 req.extensions_mut().insert(ctx);
                 let mut resp = tracing::Instrument::instrument(next.run(req), span).await;
+                tracing::trace!(request_id = %ctx_id, status = resp.status().as_u16(), "answered");
                 if let Some(id) = id {
                     resp.headers_mut().insert(HeaderName::from_static(REQUEST_ID_HEADER), id);
                 }
@@ -508,12 +510,33 @@ async fn readyz(State(app): State<Arc<App>>) -> Response {
         .into_response()
 }
 
-async fn metrics(State(app): State<Arc<App>>) -> Response {
-    (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
-        app.handle.metrics().encode(),
-    )
-        .into_response()
+/// The engine's metrics: the aggregate series to anyone who reaches the port (probes, the
+/// gateways' load polling), the per-tenant ones (`sluice_engine_tenant_*`: who uses the
+/// engine, how much, how fast) only behind the internal token when one is configured.
+async fn metrics(State(app): State<Arc<App>>, headers: axum::http::HeaderMap) -> Response {
+    let text = app.handle.metrics().encode();
+    let text = match &app.token {
+        Some(t) if !t.accepts(&headers) => without_tenant_series(&text),
+        _ => text,
+    };
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")], text).into_response()
+}
+
+/// `text` (Prometheus exposition) without the per-tenant series and their comments.
+fn without_tenant_series(text: &str) -> String {
+    const TENANT: &str = "sluice_engine_tenant_";
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        let name = match line.strip_prefix("# ") {
+            Some(comment) => comment.split_whitespace().nth(1).unwrap_or_default(),
+            None => line,
+        };
+        if !name.starts_with(TENANT) {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
 }
 
 async fn no_route(method: Method, uri: Uri) -> Response {

@@ -272,7 +272,7 @@ pub fn parameters(body: &Value, api: Api) -> Result<(), ApiError> {
         Some(_) => true,
     };
     let deprecated = "it is deprecated; use tools and tool_choice";
-    let fixed: [(&str, &str); 8] = [
+    let fixed: [(&str, &str); 7] = [
         ("functions", deprecated),
         ("function_call", deprecated),
         ("store", "Sluice does not store completions (the ledger keeps counts, never text)"),
@@ -280,24 +280,23 @@ pub fn parameters(body: &Value, api: Api) -> Result<(), ApiError> {
         ("reasoning_effort", "the served models do not reason before answering"),
         ("audio", "the served models answer in text only"),
         ("prediction", "predicted outputs are not implemented"),
-        ("web_search_options", "Sluice does not search the web"),
     ];
     for (name, why) in fixed {
         if asks(name) {
             return refuse(name, why);
         }
     }
+    // Any value of these asks for something (an empty `web_search_options` turns search on).
     let more: [(&str, &str); 4] = [
+        ("web_search_options", "Sluice does not search the web"),
         ("verbosity", "the served models have no verbosity setting"),
         ("prompt_cache_key", "prefix caching is per tenant and automatic"),
         ("suffix", "the served models do not fill in the middle"),
-        ("parallel_tool_calls", "only true (the default): the answer may hold several calls"),
     ];
     for (name, why) in more {
         let asked = match obj.get(name) {
             None | Some(Value::Null) => false,
             Some(Value::String(s)) => !s.is_empty(),
-            Some(Value::Bool(b)) => name != "parallel_tool_calls" || !b,
             Some(_) => true,
         };
         if asked {
@@ -461,6 +460,7 @@ pub fn chat_plan(body: &Value, model: &LoadedModel, limits: &Limits) -> Result<P
     let prompt = match gateway_tokens(body, model, version, limits) {
         Some(ids) => ids,
         None => {
+            tracing::trace!(messages = messages.len(), "tokenizing the prompt in the engine");
             encode_chat_tools(template, &model.tokenizer, &messages, tools.as_ref(), true)
                 .map_err(|e| ApiError::from_engine(&e.into(), Some("messages")))?
                 .0
@@ -577,6 +577,7 @@ fn completion_prompt(
                 Err(ApiError::invalid(param, "prompt must not be empty"))
             }
             Value::String(s) => {
+                tracing::trace!(chars = s.chars().count(), "tokenizing the prompt in the engine");
                 let ids =
                     model.encode_prompt(s).map_err(|e| ApiError::from_engine(&e, Some(param)))?;
                 Ok((ids, s.clone()))
@@ -858,7 +859,8 @@ mod tests {
             (json!({"function_call": {"name": "f"}}), Some("function_call")),
             (json!({"functions": [], "function_call": "none"}), None),
             (json!({"tools": tool, "tool_choice": "auto", "parallel_tool_calls": true}), None),
-            (json!({"parallel_tool_calls": false}), Some("parallel_tool_calls")),
+            // Implemented by the tool grammar (one call at most).
+            (json!({"tools": tool, "parallel_tool_calls": false}), None),
             (json!({"some_extra": {"x": 1}}), Some("some_extra")),
             (json!({"store": true}), Some("store")),
             (json!({"store": false, "metadata": {}}), None),
@@ -869,6 +871,7 @@ mod tests {
             (json!({"modalities": ["text"]}), None),
             (json!({"modalities": ["text", "audio"]}), Some("modalities")),
             (json!({"audio": {"voice": "alloy"}}), Some("audio")),
+            (json!({"web_search_options": {}}), Some("web_search_options")),
             (json!({"prompt_cache_key": "k"}), Some("prompt_cache_key")),
             (json!({"user": "u-1", "logit_bias": {"5": 1}}), None),
             (json!({"user": 5}), Some("user")),

@@ -40,6 +40,7 @@ pub fn event(id: &str) -> UsageEvent {
         trace_id: None,
         prompt_sha256: "ab".repeat(32),
         prompt_chars: 10,
+        user_sha256: None,
         cost_micros: 1,
         price_list_version: "test-1".to_owned(),
         price_input_micros: 0,
