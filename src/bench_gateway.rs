@@ -341,9 +341,17 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
     })?;
     let gw_port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
     let gw_addr = format!("127.0.0.1:{gw_port}");
+    // The synthetic model is priced (as the shipped default rates), as every served model
+    // must be.
+    let prices = sluice_billing::prices::PriceList::parse(
+        r#"{"version": "bench-1", "default": {"input": 0.1, "cached_input": 0.05, "output": 0.2},
+            "models": {"bench": {"default": {"input": 0.1, "cached_input": 0.05, "output": 0.2}}}}"#,
+    )
+    .map_err(|e| anyhow::anyhow!("the bench's price list: {e}"))?;
     let cfg = GatewayConfig {
         default_max_tokens: 16,
         name: "bench".into(),
+        prices: Box::leak(Box::new(prices)),
         ..GatewayConfig::platform(
             &[engine_addr.to_string()],
             Some("bench-token".into()),

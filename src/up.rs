@@ -504,6 +504,13 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             sluice_gateway::proxy::FIRST_POLL
         );
     }
+    for model in served.iter().filter(|m| !sluice_billing::prices::PRICES.priced(m)) {
+        eprintln!(
+            "warning: {model} has no price in {}: its requests get 503 model_not_priced until \
+             the price list names it (--policies DIR with a prices.json that does)",
+            sluice_policies::source("prices.json")
+        );
+    }
     let metrics = serve_metrics(&io, &args.front.metrics_listen, &gateway)?;
     let metrics_url = format!("http://{metrics}/metrics");
     let mut admin_env = std::fs::read_to_string(&admin_path)?;

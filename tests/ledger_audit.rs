@@ -980,3 +980,44 @@ async fn a_trickling_body_holds_no_more_than_its_tenants_concurrency() -> anyhow
     ledger.close().await;
     Ok(())
 }
+
+/// A served model the price list does not name is never billed at a guess: its requests are
+/// refused (503 `model_not_priced`), each with a row that charges nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unpriced_model_is_not_served() -> anyhow::Result<()> {
+    let (_dir, db, ledger, key) = one_tenant("pricing").await?;
+    let model = common::default_model()?.to_str().context("utf-8")?.to_owned();
+    let listen = format!("127.0.0.1:{}", free_port()?);
+    let (_engine, engine) = spawn_sluice(
+        &["engine", "--model", &model, "--listen", &listen, "--internal-token", TOKEN]
+            .into_iter()
+            .chain(["--served-model-name", "nobody-priced-me", "--kv-cache-mb", "32"])
+            .collect::<Vec<_>>(),
+        &[],
+    )?;
+    let p = Platform { model, db, engine, _engine_proc: _engine };
+    let (_gw, gw) = p.gateway(&p.engine)?;
+    let c = reqwest::Client::builder().timeout(Duration::from_secs(60)).build()?;
+    wait_healthy(&c, &format!("{gw}/health")).await?;
+    let body = json!({"model": "nobody-priced-me", "prompt": "Hi", "max_tokens": 2});
+    let deadline = Instant::now() + Duration::from_secs(20);
+    // The gateway learns what the engine serves at its first poll.
+    let (status, id, err) = loop {
+        let r = c.post(format!("{gw}/v1/completions")).bearer_auth(&key).json(&body).send().await?;
+        let status = r.status().as_u16();
+        let id = r.headers().get("x-sluice-request-id").and_then(|v| v.to_str().ok());
+        let id = id.map(str::to_owned);
+        let err: Value = r.json().await?;
+        if status != 404 || Instant::now() > deadline {
+            break (status, id, err);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    ensure!(status == 503 && err["error"]["code"] == "model_not_priced", "{status} {err}");
+    let id = id.context("no request id")?;
+    let rows = support::rows_for(&ledger, &[id.as_str()], Duration::from_secs(30)).await?;
+    let row = &rows[&id][0];
+    ensure!(row["http_status"] == 503 && row["cost_micros"] == 0, "{row:?}");
+    ledger.close().await;
+    Ok(())
+}

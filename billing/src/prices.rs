@@ -150,6 +150,12 @@ impl PriceList {
         })
     }
 
+    /// Whether the list names `model`: only a priced model is served (the list's default and
+    /// tier entries price a named model's tiers, never a model the list does not know).
+    pub fn priced(&self, model: &str) -> bool {
+        self.models.contains_key(model)
+    }
+
     /// The rates for a request of `model` by a tenant of `tier`.
     pub fn rates(&self, model: &str, tier: &str) -> Rates {
         let m = self.models.get(model);

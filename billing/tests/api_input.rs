@@ -252,6 +252,7 @@ fn get_routes() -> Vec<(&'static str, Option<Role>, Vec<&'static str>)> {
         "limit",
         "cursor",
         "format",
+        "user",
     ];
     let audit_log = vec!["since", "until", "actor", "target", "limit", "cursor"];
     vec![

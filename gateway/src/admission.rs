@@ -190,6 +190,9 @@ pub enum Refusal {
     IdempotencyUnavailable,
     /// Every engine's queue is full.
     Overloaded,
+    /// The model is served but the price list in force does not name it: served, it would be
+    /// billed at a guess.
+    ModelNotPriced { model: String },
     /// The shared limiter cannot be reached and the policy is to refuse.
     LimiterUnavailable,
     /// A rate limit or quota: which, whose, what the request needed, the header figures.
@@ -253,6 +256,7 @@ impl Refusal {
             Self::BodyNotForwardable | Self::IdempotencyUnavailable | Self::WriteFailed => 500,
             Self::AuthUnavailable
             | Self::Overloaded
+            | Self::ModelNotPriced { .. }
             | Self::LimiterUnavailable
             | Self::ShuttingDown => 503,
         }
@@ -274,6 +278,7 @@ impl Refusal {
             | Self::BodyNotForwardable
             | Self::IdempotencyUnavailable
             | Self::Overloaded
+            | Self::ModelNotPriced { .. }
             | Self::LimiterUnavailable
             | Self::ShuttingDown
             | Self::WriteFailed => "server_error",
@@ -299,6 +304,7 @@ impl Refusal {
             Self::IdempotencyInProgress => code("idempotency_key_in_use"),
             Self::IdempotencyMismatch => code("idempotency_key_reused"),
             Self::Overloaded => code("overloaded"),
+            Self::ModelNotPriced { .. } => code("model_not_priced"),
             // Labelled by the limit and its scope ([`Self::label`]).
             Self::Limited { limit: Limit::DailyTokens | Limit::MonthlyTokens, .. } => {
                 code("insufficient_quota")
@@ -408,6 +414,10 @@ impl Refusal {
             }
             Self::IdempotencyUnavailable => "idempotency check failed".into(),
             Self::Overloaded => "the engines are at capacity; retry shortly".into(),
+            Self::ModelNotPriced { model } => format!(
+                "the model `{model}` has no price in this platform's price list, so it is not \
+                 served; the operator must price it (prices.json)"
+            ),
             Self::LimiterUnavailable => "rate limiting is unavailable; retry shortly".into(),
             Self::Limited { limit, scope, reserved, .. } => {
                 let whose = match scope {

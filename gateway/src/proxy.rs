@@ -604,6 +604,10 @@ impl Gateway {
         ctx.stream = checked.stream;
         ctx.strip_usage = checked.strip_usage;
         ctx.slo = checked.slo;
+        // Never billed at a guess: a model the price list does not name is not served.
+        if !self.cfg.prices.priced(&checked.model) {
+            return Err(Refusal::ModelNotPriced { model: checked.model.clone() });
+        }
         within_limit?;
         ctx.body = Some(checked.body);
         // A replay needs no engine: resolved before the overload check (a refusal after a
