@@ -631,3 +631,55 @@ pub fn bench_engine(
         step_seconds,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Without a baseline measured in the same run there is no ratio, in text or JSON (stored
+    /// figures once stood in, whatever the model, lengths or threads).
+    #[test]
+    fn no_baseline_means_no_ratio_in_any_format() -> std::result::Result<(), serde_json::Error> {
+        let report = ModelBenchReport {
+            threads: 2,
+            isa: "Avx2".into(),
+            prompt_tokens: 512,
+            decode_tokens: 128,
+            prefill_tokens_per_second: 900.0,
+            decode_tokens_per_second: 250.0,
+            decode_ms_per_token: 4.0,
+            decode_after_prompt_tokens_per_second: 200.0,
+            weight_bytes: 1 << 20,
+            memory_bandwidth_gb_per_s: 20.0,
+            decode_floor_ms: 0.05,
+            resident_bytes: None,
+            kv_cache_bytes: 1 << 20,
+        };
+        let alone = ModelComparison {
+            model_id: "m".into(),
+            model_revision: "sha256:x".into(),
+            model_file_bytes: 1,
+            report: report.clone(),
+            baseline: None,
+            prefill_ratio: None,
+            decode_ratio: None,
+        };
+        let text = alone.to_string();
+        assert!(!text.contains("ratio") && text.contains("no baseline"), "{text}");
+        let json = serde_json::to_value(&alone)?;
+        assert!(json["baseline"].is_null() && json["prefill_ratio"].is_null(), "{json}");
+        let measured = ModelBaseline {
+            source: "llama-bench now".into(),
+            prefill_tokens_per_second: 300.0,
+            decode_tokens_per_second: 125.0,
+        };
+        let with = ModelComparison {
+            baseline: Some(measured),
+            prefill_ratio: Some(3.0),
+            decode_ratio: Some(2.0),
+            ..alone
+        };
+        assert!(with.to_string().contains("ratio 3.00x"), "{with}");
+        Ok(())
+    }
+}
