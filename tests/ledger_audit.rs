@@ -388,6 +388,35 @@ async fn one_tenant(id: &str) -> anyhow::Result<(tempfile::TempDir, String, Ledg
     Ok((dir, db, ledger, key))
 }
 
+/// One tenant (held to `quota` when given) at a gateway on its own engine, with a client: all
+/// alive while held.
+struct Door {
+    _dir: tempfile::TempDir,
+    ledger: Ledger,
+    key: String,
+    gw: String,
+    c: reqwest::Client,
+    _gw_proc: Proc,
+    platform: Platform,
+}
+
+impl Door {
+    async fn open(tenant: &str, quota: Option<QuotaSettings>) -> anyhow::Result<Door> {
+        let (dir, db, ledger, key) = one_tenant(tenant).await?;
+        if let Some(q) = quota {
+            let ops = Principal { actor: "test".into(), role: Role::Ops, tenant: None };
+            ledger.set_quota(&ops, tenant, &q).await?;
+        }
+        let model = common::default_model()?.to_str().context("utf-8")?.to_owned();
+        let (engine_proc, engine) = support::spawn_engine(&model, TOKEN, "32", &[], None)?;
+        let p = Platform { model, db, engine, _engine_proc: engine_proc };
+        let (gw_proc, gw) = p.gateway(&p.engine)?;
+        let c = reqwest::Client::builder().timeout(Duration::from_secs(60)).build()?;
+        wait_healthy(&c, &format!("{gw}/health")).await?;
+        Ok(Door { _dir: dir, ledger, key, gw, c, _gw_proc: gw_proc, platform: p })
+    }
+}
+
 /// A schema that is a chain of `n` references.
 fn deep_refs(n: usize) -> Value {
     let defs: serde_json::Map<String, Value> = (0..n)
@@ -408,13 +437,9 @@ fn deep_refs(n: usize) -> Value {
 /// gateway's own usage chunk, client headers kept from the engine, no metrics for tenants.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_front_door_speaks_openai() -> anyhow::Result<()> {
-    let (_dir, db, ledger, key) = one_tenant("door").await?;
-    let model = common::default_model()?.to_str().context("utf-8")?.to_owned();
-    let (_engine, engine) = support::spawn_engine(&model, TOKEN, "32", &[], None)?;
-    let p = Platform { model, db, engine, _engine_proc: _engine };
-    let (_gw, gw) = p.gateway(&p.engine)?;
-    let c = reqwest::Client::builder().timeout(Duration::from_secs(60)).build()?;
-    wait_healthy(&c, &format!("{gw}/health")).await?;
+    let door = Door::open("door", None).await?;
+    let (ledger, key, gw, c) = (&door.ledger, &door.key, &door.gw, &door.c);
+    let p = &door.platform;
 
     let r = c
         .get(format!("{gw}/v1/models/{MODEL_ID}"))
@@ -426,9 +451,9 @@ async fn the_front_door_speaks_openai() -> anyhow::Result<()> {
         card["id"] == MODEL_ID && card["object"] == "model",
         "lowercase bearer, one model: {card}"
     );
-    let r = c.get(format!("{gw}/v1/models/gpt-4o")).bearer_auth(&key).send().await?;
+    let r = c.get(format!("{gw}/v1/models/gpt-4o")).bearer_auth(key).send().await?;
     ensure!(r.status() == 404, "{}", r.status());
-    let r = c.get(format!("{gw}/v1/chat/completions")).bearer_auth(&key).send().await?;
+    let r = c.get(format!("{gw}/v1/chat/completions")).bearer_auth(key).send().await?;
     ensure!(r.status() == 405 && r.headers().get("allow").is_some(), "{}", r.status());
     let body: Value = r.json().await?;
     ensure!(body["error"]["code"] == "method_not_allowed", "{body}");
@@ -441,7 +466,7 @@ async fn the_front_door_speaks_openai() -> anyhow::Result<()> {
         for (k, v) in extra.as_object().into_iter().flatten() {
             b[k] = v.clone();
         }
-        c.post(format!("{gw}/v1/chat/completions")).bearer_auth(&key).json(&b)
+        c.post(format!("{gw}/v1/chat/completions")).bearer_auth(key).json(&b)
     };
     for (extra, param) in [
         (json!({"temperature": 2.5}), "temperature"),
@@ -489,13 +514,13 @@ async fn the_front_door_speaks_openai() -> anyhow::Result<()> {
     let id = r.headers().get("x-sluice-request-id").and_then(|v| v.to_str().ok());
     let id = id.context("no request id for model \"\"")?.to_owned();
     ensure!((400..500).contains(&status), "model \"\": {status}");
-    let rows = support::rows_for(&ledger, &[id.as_str()], Duration::from_secs(30)).await?;
+    let rows = support::rows_for(ledger, &[id.as_str()], Duration::from_secs(30)).await?;
     ensure!(rows[&id].len() == 1 && rows[&id][0]["http_status"] == status, "{:?}", rows[&id]);
     // `user` is kept on the row as a hash scoped by the tenant, filterable, never as text.
     let r = chat(json!({"user": "end-user-42"})).send().await?;
     ensure!(r.status() == 200, "a request with a user: {}", r.status());
     let id = r.headers()["x-sluice-request-id"].to_str()?.to_owned();
-    let rows = support::rows_for(&ledger, &[id.as_str()], Duration::from_secs(30)).await?;
+    let rows = support::rows_for(ledger, &[id.as_str()], Duration::from_secs(30)).await?;
     let hash = sluice_billing::event::user_sha256("door", "end-user-42");
     ensure!(rows[&id][0]["user_sha256"] == hash.as_str(), "{:?}", rows[&id][0]);
     ensure!(!format!("{:?}", rows[&id][0]).contains("end-user-42"), "the user's id is stored");
@@ -558,7 +583,7 @@ async fn the_front_door_speaks_openai() -> anyhow::Result<()> {
             .collect::<Vec<_>>(),
         &[("SLUICE_DATABASE_URL", p.db.as_str()), ("SLUICE_INTERNAL_TOKEN", TOKEN)],
     )?;
-    wait_healthy(&c, &format!("http://{strict}/health")).await?;
+    wait_healthy(c, &format!("http://{strict}/health")).await?;
     let key2 = key.clone();
     let strict2 = strict.clone();
     tokio::task::spawn_blocking(move || slow_clients(&strict2, &key2)).await??;
@@ -567,7 +592,7 @@ async fn the_front_door_speaks_openai() -> anyhow::Result<()> {
         (0..200).map(|_| std::net::TcpStream::connect(&strict)).collect::<Result<_, _>>()?;
     let r = c
         .post(format!("http://{strict}/v1/completions"))
-        .bearer_auth(&key)
+        .bearer_auth(key)
         .json(&json!({"model": MODEL_ID, "prompt": "Hi", "max_tokens": 2}))
         .send()
         .await?;
@@ -930,19 +955,12 @@ async fn trace_logs_hold_no_secret_and_no_text() -> anyhow::Result<()> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trickling_body_holds_no_more_than_its_tenants_concurrency() -> anyhow::Result<()> {
     use std::io::Write;
-    let (_dir, db, ledger, key) = one_tenant("trickler").await?;
-    let ops = Principal { actor: "test".into(), role: Role::Ops, tenant: None };
     let one = QuotaSettings {
         limits: Limits { concurrency: Some(1), ..Default::default() },
         ..Default::default()
     };
-    ledger.set_quota(&ops, "trickler", &one).await?;
-    let model = common::default_model()?.to_str().context("utf-8")?.to_owned();
-    let (_engine, engine) = support::spawn_engine(&model, TOKEN, "32", &[], None)?;
-    let p = Platform { model, db, engine, _engine_proc: _engine };
-    let (_gw, gw) = p.gateway(&p.engine)?;
-    let c = reqwest::Client::builder().timeout(Duration::from_secs(60)).build()?;
-    wait_healthy(&c, &format!("{gw}/health")).await?;
+    let door = Door::open("trickler", Some(one)).await?;
+    let (ledger, key, gw, c) = (&door.ledger, &door.key, &door.gw, &door.c);
     let addr = gw.trim_start_matches("http://").to_owned();
     let body = json!({"model": MODEL_ID, "prompt": "Hi", "max_tokens": 2}).to_string();
     // Its head and half its body, then nothing for now.
@@ -955,7 +973,7 @@ async fn a_trickling_body_holds_no_more_than_its_tenants_concurrency() -> anyhow
     slow.write_all(head.as_bytes())?;
     slow.write_all(&body.as_bytes()[..body.len() / 2])?;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let post = || c.post(format!("{gw}/v1/completions")).bearer_auth(&key).body(body.clone());
+    let post = || c.post(format!("{gw}/v1/completions")).bearer_auth(key).body(body.clone());
     let r = post().header("content-type", "application/json").send().await?;
     let status = r.status();
     let err: Value = r.json().await?;
