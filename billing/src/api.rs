@@ -708,29 +708,29 @@ fn csv_field(v: &Value) -> String {
     if s.contains([',', '"', '\n', '\r']) { format!("\"{}\"", s.replace('"', "\"\"")) } else { s }
 }
 
+/// The query parameters `GET /v1/records` takes; any other is a 400 naming it.
+pub const RECORDS_QUERY: &[&str] = &[
+    "tenant",
+    "key",
+    "model",
+    "model_revision",
+    "finish_reason",
+    "status",
+    "since",
+    "until",
+    "limit",
+    "cursor",
+    "format",
+    "user",
+];
+
 async fn records(
     State(s): State<Arc<ApiState>>,
     headers: HeaderMap,
     Query(q): Query<HashMap<String, String>>,
 ) -> ApiResult<Response> {
     authorize(&s, &headers, &[Role::Auditor])?;
-    let q = query(
-        q,
-        &[
-            "tenant",
-            "key",
-            "model",
-            "model_revision",
-            "finish_reason",
-            "status",
-            "since",
-            "until",
-            "limit",
-            "cursor",
-            "format",
-            "user",
-        ],
-    )?;
+    let q = query(q, RECORDS_QUERY)?;
     // An end user's rows: the ledger holds the hash of the tenant and the `user` value.
     let tenant = text_param(&q, "tenant")?;
     let user_sha256 = match (text_param(&q, "user")?, &tenant) {

@@ -240,20 +240,7 @@ async fn check(
 /// The GET routes, the role that may call each (none for the pages) and the query parameters
 /// each knows.
 fn get_routes() -> Vec<(&'static str, Option<Role>, Vec<&'static str>)> {
-    let records = vec![
-        "tenant",
-        "key",
-        "model",
-        "model_revision",
-        "finish_reason",
-        "status",
-        "since",
-        "until",
-        "limit",
-        "cursor",
-        "format",
-        "user",
-    ];
+    let records = sluice_billing::api::RECORDS_QUERY.to_vec();
     let audit_log = vec!["since", "until", "actor", "target", "limit", "cursor"];
     vec![
         ("/v1/records", Some(Role::Auditor), records),
