@@ -55,6 +55,20 @@ async fn events_per_request(url: &str) -> anyhow::Result<HashMap<String, usize>>
     Ok(sent)
 }
 
+/// A billing consumer of `stream` on the ledger at `pg`, logging into `dir`.
+fn spawn_billing(
+    pg: &str,
+    redis: &str,
+    stream: &str,
+    dir: &std::path::Path,
+) -> anyhow::Result<(support::Proc, String)> {
+    let args = ["billing", "--database-url", pg, "--redis-url", redis]
+        .into_iter()
+        .chain(["--listen", "127.0.0.1:0", "--consumer", "billing-1", "--usage-stream", stream])
+        .collect::<Vec<_>>();
+    spawn_sluice_logged(&args, &[("SLUICE_JWT_SECRET", JWT_SECRET)], &dir.join("billing.log"))
+}
+
 /// The engine's record of every request it ran.
 async fn outcomes(c: &reqwest::Client, engine: &str) -> anyhow::Result<Vec<Value>> {
     let v: Value = c
@@ -79,15 +93,7 @@ async fn a_gateway_killed_mid_request_loses_no_usage() -> anyhow::Result<()> {
 
     let (_engine, engine) =
         spawn_engine(model, TOKEN, "256", &[], Some(&dir.path().join("engine.log")))?;
-    let billing_args = ["billing", "--database-url", &pg.url, "--redis-url", &redis_url]
-        .into_iter()
-        .chain(["--listen", "127.0.0.1:0", "--consumer", "crash-1", "--usage-stream", STREAM])
-        .collect::<Vec<_>>();
-    let (_billing, billing) = spawn_sluice_logged(
-        &billing_args,
-        &[("SLUICE_JWT_SECRET", JWT_SECRET)],
-        &dir.path().join("billing.log"),
-    )?;
+    let (_billing, billing) = spawn_billing(&pg.url, &redis_url, STREAM, dir.path())?;
     let gateway = |name: &str| -> anyhow::Result<(support::Proc, String)> {
         let listen = format!("127.0.0.1:{}", free_port()?);
         let args = ["gateway", "--plain-http", "--listen", &listen, "--model", model]
@@ -312,15 +318,7 @@ async fn an_engine_dying_under_a_whole_answer_is_answered_billed_and_settled() -
     let stream = "{sluice}:usage:death";
     let (mut engine_proc, engine) =
         spawn_engine(model, TOKEN, "256", &[], Some(&dir.path().join("engine.log")))?;
-    let billing_args = ["billing", "--database-url", &pg.url, "--redis-url", &redis_url]
-        .into_iter()
-        .chain(["--listen", "127.0.0.1:0", "--consumer", "death-1", "--usage-stream", stream])
-        .collect::<Vec<_>>();
-    let (_billing, _) = spawn_sluice_logged(
-        &billing_args,
-        &[("SLUICE_JWT_SECRET", JWT_SECRET)],
-        &dir.path().join("billing.log"),
-    )?;
+    let (_billing, _) = spawn_billing(&pg.url, &redis_url, stream, dir.path())?;
     let listen = format!("127.0.0.1:{}", free_port()?);
     let args = ["gateway", "--plain-http", "--listen", &listen, "--model", model]
         .into_iter()

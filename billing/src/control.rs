@@ -326,16 +326,6 @@ impl QuotaSettings {
     }
 }
 
-/// The per-tier entries of a `policies/` file: every key but `_comment`-style ones, each that
-/// parses as `T`.
-fn tier_entries<T: serde::de::DeserializeOwned>(file: &str) -> BTreeMap<String, T> {
-    let raw: BTreeMap<String, Value> = serde_json::from_str(file).unwrap_or_default();
-    raw.into_iter()
-        .filter(|(k, _)| !k.starts_with('_'))
-        .filter_map(|(k, v)| serde_json::from_value(v).ok().map(|t| (k, t)))
-        .collect()
-}
-
 /// The per-tier entries of a policy file, strictly: every entry but `_comment`-style ones must
 /// parse as `T`; an error names the tier and the field.
 fn tier_entries_strict<T: serde::de::DeserializeOwned>(
@@ -354,12 +344,13 @@ fn tier_entries_strict<T: serde::de::DeserializeOwned>(
     Ok(out)
 }
 
-/// A policy file's text (see [`sluice_policies`]), empty when it cannot be read (the services
-/// check the files at start and refuse to start then).
-fn policy_text(name: &str) -> String {
-    sluice_policies::text(name).map(|t| t.into_owned()).unwrap_or_else(|e| {
-        tracing::error!(error = %e, "policy file unreadable");
-        String::new()
+/// The per-tier entries of policy file `name` in force (see [`sluice_policies`]); none when it
+/// cannot be read or an entry does not parse (the services check the files at start,
+/// [`check_policies`], and refuse to start then).
+fn policy_entries<T: serde::de::DeserializeOwned>(name: &str) -> BTreeMap<String, T> {
+    sluice_policies::text(name).and_then(|t| tier_entries_strict(&t)).unwrap_or_else(|e| {
+        tracing::error!(error = %e, file = name, "policy file unusable");
+        BTreeMap::new()
     })
 }
 
@@ -381,7 +372,7 @@ pub fn check_policies() -> Result<(), String> {
 
 /// The quota tiers of the tiers policy in force (`tiers.json`).
 pub static TIERS: LazyLock<BTreeMap<String, QuotaSettings>> =
-    LazyLock::new(|| tier_entries(&policy_text("tiers.json")));
+    LazyLock::new(|| policy_entries("tiers.json"));
 
 /// A tier's scheduling policy (`policies/scheduling.json`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
@@ -399,7 +390,7 @@ pub struct TierScheduling {
 
 /// The tiers' scheduling policies of the scheduling policy in force (`scheduling.json`).
 pub static TIER_SCHEDULING: LazyLock<BTreeMap<String, TierScheduling>> =
-    LazyLock::new(|| tier_entries(&policy_text("scheduling.json")));
+    LazyLock::new(|| policy_entries("scheduling.json"));
 
 /// The fair-order weight of `tier` (1 for a tier the policy does not name), 1 to 1000.
 pub fn tier_weight(tier: &str) -> u32 {
@@ -1140,12 +1131,17 @@ impl Ledger {
 mod tests {
     use super::*;
 
+    /// Entries of a compiled-in policy file, `_comment`-style keys aside.
+    fn named_entries(file: &str) -> usize {
+        let raw: BTreeMap<String, Value> =
+            serde_json::from_str(sluice_policies::compiled(file).unwrap_or_default())
+                .unwrap_or_default();
+        raw.keys().filter(|k| !k.starts_with('_')).count()
+    }
+
     #[test]
     fn every_tier_has_a_scheduling_weight_and_the_file_parses_whole() {
-        let raw: BTreeMap<String, Value> =
-            serde_json::from_str(sluice_policies::compiled("scheduling.json").unwrap_or_default())
-                .unwrap_or_default();
-        let named = raw.keys().filter(|k| !k.starts_with('_')).count();
+        let named = named_entries("scheduling.json");
         assert_eq!(TIER_SCHEDULING.len(), named, "an entry of scheduling.json does not parse");
         for tier in TIERS.keys() {
             assert!(TIER_SCHEDULING.contains_key(tier), "{tier} has no scheduling entry");
@@ -1158,10 +1154,7 @@ mod tests {
 
     #[test]
     fn every_tier_parses_and_stays_within_the_platform_caps() {
-        let raw: BTreeMap<String, Value> =
-            serde_json::from_str(sluice_policies::compiled("tiers.json").unwrap_or_default())
-                .unwrap_or_default();
-        let named = raw.keys().filter(|k| !k.starts_with('_')).count();
+        let named = named_entries("tiers.json");
         assert_eq!(TIERS.len(), named, "an entry of tiers.json does not parse");
         for (name, tier) in TIERS.iter() {
             assert_eq!(tier.validate().map_err(|e| e.to_string()), Ok(()), "tier {name}");

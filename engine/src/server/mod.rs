@@ -231,7 +231,6 @@ async fn api_layer(State(app): State<Arc<App>>, mut req: Request, next: Next) ->
             Err(e) => e.into_response(),
             Ok(ctx) => {
                 let id = HeaderValue::from_str(&ctx.request_id).ok();
-                let ctx_id = ctx.request_id.clone();
                 // A span under the caller's trace (W3C trace context), exported when the
                 // process has an OpenTelemetry exporter; a no-op otherwise.
                 let span = tracing::info_span!(
@@ -246,8 +245,8 @@ async fn api_layer(State(app): State<Arc<App>>, mut req: Request, next: Next) ->
                 });
                 let _ = tracing_opentelemetry::OpenTelemetrySpanExt::set_parent(&span, parent);
                 req.extensions_mut().insert(ctx);
-                let mut resp = tracing::Instrument::instrument(next.run(req), span).await;
-                tracing::trace!(request_id = %ctx_id, status = resp.status().as_u16(), "answered");
+                let mut resp = tracing::Instrument::instrument(next.run(req), span.clone()).await;
+                tracing::trace!(parent: &span, status = resp.status().as_u16(), "answered");
                 if let Some(id) = id {
                     resp.headers_mut().insert(HeaderName::from_static(REQUEST_ID_HEADER), id);
                 }
