@@ -149,18 +149,24 @@ enum ModelCommand {
     },
     /// The catalog: names, what they are, and whether they are fetched.
     List,
-    /// Write a random-weight Llama of a named shape as a Hugging Face directory
-    /// (config.json, safetensors, tokenizer.json), for benchmarks of shapes no catalog model
-    /// has: `tiny`, `llama-1b` (Llama 3.2 1B's shape), `llama-8b` (Llama 3.1 8B's).
+    /// Write a random-weight model of a named shape as a Hugging Face directory
+    /// (config.json, safetensors, tokenizer.json) or a GGUF file, for benchmarks of shapes no
+    /// catalog model has: `tiny`, `small`, `llama-1b` (Llama 3.2 1B's shape), `qwen2.5-3b`
+    /// (Qwen2.5 3B's), `llama-8b` (Llama 3.1 8B's). For the files people serve, write F16
+    /// GGUF and quantize it with llama.cpp's `llama-quantize` (Q4_K_M, Q8_0, ...).
     Synth(SynthArgs),
 }
 
 #[derive(Args, Debug)]
 struct SynthArgs {
-    /// The shape: tiny, small, llama-1b or llama-8b.
+    /// The shape: tiny, small, llama-1b, qwen2.5-3b or llama-8b.
     #[arg(long, default_value = "llama-8b")]
     shape: String,
-    /// Weight type: bf16, f16 or f32.
+    /// `hf` (a directory) or `gguf` (one file).
+    #[arg(long, default_value = "hf")]
+    format: String,
+    /// Weight type: bf16, f16 or f32; for GGUF also q8_0, q4_0, q4_1, q5_0, q4_k, q5_k,
+    /// q6_k (every matrix in that type, by simple round-to-nearest, not llama.cpp's mixes).
     #[arg(long, default_value = "bf16")]
     dtype: String,
     /// Safetensors files (an index is written for more than one).
@@ -711,15 +717,30 @@ fn run_synth(args: SynthArgs) -> anyhow::Result<()> {
         format!("--shape {:?} is not a shape ({})", args.shape, SynthSpec::NAMES.join(", "))
     })?;
     let spec = SynthSpec { seed: args.seed, ..spec };
-    let ty = match args.dtype.as_str() {
-        "bf16" => GgmlType::BF16,
-        "f16" => GgmlType::F16,
-        "f32" => GgmlType::F32,
-        other => bail!("--dtype {other:?} is not a weight type (bf16, f16 or f32)"),
+    let gguf = match args.format.as_str() {
+        "hf" => false,
+        "gguf" => true,
+        other => bail!("--format {other:?} is not a format (hf or gguf)"),
+    };
+    let ty = GgmlType::ALL
+        .into_iter()
+        .find(|t| t.name().eq_ignore_ascii_case(&args.dtype))
+        .filter(|t| gguf || matches!(t, GgmlType::BF16 | GgmlType::F16 | GgmlType::F32));
+    let Some(ty) = ty else {
+        bail!(
+            "--dtype {:?} is not a weight type for --format {} (bf16, f16, f32{})",
+            args.dtype,
+            args.format,
+            if gguf { ", q8_0, q4_0, q4_1, q5_0, q4_k, q5_k, q6_k" } else { "" }
+        );
     };
     let started = std::time::Instant::now();
-    write_safetensors_dir(&spec, ty, &args.out, args.shards)
-        .with_context(|| format!("writing {}", args.out.display()))?;
+    if gguf {
+        sluice_engine::synth::write_gguf(&spec, ty, &args.out)
+    } else {
+        write_safetensors_dir(&spec, ty, &args.out, args.shards)
+    }
+    .with_context(|| format!("writing {}", args.out.display()))?;
     eprintln!(
         "{}: {} ({:.2} B parameters, {}) in {:.1} s",
         args.out.display(),

@@ -636,11 +636,11 @@ fn address_cap(addr: &str, key: &str) -> anyhow::Result<()> {
     // that moment is refused, and the pair is sent again.
     let mut last = String::new();
     for _ in 0..3 {
+        std::thread::sleep(Duration::from_secs(1));
         match hold_two_and_probe(addr, key)? {
             Ok(()) => return Ok(()),
             Err(got) => last = got,
         }
-        std::thread::sleep(Duration::from_secs(1));
     }
     anyhow::bail!("no per-address cap: {last}")
 }
@@ -701,6 +701,10 @@ fn hold_two_and_probe(addr: &str, key: &str) -> anyhow::Result<Result<(), String
         }
         for s in &held {
             if let Some(why) = refused(s)? {
+                // The other one keeps its slot until its answer is out (the gateway does not
+                // see a dropped client while it waits for the engine): wait for it, so the
+                // next try starts with both slots free.
+                await_answers(&mut held);
                 return Ok(Err(format!(
                     "a held request was refused ({why:?}); the probe got {last:?}"
                 )));
@@ -709,16 +713,22 @@ fn hold_two_and_probe(addr: &str, key: &str) -> anyhow::Result<Result<(), String
         std::thread::sleep(Duration::from_millis(50));
     }
     // What the held requests got instead, for the message.
-    let answers: Vec<String> = held
-        .iter_mut()
+    let answers = await_answers(&mut held);
+    Ok(Err(format!("the last probe got: {last:?}; the held got {answers:?}")))
+}
+
+/// The start of each held request's answer, waiting up to a minute for each: once it is out,
+/// the request's slot is free (just after).
+fn await_answers(held: &mut [std::net::TcpStream]) -> Vec<String> {
+    use std::io::Read;
+    held.iter_mut()
         .map(|s| {
-            let _ = s.set_read_timeout(Some(Duration::from_secs(1)));
+            let _ = s.set_read_timeout(Some(Duration::from_secs(60)));
             let mut buf = [0u8; 600];
             let n = s.read(&mut buf).unwrap_or(0);
             String::from_utf8_lossy(&buf[..n]).into_owned()
         })
-        .collect();
-    Ok(Err(format!("the last probe got: {last:?}; the held got {answers:?}")))
+        .collect()
 }
 
 /// Two requests written at once on one connection: both answered, in order.

@@ -58,7 +58,8 @@ impl Gemma {
 /// Architecture hyper-parameters.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
-    /// Architecture name as the file states it (`llama`, `qwen2`, `mistral`).
+    /// Architecture name as the file states it (`llama`, `mistral`, `qwen2`, `qwen3`,
+    /// `gemma3`).
     pub arch: String,
     /// Vocabulary size (rows of the embedding).
     pub vocab_size: usize,
@@ -107,6 +108,12 @@ impl LlamaConfig {
             Some(g) => g.query_scale,
             None => 1.0 / (self.head_dim as f32).sqrt(),
         }
+    }
+
+    /// Whether every layer normalizes each query and key head (RMSNorm) before RoPE:
+    /// Gemma 3 and Qwen3.
+    pub fn has_qk_norm(&self) -> bool {
+        self.gemma.is_some() || self.arch == "qwen3"
     }
 
     /// Width of the K and V projections.
@@ -202,7 +209,7 @@ pub struct LayerWeights {
     pub w_up: PackedWeight,
     /// Down projection.
     pub w_down: PackedWeight,
-    /// Per-head RMSNorm scales of the queries and keys, `head_dim` each (Gemma 3).
+    /// Per-head RMSNorm scales of the queries and keys, `head_dim` each (Gemma 3, Qwen3).
     pub q_norm: Option<Vec<f32>>,
     /// Key head norm.
     pub k_norm: Option<Vec<f32>>,
@@ -365,6 +372,8 @@ pub fn hf_names() -> TensorNames {
                 "v_bias" => "self_attn.v_proj.bias",
                 "o" => "self_attn.o_proj.weight",
                 "ffn_norm" => "post_attention_layernorm.weight",
+                "q_norm" => "self_attn.q_norm.weight",
+                "k_norm" => "self_attn.k_norm.weight",
                 "gate" => "mlp.gate_proj.weight",
                 "up" => "mlp.up_proj.weight",
                 _ => "mlp.down_proj.weight",
@@ -396,11 +405,15 @@ pub fn load_weights(
     let gemma_norm = |name: String, n: usize| -> Result<Option<Vec<f32>>> {
         if gemma { require_vector(src, &name, n).map(Some) } else { Ok(None) }
     };
+    // Per-head RMSNorm of queries and keys before RoPE: Gemma 3 and Qwen3.
+    let qk_norm = |name: String| -> Result<Option<Vec<f32>>> {
+        if c.has_qk_norm() { require_vector(src, &name, c.head_dim).map(Some) } else { Ok(None) }
+    };
     for i in 0..c.layers {
         let n = |role: &str| (names.layer)(i, role);
         layers.push(LayerWeights {
-            q_norm: gemma_norm(n("q_norm"), c.head_dim)?,
-            k_norm: gemma_norm(n("k_norm"), c.head_dim)?,
+            q_norm: qk_norm(n("q_norm"))?,
+            k_norm: qk_norm(n("k_norm"))?,
             post_attn_norm: gemma_norm(n("post_attn_norm"), c.hidden)?,
             post_ffn_norm: gemma_norm(n("post_ffn_norm"), c.hidden)?,
             attn_norm: require_vector(src, &n("attn_norm"), c.hidden)?,
@@ -443,10 +456,10 @@ pub fn gguf_config(f: &GgufFile) -> Result<LlamaConfig> {
     let arch = f.get_str("general.architecture")?.to_string();
     let rope_style = match arch.as_str() {
         "llama" | "mistral" => RopeStyle::Interleaved,
-        "qwen2" | "gemma3" => RopeStyle::Halves,
+        "qwen2" | "qwen3" | "gemma3" => RopeStyle::Halves,
         other => {
             return Err(EngineError::Unsupported(format!(
-                "architecture {other:?} (supported: llama, mistral, qwen2, gemma3)"
+                "general.architecture {other:?} (supported: llama, mistral, qwen2, qwen3, gemma3)"
             )));
         }
     };

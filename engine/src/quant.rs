@@ -69,9 +69,9 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
                 }
             }
         }
-        GgmlType::Q4K => {
-            for (y, b) in dst.chunks_exact_mut(QK_K).zip(src.chunks_exact(144)) {
-                dequantize_q4k_block(b, y);
+        GgmlType::Q4K | GgmlType::Q5K => {
+            for (y, b) in dst.chunks_exact_mut(QK_K).zip(src.chunks_exact(ty.block_bytes())) {
+                dequantize_q45k_block(ty, b, y);
             }
         }
         GgmlType::Q6K => {
@@ -96,7 +96,7 @@ pub fn q5_0_values(b: &[u8]) -> ([i8; 16], [i8; 16]) {
     (lo, hi)
 }
 
-/// Unpacks the 6-bit scale and minimum of sub-block `j` of a Q4_K super-block.
+/// Unpacks the 6-bit scale and minimum of sub-block `j` of a Q4_K or Q5_K super-block.
 fn q4k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
     if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
@@ -105,45 +105,78 @@ fn q4k_scale_min(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
-fn dequantize_q4k_block(b: &[u8], y: &mut [f32]) {
-    let d = f16_at(b, 0);
-    let dmin = f16_at(b, 2);
-    let scales = &b[4..16];
-    let qs = &b[16..144];
-    for (chunk, (q, out)) in qs.chunks_exact(32).zip(y.chunks_exact_mut(64)).enumerate() {
-        let (sc1, m1) = q4k_scale_min(2 * chunk, scales);
-        let (sc2, m2) = q4k_scale_min(2 * chunk + 1, scales);
-        let (d1, m1) = (d * f32::from(sc1), dmin * f32::from(m1));
-        let (d2, m2) = (d * f32::from(sc2), dmin * f32::from(m2));
-        for l in 0..32 {
-            out[l] = d1 * f32::from(q[l] & 0xF) - m1;
-            out[l + 32] = d2 * f32::from(q[l] >> 4) - m2;
-        }
-    }
+/// A K-quant super-block unpacked: element `i` is `scale[i / 32 or i / 16] * q[i] + min[i / 32]`
+/// (Q4_K, Q5_K: `d * sc` and `-dmin * m` per 32 elements, computed in f32 as ggml does), or
+/// `scale[i / 16] * (q[i] - 32)` (Q6_K: `d * sc` per 16 elements, `min` unused).
+pub struct SuperBlock {
+    /// Per sub-block scales: 8 used by Q4_K and Q5_K, 16 by Q6_K.
+    pub scale: [f32; 16],
+    /// Per 32-element sub-block offsets (Q4_K, Q5_K).
+    pub min: [f32; 8],
+    /// The unsigned stored values: 0..=15 (Q4_K), 0..=31 (Q5_K), 0..=63 (Q6_K).
+    pub q: [u8; QK_K],
 }
 
-fn dequantize_q6k_block(b: &[u8], y: &mut [f32]) {
+/// Unpacks one Q4_K (144 bytes) or Q5_K (176 bytes) super-block.
+pub fn q45k_super_block(ty: GgmlType, b: &[u8]) -> SuperBlock {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let scales = &b[4..16];
+    let mut out = SuperBlock { scale: [0.0; 16], min: [0.0; 8], q: [0; QK_K] };
+    for j in 0..8 {
+        let (sc, m) = q4k_scale_min(j, scales);
+        out.scale[j] = d * f32::from(sc);
+        out.min[j] = -(dmin * f32::from(m));
+    }
+    // Q5_K: the fifth bits of element 64 c + l (and + 32) are bits 2c (and 2c + 1) of qh[l].
+    let (qh, qs) =
+        if ty == GgmlType::Q5K { (Some(&b[16..48]), &b[48..176]) } else { (None, &b[16..144]) };
+    for (c, q) in qs.chunks_exact(32).enumerate() {
+        for l in 0..32 {
+            let (hi0, hi1) = qh.map_or((0, 0), |h| {
+                (((h[l] >> (2 * c)) & 1) << 4, ((h[l] >> (2 * c + 1)) & 1) << 4)
+            });
+            out.q[64 * c + l] = (q[l] & 0xF) | hi0;
+            out.q[64 * c + 32 + l] = (q[l] >> 4) | hi1;
+        }
+    }
+    out
+}
+
+/// Unpacks one Q6_K super-block (210 bytes).
+pub fn q6k_super_block(b: &[u8]) -> SuperBlock {
     let (ql_all, rest) = b.split_at(128);
     let (qh_all, rest) = rest.split_at(64);
     let (sc_all, dbytes) = rest.split_at(16);
     let d = f16_at(dbytes, 0);
+    let mut out = SuperBlock { scale: [0.0; 16], min: [0.0; 8], q: [0; QK_K] };
+    for (s, &sc) in out.scale.iter_mut().zip(sc_all) {
+        *s = d * f32::from(sc as i8);
+    }
     for half in 0..2 {
         let ql = &ql_all[64 * half..];
         let qh = &qh_all[32 * half..];
-        let sc = &sc_all[8 * half..];
-        let out = &mut y[128 * half..];
+        let q = &mut out.q[128 * half..];
         for l in 0..32 {
-            let is = l / 16;
-            let q1 = i32::from((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32;
-            let q2 = i32::from((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-            let q3 = i32::from((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-            let q4 = i32::from((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-            let s = |k: usize| d * f32::from(sc[is + k] as i8);
-            out[l] = s(0) * q1 as f32;
-            out[l + 32] = s(2) * q2 as f32;
-            out[l + 64] = s(4) * q3 as f32;
-            out[l + 96] = s(6) * q4 as f32;
+            q[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+            q[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+            q[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+            q[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
         }
+    }
+    out
+}
+
+fn dequantize_q45k_block(ty: GgmlType, b: &[u8], y: &mut [f32]) {
+    let sb = q45k_super_block(ty, b);
+    for (i, yi) in y.iter_mut().enumerate() {
+        *yi = sb.scale[i / 32] * f32::from(sb.q[i]) + sb.min[i / 32];
+    }
+}
+
+fn dequantize_q6k_block(b: &[u8], y: &mut [f32]) {
+    let sb = q6k_super_block(b);
+    for (i, yi) in y.iter_mut().enumerate() {
+        *yi = sb.scale[i / 16] * (i32::from(sb.q[i]) - 32) as f32;
     }
 }
 
@@ -206,19 +239,23 @@ pub fn quantize_row(ty: GgmlType, src: &[f32]) -> Vec<u8> {
                 );
             }
         }
-        GgmlType::Q4K => src.chunks_exact(QK_K).for_each(|x| quantize_q4k_block(x, &mut out)),
+        GgmlType::Q4K | GgmlType::Q5K => {
+            src.chunks_exact(QK_K).for_each(|x| quantize_q45k_block(ty, x, &mut out))
+        }
         GgmlType::Q6K => src.chunks_exact(QK_K).for_each(|x| quantize_q6k_block(x, &mut out)),
     }
     out
 }
 
-fn quantize_q4k_block(x: &[f32], out: &mut Vec<u8>) {
+/// Q4_K (`ty` Q4K, 15 levels) or Q5_K (31 levels) by round-to-nearest.
+fn quantize_q45k_block(ty: GgmlType, x: &[f32], out: &mut Vec<u8>) {
+    let levels = if ty == GgmlType::Q5K { 31.0 } else { 15.0 };
     let mut scales = [0f32; 8];
     let mut mins = [0f32; 8];
     for (j, sub) in x.chunks_exact(32).enumerate() {
         let min = sub.iter().fold(0f32, |a, &v| a.min(v));
         let max = sub.iter().fold(0f32, |a, &v| a.max(v));
-        scales[j] = (max - min) / 15.0;
+        scales[j] = (max - min) / levels;
         mins[j] = -min;
     }
     let max_scale = scales.iter().fold(0f32, |a, &v| a.max(v));
@@ -249,13 +286,24 @@ fn quantize_q4k_block(x: &[f32], out: &mut Vec<u8>) {
         let m = dminf * f32::from(lm[j]);
         for l in 0..32 {
             let v = x[32 * j + l];
-            q[32 * j + l] =
-                if s > 0.0 { (((v + m) / s).round() as i32).clamp(0, 15) as u8 } else { 0 };
+            q[32 * j + l] = if s > 0.0 {
+                (((v + m) / s).round() as i32).clamp(0, levels as i32) as u8
+            } else {
+                0
+            };
         }
+    }
+    if ty == GgmlType::Q5K {
+        let mut qh = [0u8; 32];
+        for (i, &v) in q.iter().enumerate() {
+            let (c, within) = (i / 64, i % 64);
+            qh[within % 32] |= ((v >> 4) & 1) << (2 * c + within / 32);
+        }
+        out.extend_from_slice(&qh);
     }
     for chunk in 0..4 {
         for l in 0..32 {
-            out.push(q[64 * chunk + l] | (q[64 * chunk + 32 + l] << 4));
+            out.push((q[64 * chunk + l] & 0xF) | ((q[64 * chunk + 32 + l] & 0xF) << 4));
         }
     }
 }
@@ -320,7 +368,7 @@ mod tests {
                 GgmlType::Q6K => 0.08,
                 // One step (max |x| / 16): the largest value of the sign opposite to the
                 // extreme one clamps at 15 steps, as in ggml.
-                GgmlType::Q5_0 => 0.13,
+                GgmlType::Q5_0 | GgmlType::Q5K => 0.13,
                 GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q4K => 0.25,
             };
             assert!(max_err <= bound, "{}: max error {max_err} > {bound}", ty.name());
@@ -400,6 +448,36 @@ mod tests {
         assert_eq!(y[1], -2.0);
         assert_eq!(y[161], 65.5);
         assert_eq!(y[160], -0.5);
+    }
+
+    #[test]
+    fn known_q5k_block() {
+        // d = 1, dmin = 0.5; sub-block 0: scale 2, min 4 -> y = 2 q - 2; sub-block 3
+        // (elements 96..128, the high nibbles of bytes 32..64, fifth bits at bit 3 of qh):
+        // scale 1, min 0.
+        let mut scales = [0u8; 12];
+        scales[0] = 2;
+        scales[4] = 4;
+        scales[3] = 1;
+        let mut b = Vec::new();
+        b.extend_from_slice(&f16::from_f32(1.0).to_le_bytes());
+        b.extend_from_slice(&f16::from_f32(0.5).to_le_bytes());
+        b.extend_from_slice(&scales);
+        let mut qh = [0u8; 32];
+        qh[0] = 1; // element 0: fifth bit
+        qh[5] = 1 << 3; // element 96 + 5: fifth bit
+        b.extend_from_slice(&qh);
+        let mut qs = [0u8; 128];
+        qs[0] = 3; // element 0: low bits 3 -> q = 19
+        qs[32 + 5] = 7 << 4; // element 96 + 5: low bits 7 -> q = 23
+        b.extend_from_slice(&qs);
+        assert_eq!(b.len(), GgmlType::Q5K.block_bytes());
+        let mut y = [0f32; 256];
+        dequantize_row(GgmlType::Q5K, &b, &mut y);
+        assert_eq!(y[0], 36.0);
+        assert_eq!(y[1], -2.0);
+        assert_eq!(y[101], 23.0);
+        assert_eq!(y[100], 0.0);
     }
 
     #[test]

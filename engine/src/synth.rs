@@ -43,6 +43,8 @@ pub struct SynthSpec {
     pub tied: bool,
     /// Q/K/V biases; makes the model a Qwen2 one.
     pub qkv_bias: bool,
+    /// Per-head Q/K RMSNorm (and no biases); makes the model a Qwen3 one.
+    pub qk_norm: bool,
     /// Seed of every weight.
     pub seed: u64,
 }
@@ -61,15 +63,16 @@ impl SynthSpec {
             rope_theta: 10_000.0,
             tied: false,
             qkv_bias: false,
+            qk_norm: false,
             seed: 1,
         }
     }
 
     /// The shapes `sluice model synth` writes by name: `tiny`, `small` (tiny layers under a
     /// 32,000-token vocabulary, so clients' usual token ids are in range), `llama-1b` (Llama
-    /// 3.2 1B's shape) and `llama-8b` (Llama 3.1 8B's), the last three with an 8,192-token
-    /// context.
-    pub const NAMES: [&str; 4] = ["tiny", "small", "llama-1b", "llama-8b"];
+    /// 3.2 1B's shape), `qwen2.5-3b` (Qwen2.5 3B's: Q/K/V biases, 2 KV heads) and `llama-8b`
+    /// (Llama 3.1 8B's), the last four with an 8,192-token context.
+    pub const NAMES: [&str; 5] = ["tiny", "small", "llama-1b", "qwen2.5-3b", "llama-8b"];
 
     /// The shape called `name` ([`SynthSpec::NAMES`]), seed 1.
     pub fn named(name: &str) -> Option<SynthSpec> {
@@ -84,6 +87,7 @@ impl SynthSpec {
             rope_theta: 500_000.0,
             tied,
             qkv_bias: false,
+            qk_norm: false,
             seed: 1,
         };
         match name {
@@ -91,6 +95,20 @@ impl SynthSpec {
             "small" => Some(SynthSpec { vocab: 32_000, context: 8192, ..SynthSpec::tiny() }),
             "llama-1b" => Some(llama3(2048, 8192, 16, true)),
             "llama-8b" => Some(llama3(4096, 14_336, 32, false)),
+            "qwen2.5-3b" => Some(SynthSpec {
+                vocab: 151_936,
+                hidden: 2048,
+                intermediate: 11_008,
+                layers: 36,
+                heads: 16,
+                kv_heads: 2,
+                context: 8192,
+                rope_theta: 1_000_000.0,
+                tied: true,
+                qkv_bias: true,
+                qk_norm: false,
+                seed: 1,
+            }),
             _ => None,
         }
     }
@@ -105,9 +123,13 @@ impl SynthSpec {
         self.hidden.checked_div(self.heads).unwrap_or(0)
     }
 
-    /// Architecture name: `qwen2` with biases, else `llama`.
+    /// Architecture name: `qwen3` with Q/K norms, `qwen2` with biases, else `llama`.
     pub fn arch(&self) -> &'static str {
-        if self.qkv_bias { "qwen2" } else { "llama" }
+        match (self.qk_norm, self.qkv_bias) {
+            (true, _) => "qwen3",
+            (false, true) => "qwen2",
+            (false, false) => "llama",
+        }
     }
 
     /// The configuration as the Hugging Face loader reads it (RoPE in halves).
@@ -184,6 +206,10 @@ impl SynthSpec {
                 out.push(rope(t("q_bias", &[q_dim]), self.heads));
                 out.push(rope(t("k_bias", &[kv_dim]), self.kv_heads));
                 out.push(t("v_bias", &[kv_dim]));
+            }
+            if self.qk_norm {
+                out.push(t("q_norm", &[self.head_dim()]));
+                out.push(t("k_norm", &[self.head_dim()]));
             }
             out.push(t("o", &[self.hidden, q_dim]));
             out.push(t("ffn_norm", &[self.hidden]));
@@ -402,8 +428,12 @@ pub fn write_safetensors_dir(
     };
     std::fs::create_dir_all(dir).map_err(|e| EngineError::io(dir, e))?;
     let v = SynthVocabulary::new(spec.vocab);
-    let (hf_arch, model_type) =
-        if spec.qkv_bias { ("Qwen2ForCausalLM", "qwen2") } else { ("LlamaForCausalLM", "llama") };
+    let model_type = spec.arch();
+    let hf_arch = match model_type {
+        "qwen3" => "Qwen3ForCausalLM",
+        "qwen2" => "Qwen2ForCausalLM",
+        _ => "LlamaForCausalLM",
+    };
     let config = json!({
         "architectures": [hf_arch],
         "model_type": model_type,
@@ -522,7 +552,7 @@ mod tests {
     }
 
     /// The named shapes are the models they are named after: Llama 3.1 8B has 8.03 billion
-    /// parameters, Llama 3.2 1B 1.24 billion (tied embeddings).
+    /// parameters, Llama 3.2 1B 1.24 billion and Qwen2.5 3B 3.09 billion (tied embeddings).
     #[test]
     fn named_shapes_have_their_models_sizes() {
         let billions = |name: &str| {
@@ -532,6 +562,7 @@ mod tests {
         };
         assert!((billions("llama-8b") - 8.03).abs() < 0.01, "{}", billions("llama-8b"));
         assert!((billions("llama-1b") - 1.24).abs() < 0.01, "{}", billions("llama-1b"));
+        assert!((billions("qwen2.5-3b") - 3.09).abs() < 0.01, "{}", billions("qwen2.5-3b"));
         assert_eq!(SynthSpec::named("tiny"), Some(SynthSpec::tiny()));
         assert!(SynthSpec::NAMES.iter().all(|n| SynthSpec::named(n).is_some()));
         assert_eq!(SynthSpec::named("llama-70b"), None);

@@ -113,7 +113,8 @@ fn gguf_and_safetensors_agree(spec: &SynthSpec) -> anyhow::Result<()> {
     let file = GgufFile::open(&gguf_path)?;
     let from_gguf = load_gguf_weights(&file)?;
     let (from_hf, model) = load_safetensors_weights(&hf_dir)?;
-    let gguf_style = if spec.qkv_bias { RopeStyle::Halves } else { RopeStyle::Interleaved };
+    let gguf_style =
+        if spec.arch() == "llama" { RopeStyle::Interleaved } else { RopeStyle::Halves };
     ensure!(from_hf.config == spec.config(), "{:?}", from_hf.config);
     ensure!(
         from_gguf.config == LlamaConfig { rope_style: gguf_style, ..spec.config() },
@@ -143,6 +144,33 @@ fn gguf_and_safetensors_give_the_same_logits_llama() -> anyhow::Result<()> {
 #[test]
 fn gguf_and_safetensors_give_the_same_logits_qwen2_with_bias() -> anyhow::Result<()> {
     gguf_and_safetensors_agree(&SynthSpec { qkv_bias: true, tied: true, ..SynthSpec::tiny() })
+}
+
+/// Qwen3: per-head Q/K RMSNorm before RoPE, from either format; the norms are read and
+/// applied (scaling one of them changes the logits), and a file without them is refused
+/// naming the tensor.
+#[test]
+fn gguf_and_safetensors_give_the_same_logits_qwen3_with_qk_norm() -> anyhow::Result<()> {
+    let spec = SynthSpec { qk_norm: true, tied: true, ..SynthSpec::tiny() };
+    gguf_and_safetensors_agree(&spec)?;
+    let dir = tempfile::tempdir()?;
+    let path = dir.path().join("q3.gguf");
+    write_gguf(&spec, GgmlType::F32, &path)?;
+    let mut w = load_gguf_weights(&GgufFile::open(&path)?)?;
+    ensure!(w.config.arch == "qwen3" && w.layers.iter().all(|l| l.q_norm.is_some()));
+    let before = run(&w)?;
+    if let Some(k) = w.layers[0].k_norm.as_mut() {
+        k.iter_mut().enumerate().for_each(|(i, x)| *x *= 1.0 + (i % 3) as f32);
+    }
+    let control = rel_diff(&before, &run(&w)?);
+    ensure!(control > 1e-2, "a different K norm changes logits by only {control}");
+
+    let hf = dir.path().join("hf");
+    write_safetensors_dir(&spec, GgmlType::F32, &hf, 1)?;
+    rewrite(&hf, |t| t.retain(|(name, ..)| name != "model.layers.1.self_attn.q_norm.weight"))?;
+    let (_, msg) = err_text(load_safetensors_weights(&hf).map(|_| ()))?;
+    ensure!(msg.contains("model.layers.1.self_attn.q_norm.weight"), "{msg}");
+    Ok(())
 }
 
 #[test]

@@ -25,13 +25,15 @@ pub enum GgmlType {
     Q5_0,
     /// 4-bit K-quant, 256 per super-block.
     Q4K,
+    /// 5-bit K-quant, 256 per super-block.
+    Q5K,
     /// 6-bit K-quant, 256 per super-block.
     Q6K,
 }
 
 impl GgmlType {
     /// All supported types.
-    pub const ALL: [GgmlType; 9] = [
+    pub const ALL: [GgmlType; 10] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::BF16,
@@ -40,6 +42,7 @@ impl GgmlType {
         GgmlType::Q4_1,
         GgmlType::Q5_0,
         GgmlType::Q4K,
+        GgmlType::Q5K,
         GgmlType::Q6K,
     ];
 
@@ -53,6 +56,7 @@ impl GgmlType {
             6 => GgmlType::Q5_0,
             8 => GgmlType::Q8_0,
             12 => GgmlType::Q4K,
+            13 => GgmlType::Q5K,
             14 => GgmlType::Q6K,
             30 => GgmlType::BF16,
             _ => return None,
@@ -69,6 +73,7 @@ impl GgmlType {
             GgmlType::Q5_0 => 6,
             GgmlType::Q8_0 => 8,
             GgmlType::Q4K => 12,
+            GgmlType::Q5K => 13,
             GgmlType::Q6K => 14,
             GgmlType::BF16 => 30,
         }
@@ -85,6 +90,7 @@ impl GgmlType {
             GgmlType::Q4_1 => "Q4_1",
             GgmlType::Q5_0 => "Q5_0",
             GgmlType::Q4K => "Q4_K",
+            GgmlType::Q5K => "Q5_K",
             GgmlType::Q6K => "Q6_K",
         }
     }
@@ -94,7 +100,7 @@ impl GgmlType {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => 1,
             GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 => QK,
-            GgmlType::Q4K | GgmlType::Q6K => QK_K,
+            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => QK_K,
         }
     }
 
@@ -108,6 +114,7 @@ impl GgmlType {
             GgmlType::Q4_1 => 20,
             GgmlType::Q5_0 => 22,
             GgmlType::Q4K => 144,
+            GgmlType::Q5K => 176,
             GgmlType::Q6K => 210,
         }
     }

@@ -21,11 +21,35 @@ pub enum Offset {
     Minus8,
     /// Q8_0: stored as `q ^ 0x80` (unsigned), `c_b = -128 d_b`.
     Minus128,
+    /// Q5_K: 8-bit values 0..=31, `c_b = m_b` (the sub-block's `-dmin * m`), one scale
+    /// (`d * sc`) per block.
+    Min8,
+    /// Q6_K: 8-bit values 0..=63 with two scales per block, one per 16 elements (`d * sc`),
+    /// and `c = -32 d_half` per half: `dot = sum_h (d_h d_a isum_h - 32 d_h sh_h)`, with
+    /// `sh_h = d_a * sum(q_a over the half)`.
+    Minus32Halves,
+}
+
+impl Offset {
+    /// Whether values take a byte each (else a nibble).
+    pub(crate) fn eight_bit(self) -> bool {
+        matches!(self, Offset::Minus128 | Offset::Min8 | Offset::Minus32Halves)
+    }
+
+    /// Whether a per-block minimum is stored.
+    pub(crate) fn has_min(self) -> bool {
+        matches!(self, Offset::Min | Offset::Min8)
+    }
+
+    /// Scales per (row, block).
+    pub(crate) fn scales(self) -> usize {
+        if self == Offset::Minus32Halves { 2 } else { 1 }
+    }
 }
 
 /// Bytes of one (group, block): 16 rows x 32 elements at 4 or 8 bits.
 pub(crate) fn group_block_bytes(offset: Offset) -> usize {
-    if offset == Offset::Minus128 { GROUP * QK } else { GROUP * QK / 2 }
+    if offset.eight_bit() { GROUP * QK } else { GROUP * QK / 2 }
 }
 
 /// Where element `i` of row lane `l` sits in a (group, block) and, for 4-bit values,
@@ -33,7 +57,7 @@ pub(crate) fn group_block_bytes(offset: Offset) -> usize {
 /// and quads 4-7 the high nibbles, so one shift and one mask unpack two quads.
 pub(crate) fn slot(offset: Offset, l: usize, i: usize) -> (usize, bool) {
     let (k, e) = (i / 4, i % 4);
-    if offset == Offset::Minus128 {
+    if offset.eight_bit() {
         (k * 64 + l * 4 + e, false)
     } else {
         ((k % 4) * 64 + l * 4 + e, k >= 4)
@@ -55,9 +79,13 @@ pub struct QuantizedActs {
     pub(crate) d: Vec<f32>,
     /// Per-block `d * sum(q)`, `rows x nb`.
     pub(crate) sa: Vec<f32>,
+    /// Per half-block `d * sum(q over 16 elements)`, `rows x nb x 2` (for Q6_K's scales).
+    pub(crate) sh: Vec<f32>,
 }
 
-/// Borrowed view of a packed 4/8-bit weight for the kernels.
+/// Borrowed view of a packed 4/8-bit weight for the kernels. Per group and block: `qs` as
+/// described above, then `offset.scales()` runs of 16 scales in `d` (one per half for
+/// `Minus32Halves`) and, where `offset.has_min()`, 16 minima in `m`.
 pub(crate) struct BlockView<'a> {
     pub(crate) rows: usize,
     pub(crate) nb: usize,
@@ -68,12 +96,30 @@ pub(crate) struct BlockView<'a> {
 }
 
 impl BlockView<'_> {
+    /// Scale `h` (0, or 1 for a block's second half with two scales) of row `r`'s block `b`.
+    pub(crate) fn scale(&self, r: usize, b: usize, h: usize) -> f32 {
+        let gb = (r / GROUP) * self.nb + b;
+        self.d[(gb * self.offset.scales() + h) * GROUP + r % GROUP].to_f32()
+    }
+
+    /// Row `r`'s block `b`'s offset term per unit of activation sum, `c_b` (for one half
+    /// `h` with `Minus32Halves`).
+    pub(crate) fn offset_term(&self, r: usize, b: usize, h: usize) -> f32 {
+        let gb = (r / GROUP) * self.nb + b;
+        match self.offset {
+            Offset::Min | Offset::Min8 => self.m[gb * GROUP + r % GROUP].to_f32(),
+            Offset::Minus8 => -8.0 * self.scale(r, b, 0),
+            Offset::Minus128 => -128.0 * self.scale(r, b, 0),
+            Offset::Minus32Halves => -32.0 * self.scale(r, b, h),
+        }
+    }
+
     /// The stored (unsigned, offset) value of element `i` of block `b` of row `r`.
     pub(crate) fn stored(&self, r: usize, b: usize, i: usize) -> i32 {
         let gbb = group_block_bytes(self.offset);
         let (at, high) = slot(self.offset, r % GROUP, i);
         let byte = self.qs[((r / GROUP) * self.nb + b) * gbb + at];
-        i32::from(if self.offset == Offset::Minus128 {
+        i32::from(if self.offset.eight_bit() {
             byte
         } else if high {
             byte >> 4

@@ -21,7 +21,7 @@ use half::f16;
 use crate::cpu::layout::{BlockView, GROUP, group_block_bytes, slot};
 pub use crate::cpu::layout::{Offset, QuantizedActs};
 use crate::cpu::pool::{SharedOut, ThreadPool, split_range};
-use crate::quant::{GgmlType, QK, dequantize_row};
+use crate::quant::{GgmlType, QK, QK_K, dequantize_row};
 
 /// Instruction set chosen once per process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -75,11 +75,13 @@ pub struct PackedWeight {
 
 #[derive(Debug)]
 enum PackedData {
-    /// Q4_0, Q4_1, Q8_0: groups of 16 rows, per group and block `group_block_bytes` of
-    /// interleaved values (see the module docs), then 16 scales (and minima) per group and
-    /// block. Rows past the end of the matrix are zero with zero scales.
+    /// Q4_0, Q4_1, Q8_0 and the K-quants: groups of 16 rows, per group and block
+    /// `group_block_bytes` of interleaved values (see the module docs), then 16 scales (two
+    /// runs of 16 for Q6_K's halves) and minima per group and block (see `BlockView`). Rows
+    /// past the end of the matrix are zero with zero scales.
     Blocks { offset: Offset, qs: Vec<u8>, d: Vec<f16>, m: Vec<f16> },
-    /// Everything else: rows as stored in the file, dequantized on the fly.
+    /// F32, F16, BF16 (and a K-quant whose scales overflow f16): rows as stored in the
+    /// file, dequantized on the fly.
     Raw { bytes: Vec<u8>, row_bytes: usize },
 }
 
@@ -90,46 +92,13 @@ impl PackedWeight {
             return PackedWeight::new(GgmlType::Q8_0, rows, cols, &q5_0_as_q8_0(bytes));
         }
         let row_bytes = ty.row_bytes(cols).unwrap_or(0);
-        let nb = cols / QK;
-        let groups = rows.div_ceil(GROUP);
-        let data = match ty {
-            GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0 => {
-                let offset = match ty {
-                    GgmlType::Q4_1 => Offset::Min,
-                    GgmlType::Q4_0 => Offset::Minus8,
-                    _ => Offset::Minus128,
-                };
-                let gbb = group_block_bytes(offset);
-                let mut qs = vec![0u8; groups * nb * gbb];
-                let mut d = vec![f16::ZERO; groups * nb * GROUP];
-                let mut m =
-                    vec![f16::ZERO; if offset == Offset::Min { groups * nb * GROUP } else { 0 }];
-                let bb = ty.block_bytes();
-                for r in 0..rows {
-                    let (g, l) = (r / GROUP, r % GROUP);
-                    let src = &bytes[r * row_bytes..(r + 1) * row_bytes];
-                    for b in 0..nb {
-                        let blk = &src[b * bb..(b + 1) * bb];
-                        let gb = g * nb + b;
-                        d[gb * GROUP + l] = f16::from_le_bytes([blk[0], blk[1]]);
-                        let dst = &mut qs[gb * gbb..(gb + 1) * gbb];
-                        for i in 0..QK {
-                            let q = match offset {
-                                Offset::Min => {
-                                    m[gb * GROUP + l] = f16::from_le_bytes([blk[2], blk[3]]);
-                                    (blk[4 + i % 16] >> (4 * (i / 16))) & 0xF
-                                }
-                                Offset::Minus8 => (blk[2 + i % 16] >> (4 * (i / 16))) & 0xF,
-                                Offset::Minus128 => blk[2 + i] ^ 0x80,
-                            };
-                            let (at, high) = slot(offset, l, i);
-                            dst[at] |= if high { q << 4 } else { q };
-                        }
-                    }
-                }
-                PackedData::Blocks { offset, qs, d, m }
+        let raw = || PackedData::Raw { bytes: bytes.to_vec(), row_bytes };
+        let data = match packed_offset(ty) {
+            Some(offset) => {
+                let rows_of = (0..rows).map(|r| &bytes[r * row_bytes..(r + 1) * row_bytes]);
+                repack(offset, ty, rows, cols, rows_of).unwrap_or_else(raw)
             }
-            _ => PackedData::Raw { bytes: bytes.to_vec(), row_bytes },
+            None => raw(),
         };
         PackedWeight { rows, cols, ty, data }
     }
@@ -142,8 +111,8 @@ impl PackedWeight {
         }
     }
 
-    /// The rows as the file stored them, for the types kept that way (F32, F16, BF16 and the
-    /// K-quants); `None` for the repacked block types ([`PackedWeight::file_blocks`]).
+    /// The rows as the file stored them, for the types kept that way (F32, F16, BF16); `None`
+    /// for the repacked block types ([`PackedWeight::file_blocks`]).
     pub fn raw_rows(&self) -> Option<&[u8]> {
         match &self.data {
             PackedData::Raw { bytes, .. } => Some(bytes),
@@ -158,6 +127,9 @@ impl PackedWeight {
         let PackedData::Blocks { offset, qs, d, m } = &self.data else {
             return None;
         };
+        if !matches!(self.ty, GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q8_0) {
+            return None;
+        }
         let v = BlockView { rows: self.rows, nb: self.cols / QK, offset: *offset, qs, d, m };
         let mut out = Vec::with_capacity(self.rows * v.nb * self.ty.block_bytes());
         for r in 0..self.rows {
@@ -169,6 +141,7 @@ impl PackedWeight {
                 let q = |i: usize| v.stored(r, b, i) as u8;
                 match offset {
                     Offset::Minus128 => out.extend((0..QK).map(|i| q(i) ^ 0x80)),
+                    Offset::Min8 | Offset::Minus32Halves => unreachable!("K-quant layouts"),
                     Offset::Min | Offset::Minus8 => {
                         if *offset == Offset::Min {
                             out.extend_from_slice(&v.m[gb * GROUP + l].to_le_bytes());
@@ -190,16 +163,16 @@ impl PackedWeight {
             PackedData::Blocks { offset, qs, d, m } => {
                 let v =
                     BlockView { rows: self.rows, nb: self.cols / QK, offset: *offset, qs, d, m };
-                let l = r % GROUP;
                 for b in 0..v.nb {
-                    let gb = (r / GROUP) * v.nb + b;
-                    let db = v.d[gb * GROUP + l].to_f32();
                     for (i, yi) in out[b * QK..(b + 1) * QK].iter_mut().enumerate() {
                         let q = v.stored(r, b, i);
+                        let h = i / 16 * (offset.scales() - 1);
+                        let db = v.scale(r, b, h);
                         *yi = match offset {
-                            Offset::Min => db * q as f32 + v.m[gb * GROUP + l].to_f32(),
+                            Offset::Min | Offset::Min8 => db * q as f32 + v.offset_term(r, b, 0),
                             Offset::Minus8 => db * (q - 8) as f32,
                             Offset::Minus128 => db * (q - 128) as f32,
+                            Offset::Minus32Halves => db * (q - 32) as f32,
                         };
                     }
                 }
@@ -208,13 +181,157 @@ impl PackedWeight {
     }
 }
 
+/// The packed layout a file type takes, if any (Q5_0 is widened to Q8_0 before).
+fn packed_offset(ty: GgmlType) -> Option<Offset> {
+    Some(match ty {
+        GgmlType::Q4_1 | GgmlType::Q4K => Offset::Min,
+        GgmlType::Q4_0 => Offset::Minus8,
+        GgmlType::Q8_0 => Offset::Minus128,
+        GgmlType::Q5K => Offset::Min8,
+        GgmlType::Q6K => Offset::Minus32Halves,
+        _ => return None,
+    })
+}
+
+/// One 32-element block as the packed layout keeps it: its scales (the second only for
+/// `Minus32Halves`), minimum and stored values.
+struct Block {
+    d: [f32; 2],
+    m: f32,
+    q: [u8; QK],
+}
+
+/// A row of the file's type `ty` as blocks of `offset`'s layout. K-quant super-blocks become
+/// 32-element blocks whose scales are the products `d * sc` (and `-dmin * m`) that ggml
+/// computes in f32.
+fn unpack_row(ty: GgmlType, src: &[u8], out: &mut Vec<Block>) {
+    out.clear();
+    let f16_at = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
+    match ty {
+        GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => {
+            for sb in src.chunks_exact(ty.block_bytes()) {
+                let sb = if ty == GgmlType::Q6K {
+                    crate::quant::q6k_super_block(sb)
+                } else {
+                    crate::quant::q45k_super_block(ty, sb)
+                };
+                for j in 0..QK_K / QK {
+                    let mut q = [0u8; QK];
+                    q.copy_from_slice(&sb.q[j * QK..(j + 1) * QK]);
+                    let d = if ty == GgmlType::Q6K {
+                        [sb.scale[2 * j], sb.scale[2 * j + 1]]
+                    } else {
+                        [sb.scale[j], 0.0]
+                    };
+                    out.push(Block { d, m: sb.min[j], q });
+                }
+            }
+        }
+        _ => {
+            for blk in src.chunks_exact(ty.block_bytes()) {
+                let mut b = Block { d: [f16_at(blk, 0), 0.0], m: 0.0, q: [0; QK] };
+                for (i, q) in b.q.iter_mut().enumerate() {
+                    *q = match ty {
+                        GgmlType::Q4_1 => (blk[4 + i % 16] >> (4 * (i / 16))) & 0xF,
+                        GgmlType::Q4_0 => (blk[2 + i % 16] >> (4 * (i / 16))) & 0xF,
+                        _ => blk[2 + i] ^ 0x80,
+                    };
+                }
+                if ty == GgmlType::Q4_1 {
+                    b.m = f16_at(blk, 2);
+                }
+                out.push(b);
+            }
+        }
+    }
+}
+
+/// Rows of the file's type `ty` in the packed layout of `offset`; `None` when a K-quant's
+/// scale products do not fit in f16 (those weights stay as stored).
+///
+/// Scales are kept at f16, as the 32-element formats store them; for the K-quants that
+/// rounds each sub-block's `d * sc` (relative error at most 2^-11, far below the 8-bit
+/// activations' own rounding), which is the one place the packed product can differ from
+/// ggml's arithmetic on the same file.
+fn repack<'a>(
+    offset: Offset,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    src_rows: impl Iterator<Item = &'a [u8]>,
+) -> Option<PackedData> {
+    let nb = cols / QK;
+    let groups = rows.div_ceil(GROUP);
+    let gbb = group_block_bytes(offset);
+    let ns = offset.scales();
+    let mut qs = vec![0u8; groups * nb * gbb];
+    let mut d = vec![f16::ZERO; groups * nb * GROUP * ns];
+    let mut m = vec![f16::ZERO; if offset.has_min() { groups * nb * GROUP } else { 0 }];
+    let half = |x: f32| Some(f16::from_f32(x)).filter(|h| h.is_finite());
+    let mut blocks = Vec::with_capacity(nb);
+    for (r, src) in src_rows.enumerate() {
+        let (g, l) = (r / GROUP, r % GROUP);
+        unpack_row(ty, src, &mut blocks);
+        for (b, blk) in blocks.iter().enumerate() {
+            let gb = g * nb + b;
+            for (h, &s) in blk.d[..ns].iter().enumerate() {
+                d[(gb * ns + h) * GROUP + l] = half(s)?;
+            }
+            if offset.has_min() {
+                m[gb * GROUP + l] = half(blk.m)?;
+            }
+            let dst = &mut qs[gb * gbb..(gb + 1) * gbb];
+            for (i, &q) in blk.q.iter().enumerate() {
+                let (at, high) = slot(offset, l, i);
+                dst[at] |= if high { q << 4 } else { q };
+            }
+        }
+    }
+    Some(PackedData::Blocks { offset, qs, d, m })
+}
+
+/// How activations are quantized for a weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ActFormat {
+    /// Per 32 elements, scale `amax / 127` kept at f16 (as ggml's Q8_0 and Q8_1 blocks):
+    /// for Q4_0, Q4_1, Q5_0 and Q8_0 weights, as llama.cpp pairs them.
+    Blocks32,
+    /// [`ActFormat::Blocks32`] and, as a second set of rows, what it left out (the
+    /// residual `x - d q`, quantized the same way): two integer products over the same
+    /// loaded weights give the activations to about 16 bits. For the K-quants: Gemma 3's
+    /// feed-forward activations have outliers that 8 bits alone (ours per 32, or ggml's
+    /// Q8_K per 256) round far enough to move log-probabilities by more than the golden
+    /// tests' bound.
+    Split,
+}
+
+impl ActFormat {
+    /// The format for weights of type `ty`.
+    pub fn for_type(ty: GgmlType) -> ActFormat {
+        match ty {
+            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => ActFormat::Split,
+            _ => ActFormat::Blocks32,
+        }
+    }
+}
+
 impl QuantizedActs {
     /// Quantizes `x` (rows x cols, row-major) in place of the previous contents, spreading
-    /// rows over the pool's threads.
-    pub fn quantize(&mut self, pool: &ThreadPool, isa: Isa, x: &[f32], cols: usize) {
+    /// rows over the pool's threads. [`ActFormat::Split`] gives twice the rows: `x`'s, then
+    /// their residuals.
+    pub fn quantize(
+        &mut self,
+        pool: &ThreadPool,
+        isa: Isa,
+        format: ActFormat,
+        x: &[f32],
+        cols: usize,
+    ) {
         let nb = cols / QK;
         let nb_pad = nb.div_ceil(2) * 2;
-        let rows = x.len() / cols;
+        let inputs = x.len() / cols;
+        let split = format == ActFormat::Split;
+        let rows = if split { 2 * inputs } else { inputs };
         self.rows = rows;
         self.nb = nb;
         self.nb_pad = nb_pad;
@@ -224,91 +341,118 @@ impl QuantizedActs {
         self.d.resize(rows * nb, 0.0);
         self.sa.clear();
         self.sa.resize(rows * nb, 0.0);
+        self.sh.clear();
+        self.sh.resize(rows * nb * 2, 0.0);
         let qs = SharedOut(self.qs.as_mut_ptr().cast());
         let d = SharedOut(self.d.as_mut_ptr());
         let sa = SharedOut(self.sa.as_mut_ptr());
+        let sh = SharedOut(self.sh.as_mut_ptr());
+        // SAFETY: row t's slices of the four buffers (sized above); each row is written by
+        // exactly one thread.
+        let row = |t: usize| unsafe {
+            (
+                std::slice::from_raw_parts_mut(qs.get().cast::<i8>().add(t * nb_pad * QK), nb * QK),
+                Sums {
+                    d: std::slice::from_raw_parts_mut(d.get().add(t * nb), nb),
+                    sa: std::slice::from_raw_parts_mut(sa.get().add(t * nb), nb),
+                    sh: std::slice::from_raw_parts_mut(sh.get().add(t * nb * 2), nb * 2),
+                },
+            )
+        };
         let rows_of = |range: std::ops::Range<usize>| {
+            let mut residual = Vec::new();
             for t in range {
-                // SAFETY: row t's slices of the three buffers (sized above) are written by
-                // exactly one thread.
-                let (q, dd, s) = unsafe {
-                    (
-                        std::slice::from_raw_parts_mut(
-                            qs.get().cast::<i8>().add(t * nb_pad * QK),
-                            nb * QK,
-                        ),
-                        std::slice::from_raw_parts_mut(d.get().add(t * nb), nb),
-                        std::slice::from_raw_parts_mut(sa.get().add(t * nb), nb),
-                    )
-                };
-                quantize_row_q8(isa, &x[t * cols..(t + 1) * cols], q, dd, s);
+                let xt = &x[t * cols..(t + 1) * cols];
+                let (q, mut sums) = row(t);
+                quantize_row_q8(isa, xt, q, &mut sums);
+                if split {
+                    // What the 8-bit values left out, exactly as the kernels will read them.
+                    residual.clear();
+                    residual.extend(
+                        xt.iter().enumerate().map(|(i, &v)| v - sums.d[i / QK] * f32::from(q[i])),
+                    );
+                    let (q2, mut sums2) = row(inputs + t);
+                    quantize_row_q8(isa, &residual, q2, &mut sums2);
+                }
             }
         };
-        if rows < 8 {
-            rows_of(0..rows);
+        if inputs < 8 {
+            rows_of(0..inputs);
         } else {
             let threads = pool.threads();
-            pool.run(&|i| rows_of(split_range(rows, threads, i, 1)));
+            pool.run(&|i| rows_of(split_range(inputs, threads, i, 1)));
         }
     }
 }
 
-fn quantize_row_q8(isa: Isa, x: &[f32], qs: &mut [i8], d: &mut [f32], sa: &mut [f32]) {
+/// A row's per-block outputs besides the values (see [`QuantizedActs`]).
+struct Sums<'a> {
+    d: &'a mut [f32],
+    sa: &'a mut [f32],
+    sh: &'a mut [f32],
+}
+
+fn quantize_row_q8(isa: Isa, x: &[f32], qs: &mut [i8], sums: &mut Sums<'_>) {
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx512Vnni {
         // SAFETY: AVX-512 was detected; the function only enables codegen for it.
-        unsafe { quantize_row_q8_avx512(x, qs, d, sa) };
+        unsafe { quantize_row_q8_avx512(x, qs, sums) };
         return;
     }
     #[cfg(target_arch = "x86_64")]
     if isa == Isa::Avx2 {
         // SAFETY: AVX2 and FMA were detected; the function only enables codegen for them.
-        unsafe { quantize_row_q8_avx2(x, qs, d, sa) };
+        unsafe { quantize_row_q8_avx2(x, qs, sums) };
         return;
     }
     let _ = isa;
-    quantize_row_q8_generic(x, qs, d, sa);
+    quantize_row_q8_generic(x, qs, sums);
 }
 
 /// The generic code compiled with AVX-512 enabled (same arithmetic, vector instructions).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
-unsafe fn quantize_row_q8_avx512(x: &[f32], qs: &mut [i8], d: &mut [f32], sa: &mut [f32]) {
-    quantize_row_q8_generic(x, qs, d, sa)
+unsafe fn quantize_row_q8_avx512(x: &[f32], qs: &mut [i8], sums: &mut Sums<'_>) {
+    quantize_row_q8_generic(x, qs, sums)
 }
 
 /// The generic code compiled with AVX2 enabled.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn quantize_row_q8_avx2(x: &[f32], qs: &mut [i8], d: &mut [f32], sa: &mut [f32]) {
-    quantize_row_q8_generic(x, qs, d, sa)
+unsafe fn quantize_row_q8_avx2(x: &[f32], qs: &mut [i8], sums: &mut Sums<'_>) {
+    quantize_row_q8_generic(x, qs, sums)
 }
 
 #[inline(always)]
-fn quantize_row_q8_generic(x: &[f32], qs: &mut [i8], d: &mut [f32], sa: &mut [f32]) {
+fn quantize_row_q8_generic(x: &[f32], qs: &mut [i8], sums: &mut Sums<'_>) {
     for (b, (src, dst)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
         let amax = src.iter().fold(0f32, |a, v| a.max(v.abs()));
         let db = amax / 127.0;
         let id = if db != 0.0 { 1.0 / db } else { 0.0 };
-        let mut sum = 0i32;
-        for (q, &v) in dst.iter_mut().zip(src) {
+        let mut half = [0i32; 2];
+        for (i, (q, &v)) in dst.iter_mut().zip(src).enumerate() {
             let qi = (v * id).round_ties_even() as i32;
             *q = qi as i8;
-            sum += qi;
+            half[i / 16] += qi;
         }
         // The scale is kept at f16 precision, as llama.cpp's Q8 blocks store it, so products
         // match the reference implementation closely. `sa` stays exact for that scale: the
         // Q8_0 kernels subtract 128 * d_w * sa, which must cancel exactly.
         let dh = f16::from_f32(db).to_f32();
-        d[b] = dh;
-        sa[b] = dh * sum as f32;
+        sums.d[b] = dh;
+        sums.sa[b] = dh * (half[0] + half[1]) as f32;
+        sums.sh[2 * b] = dh * half[0] as f32;
+        sums.sh[2 * b + 1] = dh * half[1] as f32;
     }
 }
 
 /// Scratch buffers reused across calls.
 #[derive(Debug, Default)]
 pub struct MatmulScratch {
-    acts: QuantizedActs,
+    /// The activations in each [`ActFormat`] (indexed by `ActFormat as usize`).
+    acts: [QuantizedActs; 2],
+    /// Both halves of the split products.
+    split_out: Vec<f32>,
 }
 
 /// `out[t * w.rows + r] = dot(W[r], x[t])` for every token row `t` of `x`.
@@ -340,24 +484,56 @@ pub fn matmul_many(
     let all_blocks =
         ws.iter().all(|w| w.cols == cols && matches!(w.data, PackedData::Blocks { .. }));
     if all_blocks {
-        scratch.acts.quantize(pool, isa, x, cols);
-        let acts = &scratch.acts;
-        let views: Vec<BlockView<'_>> = ws
+        // Each format the weights need, once.
+        for format in [ActFormat::Blocks32, ActFormat::Split] {
+            if ws.iter().any(|w| ActFormat::for_type(w.ty) == format) {
+                scratch.acts[format as usize].quantize(pool, isa, format, x, cols);
+            }
+        }
+        // A split product's two sets of rows go to a scratch buffer, then add up.
+        let mut at = 0;
+        let mut split_at = Vec::with_capacity(ws.len());
+        for w in ws {
+            split_at.push(at);
+            if ActFormat::for_type(w.ty) == ActFormat::Split {
+                at += 2 * t_rows * w.rows;
+            }
+        }
+        scratch.split_out.resize(at, 0.0);
+        let split_out = SharedOut(scratch.split_out.as_mut_ptr());
+        let views: Vec<(BlockView<'_>, &QuantizedActs)> = ws
             .iter()
             .filter_map(|w| match &w.data {
-                PackedData::Blocks { offset, qs, d, m } => {
-                    Some(BlockView { rows: w.rows, nb: w.cols / QK, offset: *offset, qs, d, m })
-                }
+                PackedData::Blocks { offset, qs, d, m } => Some((
+                    BlockView { rows: w.rows, nb: w.cols / QK, offset: *offset, qs, d, m },
+                    &scratch.acts[ActFormat::for_type(w.ty) as usize],
+                )),
                 PackedData::Raw { .. } => None,
             })
             .collect();
         pool.run(&|i| {
-            for (view, out) in views.iter().zip(&ptrs) {
+            for (((view, acts), out), &at) in views.iter().zip(&ptrs).zip(&split_at) {
                 let range = split_range(view.rows, threads, i, GROUP);
-                // SAFETY: threads write disjoint row ranges (whole groups) of every token's
-                // output row, and each output holds t_rows * rows floats (checked by the
-                // caller's sizing).
-                unsafe { block_rows(isa, view, acts, range, *out) };
+                if acts.rows == t_rows {
+                    // SAFETY: threads write disjoint row ranges (whole groups) of every
+                    // token's output row, and each output holds t_rows * rows floats
+                    // (checked by the caller's sizing).
+                    unsafe { block_rows(isa, view, acts, range, *out) };
+                    continue;
+                }
+                // SAFETY: this view's 2 * t_rows * rows floats of `split_out` start at `at`;
+                // threads write disjoint row ranges of them, then add up the same ranges.
+                unsafe {
+                    let tmp = SharedOut(split_out.get().add(at));
+                    block_rows(isa, view, acts, range.clone(), tmp);
+                    let (tmp, n) = (tmp.get(), t_rows * view.rows);
+                    for t in 0..t_rows {
+                        for r in range.clone() {
+                            let e = t * view.rows + r;
+                            *out.get().add(e) = *tmp.add(e) + *tmp.add(n + e);
+                        }
+                    }
+                }
             }
         });
         return;
@@ -466,20 +642,24 @@ unsafe fn block_rows(
 /// block as the SIMD kernels (which fuse the multiply-adds).
 fn scalar_dot(v: &BlockView<'_>, acts: &QuantizedActs, r: usize, t: usize) -> f32 {
     let nb = v.nb;
-    let l = r % GROUP;
     let mut acc = 0f32;
     for b in 0..nb {
-        let gb = (r / GROUP) * nb + b;
         let a = &acts.qs[(t * acts.nb_pad + b) * QK..][..QK];
-        let isum: i32 = (0..QK).map(|i| v.stored(r, b, i) * i32::from(a[i])).sum();
-        let dw = v.d[gb * GROUP + l].to_f32();
-        let c = match v.offset {
-            Offset::Min => v.m[gb * GROUP + l].to_f32(),
-            Offset::Minus8 => -8.0 * dw,
-            Offset::Minus128 => -128.0 * dw,
+        let isum = |range: std::ops::Range<usize>| -> i32 {
+            range.map(|i| v.stored(r, b, i) * i32::from(a[i])).sum()
         };
-        acc += isum as f32 * (dw * acts.d[t * nb + b]);
-        acc += c * acts.sa[t * nb + b];
+        let da = acts.d[t * nb + b];
+        if v.offset == Offset::Minus32Halves {
+            for h in 0..2 {
+                acc += isum(16 * h..16 * (h + 1)) as f32 * (v.scale(r, b, h) * da);
+            }
+            for h in 0..2 {
+                acc += v.offset_term(r, b, h) * acts.sh[(t * nb + b) * 2 + h];
+            }
+        } else {
+            acc += isum(0..QK) as f32 * (v.scale(r, b, 0) * da);
+            acc += v.offset_term(r, b, 0) * acts.sa[t * nb + b];
+        }
     }
     acc
 }
@@ -534,15 +714,19 @@ mod tests {
         v
     }
 
-    fn reference(w: &PackedWeight, x: &[f32]) -> Vec<f32> {
-        let mut row = vec![0f32; w.cols];
-        let t_rows = x.len() / w.cols;
-        let mut out = vec![0f32; t_rows * w.rows];
-        for r in 0..w.rows {
-            w.dequantize_row(r, &mut row);
+    /// The products in f64 of the file's weights, dequantized by the reference code, and
+    /// the unquantized activations.
+    fn reference(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize, x: &[f32]) -> Vec<f32> {
+        let mut row = vec![0f32; cols];
+        let t_rows = x.len() / cols;
+        let row_bytes = bytes.len() / rows;
+        let mut out = vec![0f32; t_rows * rows];
+        for r in 0..rows {
+            dequantize_row(ty, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut row);
             for t in 0..t_rows {
-                let xs = &x[t * w.cols..(t + 1) * w.cols];
-                out[t * w.rows + r] = row.iter().zip(xs).map(|(a, b)| a * b).sum();
+                let xs = &x[t * cols..(t + 1) * cols];
+                let dot: f64 = row.iter().zip(xs).map(|(a, b)| f64::from(*a) * f64::from(*b)).sum();
+                out[t * rows + r] = dot as f32;
             }
         }
         out
@@ -560,7 +744,7 @@ mod tests {
                 let bytes: Vec<u8> = wf.chunks(cols).flat_map(|r| quantize_row(ty, r)).collect();
                 let w = PackedWeight::new(ty, rows, cols, &bytes);
                 let x = data(5 * cols, 2);
-                let want = reference(&w, &x);
+                let want = reference(ty, &bytes, rows, cols, &x);
                 for isa in available_isas() {
                     let mut got = vec![0f32; want.len()];
                     matmul(&pool, isa, &w, &x, &mut got, &mut MatmulScratch::default());
@@ -577,10 +761,96 @@ mod tests {
         }
     }
 
+    /// With the activations as the kernels see them (8-bit values times their block's
+    /// scale), every kernel's product is the exact sum of the file's dequantized weights
+    /// times those activations, but for float rounding and, for the K-quants, the f16
+    /// rounding of their scales (2^-11 of each term at most): a wrong half, scale or offset
+    /// term in any layout is far outside that.
+    #[test]
+    fn products_are_the_exact_sums_of_the_dequantized_operands() {
+        let pool = ThreadPool::new(2);
+        let (rows, cols) = (19, 768);
+        for ty in GgmlType::ALL
+            .into_iter()
+            .filter(|t| packed_offset(*t).is_some() || *t == GgmlType::Q5_0)
+        {
+            // Skewed data: halves and blocks of different magnitudes and signs.
+            let wf: Vec<f32> = data(rows * cols, 11)
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    v * (1.0 + (i / 16 % 5) as f32) + if i / 16 % 3 == 0 { 0.7 } else { 0.0 }
+                })
+                .collect();
+            let bytes: Vec<u8> = wf.chunks(cols).flat_map(|r| quantize_row(ty, r)).collect();
+            let w = PackedWeight::new(ty, rows, cols, &bytes);
+            let x: Vec<f32> = data(3 * cols, 12)
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    v * (1.0 + (i / 16 % 7) as f32) + if i / 16 % 2 == 0 { 0.5 } else { -0.2 }
+                })
+                .collect();
+            let mut acts = QuantizedActs::default();
+            acts.quantize(&pool, Isa::Scalar, ActFormat::for_type(ty), &x, cols);
+            let value = |t: usize, c: usize| {
+                f64::from(acts.qs[(t * acts.nb_pad + c / QK) * QK + c % QK])
+                    * f64::from(acts.d[t * acts.nb + c / QK])
+            };
+            // Split activations: each row's 8-bit values plus its residual's.
+            let split = acts.rows == 6;
+            let xq: Vec<f64> = (0..3 * cols)
+                .map(|i| {
+                    let (t, c) = (i / cols, i % cols);
+                    value(t, c) + if split { value(3 + t, c) } else { 0.0 }
+                })
+                .collect();
+            if split {
+                // Half a step of the residual's scale, itself at most half a step of the
+                // first: within max|x| / 127^2.
+                let worst =
+                    x.iter().zip(&xq).map(|(a, b)| (f64::from(*a) - b).abs()).fold(0.0, f64::max);
+                let top = x.iter().fold(0f32, |a, v| a.max(v.abs()));
+                assert!(
+                    worst <= f64::from(top) / 127.0 / 127.0,
+                    "{}: split activations off by {worst}",
+                    ty.name()
+                );
+            }
+            let row_bytes = bytes.len() / rows;
+            let mut row = vec![0f32; cols];
+            for isa in available_isas() {
+                let mut got = vec![0f32; 3 * rows];
+                matmul(&pool, isa, &w, &x, &mut got, &mut MatmulScratch::default());
+                for r in 0..rows {
+                    dequantize_row(ty, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut row);
+                    for t in 0..3 {
+                        let xs = &xq[t * cols..(t + 1) * cols];
+                        let exact: f64 = row.iter().zip(xs).map(|(a, b)| f64::from(*a) * b).sum();
+                        let scale: f64 =
+                            row.iter().zip(xs).map(|(a, b)| f64::from(a.abs()) * b.abs()).sum();
+                        let g = f64::from(got[t * rows + r]);
+                        assert!(
+                            (g - exact).abs() <= 2e-3 * scale / 2.0 + 1e-4,
+                            "{} {isa:?} row {r} token {t}: {g} vs {exact} (scale {scale})",
+                            ty.name()
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The K-quants' scales are products rounded to f16 (see `repack`): within 2^-11 of each
+    /// term; every other type's values are kept exactly.
     #[test]
     fn repacking_keeps_every_value() {
-        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q5_0] {
-            let (rows, cols) = (21, 96);
+        let k_quants = [GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K];
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q5_0]
+            .into_iter()
+            .chain(k_quants)
+        {
+            let (rows, cols) = (21, 512);
             let wf = data(rows * cols, 9);
             let bytes: Vec<u8> = wf.chunks(cols).flat_map(|r| quantize_row(ty, r)).collect();
             let w = PackedWeight::new(ty, rows, cols, &bytes);
@@ -589,7 +859,20 @@ mod tests {
             for r in 0..rows {
                 w.dequantize_row(r, &mut got);
                 dequantize_row(ty, &bytes[r * row_bytes..(r + 1) * row_bytes], &mut want);
-                assert_eq!(got, want, "{} row {r}", ty.name());
+                if k_quants.contains(&ty) {
+                    assert!(w.raw_rows().is_none(), "{} was not repacked", ty.name());
+                    // |scale * q| and |min| are each at most the row's largest |value| plus
+                    // its largest minimum (2 here: the data lie in -1..=1).
+                    for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            (g - e).abs() <= 2.0 * 2.0 / 2048.0,
+                            "{} row {r} [{i}]: {g} vs {e}",
+                            ty.name()
+                        );
+                    }
+                } else {
+                    assert_eq!(got, want, "{} row {r}", ty.name());
+                }
             }
         }
     }
@@ -597,8 +880,12 @@ mod tests {
     #[test]
     fn simd_kernels_agree_with_the_portable_one() {
         let pool = ThreadPool::new(2);
-        let (rows, cols) = (24, 576);
-        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0] {
+        let (rows, cols) = (24, 768);
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0].into_iter().chain([
+            GgmlType::Q4K,
+            GgmlType::Q5K,
+            GgmlType::Q6K,
+        ]) {
             let wf = data(rows * cols, 5);
             let bytes: Vec<u8> = wf.chunks(cols).flat_map(|r| quantize_row(ty, r)).collect();
             let w = PackedWeight::new(ty, rows, cols, &bytes);
@@ -622,8 +909,11 @@ mod tests {
     #[test]
     fn a_row_is_the_same_alone_and_in_a_batch() {
         let pool = ThreadPool::new(2);
-        let (rows, cols) = (37, 576);
-        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::F16] {
+        let (rows, cols) = (37, 768);
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::F16]
+            .into_iter()
+            .chain([GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K])
+        {
             let wf = data(rows * cols, 3);
             let bytes: Vec<u8> = wf.chunks(cols).flat_map(|r| quantize_row(ty, r)).collect();
             let w = PackedWeight::new(ty, rows, cols, &bytes);

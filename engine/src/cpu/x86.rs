@@ -86,7 +86,7 @@ unsafe fn tile512<const C: usize>(
             // The next group-blocks stream in while this one is computed.
             _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(4 * gbb).cast());
             let mut w = [zero; 8];
-            if v.offset == Offset::Minus128 {
+            if v.offset.eight_bit() {
                 for (k, wk) in w.iter_mut().enumerate() {
                     *wk = _mm512_loadu_si512(base.add(64 * k).cast());
                 }
@@ -97,14 +97,24 @@ unsafe fn tile512<const C: usize>(
                     w[c + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(x), nibble);
                 }
             }
-            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(v.d.as_ptr().add(gb * GROUP).cast()));
+            let halves = v.offset == Offset::Minus32Halves;
+            let sp = v.d.as_ptr().add(gb * v.offset.scales() * GROUP);
+            let dw = _mm512_cvtph_ps(_mm256_loadu_si256(sp.cast()));
+            // The second half's scale (Q6_K only).
+            let dw1 = if halves {
+                _mm512_cvtph_ps(_mm256_loadu_si256(sp.add(GROUP).cast()))
+            } else {
+                _mm512_setzero_ps()
+            };
             let cw = match v.offset {
-                Offset::Min => {
+                Offset::Min | Offset::Min8 => {
                     _mm512_cvtph_ps(_mm256_loadu_si256(v.m.as_ptr().add(gb * GROUP).cast()))
                 }
                 Offset::Minus8 => _mm512_mul_ps(dw, _mm512_set1_ps(-8.0)),
                 Offset::Minus128 => _mm512_mul_ps(dw, _mm512_set1_ps(-128.0)),
+                Offset::Minus32Halves => _mm512_mul_ps(dw, _mm512_set1_ps(-32.0)),
             };
+            let cw1 = _mm512_mul_ps(dw1, _mm512_set1_ps(-32.0));
             for (j, a) in acc.iter_mut().enumerate() {
                 let t = t0 + j;
                 // Two chains of four products (integer sums are exact in any order).
@@ -118,10 +128,20 @@ unsafe fn tile512<const C: usize>(
                         _mm512_set1_epi32(quad(acts, t, b, k + 4)),
                     );
                 }
-                let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-                let s = _mm512_mul_ps(dw, _mm512_set1_ps(*acts.d.get_unchecked(t * nb + b)));
-                *a = _mm512_fmadd_ps(isum, s, *a);
-                *a = _mm512_fmadd_ps(cw, _mm512_set1_ps(*acts.sa.get_unchecked(t * nb + b)), *a);
+                let da = _mm512_set1_ps(*acts.d.get_unchecked(t * nb + b));
+                if halves {
+                    // Quads 0-3 are the first 16 elements, 4-7 the second.
+                    let sh = acts.sh.as_ptr().add((t * nb + b) * 2);
+                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(dw, da), *a);
+                    *a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(dw1, da), *a);
+                    *a = _mm512_fmadd_ps(cw, _mm512_set1_ps(*sh), *a);
+                    *a = _mm512_fmadd_ps(cw1, _mm512_set1_ps(*sh.add(1)), *a);
+                } else {
+                    let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                    *a = _mm512_fmadd_ps(isum, _mm512_mul_ps(dw, da), *a);
+                    let sa = _mm512_set1_ps(*acts.sa.get_unchecked(t * nb + b));
+                    *a = _mm512_fmadd_ps(cw, sa, *a);
+                }
             }
         }
     }
@@ -177,7 +197,10 @@ unsafe fn tile256<const C: usize>(
 ) {
     let nb = v.nb;
     let gbb = group_block_bytes(v.offset);
-    let eight_bit = v.offset == Offset::Minus128;
+    // Q8_0's signed bytes, or the K-quants' unsigned ones (0..=63).
+    let signed8 = v.offset == Offset::Minus128;
+    let unsigned8 = v.offset.eight_bit() && !signed8;
+    let halves = v.offset == Offset::Minus32Halves;
     let mut acc = [_mm256_setzero_ps(); C];
     let zero = _mm256_setzero_si256();
     let ones = _mm256_set1_epi16(1);
@@ -189,12 +212,16 @@ unsafe fn tile256<const C: usize>(
         unsafe {
             let base = v.qs.as_ptr().add(gb * gbb + 32 * half);
             let mut w = [zero; 8];
-            if eight_bit {
+            if signed8 {
                 // Stored as q ^ 0x80: recover the signed value and use |q| * sign(a, q),
                 // which `maddubs` cannot overflow (unlike the unsigned form).
                 for (k, wk) in w.iter_mut().enumerate() {
                     let x = _mm256_loadu_si256(base.add(64 * k).cast());
                     *wk = _mm256_xor_si256(x, _mm256_set1_epi8(-128));
+                }
+            } else if unsigned8 {
+                for (k, wk) in w.iter_mut().enumerate() {
+                    *wk = _mm256_loadu_si256(base.add(64 * k).cast());
                 }
             } else {
                 for c in 0..4 {
@@ -203,20 +230,54 @@ unsafe fn tile256<const C: usize>(
                     w[c + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(x), nibble);
                 }
             }
-            let sp = v.d.as_ptr().add(gb * GROUP + 8 * half);
+            let sp = v.d.as_ptr().add(gb * v.offset.scales() * GROUP + 8 * half);
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(sp.cast()));
+            // The second half's scale (Q6_K only).
+            let dw1 = if halves {
+                _mm256_cvtph_ps(_mm_loadu_si128(sp.add(GROUP).cast()))
+            } else {
+                _mm256_setzero_ps()
+            };
             let cw = match v.offset {
-                Offset::Min => {
+                Offset::Min | Offset::Min8 => {
                     let mp = v.m.as_ptr().add(gb * GROUP + 8 * half);
                     _mm256_cvtph_ps(_mm_loadu_si128(mp.cast()))
                 }
                 Offset::Minus8 => _mm256_mul_ps(dw, _mm256_set1_ps(-8.0)),
                 // The signed products need no offset term.
                 Offset::Minus128 => _mm256_setzero_ps(),
+                Offset::Minus32Halves => _mm256_mul_ps(dw, _mm256_set1_ps(-32.0)),
             };
+            let cw1 = _mm256_mul_ps(dw1, _mm256_set1_ps(-32.0));
             for (j, a) in acc.iter_mut().enumerate() {
                 let t = t0 + j;
-                let isum = if eight_bit {
+                if unsigned8 {
+                    // Values up to 63 times activations in -127..=127: a pair of products
+                    // fits 16 bits, so each quad widens on its own; quads 0-3 are the first
+                    // 16 elements, 4-7 the second.
+                    let mut sums = [zero; 2];
+                    for (k, wk) in w.iter().enumerate() {
+                        let x = _mm256_set1_epi32(quad(acts, t, b, k));
+                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(*wk, x), ones);
+                        sums[k / 4] = _mm256_add_epi32(sums[k / 4], p);
+                    }
+                    let da = _mm256_set1_ps(*acts.d.get_unchecked(t * nb + b));
+                    if halves {
+                        let sh = acts.sh.as_ptr().add((t * nb + b) * 2);
+                        let (s0, s1) = (_mm256_cvtepi32_ps(sums[0]), _mm256_cvtepi32_ps(sums[1]));
+                        *a = _mm256_fmadd_ps(s0, _mm256_mul_ps(dw, da), *a);
+                        *a = _mm256_fmadd_ps(s1, _mm256_mul_ps(dw1, da), *a);
+                        *a = _mm256_fmadd_ps(cw, _mm256_set1_ps(*sh), *a);
+                        *a = _mm256_fmadd_ps(cw1, _mm256_set1_ps(*sh.add(1)), *a);
+                    } else {
+                        let isum = _mm256_cvtepi32_ps(_mm256_add_epi32(sums[0], sums[1]));
+                        *a = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, da), *a);
+                        let sa = _mm256_set1_ps(*acts.sa.get_unchecked(t * nb + b));
+                        *a = _mm256_fmadd_ps(cw, sa, *a);
+                    }
+                    continue;
+                }
+                let isum = if signed8 {
                     let mut isum = zero;
                     for (k, wk) in w.iter().enumerate() {
                         let x = _mm256_set1_epi32(quad(acts, t, b, k));
@@ -238,7 +299,7 @@ unsafe fn tile256<const C: usize>(
                 };
                 let s = _mm256_mul_ps(dw, _mm256_set1_ps(*acts.d.get_unchecked(t * nb + b)));
                 *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, *a);
-                if !eight_bit {
+                if !signed8 {
                     let sa = _mm256_set1_ps(*acts.sa.get_unchecked(t * nb + b));
                     *a = _mm256_fmadd_ps(cw, sa, *a);
                 }

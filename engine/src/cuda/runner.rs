@@ -721,10 +721,10 @@ impl CudaRunner {
     /// Copies `w` to the device as bf16 (dequantized once, here).
     pub fn upload(&self, w: &LlamaWeights) -> Result<CudaModel, CudaError> {
         let c = &w.config;
-        if c.gemma.is_some() {
+        if c.gemma.is_some() || w.layers.iter().any(|l| l.q_norm.is_some()) {
             return Err(CudaError::Invalid(format!(
-                "the CUDA backend runs Llama-family blocks; {} (Gemma 3's norms, GELU and \
-                 sliding-window layers) runs on the CPU backend",
+                "the CUDA backend runs Llama-family blocks; {} (per-head Q/K norms, or Gemma \
+                 3's norms, GELU and sliding-window layers) runs on the CPU backend",
                 c.arch
             )));
         }
