@@ -55,6 +55,34 @@ pub struct ModelBenchReport {
     pub resident_bytes: Option<u64>,
     /// Bytes of the KV cache used by the benchmark.
     pub kv_cache_bytes: usize,
+    /// Which kernel each of the file's weight types took.
+    pub kernels: Vec<KernelUse>,
+}
+
+/// The matrices of one file type and what computed their products.
+#[derive(Clone, Debug, Serialize)]
+pub struct KernelUse {
+    /// The GGML type the file stores them in.
+    pub file_type: String,
+    /// How many matrices.
+    pub tensors: usize,
+    /// Their layout and activations ([`crate::cpu::matmul::PackedWeight::kernel`]).
+    pub kernel: String,
+}
+
+/// The kernels of `w`'s matrices, one entry per file type and kernel.
+fn kernels_used(w: &LlamaWeights) -> Vec<KernelUse> {
+    let mut out: Vec<KernelUse> = Vec::new();
+    let layers =
+        w.layers.iter().flat_map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]);
+    for m in std::iter::once(w.lm_head()).chain(layers) {
+        let (file_type, kernel) = (m.ty.name().to_string(), m.kernel());
+        match out.iter_mut().find(|k| k.file_type == file_type && k.kernel == kernel) {
+            Some(k) => k.tensors += 1,
+            None => out.push(KernelUse { file_type, tensors: 1, kernel }),
+        }
+    }
+    out
 }
 
 /// Runs the benchmark.
@@ -123,6 +151,7 @@ pub fn bench_model(
         decode_floor_ms: weight_bytes as f64 / bandwidth * 1e3,
         resident_bytes,
         kv_cache_bytes: KvCache::bytes_per_block(w, 16, cache.dtype()) * blocks,
+        kernels: kernels_used(w),
     })
 }
 
@@ -271,6 +300,9 @@ impl std::fmt::Display for ModelComparison {
             r.memory_bandwidth_gb_per_s,
             100.0 * r.decode_floor_ms / r.decode_ms_per_token
         )?;
+        for k in &r.kernels {
+            writeln!(f, "kernel     {} x {:<3} {}", k.file_type, k.tensors, k.kernel)?;
+        }
         if let Some(rss) = r.resident_bytes {
             writeln!(
                 f,
@@ -654,6 +686,11 @@ mod tests {
             decode_floor_ms: 0.05,
             resident_bytes: None,
             kv_cache_bytes: 1 << 20,
+            kernels: vec![KernelUse {
+                file_type: "Q4_K".into(),
+                tensors: 3,
+                kernel: "packed 4-bit".into(),
+            }],
         };
         let alone = ModelComparison {
             model_id: "m".into(),
@@ -666,6 +703,7 @@ mod tests {
         };
         let text = alone.to_string();
         assert!(!text.contains("ratio") && text.contains("no baseline"), "{text}");
+        assert!(text.contains("kernel     Q4_K x 3   packed 4-bit"), "{text}");
         let json = serde_json::to_value(&alone)?;
         assert!(json["baseline"].is_null() && json["prefill_ratio"].is_null(), "{json}");
         let measured = ModelBaseline {

@@ -1,7 +1,7 @@
 //! Llama-family model description and weights (GGUF and safetensors sources), with Gemma 3's
 //! departures from the Llama block as options of the same description.
 
-use crate::cpu::matmul::PackedWeight;
+use crate::cpu::matmul::{ActFormat, PackedWeight};
 use crate::error::{EngineError, Result};
 use crate::quant::{GgmlType, dequantize_row};
 use sluice_text::gguf::GgufFile;
@@ -59,7 +59,7 @@ impl Gemma {
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
     /// Architecture name as the file states it (`llama`, `mistral`, `qwen2`, `qwen3`,
-    /// `gemma3`).
+    /// `phi3`, `gemma3`).
     pub arch: String,
     /// Vocabulary size (rows of the embedding).
     pub vocab_size: usize,
@@ -294,6 +294,37 @@ fn get_matrix(
     Ok(PackedWeight::new(ty, rows, cols, bytes))
 }
 
+/// A matrix stored as `N` stacked along its rows (Phi-3's fused projections), each part
+/// repacked on its own.
+fn get_matrices<const N: usize>(
+    src: &dyn TensorSource,
+    name: &str,
+    rows: [usize; N],
+    cols: usize,
+) -> Result<[PackedWeight; N]> {
+    let total: usize = rows.iter().sum();
+    let (ty, shape, bytes) = src
+        .tensor(name)
+        .ok_or_else(|| EngineError::format(src.describe(), format!("missing tensor {name}")))?;
+    if shape != [total, cols] {
+        return Err(EngineError::format(
+            src.describe(),
+            format!("tensor {name}: shape {shape:?}, expected [{total}, {cols}]"),
+        ));
+    }
+    let row_bytes = ty.row_bytes(cols);
+    if row_bytes.map(|b| b * total) != Some(bytes.len()) {
+        return Err(EngineError::format(src.describe(), format!("tensor {name}: wrong byte size")));
+    }
+    let row_bytes = row_bytes.unwrap_or(0);
+    let mut at = 0;
+    Ok(rows.map(|r| {
+        let part = &bytes[at * row_bytes..(at + r) * row_bytes];
+        at += r;
+        PackedWeight::new(ty, r, cols, part)
+    }))
+}
+
 fn get_vector(src: &dyn TensorSource, name: &str, n: usize) -> Result<Option<Vec<f32>>> {
     let Some((ty, shape, bytes)) = src.tensor(name) else { return Ok(None) };
     let elems: usize = shape.iter().product();
@@ -347,7 +378,9 @@ pub fn gguf_names() -> TensorNames {
                 "post_attn_norm" => "post_attention_norm.weight",
                 "post_ffn_norm" => "post_ffw_norm.weight",
                 "gate" => "ffn_gate.weight",
-                "up" => "ffn_up.weight",
+                // Phi-3 keeps gate and up in one tensor under the up projection's name.
+                "up" | "gate_up" => "ffn_up.weight",
+                "qkv" => "attn_qkv.weight",
                 _ => "ffn_down.weight",
             };
             format!("blk.{i}.{n}")
@@ -376,6 +409,8 @@ pub fn hf_names() -> TensorNames {
                 "k_norm" => "self_attn.k_norm.weight",
                 "gate" => "mlp.gate_proj.weight",
                 "up" => "mlp.up_proj.weight",
+                "gate_up" => "mlp.gate_up_proj.weight",
+                "qkv" => "self_attn.qkv_proj.weight",
                 _ => "mlp.down_proj.weight",
             };
             format!("model.layers.{i}.{n}")
@@ -411,23 +446,51 @@ pub fn load_weights(
     };
     for i in 0..c.layers {
         let n = |role: &str| (names.layer)(i, role);
+        // Phi-3 stores Q, K and V as one matrix, and gate and up as another (gate first).
+        let [wq, wk, wv] = match src.tensor(&n("qkv")) {
+            Some(_) => get_matrices(src, &n("qkv"), [c.q_dim(), c.kv_dim(), c.kv_dim()], c.hidden)?,
+            None => [
+                get_matrix(src, &n("q"), c.q_dim(), c.hidden)?,
+                get_matrix(src, &n("k"), c.kv_dim(), c.hidden)?,
+                get_matrix(src, &n("v"), c.kv_dim(), c.hidden)?,
+            ],
+        };
+        let [w_gate, w_up] = match src.tensor(&n("gate")) {
+            None if src.tensor(&n("gate_up")).is_some() => {
+                get_matrices(src, &n("gate_up"), [c.intermediate, c.intermediate], c.hidden)?
+            }
+            _ => [
+                get_matrix(src, &n("gate"), c.intermediate, c.hidden)?,
+                get_matrix(src, &n("up"), c.intermediate, c.hidden)?,
+            ],
+        };
+        let mut w_down = get_matrix(src, &n("down"), c.hidden, c.intermediate)?;
+        let mut wo = get_matrix(src, &n("o"), c.hidden, c.q_dim())?;
+        // The two projections into the residual stream take inputs with outliers (attention
+        // outputs, FFN products): with K-quant weights, 8-bit activations alone moved Gemma 3
+        // past the golden bound, split ones do not (see `ActFormat::Split`).
+        for w in [&mut wo, &mut w_down] {
+            if matches!(w.ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K) {
+                w.set_activations(ActFormat::Split);
+            }
+        }
         layers.push(LayerWeights {
             q_norm: qk_norm(n("q_norm"))?,
             k_norm: qk_norm(n("k_norm"))?,
             post_attn_norm: gemma_norm(n("post_attn_norm"), c.hidden)?,
             post_ffn_norm: gemma_norm(n("post_ffn_norm"), c.hidden)?,
             attn_norm: require_vector(src, &n("attn_norm"), c.hidden)?,
-            wq: get_matrix(src, &n("q"), c.q_dim(), c.hidden)?,
-            wk: get_matrix(src, &n("k"), c.kv_dim(), c.hidden)?,
-            wv: get_matrix(src, &n("v"), c.kv_dim(), c.hidden)?,
+            wq,
+            wk,
+            wv,
             bq: get_vector(src, &n("q_bias"), c.q_dim())?,
             bk: get_vector(src, &n("k_bias"), c.kv_dim())?,
             bv: get_vector(src, &n("v_bias"), c.kv_dim())?,
-            wo: get_matrix(src, &n("o"), c.hidden, c.q_dim())?,
+            wo,
             ffn_norm: require_vector(src, &n("ffn_norm"), c.hidden)?,
-            w_gate: get_matrix(src, &n("gate"), c.intermediate, c.hidden)?,
-            w_up: get_matrix(src, &n("up"), c.intermediate, c.hidden)?,
-            w_down: get_matrix(src, &n("down"), c.hidden, c.intermediate)?,
+            w_gate,
+            w_up,
+            w_down,
         });
     }
     let inv_freq = config.inv_freq(freq_factors.as_deref());
@@ -456,13 +519,24 @@ pub fn gguf_config(f: &GgufFile) -> Result<LlamaConfig> {
     let arch = f.get_str("general.architecture")?.to_string();
     let rope_style = match arch.as_str() {
         "llama" | "mistral" => RopeStyle::Interleaved,
-        "qwen2" | "qwen3" | "gemma3" => RopeStyle::Halves,
+        "qwen2" | "qwen3" | "phi3" | "gemma3" => RopeStyle::Halves,
         other => {
             return Err(EngineError::Unsupported(format!(
-                "general.architecture {other:?} (supported: llama, mistral, qwen2, qwen3, gemma3)"
+                "general.architecture {other:?} (supported: llama, mistral, qwen2, qwen3, phi3, \
+                 gemma3)"
             )));
         }
     };
+    // Phi-3.5 and Phi-4 mini scale RoPE by LongRoPE's per-dimension factors, which this
+    // engine does not apply: refused rather than run with the wrong positions.
+    if let Some(t) = ["rope_factors_long.weight", "rope_factors_short.weight"]
+        .into_iter()
+        .find(|t| GgufFile::tensor(f, t).is_some())
+    {
+        return Err(EngineError::Unsupported(format!(
+            "{arch} with LongRoPE scaling ({t}); Phi-3 without it (the 4k-context models) runs"
+        )));
+    }
     let prefix = arch.clone();
     let key = |k: &str| format!("{prefix}.{k}");
     let u = |k: &str| -> Result<usize> { Ok(f.get_u64(&key(k))? as usize) };

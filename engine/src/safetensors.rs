@@ -33,11 +33,12 @@ const MAX_HEADER_BYTES: usize = 100_000_000;
 const LEN_BYTES: usize = 8;
 
 /// Architectures this engine runs, as `config.json` names them, with our short names.
-const ARCHITECTURES: [(&str, &str); 4] = [
+const ARCHITECTURES: [(&str, &str); 5] = [
     ("LlamaForCausalLM", "llama"),
     ("MistralForCausalLM", "mistral"),
     ("Qwen2ForCausalLM", "qwen2"),
     ("Qwen3ForCausalLM", "qwen3"),
+    ("Phi3ForCausalLM", "phi3"),
 ];
 
 /// Where one tensor lives.
@@ -323,7 +324,7 @@ pub fn hf_config(dir: &Path) -> Result<LlamaConfig> {
     // The forward pass attends over the whole context; capping the context at the sliding
     // window keeps it exact for models trained with one.
     let window = match arch {
-        "mistral" => c.sliding_window,
+        "mistral" | "phi3" => c.sliding_window,
         "qwen2" | "qwen3" if c.use_sliding_window == Some(true) => c.sliding_window,
         _ => None,
     };

@@ -45,6 +45,8 @@ pub struct SynthSpec {
     pub qkv_bias: bool,
     /// Per-head Q/K RMSNorm (and no biases); makes the model a Qwen3 one.
     pub qk_norm: bool,
+    /// Q, K and V in one matrix, gate and up in another; makes the model a Phi-3 one.
+    pub fused: bool,
     /// Seed of every weight.
     pub seed: u64,
 }
@@ -64,6 +66,7 @@ impl SynthSpec {
             tied: false,
             qkv_bias: false,
             qk_norm: false,
+            fused: false,
             seed: 1,
         }
     }
@@ -88,6 +91,7 @@ impl SynthSpec {
             tied,
             qkv_bias: false,
             qk_norm: false,
+            fused: false,
             seed: 1,
         };
         match name {
@@ -107,6 +111,7 @@ impl SynthSpec {
                 tied: true,
                 qkv_bias: true,
                 qk_norm: false,
+                fused: false,
                 seed: 1,
             }),
             _ => None,
@@ -123,12 +128,14 @@ impl SynthSpec {
         self.hidden.checked_div(self.heads).unwrap_or(0)
     }
 
-    /// Architecture name: `qwen3` with Q/K norms, `qwen2` with biases, else `llama`.
+    /// Architecture name: `phi3` with fused matrices, `qwen3` with Q/K norms, `qwen2` with
+    /// biases, else `llama`.
     pub fn arch(&self) -> &'static str {
-        match (self.qk_norm, self.qkv_bias) {
-            (true, _) => "qwen3",
-            (false, true) => "qwen2",
-            (false, false) => "llama",
+        match (self.fused, self.qk_norm, self.qkv_bias) {
+            (true, ..) => "phi3",
+            (false, true, _) => "qwen3",
+            (false, false, true) => "qwen2",
+            (false, false, false) => "llama",
         }
     }
 
@@ -199,9 +206,13 @@ impl SynthSpec {
                 t
             };
             out.push(t("attn_norm", &[self.hidden]));
-            out.push(rope(t("q", &[q_dim, self.hidden]), self.heads));
-            out.push(rope(t("k", &[kv_dim, self.hidden]), self.kv_heads));
-            out.push(t("v", &[kv_dim, self.hidden]));
+            if self.fused {
+                out.push(t("qkv", &[q_dim + 2 * kv_dim, self.hidden]));
+            } else {
+                out.push(rope(t("q", &[q_dim, self.hidden]), self.heads));
+                out.push(rope(t("k", &[kv_dim, self.hidden]), self.kv_heads));
+                out.push(t("v", &[kv_dim, self.hidden]));
+            }
             if self.qkv_bias {
                 out.push(rope(t("q_bias", &[q_dim]), self.heads));
                 out.push(rope(t("k_bias", &[kv_dim]), self.kv_heads));
@@ -213,8 +224,12 @@ impl SynthSpec {
             }
             out.push(t("o", &[self.hidden, q_dim]));
             out.push(t("ffn_norm", &[self.hidden]));
-            out.push(t("gate", &[self.intermediate, self.hidden]));
-            out.push(t("up", &[self.intermediate, self.hidden]));
+            if self.fused {
+                out.push(t("gate_up", &[2 * self.intermediate, self.hidden]));
+            } else {
+                out.push(t("gate", &[self.intermediate, self.hidden]));
+                out.push(t("up", &[self.intermediate, self.hidden]));
+            }
             out.push(t("down", &[self.hidden, self.intermediate]));
         }
         out.push(SynthTensor::new(&hf.norm, &gguf.norm, &[self.hidden]));
@@ -430,6 +445,7 @@ pub fn write_safetensors_dir(
     let v = SynthVocabulary::new(spec.vocab);
     let model_type = spec.arch();
     let hf_arch = match model_type {
+        "phi3" => "Phi3ForCausalLM",
         "qwen3" => "Qwen3ForCausalLM",
         "qwen2" => "Qwen2ForCausalLM",
         _ => "LlamaForCausalLM",

@@ -11,7 +11,8 @@ use sluice_engine::EngineError;
 use sluice_engine::forward::{KvCache, LogitsWanted, Runner, SeqInput};
 use sluice_engine::interrupt::Interrupt;
 use sluice_engine::model::{
-    LlamaConfig, LlamaWeights, RopeStyle, TensorSource, hf_names, load_gguf_weights, load_weights,
+    LlamaConfig, LlamaWeights, RopeStyle, TensorSource, gguf_config, gguf_names, hf_names,
+    load_gguf_weights, load_weights,
 };
 use sluice_engine::quant::GgmlType;
 use sluice_engine::safetensors::{
@@ -170,6 +171,63 @@ fn gguf_and_safetensors_give_the_same_logits_qwen3_with_qk_norm() -> anyhow::Res
     rewrite(&hf, |t| t.retain(|(name, ..)| name != "model.layers.1.self_attn.q_norm.weight"))?;
     let (_, msg) = err_text(load_safetensors_weights(&hf).map(|_| ()))?;
     ensure!(msg.contains("model.layers.1.self_attn.q_norm.weight"), "{msg}");
+    Ok(())
+}
+
+/// A Phi-3 file seen as separate Q, K, V, gate and up matrices: row ranges of its fused
+/// `attn_qkv` and `ffn_up` (gate first), cut here independently of the loader.
+struct Unfused<'a> {
+    file: &'a GgufFile,
+    q: usize,
+    kv: usize,
+    ffn: usize,
+}
+
+impl TensorSource for Unfused<'_> {
+    fn describe(&self) -> String {
+        TensorSource::describe(self.file)
+    }
+
+    fn tensor(&self, name: &str) -> Option<(GgmlType, Vec<usize>, &[u8])> {
+        let Some((block, leaf)) = name.strip_suffix(".weight").and_then(|b| b.rsplit_once('.'))
+        else {
+            return TensorSource::tensor(self.file, name);
+        };
+        let (fused, rows) = match leaf {
+            "attn_q" => ("attn_qkv", 0..self.q),
+            "attn_k" => ("attn_qkv", self.q..self.q + self.kv),
+            "attn_v" => ("attn_qkv", self.q + self.kv..self.q + 2 * self.kv),
+            "ffn_gate" => ("ffn_up", 0..self.ffn),
+            "ffn_up" => ("ffn_up", self.ffn..2 * self.ffn),
+            "attn_qkv" => return None,
+            _ => return TensorSource::tensor(self.file, name),
+        };
+        let (ty, shape, bytes) =
+            TensorSource::tensor(self.file, &format!("{block}.{fused}.weight"))?;
+        let row = bytes.len() / shape[0];
+        Some((ty, vec![rows.len(), shape[1]], &bytes[rows.start * row..rows.end * row]))
+    }
+}
+
+/// Phi-3: fused Q/K/V and gate/up matrices, from either format; the loader's split gives
+/// exactly the logits of the same rows loaded as separate matrices (in every packed type).
+#[test]
+fn phi3_fused_matrices_are_their_parts() -> anyhow::Result<()> {
+    let spec = SynthSpec { fused: true, hidden: 256, intermediate: 512, ..SynthSpec::tiny() };
+    gguf_and_safetensors_agree(&spec)?;
+    let dir = tempfile::tempdir()?;
+    for ty in [GgmlType::F32, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K] {
+        let path = dir.path().join(format!("phi3.{}.gguf", ty.name()));
+        write_gguf(&spec, ty, &path)?;
+        let file = GgufFile::open(&path)?;
+        let fused = load_gguf_weights(&file)?;
+        ensure!(fused.config.arch == "phi3", "{:?}", fused.config.arch);
+        let c = &fused.config;
+        let parts = Unfused { file: &file, q: c.q_dim(), kv: c.kv_dim(), ffn: c.intermediate };
+        ensure!(parts.tensor("blk.0.attn_qkv.weight").is_none());
+        let split = load_weights(&parts, &gguf_names(), gguf_config(&file)?, None)?;
+        ensure!(run(&fused)? == run(&split)?, "{}: fused and split logits differ", ty.name());
+    }
     Ok(())
 }
 

@@ -120,7 +120,8 @@ impl SynthVocabulary {
             .meta("tokenizer.ggml.tokens", strings(&self.tokens))
             .meta(
                 "tokenizer.ggml.token_type",
-                MetaValue::Array(self.types.iter().map(|&t| MetaValue::U64(t)).collect()),
+                // INT32, as llama.cpp requires (the writer narrows I64 values that fit).
+                MetaValue::Array(self.types.iter().map(|&t| MetaValue::I64(t as i64)).collect()),
             )
             .meta("tokenizer.ggml.merges", strings(MERGES.iter().map(|(a, b)| format!("{a} {b}"))))
             .meta("tokenizer.ggml.bos_token_id", u(self.bos))

@@ -70,6 +70,8 @@ pub struct PackedWeight {
     pub cols: usize,
     /// The file's element type.
     pub ty: GgmlType,
+    /// How the activations it multiplies are quantized.
+    acts: ActFormat,
     data: PackedData,
 }
 
@@ -100,7 +102,31 @@ impl PackedWeight {
             }
             None => raw(),
         };
-        PackedWeight { rows, cols, ty, data }
+        PackedWeight { rows, cols, ty, acts: ActFormat::Blocks32, data }
+    }
+
+    /// Quantizes this weight's activations as `acts` says (for the packed types).
+    pub fn set_activations(&mut self, acts: ActFormat) {
+        self.acts = acts;
+    }
+
+    /// What computes products with this weight: its layout and its activations' format.
+    pub fn kernel(&self) -> String {
+        let PackedData::Blocks { offset, .. } = &self.data else {
+            return "dequantized a row at a time, f32 dot products".into();
+        };
+        let layout = match offset {
+            Offset::Min => "packed 4-bit with minimum",
+            Offset::Minus8 => "packed 4-bit",
+            Offset::Minus128 => "packed 8-bit",
+            Offset::Min8 => "packed 8-bit with minimum",
+            Offset::Minus32Halves => "packed 8-bit, a scale per 16",
+        };
+        let acts = match self.acts {
+            ActFormat::Blocks32 => "8-bit activations",
+            ActFormat::Split => "split 8+8-bit activations",
+        };
+        format!("{layout} x {acts}")
     }
 
     /// Bytes held in memory.
@@ -293,26 +319,15 @@ fn repack<'a>(
 /// How activations are quantized for a weight.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ActFormat {
-    /// Per 32 elements, scale `amax / 127` kept at f16 (as ggml's Q8_0 and Q8_1 blocks):
-    /// for Q4_0, Q4_1, Q5_0 and Q8_0 weights, as llama.cpp pairs them.
+    /// Per 32 elements, scale `amax / 127` kept at f16 (as ggml's Q8_0 and Q8_1 blocks).
     Blocks32,
     /// [`ActFormat::Blocks32`] and, as a second set of rows, what it left out (the
     /// residual `x - d q`, quantized the same way): two integer products over the same
-    /// loaded weights give the activations to about 16 bits. For the K-quants: Gemma 3's
-    /// feed-forward activations have outliers that 8 bits alone (ours per 32, or ggml's
-    /// Q8_K per 256) round far enough to move log-probabilities by more than the golden
-    /// tests' bound.
+    /// loaded weights give the activations to about 16 bits. The loader asks for it where
+    /// 8 bits lose too much: Gemma 3's attention-output and FFN-down inputs have outliers
+    /// that 8 bits alone (ours per 32, or ggml's Q8_K per 256) round far enough to move
+    /// log-probabilities past the golden tests' bound.
     Split,
-}
-
-impl ActFormat {
-    /// The format for weights of type `ty`.
-    pub fn for_type(ty: GgmlType) -> ActFormat {
-        match ty {
-            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => ActFormat::Split,
-            _ => ActFormat::Blocks32,
-        }
-    }
 }
 
 impl QuantizedActs {
@@ -486,7 +501,7 @@ pub fn matmul_many(
     if all_blocks {
         // Each format the weights need, once.
         for format in [ActFormat::Blocks32, ActFormat::Split] {
-            if ws.iter().any(|w| ActFormat::for_type(w.ty) == format) {
+            if ws.iter().any(|w| w.acts == format) {
                 scratch.acts[format as usize].quantize(pool, isa, format, x, cols);
             }
         }
@@ -495,7 +510,7 @@ pub fn matmul_many(
         let mut split_at = Vec::with_capacity(ws.len());
         for w in ws {
             split_at.push(at);
-            if ActFormat::for_type(w.ty) == ActFormat::Split {
+            if w.acts == ActFormat::Split {
                 at += 2 * t_rows * w.rows;
             }
         }
@@ -506,7 +521,7 @@ pub fn matmul_many(
             .filter_map(|w| match &w.data {
                 PackedData::Blocks { offset, qs, d, m } => Some((
                     BlockView { rows: w.rows, nb: w.cols / QK, offset: *offset, qs, d, m },
-                    &scratch.acts[ActFormat::for_type(w.ty) as usize],
+                    &scratch.acts[w.acts as usize],
                 )),
                 PackedData::Raw { .. } => None,
             })
@@ -770,10 +785,10 @@ mod tests {
     fn products_are_the_exact_sums_of_the_dequantized_operands() {
         let pool = ThreadPool::new(2);
         let (rows, cols) = (19, 768);
-        for ty in GgmlType::ALL
+        let types = GgmlType::ALL
             .into_iter()
-            .filter(|t| packed_offset(*t).is_some() || *t == GgmlType::Q5_0)
-        {
+            .filter(|t| packed_offset(*t).is_some() || *t == GgmlType::Q5_0);
+        for (ty, format) in types.flat_map(|t| [(t, ActFormat::Blocks32), (t, ActFormat::Split)]) {
             // Skewed data: halves and blocks of different magnitudes and signs.
             let wf: Vec<f32> = data(rows * cols, 11)
                 .iter()
@@ -783,7 +798,8 @@ mod tests {
                 })
                 .collect();
             let bytes: Vec<u8> = wf.chunks(cols).flat_map(|r| quantize_row(ty, r)).collect();
-            let w = PackedWeight::new(ty, rows, cols, &bytes);
+            let mut w = PackedWeight::new(ty, rows, cols, &bytes);
+            w.set_activations(format);
             let x: Vec<f32> = data(3 * cols, 12)
                 .iter()
                 .enumerate()
@@ -792,7 +808,7 @@ mod tests {
                 })
                 .collect();
             let mut acts = QuantizedActs::default();
-            acts.quantize(&pool, Isa::Scalar, ActFormat::for_type(ty), &x, cols);
+            acts.quantize(&pool, Isa::Scalar, format, &x, cols);
             let value = |t: usize, c: usize| {
                 f64::from(acts.qs[(t * acts.nb_pad + c / QK) * QK + c % QK])
                     * f64::from(acts.d[t * acts.nb + c / QK])
