@@ -43,6 +43,30 @@ fn fixtures() -> &'static (PathBuf, Vec<u8>) {
     })
 }
 
+/// GGUF bytes of small models of the other architectures in K-quant types (rows of whole
+/// 256-element super-blocks): Phi-3 (fused matrices) in Q4_K, Qwen3 (Q/K norms) in Q5_K, Qwen2
+/// (biases) in Q6_K.
+fn k_quant_fixtures() -> &'static Vec<Vec<u8>> {
+    static F: OnceLock<Vec<Vec<u8>>> = OnceLock::new();
+    F.get_or_init(|| {
+        let base = SynthSpec { hidden: 256, intermediate: 512, ..SynthSpec::tiny() };
+        [
+            (SynthSpec { fused: true, ..base.clone() }, GgmlType::Q4K),
+            (SynthSpec { qk_norm: true, ..base.clone() }, GgmlType::Q5K),
+            (SynthSpec { qkv_bias: true, ..base }, GgmlType::Q6K),
+        ]
+        .into_iter()
+        .filter_map(|(spec, ty)| {
+            let path = scratch(spec.arch());
+            write_gguf(&spec, ty, &path).ok()?;
+            let bytes = std::fs::read(&path).ok();
+            let _ = std::fs::remove_file(&path);
+            bytes
+        })
+        .collect()
+    })
+}
+
 fn tiny_model() -> &'static Option<Arc<LoadedModel>> {
     static M: OnceLock<Option<Arc<LoadedModel>>> = OnceLock::new();
     M.get_or_init(|| LoadedModel::load(&fixtures().0.join("tiny.gguf")).ok().map(Arc::new))
@@ -163,6 +187,25 @@ proptest! {
         prop_assume!(!good.is_empty());
         let path = scratch("gguf");
         std::fs::write(&path, mutate(good, &edits, 4096, keep)).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        if GgufFile::open(&path).is_ok() {
+            let _ = LoadedModel::load(&path);
+        }
+        let _ = std::fs::remove_file(&path);
+    }
+
+    #[test]
+    fn a_damaged_k_quant_gguf_of_any_architecture_is_an_error_never_a_panic(
+        which in 0usize..3,
+        edits in prop::collection::vec((any::<usize>(), any::<u8>()), 0..12),
+        keep in prop::option::of(any::<usize>()),
+    ) {
+        let all = k_quant_fixtures();
+        prop_assert_eq!(all.len(), 3, "the fixtures were not written");
+        let path = scratch("kgguf");
+        // The metadata, the tensor infos (types, shapes, offsets) after it and the first
+        // blocks of data.
+        let window = all[which].len().min(1 << 16);
+        std::fs::write(&path, mutate(&all[which], &edits, window, keep)).map_err(|e| TestCaseError::fail(e.to_string()))?;
         if GgufFile::open(&path).is_ok() {
             let _ = LoadedModel::load(&path);
         }
