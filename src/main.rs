@@ -159,9 +159,13 @@ enum ModelCommand {
 
 #[derive(Args, Debug)]
 struct SynthArgs {
-    /// The shape: tiny, small, llama-1b, qwen2.5-3b or llama-8b.
+    /// The shape: tiny, tiny-256, small, llama-1b, qwen2.5-3b or llama-8b.
     #[arg(long, default_value = "llama-8b")]
     shape: String,
+    /// The architecture: llama, qwen2 (Q/K/V biases), qwen3 (per-head Q/K norms) or phi3
+    /// (fused Q/K/V and gate-up matrices); default the shape's own.
+    #[arg(long)]
+    arch: Option<String>,
     /// `hf` (a directory) or `gguf` (one file).
     #[arg(long, default_value = "hf")]
     format: String,
@@ -717,6 +721,14 @@ fn run_synth(args: SynthArgs) -> anyhow::Result<()> {
         format!("--shape {:?} is not a shape ({})", args.shape, SynthSpec::NAMES.join(", "))
     })?;
     let spec = SynthSpec { seed: args.seed, ..spec };
+    let spec = match args.arch.as_deref() {
+        None => spec,
+        Some("llama") => SynthSpec { qkv_bias: false, qk_norm: false, fused: false, ..spec },
+        Some("qwen2") => SynthSpec { qkv_bias: true, qk_norm: false, fused: false, ..spec },
+        Some("qwen3") => SynthSpec { qkv_bias: false, qk_norm: true, fused: false, ..spec },
+        Some("phi3") => SynthSpec { qkv_bias: false, qk_norm: false, fused: true, ..spec },
+        Some(other) => bail!("--arch {other:?} is not an architecture (llama, qwen2, qwen3, phi3)"),
+    };
     let gguf = match args.format.as_str() {
         "hf" => false,
         "gguf" => true,

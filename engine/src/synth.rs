@@ -71,11 +71,13 @@ impl SynthSpec {
         }
     }
 
-    /// The shapes `sluice model synth` writes by name: `tiny`, `small` (tiny layers under a
+    /// The shapes `sluice model synth` writes by name: `tiny`, `tiny-256` (rows of whole
+    /// K-quant super-blocks, for llama.cpp's quantizer), `small` (tiny layers under a
     /// 32,000-token vocabulary, so clients' usual token ids are in range), `llama-1b` (Llama
     /// 3.2 1B's shape), `qwen2.5-3b` (Qwen2.5 3B's: Q/K/V biases, 2 KV heads) and `llama-8b`
     /// (Llama 3.1 8B's), the last four with an 8,192-token context.
-    pub const NAMES: [&str; 5] = ["tiny", "small", "llama-1b", "qwen2.5-3b", "llama-8b"];
+    pub const NAMES: [&str; 6] =
+        ["tiny", "tiny-256", "small", "llama-1b", "qwen2.5-3b", "llama-8b"];
 
     /// The shape called `name` ([`SynthSpec::NAMES`]), seed 1.
     pub fn named(name: &str) -> Option<SynthSpec> {
@@ -96,6 +98,7 @@ impl SynthSpec {
         };
         match name {
             "tiny" => Some(SynthSpec::tiny()),
+            "tiny-256" => Some(SynthSpec { hidden: 256, intermediate: 512, ..SynthSpec::tiny() }),
             "small" => Some(SynthSpec { vocab: 32_000, context: 8192, ..SynthSpec::tiny() }),
             "llama-1b" => Some(llama3(2048, 8192, 16, true)),
             "llama-8b" => Some(llama3(4096, 14_336, 32, false)),

@@ -130,3 +130,45 @@ fn gemma3_sliding_layers_forget_what_left_the_window() -> anyhow::Result<()> {
     anyhow::ensure!(last(&weights, &tokens)? == last(&weights, &other)?, "a window leaked");
     Ok(())
 }
+
+/// The architectures and K-quants past the catalog models, against llama.cpp on files its own
+/// quantizer wrote (`scripts/golden-archs`: a random-weight model of each architecture in F16,
+/// `llama-quantize` to a type people serve, llama.cpp's greedy steps with top-5
+/// log-probabilities): each file loads with its architecture and types, and teacher-forced
+/// log-probabilities agree within the golden bounds.
+#[test]
+fn other_architectures_agree_with_llama_cpp_on_files_it_quantized() -> anyhow::Result<()> {
+    use sha2::Digest;
+    use sluice_engine::quant::GgmlType;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/archs");
+    let cases = [
+        ("phi3-q4_k_m", "phi3", GgmlType::Q4K),
+        ("llama-q5_k_m", "llama", GgmlType::Q5K),
+        ("qwen3-q6_k", "qwen3", GgmlType::Q6K),
+        ("qwen2-q8_0", "qwen2", GgmlType::Q8_0),
+    ];
+    for (name, arch, ty) in cases {
+        let path = dir.join(format!("{name}.gguf"));
+        let golden: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(dir.join(format!("{name}.llamacpp.json")))?)?;
+        let digest = format!("{:x}", sha2::Sha256::digest(std::fs::read(&path)?));
+        anyhow::ensure!(golden["sha256"] == digest.as_str(), "{name}: not the file llama.cpp ran");
+        let file = GgufFile::open(&path)?;
+        anyhow::ensure!(
+            file.tensors.iter().any(|t| t.ty == ty),
+            "{name}: llama-quantize wrote no {} tensor",
+            ty.name()
+        );
+        let weights = load_gguf_weights(&file)?;
+        anyhow::ensure!(weights.config.arch == arch, "{name}: {}", weights.config.arch);
+        let items = golden["completion"].as_array().cloned().unwrap_or_default();
+        anyhow::ensure!(items.len() == 3, "{name}: {} golden items", items.len());
+        let (n, checked, median, max) = agreement(&weights, &items)?;
+        println!(
+            "{name}: positions {n} (top-1 checked {checked}), |dlogprob| median {median:.4} max {max:.4}"
+        );
+        anyhow::ensure!(median <= 0.05, "{name}: median |dlogprob| {median} > 0.05");
+        anyhow::ensure!(max <= 0.5, "{name}: max |dlogprob| {max} > 0.5");
+    }
+    Ok(())
+}
