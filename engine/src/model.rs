@@ -279,23 +279,12 @@ fn get_matrix(
     rows: usize,
     cols: usize,
 ) -> Result<PackedWeight> {
-    let (ty, shape, bytes) = src
-        .tensor(name)
-        .ok_or_else(|| EngineError::format(src.describe(), format!("missing tensor {name}")))?;
-    if shape != [rows, cols] {
-        return Err(EngineError::format(
-            src.describe(),
-            format!("tensor {name}: shape {shape:?}, expected [{rows}, {cols}]"),
-        ));
-    }
-    if ty.row_bytes(cols).map(|b| b * rows) != Some(bytes.len()) {
-        return Err(EngineError::format(src.describe(), format!("tensor {name}: wrong byte size")));
-    }
-    Ok(PackedWeight::new(ty, rows, cols, bytes))
+    let [w] = get_matrices(src, name, [rows], cols)?;
+    Ok(w)
 }
 
-/// A matrix stored as `N` stacked along its rows (Phi-3's fused projections), each part
-/// repacked on its own.
+/// A matrix stored as `N` stacked along its rows (Phi-3's fused projections; `N` = 1 for any
+/// other), each part repacked on its own.
 fn get_matrices<const N: usize>(
     src: &dyn TensorSource,
     name: &str,
