@@ -24,16 +24,17 @@ pub enum Offset {
     /// Q5_K: 8-bit values 0..=31, `c_b = m_b` (the sub-block's `-dmin * m`), one scale
     /// (`d * sc`) per block.
     Min8,
-    /// Q6_K: 8-bit values 0..=63 with two scales per block, one per 16 elements (`d * sc`),
+    /// Q6_K: 6-bit values 0..=63 (low nibbles as the 4-bit layouts store them, then the high
+    /// two bits: see [`slot`]) with two scales per block, one per 16 elements (`d * sc`),
     /// and `c = -32 d_half` per half: `dot = sum_h (d_h d_a isum_h - 32 d_h sh_h)`, with
     /// `sh_h = d_a * sum(q_a over the half)`.
     Minus32Halves,
 }
 
 impl Offset {
-    /// Whether values take a byte each (else a nibble).
+    /// Whether values take a byte each (else a nibble, and for Q6_K two more bits).
     pub(crate) fn eight_bit(self) -> bool {
-        matches!(self, Offset::Minus128 | Offset::Min8 | Offset::Minus32Halves)
+        matches!(self, Offset::Minus128 | Offset::Min8)
     }
 
     /// Whether a per-block minimum is stored.
@@ -47,14 +48,19 @@ impl Offset {
     }
 }
 
-/// Bytes of one (group, block): 16 rows x 32 elements at 4 or 8 bits.
+/// Bytes of one (group, block): 16 rows x 32 elements at 4, 6 or 8 bits.
 pub(crate) fn group_block_bytes(offset: Offset) -> usize {
-    if offset.eight_bit() { GROUP * QK } else { GROUP * QK / 2 }
+    match offset {
+        Offset::Minus128 | Offset::Min8 => GROUP * QK,
+        Offset::Minus32Halves => GROUP * QK * 3 / 4,
+        Offset::Min | Offset::Minus8 => GROUP * QK / 2,
+    }
 }
 
 /// Where element `i` of row lane `l` sits in a (group, block) and, for 4-bit values,
 /// whether it is the high nibble. Quads 0-3 are the low nibbles of the four 64-byte chunks
-/// and quads 4-7 the high nibbles, so one shift and one mask unpack two quads.
+/// and quads 4-7 the high nibbles, so one shift and one mask unpack two quads. For Q6_K
+/// these are the low four bits; [`high_bits_slot`] has the other two.
 pub(crate) fn slot(offset: Offset, l: usize, i: usize) -> (usize, bool) {
     let (k, e) = (i / 4, i % 4);
     if offset.eight_bit() {
@@ -62,6 +68,14 @@ pub(crate) fn slot(offset: Offset, l: usize, i: usize) -> (usize, bool) {
     } else {
         ((k % 4) * 64 + l * 4 + e, k >= 4)
     }
+}
+
+/// Q6_K: the byte holding the top two bits of element `i` of row lane `l`, and their shift.
+/// After the 256 bytes of low nibbles, two 64-byte chunks: chunk `k / 4` holds quad `k`'s
+/// bits at `2 (k % 4)`, so a 16-bit shift and a mask put them at bits 4-5 of each byte.
+pub(crate) fn high_bits_slot(l: usize, i: usize) -> (usize, u32) {
+    let (k, e) = (i / 4, i % 4);
+    (GROUP * QK / 2 + (k / 4) * 64 + l * 4 + e, 2 * (k % 4) as u32)
 }
 
 /// Activations quantized to 8 bits per 32-element block.
@@ -118,13 +132,19 @@ impl BlockView<'_> {
     pub(crate) fn stored(&self, r: usize, b: usize, i: usize) -> i32 {
         let gbb = group_block_bytes(self.offset);
         let (at, high) = slot(self.offset, r % GROUP, i);
-        let byte = self.qs[((r / GROUP) * self.nb + b) * gbb + at];
-        i32::from(if self.offset.eight_bit() {
+        let base = ((r / GROUP) * self.nb + b) * gbb;
+        let byte = self.qs[base + at];
+        let low = i32::from(if self.offset.eight_bit() {
             byte
         } else if high {
             byte >> 4
         } else {
             byte & 0xF
-        })
+        });
+        if self.offset != Offset::Minus32Halves {
+            return low;
+        }
+        let (at, shift) = high_bits_slot(r % GROUP, i);
+        low | i32::from((self.qs[base + at] >> shift) & 3) << 4
     }
 }

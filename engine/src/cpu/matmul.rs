@@ -18,7 +18,7 @@
 
 use half::f16;
 
-use crate::cpu::layout::{BlockView, GROUP, group_block_bytes, slot};
+use crate::cpu::layout::{BlockView, GROUP, group_block_bytes, high_bits_slot, slot};
 pub use crate::cpu::layout::{Offset, QuantizedActs};
 use crate::cpu::pool::{SharedOut, ThreadPool, split_range};
 use crate::quant::{GgmlType, QK, QK_K, dequantize_row};
@@ -120,7 +120,7 @@ impl PackedWeight {
             Offset::Minus8 => "packed 4-bit",
             Offset::Minus128 => "packed 8-bit",
             Offset::Min8 => "packed 8-bit with minimum",
-            Offset::Minus32Halves => "packed 8-bit, a scale per 16",
+            Offset::Minus32Halves => "packed 6-bit, a scale per 16",
         };
         let acts = match self.acts {
             ActFormat::Blocks32 => "8-bit activations",
@@ -309,7 +309,12 @@ fn repack<'a>(
             let dst = &mut qs[gb * gbb..(gb + 1) * gbb];
             for (i, &q) in blk.q.iter().enumerate() {
                 let (at, high) = slot(offset, l, i);
-                dst[at] |= if high { q << 4 } else { q };
+                let low = if offset == Offset::Minus32Halves { q & 0xF } else { q };
+                dst[at] |= if high { low << 4 } else { low };
+                if offset == Offset::Minus32Halves {
+                    let (at, shift) = high_bits_slot(l, i);
+                    dst[at] |= (q >> 4) << shift;
+                }
             }
         }
     }

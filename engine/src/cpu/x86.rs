@@ -98,6 +98,23 @@ unsafe fn tile512<const C: usize>(
                 }
             }
             let halves = v.offset == Offset::Minus32Halves;
+            if halves {
+                // Q6_K's top two bits: chunk k / 4 holds quad k's at bit 2 (k % 4); shifted
+                // to bits 4-5 of each byte (16-bit shifts: the mask drops what crossed bytes).
+                let top = _mm512_set1_epi8(0x30);
+                for (h, quads) in w.chunks_exact_mut(4).enumerate() {
+                    let x = _mm512_loadu_si512(base.add(GROUP * QK / 2 + 64 * h).cast());
+                    let bits = [
+                        _mm512_slli_epi16::<4>(x),
+                        _mm512_slli_epi16::<2>(x),
+                        x,
+                        _mm512_srli_epi16::<2>(x),
+                    ];
+                    for (q, b) in quads.iter_mut().zip(bits) {
+                        *q = _mm512_or_si512(*q, _mm512_and_si512(b, top));
+                    }
+                }
+            }
             let sp = v.d.as_ptr().add(gb * v.offset.scales() * GROUP);
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(sp.cast()));
             // The second half's scale (Q6_K only).
@@ -197,7 +214,7 @@ unsafe fn tile256<const C: usize>(
 ) {
     let nb = v.nb;
     let gbb = group_block_bytes(v.offset);
-    // Q8_0's signed bytes, or the K-quants' unsigned ones (0..=63).
+    // Q8_0's signed bytes, Q5_K's unsigned ones, or Q6_K's 6-bit values.
     let signed8 = v.offset == Offset::Minus128;
     let unsigned8 = v.offset.eight_bit() && !signed8;
     let halves = v.offset == Offset::Minus32Halves;
@@ -230,6 +247,22 @@ unsafe fn tile256<const C: usize>(
                     w[c + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(x), nibble);
                 }
             }
+            if halves {
+                // Q6_K's top two bits, as in `tile512`.
+                let top = _mm256_set1_epi8(0x30);
+                for (h, quads) in w.chunks_exact_mut(4).enumerate() {
+                    let x = _mm256_loadu_si256(base.add(GROUP * QK / 2 + 64 * h).cast());
+                    let bits = [
+                        _mm256_slli_epi16::<4>(x),
+                        _mm256_slli_epi16::<2>(x),
+                        x,
+                        _mm256_srli_epi16::<2>(x),
+                    ];
+                    for (q, b) in quads.iter_mut().zip(bits) {
+                        *q = _mm256_or_si256(*q, _mm256_and_si256(b, top));
+                    }
+                }
+            }
             let sp = v.d.as_ptr().add(gb * v.offset.scales() * GROUP + 8 * half);
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(sp.cast()));
             // The second half's scale (Q6_K only).
@@ -251,7 +284,7 @@ unsafe fn tile256<const C: usize>(
             let cw1 = _mm256_mul_ps(dw1, _mm256_set1_ps(-32.0));
             for (j, a) in acc.iter_mut().enumerate() {
                 let t = t0 + j;
-                if unsigned8 {
+                if unsigned8 || halves {
                     // Values up to 63 times activations in -127..=127: a pair of products
                     // fits 16 bits, so each quad widens on its own; quads 0-3 are the first
                     // 16 elements, 4-7 the second.
