@@ -21,7 +21,7 @@ use half::f16;
 use crate::cpu::layout::{BlockView, GROUP, group_block_bytes, high_bits_slot, slot};
 pub use crate::cpu::layout::{Offset, QuantizedActs};
 use crate::cpu::pool::{SharedOut, ThreadPool, split_range};
-use crate::quant::{GgmlType, QK, QK_K, dequantize_row};
+use crate::quant::{GgmlType, QK, QK_K, dequantize_row, f16_at};
 
 /// Instruction set chosen once per process.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -232,7 +232,6 @@ struct Block {
 /// computes in f32.
 fn unpack_row(ty: GgmlType, src: &[u8], out: &mut Vec<Block>) {
     out.clear();
-    let f16_at = |b: &[u8], i: usize| f16::from_le_bytes([b[i], b[i + 1]]).to_f32();
     match ty {
         GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => {
             for sb in src.chunks_exact(ty.block_bytes()) {
