@@ -162,8 +162,8 @@ struct SynthArgs {
     /// The shape: tiny, tiny-256, small, llama-1b, qwen2.5-3b or llama-8b.
     #[arg(long, default_value = "llama-8b")]
     shape: String,
-    /// The architecture: llama, qwen2 (Q/K/V biases), qwen3 (per-head Q/K norms) or phi3
-    /// (fused Q/K/V and gate-up matrices); default the shape's own.
+    /// The architecture: llama, qwen2 (Q/K/V biases), qwen3 (per-head Q/K norms), phi3
+    /// (fused Q/K/V and gate-up matrices) or gemma2 (GGUF only); default the shape's own.
     #[arg(long)]
     arch: Option<String>,
     /// `hf` (a directory) or `gguf` (one file).
@@ -179,6 +179,11 @@ struct SynthArgs {
     /// Seed of every weight.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// GGUF only: a tokenizer for checking pre-tokenizers against llama.cpp's (merges learnt
+    /// from a corpus of hard cases) with this `tokenizer.ggml.pre`, instead of the small
+    /// ChatML one; the vocabulary grows to hold it.
+    #[arg(long)]
+    tokenizer_pre: Option<String>,
     /// The directory to write (created; its name is the model's id).
     #[arg(long)]
     out: PathBuf,
@@ -723,11 +728,17 @@ fn run_synth(args: SynthArgs) -> anyhow::Result<()> {
     let spec = SynthSpec { seed: args.seed, ..spec };
     let spec = match args.arch.as_deref() {
         None => spec,
-        Some("llama") => SynthSpec { qkv_bias: false, qk_norm: false, fused: false, ..spec },
-        Some("qwen2") => SynthSpec { qkv_bias: true, qk_norm: false, fused: false, ..spec },
-        Some("qwen3") => SynthSpec { qkv_bias: false, qk_norm: true, fused: false, ..spec },
-        Some("phi3") => SynthSpec { qkv_bias: false, qk_norm: false, fused: true, ..spec },
-        Some(other) => bail!("--arch {other:?} is not an architecture (llama, qwen2, qwen3, phi3)"),
+        Some(arch @ ("llama" | "qwen2" | "qwen3" | "phi3" | "gemma2")) => SynthSpec {
+            qkv_bias: arch == "qwen2",
+            qk_norm: arch == "qwen3",
+            fused: arch == "phi3",
+            gemma2: arch == "gemma2",
+            tied: spec.tied || arch == "gemma2",
+            ..spec
+        },
+        Some(other) => {
+            bail!("--arch {other:?} is not an architecture (llama, qwen2, qwen3, phi3, gemma2)")
+        }
     };
     let gguf = match args.format.as_str() {
         "hf" => false,
@@ -747,7 +758,14 @@ fn run_synth(args: SynthArgs) -> anyhow::Result<()> {
         );
     };
     let started = std::time::Instant::now();
-    if gguf {
+    if let Some(pre) = &args.tokenizer_pre {
+        if !gguf {
+            bail!("--tokenizer-pre is for --format gguf");
+        }
+        let vocabulary = sluice_text::synth::SynthVocabulary::probe(pre, spec.vocab);
+        let spec = SynthSpec { vocab: vocabulary.len(), ..spec.clone() };
+        sluice_engine::synth::write_gguf_with_vocabulary(&spec, ty, &vocabulary, &args.out)
+    } else if gguf {
         sluice_engine::synth::write_gguf(&spec, ty, &args.out)
     } else {
         write_safetensors_dir(&spec, ty, &args.out, args.shards)

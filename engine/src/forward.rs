@@ -485,6 +485,7 @@ impl Runner {
             head_dim: hd,
             block_size: cache.block_size,
             scale: c.attention_scale(),
+            softcap: c.attention_softcap(),
         };
         let (mut matmul_s, mut attn_s) = (0f64, 0f64);
         // Each row's place for attention; only the window's start changes with the layer.

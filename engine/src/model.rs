@@ -28,10 +28,11 @@ pub struct Llama3Scaling {
     pub original_max_position: f32,
 }
 
-/// What a Gemma 3 block does beyond a Llama one: the embedding scaled by `sqrt(hidden)`,
-/// RMSNorm over each query and key head before RoPE, norms after attention and after the FFN
-/// (before each residual add), a tanh-approximated GELU gate, and layers that attend over a
-/// sliding window with their own RoPE base between the global ones.
+/// What a Gemma 2 or 3 block does beyond a Llama one: the embedding scaled by `sqrt(hidden)`,
+/// norms after attention and after the FFN (before each residual add), a tanh-approximated
+/// GELU gate, and layers that attend over a sliding window between the global ones. Gemma 3
+/// adds RMSNorm over each query and key head before RoPE and its own RoPE base for the sliding
+/// layers; Gemma 2 instead caps attention scores (`cap * tanh(score / cap)`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Gemma {
     /// Tokens a sliding-window layer attends to, its own included.
@@ -46,6 +47,10 @@ pub struct Gemma {
     pub query_scale: f32,
     /// `cap * tanh(logits / cap)` on the output, when set.
     pub final_softcap: Option<f32>,
+    /// `cap * tanh(score / cap)` on each scaled attention score, when set (Gemma 2).
+    pub attn_softcap: Option<f32>,
+    /// RMSNorm over each query and key head before RoPE (Gemma 3).
+    pub qk_norm: bool,
 }
 
 impl Gemma {
@@ -59,7 +64,7 @@ impl Gemma {
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
     /// Architecture name as the file states it (`llama`, `mistral`, `qwen2`, `qwen3`,
-    /// `phi3`, `gemma3`).
+    /// `phi3`, `gemma2`, `gemma3`).
     pub arch: String,
     /// Vocabulary size (rows of the embedding).
     pub vocab_size: usize,
@@ -89,7 +94,7 @@ pub struct LlamaConfig {
     pub context_length: usize,
     /// Whether the output projection reuses the embedding.
     pub tied_embeddings: bool,
-    /// Gemma 3's block, when the model is one.
+    /// Gemma 2's or 3's block, when the model is one.
     pub gemma: Option<Gemma>,
 }
 
@@ -113,7 +118,12 @@ impl LlamaConfig {
     /// Whether every layer normalizes each query and key head (RMSNorm) before RoPE:
     /// Gemma 3 and Qwen3.
     pub fn has_qk_norm(&self) -> bool {
-        self.gemma.is_some() || self.arch == "qwen3"
+        self.gemma.as_ref().is_some_and(|g| g.qk_norm) || self.arch == "qwen3"
+    }
+
+    /// The cap on attention scores (Gemma 2), when there is one.
+    pub fn attention_softcap(&self) -> Option<f32> {
+        self.gemma.as_ref().and_then(|g| g.attn_softcap)
     }
 
     /// Width of the K and V projections.
@@ -508,11 +518,11 @@ pub fn gguf_config(f: &GgufFile) -> Result<LlamaConfig> {
     let arch = f.get_str("general.architecture")?.to_string();
     let rope_style = match arch.as_str() {
         "llama" | "mistral" => RopeStyle::Interleaved,
-        "qwen2" | "qwen3" | "phi3" | "gemma3" => RopeStyle::Halves,
+        "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3" => RopeStyle::Halves,
         other => {
             return Err(EngineError::Unsupported(format!(
                 "general.architecture {other:?} (supported: llama, mistral, qwen2, qwen3, phi3, \
-                 gemma3)"
+                 gemma2, gemma3)"
             )));
         }
     };
@@ -559,6 +569,10 @@ pub fn gguf_config(f: &GgufFile) -> Result<LlamaConfig> {
     // llama.cpp's reading of a gemma3 file: five sliding layers to one global, the sliding
     // ones at RoPE base 10000, queries scaled by 1/sqrt(head_dim) (by 1/sqrt(hidden/heads)
     // for the 62-layer 27B, whose query_pre_attn_scalar differs).
+    // Its reading of a gemma2 file: sliding and global layers in turn (the sliding first),
+    // every layer at the one RoPE base, scores capped, the 46-layer 27B's queries scaled by
+    // 1/sqrt(hidden/heads).
+    let cap = |k: &str| opt_f(k).filter(|c| *c > 0.0);
     let gemma = match arch.as_str() {
         "gemma3" => {
             let layers = u("block_count")?;
@@ -568,7 +582,26 @@ pub fn gguf_config(f: &GgufFile) -> Result<LlamaConfig> {
                 global_every: 6,
                 local_rope_theta: 10_000.0,
                 query_scale: 1.0 / (scalar as f32).sqrt(),
-                final_softcap: opt_f("final_logit_softcapping").filter(|c| *c > 0.0),
+                final_softcap: cap("final_logit_softcapping"),
+                attn_softcap: None,
+                qk_norm: true,
+            })
+        }
+        "gemma2" => {
+            let layers = u("block_count")?;
+            let scalar = if layers == 46 { hidden / heads.max(1) } else { head_dim };
+            let sliding_window = match f.get(&key("attention.sliding_window")) {
+                None => 4096,
+                Some(_) => u("attention.sliding_window")?,
+            };
+            Some(Gemma {
+                sliding_window,
+                global_every: 2,
+                local_rope_theta: opt_f("rope.freq_base").unwrap_or(10_000.0),
+                query_scale: 1.0 / (scalar as f32).sqrt(),
+                final_softcap: cap("final_logit_softcapping"),
+                attn_softcap: cap("attn_logit_softcapping"),
+                qk_norm: false,
             })
         }
         _ => None,

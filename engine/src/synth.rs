@@ -14,12 +14,18 @@ use sluice_text::gguf::{GgufWriter, MetaValue};
 use sluice_text::synth::{SynthVocabulary, tokenizer_token_count};
 
 use crate::error::{EngineError, Result};
-use crate::model::{LlamaConfig, RopeStyle, gguf_names, hf_names};
+use crate::model::{Gemma, LlamaConfig, RopeStyle, gguf_names, hf_names};
 use crate::quant::{GgmlType, quantize_row};
 use crate::safetensors::{CONFIG_FILE, INDEX_FILE, SINGLE_FILE, write_safetensors};
 
 /// RMSNorm epsilon of every synthetic model.
 pub const RMS_EPS: f32 = 1e-5;
+/// A synthetic Gemma 2's sliding window: short, so the golden prompts cross it.
+const GEMMA2_SLIDING_WINDOW: usize = 16;
+/// Its caps, low enough to change random weights' scores and logits (the real models' are 50
+/// and 30).
+const GEMMA2_ATTN_SOFTCAP: f32 = 0.5;
+const GEMMA2_FINAL_SOFTCAP: f32 = 8.0;
 /// Shape and seed of a synthetic model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SynthSpec {
@@ -47,6 +53,9 @@ pub struct SynthSpec {
     pub qk_norm: bool,
     /// Q, K and V in one matrix, gate and up in another; makes the model a Phi-3 one.
     pub fused: bool,
+    /// Gemma 2's block (norms after attention and after the FFN, GELU, the embedding scaled,
+    /// sliding-window layers, capped scores and logits; tied embeddings); GGUF only.
+    pub gemma2: bool,
     /// Seed of every weight.
     pub seed: u64,
 }
@@ -67,6 +76,7 @@ impl SynthSpec {
             qkv_bias: false,
             qk_norm: false,
             fused: false,
+            gemma2: false,
             seed: 1,
         }
     }
@@ -94,6 +104,7 @@ impl SynthSpec {
             qkv_bias: false,
             qk_norm: false,
             fused: false,
+            gemma2: false,
             seed: 1,
         };
         match name {
@@ -115,6 +126,7 @@ impl SynthSpec {
                 qkv_bias: true,
                 qk_norm: false,
                 fused: false,
+                gemma2: false,
                 seed: 1,
             }),
             _ => None,
@@ -131,9 +143,12 @@ impl SynthSpec {
         self.hidden.checked_div(self.heads).unwrap_or(0)
     }
 
-    /// Architecture name: `phi3` with fused matrices, `qwen3` with Q/K norms, `qwen2` with
-    /// biases, else `llama`.
+    /// Architecture name: `gemma2` with its block, `phi3` with fused matrices, `qwen3` with
+    /// Q/K norms, `qwen2` with biases, else `llama`.
     pub fn arch(&self) -> &'static str {
+        if self.gemma2 {
+            return "gemma2";
+        }
         match (self.fused, self.qk_norm, self.qkv_bias) {
             (true, ..) => "phi3",
             (false, true, _) => "qwen3",
@@ -160,7 +175,15 @@ impl SynthSpec {
             rms_eps: RMS_EPS,
             context_length: self.context,
             tied_embeddings: self.tied,
-            gemma: None,
+            gemma: self.gemma2.then(|| Gemma {
+                sliding_window: GEMMA2_SLIDING_WINDOW,
+                global_every: 2,
+                local_rope_theta: self.rope_theta,
+                query_scale: 1.0 / (self.head_dim() as f32).sqrt(),
+                final_softcap: Some(GEMMA2_FINAL_SOFTCAP),
+                attn_softcap: Some(GEMMA2_ATTN_SOFTCAP),
+                qk_norm: false,
+            }),
         }
     }
 
@@ -191,6 +214,11 @@ impl SynthSpec {
         }
         if !self.rope_theta.is_finite() || self.rope_theta <= 0.0 {
             return bad(format!("rope_theta {}", self.rope_theta));
+        }
+        if self.gemma2 && (!self.tied || self.fused || self.qkv_bias || self.qk_norm) {
+            return bad("gemma2 ties its embeddings and has no fused matrices, biases or Q/K \
+                        norms"
+                .into());
         }
         Ok(())
     }
@@ -226,6 +254,9 @@ impl SynthSpec {
                 out.push(t("k_norm", &[self.head_dim()]));
             }
             out.push(t("o", &[self.hidden, q_dim]));
+            if self.gemma2 {
+                out.push(t("post_attn_norm", &[self.hidden]));
+            }
             out.push(t("ffn_norm", &[self.hidden]));
             if self.fused {
                 out.push(t("gate_up", &[2 * self.intermediate, self.hidden]));
@@ -234,6 +265,9 @@ impl SynthSpec {
                 out.push(t("up", &[self.intermediate, self.hidden]));
             }
             out.push(t("down", &[self.hidden, self.intermediate]));
+            if self.gemma2 {
+                out.push(t("post_ffn_norm", &[self.hidden]));
+            }
         }
         out.push(SynthTensor::new(&hf.norm, &gguf.norm, &[self.hidden]));
         if !self.tied {
@@ -383,7 +417,25 @@ fn par_chunks_mut<T: Send>(out: &mut [T], chunk: usize, f: impl Fn(usize, &mut [
 /// Writes `spec` as a GGUF file with matrices in `ty` (norms and biases stay F32), the
 /// `{arch}.*` hyper-parameters `gguf_config` reads and a byte-level BPE tokenizer.
 pub fn write_gguf(spec: &SynthSpec, ty: GgmlType, path: &Path) -> Result<()> {
+    write_gguf_with_vocabulary(spec, ty, &SynthVocabulary::new(spec.vocab), path)
+}
+
+/// [`write_gguf`] with another tokenizer (e.g. [`SynthVocabulary::probe`]), which must have
+/// `spec.vocab` tokens.
+pub fn write_gguf_with_vocabulary(
+    spec: &SynthSpec,
+    ty: GgmlType,
+    vocabulary: &SynthVocabulary,
+    path: &Path,
+) -> Result<()> {
     spec.validate()?;
+    if vocabulary.len() != spec.vocab {
+        return Err(EngineError::Unsupported(format!(
+            "a tokenizer of {} tokens for a model of {}",
+            vocabulary.len(),
+            spec.vocab
+        )));
+    }
     let arch = spec.arch();
     let mut w = GgufWriter::new();
     let u = |v: usize| MetaValue::U64(v as u64);
@@ -403,7 +455,12 @@ pub fn write_gguf(spec: &SynthSpec, ty: GgmlType, path: &Path) -> Result<()> {
         .meta(&key("rope.dimension_count"), u(spec.head_dim()))
         .meta(&key("rope.freq_base"), MetaValue::F64(f64::from(spec.rope_theta)));
 
-    SynthVocabulary::new(spec.vocab).write_gguf_meta(&mut w);
+    if spec.gemma2 {
+        w.meta(&key("attention.sliding_window"), u(GEMMA2_SLIDING_WINDOW))
+            .meta(&key("attn_logit_softcapping"), MetaValue::F64(f64::from(GEMMA2_ATTN_SOFTCAP)))
+            .meta(&key("final_logit_softcapping"), MetaValue::F64(f64::from(GEMMA2_FINAL_SOFTCAP)));
+    }
+    vocabulary.write_gguf_meta(&mut w);
 
     // llama.cpp's qwen2 uses NeoX (halves) RoPE and its converter leaves Q and K alone.
     let permute = arch == "llama";
@@ -444,6 +501,11 @@ pub fn write_safetensors_dir(
             )));
         }
     };
+    if spec.gemma2 {
+        return Err(EngineError::Unsupported(
+            "synthetic gemma2 models are written as GGUF only".into(),
+        ));
+    }
     std::fs::create_dir_all(dir).map_err(|e| EngineError::io(dir, e))?;
     let v = SynthVocabulary::new(spec.vocab);
     let model_type = spec.arch();

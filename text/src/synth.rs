@@ -3,6 +3,7 @@
 //! `tokenizer.json` + `tokenizer_config.json` that tokenize alike. The engine's synthetic
 //! models carry it; the gateway's tests count tokens with a vocabulary-only GGUF file.
 
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use serde_json::json;
@@ -82,6 +83,8 @@ pub fn tokenizer_token_count() -> usize {
 pub struct SynthVocabulary {
     tokens: Vec<String>,
     types: Vec<u64>,
+    merges: Vec<(String, String)>,
+    pre: String,
     bos: usize,
     eos: usize,
 }
@@ -90,8 +93,27 @@ impl SynthVocabulary {
     /// The vocabulary padded with `<unused_N>` tokens to `vocab` (at least
     /// [`tokenizer_token_count`]).
     pub fn new(vocab: usize) -> SynthVocabulary {
+        let merges = MERGES.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect();
+        SynthVocabulary::with_merges(merges, GGUF_PRE_TOKENIZER, vocab)
+    }
+
+    /// A vocabulary for checking a pre-tokenizer against llama.cpp's: a merge for every two
+    /// bytes of [`PROBE_CORPUS`] (see `probe_merges`), so the ids a text becomes show where the
+    /// pre-tokenizer named `pre` split it. Padded to `vocab` tokens when that is more.
+    pub fn probe(pre: &str, vocab: usize) -> SynthVocabulary {
+        SynthVocabulary::with_merges(probe_merges(PROBE_CORPUS), pre, vocab)
+    }
+
+    fn with_merges(merges: Vec<(String, String)>, pre: &str, vocab: usize) -> SynthVocabulary {
         let mut tokens: Vec<String> = byte_level_chars().iter().map(|c| c.to_string()).collect();
-        tokens.extend(MERGES.iter().map(|(a, b)| format!("{a}{b}")));
+        let mut known: HashSet<String> = tokens.iter().cloned().collect();
+        for (a, b) in &merges {
+            // Two merges may spell the same token; the vocabulary holds it once.
+            let joined = format!("{a}{b}");
+            if known.insert(joined.clone()) {
+                tokens.push(joined);
+            }
+        }
         let mut types = vec![TYPE_NORMAL; tokens.len()];
         let first_special = tokens.len();
         tokens.extend(SPECIAL_TOKENS.iter().map(|s| s.to_string()));
@@ -99,7 +121,24 @@ impl SynthVocabulary {
         let n = tokens.len();
         tokens.extend((0..vocab.saturating_sub(n)).map(|i| format!("<unused_{i}>")));
         types.resize(tokens.len(), TYPE_UNUSED);
-        SynthVocabulary { tokens, types, bos: first_special, eos: first_special + 2 }
+        SynthVocabulary {
+            tokens,
+            types,
+            merges,
+            pre: pre.to_string(),
+            bos: first_special,
+            eos: first_special + 2,
+        }
+    }
+
+    /// Number of tokens, padding included.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Whether the vocabulary has no tokens (never: it holds at least the 256 bytes).
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
     }
 
     /// Id of the beginning-of-sequence token.
@@ -116,14 +155,17 @@ impl SynthVocabulary {
     pub fn write_gguf_meta(&self, w: &mut GgufWriter) {
         let u = |v: usize| MetaValue::U64(v as u64);
         w.meta("tokenizer.ggml.model", MetaValue::String("gpt2".into()))
-            .meta("tokenizer.ggml.pre", MetaValue::String(GGUF_PRE_TOKENIZER.into()))
+            .meta("tokenizer.ggml.pre", MetaValue::String(self.pre.clone()))
             .meta("tokenizer.ggml.tokens", strings(&self.tokens))
             .meta(
                 "tokenizer.ggml.token_type",
                 // INT32, as llama.cpp requires (the writer narrows I64 values that fit).
                 MetaValue::Array(self.types.iter().map(|&t| MetaValue::I64(t as i64)).collect()),
             )
-            .meta("tokenizer.ggml.merges", strings(MERGES.iter().map(|(a, b)| format!("{a} {b}"))))
+            .meta(
+                "tokenizer.ggml.merges",
+                strings(self.merges.iter().map(|(a, b)| format!("{a} {b}"))),
+            )
             .meta("tokenizer.ggml.bos_token_id", u(self.bos))
             .meta("tokenizer.ggml.eos_token_id", u(self.eos))
             .meta("tokenizer.ggml.add_bos_token", MetaValue::Bool(false))
@@ -187,10 +229,46 @@ impl SynthVocabulary {
                 "byte_fallback": false,
                 "ignore_merges": false,
                 "vocab": vocab,
-                "merges": MERGES.iter().map(|(a, b)| json!([a, b])).collect::<Vec<_>>(),
+                "merges": self.merges.iter().map(|(a, b)| json!([a, b])).collect::<Vec<_>>(),
             },
         })
     }
+}
+
+/// Text the probe vocabulary's merges are learnt from: what pre-tokenizers disagree on
+/// (contractions in both cases, digit runs, runs of spaces and newlines, punctuation next to
+/// words, letters of other scripts, marks, code).
+pub const PROBE_CORPUS: &str = "Hello world, the cat's hat isn't THE CAT'S HAT. We'll see; they'd've \
+gone. I'm sure you're right!\n\nNumbers: 1 12 123 1234 12345 123456 3.14159 2,000,000 007 \
+x1y22z333 v2.0.1 (42) [3] {99}.\n  two spaces  then\tone tab\t\ttwo tabs   \n\n\n   \
+trailing   \r\nwindows\r\n line.\nfn main() {\n    let x = a+b*c^2 - d/e % f;\n    \
+if x >= 10 && y != 0 || z <= -1 { return; }\n}\n<html><body class=\"x\">$100 @user \
+#tag ~/path_to/file-name.txt</body></html>\ncafé naïve résumé Ærø Straße ſ K \
+Привет мир Καλημέρα 日本語のテキスト 中文 한국어 مرحبا ١٢٣ ٣ Ⅻ x² ½ 🎉 👍🏽 e\u{301} \
+...!!! ??? --- ___ *** ''' '' \" a.b,c;d:e!f?g a\u{308} \u{915}\u{93f} \u{2154} \u{2460}\u{2461} \
+\u{ff11}\u{ff12} \u{fb01} \u{a0}\u{2009}\u{3000}\u{200b} `|[]^ \u{212a}elvin";
+
+/// Merges of the probe vocabulary: every ordered pair of the bytes [`PROBE_CORPUS`] holds,
+/// the pairs it holds side by side first (most often first), then the rest in byte order.
+/// Inside a piece of pre-tokenized text every two neighbours can merge, so the ids show each
+/// place where the pre-tokenizer cut.
+fn probe_merges(corpus: &str) -> Vec<(String, String)> {
+    let chars = byte_level_chars();
+    let bytes = corpus.as_bytes();
+    let mut seen = [false; 256];
+    bytes.iter().for_each(|&b| seen[usize::from(b)] = true);
+    let mut counts: HashMap<(u8, u8), usize> = HashMap::new();
+    for pair in bytes.windows(2) {
+        *counts.entry((pair[0], pair[1])).or_default() += 1;
+    }
+    let present: Vec<u8> = (0..=255u8).filter(|&b| seen[usize::from(b)]).collect();
+    let mut pairs: Vec<(u8, u8)> =
+        present.iter().flat_map(|&a| present.iter().map(move |&b| (a, b))).collect();
+    pairs.sort_by_key(|p| (std::cmp::Reverse(counts.get(p).copied().unwrap_or(0)), *p));
+    pairs
+        .into_iter()
+        .map(|(a, b)| (chars[usize::from(a)].to_string(), chars[usize::from(b)].to_string()))
+        .collect()
 }
 
 fn strings<S: AsRef<str>>(items: impl IntoIterator<Item = S>) -> MetaValue {

@@ -273,6 +273,10 @@ pub struct ChatTemplate {
     eos_token: String,
     version: String,
     tools: bool,
+    /// Whether the template renders a leading system message (found by rendering one).
+    system_role: bool,
+    /// Whether the template knows a `developer` role (else it becomes `system`).
+    developer_role: bool,
 }
 
 impl std::fmt::Debug for ChatTemplate {
@@ -307,13 +311,44 @@ impl ChatTemplate {
         env.set_formatter(python_formatter);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|e| TextError::Template(format!("compile: {}", describe(&e))))?;
-        Ok(ChatTemplate {
+        let mut template = ChatTemplate {
             env,
             bos_token: bos_token.to_string(),
             eos_token: eos_token.to_string(),
             version: sha256_hex(source.as_bytes()),
             tools: source.contains("tools"),
-        })
+            system_role: true,
+            developer_role: source.contains("developer"),
+        };
+        // As llama.cpp finds a template's capabilities: render a system message and look for it.
+        let needle = "\u{E002}system needle\u{E002}";
+        let probe = [ChatMessage::new("system", needle), ChatMessage::new("user", "x")];
+        template.system_role =
+            template.render_raw(&probe, None, false).is_ok_and(|text| text.contains(needle));
+        Ok(template)
+    }
+
+    /// The messages as the template is given them, adapted as llama.cpp adapts them for
+    /// templates that lack a role: `developer` becomes `system` unless the template knows it,
+    /// and a leading system message the template would refuse or drop is put before the next
+    /// message's content (with a newline), or dropped when it is the only message.
+    fn prepare<'a>(&self, messages: &'a [ChatMessage]) -> std::borrow::Cow<'a, [ChatMessage]> {
+        let developer = !self.developer_role && messages.iter().any(|m| m.role == "developer");
+        let system = !self.system_role && messages.first().is_some_and(|m| m.role == "system");
+        if !developer && !system {
+            return std::borrow::Cow::Borrowed(messages);
+        }
+        let mut out = messages.to_vec();
+        if developer {
+            out.iter_mut().filter(|m| m.role == "developer").for_each(|m| m.role = "system".into());
+        }
+        if !self.system_role && out.first().is_some_and(|m| m.role == "system") {
+            let first = out.remove(0);
+            if let Some(next) = out.first_mut() {
+                next.content = format!("{}\n{}", first.content, next.content);
+            }
+        }
+        std::borrow::Cow::Owned(out)
     }
 
     /// The template in `tokenizer.chat_template`, with BOS/EOS texts from the vocabulary;
@@ -364,9 +399,21 @@ impl ChatTemplate {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.render_raw(&self.prepare(messages), tools, add_generation_prompt)
+    }
+
+    /// Renders the messages as they are.
+    fn render_raw(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&serde_json::Value>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let template =
             self.env.get_template(TEMPLATE_NAME).map_err(|e| TextError::Template(describe(&e)))?;
-        // `transformers` passes `tools` and `documents` as None when absent.
+        // `transformers` passes `tools` and `documents` as None when absent. llama.cpp also
+        // passes today's date (Llama 3.1's template prints `date_string`, else 26 Jul 2024).
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
         let ctx = context! {
             messages => Value::from_serialize(messages),
             add_generation_prompt => add_generation_prompt,
@@ -374,6 +421,8 @@ impl ChatTemplate {
             eos_token => &self.eos_token,
             tools => tools.map(Value::from_serialize),
             documents => (),
+            date_string => strftime("%d %b %Y", now),
+            datetime => strftime("%b %d %Y", now),
         };
         template.render(ctx).map_err(|e| match raised_message(&e) {
             Some(message) => {
@@ -405,6 +454,8 @@ impl ChatTemplate {
         tools: Option<&serde_json::Value>,
         add_generation_prompt: bool,
     ) -> Result<Vec<ChatPart>> {
+        // Adapted before marking, so each marker stands for the content the template is given.
+        let messages = &*self.prepare(messages);
         let nonce = uuid::Uuid::new_v4().simple().to_string();
         let open = format!("\u{E000}{nonce}.");
         let marked: Vec<ChatMessage> = messages
@@ -478,8 +529,8 @@ fn raise_exception(message: String) -> std::result::Result<Value, Error> {
 
 /// `strftime_now(format)`: the current UTC time formatted with C `strftime` directives.
 fn strftime_now(format: &str) -> std::result::Result<Value, Error> {
-    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
-    Ok(Value::from(strftime(format, secs as i64)))
+    let secs = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
+    Ok(Value::from(strftime(format, secs)))
 }
 
 const MONTHS: [&str; 12] = [

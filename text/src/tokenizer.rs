@@ -103,7 +103,8 @@ struct PreTokenization {
     add_bos: bool,
 }
 
-const SUPPORTED_PRE: &str = "default, gpt2, smollm, starcoder, refact, llama-bpe, llama3, qwen2";
+const SUPPORTED_PRE: &str = "default, gpt-2, smollm, starcoder, refact, llama-bpe, llama3, llama-v3, \
+                             qwen2, stablelm2, deepseek-r1-qwen";
 
 impl PreTokenization {
     fn from_name(pre: &str) -> Result<PreTokenization> {
@@ -112,7 +113,7 @@ impl PreTokenization {
             "default" => {
                 (&[r"[\p{P}\$\+<=>\^~\|]+", GPT2_REGEX, r"\p{N}+", "[0-9][0-9][0-9]"], false, false)
             }
-            "gpt2" | "gpt-2" => (&[GPT2_REGEX], false, false),
+            "gpt-2" => (&[GPT2_REGEX], false, false),
             "smollm" | "starcoder" | "refact" => (&[DIGIT_REGEX, GPT2_REGEX], false, false),
             "llama-bpe" | "llama3" | "llama-v3" => (&[LLAMA3_REGEX], true, true),
             "qwen2" | "stablelm2" | "deepseek-r1-qwen" => (&[QWEN2_REGEX], false, false),
@@ -864,7 +865,7 @@ mod tests {
     #[test]
     fn pre_tokenizer_decides_digit_grouping() -> Result<()> {
         // GPT-2's regex keeps " 123" one word, so "1 2" merges; SmolLM splits digits first.
-        let gpt2 = Tokenizer::from_gguf(&load(&gpt2_writer("gpt2"))?)?;
+        let gpt2 = Tokenizer::from_gguf(&load(&gpt2_writer("gpt-2"))?)?;
         assert_eq!(gpt2.encode(" 123", true)?, ids(GPT2_TOKENS, &["Ġ", "12", "3"]));
         let smollm = Tokenizer::from_gguf(&load(&gpt2_writer("smollm"))?)?;
         assert_eq!(smollm.encode(" 123", true)?, ids(GPT2_TOKENS, &["Ġ", "1", "2", "3"]));
@@ -894,7 +895,7 @@ mod tests {
 
     #[test]
     fn unknown_model_is_named() -> Result<()> {
-        let mut w = gpt2_writer("gpt2");
+        let mut w = gpt2_writer("gpt-2");
         w.meta("tokenizer.ggml.model", MetaValue::String("bert".into()));
         let msg = Tokenizer::from_gguf(&load(&w)?).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(msg.contains("\"bert\"") && msg.contains("tokenizer.ggml.model"), "{msg}");

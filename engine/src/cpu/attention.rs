@@ -92,6 +92,8 @@ pub(crate) struct Shape {
     pub block_size: usize,
     /// Factor on the scores.
     pub scale: f32,
+    /// `cap * tanh(score / cap)` on each scaled score, when set (Gemma 2).
+    pub softcap: Option<f32>,
 }
 
 impl Shape {
@@ -349,12 +351,16 @@ impl<T> Split<'_, '_, T> {
     }
 }
 
-/// A split's scores of one head become `exp(score * scale - max)` over `valid` and zeros
-/// elsewhere; returns the max and the sum. Shared by every kernel, so the bits agree.
-fn softmax_part(row: &mut [f32], valid: &Range<usize>, scale: f32) -> (f32, f32) {
+/// A split's scores of one head become `exp(score * scale - max)` (the scaled score capped
+/// first when the shape says so) over `valid` and zeros elsewhere; returns the max and the
+/// sum. Shared by every kernel, so the bits agree.
+fn softmax_part(row: &mut [f32], valid: &Range<usize>, s: &Shape) -> (f32, f32) {
     let mut max = f32::NEG_INFINITY;
     for x in &mut row[valid.clone()] {
-        *x *= scale;
+        *x *= s.scale;
+        if let Some(cap) = s.softcap {
+            *x = cap * (*x / cap).tanh();
+        }
         max = max.max(*x);
     }
     let mut sum = 0f32;
@@ -389,7 +395,7 @@ fn split_portable<T: KvElem>(job: &Split<'_, '_, T>, scratch: &mut Scratch, part
         }
     }
     for h in 0..group {
-        let (max, sum) = softmax_part(&mut scores[h * len..(h + 1) * len], &job.valid, s.scale);
+        let (max, sum) = softmax_part(&mut scores[h * len..(h + 1) * len], &job.valid, s);
         part[h * (hd + 2)] = max;
         part[h * (hd + 2) + 1] = sum;
         part[h * (hd + 2) + 2..(h + 1) * (hd + 2)].fill(0.0);
@@ -483,7 +489,7 @@ mod avx2 {
         for hh in 0..H {
             let at = (h0 + hh) * (hd + 2);
             let row = &mut scores[hh * len..(hh + 1) * len];
-            (part[at], part[at + 1]) = super::softmax_part(row, &job.valid, s.scale);
+            (part[at], part[at + 1]) = super::softmax_part(row, &job.valid, s);
         }
         // Values: 16 dimensions at a time, H heads' sums in registers over the split.
         for dc in (0..hd).step_by(16) {
@@ -541,8 +547,9 @@ mod tests {
             head_dim: usize,
             block_size: usize,
             blocks: usize,
+            softcap: Option<f32>,
         ) -> Case {
-            let s = Shape { heads, kv_heads, head_dim, block_size, scale: 0.3 };
+            let s = Shape { heads, kv_heads, head_dim, block_size, scale: 0.3, softcap };
             let stride = kv_heads * head_dim * block_size;
             let mut seed = 7;
             let k = (0..blocks * stride).map(|_| lcg(&mut seed)).collect();
@@ -570,6 +577,10 @@ mod tests {
                             .map(|d| f64::from(q[h * hd + d]) * f64::from(key(p, d)))
                             .sum::<f64>()
                             * f64::from(self.s.scale)
+                    })
+                    .map(|x| match self.s.softcap {
+                        Some(cap) => f64::from(cap) * (x / f64::from(cap)).tanh(),
+                        None => x,
                     })
                     .collect();
                 let m = sc.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
@@ -614,15 +625,29 @@ mod tests {
     fn every_kernel_and_split_matches_the_reference() {
         let mut kernels = vec![Kernels::Portable];
         // What this CPU runs for the tests' block size and every head size below.
-        let shape = Shape { heads: 1, kv_heads: 1, head_dim: 16, block_size: 16, scale: 1.0 };
+        let shape = Shape {
+            heads: 1,
+            kv_heads: 1,
+            head_dim: 16,
+            block_size: 16,
+            scale: 1.0,
+            softcap: None,
+        };
         let best = Kernels::detect(&shape, Isa::Avx2);
         if best != Kernels::Portable {
             kernels.push(best);
         }
-        // (heads, kv heads, head size): SmolLM2's group of 3, Gemma's 4 with 256 dims, 7, MHA.
-        for (heads, kv_heads, hd) in [(9, 3, 64), (4, 1, 256), (7, 1, 32), (2, 2, 16)] {
+        // (heads, kv heads, head size, cap on scores): SmolLM2's group of 3, Gemma's 4 with 256
+        // dims, 7, MHA, and Gemma 2's capped scores (a cap low enough to change every score).
+        for (heads, kv_heads, hd, softcap) in [
+            (9, 3, 64, None),
+            (4, 1, 256, None),
+            (7, 1, 32, None),
+            (2, 2, 16, None),
+            (8, 2, 64, Some(0.5)),
+        ] {
             let blocks = 40;
-            let case = Case::new(heads, kv_heads, hd, 16, blocks);
+            let case = Case::new(heads, kv_heads, hd, 16, blocks, softcap);
             let table: Vec<u32> = (0..blocks as u32).rev().collect();
             let mut seed = 99;
             // Positions across split edges; one row in a sliding window.

@@ -723,8 +723,8 @@ impl CudaRunner {
         let c = &w.config;
         if c.gemma.is_some() || w.layers.iter().any(|l| l.q_norm.is_some()) {
             return Err(CudaError::Invalid(format!(
-                "the CUDA backend runs Llama-family blocks; {} (per-head Q/K norms, or Gemma \
-                 3's norms, GELU and sliding-window layers) runs on the CPU backend",
+                "the CUDA backend runs Llama-family blocks; {} (per-head Q/K norms, or Gemma's \
+                 norms, GELU, sliding-window layers and capped scores) runs on the CPU backend",
                 c.arch
             )));
         }
