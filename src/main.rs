@@ -179,11 +179,12 @@ struct SynthArgs {
     /// Seed of every weight.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// GGUF only: a tokenizer for checking pre-tokenizers against llama.cpp's (merges learnt
-    /// from a corpus of hard cases) with this `tokenizer.ggml.pre`, instead of the small
-    /// ChatML one; the vocabulary grows to hold it.
+    /// GGUF only: a tokenizer for checking tokenizers against llama.cpp's instead of the small
+    /// ChatML one: a `tokenizer.ggml.pre` name (byte-level BPE with a merge for every two
+    /// bytes of a corpus of hard cases), or `spm` / `spm-no-space-prefix` (SentencePiece
+    /// pieces for every two characters); the vocabulary grows to hold it.
     #[arg(long)]
-    tokenizer_pre: Option<String>,
+    probe_tokenizer: Option<String>,
     /// The directory to write (created; its name is the model's id).
     #[arg(long)]
     out: PathBuf,
@@ -758,11 +759,11 @@ fn run_synth(args: SynthArgs) -> anyhow::Result<()> {
         );
     };
     let started = std::time::Instant::now();
-    if let Some(pre) = &args.tokenizer_pre {
+    if let Some(name) = &args.probe_tokenizer {
         if !gguf {
-            bail!("--tokenizer-pre is for --format gguf");
+            bail!("--probe-tokenizer is for --format gguf");
         }
-        let vocabulary = sluice_text::synth::SynthVocabulary::probe(pre, spec.vocab);
+        let vocabulary = sluice_text::synth::SynthVocabulary::probe_named(name, spec.vocab);
         let spec = SynthSpec { vocab: vocabulary.len(), ..spec.clone() };
         sluice_engine::synth::write_gguf_with_vocabulary(&spec, ty, &vocabulary, &args.out)
     } else if gguf {

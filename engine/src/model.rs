@@ -15,6 +15,16 @@ pub enum RopeStyle {
     Halves,
 }
 
+/// How RoPE frequencies are scaled for contexts past the pre-training one.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// Llama 3's (`rope_type = "llama3"`).
+    Llama3(Llama3Scaling),
+    /// Every frequency divided by the factor (`linear`: Gemma 3 4B and larger, whose sliding
+    /// layers keep their own unscaled base).
+    Linear(f32),
+}
+
 /// Llama-3 style frequency scaling (`rope_scaling.rope_type = "llama3"`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Llama3Scaling {
@@ -84,8 +94,8 @@ pub struct LlamaConfig {
     pub rope_dims: usize,
     /// RoPE base frequency.
     pub rope_theta: f32,
-    /// Optional Llama-3 scaling.
-    pub rope_scaling: Option<Llama3Scaling>,
+    /// Optional frequency scaling.
+    pub rope_scaling: Option<RopeScaling>,
     /// Pairing of rotated dimensions.
     pub rope_style: RopeStyle,
     /// RMSNorm epsilon.
@@ -142,9 +152,14 @@ impl LlamaConfig {
         (0..n / 2)
             .map(|i| {
                 let base = self.rope_theta.powf(-((2 * i) as f32) / n as f32);
+                // A file's own factors (llama.cpp's Llama 3 files) stand for Llama 3's scaling.
                 match (freq_factors, self.rope_scaling) {
+                    (Some(ff), Some(RopeScaling::Linear(f))) => {
+                        base / ff.get(i).copied().unwrap_or(1.0) / f
+                    }
                     (Some(ff), _) => base / ff.get(i).copied().unwrap_or(1.0),
-                    (None, Some(s)) => llama3_scale(base, s),
+                    (None, Some(RopeScaling::Llama3(s))) => llama3_scale(base, s),
+                    (None, Some(RopeScaling::Linear(f))) => base / f,
                     (None, None) => base,
                 }
             })
@@ -562,8 +577,23 @@ pub fn gguf_config(f: &GgufFile) -> Result<LlamaConfig> {
     };
     let rope_scaling = match f.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
         None | Some("none") => None,
+        Some("linear") => match opt_f("rope.scaling.factor") {
+            Some(factor) if factor.is_finite() && factor > 0.0 => Some(RopeScaling::Linear(factor)),
+            other => {
+                return Err(EngineError::format(
+                    f.path(),
+                    format!(
+                        "metadata {}: {other:?} is not a positive factor",
+                        key("rope.scaling.factor")
+                    ),
+                ));
+            }
+        },
         Some(other) => {
-            return Err(EngineError::Unsupported(format!("rope scaling type {other:?}")));
+            return Err(EngineError::Unsupported(format!(
+                "{} {other:?} (supported: none, linear)",
+                key("rope.scaling.type")
+            )));
         }
     };
     // llama.cpp's reading of a gemma3 file: five sliding layers to one global, the sliding

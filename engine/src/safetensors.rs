@@ -16,7 +16,8 @@ use serde::Deserialize;
 
 use crate::error::{EngineError, Result};
 use crate::model::{
-    Llama3Scaling, LlamaConfig, LlamaWeights, RopeStyle, TensorSource, hf_names, load_weights,
+    Llama3Scaling, LlamaConfig, LlamaWeights, RopeScaling, RopeStyle, TensorSource, hf_names,
+    load_weights,
 };
 use crate::quant::GgmlType;
 
@@ -351,15 +352,19 @@ pub fn hf_config(dir: &Path) -> Result<LlamaConfig> {
     })
 }
 
-fn llama3_scaling(s: &HfRopeScaling) -> std::result::Result<Option<Llama3Scaling>, String> {
+fn llama3_scaling(s: &HfRopeScaling) -> std::result::Result<Option<RopeScaling>, String> {
     let kind = s.rope_type.as_deref().or(s.legacy_type.as_deref()).unwrap_or("default");
     match kind {
         "default" => Ok(None),
+        "linear" => match s.factor {
+            Some(f) if f.is_finite() && f > 0.0 => Ok(Some(RopeScaling::Linear(f))),
+            other => Err(format!("rope_scaling.factor {other:?} is not a positive number")),
+        },
         "llama3" => {
             let need = |v: Option<f32>, key: &str| {
                 v.ok_or_else(|| format!("rope_scaling.{key} is missing (required by llama3)"))
             };
-            Ok(Some(Llama3Scaling {
+            Ok(Some(RopeScaling::Llama3(Llama3Scaling {
                 factor: need(s.factor, "factor")?,
                 low_freq_factor: need(s.low_freq_factor, "low_freq_factor")?,
                 high_freq_factor: need(s.high_freq_factor, "high_freq_factor")?,
@@ -367,9 +372,11 @@ fn llama3_scaling(s: &HfRopeScaling) -> std::result::Result<Option<Llama3Scaling
                     s.original_max_position_embeddings,
                     "original_max_position_embeddings",
                 )?,
-            }))
+            })))
         }
-        other => Err(format!("rope_scaling type {other:?} is not supported (llama3 is)")),
+        other => {
+            Err(format!("rope_scaling type {other:?} is not supported (llama3 and linear are)"))
+        }
     }
 }
 
@@ -578,8 +585,23 @@ mod tests {
         assert_eq!((c.head_dim, c.rope_dims, c.rope_style), (64, 64, RopeStyle::Halves));
         assert_eq!((c.context_length, c.vocab_size, c.tied_embeddings), (131072, 128256, true));
         assert_eq!(c.rope_theta, 500_000.0);
-        let s = c.rope_scaling.ok_or_else(|| EngineError::Unsupported("no scaling".into()))?;
+        let Some(RopeScaling::Llama3(s)) = c.rope_scaling else {
+            return Err(EngineError::Unsupported(format!("scaling {:?}", c.rope_scaling)));
+        };
         assert_eq!((s.factor, s.original_max_position), (32.0, 8192.0));
+        // Linear scaling divides every frequency by its factor.
+        let linear = LLAMA3.replace(
+            r#""rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"}"#,
+            r#""rope_scaling": {"factor": 8.0, "rope_type": "linear"}"#,
+        );
+        let (_dir, linear) = config_dir(&linear)?;
+        let linear = linear?;
+        assert_eq!(linear.rope_scaling, Some(RopeScaling::Linear(8.0)));
+        let plain = LlamaConfig { rope_scaling: None, ..linear.clone() }.inv_freq(None);
+        for (a, b) in linear.inv_freq(None).iter().zip(&plain) {
+            assert!((a * 8.0 - b).abs() <= b * 1e-6, "{a} {b}");
+        }
         Ok(())
     }
 

@@ -56,8 +56,12 @@ const MERGES: [(&str, &str); 23] = [
 
 /// llama.cpp token types written to `tokenizer.ggml.token_type`.
 const TYPE_NORMAL: u64 = 1;
+const TYPE_UNKNOWN: u64 = 2;
 const TYPE_CONTROL: u64 = 3;
 const TYPE_UNUSED: u64 = 5;
+const TYPE_BYTE: u64 = 6;
+/// SentencePiece's word-boundary marker.
+const SPM_SPACE: &str = "\u{2581}";
 
 /// The GPT-2 byte-level alphabet: the character standing for each byte.
 pub fn byte_level_chars() -> [char; 256] {
@@ -85,6 +89,8 @@ pub struct SynthVocabulary {
     types: Vec<u64>,
     merges: Vec<(String, String)>,
     pre: String,
+    /// A SentencePiece vocabulary's scores and space prefix (no merges, no pre-tokenizer).
+    sentence_piece: Option<(Vec<f32>, bool)>,
     bos: usize,
     eos: usize,
 }
@@ -102,6 +108,17 @@ impl SynthVocabulary {
     /// pre-tokenizer named `pre` split it. Padded to `vocab` tokens when that is more.
     pub fn probe(pre: &str, vocab: usize) -> SynthVocabulary {
         SynthVocabulary::with_merges(probe_merges(PROBE_CORPUS), pre, vocab)
+    }
+
+    /// The probe vocabulary called `name`: `spm` or `spm-no-space-prefix` for
+    /// [`probe_sentence_piece`](Self::probe_sentence_piece), else [`probe`](Self::probe) with
+    /// that `tokenizer.ggml.pre`.
+    pub fn probe_named(name: &str, vocab: usize) -> SynthVocabulary {
+        match name {
+            "spm" => SynthVocabulary::probe_sentence_piece(true, vocab),
+            "spm-no-space-prefix" => SynthVocabulary::probe_sentence_piece(false, vocab),
+            pre => SynthVocabulary::probe(pre, vocab),
+        }
     }
 
     fn with_merges(merges: Vec<(String, String)>, pre: &str, vocab: usize) -> SynthVocabulary {
@@ -126,8 +143,54 @@ impl SynthVocabulary {
             types,
             merges,
             pre: pre.to_string(),
+            sentence_piece: None,
             bos: first_special,
             eos: first_special + 2,
+        }
+    }
+
+    /// A SentencePiece vocabulary (`tokenizer.ggml.model = llama`, as Gemma, Mistral, Phi-3
+    /// and Llama 2 files have) for checking against llama.cpp's: `<unk>`, `<s>`, `</s>`, the
+    /// 256 byte tokens, every character of [`PROBE_CORPUS`] (a space as `▁`) and every pair
+    /// of them, scored so the pairs side by side in the corpus merge first.
+    pub fn probe_sentence_piece(add_space_prefix: bool, vocab: usize) -> SynthVocabulary {
+        let mut tokens: Vec<String> = vec!["<unk>".into(), "<s>".into(), "</s>".into()];
+        let mut types = vec![TYPE_UNKNOWN, TYPE_CONTROL, TYPE_CONTROL];
+        tokens.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
+        types.resize(tokens.len(), TYPE_BYTE);
+        let mut scores = vec![0.0; tokens.len()];
+        let text: Vec<char> = PROBE_CORPUS.replace(' ', SPM_SPACE).chars().collect();
+        let mut chars = text.clone();
+        chars.sort_unstable();
+        chars.dedup();
+        for c in &chars {
+            tokens.push(c.to_string());
+            scores.push(-1e6);
+        }
+        let mut counts: HashMap<(char, char), usize> = HashMap::new();
+        for pair in text.windows(2) {
+            *counts.entry((pair[0], pair[1])).or_default() += 1;
+        }
+        let mut pairs: Vec<(char, char)> =
+            chars.iter().flat_map(|&a| chars.iter().map(move |&b| (a, b))).collect();
+        pairs.sort_by_key(|p| (std::cmp::Reverse(counts.get(p).copied().unwrap_or(0)), *p));
+        for (rank, (a, b)) in pairs.into_iter().enumerate() {
+            tokens.push(format!("{a}{b}"));
+            scores.push(-(rank as f32));
+        }
+        types.resize(tokens.len(), TYPE_NORMAL);
+        let n = tokens.len();
+        tokens.extend((0..vocab.saturating_sub(n)).map(|i| format!("<unused_{i}>")));
+        types.resize(tokens.len(), TYPE_UNUSED);
+        scores.resize(tokens.len(), -1e9);
+        SynthVocabulary {
+            tokens,
+            types,
+            merges: Vec::new(),
+            pre: String::new(),
+            sentence_piece: Some((scores, add_space_prefix)),
+            bos: 1,
+            eos: 2,
         }
     }
 
@@ -154,17 +217,29 @@ impl SynthVocabulary {
     /// Writes the `tokenizer.*` metadata (GPT-2 byte-level BPE) and the chat template.
     pub fn write_gguf_meta(&self, w: &mut GgufWriter) {
         let u = |v: usize| MetaValue::U64(v as u64);
-        w.meta("tokenizer.ggml.model", MetaValue::String("gpt2".into()))
-            .meta("tokenizer.ggml.pre", MetaValue::String(self.pre.clone()))
-            .meta("tokenizer.ggml.tokens", strings(&self.tokens))
+        match &self.sentence_piece {
+            Some((scores, prefix)) => w
+                .meta("tokenizer.ggml.model", MetaValue::String("llama".into()))
+                .meta(
+                    "tokenizer.ggml.scores",
+                    MetaValue::Array(
+                        scores.iter().map(|&s| MetaValue::F64(f64::from(s))).collect(),
+                    ),
+                )
+                .meta("tokenizer.ggml.add_space_prefix", MetaValue::Bool(*prefix)),
+            None => w
+                .meta("tokenizer.ggml.model", MetaValue::String("gpt2".into()))
+                .meta("tokenizer.ggml.pre", MetaValue::String(self.pre.clone()))
+                .meta(
+                    "tokenizer.ggml.merges",
+                    strings(self.merges.iter().map(|(a, b)| format!("{a} {b}"))),
+                ),
+        };
+        w.meta("tokenizer.ggml.tokens", strings(&self.tokens))
             .meta(
                 "tokenizer.ggml.token_type",
                 // INT32, as llama.cpp requires (the writer narrows I64 values that fit).
                 MetaValue::Array(self.types.iter().map(|&t| MetaValue::I64(t as i64)).collect()),
-            )
-            .meta(
-                "tokenizer.ggml.merges",
-                strings(self.merges.iter().map(|(a, b)| format!("{a} {b}"))),
             )
             .meta("tokenizer.ggml.bos_token_id", u(self.bos))
             .meta("tokenizer.ggml.eos_token_id", u(self.eos))

@@ -22,7 +22,7 @@ fn probe_tokenizer(pre: &str, dir: &Path) -> anyhow::Result<Tokenizer> {
     let path = dir.join(format!("{pre}.gguf"));
     let mut w = GgufWriter::new();
     w.meta("general.architecture", MetaValue::String("llama".into()));
-    SynthVocabulary::probe(pre, 0).write_gguf_meta(&mut w);
+    SynthVocabulary::probe_named(pre, 0).write_gguf_meta(&mut w);
     w.write(&path)?;
     Ok(Tokenizer::from_gguf(&GgufFile::open(&path)?)?)
 }

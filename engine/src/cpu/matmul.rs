@@ -428,18 +428,79 @@ fn quantize_row_q8(isa: Isa, x: &[f32], qs: &mut [i8], sums: &mut Sums<'_>) {
     quantize_row_q8_generic(x, qs, sums);
 }
 
-/// The generic code compiled with AVX-512 enabled (same arithmetic, vector instructions).
+/// [`quantize_row_q8_generic`] with AVX-512: the same operations in the same order (the block's
+/// largest magnitude, one multiply by its inverse scale, rounding to nearest even under the
+/// default MXCSR), so the same bits.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 unsafe fn quantize_row_q8_avx512(x: &[f32], qs: &mut [i8], sums: &mut Sums<'_>) {
-    quantize_row_q8_generic(x, qs, sums)
+    use std::arch::x86_64::*;
+    for (b, (src, dst)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
+        // SAFETY: `src` holds 32 floats and `dst` 32 bytes (QK = 32).
+        let (h0, h1, db) = unsafe {
+            let v0 = _mm512_loadu_ps(src.as_ptr());
+            let v1 = _mm512_loadu_ps(src.as_ptr().add(16));
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+            let db = amax / 127.0;
+            let id = _mm512_set1_ps(if db != 0.0 { 1.0 / db } else { 0.0 });
+            let q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id));
+            let q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+            _mm_storeu_si128(dst.as_mut_ptr().cast(), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128(dst.as_mut_ptr().add(16).cast(), _mm512_cvtepi32_epi8(q1));
+            (_mm512_reduce_add_epi32(q0), _mm512_reduce_add_epi32(q1), db)
+        };
+        write_sums(sums, b, db, [h0, h1]);
+    }
 }
 
-/// The generic code compiled with AVX2 enabled.
+/// [`quantize_row_q8_generic`] with AVX2, the same bits.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn quantize_row_q8_avx2(x: &[f32], qs: &mut [i8], sums: &mut Sums<'_>) {
-    quantize_row_q8_generic(x, qs, sums)
+    use std::arch::x86_64::*;
+    for (b, (src, dst)) in x.chunks_exact(QK).zip(qs.chunks_exact_mut(QK)).enumerate() {
+        // SAFETY: `src` holds 32 floats and `dst` 32 bytes (QK = 32).
+        let (h0, h1, db) = unsafe {
+            let v: [__m256; 4] = std::array::from_fn(|i| _mm256_loadu_ps(src.as_ptr().add(8 * i)));
+            let abs = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fff_ffff));
+            let m =
+                v.iter().fold(_mm256_setzero_ps(), |m, &x| _mm256_max_ps(m, _mm256_and_ps(x, abs)));
+            let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+            let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+            let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+            let db = amax / 127.0;
+            let id = _mm256_set1_ps(if db != 0.0 { 1.0 / db } else { 0.0 });
+            let q = v.map(|x| _mm256_cvtps_epi32(_mm256_mul_ps(x, id)));
+            // Pack to bytes (saturation never bites: |q| <= 127), then undo the lanes' interleave.
+            let packed =
+                _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+            let packed =
+                _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256(dst.as_mut_ptr().cast(), packed);
+            let sum = |a: __m256i, b: __m256i| {
+                let s = _mm256_add_epi32(a, b);
+                let s = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256::<1>(s));
+                let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+                _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<1>(s)))
+            };
+            (sum(q[0], q[1]), sum(q[2], q[3]), db)
+        };
+        write_sums(sums, b, db, [h0, h1]);
+    }
+}
+
+/// Block `b`'s scale and sums from its largest magnitude over 127 (`db`) and its halves' sums
+/// of 8-bit values.
+#[inline(always)]
+fn write_sums(sums: &mut Sums<'_>, b: usize, db: f32, half: [i32; 2]) {
+    // The scale is kept at f16 precision, as llama.cpp's Q8 blocks store it, so products
+    // match the reference implementation closely. `sa` stays exact for that scale: the
+    // Q8_0 kernels subtract 128 * d_w * sa, which must cancel exactly.
+    let dh = f16::from_f32(db).to_f32();
+    sums.d[b] = dh;
+    sums.sa[b] = dh * (half[0] + half[1]) as f32;
+    sums.sh[2 * b] = dh * half[0] as f32;
+    sums.sh[2 * b + 1] = dh * half[1] as f32;
 }
 
 #[inline(always)]
@@ -454,14 +515,7 @@ fn quantize_row_q8_generic(x: &[f32], qs: &mut [i8], sums: &mut Sums<'_>) {
             *q = qi as i8;
             half[i / 16] += qi;
         }
-        // The scale is kept at f16 precision, as llama.cpp's Q8 blocks store it, so products
-        // match the reference implementation closely. `sa` stays exact for that scale: the
-        // Q8_0 kernels subtract 128 * d_w * sa, which must cancel exactly.
-        let dh = f16::from_f32(db).to_f32();
-        sums.d[b] = dh;
-        sums.sa[b] = dh * (half[0] + half[1]) as f32;
-        sums.sh[2 * b] = dh * half[0] as f32;
-        sums.sh[2 * b + 1] = dh * half[1] as f32;
+        write_sums(sums, b, db, half);
     }
 }
 
@@ -893,6 +947,32 @@ mod tests {
                 } else {
                     assert_eq!(got, want, "{} row {r}", ty.name());
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn activations_quantize_to_the_same_bits_on_every_path() {
+        let cols = 256;
+        // Wide and narrow blocks, an all-zero one, values on rounding ties (k + 0.5 steps of
+        // the scale), negative ones and a block of one outlier.
+        let mut x = data(7 * cols, 9);
+        x[cols..2 * cols].iter_mut().enumerate().for_each(|(i, v)| *v *= 1e-3 * i as f32);
+        x[2 * cols..2 * cols + 32].fill(0.0);
+        for (i, v) in x[3 * cols..3 * cols + 32].iter_mut().enumerate() {
+            *v = if i == 0 { 127.0 } else { i as f32 - 15.5 };
+        }
+        x[4 * cols + 40] = -300.0;
+        let quantized = |isa: Isa, format: ActFormat| {
+            let mut a = QuantizedActs::default();
+            a.quantize(&ThreadPool::new(2), isa, format, &x, cols);
+            (a.qs.clone(), a.d.clone(), a.sa.clone(), a.sh.clone())
+        };
+        for format in [ActFormat::Blocks32, ActFormat::Split] {
+            let want = quantized(Isa::Scalar, format);
+            assert!(want.0.iter().any(|&q| q != 0) && want.1.iter().any(|&d| d == 0.0));
+            for isa in available_isas() {
+                assert!(quantized(isa, format) == want, "{isa:?} {format:?}: other bits");
             }
         }
     }
