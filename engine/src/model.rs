@@ -480,11 +480,13 @@ pub fn load_weights(
         };
         let mut w_down = get_matrix(src, &n("down"), c.hidden, c.intermediate)?;
         let mut wo = get_matrix(src, &n("o"), c.hidden, c.q_dim())?;
-        // The two projections into the residual stream take inputs with outliers (attention
-        // outputs, FFN products): with K-quant weights, 8-bit activations alone moved Gemma 3
-        // past the golden bound, split ones do not (see `ActFormat::Split`).
+        // Gemma's two projections into the residual stream take inputs with outliers
+        // (attention outputs, FFN products): with K-quant weights, 8-bit activations alone
+        // moved Gemma 3 past the golden bound, split ones do not (see `ActFormat::Split`).
+        // Other architectures stay within it at 8 bits, as llama.cpp's Q8_K activations are,
+        // and the split would cost them a third more integer work in prefill.
         for w in [&mut wo, &mut w_down] {
-            if matches!(w.ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K) {
+            if c.gemma.is_some() && matches!(w.ty, GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K) {
                 w.set_activations(ActFormat::Split);
             }
         }
@@ -603,14 +605,29 @@ pub fn gguf_config(f: &GgufFile) -> Result<LlamaConfig> {
     // every layer at the one RoPE base, scores capped, the 46-layer 27B's queries scaled by
     // 1/sqrt(hidden/heads).
     let cap = |k: &str| opt_f(k).filter(|c| *c > 0.0);
+    // Both read a window pattern (one global layer in N) and a sliding layers' RoPE base where
+    // the file has them.
+    let pattern = |default: usize| -> Result<usize> {
+        match f.get(&key("attention.sliding_window_pattern")) {
+            None => Ok(default),
+            Some(v) => v.as_u64().map(|n| n as usize).ok_or_else(|| {
+                EngineError::Unsupported(format!(
+                    "{} as a list of layers (a number is supported)",
+                    key("attention.sliding_window_pattern")
+                ))
+            }),
+        }
+    };
+    let window = f.get(&key("attention.sliding_window")).and_then(|v| v.as_u64());
     let gemma = match arch.as_str() {
         "gemma3" => {
             let layers = u("block_count")?;
             let scalar = if layers == 62 { hidden / heads.max(1) } else { head_dim };
             Some(Gemma {
-                sliding_window: u("attention.sliding_window")?,
-                global_every: 6,
-                local_rope_theta: 10_000.0,
+                // No window: every layer global (one in one).
+                sliding_window: window.filter(|&w| w > 0).map_or(usize::MAX, |w| w as usize),
+                global_every: if window.unwrap_or(0) > 0 { pattern(6)? } else { 1 },
+                local_rope_theta: opt_f("rope.freq_base_swa").unwrap_or(10_000.0),
                 query_scale: 1.0 / (scalar as f32).sqrt(),
                 final_softcap: cap("final_logit_softcapping"),
                 attn_softcap: None,
@@ -620,14 +637,12 @@ pub fn gguf_config(f: &GgufFile) -> Result<LlamaConfig> {
         "gemma2" => {
             let layers = u("block_count")?;
             let scalar = if layers == 46 { hidden / heads.max(1) } else { head_dim };
-            let sliding_window = match f.get(&key("attention.sliding_window")) {
-                None => 4096,
-                Some(_) => u("attention.sliding_window")?,
-            };
             Some(Gemma {
-                sliding_window,
-                global_every: 2,
-                local_rope_theta: opt_f("rope.freq_base").unwrap_or(10_000.0),
+                sliding_window: window.map_or(4096, |w| w as usize),
+                global_every: pattern(2)?,
+                local_rope_theta: opt_f("rope.freq_base_swa")
+                    .or(opt_f("rope.freq_base"))
+                    .unwrap_or(10_000.0),
                 query_scale: 1.0 / (scalar as f32).sqrt(),
                 final_softcap: cap("final_logit_softcapping"),
                 attn_softcap: cap("attn_logit_softcapping"),
