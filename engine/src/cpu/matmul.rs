@@ -113,7 +113,12 @@ impl PackedWeight {
     /// What computes products with this weight: its layout and its activations' format.
     pub fn kernel(&self) -> String {
         let PackedData::Blocks { offset, .. } = &self.data else {
-            return "dequantized a row at a time, f32 dot products".into();
+            return match self.ty {
+                GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
+                    "widened to f32 in registers, f32 multiply-adds".into()
+                }
+                _ => "dequantized a row at a time, f32 dot products".into(),
+            };
         };
         let layout = match offset {
             Offset::Min => "packed 4-bit with minimum",
@@ -620,6 +625,10 @@ pub fn matmul_many(
                 matmul_many(pool, isa, &[*w], x, &mut [o], scratch);
             }
             PackedData::Raw { bytes, row_bytes } => {
+                #[cfg(target_arch = "x86_64")]
+                if raw_rows_simd(pool, isa, w, bytes, x, out) {
+                    continue;
+                }
                 pool.run(&|i| {
                     let range = split_range(w.rows, threads, i, 1);
                     let mut deq = vec![0f32; w.cols];
@@ -637,6 +646,45 @@ pub fn matmul_many(
     }
 }
 
+/// F32, F16 and BF16 weights with the vector kernels of `isa` (`false`: another type, or no
+/// vector kernel, and nothing was done). Each product is the weights widened exactly to f32
+/// times the activations, summed in 16 lanes by fused multiply-adds and then by
+/// [`reduce16`]'s tree: the same bits on AVX-512 and AVX2, whatever the batch or threads.
+#[cfg(target_arch = "x86_64")]
+fn raw_rows_simd(
+    pool: &ThreadPool,
+    isa: Isa,
+    w: &PackedWeight,
+    bytes: &[u8],
+    x: &[f32],
+    out: SharedOut,
+) -> bool {
+    use crate::cpu::x86::{RAW_BF16, RAW_F16, RAW_F32, raw_rows_avx2, raw_rows_avx512};
+    if isa == Isa::Scalar || !w.cols.is_multiple_of(16) {
+        return false;
+    }
+    let (rows, cols, threads) = (w.rows, w.cols, pool.threads());
+    let run = |kernel: unsafe fn(&[u8], usize, usize, &[f32], std::ops::Range<usize>, *mut f32)| {
+        pool.run(&|i| {
+            let range = split_range(rows, threads, i, 4);
+            // SAFETY: `isa` was detected with every feature these kernels use; `bytes`
+            // holds rows x cols elements of the type, `x` whole rows of `cols`, `out` room
+            // for every token's row, and threads write disjoint row ranges.
+            unsafe { kernel(bytes, rows, cols, x, range, out.get()) };
+        });
+        true
+    };
+    match (isa, w.ty) {
+        (Isa::Avx512Vnni, GgmlType::F32) => run(raw_rows_avx512::<RAW_F32>),
+        (Isa::Avx512Vnni, GgmlType::F16) => run(raw_rows_avx512::<RAW_F16>),
+        (Isa::Avx512Vnni, GgmlType::BF16) => run(raw_rows_avx512::<RAW_BF16>),
+        (Isa::Avx2, GgmlType::F32) => run(raw_rows_avx2::<RAW_F32>),
+        (Isa::Avx2, GgmlType::F16) => run(raw_rows_avx2::<RAW_F16>),
+        (Isa::Avx2, GgmlType::BF16) => run(raw_rows_avx2::<RAW_BF16>),
+        _ => false,
+    }
+}
+
 /// Q5_0 blocks rewritten as Q8_0 blocks of the same values and scales.
 fn q5_0_as_q8_0(bytes: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(bytes.len() / 22 * 34);
@@ -649,7 +697,7 @@ fn q5_0_as_q8_0(bytes: &[u8]) -> Vec<u8> {
 }
 
 /// Sums 16 lanes with a fixed reduction tree.
-fn reduce16(mut acc: [f32; 16]) -> f32 {
+pub(crate) fn reduce16(mut acc: [f32; 16]) -> f32 {
     let mut w = 16;
     while w > 1 {
         w /= 2;
@@ -981,11 +1029,10 @@ mod tests {
     fn simd_kernels_agree_with_the_portable_one() {
         let pool = ThreadPool::new(2);
         let (rows, cols) = (24, 768);
-        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0].into_iter().chain([
-            GgmlType::Q4K,
-            GgmlType::Q5K,
-            GgmlType::Q6K,
-        ]) {
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4K, GgmlType::Q5K]
+            .into_iter()
+            .chain([GgmlType::Q6K, GgmlType::F32, GgmlType::F16, GgmlType::BF16])
+        {
             let wf = data(rows * cols, 5);
             let bytes: Vec<u8> = wf.chunks(cols).flat_map(|r| quantize_row(ty, r)).collect();
             let w = PackedWeight::new(ty, rows, cols, &bytes);
@@ -1007,12 +1054,38 @@ mod tests {
     }
 
     #[test]
+    fn float_weights_give_the_same_bits_on_every_vector_path() {
+        // The vector kernels widen F32/F16/BF16 weights and sum in the same 16 lanes and tree
+        // on AVX-512 and AVX2; 13 tokens cross tiles of 4 and 2, 37 rows leave a tail.
+        let pool = ThreadPool::new(2);
+        let (rows, cols) = (37, 2048);
+        let vector: Vec<Isa> = available_isas().into_iter().filter(|&i| i != Isa::Scalar).collect();
+        for ty in [GgmlType::F32, GgmlType::F16, GgmlType::BF16] {
+            let wf = data(rows * cols, 8);
+            let bytes: Vec<u8> = wf.chunks(cols).flat_map(|r| quantize_row(ty, r)).collect();
+            let w = PackedWeight::new(ty, rows, cols, &bytes);
+            let x = data(13 * cols, 9);
+            let outs: Vec<Vec<f32>> = vector
+                .iter()
+                .map(|&isa| {
+                    let mut out = vec![0f32; 13 * rows];
+                    matmul(&pool, isa, &w, &x, &mut out, &mut MatmulScratch::default());
+                    out
+                })
+                .collect();
+            for (isa, out) in vector.iter().zip(&outs) {
+                assert_eq!(out, &outs[0], "{} {isa:?}: other bits", ty.name());
+            }
+        }
+    }
+
+    #[test]
     fn a_row_is_the_same_alone_and_in_a_batch() {
         let pool = ThreadPool::new(2);
         let (rows, cols) = (37, 768);
-        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::F16]
+        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::F16, GgmlType::F32]
             .into_iter()
-            .chain([GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K])
+            .chain([GgmlType::BF16, GgmlType::Q4K, GgmlType::Q5K, GgmlType::Q6K])
         {
             let wf = data(rows * cols, 3);
             let bytes: Vec<u8> = wf.chunks(cols).flat_map(|r| quantize_row(ty, r)).collect();

@@ -352,3 +352,216 @@ unsafe fn tile256<const C: usize>(
         }
     }
 }
+
+/// How a row of floats is stored: F32, F16 or BF16 (see [`raw_rows_avx512`]).
+pub(crate) const RAW_F32: u8 = 0;
+pub(crate) const RAW_F16: u8 = 1;
+pub(crate) const RAW_BF16: u8 = 2;
+
+/// Output rows `range` of a matrix stored as floats (`TY`: [`RAW_F32`], [`RAW_F16`] or
+/// [`RAW_BF16`], rows of `cols` elements at `w`), for every token row of `x`: each weight is
+/// widened exactly to f32 in registers and multiplied-added into 16 lanes, which the fixed
+/// tree of `reduce16` sums, so a product's bits depend on neither the batch nor the thread
+/// (and equal [`raw_rows_avx2`]'s). Tiles of up to 4 rows by 4 tokens reuse each load.
+///
+/// # Safety
+/// The CPU must support AVX-512 F/BW and F16C; `cols` a multiple of 16; `w` must hold the
+/// rows in `range`, `x` whole rows of `cols` floats; `out` must point to
+/// `x.len() / cols * rows` floats of which no other thread writes rows in `range`.
+#[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
+pub(crate) unsafe fn raw_rows_avx512<const TY: u8>(
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    range: Range<usize>,
+    out: *mut f32,
+) {
+    let tokens = x.len() / cols;
+    for block in raw_token_blocks(tokens, cols) {
+        let mut r = range.start;
+        while r < range.end {
+            let rn = (range.end - r).min(4);
+            let mut t = block.start;
+            while t < block.end {
+                let tn = (block.end - t).min(4);
+                // SAFETY: forwarded contract; rows r..r+rn and tokens t..t+tn are in bounds.
+                unsafe {
+                    match (rn, tn) {
+                        (4, 4) => raw_tile512::<TY, 4, 4>(w, rows, cols, x, r, t, out),
+                        (4, 3) => raw_tile512::<TY, 4, 3>(w, rows, cols, x, r, t, out),
+                        (4, 2) => raw_tile512::<TY, 4, 2>(w, rows, cols, x, r, t, out),
+                        (4, _) => raw_tile512::<TY, 4, 1>(w, rows, cols, x, r, t, out),
+                        (_, 4) => raw_tile512::<TY, 1, 4>(w, rows, cols, x, r, t, out),
+                        (_, 3) => raw_tile512::<TY, 1, 3>(w, rows, cols, x, r, t, out),
+                        (_, 2) => raw_tile512::<TY, 1, 2>(w, rows, cols, x, r, t, out),
+                        _ => raw_tile512::<TY, 1, 1>(w, rows, cols, x, r, t, out),
+                    }
+                }
+                t += tn;
+            }
+            // A tail of fewer than 4 rows goes one row at a time.
+            r += if rn == 4 { 4 } else { 1 };
+        }
+    }
+}
+
+/// Token rows in blocks whose activations (about 512 KiB) stay in cache while every weight
+/// row of the range passes over them.
+fn raw_token_blocks(tokens: usize, cols: usize) -> impl Iterator<Item = Range<usize>> {
+    let block = ((512 << 10) / (4 * cols.max(1))).max(4) / 4 * 4;
+    (0..tokens).step_by(block).map(move |t| t..(t + block).min(tokens))
+}
+
+/// 16 weights of row `r` from element `k`, widened to f32.
+#[inline(always)]
+unsafe fn raw_load512<const TY: u8>(w: &[u8], cols: usize, r: usize, k: usize) -> __m512 {
+    // SAFETY: the caller keeps r and k + 16 inside the matrix.
+    unsafe {
+        match TY {
+            RAW_F32 => _mm512_loadu_ps(w.as_ptr().cast::<f32>().add(r * cols + k)),
+            RAW_F16 => _mm512_cvtph_ps(_mm256_loadu_si256(
+                w.as_ptr().cast::<u16>().add(r * cols + k).cast(),
+            )),
+            _ => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+                _mm256_loadu_si256(w.as_ptr().cast::<u16>().add(r * cols + k).cast()),
+            ))),
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,f16c,fma")]
+unsafe fn raw_tile512<const TY: u8, const R: usize, const T: usize>(
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    r: usize,
+    t: usize,
+    out: *mut f32,
+) {
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    for k in (0..cols).step_by(16) {
+        // SAFETY: rows r..r+R and tokens t..t+T exist (caller), k + 16 <= cols.
+        unsafe {
+            let xs: [__m512; T] =
+                std::array::from_fn(|j| _mm512_loadu_ps(x.as_ptr().add((t + j) * cols + k)));
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let wv = raw_load512::<TY>(w, cols, r + i, k);
+                for (a, xv) in acc.iter_mut().zip(&xs) {
+                    *a = _mm512_fmadd_ps(wv, *xv, *a);
+                }
+            }
+        }
+    }
+    for (i, acc) in acc.iter().enumerate() {
+        for (j, a) in acc.iter().enumerate() {
+            let mut lanes = [0f32; 16];
+            // SAFETY: 16 floats into `lanes`; element (t + j, r + i) is this thread's.
+            unsafe {
+                _mm512_storeu_ps(lanes.as_mut_ptr(), *a);
+                *out.add((t + j) * rows + r + i) = crate::cpu::matmul::reduce16(lanes);
+            }
+        }
+    }
+}
+
+/// [`raw_rows_avx512`] with AVX2: each 16 lanes as two registers of 8, the same operations
+/// in the same order, so the same bits. Tiles of up to 2 rows by 2 tokens.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; otherwise as [`raw_rows_avx512`].
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn raw_rows_avx2<const TY: u8>(
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    range: Range<usize>,
+    out: *mut f32,
+) {
+    let tokens = x.len() / cols;
+    for block in raw_token_blocks(tokens, cols) {
+        let mut r = range.start;
+        while r < range.end {
+            let rn = (range.end - r).min(2);
+            let mut t = block.start;
+            while t < block.end {
+                let tn = (block.end - t).min(2);
+                // SAFETY: forwarded contract; rows r..r+rn and tokens t..t+tn are in bounds.
+                unsafe {
+                    match (rn, tn) {
+                        (2, 2) => raw_tile256::<TY, 2, 2>(w, rows, cols, x, r, t, out),
+                        (2, _) => raw_tile256::<TY, 2, 1>(w, rows, cols, x, r, t, out),
+                        (_, 2) => raw_tile256::<TY, 1, 2>(w, rows, cols, x, r, t, out),
+                        _ => raw_tile256::<TY, 1, 1>(w, rows, cols, x, r, t, out),
+                    }
+                }
+                t += tn;
+            }
+            r += rn;
+        }
+    }
+}
+
+/// 8 weights of row `r` from element `k`, widened to f32.
+#[inline(always)]
+unsafe fn raw_load256<const TY: u8>(w: &[u8], cols: usize, r: usize, k: usize) -> __m256 {
+    // SAFETY: the caller keeps r and k + 8 inside the matrix.
+    unsafe {
+        match TY {
+            RAW_F32 => _mm256_loadu_ps(w.as_ptr().cast::<f32>().add(r * cols + k)),
+            RAW_F16 => {
+                _mm256_cvtph_ps(_mm_loadu_si128(w.as_ptr().cast::<u16>().add(r * cols + k).cast()))
+            }
+            _ => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                _mm_loadu_si128(w.as_ptr().cast::<u16>().add(r * cols + k).cast()),
+            ))),
+        }
+    }
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn raw_tile256<const TY: u8, const R: usize, const T: usize>(
+    w: &[u8],
+    rows: usize,
+    cols: usize,
+    x: &[f32],
+    r: usize,
+    t: usize,
+    out: *mut f32,
+) {
+    let mut acc = [[[_mm256_setzero_ps(); 2]; T]; R];
+    for k in (0..cols).step_by(16) {
+        // SAFETY: rows r..r+R and tokens t..t+T exist (caller), k + 16 <= cols.
+        unsafe {
+            let xs: [[__m256; 2]; T] = std::array::from_fn(|j| {
+                let p = x.as_ptr().add((t + j) * cols + k);
+                [_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8))]
+            });
+            for (i, acc) in acc.iter_mut().enumerate() {
+                let wv = [
+                    raw_load256::<TY>(w, cols, r + i, k),
+                    raw_load256::<TY>(w, cols, r + i, k + 8),
+                ];
+                for (a, xv) in acc.iter_mut().zip(&xs) {
+                    a[0] = _mm256_fmadd_ps(wv[0], xv[0], a[0]);
+                    a[1] = _mm256_fmadd_ps(wv[1], xv[1], a[1]);
+                }
+            }
+        }
+    }
+    for (i, acc) in acc.iter().enumerate() {
+        for (j, a) in acc.iter().enumerate() {
+            let mut lanes = [0f32; 16];
+            // SAFETY: 16 floats into `lanes`; element (t + j, r + i) is this thread's.
+            unsafe {
+                _mm256_storeu_ps(lanes.as_mut_ptr(), a[0]);
+                _mm256_storeu_ps(lanes.as_mut_ptr().add(8), a[1]);
+                *out.add((t + j) * rows + r + i) = crate::cpu::matmul::reduce16(lanes);
+            }
+        }
+    }
+}
