@@ -61,6 +61,9 @@ pub struct Gemma {
     pub attn_softcap: Option<f32>,
     /// RMSNorm over each query and key head before RoPE (Gemma 3).
     pub qk_norm: bool,
+    /// Whether the sliding layers' RoPE takes the model's frequency scaling too (Gemma 2; Gemma
+    /// 3's sliding layers keep their base unscaled).
+    pub local_rope_scaled: bool,
 }
 
 impl Gemma {
@@ -259,7 +262,7 @@ pub struct LlamaWeights {
     pub layers: Vec<LayerWeights>,
     /// Rotary inverse frequencies.
     pub inv_freq: Vec<f32>,
-    /// Those of the sliding-window layers, when they have their own base (Gemma 3).
+    /// Those of the sliding-window layers, when they have their own (Gemma 2 and 3).
     pub local_inv_freq: Option<Vec<f32>>,
 }
 
@@ -432,6 +435,36 @@ pub fn hf_names() -> TensorNames {
     }
 }
 
+/// Hugging Face's names for a Gemma 2 checkpoint: as [`hf_names`], but its
+/// `post_attention_layernorm` follows attention, and the FFN has norms before and after.
+pub fn hf_gemma_names() -> TensorNames {
+    TensorNames {
+        layer: |i, role| match role {
+            "post_attn_norm" => format!("model.layers.{i}.post_attention_layernorm.weight"),
+            "ffn_norm" => format!("model.layers.{i}.pre_feedforward_layernorm.weight"),
+            "post_ffn_norm" => format!("model.layers.{i}.post_feedforward_layernorm.weight"),
+            other => (hf_names().layer)(i, other),
+        },
+        ..hf_names()
+    }
+}
+
+impl LlamaWeights {
+    /// Gemma's checkpoints store each RMSNorm weight as `w` for a norm that scales by
+    /// `1 + w`; GGUF files (and this engine) hold `1 + w`.
+    pub fn add_one_to_norms(&mut self) {
+        let add = |v: &mut Vec<f32>| v.iter_mut().for_each(|x| *x += 1.0);
+        add(&mut self.norm);
+        for l in &mut self.layers {
+            add(&mut l.attn_norm);
+            add(&mut l.ffn_norm);
+            for v in [&mut l.post_attn_norm, &mut l.post_ffn_norm, &mut l.q_norm, &mut l.k_norm] {
+                v.iter_mut().for_each(add);
+            }
+        }
+    }
+}
+
 /// Loads and repacks all weights.
 pub fn load_weights(
     src: &dyn TensorSource,
@@ -511,7 +544,8 @@ pub fn load_weights(
     }
     let inv_freq = config.inv_freq(freq_factors.as_deref());
     let local_inv_freq = config.gemma.as_ref().map(|g| {
-        LlamaConfig { rope_theta: g.local_rope_theta, rope_scaling: None, ..config.clone() }
+        let rope_scaling = if g.local_rope_scaled { config.rope_scaling } else { None };
+        LlamaConfig { rope_theta: g.local_rope_theta, rope_scaling, ..config.clone() }
             .inv_freq(None)
     });
     Ok(LlamaWeights { config, embed, output, norm, layers, inv_freq, local_inv_freq })
@@ -577,20 +611,25 @@ pub fn gguf_config(f: &GgufFile) -> Result<LlamaConfig> {
             .and_then(|t| t.dims.get(1).copied())
             .ok_or_else(|| EngineError::format(f.path(), "missing tensor token_embd.weight"))?,
     };
+    // As llama.cpp reads it: type `none` never scales; otherwise a factor
+    // (`rope.scaling.factor`, or the older `rope.scale_linear`) divides the frequencies, the
+    // type defaulting to linear; the types that scale otherwise (YaRN, LongRoPE) are refused.
+    let factor = opt_f("rope.scaling.factor").or(opt_f("rope.scale_linear")).unwrap_or(0.0);
     let rope_scaling = match f.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
-        None | Some("none") => None,
-        Some("linear") => match opt_f("rope.scaling.factor") {
-            Some(factor) if factor.is_finite() && factor > 0.0 => Some(RopeScaling::Linear(factor)),
-            other => {
-                return Err(EngineError::format(
-                    f.path(),
-                    format!(
-                        "metadata {}: {other:?} is not a positive factor",
-                        key("rope.scaling.factor")
-                    ),
-                ));
-            }
-        },
+        Some("none") => None,
+        None | Some("linear") if factor == 0.0 || factor == 1.0 => None,
+        None | Some("linear") if factor.is_finite() && factor > 0.0 => {
+            Some(RopeScaling::Linear(factor))
+        }
+        None | Some("linear") => {
+            return Err(EngineError::format(
+                f.path(),
+                format!(
+                    "metadata {}: {factor} is not a positive factor",
+                    key("rope.scaling.factor")
+                ),
+            ));
+        }
         Some(other) => {
             return Err(EngineError::Unsupported(format!(
                 "{} {other:?} (supported: none, linear)",
@@ -632,6 +671,7 @@ pub fn gguf_config(f: &GgufFile) -> Result<LlamaConfig> {
                 final_softcap: cap("final_logit_softcapping"),
                 attn_softcap: None,
                 qk_norm: true,
+                local_rope_scaled: false,
             })
         }
         "gemma2" => {
@@ -644,9 +684,11 @@ pub fn gguf_config(f: &GgufFile) -> Result<LlamaConfig> {
                     .or(opt_f("rope.freq_base"))
                     .unwrap_or(10_000.0),
                 query_scale: 1.0 / (scalar as f32).sqrt(),
-                final_softcap: cap("final_logit_softcapping"),
-                attn_softcap: cap("attn_logit_softcapping"),
+                // llama.cpp's defaults when the file has no caps.
+                final_softcap: cap("final_logit_softcapping").or(Some(30.0)),
+                attn_softcap: cap("attn_logit_softcapping").or(Some(50.0)),
                 qk_norm: false,
+                local_rope_scaled: true,
             })
         }
         _ => None,

@@ -16,8 +16,8 @@ use serde::Deserialize;
 
 use crate::error::{EngineError, Result};
 use crate::model::{
-    Llama3Scaling, LlamaConfig, LlamaWeights, RopeScaling, RopeStyle, TensorSource, hf_names,
-    load_weights,
+    Gemma, Llama3Scaling, LlamaConfig, LlamaWeights, RopeScaling, RopeStyle, TensorSource,
+    hf_gemma_names, hf_names, load_weights,
 };
 use crate::quant::GgmlType;
 
@@ -34,12 +34,13 @@ const MAX_HEADER_BYTES: usize = 100_000_000;
 const LEN_BYTES: usize = 8;
 
 /// Architectures this engine runs, as `config.json` names them, with our short names.
-const ARCHITECTURES: [(&str, &str); 5] = [
+const ARCHITECTURES: [(&str, &str); 6] = [
     ("LlamaForCausalLM", "llama"),
     ("MistralForCausalLM", "mistral"),
     ("Qwen2ForCausalLM", "qwen2"),
     ("Qwen3ForCausalLM", "qwen3"),
     ("Phi3ForCausalLM", "phi3"),
+    ("Gemma2ForCausalLM", "gemma2"),
 ];
 
 /// Where one tensor lives.
@@ -272,6 +273,10 @@ struct HfConfig {
     partial_rotary_factor: Option<f32>,
     sliding_window: Option<usize>,
     use_sliding_window: Option<bool>,
+    query_pre_attn_scalar: Option<f32>,
+    /// Absent: Gemma 2's default cap; `null`: none.
+    attn_logit_softcapping: Option<serde_json::Value>,
+    final_logit_softcapping: Option<serde_json::Value>,
 }
 
 #[derive(Deserialize)]
@@ -347,8 +352,25 @@ pub fn hf_config(dir: &Path) -> Result<LlamaConfig> {
         // transformers' default for all three architectures.
         rms_eps: c.rms_norm_eps.unwrap_or(1e-6),
         context_length,
-        tied_embeddings: c.tie_word_embeddings.unwrap_or(false),
-        gemma: None,
+        // Gemma ties its embeddings unless told otherwise; the others do not.
+        tied_embeddings: c.tie_word_embeddings.unwrap_or(arch == "gemma2"),
+        gemma: (arch == "gemma2").then(|| {
+            // transformers' Gemma2Config defaults: 50 on scores, 30 on logits.
+            let cap = |c: &Option<serde_json::Value>, default: f32| match c {
+                None => Some(default),
+                Some(v) => v.as_f64().map(|v| v as f32).filter(|c| *c > 0.0),
+            };
+            Gemma {
+                sliding_window: c.sliding_window.unwrap_or(4096),
+                global_every: 2,
+                local_rope_theta: c.rope_theta.unwrap_or(10_000.0),
+                query_scale: 1.0 / c.query_pre_attn_scalar.unwrap_or(head_dim as f32).sqrt(),
+                final_softcap: cap(&c.final_logit_softcapping, 30.0),
+                attn_softcap: cap(&c.attn_logit_softcapping, 50.0),
+                qk_norm: false,
+                local_rope_scaled: true,
+            }
+        }),
     })
 }
 
@@ -385,7 +407,8 @@ fn llama3_scaling(s: &HfRopeScaling) -> std::result::Result<Option<RopeScaling>,
 pub fn load_safetensors_weights(dir: &Path) -> Result<(LlamaWeights, SafetensorsModel)> {
     let config = hf_config(dir)?;
     let model = SafetensorsModel::open(dir)?;
-    let names = hf_names();
+    let gemma = config.gemma.is_some();
+    let names = if gemma { hf_gemma_names() } else { hf_names() };
     // `load_weights` ties the head when `lm_head` is absent; only do so when the config says so.
     if !config.tied_embeddings && model.tensor(&names.output).is_none() {
         return Err(EngineError::format(
@@ -393,7 +416,10 @@ pub fn load_safetensors_weights(dir: &Path) -> Result<(LlamaWeights, Safetensors
             format!("missing tensor {} (tie_word_embeddings is false)", names.output),
         ));
     }
-    let weights = load_weights(&model, &names, config, None)?;
+    let mut weights = load_weights(&model, &names, config, None)?;
+    if gemma {
+        weights.add_one_to_norms();
+    }
     Ok((weights, model))
 }
 

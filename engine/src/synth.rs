@@ -14,7 +14,7 @@ use sluice_text::gguf::{GgufWriter, MetaValue};
 use sluice_text::synth::{SynthVocabulary, tokenizer_token_count};
 
 use crate::error::{EngineError, Result};
-use crate::model::{Gemma, LlamaConfig, RopeStyle, gguf_names, hf_names};
+use crate::model::{Gemma, LlamaConfig, RopeStyle, gguf_names, hf_gemma_names, hf_names};
 use crate::quant::{GgmlType, quantize_row};
 use crate::safetensors::{CONFIG_FILE, INDEX_FILE, SINGLE_FILE, write_safetensors};
 
@@ -183,6 +183,7 @@ impl SynthSpec {
                 final_softcap: Some(GEMMA2_FINAL_SOFTCAP),
                 attn_softcap: Some(GEMMA2_ATTN_SOFTCAP),
                 qk_norm: false,
+                local_rope_scaled: true,
             }),
         }
     }
@@ -225,7 +226,7 @@ impl SynthSpec {
 
     /// Every tensor, in file order, named both ways.
     fn tensors(&self) -> Vec<SynthTensor> {
-        let (hf, gguf) = (hf_names(), gguf_names());
+        let (hf, gguf) = (if self.gemma2 { hf_gemma_names() } else { hf_names() }, gguf_names());
         let (q_dim, kv_dim) = (self.heads * self.head_dim(), self.kv_heads * self.head_dim());
         let mut out = vec![SynthTensor::new(&hf.embed, &gguf.embed, &[self.vocab, self.hidden])];
         for i in 0..self.layers {
@@ -501,11 +502,6 @@ pub fn write_safetensors_dir(
             )));
         }
     };
-    if spec.gemma2 {
-        return Err(EngineError::Unsupported(
-            "synthetic gemma2 models are written as GGUF only".into(),
-        ));
-    }
     std::fs::create_dir_all(dir).map_err(|e| EngineError::io(dir, e))?;
     let v = SynthVocabulary::new(spec.vocab);
     let model_type = spec.arch();
@@ -513,9 +509,10 @@ pub fn write_safetensors_dir(
         "phi3" => "Phi3ForCausalLM",
         "qwen3" => "Qwen3ForCausalLM",
         "qwen2" => "Qwen2ForCausalLM",
+        "gemma2" => "Gemma2ForCausalLM",
         _ => "LlamaForCausalLM",
     };
-    let config = json!({
+    let mut config = json!({
         "architectures": [hf_arch],
         "model_type": model_type,
         "hidden_size": spec.hidden,
@@ -537,6 +534,19 @@ pub fn write_safetensors_dir(
         "eos_token_id": v.eos(),
         "torch_dtype": dtype,
     });
+    if spec.gemma2 {
+        let gemma = json!({
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": spec.head_dim(),
+            "sliding_window": GEMMA2_SLIDING_WINDOW,
+            "attn_logit_softcapping": GEMMA2_ATTN_SOFTCAP,
+            "final_logit_softcapping": GEMMA2_FINAL_SOFTCAP,
+        });
+        if let (Some(c), Some(g)) = (config.as_object_mut(), gemma.as_object()) {
+            c.extend(g.clone());
+        }
+    }
     write_json(&dir.join(CONFIG_FILE), &config)?;
     write_json(&dir.join("tokenizer.json"), &v.tokenizer_json())?;
     write_json(&dir.join("tokenizer_config.json"), &v.tokenizer_config_json(spec.context))?;
@@ -554,7 +564,11 @@ pub fn write_safetensors_dir(
         // One shard in memory at a time.
         let mut encoded = Vec::with_capacity(range.len());
         for t in &tensors[range.clone()] {
-            let values = spec.values(t);
+            let mut values = spec.values(t);
+            // Gemma's checkpoints hold each norm weight less one (see `add_one_to_norms`).
+            if spec.gemma2 && matches!(t.kind(), Kind::Norm) {
+                values.iter_mut().for_each(|v| *v -= 1.0);
+            }
             encoded.push((t.hf.clone(), ty, t.shape.clone(), t.encode(ty, &values)?));
             weight_map.insert(t.hf.clone(), json!(file));
         }

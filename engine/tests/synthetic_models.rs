@@ -11,8 +11,8 @@ use sluice_engine::EngineError;
 use sluice_engine::forward::{KvCache, LogitsWanted, Runner, SeqInput};
 use sluice_engine::interrupt::Interrupt;
 use sluice_engine::model::{
-    LlamaConfig, LlamaWeights, RopeStyle, TensorSource, gguf_config, gguf_names, hf_names,
-    load_gguf_weights, load_weights,
+    LlamaConfig, LlamaWeights, RopeStyle, TensorSource, gguf_config, gguf_names, hf_gemma_names,
+    hf_names, load_gguf_weights, load_weights,
 };
 use sluice_engine::quant::GgmlType;
 use sluice_engine::safetensors::{
@@ -131,7 +131,11 @@ fn gguf_and_safetensors_agree(spec: &SynthSpec) -> anyhow::Result<()> {
     // whatever the permutation and RoPE styles did.
     let mut wrong = hf_config(&hf_dir)?;
     wrong.rope_style = RopeStyle::Interleaved;
-    let wrong = load_weights(&model, &hf_names(), wrong, None)?;
+    let names = if spec.gemma2 { hf_gemma_names() } else { hf_names() };
+    let mut wrong = load_weights(&model, &names, wrong, None)?;
+    if spec.gemma2 {
+        wrong.add_one_to_norms();
+    }
     let control = rel_diff(&by_hf, &run(&wrong)?);
     ensure!(control > 1e-2, "{}: wrong RoPE style changes logits by only {control}", spec.arch());
     Ok(())
@@ -140,6 +144,13 @@ fn gguf_and_safetensors_agree(spec: &SynthSpec) -> anyhow::Result<()> {
 #[test]
 fn gguf_and_safetensors_give_the_same_logits_llama() -> anyhow::Result<()> {
     gguf_and_safetensors_agree(&SynthSpec::tiny())
+}
+
+/// Gemma 2 from a Hugging Face directory: its own norm names, norm weights stored less one,
+/// capped scores and logits read from config.json.
+#[test]
+fn gguf_and_safetensors_give_the_same_logits_gemma2() -> anyhow::Result<()> {
+    gguf_and_safetensors_agree(&SynthSpec { gemma2: true, tied: true, ..SynthSpec::tiny() })
 }
 
 #[test]

@@ -275,7 +275,7 @@ pub struct ChatTemplate {
     tools: bool,
     /// Whether the template renders a leading system message (found by rendering one).
     system_role: bool,
-    /// Whether the template knows a `developer` role (else it becomes `system`).
+    /// Whether the template keeps a `developer` role (GPT-OSS's; elsewhere it becomes `system`).
     developer_role: bool,
 }
 
@@ -318,7 +318,8 @@ impl ChatTemplate {
             version: sha256_hex(source.as_bytes()),
             tools: source.contains("tools"),
             system_role: true,
-            developer_role: source.contains("developer"),
+            // llama.cpp keeps `developer` only for GPT-OSS's template (its channels).
+            developer_role: source.contains("<|channel|>"),
         };
         // As llama.cpp finds a template's capabilities: render a system message and look for it.
         let needle = "\u{E002}system needle\u{E002}";
@@ -329,7 +330,7 @@ impl ChatTemplate {
     }
 
     /// The messages as the template is given them, adapted as llama.cpp adapts them for
-    /// templates that lack a role: `developer` becomes `system` unless the template knows it,
+    /// templates that lack a role: `developer` becomes `system` (except for GPT-OSS's),
     /// and a leading system message the template would refuse or drop is put before the next
     /// message's content (with a newline), or dropped when it is the only message.
     fn prepare<'a>(&self, messages: &'a [ChatMessage]) -> std::borrow::Cow<'a, [ChatMessage]> {
@@ -463,7 +464,7 @@ impl ChatTemplate {
             .enumerate()
             .map(|(i, m)| ChatMessage { content: format!(" {open}{i}\u{E001} "), ..m.clone() })
             .collect();
-        let text = self.render_tools(&marked, tools, add_generation_prompt)?;
+        let text = self.render_raw(&marked, tools, add_generation_prompt)?;
         let changed = || {
             TextError::Template(
                 "the chat template changes message content beyond trimming it; it cannot keep \

@@ -115,7 +115,7 @@ impl PackedWeight {
         let PackedData::Blocks { offset, .. } = &self.data else {
             return match self.ty {
                 GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
-                    "widened to f32 in registers, f32 multiply-adds".into()
+                    "widened to f32 in registers (AVX-512/AVX2), f32 multiply-adds".into()
                 }
                 _ => "dequantized a row at a time, f32 dot products".into(),
             };
@@ -435,7 +435,7 @@ fn quantize_row_q8(isa: Isa, x: &[f32], qs: &mut [i8], sums: &mut Sums<'_>) {
 
 /// [`quantize_row_q8_generic`] with AVX-512: the same operations in the same order (the block's
 /// largest magnitude, one multiply by its inverse scale, rounding to nearest even under the
-/// default MXCSR), so the same bits.
+/// default MXCSR), so the same bits for finite inputs.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,fma")]
 unsafe fn quantize_row_q8_avx512(x: &[f32], qs: &mut [i8], sums: &mut Sums<'_>) {
@@ -458,7 +458,7 @@ unsafe fn quantize_row_q8_avx512(x: &[f32], qs: &mut [i8], sums: &mut Sums<'_>) 
     }
 }
 
-/// [`quantize_row_q8_generic`] with AVX2, the same bits.
+/// [`quantize_row_q8_generic`] with AVX2, the same bits for finite inputs.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn quantize_row_q8_avx2(x: &[f32], qs: &mut [i8], sums: &mut Sums<'_>) {
@@ -646,6 +646,10 @@ pub fn matmul_many(
     }
 }
 
+/// A float-weight kernel: (weights, rows, cols, activations, output rows, output).
+#[cfg(target_arch = "x86_64")]
+type RawKernel = unsafe fn(&[u8], usize, usize, &[f32], std::ops::Range<usize>, *mut f32);
+
 /// F32, F16 and BF16 weights with the vector kernels of `isa` (`false`: another type, or no
 /// vector kernel, and nothing was done). Each product is the weights widened exactly to f32
 /// times the activations, summed in 16 lanes by fused multiply-adds and then by
@@ -664,7 +668,7 @@ fn raw_rows_simd(
         return false;
     }
     let (rows, cols, threads) = (w.rows, w.cols, pool.threads());
-    let run = |kernel: unsafe fn(&[u8], usize, usize, &[f32], std::ops::Range<usize>, *mut f32)| {
+    let run = |kernel: RawKernel| {
         pool.run(&|i| {
             let range = split_range(rows, threads, i, 4);
             // SAFETY: `isa` was detected with every feature these kernels use; `bytes`

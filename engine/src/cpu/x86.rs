@@ -1,6 +1,7 @@
 //! x86-64 kernels: packed 4/8-bit weights times 8-bit activations, over the 16-row
-//! interleaved layout described in [`crate::cpu::matmul`] (attention's kernels are in
-//! [`crate::cpu::attention`]).
+//! interleaved layout described in [`crate::cpu::matmul`], and F32/F16/BF16 weights widened
+//! in registers times f32 activations (`raw_rows_*`, summed by `matmul::reduce16`'s tree)
+//! (attention's kernels are in [`crate::cpu::attention`]).
 //!
 //! Per (group of 16 rows, block, token): eight integer products of a quad of all 16 rows
 //! with the token's 4 activation bytes broadcast give the block's exact sums in 16 int32
