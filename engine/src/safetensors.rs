@@ -34,13 +34,14 @@ const MAX_HEADER_BYTES: usize = 100_000_000;
 const LEN_BYTES: usize = 8;
 
 /// Architectures this engine runs, as `config.json` names them, with our short names.
-const ARCHITECTURES: [(&str, &str); 6] = [
+const ARCHITECTURES: [(&str, &str); 7] = [
     ("LlamaForCausalLM", "llama"),
     ("MistralForCausalLM", "mistral"),
     ("Qwen2ForCausalLM", "qwen2"),
     ("Qwen3ForCausalLM", "qwen3"),
     ("Phi3ForCausalLM", "phi3"),
     ("Gemma2ForCausalLM", "gemma2"),
+    ("Gemma3ForCausalLM", "gemma3"),
 ];
 
 /// Where one tensor lives.
@@ -277,6 +278,9 @@ struct HfConfig {
     /// Absent: Gemma 2's default cap; `null`: none.
     attn_logit_softcapping: Option<serde_json::Value>,
     final_logit_softcapping: Option<serde_json::Value>,
+    rope_local_base_freq: Option<f32>,
+    sliding_window_pattern: Option<usize>,
+    layer_types: Option<Vec<String>>,
 }
 
 #[derive(Deserialize)]
@@ -323,9 +327,9 @@ pub fn hf_config(dir: &Path) -> Result<LlamaConfig> {
         Some(f) if f > 0.0 && f <= 1.0 => (head_dim as f32 * f) as usize,
         Some(f) => return Err(fail(format!("partial_rotary_factor {f} is not in (0, 1]"))),
     };
-    let rope_scaling = match c.rope_scaling {
+    let rope_scaling = match &c.rope_scaling {
         None => None,
-        Some(s) => llama3_scaling(&s).map_err(fail)?,
+        Some(s) => llama3_scaling(s).map_err(fail)?,
     };
     // The forward pass attends over the whole context; capping the context at the sliding
     // window keeps it exact for models trained with one.
@@ -353,24 +357,64 @@ pub fn hf_config(dir: &Path) -> Result<LlamaConfig> {
         rms_eps: c.rms_norm_eps.unwrap_or(1e-6),
         context_length,
         // Gemma ties its embeddings unless told otherwise; the others do not.
-        tied_embeddings: c.tie_word_embeddings.unwrap_or(arch == "gemma2"),
-        gemma: (arch == "gemma2").then(|| {
-            // transformers' Gemma2Config defaults: 50 on scores, 30 on logits.
-            let cap = |c: &Option<serde_json::Value>, default: f32| match c {
-                None => Some(default),
-                Some(v) => v.as_f64().map(|v| v as f32).filter(|c| *c > 0.0),
-            };
-            Gemma {
-                sliding_window: c.sliding_window.unwrap_or(4096),
-                global_every: 2,
-                local_rope_theta: c.rope_theta.unwrap_or(10_000.0),
-                query_scale: 1.0 / c.query_pre_attn_scalar.unwrap_or(head_dim as f32).sqrt(),
-                final_softcap: cap(&c.final_logit_softcapping, 30.0),
-                attn_softcap: cap(&c.attn_logit_softcapping, 50.0),
-                qk_norm: false,
-                local_rope_scaled: true,
-            }
+        tied_embeddings: c.tie_word_embeddings.unwrap_or(arch.starts_with("gemma")),
+        gemma: gemma_block(&c, arch, head_dim).map_err(fail)?,
+    })
+}
+
+/// Gemma 2's or 3's block from their configs (transformers' defaults where a key is absent).
+fn gemma_block(
+    c: &HfConfig,
+    arch: &str,
+    head_dim: usize,
+) -> std::result::Result<Option<Gemma>, String> {
+    // A cap that is absent takes `default`; `null` means none.
+    let cap = |c: &Option<serde_json::Value>, default: Option<f32>| match c {
+        None => default,
+        Some(v) => v.as_f64().map(|v| v as f32).filter(|c| *c > 0.0),
+    };
+    let query_scale = 1.0 / c.query_pre_attn_scalar.unwrap_or(head_dim as f32).sqrt();
+    Ok(match arch {
+        "gemma2" => Some(Gemma {
+            sliding_window: c.sliding_window.unwrap_or(4096),
+            global_every: 2,
+            local_rope_theta: c.rope_theta.unwrap_or(10_000.0),
+            query_scale,
+            final_softcap: cap(&c.final_logit_softcapping, Some(30.0)),
+            attn_softcap: cap(&c.attn_logit_softcapping, Some(50.0)),
+            qk_norm: false,
+            local_rope_scaled: true,
         }),
+        "gemma3" => {
+            // Newer configs list each layer's kind; this engine runs one global layer in N.
+            let global_every = match &c.layer_types {
+                None => c.sliding_window_pattern.unwrap_or(6),
+                Some(kinds) => {
+                    let n = kinds.iter().position(|k| k == "full_attention").map_or(0, |i| i + 1);
+                    let periodic = kinds.iter().enumerate().all(|(l, k)| {
+                        let global = n > 0 && l % n == n - 1;
+                        k == if global { "full_attention" } else { "sliding_attention" }
+                    });
+                    if !periodic {
+                        return Err(format!(
+                            "layer_types {kinds:?} is not one full_attention layer in N"
+                        ));
+                    }
+                    n
+                }
+            };
+            Some(Gemma {
+                sliding_window: c.sliding_window.unwrap_or(4096),
+                global_every,
+                local_rope_theta: c.rope_local_base_freq.unwrap_or(10_000.0),
+                query_scale,
+                final_softcap: cap(&c.final_logit_softcapping, None),
+                attn_softcap: cap(&c.attn_logit_softcapping, None),
+                qk_norm: true,
+                local_rope_scaled: false,
+            })
+        }
+        _ => None,
     })
 }
 

@@ -26,6 +26,8 @@ const GEMMA2_SLIDING_WINDOW: usize = 16;
 /// and 30).
 const GEMMA2_ATTN_SOFTCAP: f32 = 0.5;
 const GEMMA2_FINAL_SOFTCAP: f32 = 8.0;
+/// A synthetic Gemma 3's sliding layers' RoPE base (its global layers take the spec's).
+const GEMMA3_LOCAL_ROPE_THETA: f32 = 10_000.0;
 /// Shape and seed of a synthetic model.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SynthSpec {
@@ -56,6 +58,9 @@ pub struct SynthSpec {
     /// Gemma 2's block (norms after attention and after the FFN, GELU, the embedding scaled,
     /// sliding-window layers, capped scores and logits; tied embeddings); GGUF only.
     pub gemma2: bool,
+    /// Gemma 3's block (Gemma 2's without the caps, with per-head Q/K norms, which
+    /// `qk_norm` must ask for, and an unscaled RoPE base of 10,000 on the sliding layers).
+    pub gemma3: bool,
     /// Seed of every weight.
     pub seed: u64,
 }
@@ -77,6 +82,7 @@ impl SynthSpec {
             qk_norm: false,
             fused: false,
             gemma2: false,
+            gemma3: false,
             seed: 1,
         }
     }
@@ -105,6 +111,7 @@ impl SynthSpec {
             qk_norm: false,
             fused: false,
             gemma2: false,
+            gemma3: false,
             seed: 1,
         };
         match name {
@@ -127,6 +134,7 @@ impl SynthSpec {
                 qk_norm: false,
                 fused: false,
                 gemma2: false,
+                gemma3: false,
                 seed: 1,
             }),
             _ => None,
@@ -148,6 +156,9 @@ impl SynthSpec {
     pub fn arch(&self) -> &'static str {
         if self.gemma2 {
             return "gemma2";
+        }
+        if self.gemma3 {
+            return "gemma3";
         }
         match (self.fused, self.qk_norm, self.qkv_bias) {
             (true, ..) => "phi3",
@@ -175,15 +186,19 @@ impl SynthSpec {
             rms_eps: RMS_EPS,
             context_length: self.context,
             tied_embeddings: self.tied,
-            gemma: self.gemma2.then(|| Gemma {
+            gemma: self.gemma().then(|| Gemma {
                 sliding_window: GEMMA2_SLIDING_WINDOW,
                 global_every: 2,
-                local_rope_theta: self.rope_theta,
+                local_rope_theta: if self.gemma3 {
+                    GEMMA3_LOCAL_ROPE_THETA
+                } else {
+                    self.rope_theta
+                },
                 query_scale: 1.0 / (self.head_dim() as f32).sqrt(),
-                final_softcap: Some(GEMMA2_FINAL_SOFTCAP),
-                attn_softcap: Some(GEMMA2_ATTN_SOFTCAP),
-                qk_norm: false,
-                local_rope_scaled: true,
+                final_softcap: self.gemma2.then_some(GEMMA2_FINAL_SOFTCAP),
+                attn_softcap: self.gemma2.then_some(GEMMA2_ATTN_SOFTCAP),
+                qk_norm: self.gemma3,
+                local_rope_scaled: self.gemma2,
             }),
         }
     }
@@ -216,17 +231,28 @@ impl SynthSpec {
         if !self.rope_theta.is_finite() || self.rope_theta <= 0.0 {
             return bad(format!("rope_theta {}", self.rope_theta));
         }
-        if self.gemma2 && (!self.tied || self.fused || self.qkv_bias || self.qk_norm) {
+        if self.gemma2 && (!self.tied || self.fused || self.qkv_bias || self.qk_norm || self.gemma3)
+        {
             return bad("gemma2 ties its embeddings and has no fused matrices, biases or Q/K \
                         norms"
+                .into());
+        }
+        if self.gemma3 && (!self.tied || self.fused || self.qkv_bias || !self.qk_norm) {
+            return bad("gemma3 ties its embeddings, has Q/K norms and no fused matrices or \
+                        biases"
                 .into());
         }
         Ok(())
     }
 
+    /// Whether the block is Gemma 2's or 3's.
+    pub fn gemma(&self) -> bool {
+        self.gemma2 || self.gemma3
+    }
+
     /// Every tensor, in file order, named both ways.
     fn tensors(&self) -> Vec<SynthTensor> {
-        let (hf, gguf) = (if self.gemma2 { hf_gemma_names() } else { hf_names() }, gguf_names());
+        let (hf, gguf) = (if self.gemma() { hf_gemma_names() } else { hf_names() }, gguf_names());
         let (q_dim, kv_dim) = (self.heads * self.head_dim(), self.kv_heads * self.head_dim());
         let mut out = vec![SynthTensor::new(&hf.embed, &gguf.embed, &[self.vocab, self.hidden])];
         for i in 0..self.layers {
@@ -255,7 +281,7 @@ impl SynthSpec {
                 out.push(t("k_norm", &[self.head_dim()]));
             }
             out.push(t("o", &[self.hidden, q_dim]));
-            if self.gemma2 {
+            if self.gemma() {
                 out.push(t("post_attn_norm", &[self.hidden]));
             }
             out.push(t("ffn_norm", &[self.hidden]));
@@ -266,7 +292,7 @@ impl SynthSpec {
                 out.push(t("up", &[self.intermediate, self.hidden]));
             }
             out.push(t("down", &[self.hidden, self.intermediate]));
-            if self.gemma2 {
+            if self.gemma() {
                 out.push(t("post_ffn_norm", &[self.hidden]));
             }
         }
@@ -461,6 +487,11 @@ pub fn write_gguf_with_vocabulary(
             .meta(&key("attn_logit_softcapping"), MetaValue::F64(f64::from(GEMMA2_ATTN_SOFTCAP)))
             .meta(&key("final_logit_softcapping"), MetaValue::F64(f64::from(GEMMA2_FINAL_SOFTCAP)));
     }
+    if spec.gemma3 {
+        w.meta(&key("attention.sliding_window"), u(GEMMA2_SLIDING_WINDOW))
+            .meta(&key("attention.sliding_window_pattern"), u(2))
+            .meta(&key("rope.freq_base_swa"), MetaValue::F64(f64::from(GEMMA3_LOCAL_ROPE_THETA)));
+    }
     vocabulary.write_gguf_meta(&mut w);
 
     // llama.cpp's qwen2 uses NeoX (halves) RoPE and its converter leaves Q and K alone.
@@ -510,6 +541,7 @@ pub fn write_safetensors_dir(
         "qwen3" => "Qwen3ForCausalLM",
         "qwen2" => "Qwen2ForCausalLM",
         "gemma2" => "Gemma2ForCausalLM",
+        "gemma3" => "Gemma3ForCausalLM",
         _ => "LlamaForCausalLM",
     };
     let mut config = json!({
@@ -547,6 +579,24 @@ pub fn write_safetensors_dir(
             c.extend(g.clone());
         }
     }
+    if spec.gemma3 {
+        let gemma = json!({
+            "model_type": "gemma3_text",
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_activation": "gelu_pytorch_tanh",
+            "query_pre_attn_scalar": spec.head_dim(),
+            "sliding_window": GEMMA2_SLIDING_WINDOW,
+            "layer_types": (0..spec.layers)
+                .map(|l| if l % 2 == 0 { "sliding_attention" } else { "full_attention" })
+                .collect::<Vec<_>>(),
+            "rope_local_base_freq": GEMMA3_LOCAL_ROPE_THETA,
+            "attn_logit_softcapping": null,
+            "final_logit_softcapping": null,
+        });
+        if let (Some(c), Some(g)) = (config.as_object_mut(), gemma.as_object()) {
+            c.extend(g.clone());
+        }
+    }
     write_json(&dir.join(CONFIG_FILE), &config)?;
     write_json(&dir.join("tokenizer.json"), &v.tokenizer_json())?;
     write_json(&dir.join("tokenizer_config.json"), &v.tokenizer_config_json(spec.context))?;
@@ -566,7 +616,7 @@ pub fn write_safetensors_dir(
         for t in &tensors[range.clone()] {
             let mut values = spec.values(t);
             // Gemma's checkpoints hold each norm weight less one (see `add_one_to_norms`).
-            if spec.gemma2 && matches!(t.kind(), Kind::Norm) {
+            if spec.gemma() && matches!(t.kind(), Kind::Norm) {
                 values.iter_mut().for_each(|v| *v -= 1.0);
             }
             encoded.push((t.hf.clone(), ty, t.shape.clone(), t.encode(ty, &values)?));

@@ -131,9 +131,9 @@ fn gguf_and_safetensors_agree(spec: &SynthSpec) -> anyhow::Result<()> {
     // whatever the permutation and RoPE styles did.
     let mut wrong = hf_config(&hf_dir)?;
     wrong.rope_style = RopeStyle::Interleaved;
-    let names = if spec.gemma2 { hf_gemma_names() } else { hf_names() };
+    let names = if spec.gemma() { hf_gemma_names() } else { hf_names() };
     let mut wrong = load_weights(&model, &names, wrong, None)?;
-    if spec.gemma2 {
+    if spec.gemma() {
         wrong.add_one_to_norms();
     }
     let control = rel_diff(&by_hf, &run(&wrong)?);
@@ -151,6 +151,20 @@ fn gguf_and_safetensors_give_the_same_logits_llama() -> anyhow::Result<()> {
 #[test]
 fn gguf_and_safetensors_give_the_same_logits_gemma2() -> anyhow::Result<()> {
     gguf_and_safetensors_agree(&SynthSpec { gemma2: true, tied: true, ..SynthSpec::tiny() })
+}
+
+/// Gemma 3 from a Hugging Face directory: per-head Q/K norms (stored less one too), a window
+/// pattern from `layer_types`, its sliding layers' own RoPE base.
+#[test]
+fn gguf_and_safetensors_give_the_same_logits_gemma3() -> anyhow::Result<()> {
+    let spec = SynthSpec {
+        gemma3: true,
+        qk_norm: true,
+        tied: true,
+        rope_theta: 1_000_000.0,
+        ..SynthSpec::tiny()
+    };
+    gguf_and_safetensors_agree(&spec)
 }
 
 #[test]
