@@ -163,7 +163,8 @@ struct SynthArgs {
     #[arg(long, default_value = "llama-8b")]
     shape: String,
     /// The architecture: llama, qwen2 (Q/K/V biases), qwen3 (per-head Q/K norms), phi3
-    /// (fused Q/K/V and gate-up matrices), gemma2 or gemma3; default the shape's own.
+    /// (fused Q/K/V and gate-up matrices), phi3-longrope (with Phi-3.5's LongRoPE factors;
+    /// GGUF), gemma2 or gemma3; default the shape's own.
     #[arg(long)]
     arch: Option<String>,
     /// `hf` (a directory) or `gguf` (one file).
@@ -729,10 +730,13 @@ fn run_synth(args: SynthArgs) -> anyhow::Result<()> {
     let spec = SynthSpec { seed: args.seed, ..spec };
     let spec = match args.arch.as_deref() {
         None => spec,
-        Some(arch @ ("llama" | "qwen2" | "qwen3" | "phi3" | "gemma2" | "gemma3")) => SynthSpec {
+        Some(
+            arch @ ("llama" | "qwen2" | "qwen3" | "phi3" | "phi3-longrope" | "gemma2" | "gemma3"),
+        ) => SynthSpec {
             qkv_bias: arch == "qwen2",
             qk_norm: arch == "qwen3" || arch == "gemma3",
-            fused: arch == "phi3",
+            fused: arch.starts_with("phi3"),
+            longrope: arch == "phi3-longrope",
             gemma2: arch == "gemma2",
             gemma3: arch == "gemma3",
             tied: spec.tied || arch.starts_with("gemma"),
@@ -741,7 +745,8 @@ fn run_synth(args: SynthArgs) -> anyhow::Result<()> {
             ..spec
         },
         Some(other) => bail!(
-            "--arch {other:?} is not an architecture (llama, qwen2, qwen3, phi3, gemma2, gemma3)"
+            "--arch {other:?} is not an architecture (llama, qwen2, qwen3, phi3, phi3-longrope, \
+             gemma2, gemma3)"
         ),
     };
     let gguf = match args.format.as_str() {

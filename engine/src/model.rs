@@ -23,6 +23,15 @@ pub enum RopeScaling {
     /// Every frequency divided by the factor (`linear`: Gemma 3 4B and larger, whose sliding
     /// layers keep their own unscaled base).
     Linear(f32),
+    /// LongRoPE (Phi-3.5, Phi-4 mini): per-dimension factors from the file (its long ones
+    /// when the context exceeds the pre-training one, as llama.cpp chooses them), and cosines
+    /// and sines scaled by `attn_factor`, which scales every score by its square.
+    LongRope {
+        /// Factor on each rotated query and key (`rope.scaling.attn_factor`).
+        attn_factor: f32,
+        /// Whether the long factors apply (else the short ones).
+        long: bool,
+    },
 }
 
 /// Llama-3 style frequency scaling (`rope_scaling.rope_type = "llama3"`).
@@ -122,9 +131,15 @@ impl LlamaConfig {
 
     /// The factor on attention scores.
     pub fn attention_scale(&self) -> f32 {
-        match &self.gemma {
+        let base = match &self.gemma {
             Some(g) => g.query_scale,
             None => 1.0 / (self.head_dim as f32).sqrt(),
+        };
+        // Every dimension is rotated (checked at load), so scaling the rotation's cosines and
+        // sines by `m` scales each score by m squared.
+        match self.rope_scaling {
+            Some(RopeScaling::LongRope { attn_factor, .. }) => base * attn_factor * attn_factor,
+            _ => base,
         }
     }
 
@@ -163,6 +178,8 @@ impl LlamaConfig {
                     (Some(ff), _) => base / ff.get(i).copied().unwrap_or(1.0),
                     (None, Some(RopeScaling::Llama3(s))) => llama3_scale(base, s),
                     (None, Some(RopeScaling::Linear(f))) => base / f,
+                    // Its factors are required at load; without them, the base.
+                    (None, Some(RopeScaling::LongRope { .. })) => base,
                     (None, None) => base,
                 }
             })
@@ -577,16 +594,9 @@ pub fn gguf_config(f: &GgufFile) -> Result<LlamaConfig> {
             )));
         }
     };
-    // Phi-3.5 and Phi-4 mini scale RoPE by LongRoPE's per-dimension factors, which this
-    // engine does not apply: refused rather than run with the wrong positions.
-    if let Some(t) = ["rope_factors_long.weight", "rope_factors_short.weight"]
-        .into_iter()
-        .find(|t| GgufFile::tensor(f, t).is_some())
-    {
-        return Err(EngineError::Unsupported(format!(
-            "{arch} with LongRoPE scaling ({t}); Phi-3 without it (the 4k-context models) runs"
-        )));
-    }
+    let longrope = ["rope_factors_long.weight", "rope_factors_short.weight"]
+        .iter()
+        .any(|t| GgufFile::tensor(f, t).is_some());
     let prefix = arch.clone();
     let key = |k: &str| format!("{prefix}.{k}");
     let u = |k: &str| -> Result<usize> { Ok(f.get_u64(&key(k))? as usize) };
@@ -616,6 +626,22 @@ pub fn gguf_config(f: &GgufFile) -> Result<LlamaConfig> {
     // type defaulting to linear; the types that scale otherwise (YaRN, LongRoPE) are refused.
     let factor = opt_f("rope.scaling.factor").or(opt_f("rope.scale_linear")).unwrap_or(0.0);
     let rope_scaling = match f.get(&key("rope.scaling.type")).and_then(|v| v.as_str()) {
+        // Phi-3.5 and Phi-4 mini: the factors' tensors say LongRoPE whatever the type.
+        _ if longrope => {
+            let context = u("context_length")?;
+            let original = match f.get(&key("rope.scaling.original_context_length")) {
+                None => context,
+                Some(_) => u("rope.scaling.original_context_length")?,
+            };
+            let attn_factor = opt_f("rope.scaling.attn_factor").unwrap_or(1.0);
+            if !attn_factor.is_finite() || attn_factor <= 0.0 || rope_dims != head_dim {
+                return Err(EngineError::Unsupported(format!(
+                    "LongRoPE with attn_factor {attn_factor} over {rope_dims} of {head_dim} \
+                     dimensions (a positive factor over every dimension is supported)"
+                )));
+            }
+            Some(RopeScaling::LongRope { attn_factor, long: context > original })
+        }
         Some("none") => None,
         None | Some("linear") if factor == 0.0 || factor == 1.0 => None,
         None | Some("linear") if factor.is_finite() && factor > 0.0 => {
@@ -716,6 +742,12 @@ pub fn gguf_config(f: &GgufFile) -> Result<LlamaConfig> {
 /// Loads GGUF weights (llama.cpp's Llama 3 files carry `rope_freqs.weight` factors).
 pub fn load_gguf_weights(f: &GgufFile) -> Result<LlamaWeights> {
     let config = gguf_config(f)?;
-    let factors = get_vector(f, "rope_freqs.weight", config.rope_dims / 2)?;
+    let factors = match config.rope_scaling {
+        Some(RopeScaling::LongRope { long, .. }) => {
+            let name = if long { "rope_factors_long.weight" } else { "rope_factors_short.weight" };
+            Some(require_vector(f, name, config.rope_dims / 2)?)
+        }
+        _ => get_vector(f, "rope_freqs.weight", config.rope_dims / 2)?,
+    };
     load_weights(f, &gguf_names(), config, factors)
 }

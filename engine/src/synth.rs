@@ -14,7 +14,9 @@ use sluice_text::gguf::{GgufWriter, MetaValue};
 use sluice_text::synth::{SynthVocabulary, tokenizer_token_count};
 
 use crate::error::{EngineError, Result};
-use crate::model::{Gemma, LlamaConfig, RopeStyle, gguf_names, hf_gemma_names, hf_names};
+use crate::model::{
+    Gemma, LlamaConfig, RopeScaling, RopeStyle, gguf_names, hf_gemma_names, hf_names,
+};
 use crate::quant::{GgmlType, quantize_row};
 use crate::safetensors::{CONFIG_FILE, INDEX_FILE, SINGLE_FILE, write_safetensors};
 
@@ -26,6 +28,8 @@ const GEMMA2_SLIDING_WINDOW: usize = 16;
 /// and 30).
 const GEMMA2_ATTN_SOFTCAP: f32 = 0.5;
 const GEMMA2_FINAL_SOFTCAP: f32 = 8.0;
+/// The pre-training context a synthetic LongRoPE model states (its context is longer).
+pub const LONGROPE_ORIGINAL_CONTEXT: usize = 64;
 /// A synthetic Gemma 3's sliding layers' RoPE base (its global layers take the spec's).
 const GEMMA3_LOCAL_ROPE_THETA: f32 = 10_000.0;
 /// Shape and seed of a synthetic model.
@@ -61,6 +65,10 @@ pub struct SynthSpec {
     /// Gemma 3's block (Gemma 2's without the caps, with per-head Q/K norms, which
     /// `qk_norm` must ask for, and an unscaled RoPE base of 10,000 on the sliding layers).
     pub gemma3: bool,
+    /// Phi-3.5's LongRoPE: per-dimension factors (the long ones apply, the context being
+    /// past a pre-training context of [`LONGROPE_ORIGINAL_CONTEXT`]) and an attention factor;
+    /// GGUF only, with `fused`.
+    pub longrope: bool,
     /// Seed of every weight.
     pub seed: u64,
 }
@@ -83,6 +91,7 @@ impl SynthSpec {
             fused: false,
             gemma2: false,
             gemma3: false,
+            longrope: false,
             seed: 1,
         }
     }
@@ -112,6 +121,7 @@ impl SynthSpec {
             fused: false,
             gemma2: false,
             gemma3: false,
+            longrope: false,
             seed: 1,
         };
         match name {
@@ -135,6 +145,7 @@ impl SynthSpec {
                 fused: false,
                 gemma2: false,
                 gemma3: false,
+                longrope: false,
                 seed: 1,
             }),
             _ => None,
@@ -181,7 +192,11 @@ impl SynthSpec {
             head_dim: self.head_dim(),
             rope_dims: self.head_dim(),
             rope_theta: self.rope_theta,
-            rope_scaling: None,
+            rope_scaling: self.longrope.then(|| {
+                let (context, original) = (self.context as f64, LONGROPE_ORIGINAL_CONTEXT as f64);
+                let attn_factor = (1.0 + (context / original).ln() / original.ln()).sqrt() as f32;
+                RopeScaling::LongRope { attn_factor, long: true }
+            }),
             rope_style: RopeStyle::Halves,
             rms_eps: RMS_EPS,
             context_length: self.context,
@@ -236,6 +251,11 @@ impl SynthSpec {
             return bad("gemma2 ties its embeddings and has no fused matrices, biases or Q/K \
                         norms"
                 .into());
+        }
+        if self.longrope && (!self.fused || self.context <= LONGROPE_ORIGINAL_CONTEXT) {
+            return bad(format!(
+                "LongRoPE is Phi-3's (fused matrices) with a context past {LONGROPE_ORIGINAL_CONTEXT}"
+            ));
         }
         if self.gemma3 && (!self.tied || self.fused || self.qkv_bias || !self.qk_norm) {
             return bad("gemma3 ties its embeddings, has Q/K norms and no fused matrices or \
@@ -487,6 +507,19 @@ pub fn write_gguf_with_vocabulary(
             .meta(&key("attn_logit_softcapping"), MetaValue::F64(f64::from(GEMMA2_ATTN_SOFTCAP)))
             .meta(&key("final_logit_softcapping"), MetaValue::F64(f64::from(GEMMA2_FINAL_SOFTCAP)));
     }
+    if spec.longrope {
+        let (context, original) = (spec.context as f64, LONGROPE_ORIGINAL_CONTEXT as f64);
+        let attn_factor = (1.0 + (context / original).ln() / original.ln()).sqrt();
+        w.meta(&key("rope.scaling.original_context_length"), u(LONGROPE_ORIGINAL_CONTEXT))
+            .meta(&key("rope.scaling.attn_factor"), MetaValue::F64(attn_factor));
+        let half = spec.head_dim() / 2;
+        for (name, step) in
+            [("rope_factors_long.weight", 0.25f32), ("rope_factors_short.weight", 0.05)]
+        {
+            let factors: Vec<f32> = (0..half).map(|i| 1.0 + step * i as f32).collect();
+            w.tensor(name, &[half], GgmlType::F32, quantize_row(GgmlType::F32, &factors));
+        }
+    }
     if spec.gemma3 {
         w.meta(&key("attention.sliding_window"), u(GEMMA2_SLIDING_WINDOW))
             .meta(&key("attention.sliding_window_pattern"), u(2))
@@ -533,6 +566,11 @@ pub fn write_safetensors_dir(
             )));
         }
     };
+    if spec.longrope {
+        return Err(EngineError::Unsupported(
+            "synthetic LongRoPE models are written as GGUF only".into(),
+        ));
+    }
     std::fs::create_dir_all(dir).map_err(|e| EngineError::io(dir, e))?;
     let v = SynthVocabulary::new(spec.vocab);
     let model_type = spec.arch();

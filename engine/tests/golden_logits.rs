@@ -148,6 +148,7 @@ fn other_architectures_agree_with_llama_cpp_on_files_it_quantized() -> anyhow::R
         ("qwen2-q8_0", "qwen2", GgmlType::Q8_0),
         ("gemma2-q4_k_m", "gemma2", GgmlType::Q4K),
         ("gemma3-q5_k_m", "gemma3", GgmlType::Q5K),
+        ("phi3-longrope-q8_0", "phi3", GgmlType::Q8_0),
     ];
     for (name, arch, ty) in cases {
         let path = dir.join(format!("{name}.gguf"));

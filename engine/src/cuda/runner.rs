@@ -721,6 +721,13 @@ impl CudaRunner {
     /// Copies `w` to the device as bf16 (dequantized once, here).
     pub fn upload(&self, w: &LlamaWeights) -> Result<CudaModel, CudaError> {
         let c = &w.config;
+        if matches!(c.rope_scaling, Some(crate::model::RopeScaling::LongRope { .. })) {
+            return Err(CudaError::Invalid(format!(
+                "the CUDA backend scales attention by 1/sqrt(head_dim); {} with LongRoPE's \
+                 attention factor runs on the CPU backend",
+                c.arch
+            )));
+        }
         if c.gemma.is_some() || w.layers.iter().any(|l| l.q_norm.is_some()) {
             return Err(CudaError::Invalid(format!(
                 "the CUDA backend runs Llama-family blocks; {} (per-head Q/K norms, or Gemma's \
