@@ -279,6 +279,7 @@ struct HfConfig {
     attn_logit_softcapping: Option<serde_json::Value>,
     final_logit_softcapping: Option<serde_json::Value>,
     rope_local_base_freq: Option<f32>,
+    original_max_position_embeddings: Option<usize>,
     sliding_window_pattern: Option<usize>,
     layer_types: Option<Vec<String>>,
 }
@@ -292,11 +293,19 @@ struct HfRopeScaling {
     low_freq_factor: Option<f32>,
     high_freq_factor: Option<f32>,
     original_max_position_embeddings: Option<f32>,
+    long_factor: Option<Vec<f32>>,
+    short_factor: Option<Vec<f32>>,
+    attention_factor: Option<f32>,
 }
 
 /// Reads `dir/config.json` into a [`LlamaConfig`] (RoPE in halves, as every Hugging Face
 /// checkpoint stores Q and K).
 pub fn hf_config(dir: &Path) -> Result<LlamaConfig> {
+    Ok(read_hf_config(dir)?.0)
+}
+
+/// [`hf_config`], and the per-dimension RoPE factors the config lists (LongRoPE's).
+fn read_hf_config(dir: &Path) -> Result<(LlamaConfig, Option<Vec<f32>>)> {
     let path = dir.join(CONFIG_FILE);
     let text = std::fs::read(&path).map_err(|e| EngineError::io(&path, e))?;
     let c: HfConfig = serde_json::from_slice(&text)
@@ -327,9 +336,9 @@ pub fn hf_config(dir: &Path) -> Result<LlamaConfig> {
         Some(f) if f > 0.0 && f <= 1.0 => (head_dim as f32 * f) as usize,
         Some(f) => return Err(fail(format!("partial_rotary_factor {f} is not in (0, 1]"))),
     };
-    let rope_scaling = match &c.rope_scaling {
-        None => None,
-        Some(s) => llama3_scaling(s).map_err(fail)?,
+    let (rope_scaling, factors) = match &c.rope_scaling {
+        None => (None, None),
+        Some(s) => rope_scaling(s, &c, rope_dims, head_dim).map_err(fail)?,
     };
     // The forward pass attends over the whole context; capping the context at the sliding
     // window keeps it exact for models trained with one.
@@ -340,7 +349,7 @@ pub fn hf_config(dir: &Path) -> Result<LlamaConfig> {
     };
     let context_length =
         window.map_or(c.max_position_embeddings, |w| w.min(c.max_position_embeddings));
-    Ok(LlamaConfig {
+    let config = LlamaConfig {
         arch: arch.to_string(),
         vocab_size: c.vocab_size,
         hidden: c.hidden_size,
@@ -359,7 +368,8 @@ pub fn hf_config(dir: &Path) -> Result<LlamaConfig> {
         // Gemma ties its embeddings unless told otherwise; the others do not.
         tied_embeddings: c.tie_word_embeddings.unwrap_or(arch.starts_with("gemma")),
         gemma: gemma_block(&c, arch, head_dim).map_err(fail)?,
-    })
+    };
+    Ok((config, factors))
 }
 
 /// Gemma 2's or 3's block from their configs (transformers' defaults where a key is absent).
@@ -418,6 +428,53 @@ fn gemma_block(
     })
 }
 
+/// `rope_scaling`'s kind, with the per-dimension factors LongRoPE lists.
+type Scaling = (Option<RopeScaling>, Option<Vec<f32>>);
+
+fn rope_scaling(
+    s: &HfRopeScaling,
+    c: &HfConfig,
+    rope_dims: usize,
+    head_dim: usize,
+) -> std::result::Result<Scaling, String> {
+    let kind = s.rope_type.as_deref().or(s.legacy_type.as_deref()).unwrap_or("default");
+    if kind != "longrope" {
+        return llama3_scaling(s).map(|k| (k, None));
+    }
+    // As llama.cpp's converter and loader read Phi-3.5's: the long factors when the context
+    // exceeds the pre-training one, and transformers' attention factor.
+    let original = c
+        .original_max_position_embeddings
+        .or(s.original_max_position_embeddings.map(|v| v as usize))
+        .ok_or("original_max_position_embeddings is missing (required by longrope)")?;
+    let long = c.max_position_embeddings > original;
+    let (key, factors) =
+        if long { ("long_factor", &s.long_factor) } else { ("short_factor", &s.short_factor) };
+    let factors = factors.clone().ok_or(format!("rope_scaling.{key} is missing"))?;
+    if factors.len() != rope_dims / 2 || factors.iter().any(|f| !f.is_finite() || *f <= 0.0) {
+        return Err(format!(
+            "rope_scaling.{key} must hold {} positive numbers, not {}",
+            rope_dims / 2,
+            factors.len()
+        ));
+    }
+    if rope_dims != head_dim {
+        return Err("longrope over part of each head is not supported".into());
+    }
+    let attn_factor = match s.attention_factor {
+        Some(f) => f,
+        None => {
+            let (context, original) = (c.max_position_embeddings as f64, original as f64);
+            if context <= original {
+                1.0
+            } else {
+                (1.0 + (context / original).ln() / original.ln()).sqrt() as f32
+            }
+        }
+    };
+    Ok((Some(RopeScaling::LongRope { attn_factor, long }), Some(factors)))
+}
+
 fn llama3_scaling(s: &HfRopeScaling) -> std::result::Result<Option<RopeScaling>, String> {
     let kind = s.rope_type.as_deref().or(s.legacy_type.as_deref()).unwrap_or("default");
     match kind {
@@ -449,7 +506,7 @@ fn llama3_scaling(s: &HfRopeScaling) -> std::result::Result<Option<RopeScaling>,
 /// Loads the configuration and weights of the Hugging Face checkpoint in `dir`. The model
 /// is returned too, for its file list.
 pub fn load_safetensors_weights(dir: &Path) -> Result<(LlamaWeights, SafetensorsModel)> {
-    let config = hf_config(dir)?;
+    let (config, factors) = read_hf_config(dir)?;
     let model = SafetensorsModel::open(dir)?;
     let gemma = config.gemma.is_some();
     let names = if gemma { hf_gemma_names() } else { hf_names() };
@@ -460,7 +517,7 @@ pub fn load_safetensors_weights(dir: &Path) -> Result<(LlamaWeights, Safetensors
             format!("missing tensor {} (tie_word_embeddings is false)", names.output),
         ));
     }
-    let mut weights = load_weights(&model, &names, config, None)?;
+    let mut weights = load_weights(&model, &names, config, factors)?;
     if gemma {
         weights.add_one_to_norms();
     }

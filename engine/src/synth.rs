@@ -67,7 +67,7 @@ pub struct SynthSpec {
     pub gemma3: bool,
     /// Phi-3.5's LongRoPE: per-dimension factors (the long ones apply, the context being
     /// past a pre-training context of [`LONGROPE_ORIGINAL_CONTEXT`]) and an attention factor;
-    /// GGUF only, with `fused`.
+    /// with `fused`.
     pub longrope: bool,
     /// Seed of every weight.
     pub seed: u64,
@@ -513,10 +513,10 @@ pub fn write_gguf_with_vocabulary(
         w.meta(&key("rope.scaling.original_context_length"), u(LONGROPE_ORIGINAL_CONTEXT))
             .meta(&key("rope.scaling.attn_factor"), MetaValue::F64(attn_factor));
         let half = spec.head_dim() / 2;
-        for (name, step) in
-            [("rope_factors_long.weight", 0.25f32), ("rope_factors_short.weight", 0.05)]
+        let (long, short) = longrope_factors(half);
+        for (name, factors) in
+            [("rope_factors_long.weight", long), ("rope_factors_short.weight", short)]
         {
-            let factors: Vec<f32> = (0..half).map(|i| 1.0 + step * i as f32).collect();
             w.tensor(name, &[half], GgmlType::F32, quantize_row(GgmlType::F32, &factors));
         }
     }
@@ -566,11 +566,6 @@ pub fn write_safetensors_dir(
             )));
         }
     };
-    if spec.longrope {
-        return Err(EngineError::Unsupported(
-            "synthetic LongRoPE models are written as GGUF only".into(),
-        ));
-    }
     std::fs::create_dir_all(dir).map_err(|e| EngineError::io(dir, e))?;
     let v = SynthVocabulary::new(spec.vocab);
     let model_type = spec.arch();
@@ -614,6 +609,16 @@ pub fn write_safetensors_dir(
             "final_logit_softcapping": GEMMA2_FINAL_SOFTCAP,
         });
         if let (Some(c), Some(g)) = (config.as_object_mut(), gemma.as_object()) {
+            c.extend(g.clone());
+        }
+    }
+    if spec.longrope {
+        let (long, short) = longrope_factors(spec.head_dim() / 2);
+        let scaling = json!({
+            "rope_scaling": {"rope_type": "longrope", "long_factor": long, "short_factor": short},
+            "original_max_position_embeddings": LONGROPE_ORIGINAL_CONTEXT,
+        });
+        if let (Some(c), Some(g)) = (config.as_object_mut(), scaling.as_object()) {
             c.extend(g.clone());
         }
     }
@@ -668,6 +673,12 @@ pub fn write_safetensors_dir(
         write_json(&dir.join(INDEX_FILE), &index)?;
     }
     Ok(())
+}
+
+/// A synthetic LongRoPE model's long and short factors for `half` rotated pairs.
+fn longrope_factors(half: usize) -> (Vec<f32>, Vec<f32>) {
+    let f = |step: f32| (0..half).map(|i| 1.0 + step * i as f32).collect();
+    (f(0.25), f(0.05))
 }
 
 /// Splits tensors of the given sizes, in order, into `shards` non-empty runs of roughly

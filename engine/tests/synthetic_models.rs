@@ -167,6 +167,13 @@ fn gguf_and_safetensors_give_the_same_logits_gemma3() -> anyhow::Result<()> {
     gguf_and_safetensors_agree(&spec)
 }
 
+/// Phi-3.5's LongRoPE from either format: factors as tensors or as config lists, the same
+/// attention factor.
+#[test]
+fn gguf_and_safetensors_give_the_same_logits_phi3_longrope() -> anyhow::Result<()> {
+    gguf_and_safetensors_agree(&SynthSpec { fused: true, longrope: true, ..SynthSpec::tiny() })
+}
+
 #[test]
 fn gguf_and_safetensors_give_the_same_logits_qwen2_with_bias() -> anyhow::Result<()> {
     gguf_and_safetensors_agree(&SynthSpec { qkv_bias: true, tied: true, ..SynthSpec::tiny() })
