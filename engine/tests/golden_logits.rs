@@ -20,28 +20,101 @@ fn agreement(
     weights: &LlamaWeights,
     items: &[serde_json::Value],
 ) -> anyhow::Result<(usize, usize, f32, f32)> {
+    agreement_with(weights, None, items).map(|a| (a.positions, a.checked, a.median, a.max))
+}
+
+/// What [`agreement_with`] measured.
+struct Agreement {
+    positions: usize,
+    /// Positions whose top-1 was checked against llama.cpp's.
+    checked: usize,
+    /// Median and max |d logprob| against llama.cpp's top-1.
+    median: f32,
+    max: f32,
+    /// Positions where llama.cpp's clear top-1 is not the exact reference's (not checked).
+    llama_wrong: Vec<usize>,
+    /// Median and max |d logprob| against the exact reference, and top-1s checked against it.
+    exact_median: f32,
+    exact_max: f32,
+    exact_checked: usize,
+}
+
+/// Log-probabilities of every completion position of a golden item.
+fn item_logprobs(
+    weights: &LlamaWeights,
+    item: &serde_json::Value,
+) -> anyhow::Result<Vec<Vec<f32>>> {
     let vocab = weights.config.vocab_size;
     let mut runner = Runner::new(0);
     let mut cache = KvCache::new(weights, 16, 64);
     let table: Vec<u32> = (0..64).collect();
+    let prompt = common::ids(&item["prompt_tokens"]);
+    let completion = common::ids(&item["completion_tokens"]);
+    let mut input = prompt.clone();
+    input.extend_from_slice(&completion[..completion.len() - 1]);
+    let seq =
+        SeqInput { tokens: &input, start_pos: 0, block_table: &table, logits: LogitsWanted::All };
+    let logits = runner.forward(weights, &mut cache, &[seq])?;
+    Ok((0..completion.len())
+        .map(|pos| {
+            let row = prompt.len() - 1 + pos;
+            log_softmax(&logits[row * vocab..(row + 1) * vocab])
+        })
+        .collect())
+}
+
+fn argmax(lp: &[f32]) -> usize {
+    lp.iter()
+        .enumerate()
+        .fold((0, f32::NEG_INFINITY), |a, (i, &v)| if v > a.1 { (i, v) } else { a })
+        .0
+}
+
+/// The same model with every matrix dequantized to f32 and multiplied in f32 (no quantized
+/// activations): the arithmetic both llama.cpp and this engine approximate.
+fn exact_weights(file: &GgufFile) -> anyhow::Result<LlamaWeights> {
+    use sluice_engine::cpu::matmul::PackedWeight;
+    use sluice_engine::quant::GgmlType;
+    let exact = |p: &PackedWeight| {
+        let mut bytes = Vec::with_capacity(p.rows * p.cols * 4);
+        let mut row = vec![0f32; p.cols];
+        for r in 0..p.rows {
+            p.dequantize_row(r, &mut row);
+            row.iter().for_each(|v| bytes.extend_from_slice(&v.to_le_bytes()));
+        }
+        PackedWeight::new(GgmlType::F32, p.rows, p.cols, &bytes)
+    };
+    let mut w = load_gguf_weights(file)?;
+    w.embed = exact(&w.embed);
+    w.output = w.output.as_ref().map(exact);
+    for l in &mut w.layers {
+        for m in
+            [&mut l.wq, &mut l.wk, &mut l.wv, &mut l.wo, &mut l.w_gate, &mut l.w_up, &mut l.w_down]
+        {
+            *m = exact(m);
+        }
+    }
+    Ok(w)
+}
+
+/// [`agreement`], and with an exact reference: llama.cpp's top-1 is checked only where the
+/// reference agrees with it (where it does not, llama.cpp's own arithmetic made it), and our
+/// log-probabilities are measured against the reference too.
+fn agreement_with(
+    weights: &LlamaWeights,
+    reference: Option<&LlamaWeights>,
+    items: &[serde_json::Value],
+) -> anyhow::Result<Agreement> {
     let mut diffs = Vec::new();
-    let mut checked_top1 = 0;
+    let mut exact_diffs = Vec::new();
+    let (mut checked_top1, mut exact_checked) = (0, 0);
+    let mut llama_wrong = Vec::new();
     for item in items {
-        let prompt = common::ids(&item["prompt_tokens"]);
-        let completion = common::ids(&item["completion_tokens"]);
-        let mut input = prompt.clone();
-        input.extend_from_slice(&completion[..completion.len() - 1]);
-        let seq = SeqInput {
-            tokens: &input,
-            start_pos: 0,
-            block_table: &table,
-            logits: LogitsWanted::All,
-        };
-        let logits = runner.forward(weights, &mut cache, &[seq])?;
+        let ours = item_logprobs(weights, item)?;
+        let exact = reference.map(|r| item_logprobs(r, item)).transpose()?;
         for step in item["steps"].as_array().into_iter().flatten() {
             let pos = step["pos"].as_u64().unwrap_or(0) as usize;
-            let row = prompt.len() - 1 + pos;
-            let lp = log_softmax(&logits[row * vocab..(row + 1) * vocab]);
+            let lp = &ours[pos];
             let top = step["top"].as_array().cloned().unwrap_or_default();
             let (t1, l1) = (
                 top[0][0].as_u64().unwrap_or(0) as usize,
@@ -49,12 +122,27 @@ fn agreement(
             );
             let l2 = top[1][1].as_f64().unwrap_or(0.0) as f32;
             diffs.push((lp[t1] - l1).abs());
+            let exact_lp = exact.as_ref().map(|e| &e[pos]);
+            if let Some(e) = exact_lp {
+                exact_diffs.push((lp[t1] - e[t1]).abs());
+                // Where the exact arithmetic has a clear top-1, ours must be it.
+                let mut sorted = e.clone();
+                sorted.sort_by(|a, b| b.total_cmp(a));
+                if sorted[0] - sorted[1] >= 0.3 {
+                    anyhow::ensure!(
+                        argmax(lp) == argmax(e),
+                        "top-1 differs from the exact reference's at pos {pos} of {:?}",
+                        item.get("prompt").or(item.get("messages"))
+                    );
+                    exact_checked += 1;
+                }
+            }
             if l1 - l2 >= 0.3 {
-                let ours = lp
-                    .iter()
-                    .enumerate()
-                    .fold((0, f32::NEG_INFINITY), |a, (i, &v)| if v > a.1 { (i, v) } else { a })
-                    .0;
+                if exact_lp.is_some_and(|e| argmax(e) != t1) {
+                    llama_wrong.push(pos);
+                    continue;
+                }
+                let ours = argmax(lp);
                 anyhow::ensure!(
                     ours == t1,
                     "top-1 differs at pos {pos} of {:?}: ours {ours}, llama.cpp {t1}",
@@ -66,7 +154,20 @@ fn agreement(
     }
     anyhow::ensure!(!diffs.is_empty(), "no golden steps");
     diffs.sort_by(f32::total_cmp);
-    Ok((diffs.len(), checked_top1, diffs[diffs.len() / 2], diffs[diffs.len() - 1]))
+    exact_diffs.sort_by(f32::total_cmp);
+    let (median, max) = (diffs[diffs.len() / 2], diffs[diffs.len() - 1]);
+    let (exact_median, exact_max) =
+        exact_diffs.last().map_or((0.0, 0.0), |&m| (exact_diffs[exact_diffs.len() / 2], m));
+    Ok(Agreement {
+        positions: diffs.len(),
+        checked: checked_top1,
+        median,
+        max,
+        llama_wrong,
+        exact_median,
+        exact_max,
+        exact_checked,
+    })
 }
 
 #[test]
@@ -95,13 +196,27 @@ fn gemma3_teacher_forced_logits_agree_with_llama_cpp() -> anyhow::Result<()> {
     anyhow::ensure!(c.arch == "gemma3" && c.vocab_size == 262_144 && c.layers == 18, "{c:?}");
     let items = golden["completion"].as_array().cloned().unwrap_or_default();
     anyhow::ensure!(items.len() == 10, "expected 10 golden items, found {}", items.len());
-    let (n, checked, median, max) = agreement(&weights, &items)?;
+    // Gemma 3's activations are large enough that llama.cpp's own quantized arithmetic (8-bit
+    // activations per 256 on its K-quant layers, a GELU read at f16) moves some of its
+    // top-1s past the exact model's: at position 10 of the Fibonacci prompt it puts one
+    // token 0.49 ahead where f32 arithmetic puts the other 0.05 ahead. So the top-1 is
+    // checked against llama.cpp's only where the exact reference agrees with it, and against
+    // the exact reference wherever that is clear; few positions may be set aside.
+    let exact = exact_weights(&file)?;
+    let a = agreement_with(&weights, Some(&exact), &items)?;
+    let n = a.positions;
     println!(
-        "gemma3: positions {n} (top-1 checked {checked}), |dlogprob| median {median:.4} max {max:.4}"
+        "gemma3: positions {n} (top-1 checked {}, set aside {:?}), |dlogprob| median {:.4} max \
+         {:.4}; against exact f32: median {:.4} max {:.4} (top-1 checked {})",
+        a.checked, a.llama_wrong, a.median, a.max, a.exact_median, a.exact_max, a.exact_checked
     );
-    anyhow::ensure!(checked >= n / 2, "only {checked} of {n} positions had a clear top-1");
-    anyhow::ensure!(median <= 0.05, "median |dlogprob| {median} > 0.05");
-    anyhow::ensure!(max <= 0.5, "max |dlogprob| {max} > 0.5");
+    anyhow::ensure!(a.checked >= n / 2, "only {} of {n} positions had a clear top-1", a.checked);
+    anyhow::ensure!(a.llama_wrong.len() <= n / 50, "{} positions set aside", a.llama_wrong.len());
+    anyhow::ensure!(a.median <= 0.05, "median |dlogprob| {} > 0.05", a.median);
+    anyhow::ensure!(a.max <= 0.5, "max |dlogprob| {} > 0.5", a.max);
+    anyhow::ensure!(a.exact_checked >= n / 2, "only {} exact top-1s checked", a.exact_checked);
+    anyhow::ensure!(a.exact_median <= 0.02, "median against exact {} > 0.02", a.exact_median);
+    anyhow::ensure!(a.exact_max <= 0.3, "max against exact {} > 0.3", a.exact_max);
     Ok(())
 }
 

@@ -56,9 +56,14 @@ pub(crate) fn gated(
 fn gated_row(simd: bool, act: Gate, g: &mut [f32], u: &[f32]) {
     let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if act == Gate::Silu && simd {
+    if simd {
         // SAFETY: AVX2 and FMA are available (`simd`, checked by the caller).
-        done = unsafe { avx2::silu_mul(g, u) };
+        done = unsafe {
+            match act {
+                Gate::Silu => avx2::gate_mul::<false>(g, u),
+                Gate::GeluTanh => avx2::gate_mul::<true>(g, u),
+            }
+        };
     }
     for (g, u) in g[done..].iter_mut().zip(&u[done..]) {
         *g = match act {
@@ -103,19 +108,28 @@ pub(crate) mod avx2 {
         _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(e)))
     }
 
-    /// `g = silu(g) * u` over whole groups of 8; returns how many elements were done.
+    /// `g = silu(g) * u`, or with `GELU` `g = gelu_tanh(g) * u`, over whole groups of 8;
+    /// returns how many elements were done. Both are `x / (1 + exp(-z)) * u`: silu's `z` is
+    /// `x`, and GELU's `0.5 * (1 + tanh(y))` is the sigmoid of `z = 2y`.
     ///
     /// # Safety
     /// AVX2 and FMA must be available.
     #[target_feature(enable = "avx2,fma")]
-    pub(crate) unsafe fn silu_mul(g: &mut [f32], u: &[f32]) -> usize {
+    pub(crate) unsafe fn gate_mul<const GELU: bool>(g: &mut [f32], u: &[f32]) -> usize {
         let n = g.len().min(u.len()) / 8 * 8;
         let one = _mm256_set1_ps(1.0);
+        // 2 * sqrt(2 / pi), and that times GELU's cubic coefficient.
+        let (c1, c3) = (_mm256_set1_ps(1.595_769_2), _mm256_set1_ps(1.595_769_2 * 0.044_715));
         for i in (0..n).step_by(8) {
             // SAFETY: i + 8 <= n, inside both slices.
             unsafe {
                 let x = _mm256_loadu_ps(g.as_ptr().add(i));
-                let e = exp(_mm256_sub_ps(_mm256_setzero_ps(), x));
+                let z = if GELU {
+                    _mm256_mul_ps(x, _mm256_fmadd_ps(c3, _mm256_mul_ps(x, x), c1))
+                } else {
+                    x
+                };
+                let e = exp(_mm256_sub_ps(_mm256_setzero_ps(), z));
                 let y = _mm256_mul_ps(
                     _mm256_div_ps(x, _mm256_add_ps(one, e)),
                     _mm256_loadu_ps(u.as_ptr().add(i)),
