@@ -608,9 +608,7 @@ pub fn write_safetensors_dir(
             "attn_logit_softcapping": GEMMA2_ATTN_SOFTCAP,
             "final_logit_softcapping": GEMMA2_FINAL_SOFTCAP,
         });
-        if let (Some(c), Some(g)) = (config.as_object_mut(), gemma.as_object()) {
-            c.extend(g.clone());
-        }
+        extend(&mut config, gemma);
     }
     if spec.longrope {
         let (long, short) = longrope_factors(spec.head_dim() / 2);
@@ -618,9 +616,7 @@ pub fn write_safetensors_dir(
             "rope_scaling": {"rope_type": "longrope", "long_factor": long, "short_factor": short},
             "original_max_position_embeddings": LONGROPE_ORIGINAL_CONTEXT,
         });
-        if let (Some(c), Some(g)) = (config.as_object_mut(), scaling.as_object()) {
-            c.extend(g.clone());
-        }
+        extend(&mut config, scaling);
     }
     if spec.gemma3 {
         let gemma = json!({
@@ -636,9 +632,7 @@ pub fn write_safetensors_dir(
             "attn_logit_softcapping": null,
             "final_logit_softcapping": null,
         });
-        if let (Some(c), Some(g)) = (config.as_object_mut(), gemma.as_object()) {
-            c.extend(g.clone());
-        }
+        extend(&mut config, gemma);
     }
     write_json(&dir.join(CONFIG_FILE), &config)?;
     write_json(&dir.join("tokenizer.json"), &v.tokenizer_json())?;
@@ -707,6 +701,13 @@ fn split_into_shards(sizes: &[usize], shards: usize) -> Result<Vec<std::ops::Ran
         start = end;
     }
     Ok(runs)
+}
+
+/// Adds (or replaces) the fields of the object `more` in the object `config`.
+fn extend(config: &mut serde_json::Value, more: serde_json::Value) {
+    if let (Some(c), serde_json::Value::Object(m)) = (config.as_object_mut(), more) {
+        c.extend(m);
+    }
 }
 
 fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {

@@ -378,31 +378,48 @@ pub(crate) unsafe fn raw_rows_avx512<const TY: u8>(
     range: Range<usize>,
     out: *mut f32,
 ) {
-    let tokens = x.len() / cols;
+    raw_tiles(range, x.len() / cols, cols, 4, |r, t, rn, tn| {
+        // SAFETY: forwarded contract; rows r..r+rn and tokens t..t+tn are in bounds.
+        unsafe {
+            match (rn, tn) {
+                (4, 4) => raw_tile512::<TY, 4, 4>(w, rows, cols, x, r, t, out),
+                (4, 3) => raw_tile512::<TY, 4, 3>(w, rows, cols, x, r, t, out),
+                (4, 2) => raw_tile512::<TY, 4, 2>(w, rows, cols, x, r, t, out),
+                (4, _) => raw_tile512::<TY, 4, 1>(w, rows, cols, x, r, t, out),
+                (_, 4) => raw_tile512::<TY, 1, 4>(w, rows, cols, x, r, t, out),
+                (_, 3) => raw_tile512::<TY, 1, 3>(w, rows, cols, x, r, t, out),
+                (_, 2) => raw_tile512::<TY, 1, 2>(w, rows, cols, x, r, t, out),
+                _ => raw_tile512::<TY, 1, 1>(w, rows, cols, x, r, t, out),
+            }
+        }
+        // A tail of fewer than 4 rows goes one row at a time.
+        if rn == 4 { 4 } else { 1 }
+    });
+}
+
+/// The float kernels' loop: token blocks (see [`raw_token_blocks`]), then tiles of up to
+/// `max` rows by `max` tokens; `tile(r, t, rn, tn)` computes one and returns the rows it
+/// took.
+#[inline(always)]
+fn raw_tiles(
+    range: Range<usize>,
+    tokens: usize,
+    cols: usize,
+    max: usize,
+    mut tile: impl FnMut(usize, usize, usize, usize) -> usize,
+) {
     for block in raw_token_blocks(tokens, cols) {
         let mut r = range.start;
         while r < range.end {
-            let rn = (range.end - r).min(4);
+            let rn = (range.end - r).min(max);
+            let mut taken = rn;
             let mut t = block.start;
             while t < block.end {
-                let tn = (block.end - t).min(4);
-                // SAFETY: forwarded contract; rows r..r+rn and tokens t..t+tn are in bounds.
-                unsafe {
-                    match (rn, tn) {
-                        (4, 4) => raw_tile512::<TY, 4, 4>(w, rows, cols, x, r, t, out),
-                        (4, 3) => raw_tile512::<TY, 4, 3>(w, rows, cols, x, r, t, out),
-                        (4, 2) => raw_tile512::<TY, 4, 2>(w, rows, cols, x, r, t, out),
-                        (4, _) => raw_tile512::<TY, 4, 1>(w, rows, cols, x, r, t, out),
-                        (_, 4) => raw_tile512::<TY, 1, 4>(w, rows, cols, x, r, t, out),
-                        (_, 3) => raw_tile512::<TY, 1, 3>(w, rows, cols, x, r, t, out),
-                        (_, 2) => raw_tile512::<TY, 1, 2>(w, rows, cols, x, r, t, out),
-                        _ => raw_tile512::<TY, 1, 1>(w, rows, cols, x, r, t, out),
-                    }
-                }
+                let tn = (block.end - t).min(max);
+                taken = tile(r, t, rn, tn);
                 t += tn;
             }
-            // A tail of fewer than 4 rows goes one row at a time.
-            r += if rn == 4 { 4 } else { 1 };
+            r += taken;
         }
     }
 }
@@ -482,28 +499,18 @@ pub(crate) unsafe fn raw_rows_avx2<const TY: u8>(
     range: Range<usize>,
     out: *mut f32,
 ) {
-    let tokens = x.len() / cols;
-    for block in raw_token_blocks(tokens, cols) {
-        let mut r = range.start;
-        while r < range.end {
-            let rn = (range.end - r).min(2);
-            let mut t = block.start;
-            while t < block.end {
-                let tn = (block.end - t).min(2);
-                // SAFETY: forwarded contract; rows r..r+rn and tokens t..t+tn are in bounds.
-                unsafe {
-                    match (rn, tn) {
-                        (2, 2) => raw_tile256::<TY, 2, 2>(w, rows, cols, x, r, t, out),
-                        (2, _) => raw_tile256::<TY, 2, 1>(w, rows, cols, x, r, t, out),
-                        (_, 2) => raw_tile256::<TY, 1, 2>(w, rows, cols, x, r, t, out),
-                        _ => raw_tile256::<TY, 1, 1>(w, rows, cols, x, r, t, out),
-                    }
-                }
-                t += tn;
+    raw_tiles(range, x.len() / cols, cols, 2, |r, t, rn, tn| {
+        // SAFETY: forwarded contract; rows r..r+rn and tokens t..t+tn are in bounds.
+        unsafe {
+            match (rn, tn) {
+                (2, 2) => raw_tile256::<TY, 2, 2>(w, rows, cols, x, r, t, out),
+                (2, _) => raw_tile256::<TY, 2, 1>(w, rows, cols, x, r, t, out),
+                (_, 2) => raw_tile256::<TY, 1, 2>(w, rows, cols, x, r, t, out),
+                _ => raw_tile256::<TY, 1, 1>(w, rows, cols, x, r, t, out),
             }
-            r += rn;
         }
-    }
+        rn
+    });
 }
 
 /// 8 weights of row `r` from element `k`, widened to f32.
