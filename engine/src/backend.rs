@@ -412,9 +412,9 @@ impl Backend {
             return Err(EngineError::Device("not the CPU backend".into()));
         };
         let began = std::time::Instant::now();
-        let out = runner
-            .forward(weights, cache, batch)
-            .and_then(|all| Self::pick_cpu(&all, batch.len(), &rows, picks, vocab));
+        let out = runner.forward_logits(weights, cache, batch).map(|_| ()).and_then(|()| {
+            Self::pick_cpu(runner, runner.last_logits(), batch.len(), &rows, picks, vocab)
+        });
         // The picking is the device's work here (a GPU's argmax is in its pass).
         let ended = std::time::Instant::now();
         let gap = clock.last_end.map(|last| (began - last).as_secs_f64());
@@ -426,28 +426,36 @@ impl Backend {
     /// The CPU pass's wanted logits over `seqs` sequences, with the argmax rows' tokens
     /// picked.
     fn pick_cpu(
+        runner: &Runner,
         all: &[f32],
         seqs: usize,
         rows: &[Option<usize>],
         picks: &[Pick],
         vocab: usize,
     ) -> Result<StepOutput> {
+        if all.len() < rows.len() * vocab {
+            return Err(EngineError::Device("the pass returned fewer logits than wanted".into()));
+        }
         let mut out = StepOutput { logits: Vec::new(), picked: vec![None; seqs] };
+        let mut argmax_rows = Vec::new();
+        let mut argmax_seqs = Vec::new();
         for (r, pick) in rows.iter().enumerate() {
-            let row = all.get(r * vocab..(r + 1) * vocab).ok_or_else(|| {
-                EngineError::Device("the pass returned fewer logits than wanted".into())
-            })?;
             match pick.map(|i| (i, picks[i])) {
                 Some((i, Pick::Argmax)) => {
-                    out.picked[i] = Some(crate::sampler::argmax(row));
+                    argmax_rows.push(r);
+                    argmax_seqs.push(i);
                 }
                 Some((_, Pick::Draw { .. })) => {
                     return Err(EngineError::Device(
                         "the CPU backend leaves draws to the host sampler".into(),
                     ));
                 }
-                _ => out.logits.extend_from_slice(row),
+                _ => out.logits.extend_from_slice(&all[r * vocab..(r + 1) * vocab]),
             }
+        }
+        for (i, token) in argmax_seqs.into_iter().zip(runner.argmax_rows(all, vocab, &argmax_rows))
+        {
+            out.picked[i] = Some(token);
         }
         Ok(out)
     }

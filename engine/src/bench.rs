@@ -114,9 +114,9 @@ pub fn bench_model(
             block_table: &table,
             logits: LogitsWanted::Last,
         };
-        let logits = runner.forward(w, &mut cache, &[seq])?;
+        let logits = runner.forward_logits(w, &mut cache, &[seq])?;
         prefill.push(t0.elapsed().as_secs_f64());
-        let first = argmax(&logits);
+        let first = argmax(logits);
         decode_deep.push(decode_run(
             runner,
             w,
@@ -350,7 +350,7 @@ fn decode_run(
             block_table: table,
             logits: LogitsWanted::Last,
         };
-        tok = argmax(&runner.forward(w, cache, &[seq])?);
+        tok = argmax(runner.forward_logits(w, cache, &[seq])?);
     }
     Ok(t.elapsed().as_secs_f64())
 }

@@ -5,6 +5,7 @@
 //! each new token attends over every cached position of its own sequence up to its own.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 
 use half::f16;
@@ -13,11 +14,12 @@ use crate::cpu::attention::{Kernels, KvElem, LayerKv, Row, Shape, attention};
 use crate::cpu::matmul::{
     Isa, MatmulScratch, PackedWeight, detect_isa, dot_f32, matmul, matmul_many,
 };
-use crate::cpu::pool::ThreadPool;
+use crate::cpu::pool::{ThreadPool, split_range};
 use crate::cpu::vmath::{Gate, gated};
 use crate::error::{EngineError, Result};
 use crate::interrupt::Interrupt;
 use crate::model::{LlamaWeights, RopeStyle};
+use crate::sampler::argmax;
 
 /// What the CPU KV cache stores its keys and values as.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
@@ -316,6 +318,9 @@ pub struct Runner {
     interrupt: Option<Arc<Interrupt>>,
     /// Where the passes' time went, since the start.
     profile: ForwardProfile,
+    /// The last pass's wanted logits, kept between passes: at 32 rows of a 262k vocabulary
+    /// that is 33 MB, which a fresh allocation would fault in and zero on every step.
+    logits: Vec<f32>,
 }
 
 /// Where the forward passes' time went, summed over passes (seconds).
@@ -379,6 +384,7 @@ impl Runner {
             scratch: MatmulScratch::default(),
             interrupt: None,
             profile: ForwardProfile::default(),
+            logits: Vec::new(),
         }
     }
 
@@ -405,7 +411,7 @@ impl Runner {
 
     fn mm(&mut self, w: &PackedWeight, x: &[f32], out: &mut Vec<f32>) {
         let t = x.len() / w.cols;
-        out.clear();
+        // Every element is written by the product: only a longer output is zeroed first.
         out.resize(t * w.rows, 0.0);
         matmul(&self.pool, self.isa, w, x, out, &mut self.scratch);
     }
@@ -419,7 +425,6 @@ impl Runner {
         let t = x.len() / ws[0].cols;
         let mut slices: Vec<&mut [f32]> = Vec::with_capacity(N);
         for (w, o) in ws.iter().zip(outs) {
-            o.clear();
             o.resize(t * w.rows, 0.0);
             slices.push(o.as_mut_slice());
         }
@@ -434,6 +439,16 @@ impl Runner {
         cache: &mut KvCache,
         batch: &[SeqInput<'_>],
     ) -> Result<Vec<f32>> {
+        self.forward_logits(w, cache, batch).map(<[f32]>::to_vec)
+    }
+
+    /// [`Runner::forward`] into the runner's own buffer, which the next pass reuses.
+    pub fn forward_logits(
+        &mut self,
+        w: &LlamaWeights,
+        cache: &mut KvCache,
+        batch: &[SeqInput<'_>],
+    ) -> Result<&[f32]> {
         let c = &w.config;
         let (hidden, q_dim, kv_dim, hd) = (c.hidden, c.q_dim(), c.kv_dim(), c.head_dim);
         if cache.layers != c.layers || cache.kv_dim != kv_dim {
@@ -476,7 +491,8 @@ impl Runner {
         }
         let n = meta.len();
         if n == 0 {
-            return Ok(Vec::new());
+            self.logits.clear();
+            return Ok(&self.logits);
         }
         let began = Instant::now();
         let shape = Shape {
@@ -581,18 +597,43 @@ impl Runner {
         }
         let mut normed = vec![0f32; last.len()];
         rms_norm(&last, &w.norm, c.rms_eps, &mut normed);
-        let mut logits = Vec::new();
+        let mut logits = std::mem::take(&mut self.logits);
         self.mm(w.lm_head(), &normed, &mut logits);
         if let Some(cap) = c.gemma.as_ref().and_then(|g| g.final_softcap) {
             logits.iter_mut().for_each(|l| *l = cap * (*l / cap).tanh());
         }
+        self.logits = logits;
         let p = &mut self.profile;
         p.passes += 1;
         p.lm_head += t_head.elapsed().as_secs_f64();
         p.matmul += matmul_s;
         p.attention += attn_s;
         p.total += began.elapsed().as_secs_f64();
-        Ok(logits)
+        Ok(&self.logits)
+    }
+
+    /// The last pass's wanted logits ([`Runner::forward_logits`]).
+    pub fn last_logits(&self) -> &[f32] {
+        &self.logits
+    }
+
+    /// The argmax of each of `rows` of `logits` (`vocab` floats a row), the rows shared out
+    /// among the compute threads.
+    pub fn argmax_rows(&self, logits: &[f32], vocab: usize, rows: &[usize]) -> Vec<u32> {
+        let picked: Vec<AtomicU32> = rows.iter().map(|_| AtomicU32::new(0)).collect();
+        let parts = self.pool.threads().min(rows.len());
+        if parts <= 1 {
+            return rows.iter().map(|&r| argmax(&logits[r * vocab..(r + 1) * vocab])).collect();
+        }
+        self.pool.run(&|i| {
+            if i < parts {
+                for j in split_range(rows.len(), parts, i, 1) {
+                    let r = rows[j];
+                    picked[j].store(argmax(&logits[r * vocab..(r + 1) * vocab]), Ordering::Relaxed);
+                }
+            }
+        });
+        picked.into_iter().map(AtomicU32::into_inner).collect()
     }
 }
 

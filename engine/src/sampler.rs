@@ -214,13 +214,25 @@ impl Sampler {
 
 /// Index of the largest value (the lowest index on ties).
 pub fn argmax(x: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, v) in x.iter().enumerate() {
-        if *v > x[best] {
-            best = i;
+    let Some(&first) = x.first() else { return 0 };
+    // The largest value first, in 16 lanes the compiler keeps in vector registers (each
+    // lane starts at `x[0]` and takes only what is strictly greater, so NaNs are passed
+    // over, and a NaN at 0 wins, as a plain scan from 0 would have it); then its first place.
+    let mut lanes = [first; 16];
+    let chunks = x.chunks_exact(16);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            *l = if v > *l { v } else { *l };
         }
     }
-    best as u32
+    let mut max = first;
+    for &v in lanes.iter().chain(tail) {
+        if v > max {
+            max = v;
+        }
+    }
+    x.iter().position(|&v| v == max).unwrap_or(0) as u32
 }
 
 /// Log-softmax in f64 accumulation.
@@ -260,6 +272,42 @@ mod tests {
         assert_eq!(s.top.len(), 3);
         assert_eq!(s.top[0].0, s.token);
         assert!(s.top[0].1 >= s.top[1].1 && s.top[1].1 >= s.top[2].1);
+    }
+
+    #[test]
+    fn argmax_is_the_first_largest_as_a_plain_scan_finds_it() {
+        fn scan(x: &[f32]) -> u32 {
+            let mut best = 0;
+            for (i, v) in x.iter().enumerate() {
+                if *v > x[best] {
+                    best = i;
+                }
+            }
+            best as u32
+        }
+        let mut cases: Vec<Vec<f32>> = vec![
+            vec![],
+            vec![1.0],
+            vec![f32::NAN, 5.0, 7.0],
+            vec![f32::NEG_INFINITY; 40],
+            vec![-0.0, 0.0, -0.0],
+        ];
+        for n in [15, 16, 17, 33, 1000] {
+            let base: Vec<f32> = (0..n).map(|i| ((i * 7919) % 97) as f32 - 50.0).collect();
+            cases.push(base.clone());
+            // Ties: the largest value at several places, one of them in the tail.
+            let mut ties = base.clone();
+            for i in [3, n / 2, n - 1] {
+                ties[i] = 1e9;
+            }
+            cases.push(ties);
+            let mut nans = base.clone();
+            nans.iter_mut().skip(1).step_by(5).for_each(|v| *v = f32::NAN);
+            cases.push(nans);
+        }
+        for c in &cases {
+            assert_eq!(argmax(c), scan(c), "{c:?}");
+        }
     }
 
     #[test]

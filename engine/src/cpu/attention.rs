@@ -10,11 +10,11 @@
 //! takes a row's splits in turn; with few (small decode batches, long contexts), every split is
 //! an item of its own, so one long request keeps every core busy.
 //!
-//! The cache holds f16 (the default) or f32. On x86-64 with AVX2 and F16C (AVX-512 machines
-//! included) the kernels read either directly (f16 widened as it is loaded), with scores and
-//! value sums in registers and four query heads per load; elsewhere a portable path widens
-//! each block first. Both compute the same bits: every sum in the same order, a product then
-//! a sum (never fused), and one softmax code for both.
+//! The cache holds f16 (the default) or f32. On x86-64 with AVX-512 F, or AVX2 and F16C, the
+//! kernels read either directly (f16 widened as it is loaded), 16 or 8 lanes at a time, with
+//! scores and value sums in registers and four query heads per load; elsewhere a portable
+//! path widens each block first. All compute the same bits: every sum in the same order, a
+//! product then a sum (never fused), and one softmax code for all.
 
 use std::ops::Range;
 
@@ -39,6 +39,12 @@ pub(crate) trait KvElem: Copy + Default + Send + Sync + 'static {
     /// The CPU supports AVX and F16C, and 8 elements are readable at `p`.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+    /// Sixteen elements from `p`, widened.
+    ///
+    /// # Safety
+    /// The CPU supports AVX-512 F, and 16 elements are readable at `p`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
 }
 
 impl KvElem for f32 {
@@ -56,6 +62,13 @@ impl KvElem for f32 {
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
         // SAFETY: the caller's contract.
         unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
     }
 }
 
@@ -76,6 +89,14 @@ impl KvElem for f16 {
         use std::arch::x86_64::*;
         // SAFETY: the caller's contract; 8 f16 are 16 bytes.
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast::<__m128i>())) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract; 16 f16 are 32 bytes.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast::<__m256i>())) }
     }
 }
 
@@ -157,12 +178,25 @@ pub(crate) enum Kernels {
     /// AVX2 with FMA and F16C (block size a multiple of 8, head size of 16).
     #[cfg(target_arch = "x86_64")]
     Avx2,
+    /// AVX-512 F (block size and head size multiples of 16): the AVX2 kernels' arithmetic,
+    /// 16 lanes at a time.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
 }
 
 impl Kernels {
     /// The fastest this CPU runs for `s`; only the portable ones when `isa` is
     /// [`Isa::Scalar`] (`SLUICE_ISA=scalar`, for diagnosis).
     pub(crate) fn detect(s: &Shape, isa: Isa) -> Kernels {
+        #[cfg(target_arch = "x86_64")]
+        if isa == Isa::Avx512Vnni
+            && std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("f16c")
+            && s.block_size.is_multiple_of(16)
+            && s.head_dim.is_multiple_of(16)
+        {
+            return Kernels::Avx512;
+        }
         #[cfg(target_arch = "x86_64")]
         if isa != Isa::Scalar
             && std::arch::is_x86_feature_detected!("avx2")
@@ -315,6 +349,10 @@ fn split<T: KvElem>(
         // SAFETY: `Kernels::Avx2` is only detected on CPUs with AVX2, F16C and FMA, for block
         // sizes that are multiples of 8 and head sizes that are multiples of 16.
         Kernels::Avx2 => unsafe { avx2::split_avx2(&job, scratch, part) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Kernels::Avx512` is only detected on CPUs with AVX-512 F and F16C, for
+        // block and head sizes that are multiples of 16.
+        Kernels::Avx512 => unsafe { avx512::split_avx512(&job, scratch, part) },
         Kernels::Portable => split_portable(&job, scratch, part),
     }
 }
@@ -521,6 +559,155 @@ mod avx2 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{KvElem, Scratch, Split};
+
+    /// # Safety
+    /// AVX-512 F and F16C; block size and head size multiples of 16.
+    #[target_feature(enable = "avx512f,f16c")]
+    pub(super) unsafe fn split_avx512<T: KvElem>(
+        job: &Split<'_, '_, T>,
+        scratch: &mut Scratch,
+        part: &mut [f32],
+    ) {
+        let group = job.s.group();
+        let mut h = 0;
+        // Query heads up to four at a time share each load of a key or value.
+        while h < group {
+            let n = (group - h).min(4);
+            // SAFETY: forwarded contract.
+            unsafe {
+                match n {
+                    4 => heads::<T, 4>(job, h, scratch, part),
+                    3 => heads::<T, 3>(job, h, scratch, part),
+                    2 => heads::<T, 2>(job, h, scratch, part),
+                    _ => heads::<T, 1>(job, h, scratch, part),
+                }
+            }
+            h += n;
+        }
+    }
+
+    /// Query heads `h0..h0 + H` of the group: `avx2::heads`' sums, each lane's in the same
+    /// order (a product then a sum), so the same bits.
+    #[inline]
+    #[target_feature(enable = "avx512f,f16c")]
+    unsafe fn heads<T: KvElem, const H: usize>(
+        job: &Split<'_, '_, T>,
+        h0: usize,
+        scratch: &mut Scratch,
+        part: &mut [f32],
+    ) {
+        let s = job.s;
+        let (bs, hd, len) = (s.block_size, s.head_dim, job.len);
+        let scores = &mut scratch.scores;
+        scores.clear();
+        scores.resize(H * len, 0.0);
+        let (k, v) = (job.kv.k.as_ptr(), job.kv.v.as_ptr());
+        let q = &job.q[h0 * hd..(h0 + H) * hd];
+        // Scores: 16 slots of H heads at a time, two such chunks together (twice the
+        // independent sums in flight).
+        let chunks: Vec<(usize, usize)> = job
+            .blocks
+            .clone()
+            .enumerate()
+            .flat_map(|(i, bi)| {
+                (0..bs).step_by(16).map(move |slot| (i * bs + slot, bi * bs + slot))
+            })
+            .collect();
+        let key = |(_, c): (usize, usize)| {
+            let (bi, slot) = (c / bs, c % bs);
+            // SAFETY: block bi's keys of this KV head, hd * bs elements, lie inside `k`.
+            unsafe { k.add(job.base(bi) + slot) }
+        };
+        let mut pairs = chunks.chunks_exact(2);
+        for pair in pairs.by_ref() {
+            let (ka, kb) = (key(pair[0]), key(pair[1]));
+            let mut acc = [[_mm512_setzero_ps(); 2]; H];
+            for d in 0..hd {
+                // SAFETY: row d of each block, 16 slots from the chunk's first.
+                let (xa, xb) = unsafe { (T::load16(ka.add(d * bs)), T::load16(kb.add(d * bs))) };
+                for (hh, a) in acc.iter_mut().enumerate() {
+                    let qd = _mm512_set1_ps(q[hh * hd + d]);
+                    a[0] = _mm512_add_ps(a[0], _mm512_mul_ps(qd, xa));
+                    a[1] = _mm512_add_ps(a[1], _mm512_mul_ps(qd, xb));
+                }
+            }
+            for (hh, a) in acc.iter().enumerate() {
+                for (c, r) in pair.iter().zip(a) {
+                    let dst = &mut scores[hh * len + c.0..][..16];
+                    // SAFETY: `dst` holds 16 floats.
+                    unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), *r) };
+                }
+            }
+        }
+        for &c in pairs.remainder() {
+            let kc = key(c);
+            let mut acc = [_mm512_setzero_ps(); H];
+            for d in 0..hd {
+                // SAFETY: row d of the block, 16 slots from the chunk's first.
+                let x = unsafe { T::load16(kc.add(d * bs)) };
+                for (hh, a) in acc.iter_mut().enumerate() {
+                    *a = _mm512_add_ps(*a, _mm512_mul_ps(_mm512_set1_ps(q[hh * hd + d]), x));
+                }
+            }
+            for (hh, a) in acc.iter().enumerate() {
+                let dst = &mut scores[hh * len + c.0..][..16];
+                // SAFETY: `dst` holds 16 floats.
+                unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), *a) };
+            }
+        }
+        for hh in 0..H {
+            let at = (h0 + hh) * (hd + 2);
+            let row = &mut scores[hh * len..(hh + 1) * len];
+            (part[at], part[at + 1]) = super::softmax_part(row, &job.valid, s);
+        }
+        // Values: 32 dimensions at a time (16 for a last odd chunk), H heads' sums in
+        // registers over the split.
+        let mut dc = 0;
+        while dc < hd {
+            let wide = hd - dc >= 32;
+            let mut acc = [[_mm512_setzero_ps(); 2]; H];
+            for (i, bi) in job.blocks.clone().enumerate() {
+                // SAFETY: block bi's values of this KV head, bs * hd elements, lie in `v`.
+                let vb = unsafe { v.add(job.base(bi)) };
+                for slot in job.slots(i) {
+                    // SAFETY: slot < bs and dc + 16 (+ 16 when wide) <= hd.
+                    let r0 = unsafe { T::load16(vb.add(slot * hd + dc)) };
+                    let r1 = if wide {
+                        // SAFETY: as above.
+                        unsafe { T::load16(vb.add(slot * hd + dc + 16)) }
+                    } else {
+                        _mm512_setzero_ps()
+                    };
+                    for (hh, a) in acc.iter_mut().enumerate() {
+                        let pr = _mm512_set1_ps(scores[hh * len + i * bs + slot]);
+                        a[0] = _mm512_add_ps(a[0], _mm512_mul_ps(pr, r0));
+                        if wide {
+                            a[1] = _mm512_add_ps(a[1], _mm512_mul_ps(pr, r1));
+                        }
+                    }
+                }
+            }
+            let width = if wide { 32 } else { 16 };
+            for (hh, a) in acc.iter().enumerate() {
+                let dst = &mut part[(h0 + hh) * (hd + 2) + 2 + dc..][..width];
+                // SAFETY: `dst` holds `width` floats.
+                unsafe {
+                    _mm512_storeu_ps(dst.as_mut_ptr(), a[0]);
+                    if wide {
+                        _mm512_storeu_ps(dst.as_mut_ptr().add(16), a[1]);
+                    }
+                }
+            }
+            dc += width;
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -633,9 +820,11 @@ mod tests {
             scale: 1.0,
             softcap: None,
         };
-        let best = Kernels::detect(&shape, Isa::Avx2);
-        if best != Kernels::Portable {
-            kernels.push(best);
+        for isa in [Isa::Avx2, Isa::Avx512Vnni] {
+            let best = Kernels::detect(&shape, isa);
+            if !kernels.contains(&best) {
+                kernels.push(best);
+            }
         }
         // (heads, kv heads, head size, cap on scores): SmolLM2's group of 3, Gemma's 4 with 256
         // dims, 7, MHA, and Gemma 2's capped scores (a cap low enough to change every score).

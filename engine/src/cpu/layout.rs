@@ -8,8 +8,10 @@ use crate::quant::QK;
 
 /// Rows per interleaved group (the lanes of one 512-bit register of int32).
 pub(crate) const GROUP: usize = 16;
-/// Activation rows (tokens) per kernel tile.
+/// Activation rows (tokens) per kernel tile (AVX2).
 pub(crate) const TILE_COLS: usize = 4;
+/// Activation rows (tokens) per AVX-512 kernel tile.
+pub(crate) const TILE_COLS_512: usize = 8;
 
 /// How a packed 4/8-bit format's per-block offset enters the dot product:
 /// `dot = sum_b (d_w d_a isum_b + c_b sa_b)`, with `sa_b = d_a * sum(q_a)`.
@@ -32,6 +34,22 @@ pub enum Offset {
 }
 
 impl Offset {
+    /// A number for the offset, so kernels can be compiled once per offset (a const generic).
+    pub(crate) const fn id(self) -> u8 {
+        self as u8
+    }
+
+    /// The offset numbered `id` ([`Offset::id`]); out of range, the last.
+    pub(crate) const fn from_id(id: u8) -> Offset {
+        match id {
+            0 => Offset::Min,
+            1 => Offset::Minus8,
+            2 => Offset::Minus128,
+            3 => Offset::Min8,
+            _ => Offset::Minus32Halves,
+        }
+    }
+
     /// Whether values take a byte each (else a nibble, and for Q6_K two more bits).
     pub(crate) fn eight_bit(self) -> bool {
         matches!(self, Offset::Minus128 | Offset::Min8)
@@ -146,5 +164,19 @@ impl BlockView<'_> {
         }
         let (at, shift) = high_bits_slot(r % GROUP, i);
         low | i32::from((self.qs[base + at] >> shift) & 3) << 4
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Offset;
+
+    #[test]
+    fn every_offset_comes_back_from_its_id() {
+        let all =
+            [Offset::Min, Offset::Minus8, Offset::Minus128, Offset::Min8, Offset::Minus32Halves];
+        for o in all {
+            assert_eq!(Offset::from_id(o.id()), o);
+        }
     }
 }

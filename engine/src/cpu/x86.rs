@@ -6,13 +6,16 @@
 //! Per (group of 16 rows, block, token): eight integer products of a quad of all 16 rows
 //! with the token's 4 activation bytes broadcast give the block's exact sums in 16 int32
 //! lanes, one lane per row; one conversion and two multiply-adds fold them, with the
-//! block's scales and offset term, into 16 float accumulators. Tiles of up to 4 tokens
-//! reuse each unpacked weight register.
+//! block's scales and offset term, into 16 float accumulators. Tiles of up to 8 tokens
+//! (AVX-512; 4 with AVX2's 16 registers) reuse each unpacked weight register. Each kernel
+//! is compiled once per offset kind, so no test of the format is left in its loops.
 
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use crate::cpu::layout::{BlockView, GROUP, Offset, QuantizedActs, TILE_COLS, group_block_bytes};
+use crate::cpu::layout::{
+    BlockView, GROUP, Offset, QuantizedActs, TILE_COLS, TILE_COLS_512, group_block_bytes,
+};
 use crate::quant::QK;
 
 /// Computes output rows `range` (whole groups, except at the end of the matrix) for every
@@ -28,17 +31,44 @@ pub(crate) unsafe fn block_rows_avx512(
     range: Range<usize>,
     out: *mut f32,
 ) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        match v.offset {
+            Offset::Min => rows512::<{ Offset::Min.id() }>(v, acts, range, out),
+            Offset::Minus8 => rows512::<{ Offset::Minus8.id() }>(v, acts, range, out),
+            Offset::Minus128 => rows512::<{ Offset::Minus128.id() }>(v, acts, range, out),
+            Offset::Min8 => rows512::<{ Offset::Min8.id() }>(v, acts, range, out),
+            Offset::Minus32Halves => rows512::<{ Offset::Minus32Halves.id() }>(v, acts, range, out),
+        }
+    }
+}
+
+/// [`block_rows_avx512`] compiled for one offset (`OFF`, [`Offset::id`], which must be
+/// `v.offset`'s), so no test of the format is left in the loops.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
+unsafe fn rows512<const OFF: u8>(
+    v: &BlockView<'_>,
+    acts: &QuantizedActs,
+    range: Range<usize>,
+    out: *mut f32,
+) {
+    debug_assert_eq!(v.offset, Offset::from_id(OFF));
     for g in range.start / GROUP..range.end.div_ceil(GROUP) {
         let mut t = 0;
         while t < acts.rows {
-            let tn = (acts.rows - t).min(TILE_COLS);
+            // Eight tokens a tile: 32 registers hold their sums and a block's weights.
+            let tn = (acts.rows - t).min(TILE_COLS_512);
             // SAFETY: forwarded contract; group g and tokens t..t+tn are in bounds.
             unsafe {
                 match tn {
-                    4 => tile512::<4>(v, acts, g, t, out),
-                    3 => tile512::<3>(v, acts, g, t, out),
-                    2 => tile512::<2>(v, acts, g, t, out),
-                    _ => tile512::<1>(v, acts, g, t, out),
+                    8 => tile512::<8, OFF>(v, acts, g, t, out),
+                    7 => tile512::<7, OFF>(v, acts, g, t, out),
+                    6 => tile512::<6, OFF>(v, acts, g, t, out),
+                    5 => tile512::<5, OFF>(v, acts, g, t, out),
+                    4 => tile512::<4, OFF>(v, acts, g, t, out),
+                    3 => tile512::<3, OFF>(v, acts, g, t, out),
+                    2 => tile512::<2, OFF>(v, acts, g, t, out),
+                    _ => tile512::<1, OFF>(v, acts, g, t, out),
                 }
             }
             t += tn;
@@ -66,15 +96,16 @@ unsafe fn quad(acts: &QuantizedActs, t: usize, b: usize, k: usize) -> i32 {
 
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")]
-unsafe fn tile512<const C: usize>(
+unsafe fn tile512<const C: usize, const OFF: u8>(
     v: &BlockView<'_>,
     acts: &QuantizedActs,
     g: usize,
     t0: usize,
     out: *mut f32,
 ) {
+    let offset = Offset::from_id(OFF);
     let nb = v.nb;
-    let gbb = group_block_bytes(v.offset);
+    let gbb = group_block_bytes(offset);
     let mut acc = [_mm512_setzero_ps(); C];
     let zero = _mm512_setzero_si512();
     let nibble = _mm512_set1_epi8(0x0F);
@@ -84,10 +115,16 @@ unsafe fn tile512<const C: usize>(
         // the packed buffers; tokens t0..t0+C exist (caller).
         unsafe {
             let base = v.qs.as_ptr().add(gb * gbb);
-            // The next group-blocks stream in while this one is computed.
-            _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(4 * gbb).cast());
+            // The first tile of tokens streams in the next group's block while this one is
+            // computed (the later tiles find the group in cache).
+            if t0 == 0 {
+                let next = base.wrapping_add(nb * gbb);
+                for line in (0..gbb).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line).cast());
+                }
+            }
             let mut w = [zero; 8];
-            if v.offset.eight_bit() {
+            if offset.eight_bit() {
                 for (k, wk) in w.iter_mut().enumerate() {
                     *wk = _mm512_loadu_si512(base.add(64 * k).cast());
                 }
@@ -98,7 +135,7 @@ unsafe fn tile512<const C: usize>(
                     w[c + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(x), nibble);
                 }
             }
-            let halves = v.offset == Offset::Minus32Halves;
+            let halves = offset == Offset::Minus32Halves;
             if halves {
                 // Q6_K's top two bits: chunk k / 4 holds quad k's at bit 2 (k % 4); shifted
                 // to bits 4-5 of each byte (16-bit shifts: the mask drops what crossed bytes).
@@ -116,7 +153,7 @@ unsafe fn tile512<const C: usize>(
                     }
                 }
             }
-            let sp = v.d.as_ptr().add(gb * v.offset.scales() * GROUP);
+            let sp = v.d.as_ptr().add(gb * offset.scales() * GROUP);
             let dw = _mm512_cvtph_ps(_mm256_loadu_si256(sp.cast()));
             // The second half's scale (Q6_K only).
             let dw1 = if halves {
@@ -124,7 +161,7 @@ unsafe fn tile512<const C: usize>(
             } else {
                 _mm512_setzero_ps()
             };
-            let cw = match v.offset {
+            let cw = match offset {
                 Offset::Min | Offset::Min8 => {
                     _mm512_cvtph_ps(_mm256_loadu_si256(v.m.as_ptr().add(gb * GROUP).cast()))
                 }
@@ -183,6 +220,27 @@ pub(crate) unsafe fn block_rows_avx2(
     range: Range<usize>,
     out: *mut f32,
 ) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        match v.offset {
+            Offset::Min => rows256::<{ Offset::Min.id() }>(v, acts, range, out),
+            Offset::Minus8 => rows256::<{ Offset::Minus8.id() }>(v, acts, range, out),
+            Offset::Minus128 => rows256::<{ Offset::Minus128.id() }>(v, acts, range, out),
+            Offset::Min8 => rows256::<{ Offset::Min8.id() }>(v, acts, range, out),
+            Offset::Minus32Halves => rows256::<{ Offset::Minus32Halves.id() }>(v, acts, range, out),
+        }
+    }
+}
+
+/// [`block_rows_avx2`] compiled for one offset, as [`rows512`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows256<const OFF: u8>(
+    v: &BlockView<'_>,
+    acts: &QuantizedActs,
+    range: Range<usize>,
+    out: *mut f32,
+) {
+    debug_assert_eq!(v.offset, Offset::from_id(OFF));
     for g in range.start / GROUP..range.end.div_ceil(GROUP) {
         for half in 0..2 {
             let mut t = 0;
@@ -191,10 +249,10 @@ pub(crate) unsafe fn block_rows_avx2(
                 // SAFETY: forwarded contract; group g and tokens t..t+tn are in bounds.
                 unsafe {
                     match tn {
-                        4 => tile256::<4>(v, acts, g, half, t, out),
-                        3 => tile256::<3>(v, acts, g, half, t, out),
-                        2 => tile256::<2>(v, acts, g, half, t, out),
-                        _ => tile256::<1>(v, acts, g, half, t, out),
+                        4 => tile256::<4, OFF>(v, acts, g, half, t, out),
+                        3 => tile256::<3, OFF>(v, acts, g, half, t, out),
+                        2 => tile256::<2, OFF>(v, acts, g, half, t, out),
+                        _ => tile256::<1, OFF>(v, acts, g, half, t, out),
                     }
                 }
                 t += tn;
@@ -205,7 +263,7 @@ pub(crate) unsafe fn block_rows_avx2(
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile256<const C: usize>(
+unsafe fn tile256<const C: usize, const OFF: u8>(
     v: &BlockView<'_>,
     acts: &QuantizedActs,
     g: usize,
@@ -213,12 +271,13 @@ unsafe fn tile256<const C: usize>(
     t0: usize,
     out: *mut f32,
 ) {
+    let offset = Offset::from_id(OFF);
     let nb = v.nb;
-    let gbb = group_block_bytes(v.offset);
+    let gbb = group_block_bytes(offset);
     // Q8_0's signed bytes, Q5_K's unsigned ones, or Q6_K's 6-bit values.
-    let signed8 = v.offset == Offset::Minus128;
-    let unsigned8 = v.offset.eight_bit() && !signed8;
-    let halves = v.offset == Offset::Minus32Halves;
+    let signed8 = offset == Offset::Minus128;
+    let unsigned8 = offset.eight_bit() && !signed8;
+    let halves = offset == Offset::Minus32Halves;
     let mut acc = [_mm256_setzero_ps(); C];
     let zero = _mm256_setzero_si256();
     let ones = _mm256_set1_epi16(1);
@@ -264,7 +323,7 @@ unsafe fn tile256<const C: usize>(
                     }
                 }
             }
-            let sp = v.d.as_ptr().add(gb * v.offset.scales() * GROUP + 8 * half);
+            let sp = v.d.as_ptr().add(gb * offset.scales() * GROUP + 8 * half);
             let dw = _mm256_cvtph_ps(_mm_loadu_si128(sp.cast()));
             // The second half's scale (Q6_K only).
             let dw1 = if halves {
@@ -272,7 +331,7 @@ unsafe fn tile256<const C: usize>(
             } else {
                 _mm256_setzero_ps()
             };
-            let cw = match v.offset {
+            let cw = match offset {
                 Offset::Min | Offset::Min8 => {
                     let mp = v.m.as_ptr().add(gb * GROUP + 8 * half);
                     _mm256_cvtph_ps(_mm_loadu_si128(mp.cast()))
