@@ -113,9 +113,6 @@ pub struct QuantizedActs {
     pub(crate) sa: Vec<f32>,
     /// Per half-block `d * sum(q over 16 elements)`, `rows x nb x 2` (for Q6_K's scales).
     pub(crate) sh: Vec<f32>,
-    /// Per block `-128 * sum(q)`, `rows x nb`: Q8_0's offset term in integers, where the
-    /// AVX-512 kernel's sums of unsigned weights start, so they end as the signed sums.
-    pub(crate) q8_offset: Vec<i32>,
 }
 
 /// Borrowed view of a packed 4/8-bit weight for the kernels. Per group and block: `qs` as

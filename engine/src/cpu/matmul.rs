@@ -367,13 +367,10 @@ impl QuantizedActs {
         self.sa.resize(rows * nb, 0.0);
         self.sh.clear();
         self.sh.resize(rows * nb * 2, 0.0);
-        self.q8_offset.clear();
-        self.q8_offset.resize(rows * nb, 0);
         let qs = SharedOut(self.qs.as_mut_ptr().cast());
         let d = SharedOut(self.d.as_mut_ptr());
         let sa = SharedOut(self.sa.as_mut_ptr());
         let sh = SharedOut(self.sh.as_mut_ptr());
-        let q8_offset = SharedOut(self.q8_offset.as_mut_ptr().cast());
         // SAFETY: row t's slices of the four buffers (sized above); each row is written by
         // exactly one thread.
         let row = |t: usize| unsafe {
@@ -383,10 +380,6 @@ impl QuantizedActs {
                     d: std::slice::from_raw_parts_mut(d.get().add(t * nb), nb),
                     sa: std::slice::from_raw_parts_mut(sa.get().add(t * nb), nb),
                     sh: std::slice::from_raw_parts_mut(sh.get().add(t * nb * 2), nb * 2),
-                    q8_offset: std::slice::from_raw_parts_mut(
-                        q8_offset.get().cast::<i32>().add(t * nb),
-                        nb,
-                    ),
                 },
             )
         };
@@ -421,7 +414,6 @@ struct Sums<'a> {
     d: &'a mut [f32],
     sa: &'a mut [f32],
     sh: &'a mut [f32],
-    q8_offset: &'a mut [i32],
 }
 
 fn quantize_row_q8(isa: Isa, x: &[f32], qs: &mut [i8], sums: &mut Sums<'_>) {
@@ -508,14 +500,12 @@ unsafe fn quantize_row_q8_avx2(x: &[f32], qs: &mut [i8], sums: &mut Sums<'_>) {
 fn write_sums(sums: &mut Sums<'_>, b: usize, db: f32, half: [i32; 2]) {
     // The scale is kept at f16 precision, as llama.cpp's Q8 blocks store it, so products
     // match the reference implementation closely. `sa` stays exact for that scale: the
-    // portable Q8_0 kernel subtracts 128 * d_w * sa, which must cancel exactly (the vector
-    // kernels sum signed products in integers: `q8_offset`).
+    // Q8_0 kernels subtract 128 * d_w * sa, which must cancel exactly.
     let dh = f16::from_f32(db).to_f32();
     sums.d[b] = dh;
     sums.sa[b] = dh * (half[0] + half[1]) as f32;
     sums.sh[2 * b] = dh * half[0] as f32;
     sums.sh[2 * b + 1] = dh * half[1] as f32;
-    sums.q8_offset[b] = -128 * (half[0] + half[1]);
 }
 
 #[inline(always)]
@@ -1028,7 +1018,7 @@ mod tests {
         let quantized = |isa: Isa, format: ActFormat| {
             let mut a = QuantizedActs::default();
             a.quantize(&ThreadPool::new(2), isa, format, &x, cols);
-            (a.qs.clone(), a.d.clone(), a.sa.clone(), a.sh.clone(), a.q8_offset.clone())
+            (a.qs.clone(), a.d.clone(), a.sa.clone(), a.sh.clone())
         };
         for format in [ActFormat::Blocks32, ActFormat::Split] {
             let want = quantized(Isa::Scalar, format);
@@ -1065,33 +1055,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    #[test]
-    fn q8_0_gives_the_same_bits_on_both_vector_paths() {
-        // Both sum the signed products in integers, then scale once per block; 11 tokens
-        // cross tiles of 8 and 4, 37 rows leave a group's tail.
-        let isas: Vec<Isa> = available_isas().into_iter().filter(|&i| i != Isa::Scalar).collect();
-        if isas.len() < 2 {
-            return;
-        }
-        let pool = ThreadPool::new(2);
-        let (rows, cols) = (37, 512);
-        let wf = data(rows * cols, 11);
-        let bytes: Vec<u8> =
-            wf.chunks(cols).flat_map(|r| quantize_row(GgmlType::Q8_0, r)).collect();
-        let w = PackedWeight::new(GgmlType::Q8_0, rows, cols, &bytes);
-        let x = data(11 * cols, 12);
-        let outs: Vec<Vec<f32>> = isas
-            .iter()
-            .map(|&isa| {
-                let mut out = vec![0f32; 11 * rows];
-                matmul(&pool, isa, &w, &x, &mut out, &mut MatmulScratch::default());
-                out
-            })
-            .collect();
-        assert!(outs[0].iter().any(|&v| v != 0.0));
-        assert_eq!(outs[0], outs[1], "{:?} and {:?} differ", isas[0], isas[1]);
     }
 
     #[test]

@@ -166,21 +166,14 @@ unsafe fn tile512<const C: usize, const OFF: u8>(
                     _mm512_cvtph_ps(_mm256_loadu_si256(v.m.as_ptr().add(gb * GROUP).cast()))
                 }
                 Offset::Minus8 => _mm512_mul_ps(dw, _mm512_set1_ps(-8.0)),
-                // Its offset term is in the integer sums.
-                Offset::Minus128 => _mm512_setzero_ps(),
+                Offset::Minus128 => _mm512_mul_ps(dw, _mm512_set1_ps(-128.0)),
                 Offset::Minus32Halves => _mm512_mul_ps(dw, _mm512_set1_ps(-32.0)),
             };
             let cw1 = _mm512_mul_ps(dw1, _mm512_set1_ps(-32.0));
             for (j, a) in acc.iter_mut().enumerate() {
                 let t = t0 + j;
-                // Two chains of four products (integer sums are exact in any order). Q8_0's
-                // start at -128 * sum(q), so the unsigned weights' sums end as the signed
-                // weights' (the AVX2 kernel's sums, exactly).
-                let mut s0 = if offset == Offset::Minus128 {
-                    _mm512_set1_epi32(*acts.q8_offset.get_unchecked(t * nb + b))
-                } else {
-                    zero
-                };
+                // Two chains of four products (integer sums are exact in any order).
+                let mut s0 = zero;
                 let mut s1 = zero;
                 for k in 0..4 {
                     s0 = _mm512_dpbusd_epi32(s0, w[k], _mm512_set1_epi32(quad(acts, t, b, k)));
@@ -201,10 +194,8 @@ unsafe fn tile512<const C: usize, const OFF: u8>(
                 } else {
                     let isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
                     *a = _mm512_fmadd_ps(isum, _mm512_mul_ps(dw, da), *a);
-                    if offset != Offset::Minus128 {
-                        let sa = _mm512_set1_ps(*acts.sa.get_unchecked(t * nb + b));
-                        *a = _mm512_fmadd_ps(cw, sa, *a);
-                    }
+                    let sa = _mm512_set1_ps(*acts.sa.get_unchecked(t * nb + b));
+                    *a = _mm512_fmadd_ps(cw, sa, *a);
                 }
             }
         }
