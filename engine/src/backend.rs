@@ -412,9 +412,10 @@ impl Backend {
             return Err(EngineError::Device("not the CPU backend".into()));
         };
         let began = std::time::Instant::now();
-        let out = runner.forward_logits(weights, cache, batch).map(|_| ()).and_then(|()| {
-            Self::pick_cpu(runner, runner.last_logits(), batch.len(), &rows, picks, vocab)
-        });
+        let out = runner
+            .forward_logits(weights, cache, batch)
+            .map(|_| ())
+            .and_then(|()| Self::pick_cpu(runner, batch.len(), &rows, picks, vocab));
         // The picking is the device's work here (a GPU's argmax is in its pass).
         let ended = std::time::Instant::now();
         let gap = clock.last_end.map(|last| (began - last).as_secs_f64());
@@ -423,16 +424,16 @@ impl Backend {
         out
     }
 
-    /// The CPU pass's wanted logits over `seqs` sequences, with the argmax rows' tokens
-    /// picked.
+    /// The runner's last pass's wanted logits over `seqs` sequences, with the argmax rows'
+    /// tokens picked.
     fn pick_cpu(
         runner: &Runner,
-        all: &[f32],
         seqs: usize,
         rows: &[Option<usize>],
         picks: &[Pick],
         vocab: usize,
     ) -> Result<StepOutput> {
+        let all = runner.last_logits();
         if all.len() < rows.len() * vocab {
             return Err(EngineError::Device("the pass returned fewer logits than wanted".into()));
         }
@@ -453,8 +454,7 @@ impl Backend {
                 _ => out.logits.extend_from_slice(&all[r * vocab..(r + 1) * vocab]),
             }
         }
-        for (i, token) in argmax_seqs.into_iter().zip(runner.argmax_rows(all, vocab, &argmax_rows))
-        {
+        for (i, token) in argmax_seqs.into_iter().zip(runner.argmax_rows(vocab, &argmax_rows)) {
             out.picked[i] = Some(token);
         }
         Ok(out)

@@ -617,9 +617,10 @@ impl Runner {
         &self.logits
     }
 
-    /// The argmax of each of `rows` of `logits` (`vocab` floats a row), the rows shared out
-    /// among the compute threads.
-    pub fn argmax_rows(&self, logits: &[f32], vocab: usize, rows: &[usize]) -> Vec<u32> {
+    /// The argmax of each of `rows` of the last pass's logits (`vocab` floats a row), the
+    /// rows shared out among the compute threads.
+    pub fn argmax_rows(&self, vocab: usize, rows: &[usize]) -> Vec<u32> {
+        let logits = &self.logits;
         let picked: Vec<AtomicU32> = rows.iter().map(|_| AtomicU32::new(0)).collect();
         let parts = self.pool.threads().min(rows.len());
         if parts <= 1 {

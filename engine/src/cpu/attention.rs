@@ -609,23 +609,16 @@ mod avx512 {
         let (k, v) = (job.kv.k.as_ptr(), job.kv.v.as_ptr());
         let q = &job.q[h0 * hd..(h0 + H) * hd];
         // Scores: 16 slots of H heads at a time, two such chunks together (twice the
-        // independent sums in flight).
-        let chunks: Vec<(usize, usize)> = job
-            .blocks
-            .clone()
-            .enumerate()
-            .flat_map(|(i, bi)| {
-                (0..bs).step_by(16).map(move |slot| (i * bs + slot, bi * bs + slot))
-            })
-            .collect();
-        let key = |(_, c): (usize, usize)| {
-            let (bi, slot) = (c / bs, c % bs);
-            // SAFETY: block bi's keys of this KV head, hd * bs elements, lie inside `k`.
-            unsafe { k.add(job.base(bi) + slot) }
+        // independent sums in flight). Chunk `c` is the split's slots 16c..16c + 16: its
+        // place in a head's scores, and its keys in block 16c / bs of the split.
+        let chunks = len / 16;
+        let key = |c: usize| {
+            let (i, slot) = (16 * c / bs, 16 * c % bs);
+            // SAFETY: that block's keys of this KV head, hd * bs elements, lie inside `k`.
+            unsafe { k.add(job.base(job.blocks.start + i) + slot) }
         };
-        let mut pairs = chunks.chunks_exact(2);
-        for pair in pairs.by_ref() {
-            let (ka, kb) = (key(pair[0]), key(pair[1]));
+        for c in (0..chunks - chunks % 2).step_by(2) {
+            let (ka, kb) = (key(c), key(c + 1));
             let mut acc = [[_mm512_setzero_ps(); 2]; H];
             for d in 0..hd {
                 // SAFETY: row d of each block, 16 slots from the chunk's first.
@@ -637,14 +630,15 @@ mod avx512 {
                 }
             }
             for (hh, a) in acc.iter().enumerate() {
-                for (c, r) in pair.iter().zip(a) {
-                    let dst = &mut scores[hh * len + c.0..][..16];
+                for (j, r) in a.iter().enumerate() {
+                    let dst = &mut scores[hh * len + 16 * (c + j)..][..16];
                     // SAFETY: `dst` holds 16 floats.
                     unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), *r) };
                 }
             }
         }
-        for &c in pairs.remainder() {
+        if chunks % 2 == 1 {
+            let c = chunks - 1;
             let kc = key(c);
             let mut acc = [_mm512_setzero_ps(); H];
             for d in 0..hd {
@@ -655,7 +649,7 @@ mod avx512 {
                 }
             }
             for (hh, a) in acc.iter().enumerate() {
-                let dst = &mut scores[hh * len + c.0..][..16];
+                let dst = &mut scores[hh * len + 16 * c..][..16];
                 // SAFETY: `dst` holds 16 floats.
                 unsafe { _mm512_storeu_ps(dst.as_mut_ptr(), *a) };
             }
