@@ -7,7 +7,9 @@
 //! with the token's 4 activation bytes broadcast give the block's exact sums in 16 int32
 //! lanes, one lane per row; one conversion and two multiply-adds fold them, with the
 //! block's scales and offset term, into 16 float accumulators. Tiles of up to 8 tokens
-//! (AVX-512; 4 with AVX2's 16 registers) reuse each unpacked weight register. Each kernel
+//! (AVX-512; 4 with AVX2's 16 registers) reuse each unpacked weight register; AVX2 takes a
+//! group's two 8-row halves one after the other, except for one or two tokens (decode),
+//! where both go in one pass so every line of weights is used whole. Each kernel
 //! is compiled once per offset kind, so no test of the format is left in its loops.
 
 use std::arch::x86_64::*;
@@ -242,6 +244,18 @@ unsafe fn rows256<const OFF: u8>(
 ) {
     debug_assert_eq!(v.offset, Offset::from_id(OFF));
     for g in range.start / GROUP..range.end.div_ceil(GROUP) {
+        if acts.rows <= 2 {
+            // One or two tokens (decode): both halves in one pass over the group, so each
+            // line of weights is used whole when it arrives.
+            // SAFETY: forwarded contract; group g and tokens 0..rows are in bounds.
+            unsafe {
+                match acts.rows {
+                    2 => tile256::<2, OFF, true>(v, acts, g, 0, 0, out),
+                    _ => tile256::<1, OFF, true>(v, acts, g, 0, 0, out),
+                }
+            }
+            continue;
+        }
         for half in 0..2 {
             let mut t = 0;
             while t < acts.rows {
@@ -249,10 +263,10 @@ unsafe fn rows256<const OFF: u8>(
                 // SAFETY: forwarded contract; group g and tokens t..t+tn are in bounds.
                 unsafe {
                     match tn {
-                        4 => tile256::<4, OFF>(v, acts, g, half, t, out),
-                        3 => tile256::<3, OFF>(v, acts, g, half, t, out),
-                        2 => tile256::<2, OFF>(v, acts, g, half, t, out),
-                        _ => tile256::<1, OFF>(v, acts, g, half, t, out),
+                        4 => tile256::<4, OFF, false>(v, acts, g, half, t, out),
+                        3 => tile256::<3, OFF, false>(v, acts, g, half, t, out),
+                        2 => tile256::<2, OFF, false>(v, acts, g, half, t, out),
+                        _ => tile256::<1, OFF, false>(v, acts, g, half, t, out),
                     }
                 }
                 t += tn;
@@ -263,13 +277,58 @@ unsafe fn rows256<const OFF: u8>(
 
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile256<const C: usize, const OFF: u8>(
+unsafe fn tile256<const C: usize, const OFF: u8, const BOTH: bool>(
     v: &BlockView<'_>,
     acts: &QuantizedActs,
     g: usize,
     half: usize,
     t0: usize,
     out: *mut f32,
+) {
+    // Held in registers: the halves are constants of each call.
+    let mut acc0 = [_mm256_setzero_ps(); C];
+    let mut acc1 = [_mm256_setzero_ps(); C];
+    for b in 0..v.nb {
+        // SAFETY: forwarded contract.
+        unsafe {
+            if BOTH {
+                half_block::<C, OFF>(v, acts, g, b, 0, t0, &mut acc0);
+                half_block::<C, OFF>(v, acts, g, b, 1, t0, &mut acc1);
+            } else {
+                half_block::<C, OFF>(v, acts, g, b, half, t0, &mut acc0);
+            }
+        }
+    }
+    let rows = (v.rows - g * GROUP).min(GROUP);
+    let done = if BOTH { [(0, acc0), (1, acc1)] } else { [(half, acc0), (half, acc0)] };
+    for &(half, acc) in &done[..if BOTH { 2 } else { 1 }] {
+        let n = rows.saturating_sub(8 * half).min(8);
+        for (j, a) in acc.iter().enumerate() {
+            let mut lanes = [0f32; 8];
+            // SAFETY: `lanes` holds 8 floats.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
+            for (l, &x) in lanes[..n].iter().enumerate() {
+                // SAFETY: row g*16 + 8*half + l < v.rows of token t0 + j is inside `out` and
+                // this thread's.
+                unsafe { *out.add((t0 + j) * v.rows + g * GROUP + 8 * half + l) = x };
+            }
+        }
+    }
+}
+
+/// Adds block `b` of half `half` (8 rows) of group `g` to tokens `t0..t0 + C`'s sums.
+///
+/// # Safety
+/// As [`block_rows_avx2`]; group g, block b and tokens t0..t0+C exist.
+#[inline(always)]
+unsafe fn half_block<const C: usize, const OFF: u8>(
+    v: &BlockView<'_>,
+    acts: &QuantizedActs,
+    g: usize,
+    b: usize,
+    half: usize,
+    t0: usize,
+    acc: &mut [__m256; C],
 ) {
     let offset = Offset::from_id(OFF);
     let nb = v.nb;
@@ -278,137 +337,129 @@ unsafe fn tile256<const C: usize, const OFF: u8>(
     let signed8 = offset == Offset::Minus128;
     let unsigned8 = offset.eight_bit() && !signed8;
     let halves = offset == Offset::Minus32Halves;
-    let mut acc = [_mm256_setzero_ps(); C];
-    let zero = _mm256_setzero_si256();
-    let ones = _mm256_set1_epi16(1);
-    let nibble = _mm256_set1_epi8(0x0F);
-    for b in 0..nb {
-        let gb = g * nb + b;
-        // SAFETY: as in `tile512`; this half's 32 bytes of each 64-byte chunk, and its 8
-        // scales, lie inside the group-block.
-        unsafe {
-            let base = v.qs.as_ptr().add(gb * gbb + 32 * half);
-            let mut w = [zero; 8];
-            if signed8 {
-                // Stored as q ^ 0x80: recover the signed value and use |q| * sign(a, q),
-                // which `maddubs` cannot overflow (unlike the unsigned form).
-                for (k, wk) in w.iter_mut().enumerate() {
-                    let x = _mm256_loadu_si256(base.add(64 * k).cast());
-                    *wk = _mm256_xor_si256(x, _mm256_set1_epi8(-128));
-                }
-            } else if unsigned8 {
-                for (k, wk) in w.iter_mut().enumerate() {
-                    *wk = _mm256_loadu_si256(base.add(64 * k).cast());
-                }
-            } else {
-                for c in 0..4 {
-                    let x = _mm256_loadu_si256(base.add(64 * c).cast());
-                    w[c] = _mm256_and_si256(x, nibble);
-                    w[c + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(x), nibble);
-                }
+    let gb = g * nb + b;
+    // SAFETY: as in `tile512`; this half's 32 bytes of each 64-byte chunk, and its 8
+    // scales, lie inside the group-block.
+    unsafe {
+        let zero = _mm256_setzero_si256();
+        let ones = _mm256_set1_epi16(1);
+        let nibble = _mm256_set1_epi8(0x0F);
+        let base = v.qs.as_ptr().add(gb * gbb + 32 * half);
+        // The first pass over the group streams in the next group's block while this
+        // one is computed (as in `tile512`).
+        if t0 == 0 && half == 0 {
+            let next = base.wrapping_add(nb * gbb);
+            for line in (0..gbb).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line).cast());
             }
-            if halves {
-                // Q6_K's top two bits, as in `tile512`.
-                let top = _mm256_set1_epi8(0x30);
-                for (h, quads) in w.chunks_exact_mut(4).enumerate() {
-                    let x = _mm256_loadu_si256(base.add(GROUP * QK / 2 + 64 * h).cast());
-                    let bits = [
-                        _mm256_slli_epi16::<4>(x),
-                        _mm256_slli_epi16::<2>(x),
-                        x,
-                        _mm256_srli_epi16::<2>(x),
-                    ];
-                    for (q, b) in quads.iter_mut().zip(bits) {
-                        *q = _mm256_or_si256(*q, _mm256_and_si256(b, top));
-                    }
-                }
+        }
+        let mut w = [zero; 8];
+        if signed8 {
+            // Stored as q ^ 0x80: recover the signed value and use |q| * sign(a, q),
+            // which `maddubs` cannot overflow (unlike the unsigned form).
+            for (k, wk) in w.iter_mut().enumerate() {
+                let x = _mm256_loadu_si256(base.add(64 * k).cast());
+                *wk = _mm256_xor_si256(x, _mm256_set1_epi8(-128));
             }
-            let sp = v.d.as_ptr().add(gb * offset.scales() * GROUP + 8 * half);
-            let dw = _mm256_cvtph_ps(_mm_loadu_si128(sp.cast()));
-            // The second half's scale (Q6_K only).
-            let dw1 = if halves {
-                _mm256_cvtph_ps(_mm_loadu_si128(sp.add(GROUP).cast()))
-            } else {
-                _mm256_setzero_ps()
-            };
-            let cw = match offset {
-                Offset::Min | Offset::Min8 => {
-                    let mp = v.m.as_ptr().add(gb * GROUP + 8 * half);
-                    _mm256_cvtph_ps(_mm_loadu_si128(mp.cast()))
-                }
-                Offset::Minus8 => _mm256_mul_ps(dw, _mm256_set1_ps(-8.0)),
-                // The signed products need no offset term.
-                Offset::Minus128 => _mm256_setzero_ps(),
-                Offset::Minus32Halves => _mm256_mul_ps(dw, _mm256_set1_ps(-32.0)),
-            };
-            let cw1 = _mm256_mul_ps(dw1, _mm256_set1_ps(-32.0));
-            for (j, a) in acc.iter_mut().enumerate() {
-                let t = t0 + j;
-                if unsigned8 || halves {
-                    // Values up to 63 times activations in -127..=127: a pair of products
-                    // fits 16 bits, so each quad widens on its own; quads 0-3 are the first
-                    // 16 elements, 4-7 the second.
-                    let mut sums = [zero; 2];
-                    for (k, wk) in w.iter().enumerate() {
-                        let x = _mm256_set1_epi32(quad(acts, t, b, k));
-                        let p = _mm256_madd_epi16(_mm256_maddubs_epi16(*wk, x), ones);
-                        sums[k / 4] = _mm256_add_epi32(sums[k / 4], p);
-                    }
-                    let da = _mm256_set1_ps(*acts.d.get_unchecked(t * nb + b));
-                    if halves {
-                        let sh = acts.sh.as_ptr().add((t * nb + b) * 2);
-                        let (s0, s1) = (_mm256_cvtepi32_ps(sums[0]), _mm256_cvtepi32_ps(sums[1]));
-                        *a = _mm256_fmadd_ps(s0, _mm256_mul_ps(dw, da), *a);
-                        *a = _mm256_fmadd_ps(s1, _mm256_mul_ps(dw1, da), *a);
-                        *a = _mm256_fmadd_ps(cw, _mm256_set1_ps(*sh), *a);
-                        *a = _mm256_fmadd_ps(cw1, _mm256_set1_ps(*sh.add(1)), *a);
-                    } else {
-                        let isum = _mm256_cvtepi32_ps(_mm256_add_epi32(sums[0], sums[1]));
-                        *a = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, da), *a);
-                        let sa = _mm256_set1_ps(*acts.sa.get_unchecked(t * nb + b));
-                        *a = _mm256_fmadd_ps(cw, sa, *a);
-                    }
-                    continue;
-                }
-                let isum = if signed8 {
-                    let mut isum = zero;
-                    for (k, wk) in w.iter().enumerate() {
-                        let x = _mm256_set1_epi32(quad(acts, t, b, k));
-                        let p =
-                            _mm256_maddubs_epi16(_mm256_abs_epi8(*wk), _mm256_sign_epi8(x, *wk));
-                        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, ones));
-                    }
-                    isum
-                } else {
-                    // 4-bit weights (0..15) times activations in -127..=127: a pair of
-                    // products is at most 3,810, so the eight quads' 16-bit sums (at most
-                    // 30,480) cannot overflow, and one widening per block does.
-                    let mut s16 = zero;
-                    for (k, wk) in w.iter().enumerate() {
-                        let x = _mm256_set1_epi32(quad(acts, t, b, k));
-                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(*wk, x));
-                    }
-                    _mm256_madd_epi16(s16, ones)
-                };
-                let s = _mm256_mul_ps(dw, _mm256_set1_ps(*acts.d.get_unchecked(t * nb + b)));
-                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, *a);
-                if !signed8 {
-                    let sa = _mm256_set1_ps(*acts.sa.get_unchecked(t * nb + b));
-                    *a = _mm256_fmadd_ps(cw, sa, *a);
+        } else if unsigned8 {
+            for (k, wk) in w.iter_mut().enumerate() {
+                *wk = _mm256_loadu_si256(base.add(64 * k).cast());
+            }
+        } else {
+            for c in 0..4 {
+                let x = _mm256_loadu_si256(base.add(64 * c).cast());
+                w[c] = _mm256_and_si256(x, nibble);
+                w[c + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(x), nibble);
+            }
+        }
+        if halves {
+            // Q6_K's top two bits, as in `tile512`.
+            let top = _mm256_set1_epi8(0x30);
+            for (h, quads) in w.chunks_exact_mut(4).enumerate() {
+                let x = _mm256_loadu_si256(base.add(GROUP * QK / 2 + 64 * h).cast());
+                let bits = [
+                    _mm256_slli_epi16::<4>(x),
+                    _mm256_slli_epi16::<2>(x),
+                    x,
+                    _mm256_srli_epi16::<2>(x),
+                ];
+                for (q, b) in quads.iter_mut().zip(bits) {
+                    *q = _mm256_or_si256(*q, _mm256_and_si256(b, top));
                 }
             }
         }
-    }
-    let rows = (v.rows - g * GROUP).min(GROUP);
-    let n = rows.saturating_sub(8 * half).min(8);
-    for (j, a) in acc.iter().enumerate() {
-        let mut lanes = [0f32; 8];
-        // SAFETY: `lanes` holds 8 floats.
-        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), *a) };
-        for (l, &x) in lanes[..n].iter().enumerate() {
-            // SAFETY: row g*16 + 8*half + l < v.rows of token t0 + j is inside `out` and
-            // this thread's.
-            unsafe { *out.add((t0 + j) * v.rows + g * GROUP + 8 * half + l) = x };
+        let sp = v.d.as_ptr().add(gb * offset.scales() * GROUP + 8 * half);
+        let dw = _mm256_cvtph_ps(_mm_loadu_si128(sp.cast()));
+        // The second half's scale (Q6_K only).
+        let dw1 = if halves {
+            _mm256_cvtph_ps(_mm_loadu_si128(sp.add(GROUP).cast()))
+        } else {
+            _mm256_setzero_ps()
+        };
+        let cw = match offset {
+            Offset::Min | Offset::Min8 => {
+                let mp = v.m.as_ptr().add(gb * GROUP + 8 * half);
+                _mm256_cvtph_ps(_mm_loadu_si128(mp.cast()))
+            }
+            Offset::Minus8 => _mm256_mul_ps(dw, _mm256_set1_ps(-8.0)),
+            // The signed products need no offset term.
+            Offset::Minus128 => _mm256_setzero_ps(),
+            Offset::Minus32Halves => _mm256_mul_ps(dw, _mm256_set1_ps(-32.0)),
+        };
+        let cw1 = _mm256_mul_ps(dw1, _mm256_set1_ps(-32.0));
+        for (j, a) in acc.iter_mut().enumerate() {
+            let t = t0 + j;
+            if unsigned8 || halves {
+                // Values up to 63 times activations in -127..=127: a pair of products
+                // fits 16 bits, so each quad widens on its own; quads 0-3 are the first
+                // 16 elements, 4-7 the second.
+                let mut sums = [zero; 2];
+                for (k, wk) in w.iter().enumerate() {
+                    let x = _mm256_set1_epi32(quad(acts, t, b, k));
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(*wk, x), ones);
+                    sums[k / 4] = _mm256_add_epi32(sums[k / 4], p);
+                }
+                let da = _mm256_set1_ps(*acts.d.get_unchecked(t * nb + b));
+                if halves {
+                    let sh = acts.sh.as_ptr().add((t * nb + b) * 2);
+                    let (s0, s1) = (_mm256_cvtepi32_ps(sums[0]), _mm256_cvtepi32_ps(sums[1]));
+                    *a = _mm256_fmadd_ps(s0, _mm256_mul_ps(dw, da), *a);
+                    *a = _mm256_fmadd_ps(s1, _mm256_mul_ps(dw1, da), *a);
+                    *a = _mm256_fmadd_ps(cw, _mm256_set1_ps(*sh), *a);
+                    *a = _mm256_fmadd_ps(cw1, _mm256_set1_ps(*sh.add(1)), *a);
+                } else {
+                    let isum = _mm256_cvtepi32_ps(_mm256_add_epi32(sums[0], sums[1]));
+                    *a = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, da), *a);
+                    let sa = _mm256_set1_ps(*acts.sa.get_unchecked(t * nb + b));
+                    *a = _mm256_fmadd_ps(cw, sa, *a);
+                }
+                continue;
+            }
+            let isum = if signed8 {
+                let mut isum = zero;
+                for (k, wk) in w.iter().enumerate() {
+                    let x = _mm256_set1_epi32(quad(acts, t, b, k));
+                    let p = _mm256_maddubs_epi16(_mm256_abs_epi8(*wk), _mm256_sign_epi8(x, *wk));
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, ones));
+                }
+                isum
+            } else {
+                // 4-bit weights (0..15) times activations in -127..=127: a pair of
+                // products is at most 3,810, so the eight quads' 16-bit sums (at most
+                // 30,480) cannot overflow, and one widening per block does.
+                let mut s16 = zero;
+                for (k, wk) in w.iter().enumerate() {
+                    let x = _mm256_set1_epi32(quad(acts, t, b, k));
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(*wk, x));
+                }
+                _mm256_madd_epi16(s16, ones)
+            };
+            let s = _mm256_mul_ps(dw, _mm256_set1_ps(*acts.d.get_unchecked(t * nb + b)));
+            *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, *a);
+            if !signed8 {
+                let sa = _mm256_set1_ps(*acts.sa.get_unchecked(t * nb + b));
+                *a = _mm256_fmadd_ps(cw, sa, *a);
+            }
         }
     }
 }
