@@ -321,6 +321,25 @@ pub struct Runner {
     /// The last pass's wanted logits, kept between passes: at 32 rows of a 262k vocabulary
     /// that is 33 MB, which a fresh allocation would fault in and zero on every step.
     logits: Vec<f32>,
+    /// The pass's activations, kept between passes for the same reason (a 512-token
+    /// prefill's feed-forward rows alone are megabytes).
+    bufs: PassBuffers,
+}
+
+/// The activations of a pass ([`Runner::forward_logits`]); each is sized, and where it is
+/// not overwritten whole, cleared, by the pass that uses it.
+#[derive(Default)]
+struct PassBuffers {
+    x: Vec<f32>,
+    xn: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    attn: Vec<f32>,
+    o: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    down: Vec<f32>,
 }
 
 /// Where the forward passes' time went, summed over passes (seconds).
@@ -385,6 +404,7 @@ impl Runner {
             interrupt: None,
             profile: ForwardProfile::default(),
             logits: Vec::new(),
+            bufs: PassBuffers::default(),
         }
     }
 
@@ -510,7 +530,24 @@ impl Runner {
             .map(|m| Row { table: batch[m.seq].block_table, pos: m.pos, first: 0 })
             .collect();
         let tokens: Vec<u32> = batch.iter().flat_map(|s| s.tokens.iter().copied()).collect();
-        let mut x = vec![0f32; n * hidden];
+        // Taken for the pass and given back at its end (an interrupted pass drops them).
+        let PassBuffers {
+            mut x,
+            mut xn,
+            mut q,
+            mut k,
+            mut v,
+            mut attn,
+            mut o,
+            mut gate,
+            mut up,
+            mut down,
+        } = std::mem::take(&mut self.bufs);
+        // Every element is written below: the embeddings, the norms and the products.
+        x.resize(n * hidden, 0.0);
+        xn.resize(n * hidden, 0.0);
+        attn.clear();
+        attn.resize(n * q_dim, 0.0);
         for (t, &tok) in tokens.iter().enumerate() {
             w.embed.dequantize_row(tok as usize, &mut x[t * hidden..(t + 1) * hidden]);
         }
@@ -521,10 +558,6 @@ impl Runner {
         let global = rope_tables(&w.inv_freq, &meta);
         let local = w.local_inv_freq.as_ref().map(|f| rope_tables(f, &meta));
 
-        let mut xn = vec![0f32; n * hidden];
-        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
-        let mut attn = vec![0f32; n * q_dim];
-        let (mut o, mut gate, mut up, mut down) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (li, l) in w.layers.iter().enumerate() {
             if self.interrupt.as_ref().is_some_and(|i| i.stops(li, w.layers.len())) {
                 return Err(EngineError::Interrupted);
@@ -603,6 +636,7 @@ impl Runner {
             logits.iter_mut().for_each(|l| *l = cap * (*l / cap).tanh());
         }
         self.logits = logits;
+        self.bufs = PassBuffers { x, xn, q, k, v, attn, o, gate, up, down };
         let p = &mut self.profile;
         p.passes += 1;
         p.lm_head += t_head.elapsed().as_secs_f64();

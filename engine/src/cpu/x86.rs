@@ -410,14 +410,19 @@ unsafe fn half_block<const C: usize, const OFF: u8>(
         for (j, a) in acc.iter_mut().enumerate() {
             let t = t0 + j;
             if unsigned8 || halves {
-                // Values up to 63 times activations in -127..=127: a pair of products
-                // fits 16 bits, so each quad widens on its own; quads 0-3 are the first
-                // 16 elements, 4-7 the second.
+                // Values up to 63 times activations in -127..=127: a pair of products is
+                // at most 16,002, so two quads' 16-bit sums (at most 32,004) cannot
+                // overflow and widen together; quads 0-3 are the first 16 elements, 4-7
+                // the second.
                 let mut sums = [zero; 2];
-                for (k, wk) in w.iter().enumerate() {
-                    let x = _mm256_set1_epi32(quad(acts, t, b, k));
-                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(*wk, x), ones);
-                    sums[k / 4] = _mm256_add_epi32(sums[k / 4], p);
+                for k in (0..8).step_by(2) {
+                    let x0 = _mm256_set1_epi32(quad(acts, t, b, k));
+                    let x1 = _mm256_set1_epi32(quad(acts, t, b, k + 1));
+                    let p = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(w[k], x0),
+                        _mm256_maddubs_epi16(w[k + 1], x1),
+                    );
+                    sums[k / 4] = _mm256_add_epi32(sums[k / 4], _mm256_madd_epi16(p, ones));
                 }
                 let da = _mm256_set1_ps(*acts.d.get_unchecked(t * nb + b));
                 if halves {
