@@ -33,6 +33,10 @@ struct Agreement {
     max: f32,
     /// Positions where llama.cpp's clear top-1 is not the exact reference's (not checked).
     llama_wrong: Vec<usize>,
+    /// Positions where llama.cpp's top-1 is clear but the exact reference's is a near tie
+    /// (it leads by less than [`NEAR_TIE`]): quantized arithmetic, llama.cpp's or ours,
+    /// decides those (not checked).
+    near_ties: Vec<usize>,
     /// Median and max |d logprob| against the exact reference, and top-1s checked against it.
     exact_median: f32,
     exact_max: f32,
@@ -97,6 +101,12 @@ fn exact_weights(file: &GgufFile) -> anyhow::Result<LlamaWeights> {
     Ok(w)
 }
 
+/// An exact top-1 that leads by less than this is a near tie: 8-bit activations move a
+/// log-probability by up to the bounds below (0.3 against the exact reference), so such a
+/// lead can go either way in any quantized implementation. It is the lead this test calls
+/// clear everywhere else.
+const NEAR_TIE: f32 = 0.3;
+
 /// [`agreement`], and with an exact reference: llama.cpp's top-1 is checked only where the
 /// reference agrees with it (where it does not, llama.cpp's own arithmetic made it), and our
 /// log-probabilities are measured against the reference too.
@@ -109,6 +119,7 @@ fn agreement_with(
     let mut exact_diffs = Vec::new();
     let (mut checked_top1, mut exact_checked) = (0, 0);
     let mut llama_wrong = Vec::new();
+    let mut near_ties = Vec::new();
     for item in items {
         let ours = item_logprobs(weights, item)?;
         let exact = reference.map(|r| item_logprobs(r, item)).transpose()?;
@@ -123,12 +134,14 @@ fn agreement_with(
             let l2 = top[1][1].as_f64().unwrap_or(0.0) as f32;
             diffs.push((lp[t1] - l1).abs());
             let exact_lp = exact.as_ref().map(|e| &e[pos]);
+            let mut exact_lead = f32::INFINITY;
             if let Some(e) = exact_lp {
                 exact_diffs.push((lp[t1] - e[t1]).abs());
                 // Where the exact arithmetic has a clear top-1, ours must be it.
                 let mut sorted = e.clone();
                 sorted.sort_by(|a, b| b.total_cmp(a));
-                if sorted[0] - sorted[1] >= 0.3 {
+                exact_lead = sorted[0] - sorted[1];
+                if exact_lead >= 0.3 {
                     anyhow::ensure!(
                         argmax(lp) == argmax(e),
                         "top-1 differs from the exact reference's at pos {pos} of {:?}",
@@ -142,11 +155,19 @@ fn agreement_with(
                     llama_wrong.push(pos);
                     continue;
                 }
+                if exact_lead < NEAR_TIE {
+                    near_ties.push(pos);
+                    continue;
+                }
                 let ours = argmax(lp);
                 anyhow::ensure!(
                     ours == t1,
-                    "top-1 differs at pos {pos} of {:?}: ours {ours}, llama.cpp {t1}",
-                    item.get("prompt").or(item.get("messages"))
+                    "top-1 differs at pos {pos} of {:?}: ours {ours}, llama.cpp {t1} (leading by \
+                     {:.3}; ours by {:.3}; the exact reference by {exact_lead:.3}, {:?})",
+                    item.get("prompt").or(item.get("messages")),
+                    l1 - l2,
+                    lp[ours] - lp[t1],
+                    exact_lp.map(|e| e[t1] - e[ours])
                 );
                 checked_top1 += 1;
             }
@@ -164,6 +185,7 @@ fn agreement_with(
         median,
         max,
         llama_wrong,
+        near_ties,
         exact_median,
         exact_max,
         exact_checked,
@@ -201,17 +223,30 @@ fn gemma3_teacher_forced_logits_agree_with_llama_cpp() -> anyhow::Result<()> {
     // top-1s past the exact model's: at position 10 of the Fibonacci prompt it puts one
     // token 0.49 ahead where f32 arithmetic puts the other 0.05 ahead. So the top-1 is
     // checked against llama.cpp's only where the exact reference agrees with it, and against
-    // the exact reference wherever that is clear; few positions may be set aside.
+    // the exact reference wherever that is clear. It widens near ties too: at position 13 of
+    // the SQL prompt llama.cpp leads by 0.36 where the exact model leads by 0.12, and AVX2's
+    // arithmetic tips it the other way by 0.05 (position 34 of the whitespace prompt: 0.08
+    // exact); so llama.cpp's top-1 is checked only where the exact one is clear too. Few
+    // positions may be set aside (9 near ties of 480 on an AVX2 machine).
     let exact = exact_weights(&file)?;
     let a = agreement_with(&weights, Some(&exact), &items)?;
     let n = a.positions;
     println!(
-        "gemma3: positions {n} (top-1 checked {}, set aside {:?}), |dlogprob| median {:.4} max \
-         {:.4}; against exact f32: median {:.4} max {:.4} (top-1 checked {})",
-        a.checked, a.llama_wrong, a.median, a.max, a.exact_median, a.exact_max, a.exact_checked
+        "gemma3: positions {n} (top-1 checked {}, set aside: llama.cpp's top-1 not exact {:?}, \
+         exact near tie {:?}), |dlogprob| median {:.4} max {:.4}; against exact f32: median \
+         {:.4} max {:.4} (top-1 checked {})",
+        a.checked,
+        a.llama_wrong,
+        a.near_ties,
+        a.median,
+        a.max,
+        a.exact_median,
+        a.exact_max,
+        a.exact_checked
     );
     anyhow::ensure!(a.checked >= n / 2, "only {} of {n} positions had a clear top-1", a.checked);
     anyhow::ensure!(a.llama_wrong.len() <= n / 50, "{} positions set aside", a.llama_wrong.len());
+    anyhow::ensure!(a.near_ties.len() <= n / 25, "{} near ties set aside", a.near_ties.len());
     anyhow::ensure!(a.median <= 0.05, "median |dlogprob| {} > 0.05", a.median);
     anyhow::ensure!(a.max <= 0.5, "max |dlogprob| {} > 0.5", a.max);
     anyhow::ensure!(a.exact_checked >= n / 2, "only {} exact top-1s checked", a.exact_checked);
