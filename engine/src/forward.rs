@@ -530,7 +530,7 @@ impl Runner {
             .map(|m| Row { table: batch[m.seq].block_table, pos: m.pos, first: 0 })
             .collect();
         let tokens: Vec<u32> = batch.iter().flat_map(|s| s.tokens.iter().copied()).collect();
-        // Taken for the pass and given back at its end (an interrupted pass drops them).
+        // Taken for the pass and given back at its end, or when it is interrupted.
         let PassBuffers {
             mut x,
             mut xn,
@@ -560,6 +560,7 @@ impl Runner {
 
         for (li, l) in w.layers.iter().enumerate() {
             if self.interrupt.as_ref().is_some_and(|i| i.stops(li, w.layers.len())) {
+                self.bufs = PassBuffers { x, xn, q, k, v, attn, o, gate, up, down };
                 return Err(EngineError::Interrupted);
             }
             rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn);

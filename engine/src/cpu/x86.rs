@@ -300,8 +300,8 @@ unsafe fn tile256<const C: usize, const OFF: u8, const BOTH: bool>(
         }
     }
     let rows = (v.rows - g * GROUP).min(GROUP);
-    let done = if BOTH { [(0, acc0), (1, acc1)] } else { [(half, acc0), (half, acc0)] };
-    for &(half, acc) in &done[..if BOTH { 2 } else { 1 }] {
+    let done = [(if BOTH { 0 } else { half }, acc0), (1, acc1)];
+    for &(half, acc) in &done[..1 + usize::from(BOTH)] {
         let n = rows.saturating_sub(8 * half).min(8);
         for (j, a) in acc.iter().enumerate() {
             let mut lanes = [0f32; 8];
