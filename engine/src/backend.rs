@@ -536,8 +536,13 @@ mod tests {
         let vocab = w.config.vocab_size;
         let (a, b, c) = ([5u32, 6, 7], [9u32, 10], [11u32, 12, 13, 14]);
         let (ta, tb, tc) = ([0u32], [1u32], [2u32]);
-        let seq =
-            |tokens, table, logits| SeqInput { tokens, start_pos: 0, block_table: table, logits };
+        let seq = |tokens, table, logits| SeqInput {
+            tokens,
+            start_pos: 0,
+            block_table: table,
+            logits,
+            adapter: None,
+        };
         let batch = [
             seq(&a[..], &ta[..], LogitsWanted::Last),
             seq(&b[..], &tb[..], LogitsWanted::All),

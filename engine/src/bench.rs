@@ -113,6 +113,7 @@ pub fn bench_model(
             start_pos: 0,
             block_table: &table,
             logits: LogitsWanted::Last,
+            adapter: None,
         };
         let logits = runner.forward_logits(w, &mut cache, &[seq])?;
         prefill.push(t0.elapsed().as_secs_f64());
@@ -349,6 +350,7 @@ fn decode_run(
             start_pos: start_pos + i,
             block_table: table,
             logits: LogitsWanted::Last,
+            adapter: None,
         };
         tok = argmax(runner.forward_logits(w, cache, &[seq])?);
     }

@@ -18,6 +18,7 @@ use crate::cpu::pool::{ThreadPool, split_range};
 use crate::cpu::vmath::{Gate, gated};
 use crate::error::{EngineError, Result};
 use crate::interrupt::Interrupt;
+use crate::lora::{AdapterRows, LoraAdapter, Target};
 use crate::model::{LlamaWeights, RopeStyle};
 use crate::sampler::argmax;
 
@@ -222,6 +223,8 @@ pub struct SeqInput<'a> {
     pub block_table: &'a [u32],
     /// Logits to return.
     pub logits: LogitsWanted,
+    /// The tenant adapter its rows run under, if any (checked against the model by the pass).
+    pub adapter: Option<&'a LoraAdapter>,
 }
 
 /// What [`Backend::forward_picking`](crate::backend::Backend::forward_picking) gives back.
@@ -495,6 +498,14 @@ impl Runner {
             if let Some(b) = seq.block_table.iter().find(|&&b| b as usize >= cache.num_blocks) {
                 return Err(EngineError::InvalidRequest(format!("block {b} out of range")));
             }
+            if let Some(a) = seq.adapter
+                && !a.fits(c)
+            {
+                return Err(EngineError::InvalidRequest(format!(
+                    "adapter {} was built for another base model's shape",
+                    a.revision
+                )));
+            }
             for (i, &tok) in seq.tokens.iter().enumerate() {
                 if tok as usize >= c.vocab_size {
                     return Err(EngineError::InvalidRequest(format!(
@@ -530,6 +541,7 @@ impl Runner {
             .map(|m| Row { table: batch[m.seq].block_table, pos: m.pos, first: 0 })
             .collect();
         let tokens: Vec<u32> = batch.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        let lora = AdapterRows::new(meta.iter().map(|m| batch[m.seq].adapter));
         // Taken for the pass and given back at its end, or when it is interrupted.
         let PassBuffers {
             mut x,
@@ -566,6 +578,9 @@ impl Runner {
             rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn);
             let t = Instant::now();
             self.mm_many(&[&l.wq, &l.wk, &l.wv], &xn, [&mut q, &mut k, &mut v]);
+            for (target, out) in [(Target::Q, &mut q), (Target::K, &mut k), (Target::V, &mut v)] {
+                lora.apply(&self.pool, c, li, target, &xn, out);
+            }
             matmul_s += t.elapsed().as_secs_f64();
             add_bias(&mut q, l.bq.as_deref());
             add_bias(&mut k, l.bk.as_deref());
@@ -601,6 +616,7 @@ impl Runner {
             attn_s += t_attn.elapsed().as_secs_f64();
             let t = Instant::now();
             self.mm(&l.wo, &attn, &mut o);
+            lora.apply(&self.pool, c, li, Target::O, &attn, &mut o);
             matmul_s += t.elapsed().as_secs_f64();
             if let Some(pn) = &l.post_attn_norm {
                 rms_norm_in_place(&mut o, pn, c.rms_eps);
@@ -611,11 +627,14 @@ impl Runner {
             rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut xn);
             let t = Instant::now();
             self.mm_many(&[&l.w_gate, &l.w_up], &xn, [&mut gate, &mut up]);
+            lora.apply(&self.pool, c, li, Target::Gate, &xn, &mut gate);
+            lora.apply(&self.pool, c, li, Target::Up, &xn, &mut up);
             matmul_s += t.elapsed().as_secs_f64();
             let act = if c.gemma.is_some() { Gate::GeluTanh } else { Gate::Silu };
             gated(&self.pool, self.isa, act, &mut gate, &up, c.intermediate);
             let t = Instant::now();
             self.mm(&l.w_down, &gate, &mut down);
+            lora.apply(&self.pool, c, li, Target::Down, &gate, &mut down);
             matmul_s += t.elapsed().as_secs_f64();
             if let Some(pn) = &l.post_ffn_norm {
                 rms_norm_in_place(&mut down, pn, c.rms_eps);

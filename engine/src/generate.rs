@@ -143,6 +143,7 @@ pub fn generate(
             start_pos: pos,
             block_table: &table,
             logits: LogitsWanted::Last,
+            adapter: None,
         };
         let logits = backend.forward_picking(&model.weights, &[seq], &[Pick::Logits])?.logits;
         pos += input.len();

@@ -15,6 +15,7 @@ pub mod generate;
 pub mod identity;
 pub mod interrupt;
 pub mod loader;
+pub mod lora;
 pub mod model;
 pub mod pass_bench;
 pub mod quant;

@@ -113,6 +113,7 @@ pub fn bench_forward(model: &LoadedModel, cfg: &ForwardBenchConfig) -> Result<Ve
                     start_pos: at,
                     block_table: &tables[s],
                     logits: if ends { LogitsWanted::Last } else { LogitsWanted::None },
+                    adapter: None,
                 })
                 .collect();
             let out = backend.forward_picking(w, &inputs, &vec![Pick::Argmax; inputs.len()])?;
@@ -133,6 +134,7 @@ pub fn bench_forward(model: &LoadedModel, cfg: &ForwardBenchConfig) -> Result<Ve
                     start_pos: cfg.context + step,
                     block_table: &tables[s],
                     logits: LogitsWanted::Last,
+                    adapter: None,
                 })
                 .collect();
             let _ = backend.take_pass_times();

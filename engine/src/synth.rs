@@ -401,7 +401,7 @@ impl SynthTensor {
 /// llama.cpp's HF-to-GGUF reordering of Q/K rows: within each head, Hugging Face row
 /// `half * hd/2 + i` (rotated with its partner in the other half) becomes row `2 i + half`
 /// (rotated with its neighbour), so interleaved RoPE computes the same model.
-fn permute_for_interleaved_rope(values: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+pub(crate) fn permute_for_interleaved_rope(values: &[f32], heads: usize, cols: usize) -> Vec<f32> {
     let hd = values.len() / cols / heads;
     let mut out = vec![0f32; values.len()];
     for h in 0..heads {
@@ -714,6 +714,137 @@ fn write_json(path: &Path, value: &serde_json::Value) -> Result<()> {
     let text = serde_json::to_vec_pretty(value)
         .map_err(|e| EngineError::format(path, format!("serialize: {e}")))?;
     std::fs::write(path, text).map_err(|e| EngineError::io(path, e))
+}
+
+/// A synthetic LoRA adapter for a base model: random `A` and `B` (not PEFT's zero `B`, so the
+/// adapter changes the model from the first token), every value a pure function of (seed,
+/// tensor name, index).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SynthLora {
+    /// Rank.
+    pub rank: usize,
+    /// `lora_alpha` (the scale is `alpha / rank`).
+    pub alpha: f32,
+    /// The projections it updates.
+    pub targets: Vec<crate::lora::Target>,
+    /// Seed of every value.
+    pub seed: u64,
+    /// Standard deviation of `B`'s values: how far the adapter moves the model.
+    pub b_std: f32,
+}
+
+impl SynthLora {
+    /// Rank 8, alpha 16, every projection, `B` at 0.02.
+    pub fn new(seed: u64) -> SynthLora {
+        SynthLora {
+            rank: 8,
+            alpha: 16.0,
+            targets: crate::lora::Target::ALL.to_vec(),
+            seed,
+            b_std: 0.02,
+        }
+    }
+
+    /// `(layer, target, A [rank x input], B [output x rank])` in Hugging Face orientation.
+    fn updates(&self, base: &LlamaConfig) -> Vec<(usize, crate::lora::Target, Vec<f32>, Vec<f32>)> {
+        let mut out = Vec::new();
+        for layer in 0..base.layers {
+            for &t in &self.targets {
+                let (input, output) = t.dims(base);
+                let values = |half: &str, n: usize, std: f32| -> Vec<f32> {
+                    let key =
+                        splitmix64(self.seed ^ fnv1a(&format!("{layer}.{}.{half}", t.peft_name())));
+                    (0..n)
+                        .map(|j| {
+                            let h = splitmix64(key.wrapping_add((j as u64).wrapping_mul(GOLDEN)));
+                            std * approx_normal(h)
+                        })
+                        .collect()
+                };
+                let a = values("A", self.rank * input, 1.0 / (input as f32).sqrt());
+                let b = values("B", output * self.rank, self.b_std);
+                out.push((layer, t, a, b));
+            }
+        }
+        out
+    }
+
+    /// Writes the adapter as PEFT does: `adapter_config.json` and
+    /// `adapter_model.safetensors` (values in `ty`: F32, F16 or BF16) in `dir`.
+    pub fn write_peft(&self, base: &LlamaConfig, ty: GgmlType, dir: &Path) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| EngineError::io(dir, e))?;
+        let config = json!({
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": 0.0,
+            "target_modules": self.targets.iter().map(|t| t.peft_name()).collect::<Vec<_>>(),
+            "bias": "none",
+            "fan_in_fan_out": false,
+            "use_rslora": false,
+            "modules_to_save": null,
+            "base_model_name_or_path": base.arch,
+        });
+        let path = dir.join(crate::lora::PEFT_CONFIG_FILE);
+        let text = serde_json::to_vec_pretty(&config)
+            .map_err(|e| EngineError::format(&path, e.to_string()))?;
+        std::fs::write(&path, text).map_err(|e| EngineError::io(&path, e))?;
+        let mut tensors = Vec::new();
+        for (layer, t, a, b) in self.updates(base) {
+            let (input, output) = t.dims(base);
+            let block = match t {
+                crate::lora::Target::Q
+                | crate::lora::Target::K
+                | crate::lora::Target::V
+                | crate::lora::Target::O => "self_attn",
+                _ => "mlp",
+            };
+            let name = |half: &str| {
+                format!(
+                    "base_model.model.model.layers.{layer}.{block}.{}.lora_{half}.weight",
+                    t.peft_name()
+                )
+            };
+            tensors.push((name("A"), ty, vec![self.rank, input], quantize_row(ty, &a)));
+            tensors.push((name("B"), ty, vec![output, self.rank], quantize_row(ty, &b)));
+        }
+        write_safetensors(&dir.join(crate::lora::PEFT_WEIGHTS_FILE), &tensors)
+    }
+
+    /// Writes the adapter as llama.cpp's `convert_lora_to_gguf.py` does for a base of
+    /// architecture `arch` (Q and K rows of `B` permuted for interleaved RoPE where that
+    /// architecture's converter permutes the base's), values in `ty`.
+    pub fn write_gguf(
+        &self,
+        base: &LlamaConfig,
+        arch: &str,
+        ty: GgmlType,
+        path: &Path,
+    ) -> Result<()> {
+        let mut w = GgufWriter::new();
+        w.meta("general.architecture", MetaValue::String(arch.into()))
+            .meta("general.type", MetaValue::String("adapter".into()))
+            .meta("general.name", MetaValue::String("sluice synthetic adapter".into()))
+            .meta("adapter.type", MetaValue::String("lora".into()))
+            .meta("adapter.lora.alpha", MetaValue::F64(f64::from(self.alpha)));
+        let permute = matches!(arch, "llama" | "mistral");
+        for (layer, t, a, mut b) in self.updates(base) {
+            let (input, output) = t.dims(base);
+            let heads = match t {
+                crate::lora::Target::Q => Some(base.heads),
+                crate::lora::Target::K => Some(base.kv_heads),
+                _ => None,
+            };
+            if let (true, Some(heads)) = (permute, heads) {
+                b = permute_for_interleaved_rope(&b, heads, self.rank);
+            }
+            let name = |half: &str| format!("blk.{layer}.{}.weight.lora_{half}", t.gguf_name());
+            w.tensor(&name("a"), &[input, self.rank], ty, quantize_row(ty, &a));
+            w.tensor(&name("b"), &[self.rank, output], ty, quantize_row(ty, &b));
+        }
+        Ok(w.write(path)?)
+    }
 }
 
 #[cfg(test)]

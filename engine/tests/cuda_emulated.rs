@@ -138,6 +138,7 @@ fn a_profiled_pass_names_its_phases_and_does_the_pass() -> anyhow::Result<()> {
         start_pos,
         block_table,
         logits: LogitsWanted::Last,
+        adapter: None,
     };
     // b's first two tokens cached, then a's prompt beside b's third token (a decode row).
     r.forward(&model, &mut cache, &[seq(&b[..2], 0, &tb)])?;
@@ -292,8 +293,13 @@ fn tiled_prefill_and_device_argmax_match_the_cpu_backend() -> anyhow::Result<()>
     let vocab = w.config.vocab_size;
     let prompt: Vec<u32> = (0..150u32).map(|i| (i * 37 + 3) % vocab as u32).collect();
     let table: Vec<u32> = (0..10).collect();
-    let seq =
-        |tokens, start_pos, logits| SeqInput { tokens, start_pos, block_table: &table, logits };
+    let seq = |tokens, start_pos, logits| SeqInput {
+        tokens,
+        start_pos,
+        block_table: &table,
+        logits,
+        adapter: None,
+    };
     // 20 tokens first (the cached prefix), then 130 more in one chunk: tiles of 64, 64, 2.
     let passes = [(0usize, 20usize, LogitsWanted::None), (20, 150, LogitsWanted::All)];
 

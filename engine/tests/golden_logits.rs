@@ -56,8 +56,13 @@ fn item_logprobs(
     let completion = common::ids(&item["completion_tokens"]);
     let mut input = prompt.clone();
     input.extend_from_slice(&completion[..completion.len() - 1]);
-    let seq =
-        SeqInput { tokens: &input, start_pos: 0, block_table: &table, logits: LogitsWanted::All };
+    let seq = SeqInput {
+        tokens: &input,
+        start_pos: 0,
+        block_table: &table,
+        logits: LogitsWanted::All,
+        adapter: None,
+    };
     let logits = runner.forward(weights, &mut cache, &[seq])?;
     Ok((0..completion.len())
         .map(|pos| {
@@ -270,8 +275,13 @@ fn gemma3_sliding_layers_forget_what_left_the_window() -> anyhow::Result<()> {
         let mut runner = Runner::new(0);
         let mut cache = KvCache::new(w, 16, 16);
         let table: Vec<u32> = (0..16).collect();
-        let seq =
-            SeqInput { tokens: t, start_pos: 0, block_table: &table, logits: LogitsWanted::Last };
+        let seq = SeqInput {
+            tokens: t,
+            start_pos: 0,
+            block_table: &table,
+            logits: LogitsWanted::Last,
+            adapter: None,
+        };
         Ok(runner.forward(w, &mut cache, &[seq])?)
     };
     anyhow::ensure!(last(&weights, &tokens)? != last(&weights, &other)?, "global layers see all");

@@ -66,6 +66,7 @@ fn run_interrupted(
         start_pos,
         block_table,
         logits,
+        adapter: None,
     };
     let prefill = [
         seq(&a[..], 0, &table_a[..], LogitsWanted::All),

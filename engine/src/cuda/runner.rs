@@ -1936,6 +1936,11 @@ fn plan(
         singles: Vec::new(),
     };
     for (s, seq) in batch.iter().enumerate() {
+        if seq.adapter.is_some() {
+            return Err(CudaError::Invalid(format!(
+                "sequence {s}: tenant LoRA adapters run on the CPU backend only so far"
+            )));
+        }
         let end = seq.start_pos + seq.tokens.len();
         if end > c.context_length || seq.block_table.len() * bs < end || used(seq) > max_blocks {
             return Err(CudaError::Invalid(format!(
@@ -1997,7 +2002,13 @@ mod tests {
     use crate::synth::SynthSpec;
 
     fn seq<'a>(tokens: &'a [u32], start_pos: usize, table: &'a [u32]) -> SeqInput<'a> {
-        SeqInput { tokens, start_pos, block_table: table, logits: LogitsWanted::Last }
+        SeqInput {
+            tokens,
+            start_pos,
+            block_table: table,
+            logits: LogitsWanted::Last,
+            adapter: None,
+        }
     }
 
     #[test]

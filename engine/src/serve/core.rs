@@ -561,6 +561,7 @@ impl EngineCore {
                 start_pos: w.start,
                 block_table: &w.table,
                 logits: w.logits,
+                adapter: None,
             })
             .collect();
         // Greedy sequences with nothing else asked of their logits get their token picked

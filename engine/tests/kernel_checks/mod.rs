@@ -939,6 +939,7 @@ pub fn two_sequences(
         start_pos,
         block_table,
         logits,
+        adapter: None,
     };
     let mut out = run(&[
         seq(&a[..], 0, &ta[..], LogitsWanted::All),
@@ -996,7 +997,7 @@ fn prompt_then_steps(
     forward: &mut dyn FnMut(&[SeqInput<'_>]) -> anyhow::Result<Vec<f32>>,
 ) -> anyhow::Result<Vec<f32>> {
     fn at<'a>(tokens: &'a [u32], start_pos: usize, block_table: &'a [u32]) -> SeqInput<'a> {
-        SeqInput { tokens, start_pos, block_table, logits: LogitsWanted::Last }
+        SeqInput { tokens, start_pos, block_table, logits: LogitsWanted::Last, adapter: None }
     }
     forward(&[at(prompt, 0, table)])?;
     let mut out = Vec::new();
@@ -1066,6 +1067,7 @@ pub fn forward_parity() -> anyhow::Result<()> {
         start_pos,
         block_table,
         logits,
+        adapter: None,
     };
     let a_next = [11u32];
     let ta = [0u32, 1];
@@ -1105,6 +1107,7 @@ pub fn forward_parity() -> anyhow::Result<()> {
                     start_pos: prompts[s].len() + step as usize,
                     block_table: &tables[s][..],
                     logits: LogitsWanted::Last,
+                    adapter: None,
                 })
                 .collect();
             out.extend(gpu_runner.forward(&model, cache, &b)?);
@@ -1309,6 +1312,7 @@ pub fn bench_llama(
                     start_pos: self.ctx,
                     block_table: table,
                     logits: LogitsWanted::Last,
+                    adapter: None,
                 })
                 .collect()
         }
@@ -1324,6 +1328,7 @@ pub fn bench_llama(
         start_pos: 0,
         block_table: &table,
         logits: LogitsWanted::Last,
+        adapter: None,
     }];
     let prompt_reps = shape.reps.div_ceil(3);
     let secs = time(
@@ -1359,6 +1364,7 @@ pub fn bench_llama(
                     start_pos: 0,
                     block_table: &table[s * 64 / block..(s + 1) * 64 / block],
                     logits: LogitsWanted::Last,
+                    adapter: None,
                 })
                 .collect();
             r.forward_device(&model, &mut cache, &b)?;
