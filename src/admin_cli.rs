@@ -311,6 +311,9 @@ pub enum AdminCommand {
     /// Per-tenant quotas.
     #[command(subcommand)]
     Quotas(QuotaCommand),
+    /// Tenants' LoRA adapters on a shared base model.
+    #[command(subcommand)]
+    Adapters(AdapterCommand),
     /// Mint an HS256 admin token with SLUICE_JWT_SECRET and print it.
     Token {
         /// ops, billing, auditor or tenant-admin.
@@ -346,6 +349,87 @@ pub enum AdminCommand {
         #[command(flatten)]
         jwt: JwtArgs,
     },
+}
+
+/// `sluice admin adapters`.
+#[derive(Subcommand, Debug)]
+pub enum AdapterCommand {
+    /// Check an adapter (a PEFT directory or a GGUF LoRA) against its base model, put it in
+    /// the engines' store under its revision, and register that revision for the tenant.
+    Register {
+        /// Tenant id.
+        tenant: String,
+        /// The adapter's name within the tenant (requests name `TENANT/NAME`).
+        name: String,
+        /// The adapter: a PEFT directory (adapter_config.json, adapter_model.safetensors) or
+        /// a GGUF LoRA file.
+        #[arg(long)]
+        path: std::path::PathBuf,
+        /// The base model's file or directory (or catalog name) the engines serve.
+        #[arg(long)]
+        model: std::path::PathBuf,
+        /// The id the engines serve the base model under (default: the file's model id).
+        #[arg(long)]
+        served_model_name: Option<String>,
+        /// The engines' adapter store (their --adapter-store).
+        #[arg(long, env = "SLUICE_ADAPTER_STORE")]
+        store: std::path::PathBuf,
+        /// Other tenants that may use it (repeatable).
+        #[arg(long = "share-with")]
+        share_with: Vec<String>,
+    },
+    /// List a tenant's adapters and those shared with it.
+    List {
+        /// Tenant id.
+        tenant: String,
+    },
+    /// Retire an adapter: one revision, or every active one. Running requests finish; new
+    /// ones naming it are refused, and the name alone rolls back to the newest revision left.
+    Retire {
+        /// Tenant id.
+        tenant: String,
+        /// Adapter name.
+        name: String,
+        /// Only this revision (sha256:...).
+        #[arg(long)]
+        revision: Option<String>,
+    },
+    /// Set the other tenants that may use an adapter (none: only its own tenant).
+    Share {
+        /// Tenant id.
+        tenant: String,
+        /// Adapter name.
+        name: String,
+        /// Tenants (repeatable).
+        #[arg(long = "with")]
+        with: Vec<String>,
+    },
+}
+
+/// Checks the adapter at `path` against the base model at `model`, puts it in `store`, and
+/// returns the registration body.
+fn stored_adapter(
+    name: &str,
+    path: &std::path::Path,
+    model: &std::path::Path,
+    served: Option<&str>,
+    store: &std::path::Path,
+) -> anyhow::Result<Value> {
+    let model = sluice_engine::fetch::resolve_model(model, &|s| eprintln!("{s}"))?;
+    let base = sluice_engine::loader::LoadedModel::load(&model)
+        .with_context(|| format!("loading the base model {}", model.display()))?;
+    let adapter = sluice_engine::server::adapters::put_in_store(path, &base.weights.config, store)
+        .with_context(|| format!("checking {} against {}", path.display(), model.display()))?;
+    let targets: Vec<&str> = adapter.targets().iter().map(|t| t.peft_name()).collect();
+    Ok(json!({
+        "name": name,
+        "revision": adapter.revision,
+        "base_model": served.unwrap_or(&base.identity.model_id),
+        "base_revision": base.identity.model_revision,
+        "rank": adapter.rank,
+        "targets": targets,
+        "bytes": adapter.memory_bytes(),
+    }))
 }
 
 /// `sluice admin tenants`.
@@ -710,6 +794,37 @@ pub fn run_admin(cmd: AdminCommand, client: &ClientArgs) -> anyhow::Result<()> {
                 let body = limits.json();
                 let path = format!("/v1/tenants/{tenant}/keys/{key}/limits");
                 c.json(Method::PUT, &path, &[], Some(body)).await?
+            }
+            AdminCommand::Adapters(AdapterCommand::Register {
+                tenant,
+                name,
+                path,
+                model,
+                served_model_name,
+                store,
+                share_with,
+            }) => {
+                let mut body = tokio::task::spawn_blocking(move || {
+                    stored_adapter(&name, &path, &model, served_model_name.as_deref(), &store)
+                })
+                .await??;
+                if !share_with.is_empty() {
+                    body["shared_with"] = json!(share_with);
+                }
+                c.json(Method::POST, &format!("/v1/tenants/{tenant}/adapters"), &[], Some(body))
+                    .await?
+            }
+            AdminCommand::Adapters(AdapterCommand::List { tenant }) => {
+                c.json(Method::GET, &format!("/v1/tenants/{tenant}/adapters"), &[], None).await?
+            }
+            AdminCommand::Adapters(AdapterCommand::Retire { tenant, name, revision }) => {
+                let path = format!("/v1/tenants/{tenant}/adapters/{name}/retire");
+                let body = revision.map(|r| json!({"revision": r}));
+                c.json(Method::POST, &path, &[], body).await?
+            }
+            AdminCommand::Adapters(AdapterCommand::Share { tenant, name, with }) => {
+                let path = format!("/v1/tenants/{tenant}/adapters/{name}/sharing");
+                c.json(Method::PUT, &path, &[], Some(json!({"shared_with": with}))).await?
             }
             AdminCommand::Quotas(QuotaCommand::Get { tenant }) => {
                 c.json(Method::GET, &format!("/v1/tenants/{tenant}/quota"), &[], None).await?

@@ -431,6 +431,15 @@ struct EngineArgs {
     /// (each still answers with the tokens it has), in seconds.
     #[arg(long, default_value_t = 30)]
     drain_timeout: u64,
+    /// The content-addressed store of tenants' LoRA adapters (`HEX/` PEFT directories,
+    /// `HEX.gguf` GGUF LoRAs), which `sluice admin adapters register` writes; a request names
+    /// its adapter in the gateway's `x-sluice-adapter` header.
+    #[arg(long, env = "SLUICE_ADAPTER_STORE")]
+    adapter_store: Option<std::path::PathBuf>,
+    /// Memory the resident adapters may take together, in MiB (least recently used ones no
+    /// request holds are evicted; a request waits while all are held).
+    #[arg(long, default_value_t = 512)]
+    adapter_memory_mb: usize,
 }
 
 #[derive(Args, Debug)]
@@ -645,6 +654,8 @@ fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
         ServerConfig {
             served_model_name: args.served_model_name,
             internal_token: args.internal_token,
+            adapter_store: args.adapter_store,
+            adapter_memory_bytes: args.adapter_memory_mb.saturating_mul(1 << 20),
             ..ServerConfig::default()
         },
     );

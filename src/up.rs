@@ -398,6 +398,8 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             handle,
             ServerConfig {
                 internal_token: Some(internal_token.clone()),
+                // `sluice admin adapters register` writes here (admin.env names it).
+                adapter_store: Some(dir.join("adapters")),
                 ..ServerConfig::default()
             },
         ));
@@ -476,6 +478,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             "SLUICE_BILLING_TOKEN",
             &mint_hs256(jwt_secret.as_bytes(), &billing, day, None, None)?,
         ),
+        env_line("SLUICE_ADAPTER_STORE", &dir.join("adapters").display().to_string()),
     ];
     let admin_path = dir.join("admin.env");
     write_private(&admin_path, &(admin_env.join("\n") + "\n"))?;

@@ -109,6 +109,9 @@ pub fn router(state: Arc<ApiState>) -> Router {
         .route("/v1/tenants/{tenant}/keys/{key}/revoke", post(revoke_key))
         .route("/v1/tenants/{tenant}/keys/{key}/limits", put(set_key_limits))
         .route("/v1/tenants/{tenant}/quota", get(get_quota).put(set_quota))
+        .route("/v1/tenants/{tenant}/adapters", get(list_adapters).post(register_adapter))
+        .route("/v1/tenants/{tenant}/adapters/{name}/retire", post(retire_adapter))
+        .route("/v1/tenants/{tenant}/adapters/{name}/sharing", put(share_adapter))
         .route("/v1/records", get(records))
         .route("/v1/audit-log", get(audit_log))
         .route("/v1/audit/reconcile", get(reconcile))
@@ -622,6 +625,89 @@ async fn issue_key(
         axum::Json(v),
     )
         .into_response())
+}
+
+/// `POST /v1/tenants/{tenant}/adapters`: registers a revision of one of the tenant's
+/// adapters, whose files the caller has checked and put in the engines' store.
+async fn register_adapter(
+    State(s): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    ApiPath(tenant): ApiPath<String>,
+    Query(q): Query<HashMap<String, String>>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    let who = authorize(&s, &headers, &[Role::Ops, Role::TenantAdmin])?;
+    no_query(q)?;
+    check_tenant(&who, &tenant)?;
+    let req: crate::adapters::NewAdapter = body(&bytes)?;
+    let a = s.ledger.register_adapter(&who, &tenant, &req).await?;
+    announce(&s, "adapter", &tenant).await;
+    Ok((StatusCode::CREATED, axum::Json(a)).into_response())
+}
+
+/// `GET /v1/tenants/{tenant}/adapters`: the tenant's adapters and those shared with it.
+async fn list_adapters(
+    State(s): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    ApiPath(tenant): ApiPath<String>,
+    Query(q): Query<HashMap<String, String>>,
+) -> ApiResult<Response> {
+    let who = authorize(&s, &headers, &[Role::Ops, Role::TenantAdmin, Role::Auditor])?;
+    no_query(q)?;
+    check_tenant(&who, &tenant)?;
+    Ok(axum::Json(json!({"data": s.ledger.list_adapters(&tenant).await?})).into_response())
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RetireAdapter {
+    #[serde(default)]
+    revision: Option<String>,
+}
+
+/// `POST /v1/tenants/{tenant}/adapters/{name}/retire`: one revision (`{"revision"}`), or
+/// every active one (an empty body).
+async fn retire_adapter(
+    State(s): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    ApiPath((tenant, name)): ApiPath<(String, String)>,
+    Query(q): Query<HashMap<String, String>>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    let who = authorize(&s, &headers, &[Role::Ops, Role::TenantAdmin])?;
+    no_query(q)?;
+    check_tenant(&who, &tenant)?;
+    let req: RetireAdapter = if bytes.iter().all(u8::is_ascii_whitespace) {
+        RetireAdapter { revision: None }
+    } else {
+        body(&bytes)?
+    };
+    let retired = s.ledger.retire_adapter(&who, &tenant, &name, req.revision.as_deref()).await?;
+    announce(&s, "adapter", &tenant).await;
+    Ok(axum::Json(json!({"data": retired})).into_response())
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ShareAdapter {
+    shared_with: Vec<String>,
+}
+
+/// `PUT /v1/tenants/{tenant}/adapters/{name}/sharing`: the other tenants that may use it.
+async fn share_adapter(
+    State(s): State<Arc<ApiState>>,
+    headers: HeaderMap,
+    ApiPath((tenant, name)): ApiPath<(String, String)>,
+    Query(q): Query<HashMap<String, String>>,
+    bytes: Bytes,
+) -> ApiResult<Response> {
+    let who = authorize(&s, &headers, &[Role::Ops, Role::TenantAdmin])?;
+    no_query(q)?;
+    check_tenant(&who, &tenant)?;
+    let req: ShareAdapter = body(&bytes)?;
+    let with = s.ledger.share_adapter(&who, &tenant, &name, &req.shared_with).await?;
+    announce(&s, "adapter", &tenant).await;
+    Ok(axum::Json(json!({"tenant_id": tenant, "name": name, "shared_with": with})).into_response())
 }
 
 async fn list_keys(

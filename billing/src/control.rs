@@ -36,7 +36,7 @@ pub(crate) use on_pool;
 /// The statement beginning a write transaction. SQLite's takes the write lock up front
 /// (`BEGIN IMMEDIATE`): a deferred one that reads first and then writes can fail at once with
 /// SQLITE_BUSY when another writer holds the lock, instead of waiting out the busy timeout.
-trait BeginWrite {
+pub(crate) trait BeginWrite {
     const BEGIN: &'static str;
 }
 
@@ -48,16 +48,17 @@ impl BeginWrite for sqlx::SqlitePool {
     const BEGIN: &'static str = "BEGIN IMMEDIATE";
 }
 
-fn begin_statement<P: BeginWrite>(_: &P) -> &'static str {
+pub(crate) fn begin_statement<P: BeginWrite>(_: &P) -> &'static str {
     P::BEGIN
 }
 
 /// Begins a write transaction on either pool.
 macro_rules! begin_write {
     ($pool:expr) => {
-        $pool.begin_with(begin_statement($pool))
+        $pool.begin_with($crate::control::begin_statement($pool))
     };
 }
+pub(crate) use begin_write;
 
 /// What an admin or audit call can fail with; each maps to one HTTP status.
 #[derive(Debug, thiserror::Error)]
@@ -488,7 +489,7 @@ pub struct AuditEntry {
 /// Scopes a key may carry.
 pub const KEY_SCOPES: &[&str] = &["completions", "chat", "models"];
 
-fn valid_id(param: &str, id: &str) -> Result<(), AdminError> {
+pub(crate) fn valid_id(param: &str, id: &str) -> Result<(), AdminError> {
     let ok = !id.is_empty()
         && id.len() <= 64
         && id
@@ -519,7 +520,7 @@ pub fn hash_secret(secret: &str) -> String {
     hex::encode(Sha256::digest(secret.as_bytes()))
 }
 
-fn is_unique_violation(e: &sqlx::Error) -> bool {
+pub(crate) fn is_unique_violation(e: &sqlx::Error) -> bool {
     matches!(e, sqlx::Error::Database(db) if db.kind() == sqlx::error::ErrorKind::UniqueViolation)
 }
 
@@ -612,8 +613,9 @@ macro_rules! audit {
         .await?
     };
 }
+pub(crate) use audit;
 
-fn to_value<T: Serialize>(v: &T) -> Option<Value> {
+pub(crate) fn to_value<T: Serialize>(v: &T) -> Option<Value> {
     serde_json::to_value(v).ok()
 }
 

@@ -6,6 +6,7 @@
 //! idempotent on request id and per-tenant idempotency key, so the ledger counts each request
 //! exactly once.
 
+pub mod adapters;
 pub mod api;
 pub mod auth;
 pub mod bench;

@@ -60,6 +60,11 @@ const POSTGRES_MIGRATIONS: &[EmbeddedMigration] = &[
         description: "user sha256",
         sql: include_str!("../../migrations/postgres/0006_user_sha256.sql"),
     },
+    EmbeddedMigration {
+        version: 7,
+        description: "adapters",
+        sql: include_str!("../../migrations/postgres/0007_adapters.sql"),
+    },
 ];
 
 const SQLITE_MIGRATIONS: &[EmbeddedMigration] = &[
@@ -92,6 +97,11 @@ const SQLITE_MIGRATIONS: &[EmbeddedMigration] = &[
         version: 6,
         description: "user sha256",
         sql: include_str!("../../migrations/sqlite/0006_user_sha256.sql"),
+    },
+    EmbeddedMigration {
+        version: 7,
+        description: "adapters",
+        sql: include_str!("../../migrations/sqlite/0007_adapters.sql"),
     },
 ];
 

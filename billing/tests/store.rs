@@ -10,8 +10,15 @@ use chrono::TimeDelta;
 use common::{Inspect, PgDatabase, SqliteFile, event};
 use sluice_billing::{Backend, BillingError, FinishReason, Ledger};
 
-const TABLES: [&str; 6] =
-    ["tenants", "api_keys", "quotas", "request_records", "usage_rollups", "admin_audit_log"];
+const TABLES: [&str; 7] = [
+    "tenants",
+    "api_keys",
+    "quotas",
+    "request_records",
+    "usage_rollups",
+    "admin_audit_log",
+    "adapters",
+];
 
 const REQUEST_RECORD_COLUMNS: [&str; 39] = [
     "request_id",
@@ -66,8 +73,9 @@ async fn check_migrations(url: &str, backend: Backend) -> anyhow::Result<Vec<Vec
 
     let db = Inspect::open(url).await?;
     // Every embedded migration applied once (0001 ledger, 0002 key limits, 0003 refused usage,
-    // 0004 price list, 0005 partitioned records, 0006 user sha256), also on reconnect.
-    ensure!(db.scalar("SELECT CAST(COUNT(*) AS BIGINT) FROM _sqlx_migrations").await? == 6);
+    // 0004 price list, 0005 partitioned records, 0006 user sha256, 0007 adapters), also on
+    // reconnect.
+    ensure!(db.scalar("SELECT CAST(COUNT(*) AS BIGINT) FROM _sqlx_migrations").await? == 7);
     let mut columns = Vec::new();
     for table in TABLES {
         ensure!(db.scalar(&format!("SELECT CAST(COUNT(*) AS BIGINT) FROM {table}")).await? == 0);

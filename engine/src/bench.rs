@@ -612,6 +612,7 @@ pub fn bench_engine(
                             tpot_target: None,
                             arrival: Instant::now(),
                             grammar: grammar.clone(),
+                            adapter: None,
                         };
                         let mut stream = handle.submit(req)?;
                         while let Some(ev) = stream.blocking_next() {

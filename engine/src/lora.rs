@@ -134,6 +134,8 @@ impl LoraPair {
 pub struct LoraAdapter {
     /// `sha256:` of the canonical form.
     pub revision: String,
+    /// The same digest as bytes.
+    pub digest: [u8; 32],
     /// Rank (one for every update).
     pub rank: usize,
     /// `alpha / r` (or `alpha / sqrt(r)` with rsLoRA).
@@ -427,9 +429,11 @@ impl LoraAdapter {
             }
             layers.push(pairs);
         }
-        let revision = format!("sha256:{:x}", hasher.finalize());
+        let digest: [u8; 32] = hasher.finalize().into();
+        let revision =
+            format!("sha256:{}", digest.iter().map(|b| format!("{b:02x}")).collect::<String>());
         let dims = Target::ALL.map(|t| t.dims(base));
-        Ok(LoraAdapter { revision, rank, scale, layers, dims })
+        Ok(LoraAdapter { revision, digest, rank, scale, layers, dims })
     }
 }
 
@@ -714,22 +718,20 @@ mod tests {
         SynthSpec::tiny().config()
     }
 
+    type TestResult<T = ()> = std::result::Result<T, Box<dyn std::error::Error>>;
+
     /// Writes a rank-2 adapter of tiny's shape on Q and V, lets `edit` change its config and
     /// tensors, and loads it for `base`: the error's text.
     fn refusal(
         base: &LlamaConfig,
         edit: impl FnOnce(&mut serde_json::Value, &mut Vec<(String, GgmlType, Vec<usize>, Vec<u8>)>),
-    ) -> String {
-        let dir = tempfile::tempdir().map_err(|e| e.to_string()).unwrap_or_else(|e| panic!("{e}"));
+    ) -> TestResult<String> {
+        let dir = tempfile::tempdir()?;
         let lora = SynthLora { rank: 2, targets: vec![Target::Q, Target::V], ..SynthLora::new(5) };
-        let written = lora.write_peft(&tiny(), GgmlType::F32, dir.path());
-        assert!(written.is_ok(), "{written:?}");
+        lora.write_peft(&tiny(), GgmlType::F32, dir.path())?;
         let cfg_path = dir.path().join(PEFT_CONFIG_FILE);
-        let mut cfg: serde_json::Value =
-            serde_json::from_slice(&std::fs::read(&cfg_path).unwrap_or_default())
-                .unwrap_or_default();
-        let st = SafetensorsModel::open_file(&dir.path().join(PEFT_WEIGHTS_FILE));
-        let Ok(st) = st else { panic!("the written adapter does not open") };
+        let mut cfg: serde_json::Value = serde_json::from_slice(&std::fs::read(&cfg_path)?)?;
+        let st = SafetensorsModel::open_file(&dir.path().join(PEFT_WEIGHTS_FILE))?;
         let mut tensors: Vec<_> = st
             .tensor_names()
             .into_iter()
@@ -739,25 +741,21 @@ mod tests {
             .collect();
         drop(st);
         edit(&mut cfg, &mut tensors);
-        std::fs::write(&cfg_path, cfg.to_string()).unwrap_or_default();
-        let w =
-            crate::safetensors::write_safetensors(&dir.path().join(PEFT_WEIGHTS_FILE), &tensors);
-        assert!(w.is_ok(), "{w:?}");
-        match LoraAdapter::load(dir.path(), base) {
+        std::fs::write(&cfg_path, cfg.to_string())?;
+        crate::safetensors::write_safetensors(&dir.path().join(PEFT_WEIGHTS_FILE), &tensors)?;
+        Ok(match LoraAdapter::load(dir.path(), base) {
             Ok(_) => String::from("loaded"),
             Err(e) => e.to_string(),
-        }
+        })
     }
 
     #[test]
-    fn a_well_formed_adapter_loads_with_its_rank_scale_and_targets() {
-        let msg = refusal(&tiny(), |_, _| {});
-        assert_eq!(msg, "loaded");
-        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    fn a_well_formed_adapter_loads_with_its_rank_scale_and_targets() -> TestResult {
+        assert_eq!(refusal(&tiny(), |_, _| {})?, "loaded");
+        let dir = tempfile::tempdir()?;
         let lora = SynthLora { rank: 4, alpha: 8.0, ..SynthLora::new(1) };
-        assert!(lora.write_peft(&tiny(), GgmlType::BF16, dir.path()).is_ok());
-        let a = LoraAdapter::load(dir.path(), &tiny());
-        let Ok(a) = a else { panic!("{a:?}") };
+        lora.write_peft(&tiny(), GgmlType::BF16, dir.path())?;
+        let a = LoraAdapter::load(dir.path(), &tiny())?;
         assert_eq!((a.rank, a.scale, a.targets()), (4, 2.0, Target::ALL.to_vec()));
         assert!(a.fits(&tiny()));
         let other = SynthSpec { hidden: 256, intermediate: 512, ..SynthSpec::tiny() }.config();
@@ -768,12 +766,13 @@ mod tests {
         let per_layer: usize =
             Target::ALL.iter().map(|t| t.dims(&c)).map(|(i, o)| 4 * (i + o)).sum();
         assert_eq!(a.memory_bytes(), 4 * 2 * per_layer);
+        Ok(())
     }
 
     #[test]
-    fn every_malformed_adapter_is_refused_by_name() {
+    fn every_malformed_adapter_is_refused_by_name() -> TestResult {
         let other = SynthSpec { hidden: 256, intermediate: 512, ..SynthSpec::tiny() }.config();
-        let cases: Vec<(String, &str)> = vec![
+        let cases: Vec<(TestResult<String>, &str)> = vec![
             (refusal(&other, |_, _| {}), "so lora_A must be [2, 256]"),
             (
                 refusal(&tiny(), |_, t| {
@@ -817,22 +816,25 @@ mod tests {
             ),
         ];
         for (msg, want) in cases {
+            let msg = msg?;
             assert!(msg.contains(want), "{msg:?} does not say {want:?}");
             assert!(
                 msg.contains(PEFT_CONFIG_FILE) || msg.contains(PEFT_WEIGHTS_FILE),
                 "{msg:?} names no file"
             );
         }
+        Ok(())
     }
 
     #[test]
-    fn a_model_file_is_not_an_adapter() {
-        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    fn a_model_file_is_not_an_adapter() -> TestResult {
+        let dir = tempfile::tempdir()?;
         let p = dir.path().join("m.gguf");
-        assert!(crate::synth::write_gguf(&SynthSpec::tiny(), GgmlType::F32, &p).is_ok());
+        crate::synth::write_gguf(&SynthSpec::tiny(), GgmlType::F32, &p)?;
         let msg = LoraAdapter::load(&p, &tiny()).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(msg.contains("general.type") && msg.contains("not a GGUF LoRA"), "{msg}");
         let missing = LoraAdapter::load(&dir.path().join("nothing"), &tiny());
         assert!(missing.is_err());
+        Ok(())
     }
 }

@@ -381,6 +381,7 @@ fn the_serving_engine_runs_on_the_emulated_device() -> anyhow::Result<()> {
         tpot_target: None,
         arrival: Instant::now(),
         grammar: None,
+        adapter: None,
     };
     let request = |id: &str, prompt: &[u32], logprobs: Option<usize>| {
         sampled(id, prompt, logprobs, SamplingParams::default())

@@ -36,6 +36,7 @@ fn request(id: &str, prompt: Vec<u32>, max_tokens: usize, scope: CacheScope) -> 
         tpot_target: None,
         arrival: Instant::now(),
         grammar: None,
+        adapter: None,
     }
 }
 

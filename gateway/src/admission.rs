@@ -12,6 +12,7 @@ use bytes::Bytes;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use sluice_billing::FinishReason;
+use sluice_billing::adapters::Adapter;
 use sluice_billing::control::{KeyGrant, tier_tpot_ms, tier_ttft_ms};
 use sluice_text::model::ModelText;
 use sluice_text::template::{ChatMessage, ChatTemplate, encode_chat_tools};
@@ -624,6 +625,9 @@ pub struct Checked {
     pub prompt_param: &'static str,
     /// The latency targets the request is held to.
     pub slo: Slo,
+    /// The tenant adapter it runs under (`tenant/name@revision`), for the engine's
+    /// `x-sluice-adapter` header.
+    pub adapter: Option<String>,
 }
 
 /// The latency targets a request is held to, in milliseconds: its tier's
@@ -712,6 +716,19 @@ pub fn check(
     body: &[u8],
     served: &Served,
 ) -> Result<Checked, Refusal> {
+    check_as(endpoint, grant, body, served, None)
+}
+
+/// [`check`] of a request whose `model` names a tenant adapter, `adapter` being the revision
+/// the ledger resolved it to for this tenant: the request runs on the adapter's base model,
+/// and `allowed_models` admits it by the adapter's `tenant/name` or by its base model.
+pub fn check_as(
+    endpoint: Endpoint,
+    grant: &KeyGrant,
+    body: &[u8],
+    served: &Served,
+    adapter: Option<&Adapter>,
+) -> Result<Checked, Refusal> {
     let mut v: Value =
         serde_json::from_slice(body).map_err(|e| Refusal::InvalidJson(e.to_string()))?;
     let obj = v.as_object_mut().ok_or(Refusal::NotAnObject)?;
@@ -723,12 +740,28 @@ pub fn check(
     if model.is_empty() {
         return Err(Refusal::MissingModel);
     }
-    let Some(entry) = served.catalog.resolve(&model) else {
-        return Err(Refusal::ModelNotFound { model });
+    let (entry, adapter_id) = match adapter {
+        Some(a) => {
+            // An adapter of a model no engine serves is as unknown as any other model.
+            let Some(entry) = served.catalog.resolve(&a.base_model) else {
+                return Err(Refusal::ModelNotFound { model });
+            };
+            let name = format!("{}/{}", a.tenant_id, a.name);
+            if !model_allowed(grant, &name) && !model_allowed(grant, &entry.id) {
+                return Err(Refusal::ModelNotAllowed { model });
+            }
+            (entry, Some(a.id()))
+        }
+        None => {
+            let Some(entry) = served.catalog.resolve(&model) else {
+                return Err(Refusal::ModelNotFound { model });
+            };
+            if !model_allowed(grant, &entry.id) && !model_allowed(grant, &model) {
+                return Err(Refusal::ModelNotAllowed { model });
+            }
+            (entry, None)
+        }
     };
-    if !model_allowed(grant, &entry.id) && !model_allowed(grant, &model) {
-        return Err(Refusal::ModelNotAllowed { model });
-    }
     let counter = &entry.tokens;
     obj.insert("model".into(), Value::from(entry.id.as_str()));
     // The engine learns the targets from the gateway's headers, not from the body.
@@ -830,6 +863,7 @@ pub fn check(
         strip_usage,
         prompt_param: param,
         slo,
+        adapter: adapter_id,
     })
 }
 

@@ -25,6 +25,7 @@ use pingora::proxy::ProxyHttp;
 use pingora::{Error, ErrorSource, ErrorType, Result};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
+use sluice_billing::adapters::Adapter;
 use sluice_billing::control::{KeyGrant, tier_weight};
 use sluice_billing::event::is_refused;
 use sluice_billing::prices::PriceList;
@@ -107,6 +108,9 @@ type UsageReads = HashMap<String, (Instant, DateTime<Utc>, LedgerUsage)>;
 /// Key lookups by SHA-256 of the secret (never the secret itself), with when they were made.
 type KeyCache = HashMap<[u8; 32], (Instant, Option<Arc<KeyGrant>>)>;
 
+/// Adapter resolutions by (calling tenant, the `model` it named), with when they were made.
+type AdapterCache = HashMap<(String, String), (Instant, Option<Arc<Adapter>>)>;
+
 /// The gateway.
 pub struct Gateway {
     cfg: GatewayConfig,
@@ -118,6 +122,8 @@ pub struct Gateway {
     usage: UsageSink,
     idempotency: Arc<Idempotency>,
     keys: Mutex<KeyCache>,
+    /// The ledger's answers on which adapter a tenant's `model` names (as long as keys).
+    adapters: Mutex<AdapterCache>,
     /// Full execution identities by model revision, from complete responses (a stream cut
     /// short never carries its own).
     identities: Mutex<HashMap<String, Value>>,
@@ -197,6 +203,7 @@ impl Gateway {
             local: LocalLimiter::new(1),
             usage,
             keys: Mutex::new(HashMap::new()),
+            adapters: Mutex::new(HashMap::new()),
             identities: Mutex::new(HashMap::new()),
             metrics,
             http,
@@ -298,6 +305,83 @@ impl Gateway {
         }
         cache.insert(digest, (Instant::now(), g.clone()));
         Ok(g)
+    }
+
+    /// The adapter revision `model` (`owner/name` or `owner/name@revision`) names for
+    /// `tenant`, when it may use one: `None` for a name that is no adapter reference, an
+    /// unknown, retired or unshared one alike. Cached as key grants are, so a retirement
+    /// takes effect within the cache's time to live.
+    async fn adapter(
+        &self,
+        tenant: &str,
+        model: &str,
+    ) -> std::result::Result<Option<Arc<Adapter>>, String> {
+        let Some((owner, name, revision)) = sluice_billing::adapters::parse_reference(model) else {
+            return Ok(None);
+        };
+        let key = (tenant.to_owned(), model.to_owned());
+        {
+            let cache = self.adapters.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((at, a)) = cache.get(&key)
+                && at.elapsed() < self.cfg.key_cache_ttl
+            {
+                return Ok(a.clone());
+            }
+        }
+        let ledger = self.ledger.clone();
+        let (t, o, n, r) =
+            (tenant.to_owned(), owner.to_owned(), name.to_owned(), revision.map(str::to_owned));
+        let a = self
+            .on_io(async move { ledger.resolve_adapter(&t, &o, &n, r.as_deref()).await })
+            .await?
+            .map_err(|e| e.to_string())?
+            .map(Arc::new);
+        let mut cache = self.adapters.lock().unwrap_or_else(|e| e.into_inner());
+        if cache.len() > 100_000 {
+            cache.clear();
+        }
+        cache.insert(key, (Instant::now(), a.clone()));
+        Ok(a)
+    }
+
+    /// `/v1/models` cards of the adapters `grant`'s tenant may use (its own and those shared
+    /// with it): the newest active revision of each name whose base model is served and
+    /// allowed. A ledger that cannot be read lists none, with a warning.
+    async fn adapter_cards(&self, grant: &KeyGrant) -> Vec<Value> {
+        let (ledger, t) = (self.ledger.clone(), grant.tenant_id.clone());
+        let listed = match self.on_io(async move { ledger.list_adapters(&t).await }).await {
+            Ok(Ok(l)) => l,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "listing adapters");
+                return Vec::new();
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "listing adapters");
+                return Vec::new();
+            }
+        };
+        let mut seen = std::collections::HashSet::new();
+        listed
+            .into_iter()
+            .filter(|a| a.status == "active")
+            .filter(|a| seen.insert((a.tenant_id.clone(), a.name.clone())))
+            .filter_map(|a| {
+                let entry = self.served.catalog.resolve(&a.base_model)?;
+                let name = format!("{}/{}", a.tenant_id, a.name);
+                let allowed = admission::model_allowed(grant, &name)
+                    || admission::model_allowed(grant, &entry.id);
+                (allowed && self.workers.may_serve(&entry.id)).then(|| {
+                    json!({
+                        "id": name,
+                        "object": "model",
+                        "created": a.created_at.timestamp(),
+                        "owned_by": a.tenant_id,
+                        "parent": entry.id,
+                        "sluice": {"adapter": a.id(), "rank": a.rank, "targets": a.targets},
+                    })
+                })
+            })
+            .collect()
     }
 
     /// The billed tokens the ledger holds for a scope today and this month, read at most
@@ -426,6 +510,8 @@ pub struct Ctx {
     fair_slot: Option<Slot>,
     /// The latency targets it is held to.
     slo: Slo,
+    /// The tenant adapter it runs under (`tenant/name@revision`).
+    adapter: Option<String>,
 }
 
 /// Where a request stands, as far as billing is concerned.
@@ -537,7 +623,7 @@ impl Gateway {
                 return Ok(true);
             }
             Route::Models => {
-                let data: Vec<Value> = self
+                let mut data: Vec<Value> = self
                     .served
                     .catalog
                     .entries()
@@ -547,6 +633,7 @@ impl Gateway {
                     })
                     .map(|e| e.card(self.workers.serving(&e.id)))
                     .collect();
+                data.extend(self.adapter_cards(&grant).await);
                 let body = Bytes::from(json!({"object": "list", "data": data}).to_string());
                 self.answer(session, ctx, 200, body).await?;
                 return Ok(true);
@@ -596,6 +683,7 @@ impl Gateway {
         ctx.prompt_tokens = checked.prompt_tokens;
         ctx.reserved = checked.reserved;
         ctx.model = Some(checked.model.clone());
+        ctx.adapter = checked.adapter.clone();
         let choices = checked.choices;
         ctx.prompt_sha256 = checked.prompt_sha256;
         ctx.user_sha256 = checked.user_sha256;
@@ -765,15 +853,34 @@ impl Gateway {
         grant: &Arc<KeyGrant>,
         body: &Bytes,
     ) -> std::result::Result<Checked, Refusal> {
+        // A `model` the catalog does not know may name one of the tenant's adapters (or one
+        // shared with it): the ledger says which revision, or nothing, and `check` refuses
+        // nothing as it refuses any unknown model (a 404 that says nothing of other tenants).
+        #[derive(serde::Deserialize)]
+        struct Named {
+            model: Option<String>,
+        }
+        let named = serde_json::from_slice::<Named>(body).ok().and_then(|n| n.model);
+        let adapter = match named {
+            Some(m) if self.served.catalog.resolve(&m).is_none() => {
+                self.adapter(&grant.tenant_id, &m).await.unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, "adapter lookup failed");
+                    None
+                })
+            }
+            _ => None,
+        };
         // Shared, not copied: the idempotency fingerprint reads the same bytes afterwards.
         let (grant, body) = (Arc::clone(grant), body.clone());
         let served = Arc::clone(&self.served);
-        tokio::task::spawn_blocking(move || admission::check(endpoint, &grant, &body, &served))
-            .await
-            .unwrap_or_else(|e| {
-                tracing::error!(error = %e, "admission check failed");
-                Err(Refusal::BodyNotForwardable)
-            })
+        tokio::task::spawn_blocking(move || {
+            admission::check_as(endpoint, &grant, &body, &served, adapter.as_deref())
+        })
+        .await
+        .unwrap_or_else(|e| {
+            tracing::error!(error = %e, "admission check failed");
+            Err(Refusal::BodyNotForwardable)
+        })
     }
 
     /// Admission by tokens: the prompt and the largest possible output of every choice,
@@ -1254,6 +1361,7 @@ impl ProxyHttp for Gateway {
             span: tracing::Span::none(),
             fair_slot: None,
             slo: Slo::default(),
+            adapter: None,
         }
     }
 
@@ -1449,6 +1557,9 @@ impl ProxyHttp for Gateway {
             if let Some(ms) = ctx.slo.tpot_ms {
                 req.insert_header("x-sluice-tpot-ms", ms.to_string())?;
             }
+        }
+        if let Some(a) = &ctx.adapter {
+            req.insert_header("x-sluice-adapter", a.as_str())?;
         }
         req.insert_header("x-sluice-request-id", ctx.request_id.as_str())?;
         // The gateway span's context when traces are exported; otherwise the client's trace

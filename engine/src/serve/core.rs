@@ -13,6 +13,7 @@ use crate::forward::{ForwardProfile, KvDtype, LogitsWanted, SeqInput};
 use crate::generate::IncrementalDecoder;
 use crate::interrupt::Interrupt;
 use crate::loader::LoadedModel;
+use crate::lora::LoraAdapter;
 use crate::sampler::{Sampler, log_softmax, top_n};
 use crate::serve::block_pool::CacheKey;
 use crate::serve::fair::{FairConfig, Vtc};
@@ -191,6 +192,7 @@ struct Work {
     logits: LogitsWanted,
     reaches_end: bool,
     prompt_len: usize,
+    adapter: Option<Arc<LoraAdapter>>,
 }
 
 /// A pass launched and not yet landed.
@@ -413,6 +415,7 @@ impl EngineCore {
             priority: r.priority,
             weight: r.weight,
             tpot_target: r.tpot_target.map(|t| t.as_secs_f64()),
+            adapter: r.adapter.as_ref().map(|a| a.digest),
         };
         self.sched.add_with(r.request_id.clone(), r.prompt.clone(), r.cache_scope.clone(), policy);
         self.unplanned.push(r.request_id.clone());
@@ -549,6 +552,7 @@ impl EngineCore {
                 logits,
                 reaches_end,
                 prompt_len: seq.prompt_len,
+                adapter: st.req.adapter.clone(),
             });
         }
         if work.is_empty() {
@@ -561,7 +565,7 @@ impl EngineCore {
                 start_pos: w.start,
                 block_table: &w.table,
                 logits: w.logits,
-                adapter: None,
+                adapter: w.adapter.as_deref(),
             })
             .collect();
         // Greedy sequences with nothing else asked of their logits get their token picked

@@ -40,18 +40,29 @@ impl KvManager {
         &self.pool
     }
 
-    fn keys(&self, scope: &CacheScope) -> Vec<CacheKey> {
+    fn keys(&self, scope: &CacheScope, adapter: Option<&[u8; 32]>) -> Vec<CacheKey> {
         let s = match scope {
             CacheScope::Tenant(t) => format!("tenant:{t}"),
             CacheScope::Private(r) => format!("private:{r}"),
         };
         let mut k = vec![CacheKey::Scope(s)];
         k.extend(self.model_keys.iter().cloned());
+        // A prefix computed under one adapter is another model's: never the base's or
+        // another adapter's.
+        k.extend(
+            adapter.map(|a| CacheKey::Adapter(a.iter().map(|b| format!("{b:02x}")).collect())),
+        );
         k
     }
 
-    fn hashes_for(&mut self, id: &str, tokens: &[u32], scope: &CacheScope) -> &[BlockHash] {
-        let keys = self.keys(scope);
+    fn hashes_for(
+        &mut self,
+        id: &str,
+        tokens: &[u32],
+        scope: &CacheScope,
+        adapter: Option<&[u8; 32]>,
+    ) -> &[BlockHash] {
+        let keys = self.keys(scope, adapter);
         let bs = self.block_size;
         let e = self.reqs.entry(id.to_string()).or_default();
         let full = tokens.len() / bs;
@@ -70,11 +81,12 @@ impl KvManager {
         id: &str,
         tokens: &[u32],
         scope: &CacheScope,
+        adapter: Option<&[u8; 32]>,
         max_hit_tokens: usize,
     ) -> Vec<BlockId> {
         let limit = max_hit_tokens / self.block_size;
         let hashes: Vec<BlockHash> =
-            self.hashes_for(id, tokens, scope).iter().take(limit).copied().collect();
+            self.hashes_for(id, tokens, scope, adapter).iter().take(limit).copied().collect();
         hashes.iter().map_while(|h| self.pool.lookup(h)).collect()
     }
 
@@ -109,10 +121,11 @@ impl KvManager {
         tokens: &[u32],
         computed: usize,
         scope: &CacheScope,
+        adapter: Option<&[u8; 32]>,
     ) {
         let bs = self.block_size;
         let full = computed.min(tokens.len()) / bs;
-        self.hashes_for(id, &tokens[..full * bs], scope);
+        self.hashes_for(id, &tokens[..full * bs], scope, adapter);
         let Some(e) = self.reqs.get_mut(id) else { return };
         while e.cached < full.min(e.blocks.len()) {
             let i = e.cached;

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use serde::Serialize;
 
+use crate::lora::LoraAdapter;
 use crate::sampler::SamplingParams;
 use crate::structured::Grammar;
 
@@ -79,6 +80,8 @@ pub struct ValidRequest {
     pub arrival: Instant,
     /// The grammar its output must follow (`response_format`), if any.
     pub grammar: Option<Arc<Grammar>>,
+    /// The tenant adapter it runs under, if any; its revision joins its prefix-cache keys.
+    pub adapter: Option<Arc<LoraAdapter>>,
 }
 
 /// Why a request ended.

@@ -227,11 +227,14 @@ pub struct SeqPolicy {
     pub weight: u32,
     /// The time per output token this request must be kept within, in seconds.
     pub tpot_target: Option<f64>,
+    /// The revision (SHA-256) of the adapter it runs under: its prefix-cache blocks are its
+    /// own.
+    pub adapter: Option<[u8; 32]>,
 }
 
 impl Default for SeqPolicy {
     fn default() -> Self {
-        SeqPolicy { priority: 0, weight: 1, tpot_target: None }
+        SeqPolicy { priority: 0, weight: 1, tpot_target: None, adapter: None }
     }
 }
 
@@ -248,6 +251,8 @@ pub struct SeqState {
     pub cached_prompt: usize,
     /// Prefix-cache scope.
     pub scope: CacheScope,
+    /// The revision of its adapter, which joins its prefix-cache keys.
+    pub adapter: Option<[u8; 32]>,
     /// The tenant's weight in the fair order.
     pub weight: u32,
     /// Priority (higher first; lowest preempted first).
@@ -397,7 +402,7 @@ impl Scheduler {
 
     /// Queues a request; its tenant is the one of its cache scope.
     pub fn add_with(&mut self, id: String, prompt: Vec<u32>, scope: CacheScope, policy: SeqPolicy) {
-        let SeqPolicy { priority, weight, tpot_target } = policy;
+        let SeqPolicy { priority, weight, tpot_target, adapter } = policy;
         let weight = weight.max(1);
         self.next_seq += 1;
         let tenant = scope.tenant().to_owned();
@@ -407,6 +412,7 @@ impl Scheduler {
             computed: 0,
             cached_prompt: 0,
             scope,
+            adapter,
             weight,
             priority,
             tpot_target,
@@ -465,7 +471,7 @@ impl Scheduler {
     /// Offers `id`'s full blocks among its computed tokens to the prefix cache.
     pub fn offer_computed(&mut self, id: &str) {
         if let Some(s) = self.seqs.get(id) {
-            self.kv.cache_computed(id, &s.tokens, s.computed, &s.scope);
+            self.kv.cache_computed(id, &s.tokens, s.computed, &s.scope, s.adapter.as_ref());
         }
     }
 
@@ -1058,9 +1064,10 @@ impl Scheduler {
             let n = s.tokens.len();
             // At least one token is always computed, so a fully cached prompt still yields
             // logits: hits cover at most n - 1 tokens.
-            let scope = s.scope.clone();
+            let (scope, adapter) = (s.scope.clone(), s.adapter);
             let tokens = s.tokens.clone();
-            let hits = self.kv.find_prefix(&id, &tokens, &scope, n.saturating_sub(1));
+            let hits =
+                self.kv.find_prefix(&id, &tokens, &scope, adapter.as_ref(), n.saturating_sub(1));
             let hit_tokens = hits.len() * self.kv.block_size();
             let remaining = n - hit_tokens;
             let turn = light && !room.light_slot(s);
@@ -1659,7 +1666,8 @@ mod tests {
     #[test]
     fn a_higher_priority_preempts_lower_ones_until_it_fits() {
         let standard = SeqPolicy { tpot_target: Some(0.105), ..SeqPolicy::default() };
-        let enterprise = SeqPolicy { priority: 1, weight: 4, tpot_target: Some(0.045) };
+        let enterprise =
+            SeqPolicy { priority: 1, weight: 4, tpot_target: Some(0.045), adapter: None };
         let mut s = trained(64);
         for i in 0..6 {
             s.add_with(format!("flood-{i}"), vec![1, 2, 3], tenant("flood"), standard);
@@ -1892,6 +1900,7 @@ mod sim {
                             priority: tn.priority,
                             weight: tn.weight,
                             tpot_target: tn.tpot,
+                            adapter: None,
                         };
                         s.add_with(id.clone(), prompt, CacheScope::Tenant(tn.name.into()), policy);
                         live.insert(id, (i, next[i], None, 0));

@@ -8,6 +8,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use axum::http::HeaderMap;
 use sha2::{Digest, Sha256};
 
+use crate::server::adapters::{ADAPTER_HEADER, AdapterRef};
 use crate::server::error::ApiError;
 
 /// Tenant whose prefix-cache scope the request uses.
@@ -88,6 +89,8 @@ pub struct RequestContext {
     pub arrival: Instant,
     /// Unix seconds at arrival (OpenAI's `created`).
     pub created: u64,
+    /// The tenant adapter the gateway resolved the request's model to, if any.
+    pub adapter: Option<AdapterRef>,
 }
 
 impl RequestContext {
@@ -159,6 +162,12 @@ impl RequestContext {
         };
         let trace = text(TRACEPARENT_HEADER).ok().flatten().and_then(|t| parse_traceparent(&t));
         let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let adapter = match text(ADAPTER_HEADER)? {
+            Some(a) => {
+                Some(AdapterRef::parse(&a).map_err(|m| ApiError::invalid(ADAPTER_HEADER, m))?)
+            }
+            None => None,
+        };
         Ok(RequestContext {
             request_id,
             tenant,
@@ -168,6 +177,7 @@ impl RequestContext {
             trace,
             arrival,
             created,
+            adapter,
         })
     }
 

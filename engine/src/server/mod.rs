@@ -11,6 +11,7 @@
 //! The server knows nothing about tenants' keys or billing: the gateway authenticates and
 //! sends the tenant as a header; without `x-sluice-tenant` a request shares cache with nobody.
 
+pub mod adapters;
 pub mod context;
 pub mod error;
 pub mod openai;
@@ -38,6 +39,7 @@ use sluice_text::tokenizer::PROMPT_FIELD;
 use crate::defaults::SamplingDefaults;
 use crate::serve::core::EngineStats;
 use crate::serve::handle::EngineHandle;
+use crate::server::adapters::AdapterSet;
 use crate::server::context::{
     IDENTITY_HEADER, InternalToken, MODEL_REVISION_HEADER, REQUEST_ID_HEADER, RequestContext,
 };
@@ -67,11 +69,27 @@ pub struct ServerConfig {
     pub max_n: usize,
     /// Most log-probability alternatives per token.
     pub max_logprobs: usize,
+    /// The content-addressed adapter store tenants' adapters are read from
+    /// ([`adapters::AdapterSet`]); without one, a request naming an adapter is a 404.
+    pub adapter_store: Option<std::path::PathBuf>,
+    /// Bytes the resident adapters may take together.
+    pub adapter_memory_bytes: usize,
 }
+
+/// Adapter memory unless configured: 512 MiB, some hundred rank-16 adapters of an 8B model's
+/// attention projections, thousands of the default model's.
+pub const DEFAULT_ADAPTER_MEMORY_BYTES: usize = 512 << 20;
 
 impl Default for ServerConfig {
     fn default() -> Self {
-        ServerConfig { served_model_name: None, internal_token: None, max_n: 16, max_logprobs: 20 }
+        ServerConfig {
+            served_model_name: None,
+            internal_token: None,
+            max_n: 16,
+            max_logprobs: 20,
+            adapter_store: None,
+            adapter_memory_bytes: DEFAULT_ADAPTER_MEMORY_BYTES,
+        }
     }
 }
 
@@ -82,6 +100,8 @@ impl std::fmt::Debug for ServerConfig {
             .field("internal_token", &self.internal_token.as_ref().map(|_| "<redacted>"))
             .field("max_n", &self.max_n)
             .field("max_logprobs", &self.max_logprobs)
+            .field("adapter_store", &self.adapter_store)
+            .field("adapter_memory_bytes", &self.adapter_memory_bytes)
             .finish()
     }
 }
@@ -97,6 +117,7 @@ struct App {
     limits: Limits,
     identity_header: Option<HeaderValue>,
     revision_header: Option<HeaderValue>,
+    adapters: Option<Arc<AdapterSet>>,
     started: u64,
     /// The same instant in milliseconds: a request billed within the second this engine
     /// started may have run on the process before it, on the same address.
@@ -129,6 +150,9 @@ pub fn router(handle: EngineHandle, cfg: ServerConfig) -> Router {
             sampling,
         },
         identity_header: HeaderValue::from_str(&identity.header_value()).ok(),
+        adapters: cfg.adapter_store.clone().map(|store| {
+            Arc::new(AdapterSet::new(store, model.weights.config.clone(), cfg.adapter_memory_bytes))
+        }),
         revision_header: HeaderValue::from_str(&identity.model_revision).ok(),
         started: unix_now(),
         started_ms: SystemTime::now()
@@ -255,7 +279,10 @@ async fn api_layer(State(app): State<Arc<App>>, mut req: Request, next: Next) ->
         }
     };
     let headers = resp.headers_mut();
-    if let Some(v) = &app.identity_header {
+    // A request under an adapter has stamped its own identity.
+    if let Some(v) = &app.identity_header
+        && !headers.contains_key(IDENTITY_HEADER)
+    {
         headers.insert(HeaderName::from_static(IDENTITY_HEADER), v.clone());
     }
     if let Some(v) = &app.revision_header {
@@ -319,9 +346,20 @@ async fn generate(
         .await
         .map_err(|e| ApiError::internal(format!("request validation failed: {e}")))??
     };
+    // The adapter is loaded (or waited for) here, on this request's task: the step thread and
+    // every other request go on meanwhile.
+    let adapter = match (&ctx.adapter, &app.adapters) {
+        (None, _) => None,
+        (Some(r), Some(set)) => Some(set.get(r).await?),
+        (Some(r), None) => {
+            return Err(ApiError::model_not_found(&format!("{}/{}", r.tenant, r.name)));
+        }
+    };
+    let mut identity = model.identity.clone();
+    identity.adapter = ctx.adapter.as_ref().map(ToString::to_string);
     let mut streams = Vec::with_capacity(plan.params.n);
     let outcomes = app.handle.outcomes();
-    for r in plan.requests(&ctx) {
+    for r in plan.requests(&ctx, adapter.as_ref()) {
         // Registered first, so its end is recorded however it ends.
         let choice = r.request_id.clone();
         let registered = outcomes.register(&ctx.request_id, &choice, ctx.tenant.as_deref());
@@ -342,16 +380,21 @@ async fn generate(
         tenant: ctx.tenant.clone(),
         trace_id: ctx.trace_id().map(str::to_string),
         created: ctx.created,
-        identity: model.identity.clone(),
+        identity,
         model,
         plan,
     };
+    let identity_header = HeaderValue::from_str(&shaper.identity.header_value()).ok();
     let events = respond::merge(streams);
-    if stream {
-        Ok(respond::stream(shaper, events))
+    let mut resp = if stream {
+        respond::stream(shaper, events)
     } else {
-        respond::collect(shaper, events).await
+        respond::collect(shaper, events).await?
+    };
+    if let (Some(_), Some(v)) = (&ctx.adapter, identity_header) {
+        resp.headers_mut().insert(HeaderName::from_static(IDENTITY_HEADER), v);
     }
+    Ok(resp)
 }
 
 /// `?wait_ms=`: how long to wait for a running request to end (at most 30 s).

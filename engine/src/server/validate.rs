@@ -9,6 +9,7 @@ use serde_json::Value;
 
 use crate::defaults::SamplingDefaults;
 use crate::loader::LoadedModel;
+use crate::lora::LoraAdapter;
 use crate::sampler::SamplingParams;
 use crate::serve::{CacheScope, ValidRequest};
 use crate::server::context::RequestContext;
@@ -73,7 +74,11 @@ impl Plan {
     /// The engine requests: one per choice, seeds `seed`, `seed + 1`, ...; choice ids
     /// `REQ-i` when there are several. All choices share one cache scope: the tenant's, or a
     /// fresh private one (never derived from anything the client sent).
-    pub fn requests(&self, ctx: &RequestContext) -> Vec<ValidRequest> {
+    pub fn requests(
+        &self,
+        ctx: &RequestContext,
+        adapter: Option<&Arc<LoraAdapter>>,
+    ) -> Vec<ValidRequest> {
         let scope = match &ctx.tenant {
             Some(t) => CacheScope::Tenant(t.clone()),
             None => CacheScope::Private(uuid::Uuid::new_v4().simple().to_string()),
@@ -105,6 +110,7 @@ impl Plan {
                 tpot_target: ctx.tpot_target,
                 arrival: ctx.arrival,
                 grammar: self.grammar.clone(),
+                adapter: adapter.cloned(),
             })
             .collect()
     }
