@@ -136,6 +136,7 @@ fn routes() -> Vec<(Method, &'static str, Option<Value>, Vec<Role>)> {
         (Method::POST, "/v1/tenants/acme/keys", Some(json!({})), vec![Ops, TenantAdmin]),
         (Method::GET, "/v1/tenants/acme/quota", None, vec![Ops, TenantAdmin]),
         (Method::PUT, "/v1/tenants/acme/quota", Some(json!({"rpm": 10})), vec![Ops]),
+        (Method::GET, "/v1/tenants/acme/adapters", None, vec![Ops, TenantAdmin, Auditor]),
         (Method::GET, "/v1/records", None, vec![Auditor]),
         (Method::GET, "/v1/audit-log", None, vec![Auditor, Ops]),
         (Method::GET, "/v1/audit/reconcile", None, vec![Auditor, Billing]),
@@ -187,6 +188,10 @@ async fn role_matrix(url: &str) -> anyhow::Result<()> {
         (Method::PUT, "/v1/tenants/globex/keys/nokey/limits"),
         (Method::GET, "/v1/usage?tenant=globex"),
         (Method::GET, "/v1/tenants/globex/quota"),
+        (Method::GET, "/v1/tenants/globex/adapters"),
+        (Method::POST, "/v1/tenants/globex/adapters"),
+        (Method::POST, "/v1/tenants/globex/adapters/support/retire"),
+        (Method::PUT, "/v1/tenants/globex/adapters/support/sharing"),
     ] {
         api.err(method, path, Some(&acme_admin), None, StatusCode::FORBIDDEN, None).await?;
     }
@@ -201,6 +206,107 @@ async fn role_matrix(url: &str) -> anyhow::Result<()> {
         .collect();
     ensure!(tenants == BTreeSet::from(["acme"]), "tenant-admin usage leaked: {mine}");
     Ok(())
+}
+
+/// Tenants' adapters through the API and the ledger: registration (a revision twice is a
+/// conflict, another base model under the same name a 400 naming it, bad fields 400s naming
+/// them), resolution (the newest active revision, or a pinned one; nothing for another
+/// tenant until shared), retirement rolling the name back, and an audit row for each change.
+async fn adapter_registry(url: &str) -> anyhow::Result<()> {
+    let api = start(url, false).await?;
+    let ops = token(Role::Ops, None)?;
+    for t in ["acme", "globex", "initech"] {
+        api.ok(Method::POST, "/v1/tenants", &ops, Some(json!({"id": t}))).await?;
+    }
+    let acme = token(Role::TenantAdmin, Some("acme"))?;
+    let rev = |c: char| format!("sha256:{}", c.to_string().repeat(64));
+    let new = |name: &str, r: &str, base: &str| {
+        json!({"name": name, "revision": r, "base_model": base, "base_revision": rev('b'),
+            "rank": 8, "targets": ["q_proj", "v_proj"], "bytes": 4096})
+    };
+    let path = "/v1/tenants/acme/adapters";
+    let first = api.ok(Method::POST, path, &acme, Some(new("support", &rev('1'), "m"))).await?;
+    ensure!(first["status"] == "active" && first["shared_with"] == json!([]), "{first}");
+    api.err(
+        Method::POST,
+        path,
+        Some(&acme),
+        Some(new("support", &rev('1'), "m")),
+        StatusCode::CONFLICT,
+        None,
+    )
+    .await?;
+    api.err(
+        Method::POST,
+        path,
+        Some(&acme),
+        Some(new("support", &rev('2'), "other")),
+        StatusCode::BAD_REQUEST,
+        Some("base_model"),
+    )
+    .await?;
+    let mut bad = new("x", &rev('4'), "m");
+    for (field, value) in [
+        ("rank", json!(0)),
+        ("targets", json!(["lm_head"])),
+        ("revision", json!("abc")),
+        ("name", json!("Has Space")),
+        ("shared_with[0]", json!(["acme"])),
+    ] {
+        let mut b = bad.clone();
+        b[field.trim_end_matches("[0]")] = value;
+        api.err(Method::POST, path, Some(&acme), Some(b), StatusCode::BAD_REQUEST, Some(field))
+            .await?;
+    }
+    bad["shared_with"] = json!(["nobody"]);
+    api.err(Method::POST, path, Some(&acme), Some(bad), StatusCode::NOT_FOUND, None).await?;
+    api.ok(Method::POST, path, &acme, Some(new("support", &rev('3'), "m"))).await?;
+    let l = &api.ledger;
+    let resolved = |caller: &'static str, r: Option<String>| async move {
+        l.resolve_adapter(caller, "acme", "support", r.as_deref())
+            .await
+            .map(|a| a.map(|a| a.revision))
+    };
+    ensure!(resolved("acme", None).await? == Some(rev('3')), "the newest revision runs");
+    ensure!(resolved("acme", Some(rev('1'))).await? == Some(rev('1')), "a pinned revision runs");
+    ensure!(resolved("acme", Some(rev('9'))).await?.is_none(), "an unknown revision resolves");
+    ensure!(resolved("globex", None).await?.is_none(), "another tenant's adapter resolved");
+    // Shared with globex: it resolves there and is listed there, not at initech.
+    let sharing = "/v1/tenants/acme/adapters/support/sharing";
+    api.ok(Method::PUT, sharing, &acme, Some(json!({"shared_with": ["globex"]}))).await?;
+    ensure!(resolved("globex", None).await? == Some(rev('3')), "a shared adapter did not resolve");
+    ensure!(resolved("initech", None).await?.is_none(), "shared too widely");
+    let globex = token(Role::TenantAdmin, Some("globex"))?;
+    let listed = api.ok(Method::GET, "/v1/tenants/globex/adapters", &globex, None).await?;
+    ensure!(listed["data"].as_array().map(Vec::len) == Some(2), "{listed}");
+    // Retiring the newest rolls the name back; retiring the rest leaves nothing to run.
+    let retire = "/v1/tenants/acme/adapters/support/retire";
+    api.ok(Method::POST, retire, &acme, Some(json!({"revision": rev('3')}))).await?;
+    ensure!(resolved("acme", None).await? == Some(rev('1')), "no rollback to the revision before");
+    ensure!(resolved("acme", Some(rev('3'))).await?.is_none(), "a retired revision resolves");
+    api.ok(Method::POST, retire, &acme, None).await?;
+    ensure!(resolved("acme", None).await?.is_none(), "a retired adapter resolves");
+    api.err(Method::POST, retire, Some(&acme), None, StatusCode::NOT_FOUND, None).await?;
+    let log = api.ok(Method::GET, "/v1/audit-log", &ops, None).await?;
+    let actions: Vec<&str> =
+        log["data"].as_array().into_iter().flatten().filter_map(|e| e["action"].as_str()).collect();
+    for (action, n) in [("adapter.register", 2), ("adapter.share", 1), ("adapter.retire", 2)] {
+        let seen = actions.iter().filter(|a| **a == action).count();
+        ensure!(seen == n, "{action}: {seen} audit rows, want {n}: {actions:?}");
+    }
+    Ok(())
+}
+
+#[tokio::test]
+async fn adapters_as_ledger_objects_postgres() -> anyhow::Result<()> {
+    let db = PgDatabase::create().await?;
+    adapter_registry(&db.url).await
+}
+
+#[tokio::test]
+async fn adapters_as_ledger_objects_sqlite() -> anyhow::Result<()> {
+    let db = SqliteFile::create()?;
+    adapter_registry(&db.url).await
 }
 
 /// 25 records: acme 15 (5 of them `length`, 2 with status 429), globex 10.

@@ -11,7 +11,7 @@ CREATE TABLE adapters (
     revision       TEXT NOT NULL,
     base_model     TEXT NOT NULL,
     base_revision  TEXT NOT NULL,
-    rank           INTEGER NOT NULL CHECK (rank > 0),
+    rank           BIGINT NOT NULL CHECK (rank > 0),
     targets        JSONB NOT NULL DEFAULT '[]'::jsonb,
     bytes          BIGINT NOT NULL CHECK (bytes >= 0),
     shared_with    JSONB NOT NULL DEFAULT '[]'::jsonb,
