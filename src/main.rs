@@ -155,6 +155,38 @@ enum ModelCommand {
     /// (Qwen2.5 3B's), `llama-8b` (Llama 3.1 8B's). For the files people serve, write F16
     /// GGUF and quantize it with llama.cpp's `llama-quantize` (Q4_K_M, Q8_0, ...).
     Synth(SynthArgs),
+    /// Write a random LoRA adapter for a base model, as PEFT writes one (a directory:
+    /// adapter_config.json, adapter_model.safetensors) or as llama.cpp's converter writes a
+    /// GGUF LoRA, every value a function of the seed: for tests, benchmarks and reference
+    /// outputs (`scripts/golden-lora`). Prints its revision.
+    SynthAdapter(SynthAdapterArgs),
+}
+
+#[derive(Args, Debug)]
+struct SynthAdapterArgs {
+    #[command(flatten)]
+    model: ModelArg,
+    /// `peft` (a directory) or `gguf` (one file).
+    #[arg(long, default_value = "peft")]
+    format: String,
+    /// Value type: f32, f16 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: String,
+    /// Rank.
+    #[arg(long, default_value_t = 8)]
+    rank: usize,
+    /// lora_alpha (the scale is alpha / rank).
+    #[arg(long, default_value_t = 16.0)]
+    alpha: f32,
+    /// Standard deviation of B's values: how far the adapter moves the model.
+    #[arg(long, default_value_t = 0.02)]
+    b_std: f32,
+    /// Seed of every value.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Where to write it.
+    #[arg(long)]
+    out: PathBuf,
 }
 
 #[derive(Args, Debug)]
@@ -515,6 +547,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             println!("{}", model_dir().join(catalog_entry(&name)?.file).display());
         }
         Command::Model(ModelCommand::Synth(args)) => run_synth(args)?,
+        Command::Model(ModelCommand::SynthAdapter(args)) => run_synth_adapter(args)?,
         Command::Model(ModelCommand::List) => {
             for p in &CATALOG {
                 let here = model_dir().join(p.file);
@@ -729,6 +762,35 @@ fn run_bench_model(args: BenchModelArgs) -> anyhow::Result<()> {
     } else {
         print!("{comparison}");
     }
+    Ok(())
+}
+
+fn run_synth_adapter(args: SynthAdapterArgs) -> anyhow::Result<()> {
+    use sluice_engine::lora::LoraAdapter;
+    use sluice_engine::quant::GgmlType;
+    use sluice_engine::synth::SynthLora;
+    let ty = match args.dtype.as_str() {
+        "f32" => GgmlType::F32,
+        "f16" => GgmlType::F16,
+        "bf16" => GgmlType::BF16,
+        other => bail!("--dtype {other:?}: f32, f16 or bf16"),
+    };
+    let base = args.model.load()?;
+    let c = &base.weights.config;
+    let lora = SynthLora {
+        rank: args.rank,
+        alpha: args.alpha,
+        b_std: args.b_std,
+        ..SynthLora::new(args.seed)
+    };
+    match args.format.as_str() {
+        "peft" => lora.write_peft(c, ty, &args.out)?,
+        "gguf" => lora.write_gguf(c, &c.arch, ty, &args.out)?,
+        other => bail!("--format {other:?}: peft or gguf"),
+    }
+    let adapter = LoraAdapter::load(&args.out, c)
+        .with_context(|| format!("reading back {}", args.out.display()))?;
+    println!("{}", adapter.revision);
     Ok(())
 }
 
