@@ -343,6 +343,11 @@ struct BenchEngineArgs {
     /// constrained decoding against the unconstrained run.
     #[arg(long)]
     response_format: Option<String>,
+    /// Also run every level with its streams spread over this many synthetic tenant LoRA
+    /// adapters (rank 16, every projection) and the bare base, against the level on the base
+    /// alone; and time each adapter's cold load (what it adds to its first request's TTFT).
+    #[arg(long, default_value_t = 0)]
+    adapters: usize,
 }
 
 #[derive(Args, Debug)]
@@ -890,6 +895,78 @@ fn run_bench_forward(args: BenchForwardArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `sluice bench engine --adapters N`: N synthetic adapters written as PEFT and loaded cold
+/// (each load timed: what it adds to its first request's TTFT, since an engine loads an
+/// adapter before the request is queued), then every level again with its streams spread over
+/// them and the base, against `base` (the same levels on the base alone, this run).
+fn bench_adapters(
+    args: &BenchEngineArgs,
+    m: &LoadedModel,
+    handle: &EngineHandle,
+    base: &[sluice_engine::bench::EngineBenchPoint],
+) -> anyhow::Result<()> {
+    use sluice_engine::bench::AdapterComparison;
+    use sluice_engine::lora::LoraAdapter;
+    use sluice_engine::quant::GgmlType;
+    use sluice_engine::synth::SynthLora;
+    let dir = std::env::temp_dir().join(format!("sluice-bench-adapters-{}", std::process::id()));
+    let c = &m.weights.config;
+    let mut adapters = Vec::with_capacity(args.adapters);
+    let mut loads = Vec::with_capacity(args.adapters);
+    for i in 0..args.adapters {
+        let path = dir.join(format!("adapter-{i}"));
+        let lora = SynthLora { rank: 16, alpha: 32.0, ..SynthLora::new(100 + i as u64) };
+        lora.write_peft(c, GgmlType::BF16, &path)?;
+        let began = std::time::Instant::now();
+        let a = LoraAdapter::load(&path, c)?;
+        loads.push(began.elapsed().as_secs_f64() * 1e3);
+        adapters.push(Arc::new(a));
+    }
+    std::fs::remove_dir_all(&dir).with_context(|| format!("removing {}", dir.display()))?;
+    let bytes = adapters.first().map_or(0, |a| a.memory_bytes());
+    let mut sorted = loads.clone();
+    sorted.sort_by(f64::total_cmp);
+    let (median, max) = (sorted[sorted.len() / 2], sorted[sorted.len() - 1]);
+    if args.json {
+        println!(
+            "{}",
+            serde_json::json!({"point": "adapter_cold_load", "adapters": args.adapters,
+                "rank": 16, "bytes_each": bytes, "load_ms": loads, "median_ms": median,
+                "max_ms": max})
+        );
+    } else {
+        println!(
+            "adapters: {} synthetic (rank 16, every projection, {:.1} MiB each, PEFT bf16); cold              load median {median:.1} ms, max {max:.1} ms (added to the first request's TTFT)",
+            args.adapters,
+            bytes as f64 / (1 << 20) as f64
+        );
+        println!(
+            "each level again, its streams spread over the {} adapters and the base; baseline:              the level on the base alone above",
+            args.adapters
+        );
+        println!("{}", AdapterComparison::HEADER);
+    }
+    for b in base {
+        let point = sluice_engine::bench::bench_engine(
+            handle,
+            b.concurrency,
+            args.prompt_tokens,
+            args.output_tokens,
+            args.rounds,
+            None,
+            &adapters,
+        )?;
+        let row =
+            AdapterComparison { base: b.clone(), adapters: point, adapter_count: args.adapters };
+        if args.json {
+            println!("{}", serde_json::to_string(&row)?);
+        } else {
+            println!("{row}");
+        }
+    }
+    Ok(())
+}
+
 fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
     let m = Arc::new(args.model.load()?);
     let max_streams = args.concurrency.iter().copied().max().unwrap_or(1).max(1);
@@ -934,8 +1011,15 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
     };
     let mut points = Vec::new();
     for &c in &args.concurrency {
-        let point =
-            bench_engine(&handle, c, args.prompt_tokens, args.output_tokens, args.rounds, None)?;
+        let point = bench_engine(
+            &handle,
+            c,
+            args.prompt_tokens,
+            args.output_tokens,
+            args.rounds,
+            None,
+            &[],
+        )?;
         let row = EngineComparison::new(point.clone());
         points.push(point);
         if args.json {
@@ -946,7 +1030,7 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
     }
     let long = if args.long_prompt_tokens > 0 {
         let (p, o) = (args.long_prompt_tokens, args.long_output_tokens);
-        let point = bench_engine(&handle, 1, p, o, 1, None)?;
+        let point = bench_engine(&handle, 1, p, o, 1, None, &[])?;
         let kv = LongContext::new(&m.weights, p, o, args.kv_cache_dtype);
         if args.json {
             println!("{}", serde_json::json!({"point": "long_context", "bench": point, "kv": kv}));
@@ -980,11 +1064,11 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
             );
             println!("{}", StructuredComparison::HEADER);
         }
-        for free in points {
+        for free in points.iter().cloned() {
             let (c, rounds) = (free.concurrency, args.rounds);
             let g = Some(Arc::clone(&grammar));
             let constrained =
-                bench_engine(&handle, c, args.prompt_tokens, args.output_tokens, rounds, g)?;
+                bench_engine(&handle, c, args.prompt_tokens, args.output_tokens, rounds, g, &[])?;
             let row = StructuredComparison { free, constrained };
             if args.json {
                 println!("{}", serde_json::to_string(&row)?);
@@ -992,6 +1076,9 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
                 println!("{row}");
             }
         }
+    }
+    if args.adapters > 0 {
+        bench_adapters(&args, &m, &handle, &points)?;
     }
     if !(args.http || args.llama_server.is_some()) {
         return Ok(());

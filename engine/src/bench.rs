@@ -485,6 +485,66 @@ impl std::fmt::Display for LongContext {
     }
 }
 
+/// One level of `sluice bench engine --adapters N`: its streams spread over N tenant adapters
+/// and the bare base, against the same level on the base alone, measured in the same run.
+#[derive(Clone, Debug)]
+pub struct AdapterComparison {
+    /// The level on the base model alone (the baseline, measured in the same run).
+    pub base: EngineBenchPoint,
+    /// The same level with its streams spread over the adapters and the base.
+    pub adapters: EngineBenchPoint,
+    /// Adapters the streams were spread over (and the base).
+    pub adapter_count: usize,
+}
+
+impl AdapterComparison {
+    /// The header of the table of [`AdapterComparison`] rows.
+    pub const HEADER: &str =
+        "streams  base tok/s  adapters tok/s  ratio  TPOT p50 base  TPOT p50 adapters  overhead";
+
+    /// Throughput with adapters over throughput on the base alone.
+    pub fn ratio(&self) -> f64 {
+        self.adapters.output_tokens_per_second / self.base.output_tokens_per_second.max(1e-9)
+    }
+
+    /// TPOT with adapters over TPOT on the base alone, less one.
+    pub fn tpot_overhead(&self) -> f64 {
+        self.adapters.tpot_p50 / self.base.tpot_p50.max(1e-12) - 1.0
+    }
+}
+
+impl serde::Serialize for AdapterComparison {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(Some(6))?;
+        m.serialize_entry("point", "adapters")?;
+        m.serialize_entry("adapter_count", &self.adapter_count)?;
+        m.serialize_entry("baseline", "the same level on the base model alone, measured now")?;
+        m.serialize_entry("base", &self.base)?;
+        m.serialize_entry("adapters", &self.adapters)?;
+        m.serialize_entry("ratio", &self.ratio())?;
+        m.serialize_entry("tpot_overhead", &self.tpot_overhead())?;
+        m.end()
+    }
+}
+
+impl std::fmt::Display for AdapterComparison {
+    /// One row of the table under [`AdapterComparison::HEADER`].
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:>7}  {:>10.1}  {:>14.1}  {:>4.2}x  {:>10.2} ms  {:>14.2} ms  {:>+7.1}%",
+            self.base.concurrency,
+            self.base.output_tokens_per_second,
+            self.adapters.output_tokens_per_second,
+            self.ratio(),
+            self.base.tpot_p50 * 1e3,
+            self.adapters.tpot_p50 * 1e3,
+            100.0 * self.tpot_overhead()
+        )
+    }
+}
+
 /// One level of `sluice bench engine` in process. It has no baseline: llama.cpp is measured
 /// beside the engine only over HTTP (`--llama-server`), and stored figures would be another
 /// model's, workload's or machine's.
@@ -575,6 +635,7 @@ pub fn bench_engine(
     output_tokens: usize,
     rounds: usize,
     grammar: Option<std::sync::Arc<crate::structured::Grammar>>,
+    adapters: &[std::sync::Arc<crate::lora::LoraAdapter>],
 ) -> Result<EngineBenchPoint> {
     use crate::serve::{CacheScope, EngineEvent, ValidRequest};
     let vocab = handle.model().weights.config.vocab_size as u32;
@@ -585,6 +646,9 @@ pub fn bench_engine(
         let workers: Vec<_> = (0..concurrency)
             .map(|c| {
                 let grammar = grammar.clone();
+                // Streams spread over the adapters and the bare base in turn: stream 0 on the
+                // first adapter, stream `adapters.len()` on the base.
+                let adapter = adapters.get(c % (adapters.len() + 1)).cloned();
                 s.spawn(move || -> Result<Vec<(f64, f64, usize)>> {
                     let mut out = Vec::new();
                     for r in 0..rounds {
@@ -612,7 +676,7 @@ pub fn bench_engine(
                             tpot_target: None,
                             arrival: Instant::now(),
                             grammar: grammar.clone(),
-                            adapter: None,
+                            adapter: adapter.clone(),
                         };
                         let mut stream = handle.submit(req)?;
                         while let Some(ev) = stream.blocking_next() {
