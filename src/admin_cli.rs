@@ -565,6 +565,9 @@ pub enum AuditCommand {
         model_revision: Option<String>,
         #[arg(long)]
         finish_reason: Option<String>,
+        /// A tenant adapter: `TENANT/NAME@REVISION`, or `TENANT/NAME` for every revision.
+        #[arg(long)]
+        adapter: Option<String>,
         /// HTTP status.
         #[arg(long)]
         status: Option<u16>,
@@ -863,6 +866,7 @@ pub fn run_audit(cmd: AuditCommand, client: &ClientArgs) -> anyhow::Result<()> {
                 model,
                 model_revision,
                 finish_reason,
+                adapter,
                 status,
                 since,
                 until,
@@ -878,6 +882,7 @@ pub fn run_audit(cmd: AuditCommand, client: &ClientArgs) -> anyhow::Result<()> {
                 opt(&mut base, "model", model);
                 opt(&mut base, "model_revision", model_revision);
                 opt(&mut base, "finish_reason", finish_reason);
+                opt(&mut base, "adapter", adapter);
                 opt(&mut base, "status", status.map(|s| s.to_string()));
                 opt(&mut base, "since", since);
                 opt(&mut base, "until", until);

@@ -936,12 +936,15 @@ fn bench_adapters(
         );
     } else {
         println!(
-            "adapters: {} synthetic (rank 16, every projection, {:.1} MiB each, PEFT bf16); cold              load median {median:.1} ms, max {max:.1} ms (added to the first request's TTFT)",
+            "adapters: {} synthetic (rank 16, every projection, {:.1} MiB each in memory, PEFT \
+             bf16); cold load median {median:.1} ms, max {max:.1} ms (added to the first \
+             request's TTFT)",
             args.adapters,
             bytes as f64 / (1 << 20) as f64
         );
         println!(
-            "each level again, its streams spread over the {} adapters and the base; baseline:              the level on the base alone above",
+            "each level again, its streams spread over the {} adapters and the base; baseline: \
+             the level on the base alone above",
             args.adapters
         );
         println!("{}", AdapterComparison::HEADER);

@@ -186,6 +186,9 @@ async fn adapters_mixed_in_batches_answer_as_alone_and_never_share_a_prefix() ->
     }
     let preempted = metric(&c, &url, "sluice_engine_num_preemptions_total").await? - preempted;
     ensure!(preempted > 0.0, "no request was preempted: the test did not force what it claims");
+    // Each adapter was loaded once, however many requests used it, and both stay resident.
+    ensure!(metric(&c, &url, "sluice_engine_adapter_loads_total").await? == 2.0, "loads");
+    ensure!(metric(&c, &url, "sluice_engine_adapters_resident").await? == 2.0, "resident");
 
     // One tenant's long prompt under adapter A, then again under A (cached), under the base
     // and under B: a prefix computed under one adapter serves nobody else.
@@ -357,6 +360,7 @@ async fn the_gateway_authorizes_adapters_per_tenant_and_the_ledger_names_them() 
     tokio::time::sleep(Duration::from_millis(2500)).await;
     let (status, body, _) = via_gateway(&c, &base, globex, "acme/support").await?;
     ensure!(status == 200, "shared: {status} {body}");
+    ran.push(body["id"].as_str().context("id")?.to_owned());
     ensure!(model_ids(&c, &base, globex).await?.contains(&"acme/support".to_owned()));
 
     // Retired: refused for everyone, as if it never existed.
@@ -382,6 +386,29 @@ async fn the_gateway_authorizes_adapters_per_tenant_and_the_ledger_names_them() 
         ensure!(row["cost_micros"].as_i64().is_some_and(|c| c > 0), "{row:?}");
     }
     ensure!(rows[&bare][0]["adapter"].is_null(), "{:?}", rows[&bare][0]);
+    // An auditor's filter: one revision exactly, or every revision of the name; the owner's
+    // two requests and globex's one under the share, nothing else (not the bare request, not
+    // the refusals, which name no adapter).
+    for filter in [id.as_str(), "acme/support"] {
+        let f = sluice_billing::query::RecordFilter {
+            adapter: Some(filter.into()),
+            limit: 100,
+            ..Default::default()
+        };
+        let found = ledger.records(&f).await?.records;
+        let tenants: Vec<&str> = found.iter().filter_map(|r| r["tenant_id"].as_str()).collect();
+        ensure!(
+            found.len() == 3 && found.iter().all(|r| r["adapter"] == id.as_str()),
+            "{filter}: {found:?}"
+        );
+        ensure!(tenants.iter().filter(|t| **t == "globex").count() == 1, "{filter}: {tenants:?}");
+    }
+    let none = sluice_billing::query::RecordFilter {
+        adapter: Some("acme/suppor".into()),
+        limit: 100,
+        ..Default::default()
+    };
+    ensure!(ledger.records(&none).await?.records.is_empty(), "a name's prefix matched");
     for id in &refused {
         let r = &rows[id][0];
         ensure!(r["http_status"] == 404 && r["cost_micros"] == 0, "{r:?}");

@@ -808,6 +808,7 @@ pub const RECORDS_QUERY: &[&str] = &[
     "cursor",
     "format",
     "user",
+    "adapter",
 ];
 
 async fn records(
@@ -844,6 +845,7 @@ async fn records(
         model_revision: text_param(&q, "model_revision")?,
         user_sha256,
         finish_reason: text_param(&q, "finish_reason")?,
+        adapter: text_param(&q, "adapter")?,
         status,
         since: time_param(&q, "since")?,
         until: time_param(&q, "until")?,

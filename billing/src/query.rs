@@ -449,6 +449,18 @@ where
             q.push(format!(" AND {col} = ")).push_bind(v.clone());
         }
     }
+    match filter.adapter.as_deref() {
+        Some(a) if a.contains('@') => {
+            q.push(" AND adapter = ").push_bind(a.to_owned());
+        }
+        // Every revision of a name: the text up to its `@` (no LIKE, whose `_` is a wildcard).
+        Some(a) => {
+            let prefix = format!("{a}@");
+            let n = i32::try_from(prefix.chars().count()).unwrap_or(i32::MAX);
+            q.push(" AND substr(adapter, 1, ").push_bind(n).push(") = ").push_bind(prefix);
+        }
+        None => {}
+    }
     if let Some(status) = filter.status {
         q.push(" AND http_status = ").push_bind(i32::from(status));
     }
@@ -573,6 +585,8 @@ pub struct RecordFilter {
     pub user_sha256: Option<String>,
     /// Finish reason.
     pub finish_reason: Option<String>,
+    /// The tenant adapter: `tenant/name@revision` exactly, or `tenant/name` for every revision.
+    pub adapter: Option<String>,
     /// HTTP status.
     pub status: Option<u16>,
     /// Arrival at or after.

@@ -712,7 +712,9 @@ pub(crate) fn reduce16(mut acc: [f32; 16]) -> f32 {
     acc[0]
 }
 
-/// Fixed-order f32 dot product (16 independent lanes, then a fixed reduction tree).
+/// Fixed-order f32 dot product (16 independent lanes, then a fixed reduction tree). Inlined,
+/// so callers compiled for wider vectors get them.
+#[inline(always)]
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0f32; 16];
     let mut ca = a.chunks_exact(16);

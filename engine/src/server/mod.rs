@@ -556,7 +556,15 @@ async fn readyz(State(app): State<Arc<App>>) -> Response {
 /// gateways' load polling), the per-tenant ones (`sluice_engine_tenant_*`: who uses the
 /// engine, how much, how fast) only behind the internal token when one is configured.
 async fn metrics(State(app): State<Arc<App>>, headers: axum::http::HeaderMap) -> Response {
-    let text = app.handle.metrics().encode();
+    let mut text = app.handle.metrics().encode();
+    if let Some(set) = &app.adapters {
+        let lines = set.stats().exposition();
+        // Before OpenMetrics' closing line, which must be the last.
+        match text.rfind("# EOF") {
+            Some(at) => text.insert_str(at, &lines),
+            None => text.push_str(&lines),
+        }
+    }
     let text = match &app.token {
         Some(t) if !t.accepts(&headers) => without_tenant_series(&text),
         _ => text,
