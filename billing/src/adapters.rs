@@ -109,6 +109,22 @@ macro_rules! adapter_from_row {
     };
 }
 
+/// A 404 naming the first of `tenants` the ledger does not have (`what` says where it was
+/// named), inside transaction `tx`.
+macro_rules! require_tenants {
+    ($tx:expr, $tenants:expr, $what:expr) => {
+        for t in $tenants {
+            let found = sqlx::query("SELECT id FROM tenants WHERE id = $1")
+                .bind(t)
+                .fetch_optional(&mut *$tx)
+                .await?;
+            if found.is_none() {
+                return Err(AdminError::NotFound(format!("tenant {t}{} not found", $what)));
+            }
+        }
+    };
+}
+
 fn valid_revision(param: &str, r: &str) -> Result<(), AdminError> {
     let hex = r.strip_prefix("sha256:").unwrap_or("");
     if hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) {
@@ -195,22 +211,8 @@ impl Ledger {
         new.validate(tenant_id)?;
         on_pool!(self, pool => {
             let mut tx = begin_write!(pool).await?;
-            let exists = sqlx::query("SELECT id FROM tenants WHERE id = $1")
-                .bind(tenant_id)
-                .fetch_optional(&mut *tx)
-                .await?;
-            if exists.is_none() {
-                return Err(AdminError::NotFound(format!("tenant {tenant_id} not found")));
-            }
-            for t in new.shared_with.iter().flatten() {
-                let found = sqlx::query("SELECT id FROM tenants WHERE id = $1")
-                    .bind(t)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-                if found.is_none() {
-                    return Err(AdminError::NotFound(format!("tenant {t} (in shared_with) not found")));
-                }
-            }
+            require_tenants!(tx, [tenant_id], "");
+            require_tenants!(tx, new.shared_with.iter().flatten(), " (in shared_with)");
             let earlier = sqlx::query(&format!(
                 "SELECT {COLUMNS} FROM adapters WHERE tenant_id = $1 AND name = $2 \
                  ORDER BY created_at DESC LIMIT 1"
@@ -382,15 +384,7 @@ impl Ledger {
         check_sharing(tenant_id, shared_with)?;
         on_pool!(self, pool => {
             let mut tx = begin_write!(pool).await?;
-            for t in shared_with {
-                let found = sqlx::query("SELECT id FROM tenants WHERE id = $1")
-                    .bind(t)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-                if found.is_none() {
-                    return Err(AdminError::NotFound(format!("tenant {t} (in shared_with) not found")));
-                }
-            }
+            require_tenants!(tx, shared_with, " (in shared_with)");
             let row = sqlx::query(&format!(
                 "SELECT {COLUMNS} FROM adapters WHERE tenant_id = $1 AND name = $2 \
                  ORDER BY created_at DESC LIMIT 1"

@@ -24,7 +24,7 @@ use crate::error::{EngineError, Result};
 use crate::model::{LlamaConfig, RopeStyle, TensorSource};
 use crate::quant::dequantize_row;
 use crate::safetensors::SafetensorsModel;
-use crate::synth::permute_for_interleaved_rope;
+use crate::synth::{permute_for_interleaved_rope, reorder_rope_rows};
 
 /// PEFT's configuration file.
 pub const PEFT_CONFIG_FILE: &str = "adapter_config.json";
@@ -316,7 +316,7 @@ impl LoraAdapter {
                 (permuted, target.rope_heads(base), &b_shape[..])
                 && *rows % (2 * heads) == 0
             {
-                b = unpermute_rows(&b, heads, *cols);
+                b = reorder_rope_rows(&b, heads, *cols, true);
             }
             // One rank for the whole adapter, as PEFT writes them (the scale depends on it).
             match (rank, a_shape[0]) {
@@ -600,23 +600,6 @@ fn read_f32(src: &dyn TensorSource, name: &str, path: &Path) -> Result<(Vec<f32>
         }
     }
     Ok((out, shape))
-}
-
-/// The inverse of [`permute_for_interleaved_rope`]: llama.cpp's row order back to Hugging
-/// Face's.
-fn unpermute_rows(values: &[f32], heads: usize, cols: usize) -> Vec<f32> {
-    let hd = values.len() / cols / heads;
-    let mut out = vec![0f32; values.len()];
-    for h in 0..heads {
-        for i in 0..hd / 2 {
-            for half in 0..2 {
-                let hf = (h * hd + half * hd / 2 + i) * cols;
-                let gguf = (h * hd + 2 * i + half) * cols;
-                out[hf..hf + cols].copy_from_slice(&values[gguf..gguf + cols]);
-            }
-        }
-    }
-    out
 }
 
 /// The rows of a pass grouped by the adapter they run under (rows on the bare base model in

@@ -402,13 +402,20 @@ impl SynthTensor {
 /// `half * hd/2 + i` (rotated with its partner in the other half) becomes row `2 i + half`
 /// (rotated with its neighbour), so interleaved RoPE computes the same model.
 pub(crate) fn permute_for_interleaved_rope(values: &[f32], heads: usize, cols: usize) -> Vec<f32> {
+    reorder_rope_rows(values, heads, cols, false)
+}
+
+/// [`permute_for_interleaved_rope`], or with `back` its inverse (llama.cpp's row order to
+/// Hugging Face's).
+pub(crate) fn reorder_rope_rows(values: &[f32], heads: usize, cols: usize, back: bool) -> Vec<f32> {
     let hd = values.len() / cols / heads;
     let mut out = vec![0f32; values.len()];
     for h in 0..heads {
         for i in 0..hd / 2 {
             for half in 0..2 {
-                let src = (h * hd + half * hd / 2 + i) * cols;
-                let dst = (h * hd + 2 * i + half) * cols;
+                let hf = (h * hd + half * hd / 2 + i) * cols;
+                let gguf = (h * hd + 2 * i + half) * cols;
+                let (src, dst) = if back { (gguf, hf) } else { (hf, gguf) };
                 out[dst..dst + cols].copy_from_slice(&values[src..src + cols]);
             }
         }
