@@ -386,6 +386,20 @@ async fn the_gateway_authorizes_adapters_per_tenant_and_the_ledger_names_them() 
         ensure!(row["cost_micros"].as_i64().is_some_and(|c| c > 0), "{row:?}");
     }
     ensure!(rows[&bare][0]["adapter"].is_null(), "{:?}", rows[&bare][0]);
+    // Priced by the list in force: the model's rates, plus its adapter surcharge under one
+    // (the row carries the sums, so its cost is recomputed from the row alone).
+    let prices = &*sluice_billing::prices::PRICES;
+    for (id, adapter) in ran.iter().map(|r| (r, true)).chain([(&bare, false)]) {
+        let row = &rows[id][0];
+        let want = prices.rates_under("smollm2-135m-instruct", "standard", adapter);
+        let got = (&row["price_input_micros"], &row["price_output_micros"]);
+        ensure!(got.0 == want.input && got.1 == want.output, "{id}: {got:?} want {want:?}");
+    }
+    let plain = prices.rates("smollm2-135m-instruct", "standard");
+    ensure!(
+        prices.rates_under("smollm2-135m-instruct", "standard", true).output > plain.output,
+        "the shipped list has no adapter surcharge to test"
+    );
     // An auditor's filter: one revision exactly, or every revision of the name; the owner's
     // two requests and globex's one under the share, nothing else (not the bare request, not
     // the refusals, which name no adapter).

@@ -4,7 +4,9 @@
 //!
 //! Rates are US dollars per million tokens in the file, integer micro-dollars per million in
 //! memory and on rows. The rates for a request are the first found of: its model's entry for
-//! its tier, its model's default, the tier's entry, the list's default.
+//! its tier, its model's default, the tier's entry, the list's default; a request under a
+//! tenant adapter adds the list's `adapter` surcharge (its tier's entry, else its default),
+//! and its row carries the sums.
 
 use std::collections::BTreeMap;
 use std::sync::LazyLock;
@@ -52,6 +54,8 @@ pub struct PriceList {
     default: Rates,
     tiers: BTreeMap<String, Rates>,
     models: BTreeMap<String, ModelRates>,
+    /// Added to a request's rates when it runs under a tenant adapter.
+    adapter: Option<ModelRates>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -88,6 +92,8 @@ struct ListFile {
     tiers: BTreeMap<String, RatesFile>,
     #[serde(default)]
     models: BTreeMap<String, ModelFile>,
+    #[serde(default)]
+    adapter: Option<ModelFile>,
 }
 
 fn micros(dollars: f64, what: &str) -> Result<u64, String> {
@@ -142,11 +148,19 @@ impl PriceList {
                 Ok((m.clone(), rates))
             })
             .collect::<Result<_, String>>()?;
+        let adapter = match &file.adapter {
+            None => None,
+            Some(f) => Some(ModelRates {
+                default: f.default.as_ref().map(|r| r.rates("adapter.default")).transpose()?,
+                tiers: tier_rates(&f.tiers, "adapter")?,
+            }),
+        };
         Ok(PriceList {
             version,
             default: file.default.rates("default")?,
             tiers: tier_rates(&file.tiers, "")?,
             models,
+            adapter,
         })
     }
 
@@ -165,6 +179,25 @@ impl PriceList {
             .copied()
             .unwrap_or(self.default)
     }
+
+    /// [`rates`](Self::rates), plus the adapter surcharge (the tier's entry, else the
+    /// default, else nothing) when the request runs under a tenant adapter.
+    pub fn rates_under(&self, model: &str, tier: &str, adapter: bool) -> Rates {
+        let base = self.rates(model, tier);
+        let extra = self
+            .adapter
+            .as_ref()
+            .filter(|_| adapter)
+            .and_then(|a| a.tiers.get(tier).or(a.default.as_ref()));
+        match extra {
+            None => base,
+            Some(e) => Rates {
+                input: base.input.saturating_add(e.input),
+                cached_input: base.cached_input.saturating_add(e.cached_input),
+                output: base.output.saturating_add(e.output),
+            },
+        }
+    }
 }
 
 /// The price list in force (`prices.json`, see [`sluice_policies`]): the operator's, or the
@@ -179,6 +212,7 @@ pub static PRICES: LazyLock<PriceList> = LazyLock::new(|| {
             default: Rates { input: 0, cached_input: 0, output: 0 },
             tiers: BTreeMap::new(),
             models: BTreeMap::new(),
+            adapter: None,
         }
     })
 });
@@ -200,6 +234,11 @@ mod tests {
         let shipped =
             PriceList::parse(sluice_policies::compiled("prices.json").unwrap_or_default())?;
         assert_eq!(shipped, *PRICES);
+        // The shipped surcharge for a tenant adapter's requests.
+        let m = "smollm2-135m-instruct";
+        let (plain, under) =
+            (shipped.rates(m, "standard"), shipped.rates_under(m, "standard", true));
+        assert_eq!((under.input - plain.input, under.output - plain.output), (20_000, 40_000));
         let list = PriceList::parse(
             r#"{"_comment": "x", "version": "v7",
                 "default": {"input": 0.1, "cached_input": 0.05, "output": 0.2},
@@ -210,6 +249,26 @@ mod tests {
                   "tiered": {"tiers": {"free": {"input": 0, "cached_input": 0, "output": 0}}}}}"#,
         )?;
         assert_eq!(list.version, "v7");
+        // No surcharge in this list: an adapter's request is priced as its model's.
+        assert_eq!(list.rates_under("big", "free", true), list.rates("big", "free"));
+        let surcharged = PriceList::parse(
+            r#"{"version": "v8",
+                "default": {"input": 0.1, "cached_input": 0.05, "output": 0.2},
+                "adapter": {"default": {"input": 0.02, "cached_input": 0.01, "output": 0.04},
+                            "tiers": {"enterprise": {"input": 0, "cached_input": 0, "output": 0}}}}"#,
+        )?;
+        let under = |t: &str, a: bool| {
+            let r = surcharged.rates_under("m", t, a);
+            (r.input, r.cached_input, r.output)
+        };
+        assert_eq!(under("standard", false), (100_000, 50_000, 200_000), "no adapter");
+        assert_eq!(under("standard", true), (120_000, 60_000, 240_000), "the surcharge");
+        assert_eq!(under("enterprise", true), (100_000, 50_000, 200_000), "the tier's (none)");
+        let bad = PriceList::parse(
+            r#"{"version": "v9", "default": {"input": 0, "cached_input": 0, "output": 0},
+                "adapter": {"default": {"input": -1, "cached_input": 0, "output": 0}}}"#,
+        );
+        assert!(bad.is_err_and(|e| e.contains("adapter.default.input")));
         let r = |m: &str, t: &str| {
             let r = list.rates(m, t);
             (r.input, r.cached_input, r.output)

@@ -1081,7 +1081,7 @@ impl Gateway {
         let prompt = u32::try_from(ctx.prompt_tokens).unwrap_or(u32::MAX);
         // A request that named no model (or `""`) still gets its row.
         let model = ctx.model.clone().filter(|m| !m.is_empty()).unwrap_or_else(|| "unknown".into());
-        let rates = self.cfg.prices.rates(&model, &grant.tier);
+        let rates = self.cfg.prices.rates_under(&model, &grant.tier, ctx.adapter.is_some());
         let first = t.ttft_ms.map(since);
         let last = t.ttft_ms.map(|ttft| {
             since(ttft + t.tpot_ms.unwrap_or(0.0) * completion.saturating_sub(1) as f64)
