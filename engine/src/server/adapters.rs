@@ -215,7 +215,12 @@ impl AdapterSet {
 
     /// What it has done so far.
     pub fn stats(&self) -> AdapterStats {
-        self.lock().stats
+        let g = self.lock();
+        AdapterStats {
+            resident: g.resident.len(),
+            resident_bytes: g.resident.values().map(|e| e.adapter.memory_bytes()).sum(),
+            ..g.stats
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -333,8 +338,6 @@ impl AdapterSet {
                         r.hex.clone(),
                         Resident { adapter: Arc::clone(adapter), last_used },
                     );
-                    g.stats.resident = g.resident.len();
-                    g.stats.resident_bytes = used + bytes;
                     return Ok(());
                 }
                 if !waited {
