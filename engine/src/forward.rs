@@ -10,16 +10,17 @@ use std::time::Instant;
 
 use half::f16;
 
+use crate::cpu::adapter::AdapterRows;
 use crate::cpu::attention::{Kernels, KvElem, LayerKv, Row, Shape, attention};
 use crate::cpu::matmul::{
-    Isa, MatmulScratch, PackedWeight, detect_isa, dot_f32, matmul, matmul_many,
+    Isa, MatmulScratch, PackedWeight, detect_isa, dot_f32, matmul, matmul_many, matmul_many_with,
 };
-use crate::cpu::pool::{ThreadPool, split_range};
+use crate::cpu::pool::{SharedOut, ThreadPool, split_range};
 use crate::cpu::vmath::{Gate, gated};
 use crate::error::{EngineError, Result};
 use crate::interrupt::Interrupt;
-use crate::lora::{AdapterRows, LoraAdapter, Target};
-use crate::model::{LlamaWeights, RopeStyle};
+use crate::lora::{LoraAdapter, Target};
+use crate::model::{LlamaConfig, LlamaWeights, RopeStyle};
 use crate::sampler::argmax;
 
 /// What the CPU KV cache stores its keys and values as.
@@ -327,6 +328,8 @@ pub struct Runner {
     /// The pass's activations, kept between passes for the same reason (a 512-token
     /// prefill's feed-forward rows alone are megabytes).
     bufs: PassBuffers,
+    /// The adapters' `u = scale · A x` of one call, kept between calls.
+    lora_u: Vec<f32>,
 }
 
 /// The activations of a pass ([`Runner::forward_logits`]); each is sized, and where it is
@@ -408,6 +411,7 @@ impl Runner {
             profile: ForwardProfile::default(),
             logits: Vec::new(),
             bufs: PassBuffers::default(),
+            lora_u: Vec::new(),
         }
     }
 
@@ -452,6 +456,37 @@ impl Runner {
             slices.push(o.as_mut_slice());
         }
         matmul_many(&self.pool, self.isa, ws, x, &mut slices, &mut self.scratch);
+    }
+
+    /// [`Runner::mm_many`] of the projections `targets` of `layer`, each adapted row then
+    /// taking its adapter's update, in the products' own parallel region.
+    #[expect(clippy::too_many_arguments, reason = "the products' arguments and the adapters'")]
+    fn mm_adapted<const N: usize>(
+        &mut self,
+        c: &LlamaConfig,
+        lora: &AdapterRows<'_>,
+        layer: usize,
+        targets: [Target; N],
+        ws: &[&PackedWeight; N],
+        x: &[f32],
+        outs: [&mut Vec<f32>; N],
+    ) {
+        let Some(plan) = lora.plan(c, layer, &targets, self.pool.threads()) else {
+            return self.mm_many(ws, x, outs);
+        };
+        let t = x.len() / ws[0].cols;
+        let mut slices: Vec<&mut [f32]> = Vec::with_capacity(N);
+        for (w, o) in ws.iter().zip(outs) {
+            o.resize(t * w.rows, 0.0);
+            slices.push(o.as_mut_slice());
+        }
+        // Every element the plan reads is written first, in the same region: no zeroing.
+        self.lora_u.resize(plan.u_len(), 0.0);
+        // SAFETY: `x` holds the t rows the plan was made for, `lora_u` its u_len floats and
+        // is not touched until the region is over, and `matmul_many_with` runs both halves
+        // on every thread of the pool the plan was made for, at once.
+        let work = unsafe { plan.work(self.isa, x, SharedOut(self.lora_u.as_mut_ptr())) };
+        matmul_many_with(&self.pool, self.isa, ws, x, &mut slices, &mut self.scratch, Some(&work));
     }
 
     /// Runs the batch and returns the wanted logits, `vocab` floats per wanted token, in
@@ -577,10 +612,15 @@ impl Runner {
             }
             rms_norm(&x, &l.attn_norm, c.rms_eps, &mut xn);
             let t = Instant::now();
-            self.mm_many(&[&l.wq, &l.wk, &l.wv], &xn, [&mut q, &mut k, &mut v]);
-            for (target, out) in [(Target::Q, &mut q), (Target::K, &mut k), (Target::V, &mut v)] {
-                lora.apply(&self.pool, c, li, target, &xn, out);
-            }
+            self.mm_adapted(
+                c,
+                &lora,
+                li,
+                [Target::Q, Target::K, Target::V],
+                &[&l.wq, &l.wk, &l.wv],
+                &xn,
+                [&mut q, &mut k, &mut v],
+            );
             matmul_s += t.elapsed().as_secs_f64();
             add_bias(&mut q, l.bq.as_deref());
             add_bias(&mut k, l.bk.as_deref());
@@ -615,8 +655,7 @@ impl Runner {
             cache.attend(&self.pool, self.isa, li, &shape, &rows, &q, &mut attn);
             attn_s += t_attn.elapsed().as_secs_f64();
             let t = Instant::now();
-            self.mm(&l.wo, &attn, &mut o);
-            lora.apply(&self.pool, c, li, Target::O, &attn, &mut o);
+            self.mm_adapted(c, &lora, li, [Target::O], &[&l.wo], &attn, [&mut o]);
             matmul_s += t.elapsed().as_secs_f64();
             if let Some(pn) = &l.post_attn_norm {
                 rms_norm_in_place(&mut o, pn, c.rms_eps);
@@ -626,15 +665,21 @@ impl Runner {
             }
             rms_norm(&x, &l.ffn_norm, c.rms_eps, &mut xn);
             let t = Instant::now();
-            self.mm_many(&[&l.w_gate, &l.w_up], &xn, [&mut gate, &mut up]);
-            lora.apply(&self.pool, c, li, Target::Gate, &xn, &mut gate);
-            lora.apply(&self.pool, c, li, Target::Up, &xn, &mut up);
+            let gate_up = [Target::Gate, Target::Up];
+            self.mm_adapted(
+                c,
+                &lora,
+                li,
+                gate_up,
+                &[&l.w_gate, &l.w_up],
+                &xn,
+                [&mut gate, &mut up],
+            );
             matmul_s += t.elapsed().as_secs_f64();
             let act = if c.gemma.is_some() { Gate::GeluTanh } else { Gate::Silu };
             gated(&self.pool, self.isa, act, &mut gate, &up, c.intermediate);
             let t = Instant::now();
-            self.mm(&l.w_down, &gate, &mut down);
-            lora.apply(&self.pool, c, li, Target::Down, &gate, &mut down);
+            self.mm_adapted(c, &lora, li, [Target::Down], &[&l.w_down], &gate, [&mut down]);
             matmul_s += t.elapsed().as_secs_f64();
             if let Some(pn) = &l.post_ffn_norm {
                 rms_norm_in_place(&mut down, pn, c.rms_eps);

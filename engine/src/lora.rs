@@ -18,8 +18,7 @@ use std::path::Path;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use crate::cpu::matmul::dot_f32;
-use crate::cpu::pool::{SharedOut, ThreadPool, split_range};
+use crate::cpu::adapter;
 use crate::error::{EngineError, Result};
 use crate::model::{LlamaConfig, RopeStyle, TensorSource};
 use crate::quant::dequantize_row;
@@ -111,21 +110,67 @@ impl Target {
     }
 }
 
-/// One projection's update: `out += B (A x)`, the scale folded into `B`.
+/// One projection's update, `out += scale * B (A x)`, as it is served: `A` and `Bᵀ` in f16,
+/// each multiplied by a power of two that puts its largest magnitude in `[2^14, 2^15)`, so
+/// the f16 range loses nothing a model could notice (half the bytes of f32, and exact for an
+/// adapter stored in F16 or BF16). `u_scale` undoes both powers and applies the adapter's
+/// scale to `A x`.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LoraPair {
     /// Rank.
     pub rank: usize,
-    /// `rank x input`, row-major.
-    pub a: Vec<f32>,
-    /// `B` transposed and scaled: `rank x output`, row-major, so a row's update adds `rank`
-    /// scaled rows.
-    pub bt: Vec<f32>,
+    /// `A · 2^ea` as f16 bits, in the panels the kernels stream ([`adapter::a_index`]).
+    pub(crate) a: Vec<u16>,
+    /// `Bᵀ · 2^eb` as f16 bits, in the kernels' panels ([`adapter::b_index`]): a row's
+    /// update adds `rank` rows of it weighted by `u`.
+    pub(crate) bt: Vec<u16>,
+    /// `scale · 2^-(ea + eb)`: what multiplies each element of `A' x`.
+    pub(crate) u_scale: f32,
 }
 
 impl LoraPair {
+    fn new(a: &[f32], bt: &[f32], rank: usize, scale: f32) -> LoraPair {
+        let (input, output) = (a.len() / rank, bt.len() / rank);
+        let (a, ea) = to_scaled_f16(a);
+        let (bt, eb) = to_scaled_f16(bt);
+        let u_scale = (f64::from(scale) * 2f64.powi(-(ea + eb))) as f32;
+        LoraPair {
+            rank,
+            a: adapter::a_panels(&a, rank, input),
+            bt: adapter::b_panels(&bt, rank, output),
+            u_scale,
+        }
+    }
+
     fn bytes(&self) -> usize {
-        4 * (self.a.len() + self.bt.len())
+        2 * (self.a.len() + self.bt.len())
+    }
+}
+
+/// `v · 2^e` in f16 bits, and `e`: the largest magnitude lands in `[2^14, 2^15)` (`e` kept
+/// within ±60, where an update is either zero or swamps everything anyway). The product is
+/// exact in f32 (a power of two, no overflow; what would underflow is zero in f16 too), so
+/// the one rounding is f16's.
+fn to_scaled_f16(v: &[f32]) -> (Vec<u16>, i32) {
+    use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
+    let max = v.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let e = if max > 0.0 { (14 - max.log2().floor() as i32).clamp(-60, 60) } else { 0 };
+    let s = 2f32.powi(e);
+    let scaled: Vec<f32> = v.iter().map(|&x| x * s).collect();
+    let mut out = vec![0u16; v.len()];
+    out.reinterpret_cast_mut::<half::f16>().convert_from_f32_slice(&scaled);
+    (out, e)
+}
+
+/// Adds `v` to `hasher` as little-endian f32, a few KiB at a time (one call per element
+/// costs more than the hashing).
+fn hash_f32(hasher: &mut Sha256, v: &[f32]) {
+    let mut buf = [0u8; 4096];
+    for chunk in v.chunks(buf.len() / 4) {
+        for (b, x) in buf.chunks_exact_mut(4).zip(chunk) {
+            b.copy_from_slice(&x.to_le_bytes());
+        }
+        hasher.update(&buf[..chunk.len() * 4]);
     }
 }
 
@@ -189,21 +234,23 @@ impl LoraAdapter {
     }
 
     /// The dense update `scale * B A` of `target` in `layer`, `output x input` row-major
-    /// (what merging the adapter into the base adds to its weights), in the base's row order.
+    /// (what merging the adapter into the base adds to its weights), in the base's row order,
+    /// from the values as served (f16, see [`LoraPair`]), summed in f64.
     pub fn delta(&self, layer: usize, target: Target, base: &LlamaConfig) -> Option<Vec<f32>> {
         let p = self.pair(layer, target)?;
         let (input, output) = target.dims(base);
-        let mut d = vec![0f32; output * input];
+        let f = |bits: u16| f64::from(half::f16::from_bits(bits).to_f32());
+        let mut d = vec![0f64; output * input];
         for k in 0..p.rank {
-            let a = &p.a[k * input..(k + 1) * input];
+            let a: Vec<f64> = (0..input).map(|i| f(p.a[adapter::a_index(input, k, i)])).collect();
             for (o, row) in d.chunks_exact_mut(input).enumerate() {
-                let b = p.bt[k * output + o];
-                for (x, &ai) in row.iter_mut().zip(a) {
+                let b = f(p.bt[adapter::b_index(p.rank, k, o)]);
+                for (x, &ai) in row.iter_mut().zip(&a) {
                     *x += b * ai;
                 }
             }
         }
-        Some(d)
+        Some(d.iter().map(|&x| (x * f64::from(p.u_scale)) as f32).collect())
     }
 
     /// A PEFT directory.
@@ -409,9 +456,8 @@ impl LoraAdapter {
                     }
                 }
                 hasher.update(format!("{li} {} {r} {input} {output}\n", target.peft_name()));
-                for x in p.a.iter().chain(&p.b) {
-                    hasher.update(x.to_le_bytes());
-                }
+                hash_f32(&mut hasher, &p.a);
+                hash_f32(&mut hasher, &p.b);
                 // The base's own row order for Q and K.
                 let b = match (base.rope_style, target.rope_heads(base)) {
                     (RopeStyle::Interleaved, Some(heads)) => {
@@ -422,10 +468,10 @@ impl LoraAdapter {
                 let mut bt = vec![0f32; r * output];
                 for (o, row) in b.chunks_exact(r).enumerate() {
                     for (k, &x) in row.iter().enumerate() {
-                        bt[k * output + o] = x * scale;
+                        bt[k * output + o] = x;
                     }
                 }
-                pairs[target.index()] = Some(LoraPair { rank: r, a: p.a, bt });
+                pairs[target.index()] = Some(LoraPair::new(&p.a, &bt, r, scale));
             }
             layers.push(pairs);
         }
@@ -602,135 +648,6 @@ fn read_f32(src: &dyn TensorSource, name: &str, path: &Path) -> Result<(Vec<f32>
     Ok((out, shape))
 }
 
-/// The rows of a pass grouped by the adapter they run under (rows on the bare base model in
-/// no group).
-#[derive(Default)]
-pub struct AdapterRows<'a> {
-    adapters: Vec<&'a LoraAdapter>,
-    /// (index into `adapters`, row), grouped by adapter.
-    rows: Vec<(usize, usize)>,
-}
-
-impl<'a> AdapterRows<'a> {
-    /// Groups `per_row` (each row's adapter, in row order).
-    pub fn new(per_row: impl IntoIterator<Item = Option<&'a LoraAdapter>>) -> AdapterRows<'a> {
-        let mut g = AdapterRows::default();
-        for (row, a) in per_row.into_iter().enumerate() {
-            let Some(a) = a else { continue };
-            let i = match g.adapters.iter().position(|b| std::ptr::eq(*b, a)) {
-                Some(i) => i,
-                None => {
-                    g.adapters.push(a);
-                    g.adapters.len() - 1
-                }
-            };
-            g.rows.push((i, row));
-        }
-        g.rows.sort_unstable();
-        g
-    }
-
-    /// Whether no row has an adapter.
-    pub fn is_empty(&self) -> bool {
-        self.rows.is_empty()
-    }
-
-    /// Adds each adapted row's update of `target` in `layer` to `out` (rows of the
-    /// projection's output width), from `x` (rows of its input width). Each row's update is
-    /// computed alone, in a fixed order (its `u = A x`, one fixed-order dot product per rank,
-    /// then `out += Bᵀ u`, each element summed over the rank in order), so its bits do not
-    /// depend on the rest of the batch or on the thread that takes it; the rows are shared
-    /// among the threads. (Splitting one row's work among threads cost more in
-    /// synchronization than it saved: 420 parallel regions a token.)
-    pub fn apply(
-        &self,
-        pool: &ThreadPool,
-        base: &LlamaConfig,
-        layer: usize,
-        target: Target,
-        x: &[f32],
-        out: &mut [f32],
-    ) {
-        let rows: Vec<(usize, &LoraPair)> = self
-            .rows
-            .iter()
-            .filter_map(|&(ai, row)| Some((row, self.adapters[ai].pair(layer, target)?)))
-            .collect();
-        if rows.is_empty() {
-            return;
-        }
-        let (input, output) = target.dims(base);
-        assert!(
-            rows.iter().all(|&(r, _)| (r + 1) * input <= x.len() && (r + 1) * output <= out.len()),
-            "adapter rows outside the pass"
-        );
-        let dst = SharedOut(out.as_mut_ptr());
-        let parts = pool.threads().min(rows.len());
-        let work = |i: usize| {
-            for &(row, p) in &rows[split_range(rows.len(), parts.max(1), i, 1)] {
-                let xr = &x[row * input..(row + 1) * input];
-                // SAFETY: each row is in one part only, and the assertion above keeps it
-                // inside `out`, whose `&mut` borrow outlives the pool's run.
-                let o =
-                    unsafe { std::slice::from_raw_parts_mut(dst.get().add(row * output), output) };
-                row_update(p, xr, o);
-            }
-        };
-        if parts <= 1 {
-            work(0);
-        } else {
-            pool.run(&|i| {
-                if i < parts {
-                    work(i);
-                }
-            });
-        }
-    }
-}
-
-/// One row's `out += Bᵀ (A x)`, compiled for the widest vectors the machine has (the same
-/// operations in the same order on each: lanes are independent, nothing is fused).
-fn row_update(p: &LoraPair, x: &[f32], out: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if std::arch::is_x86_feature_detected!("avx512f") {
-            // SAFETY: the CPU has AVX-512F.
-            return unsafe { row_update_avx512(p, x, out) };
-        }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU has AVX2.
-            return unsafe { row_update_avx2(p, x, out) };
-        }
-    }
-    row_update_portable(p, x, out);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn row_update_avx512(p: &LoraPair, x: &[f32], out: &mut [f32]) {
-    row_update_portable(p, x, out);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn row_update_avx2(p: &LoraPair, x: &[f32], out: &mut [f32]) {
-    row_update_portable(p, x, out);
-}
-
-#[inline(always)]
-fn row_update_portable(p: &LoraPair, x: &[f32], out: &mut [f32]) {
-    let (input, output) = (x.len(), out.len());
-    let mut u = [0f32; MAX_RANK];
-    for (k, uk) in u.iter_mut().enumerate().take(p.rank) {
-        *uk = dot_f32(&p.a[k * input..(k + 1) * input], x);
-    }
-    for (k, &uk) in u.iter().enumerate().take(p.rank) {
-        for (o, &b) in out.iter_mut().zip(&p.bt[k * output..(k + 1) * output]) {
-            *o += uk * b;
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -784,12 +701,40 @@ mod tests {
         let other = SynthSpec { hidden: 256, intermediate: 512, ..SynthSpec::tiny() }.config();
         assert!(!a.fits(&other));
         assert!(a.revision.starts_with("sha256:") && a.revision.len() == 71);
-        // r x (in + out) floats per update, two layers of seven.
+        // r x (in + out) f16 values per update, two layers of seven.
         let c = tiny();
         let per_layer: usize =
             Target::ALL.iter().map(|t| t.dims(&c)).map(|(i, o)| 4 * (i + o)).sum();
-        assert_eq!(a.memory_bytes(), 4 * 2 * per_layer);
+        assert_eq!(a.memory_bytes(), 2 * 2 * per_layer);
         Ok(())
+    }
+
+    /// Served in f16 under a power of two: BF16 values (most adapters on the Hub) come back
+    /// exactly over 28 binades below the largest, F32 values to f16's precision.
+    #[test]
+    fn stored_values_keep_bf16_exactly_and_f32_to_f16_precision() {
+        let back = |v: &[f32]| {
+            let (bits, e) = to_scaled_f16(v);
+            bits.iter()
+                .map(|&b| (f64::from(half::f16::from_bits(b).to_f32()) * 2f64.powi(-e)) as f32)
+                .collect::<Vec<f32>>()
+        };
+        let bf16: Vec<f32> = (0..400)
+            .map(|i| {
+                let m = 1.0 + (i % 128) as f32 / 128.0;
+                let sign = if i % 3 == 0 { -1.0 } else { 1.0 };
+                half::bf16::from_f32(sign * m * 2f32.powi(-(i % 28) - 3)).to_f32()
+            })
+            .collect();
+        assert_eq!(back(&bf16), bf16);
+        let f32s: Vec<f32> =
+            (0..400).map(|i| ((i * 7919 % 1000) as f32 - 500.0) * 3.3e-5).collect();
+        let max = f32s.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (b, v) in back(&f32s).iter().zip(&f32s) {
+            assert!((b - v).abs() <= max * 2f32.powi(-11), "{v} came back as {b}");
+        }
+        assert_eq!(to_scaled_f16(&[0.0, 0.0]), (vec![0, 0], 0));
+        assert_eq!(to_scaled_f16(&[1e30]).1, -60);
     }
 
     #[test]

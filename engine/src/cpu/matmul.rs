@@ -555,10 +555,51 @@ pub fn matmul_many(
     outs: &mut [&mut [f32]],
     scratch: &mut MatmulScratch,
 ) {
-    let Some(cols) = ws.first().map(|w| w.cols) else { return };
+    matmul_many_with(pool, isa, ws, x, outs, scratch, None);
+}
+
+/// Work a caller adds to the products' parallel region (the adapters' updates): every
+/// thread `i` runs `before(i)`, its share of the products, then `after(i, outs)`.
+pub trait RegionWork: Sync {
+    /// Before thread `i`'s share of the products.
+    fn before(&self, i: usize);
+    /// After thread `i`'s share: the output rows [`product_rows`] gives it (of every token,
+    /// in every output) are final, and only this thread touches them until the region ends.
+    fn after(&self, i: usize, outs: &[SharedOut]);
+}
+
+/// Thread `i`'s share of a product's `rows` output rows, of `threads` (whole groups).
+pub fn product_rows(rows: usize, threads: usize, i: usize) -> std::ops::Range<usize> {
+    split_range(rows, threads, i, GROUP)
+}
+
+/// [`matmul_many`], with `extra` in the products' parallel region (in a region of its own
+/// after them where the products take more than one; every thread runs `before` and `after`
+/// there, all of them at once, as in one region).
+pub fn matmul_many_with(
+    pool: &ThreadPool,
+    isa: Isa,
+    ws: &[&PackedWeight],
+    x: &[f32],
+    outs: &mut [&mut [f32]],
+    scratch: &mut MatmulScratch,
+    extra: Option<&dyn RegionWork>,
+) {
+    let ptrs: Vec<SharedOut> = outs.iter_mut().map(|o| SharedOut(o.as_mut_ptr())).collect();
+    let apart = |e: &dyn RegionWork| {
+        pool.run(&|i| {
+            e.before(i);
+            e.after(i, &ptrs);
+        })
+    };
+    let Some(cols) = ws.first().map(|w| w.cols) else {
+        if let Some(e) = extra {
+            apart(e);
+        }
+        return;
+    };
     let t_rows = x.len() / cols;
     let threads = pool.threads();
-    let ptrs: Vec<SharedOut> = outs.iter_mut().map(|o| SharedOut(o.as_mut_ptr())).collect();
     let all_blocks =
         ws.iter().all(|w| w.cols == cols && matches!(w.data, PackedData::Blocks { .. }));
     if all_blocks {
@@ -590,8 +631,11 @@ pub fn matmul_many(
             })
             .collect();
         pool.run(&|i| {
+            if let Some(e) = extra {
+                e.before(i);
+            }
             for (((view, acts), out), &at) in views.iter().zip(&ptrs).zip(&split_at) {
-                let range = split_range(view.rows, threads, i, GROUP);
+                let range = product_rows(view.rows, threads, i);
                 if acts.rows == t_rows {
                     // SAFETY: threads write disjoint row ranges (whole groups) of every
                     // token's output row, and each output holds t_rows * rows floats
@@ -612,6 +656,9 @@ pub fn matmul_many(
                         }
                     }
                 }
+            }
+            if let Some(e) = extra {
+                e.after(i, &ptrs);
             }
         });
         return;
@@ -643,6 +690,9 @@ pub fn matmul_many(
                 });
             }
         }
+    }
+    if let Some(e) = extra {
+        apart(e);
     }
 }
 

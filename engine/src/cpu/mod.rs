@@ -1,5 +1,6 @@
 //! CPU compute: the thread pool, the packed layout and the matrix-product kernels.
 
+pub mod adapter;
 pub(crate) mod attention;
 mod layout;
 pub mod matmul;
