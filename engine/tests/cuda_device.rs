@@ -147,6 +147,12 @@ fn argmax_takes_the_lowest_index_among_equals() -> anyhow::Result<()> {
 
 #[test]
 #[ignore = "needs an NVIDIA GPU: run with --ignored on one"]
+fn lora_updates_rows_of_mixed_adapters_and_leaves_the_rest() -> anyhow::Result<()> {
+    kernel_checks::lora(&gpu()?)
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on one"]
 fn sampling_follows_temperature_top_k_and_top_p() -> anyhow::Result<()> {
     kernel_checks::sampling(&gpu()?)
 }
@@ -156,6 +162,13 @@ fn sampling_follows_temperature_top_k_and_top_p() -> anyhow::Result<()> {
 fn forward_matches_the_cpu_backend_on_a_synthetic_model() -> anyhow::Result<()> {
     gpu()?;
     kernel_checks::forward_parity()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU: run with --ignored on one"]
+fn tenant_adapters_match_the_cpu_backend() -> anyhow::Result<()> {
+    gpu()?;
+    kernel_checks::adapter_parity()
 }
 
 #[test]

@@ -85,6 +85,14 @@ fn forward_matches_the_cpu_backend_through_the_emulated_driver() -> anyhow::Resu
 }
 
 #[test]
+fn tenant_adapters_match_the_cpu_backend_through_the_emulated_driver() -> anyhow::Result<()> {
+    let Some(_device) = emulated_cuda()? else {
+        return Ok(());
+    };
+    kernel_checks::adapter_parity()
+}
+
+#[test]
 fn quantized_weights_match_the_cpu_backend_through_the_emulated_driver() -> anyhow::Result<()> {
     let Some(_device) = emulated_cuda()? else {
         return Ok(());

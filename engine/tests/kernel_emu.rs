@@ -200,6 +200,11 @@ fn argmax_takes_the_lowest_index_among_equals() -> anyhow::Result<()> {
 }
 
 #[test]
+fn lora_updates_rows_of_mixed_adapters_and_leaves_the_rest() -> anyhow::Result<()> {
+    kernel_checks::lora(&Emulated)
+}
+
+#[test]
 fn sampling_follows_temperature_top_k_and_top_p() -> anyhow::Result<()> {
     kernel_checks::sampling(&Emulated)
 }

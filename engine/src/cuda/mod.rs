@@ -23,6 +23,7 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("attention", include_str!("../../../kernels/attention.cu")),
     ("sampling", include_str!("../../../kernels/sampling.cu")),
     ("gemv", include_str!("../../../kernels/gemv.cu")),
+    ("lora", include_str!("../../../kernels/lora.cu")),
 ];
 
 /// The names of the kernels `src` declares (`extern "C" __global__ [__launch_bounds__(..)] void

@@ -38,6 +38,7 @@ use super::{CudaError, KERNELS, compile, compile_with, probe};
 use crate::cpu::matmul::PackedWeight;
 use crate::forward::{LogitsWanted, SeqInput};
 use crate::forward::{PassTimes, Pick, StepOutput};
+use crate::lora::{LoraAdapter, Target};
 use crate::model::{LlamaConfig, LlamaWeights, RopeStyle};
 use crate::quant::{GgmlType, QK};
 
@@ -183,6 +184,30 @@ struct Kernels {
     dequant_q4_0: CudaFunction,
     dequant_q4_1: CudaFunction,
     dequant_q8_0: CudaFunction,
+    lora_shrink: CudaFunction,
+    lora_expand: CudaFunction,
+}
+
+/// The tenant adapters of the passes since the set last changed, on the device: their
+/// updates in one bf16 arena (each `A` as `[rank][in]`, each `B` as `[out][rank]`, the values
+/// the CPU serves: f16 under their powers of two, whose scale comes with each update), each
+/// update's place and scale by (slot, layer x 7 + projection), each slot's rank; and a pass's
+/// rows' slots and `u` (kernels/lora.cu).
+struct LoraDevice {
+    /// The adapters' revisions, by slot.
+    digests: Vec<[u8; 32]>,
+    arena: CudaSlice<bf16>,
+    a_off: CudaSlice<i64>,
+    b_off: CudaSlice<i64>,
+    scale: CudaSlice<f32>,
+    rank: CudaSlice<i32>,
+    max_rank: usize,
+    /// Updates per slot: layers x 7.
+    pairs: usize,
+    /// Each row's slot (-1: the bare base), for up to `rows` rows.
+    row_slot: CudaSlice<i32>,
+    u: CudaSlice<f32>,
+    rows: usize,
 }
 
 /// The decode attention kernels as compiled for one shape: `paged_attention` for any head size,
@@ -480,6 +505,8 @@ pub struct CudaRunner {
     pick_slot: std::cell::RefCell<Option<PickSlot>>,
     /// While a serving pass is launched: where its first copy up records its start.
     pass_start: std::cell::RefCell<Option<Option<cudarc::driver::CudaEvent>>>,
+    /// The tenant adapters on the device.
+    lora: std::cell::RefCell<Option<LoraDevice>>,
 }
 
 /// One pass's picked ids: on the device, and the page-locked host memory they are copied to
@@ -633,6 +660,8 @@ impl CudaRunner {
             dequant_q4_0: f("dequant", "dequant_q4_0")?,
             dequant_q4_1: f("dequant", "dequant_q4_1")?,
             dequant_q8_0: f("dequant", "dequant_q8_0")?,
+            lora_shrink: f("lora", "lora_shrink")?,
+            lora_expand: f("lora", "lora_expand")?,
         };
         let sms = ctx
             .attribute(
@@ -658,6 +687,7 @@ impl CudaRunner {
             passes: std::cell::RefCell::default(),
             pick_slot: std::cell::RefCell::new(None),
             pass_start: std::cell::RefCell::new(None),
+            lora: std::cell::RefCell::new(None),
         })
     }
 
@@ -1376,8 +1406,10 @@ impl CudaRunner {
         cache: &'c mut CudaKvCache,
         batch: &[SeqInput<'_>],
     ) -> Result<Option<CudaView<'c, f32>>, CudaError> {
-        let decode_only =
-            batch.iter().all(|s| s.tokens.len() == 1 && s.logits == LogitsWanted::Last);
+        // A batch with tenant adapters runs eagerly (the graphs hold no adapter updates).
+        let decode_only = batch
+            .iter()
+            .all(|s| s.tokens.len() == 1 && s.logits == LogitsWanted::Last && s.adapter.is_none());
         let bucket = GRAPH_BUCKETS.iter().copied().find(|&b| b >= batch.len());
         if let (true, true, false, Some(bucket)) =
             (cache.use_graphs, decode_only, batch.is_empty(), bucket)
@@ -1429,8 +1461,14 @@ impl CudaRunner {
         let Some((_, ws)) = eager.as_mut() else {
             return Err(run_err("no workspace"));
         };
+        let adapted = batch.iter().any(|s| s.adapter.is_some());
+        if adapted {
+            self.load_adapters(&m.config, batch, &plan.q_seq)?;
+        }
         self.load(ws, &plan)?;
-        self.encode(m, k, v, *block_size, ws, plan.pass())?;
+        let lora = self.lora.borrow();
+        let lora = lora.as_ref().filter(|_| adapted);
+        self.encode(m, k, v, *block_size, ws, plan.pass(), lora)?;
         if wanted == 0 {
             return Ok(None);
         }
@@ -1464,13 +1502,13 @@ impl CudaRunner {
             return g.0.launch().map_err(run_err);
         }
         let (bs, pass) = (*block_size, plan.pass());
-        self.encode(m, k, v, bs, ws, pass)?;
+        self.encode(m, k, v, bs, ws, pass, None)?;
         self.stream
             .begin_capture(
                 cudarc::driver::sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
             )
             .map_err(run_err)?;
-        if let Err(e) = self.encode(m, k, v, bs, ws, pass) {
+        if let Err(e) = self.encode(m, k, v, bs, ws, pass, None) {
             // End the capture directly (cudarc's end_capture checks the context's error state
             // first and could leave the stream capturing), and drop what was captured.
             // SAFETY: the stream is live and capturing; a returned graph is ours to destroy.
@@ -1699,6 +1737,146 @@ impl CudaRunner {
         })
     }
 
+    /// Puts `batch`'s adapters on the device (the set is built again, with this batch's
+    /// adapters only, when one of them is missing) and each row's slot (rows by sequence,
+    /// `q_seq`).
+    fn load_adapters(
+        &self,
+        c: &LlamaConfig,
+        batch: &[SeqInput<'_>],
+        q_seq: &[i32],
+    ) -> Result<(), CudaError> {
+        let mut lora = self.lora.borrow_mut();
+        let missing = |d: &LoraDevice| {
+            batch.iter().filter_map(|s| s.adapter).any(|a| !d.digests.contains(&a.digest))
+        };
+        if lora.as_ref().is_none_or(missing) {
+            *lora = None;
+            let mut adapters: Vec<&LoraAdapter> = Vec::new();
+            for a in batch.iter().filter_map(|s| s.adapter) {
+                if !adapters.iter().any(|b| b.digest == a.digest) {
+                    adapters.push(a);
+                }
+            }
+            *lora = Some(self.lora_device(c, &adapters, q_seq.len())?);
+        }
+        let Some(d) = lora.as_mut() else { return Err(run_err("no adapters on the device")) };
+        if d.rows < q_seq.len() {
+            d.rows = q_seq.len().max(2 * d.rows);
+            d.row_slot = self.stream.alloc_zeros::<i32>(d.rows).map_err(run_err)?;
+            d.u = self.stream.alloc_zeros::<f32>(d.rows * d.max_rank).map_err(run_err)?;
+        }
+        let slot_of = |s: &SeqInput<'_>| -> i32 {
+            s.adapter
+                .and_then(|a| d.digests.iter().position(|x| *x == a.digest))
+                .map_or(-1, |p| p as i32)
+        };
+        let slots: Vec<i32> = q_seq
+            .iter()
+            .map(|&q| usize::try_from(q).ok().and_then(|q| batch.get(q)).map_or(-1, slot_of))
+            .collect();
+        let mut dst = d.row_slot.slice_mut(..slots.len());
+        self.stream.memcpy_htod(&slots, &mut dst).map_err(run_err)
+    }
+
+    /// `adapters` on the device, with room for `rows` rows.
+    fn lora_device(
+        &self,
+        c: &LlamaConfig,
+        adapters: &[&LoraAdapter],
+        rows: usize,
+    ) -> Result<LoraDevice, CudaError> {
+        use crate::cpu::adapter::{a_index, b_index};
+        let pairs = c.layers * Target::ALL.len();
+        let slots = adapters.len();
+        let f = |bits: u16| bf16::from_f32(half::f16::from_bits(bits).to_f32());
+        let (mut arena, mut a_off, mut b_off) =
+            (Vec::new(), vec![-1i64; slots * pairs], vec![-1i64; slots * pairs]);
+        let mut scale = vec![0f32; slots * pairs];
+        for (s, a) in adapters.iter().enumerate() {
+            if !a.fits(c) {
+                return Err(CudaError::Invalid(format!(
+                    "adapter {} was checked against another base model",
+                    a.revision
+                )));
+            }
+            for layer in 0..c.layers {
+                for (t, &target) in Target::ALL.iter().enumerate() {
+                    let Some(p) = a.pair(layer, target) else { continue };
+                    let (input, output) = target.dims(c);
+                    let at = s * pairs + layer * Target::ALL.len() + t;
+                    a_off[at] = arena.len() as i64;
+                    for k in 0..p.rank {
+                        arena.extend((0..input).map(|i| f(p.a[a_index(input, k, i)])));
+                    }
+                    b_off[at] = arena.len() as i64;
+                    for o in 0..output {
+                        arena.extend((0..p.rank).map(|k| f(p.bt[b_index(p.rank, k, o)])));
+                    }
+                    scale[at] = p.u_scale;
+                }
+            }
+        }
+        let max_rank = adapters.iter().map(|a| a.rank).max().unwrap_or(1).max(1);
+        let ranks: Vec<i32> = adapters.iter().map(|a| a.rank as i32).collect();
+        let up = |e| run_err(e);
+        Ok(LoraDevice {
+            digests: adapters.iter().map(|a| a.digest).collect(),
+            arena: self.stream.clone_htod(&arena).map_err(up)?,
+            a_off: self.stream.clone_htod(&a_off).map_err(up)?,
+            b_off: self.stream.clone_htod(&b_off).map_err(up)?,
+            scale: self.stream.clone_htod(&scale).map_err(up)?,
+            rank: self.stream.clone_htod(&ranks).map_err(up)?,
+            max_rank,
+            pairs,
+            row_slot: self.stream.alloc_zeros::<i32>(rows.max(1)).map_err(up)?,
+            u: self.stream.alloc_zeros::<f32>(rows.max(1) * max_rank).map_err(up)?,
+            rows: rows.max(1),
+        })
+    }
+
+    /// Each adapted row's updates of `parts` (projection, first column in `y`) of `layer`:
+    /// `u` from `x` (`n` rows of the projections' input), then `B u` added to `y` (`n` rows of
+    /// `width`).
+    #[expect(clippy::too_many_arguments, reason = "one launch pair's buffers and shapes")]
+    fn lora_update(
+        &self,
+        lo: &LoraDevice,
+        c: &LlamaConfig,
+        n: usize,
+        layer: usize,
+        parts: &[(Target, usize)],
+        x: &CudaSlice<bf16>,
+        y: &mut CudaSlice<bf16>,
+        width: usize,
+    ) -> Result<(), CudaError> {
+        let (pairs, max_rank) = (dim(lo.pairs)?, dim(lo.max_rank)?);
+        for &(target, col) in parts {
+            let (input, output) = target.dims(c);
+            if col + output > width {
+                return Err(run_err("an adapter update outside its output rows"));
+            }
+            let t = Target::ALL.iter().position(|&x| x == target).unwrap_or(0);
+            let pair = dim(layer * Target::ALL.len() + t)?;
+            let (in_i, out_i, w_i, col_i) = (dim(input)?, dim(output)?, dim(width)?, dim(col)?);
+            let mut b = self.stream.launch_builder(&self.k.lora_shrink);
+            b.arg(x).arg(&in_i).arg(&lo.arena).arg(&lo.row_slot).arg(&lo.a_off).arg(&lo.rank);
+            b.arg(&lo.scale).arg(&pairs).arg(&pair).arg(&lo.u).arg(&max_rank);
+            // SAFETY: arguments match `lora_shrink`; x holds n rows of `input`, every slot
+            // is -1 or below the slots the tables were built for, every offset and rank
+            // inside the arena, u holds n x max_rank floats (`load_adapters`).
+            unsafe { b.launch(grid(n, lo.max_rank.div_ceil(4), 128)) }.map_err(run_err)?;
+            let mut b = self.stream.launch_builder(&self.k.lora_expand);
+            b.arg(&lo.u).arg(&max_rank).arg(&lo.arena).arg(&lo.row_slot).arg(&lo.b_off);
+            b.arg(&lo.rank).arg(&pairs).arg(&pair).arg(&mut *y).arg(&out_i).arg(&w_i);
+            b.arg(&col_i);
+            // SAFETY: arguments match `lora_expand`; y holds n rows of `width`, and
+            // col + output <= width.
+            unsafe { b.launch(grid(output.div_ceil(128), n, 128)) }.map_err(run_err)?;
+        }
+        Ok(())
+    }
+
     /// Copies `p`'s inputs into `ws` in one host-to-device copy (queued before the pass that
     /// reads them): each input into its place in the staging buffer, then the staging buffer
     /// up to the end of the block tables.
@@ -1734,6 +1912,7 @@ impl CudaRunner {
     /// Queues one pass over the rows of `ws` (inputs loaded), writing K/V into the cache and
     /// the logits of the wanted rows into `ws.logits`. Allocates nothing, so it can be
     /// captured.
+    #[expect(clippy::too_many_arguments, reason = "a pass's model, cache, workspace and adapters")]
     fn encode(
         &self,
         m: &CudaModel,
@@ -1742,6 +1921,7 @@ impl CudaRunner {
         block_size: usize,
         ws: &mut Workspace,
         pass: Pass,
+        lora: Option<&LoraDevice>,
     ) -> Result<(), CudaError> {
         let Pass { rows: n, max_blocks, wanted, tiles, singles } = pass;
         let c = &m.config;
@@ -1786,7 +1966,10 @@ impl CudaRunner {
         // the norms before the QKV and gate/up products, SiLU after gate/up, the residual
         // adds after the O and down products and (without Q/K/V biases) RoPE and the K/V
         // write: 5 launches a layer instead of 9.
-        let small = n <= self.gemv_rows.get()
+        // (Not with adapters: their updates go between a product and what the matrix-vector
+        // kernels fuse after it.)
+        let small = lora.is_none()
+            && n <= self.gemv_rows.get()
             && [hidden, q_dim, c.intermediate].iter().all(|d| d.is_multiple_of(8));
         let eps = c.rms_eps;
         // Otherwise each norm after the first comes with the residual add before it
@@ -1813,6 +1996,11 @@ impl CudaRunner {
             } else {
                 self.linear(&ws.xn, n, &l.wqkv, qkv_dim, hidden, &mut ws.qkv)?;
                 self.mark("QKV GEMM")?;
+                if let Some(lo) = lora {
+                    let parts = [(Target::Q, 0), (Target::K, q_dim), (Target::V, q_dim + kv_dim)];
+                    self.lora_update(lo, c, n, i, &parts, &ws.xn, &mut ws.qkv, qkv_dim)?;
+                    self.mark("QKV adapters")?;
+                }
             }
             if let Some(bias) = &l.bias {
                 self.add_bias(&mut ws.qkv, bias, n, qkv_dim)?;
@@ -1868,10 +2056,19 @@ impl CudaRunner {
             }
             self.linear(&ws.attn, n, &l.wo, hidden, q_dim, &mut ws.o)?;
             self.mark("O GEMM")?;
+            if let Some(lo) = lora {
+                self.lora_update(lo, c, n, i, &[(Target::O, 0)], &ws.attn, &mut ws.o, hidden)?;
+                self.mark("O adapters")?;
+            }
             self.rmsnorm(&mut ws.x, Some(&ws.o), &l.ffn_norm, n, hidden, eps, &mut ws.xn)?;
             self.mark("add + RMSNorm")?;
             self.linear(&ws.xn, n, &l.w_gate_up, 2 * c.intermediate, hidden, &mut ws.gate_up)?;
             self.mark("gate/up GEMM")?;
+            if let Some(lo) = lora {
+                let (parts, width) = ([(Target::Gate, 0), (Target::Up, inter)], 2 * inter);
+                self.lora_update(lo, c, n, i, &parts, &ws.xn, &mut ws.gate_up, width)?;
+                self.mark("gate/up adapters")?;
+            }
             let (ni, inter) = ((n * c.intermediate) as i64, c.intermediate as i32);
             let mut b = self.stream.launch_builder(&self.k.silu_mul);
             b.arg(&ws.gate_up).arg(&mut ws.act).arg(&ni).arg(&inter);
@@ -1881,6 +2078,10 @@ impl CudaRunner {
             self.mark("SiLU x up")?;
             self.linear(&ws.act, n, &l.w_down, hidden, c.intermediate, &mut ws.o)?;
             self.mark("down GEMM")?;
+            if let Some(lo) = lora {
+                self.lora_update(lo, c, n, i, &[(Target::Down, 0)], &ws.act, &mut ws.o, hidden)?;
+                self.mark("down adapters")?;
+            }
             let next = m.layers.get(i + 1).map_or(&m.norm, |l| &l.attn_norm);
             self.rmsnorm(&mut ws.x, Some(&ws.o), next, n, hidden, eps, &mut ws.xn)?;
             self.mark("add + RMSNorm")?;
@@ -1936,11 +2137,6 @@ fn plan(
         singles: Vec::new(),
     };
     for (s, seq) in batch.iter().enumerate() {
-        if seq.adapter.is_some() {
-            return Err(CudaError::Invalid(format!(
-                "sequence {s}: tenant LoRA adapters run on the CPU backend only so far"
-            )));
-        }
         let end = seq.start_pos + seq.tokens.len();
         if end > c.context_length || seq.block_table.len() * bs < end || used(seq) > max_blocks {
             return Err(CudaError::Invalid(format!(

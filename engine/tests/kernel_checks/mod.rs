@@ -58,6 +58,7 @@ pub trait Plain: Copy {}
 impl Plain for u8 {}
 impl Plain for u16 {}
 impl Plain for i32 {}
+impl Plain for i64 {}
 impl Plain for f32 {}
 impl Plain for u64 {}
 impl Plain for u128 {}
@@ -767,6 +768,133 @@ pub fn gemv_rope(d: &dyn Dev) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The tenant LoRA kernels over a batch mixing two adapters of different ranks with rows on
+/// the bare base, each adapter's updates of two projections in an arena (the second adapter
+/// without the first projection): `lora_shrink`'s `u` against f64 sums of the bf16 inputs (the
+/// bare rows', the missing projection's and the ranks past each adapter's own left alone),
+/// `lora_expand`'s outputs against the bf16 rounding of the output plus `B u` (the kernel's
+/// `u`), in a slice of a wider buffer whose other columns and untouched rows stay as they were.
+pub fn lora(d: &dyn Dev) -> anyhow::Result<()> {
+    use Arg::*;
+    let (out_dim, stride, col, max_rank, pairs) = (40usize, 51usize, 7usize, 8usize, 2usize);
+    // Each slot's rank and each of its projections' scale (0: not updated).
+    let slots = [(3usize, [0.5f32, 1.5]), (8, [0.0, 2.0])];
+    let row_slot = [0i32, -1, 1, 0, 1];
+    let rows = row_slot.len();
+    for in_dim in [100usize, 576] {
+        let mut arena: Vec<f32> = Vec::new();
+        let (mut a_off, mut b_off, mut scales) = (vec![-1i64; 4], vec![-1i64; 4], vec![0f32; 4]);
+        for (s, (rank, sc)) in slots.iter().enumerate() {
+            for (p, &scale) in sc.iter().enumerate() {
+                if scale == 0.0 {
+                    continue;
+                }
+                let seed = (10 * s + p) as u64;
+                a_off[s * pairs + p] = arena.len() as i64;
+                arena.extend(values(rank * in_dim, 40 + seed));
+                b_off[s * pairs + p] = arena.len() as i64;
+                arena.extend(values(out_dim * rank, 60 + seed).iter().map(|v| v * 0.1));
+                scales[s * pairs + p] = scale;
+            }
+        }
+        let ranks: Vec<i32> = slots.iter().map(|s| s.0 as i32).collect();
+        let arena = rounded(&arena);
+        let x = rounded(&values(rows * in_dim, in_dim as u64));
+        let (xb, arena_b) = (to_bf16(&x), to_bf16(&arena));
+        for pair in 0..pairs {
+            let mut u = vec![f32::NAN; rows * max_rank];
+            let mut args = vec![
+                In(bytes(&xb)),
+                I32(in_dim as i32),
+                In(bytes(&arena_b)),
+                In(bytes(&row_slot)),
+                In(bytes(&a_off)),
+                In(bytes(&ranks)),
+                In(bytes(&scales)),
+                I32(pairs as i32),
+                I32(pair as i32),
+                Out(bytes_mut(&mut u)),
+                I32(max_rank as i32),
+            ];
+            let grid = (rows as u32, max_rank.div_ceil(4) as u32);
+            d.launch("lora", "lora_shrink", grid, 128, &mut args)?;
+            drop(args);
+            // Each row's update, when it has one: (slot, rank, where A and B start).
+            let update = |r: usize| -> Option<(usize, usize, usize, usize)> {
+                let s = usize::try_from(row_slot[r]).ok()?;
+                let at = s * pairs + pair;
+                Some((s, slots[s].0, usize::try_from(a_off[at]).ok()?, b_off[at] as usize))
+            };
+            for r in 0..rows {
+                for k in 0..max_rank {
+                    let got = u[r * max_rank + k];
+                    let Some((s, _, a_at, _)) = update(r).filter(|u| k < u.1) else {
+                        ensure!(got.is_nan(), "lora_shrink wrote u[{r}][{k}] = {got}");
+                        continue;
+                    };
+                    let a = &arena[a_at + k * in_dim..][..in_dim];
+                    let dot: f64 = a
+                        .iter()
+                        .zip(&x[r * in_dim..][..in_dim])
+                        .map(|(a, x)| f64::from(*a) * f64::from(*x))
+                        .sum();
+                    let want = dot * f64::from(scales[s * pairs + pair]);
+                    ensure!(
+                        (f64::from(got) - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                        "lora_shrink ({in_dim} inputs, projection {pair}): u[{r}][{k}] is \
+                         {got}, not {want}"
+                    );
+                }
+            }
+            let start = to_bf16(&values(rows * stride, 70 + pair as u64));
+            let mut y = start.clone();
+            let mut args = vec![
+                In(bytes(&u)),
+                I32(max_rank as i32),
+                In(bytes(&arena_b)),
+                In(bytes(&row_slot)),
+                In(bytes(&b_off)),
+                In(bytes(&ranks)),
+                I32(pairs as i32),
+                I32(pair as i32),
+                Out(bytes_mut(&mut y)),
+                I32(out_dim as i32),
+                I32(stride as i32),
+                I32(col as i32),
+            ];
+            let grid = (out_dim.div_ceil(32) as u32, rows as u32);
+            d.launch("lora", "lora_expand", grid, 32, &mut args)?;
+            drop(args);
+            for r in 0..rows {
+                for c in 0..stride {
+                    let (got, was) = (y[r * stride + c], start[r * stride + c]);
+                    let inside = (col..col + out_dim).contains(&c);
+                    let Some((_, rank, _, b_at)) = update(r).filter(|_| inside) else {
+                        ensure!(got == was, "lora_expand changed row {r} column {c}");
+                        continue;
+                    };
+                    let o = c - col;
+                    let b = &arena[b_at + o * rank..][..rank];
+                    let sum: f64 = b
+                        .iter()
+                        .zip(&u[r * max_rank..])
+                        .map(|(b, u)| f64::from(*b) * f64::from(*u))
+                        .sum();
+                    let want = f64::from(bf16::from_bits(was).to_f32()) + sum;
+                    let got = f64::from(bf16::from_bits(got).to_f32());
+                    // One bf16 step of the result, and f32 summation's error.
+                    ensure!(
+                        (got - want).abs() <= want.abs() / 128.0 + 1e-5,
+                        "lora_expand ({in_dim} inputs, projection {pair}): row {r} output {o} \
+                         is {got}, not {want}"
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 pub fn argmax(d: &dyn Dev) -> anyhow::Result<()> {
     let vocab = 49_152usize;
     let mut logits = values(2 * vocab, 9);
@@ -1155,6 +1283,78 @@ pub fn forward_parity() -> anyhow::Result<()> {
     ensure!(worst < 0.01, "the matrix-vector path differs from cuBLAS by {worst} of the range");
     let vs_cpu = compare_logits(&paths[0], &want, vocab)?;
     eprintln!("decode through the matrix-vector kernels vs CPU: {vs_cpu:.4} of the range");
+    Ok(())
+}
+
+/// Tenant adapters on the device: a batch mixing two adapters (one of every projection, one of
+/// Q and V only, of another rank) and a sequence on the bare base, prefilled then one decode
+/// step each, against the CPU backend (the same tolerance as the bare forward pass); and the
+/// adapters matter (the bare base's logits are far from the adapted ones).
+pub fn adapter_parity() -> anyhow::Result<()> {
+    use sluice_engine::lora::{LoraAdapter, Target};
+    use sluice_engine::synth::SynthLora;
+    let w = synthetic(GgmlType::F32)?;
+    let (c, vocab) = (&w.config, w.config.vocab_size);
+    let dir = tempfile::tempdir()?;
+    let mut adapters = Vec::new();
+    for (seed, rank, targets) in [(5, 8, Target::ALL.to_vec()), (6, 4, vec![Target::Q, Target::V])]
+    {
+        let path = dir.path().join(format!("a{seed}"));
+        SynthLora { rank, targets, b_std: 0.2, ..SynthLora::new(seed) }.write_peft(
+            c,
+            GgmlType::F32,
+            &path,
+        )?;
+        adapters.push(LoraAdapter::load(&path, c)?);
+    }
+    let prompts: Vec<Vec<u32>> = (0..3u32)
+        .map(|s| (0..6 + 5 * s).map(|i| (i * 29 + 7 * s + 3) % vocab as u32).collect())
+        .collect();
+    let tables = [[0u32, 1], [2, 3], [4, 5]];
+    let which = [Some(&adapters[0]), None, Some(&adapters[1])];
+    let run = |forward: &mut dyn FnMut(&[SeqInput<'_>]) -> anyhow::Result<Vec<f32>>,
+               which: [Option<&LoraAdapter>; 3]|
+     -> anyhow::Result<Vec<f32>> {
+        let seq = |s: usize, tokens, start_pos, logits| SeqInput {
+            tokens,
+            start_pos,
+            block_table: &tables[s][..],
+            logits,
+            adapter: which[s],
+        };
+        let prefill: Vec<SeqInput<'_>> =
+            (0..3).map(|s| seq(s, &prompts[s][..], 0, LogitsWanted::All)).collect();
+        let mut out = forward(&prefill)?;
+        let next: Vec<[u32; 1]> = (0..3u32).map(|s| [(s * 17 + 2) % vocab as u32]).collect();
+        let steps: Vec<SeqInput<'_>> =
+            (0..3).map(|s| seq(s, &next[s][..], prompts[s].len(), LogitsWanted::Last)).collect();
+        out.extend(forward(&steps)?);
+        Ok(out)
+    };
+    let mut cpu = Runner::new(2);
+    let mut cpu_cache = KvCache::new(&w, 16, 8);
+    let want = run(&mut |b| Ok(cpu.forward(&w, &mut cpu_cache, b)?), which)?;
+    let mut cpu_cache = KvCache::new(&w, 16, 8);
+    let bare = run(&mut |b| Ok(cpu.forward(&w, &mut cpu_cache, b)?), [None; 3])?;
+
+    let gpu = CudaRunner::new(0)?;
+    let model = gpu.upload(&w)?;
+    let mut cache = gpu.kv_cache(&model, 16, 8)?;
+    let got = run(&mut |b| Ok(gpu.forward(&model, &mut cache, b)?), which)?;
+    let worst = compare_logits(&got, &want, vocab)?;
+    // The rows under an adapter, against the bare base: the adapters move them well past
+    // the agreement measured.
+    let rows: usize = prompts.iter().map(Vec::len).sum::<usize>() + 3;
+    ensure!(want.len() == rows * vocab, "{} logits", want.len());
+    let moved =
+        worst_of_range(&want[..prompts[0].len() * vocab], &bare[..prompts[0].len() * vocab], vocab);
+    ensure!(
+        moved > 5.0 * worst,
+        "the adapter moves the logits by {moved}, the device differs by {worst}"
+    );
+    eprintln!(
+        "CUDA vs CPU with adapters: max difference {worst:.4} of the range (adapter moves {moved:.3})"
+    );
     Ok(())
 }
 
