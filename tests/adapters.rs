@@ -189,6 +189,15 @@ async fn adapters_mixed_in_batches_answer_as_alone_and_never_share_a_prefix() ->
     // Each adapter was loaded once, however many requests used it, and both stay resident.
     ensure!(metric(&c, &url, "sluice_engine_adapter_loads_total").await? == 2.0, "loads");
     ensure!(metric(&c, &url, "sluice_engine_adapters_resident").await? == 2.0, "resident");
+    // The per-tenant series name each caller's adapter (`tenant/name`), `~base` for none.
+    for (tenant, adapter) in
+        [("acme", "acme/support"), ("globex", "globex/support"), ("initech", "~base")]
+    {
+        let series = format!(
+            "sluice_engine_tenant_generation_tokens_total{{tenant=\"{tenant}\",adapter=\"{adapter}\"}}"
+        );
+        ensure!(metric(&c, &url, &series).await? > 0.0, "no series {series}");
+    }
 
     // One tenant's long prompt under adapter A, then again under A (cached), under the base
     // and under B: a prefix computed under one adapter serves nobody else.
@@ -353,6 +362,21 @@ async fn the_gateway_authorizes_adapters_per_tenant_and_the_ledger_names_them() 
     }
     ensure!(model_ids(&c, &base, acme).await?.contains(&"acme/support".to_owned()));
     ensure!(!model_ids(&c, &base, globex).await?.contains(&"acme/support".to_owned()));
+    // The adapter's own card, by name or pinned, for its tenant; a 404 for anyone else.
+    for m in ["acme/support", id.as_str()] {
+        let r = c.get(format!("{base}/models/{m}")).bearer_auth(acme).send().await?;
+        let (status, card): (u16, Value) = (r.status().as_u16(), r.json().await?);
+        ensure!(
+            status == 200
+                && card["id"] == "acme/support"
+                && card["parent"] == "smollm2-135m-instruct"
+                && card["sluice"]["adapter"] == id.as_str(),
+            "{m}: {status} {card}"
+        );
+    }
+    let r = c.get(format!("{base}/models/acme/support")).bearer_auth(globex).send().await?;
+    let (status, v): (u16, Value) = (r.status().as_u16(), r.json().await?);
+    ensure!(status == 404 && v["error"]["code"] == "model_not_found", "{status} {v}");
 
     // Shared with globex: it may use it (once the gateway's cache of the refusal expires).
     let out = admin(&["admin", "adapters", "share", "acme", "support", "--with", "globex"])?;

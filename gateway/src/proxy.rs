@@ -365,23 +365,27 @@ impl Gateway {
             .into_iter()
             .filter(|a| a.status == "active")
             .filter(|a| seen.insert((a.tenant_id.clone(), a.name.clone())))
-            .filter_map(|a| {
-                let entry = self.served.catalog.resolve(&a.base_model)?;
-                let name = format!("{}/{}", a.tenant_id, a.name);
-                let allowed = admission::model_allowed(grant, &name)
-                    || admission::model_allowed(grant, &entry.id);
-                (allowed && self.workers.may_serve(&entry.id)).then(|| {
-                    json!({
-                        "id": name,
-                        "object": "model",
-                        "created": a.created_at.timestamp(),
-                        "owned_by": a.tenant_id,
-                        "parent": entry.id,
-                        "sluice": {"adapter": a.id(), "rank": a.rank, "targets": a.targets},
-                    })
-                })
-            })
+            .filter_map(|a| self.adapter_card(grant, &a))
             .collect()
+    }
+
+    /// The model card of adapter `a` (`tenant/name`, its base model as `parent`), if the
+    /// key may use it and a worker may serve its base.
+    fn adapter_card(&self, grant: &KeyGrant, a: &Adapter) -> Option<Value> {
+        let entry = self.served.catalog.resolve(&a.base_model)?;
+        let name = format!("{}/{}", a.tenant_id, a.name);
+        let allowed =
+            admission::model_allowed(grant, &name) || admission::model_allowed(grant, &entry.id);
+        (allowed && self.workers.may_serve(&entry.id)).then(|| {
+            json!({
+                "id": name,
+                "object": "model",
+                "created": a.created_at.timestamp(),
+                "owned_by": a.tenant_id,
+                "parent": entry.id,
+                "sluice": {"adapter": a.id(), "rank": a.rank, "targets": a.targets},
+            })
+        })
     }
 
     /// The billed tokens the ledger holds for a scope today and this month, read at most
@@ -615,10 +619,22 @@ impl Gateway {
                         && (admission::model_allowed(&grant, &e.id)
                             || admission::model_allowed(&grant, &id))
                 });
-                let Some(entry) = entry else {
-                    return Err(Refusal::ModelNotFound { model: id });
+                let card = match entry {
+                    Some(entry) => entry.card(self.workers.serving(&entry.id)),
+                    // A tenant adapter (`tenant/name`, or pinned `@sha256:...`) this key's
+                    // tenant may use; any other name is as unknown as a missing model.
+                    None => match self.adapter(&grant.tenant_id, &id).await {
+                        Ok(Some(a)) => match self.adapter_card(&grant, &a) {
+                            Some(card) => card,
+                            None => return Err(Refusal::ModelNotFound { model: id }),
+                        },
+                        Ok(None) => return Err(Refusal::ModelNotFound { model: id }),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "resolving an adapter");
+                            return Err(Refusal::ModelNotFound { model: id });
+                        }
+                    },
                 };
-                let card = entry.card(self.workers.serving(&entry.id));
                 self.answer(session, ctx, 200, Bytes::from(card.to_string())).await?;
                 return Ok(true);
             }

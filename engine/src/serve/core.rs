@@ -415,7 +415,7 @@ impl EngineCore {
             priority: r.priority,
             weight: r.weight,
             tpot_target: r.tpot_target.map(|t| t.as_secs_f64()),
-            adapter: r.adapter.as_ref().map(|a| a.digest),
+            adapter: r.adapter.as_ref().map(|a| a.adapter.digest),
         };
         self.sched.add_with(r.request_id.clone(), r.prompt.clone(), r.cache_scope.clone(), policy);
         self.unplanned.push(r.request_id.clone());
@@ -552,7 +552,7 @@ impl EngineCore {
                 logits,
                 reaches_end,
                 prompt_len: seq.prompt_len,
-                adapter: st.req.adapter.clone(),
+                adapter: st.req.adapter.as_ref().map(|a| Arc::clone(&a.adapter)),
             });
         }
         if work.is_empty() {
@@ -933,7 +933,8 @@ impl EngineCore {
         }
         self.metrics.e2e.observe(timings.e2e);
         self.metrics.prompt_tokens.inc_by(usage.prompt_tokens as u64);
-        let (label, dropped) = self.tenant_labels.label(st.req.cache_scope.tenant(), now);
+        let adapter = st.req.adapter.as_ref().map(|a| a.name.as_str());
+        let (label, dropped) = self.tenant_labels.label(st.req.cache_scope.tenant(), adapter, now);
         let mut waited = seq.as_ref().map_or_else(WaitTimes::default, |s| s.waited);
         waited.add(WaitReason::Arrival, since(st.first_planned, arrival));
         let sample = TenantSample {

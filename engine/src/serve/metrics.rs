@@ -1,5 +1,6 @@
 //! Prometheus metrics, named after vLLM's with a `sluice_engine_` prefix, and per-tenant
-//! ones (`sluice_engine_tenant_*`) under a label of bounded cardinality ([`TenantLabels`]).
+//! ones (`sluice_engine_tenant_*`) under tenant and adapter labels of bounded cardinality
+//! ([`TenantLabels`]).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicU64;
@@ -27,6 +28,9 @@ pub struct TenantLabel {
     /// A tenant id, `~other` (beyond the busiest [`TENANT_LABELS`]) or `~none` (no tenant);
     /// `~` is not allowed in tenant ids, so neither can be taken by a tenant.
     pub tenant: String,
+    /// The tenant adapter the requests ran under (`tenant/name`), `~base` (none) or `~other`
+    /// (beyond the busiest [`ADAPTER_LABELS`]).
+    pub adapter: String,
 }
 
 /// Label of the per-tenant wait metric: the tenant's label and why its requests waited.
@@ -34,6 +38,8 @@ pub struct TenantLabel {
 pub struct TenantWaitLabel {
     /// As [`TenantLabel::tenant`].
     pub tenant: String,
+    /// As [`TenantLabel::adapter`].
+    pub adapter: String,
     /// [`WaitReason::as_str`].
     pub reason: &'static str,
 }
@@ -90,58 +96,121 @@ impl StepPhase {
 /// Tenants named in the per-tenant metrics; the rest are `other`.
 pub const TENANT_LABELS: usize = 20;
 
-/// How often the named tenants are chosen anew, by their requests in the last window.
+/// Adapters named in the per-tenant metrics; the rest are `~other`.
+pub const ADAPTER_LABELS: usize = 20;
+
+/// How often the named tenants and adapters are chosen anew, by their requests in the last
+/// window.
 const TENANT_WINDOW: Duration = Duration::from_secs(60);
 
-/// Which tenants the per-tenant metrics name: up to `capacity` of them, chosen at the end of
-/// each window as the busiest of that window (by finished requests); in between, a tenant new
-/// to the metrics gets a name while there is room. Everyone else is `~other`, so the number of
-/// series stays bounded whatever tenants send.
+/// Up to `capacity` names, chosen at the end of each window as the busiest of that window
+/// (by finished requests); in between, a name new to the metrics is kept while there is room.
 #[derive(Debug)]
-pub struct TenantLabels {
+struct Busiest {
     capacity: usize,
-    window: Duration,
     named: HashSet<String>,
     counts: HashMap<String, u64>,
+}
+
+impl Busiest {
+    fn new(capacity: usize) -> Busiest {
+        Busiest { capacity, named: HashSet::new(), counts: HashMap::new() }
+    }
+
+    /// Names the last window's busiest and starts a new one.
+    fn turn(&mut self) {
+        let mut ranked: Vec<(&String, &u64)> = self.counts.iter().collect();
+        ranked.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
+        self.named = ranked.into_iter().take(self.capacity).map(|(t, _)| t.clone()).collect();
+        self.counts.clear();
+    }
+
+    /// `name`'s label, counting it.
+    fn label(&mut self, name: &str) -> String {
+        *self.counts.entry(name.to_owned()).or_insert(0) += 1;
+        if !self.named.contains(name) && self.named.len() < self.capacity {
+            self.named.insert(name.to_owned());
+        }
+        if self.named.contains(name) { name.to_owned() } else { "~other".to_owned() }
+    }
+
+    /// Whether `label` is still one this names (the `~` labels always are).
+    fn keeps(&self, label: &str) -> bool {
+        label.starts_with('~') || self.named.contains(label)
+    }
+}
+
+/// Which tenants and adapters the per-tenant metrics name: up to `capacity` tenants and
+/// `adapters` adapters, each chosen at the end of each window as the busiest of that window;
+/// in between, one new to the metrics gets a name while there is room. Every other tenant
+/// and adapter is `~other`, so the number of series stays bounded (at most `(capacity + 2) x
+/// (adapters + 2)` label pairs) whatever tenants send.
+#[derive(Debug)]
+pub struct TenantLabels {
+    window: Duration,
+    tenants: Busiest,
+    adapters: Busiest,
+    /// The label pairs with series, so a new window can end those it no longer names.
+    live: HashSet<TenantLabel>,
     since: Instant,
 }
 
 impl TenantLabels {
-    /// Labels for up to `capacity` tenants, chosen anew every `window`.
-    pub fn new(capacity: usize, window: Duration, now: Instant) -> Self {
-        TenantLabels { capacity, window, named: HashSet::new(), counts: HashMap::new(), since: now }
+    /// Labels for up to `capacity` tenants and `adapters` adapters, chosen anew every
+    /// `window`.
+    pub fn new(capacity: usize, adapters: usize, window: Duration, now: Instant) -> Self {
+        TenantLabels {
+            window,
+            tenants: Busiest::new(capacity),
+            adapters: Busiest::new(adapters),
+            live: HashSet::new(),
+            since: now,
+        }
     }
 
-    /// The label of a request of `tenant` (empty: none) finishing at `now`, and the tenants
-    /// whose series end because a new window named others.
-    pub fn label(&mut self, tenant: &str, now: Instant) -> (TenantLabel, Vec<String>) {
+    /// The label of a request of `tenant` (empty: none) under `adapter` (`tenant/name`;
+    /// `None`: the bare base) finishing at `now`, and the labels whose series end because a
+    /// new window named others.
+    pub fn label(
+        &mut self,
+        tenant: &str,
+        adapter: Option<&str>,
+        now: Instant,
+    ) -> (TenantLabel, Vec<TenantLabel>) {
         let mut dropped = Vec::new();
         if now.duration_since(self.since) >= self.window {
-            let mut ranked: Vec<(&String, &u64)> = self.counts.iter().collect();
-            ranked.sort_by(|a, b| b.1.cmp(a.1).then(a.0.cmp(b.0)));
-            let busiest: HashSet<String> =
-                ranked.into_iter().take(self.capacity).map(|(t, _)| t.clone()).collect();
-            dropped = self.named.difference(&busiest).cloned().collect();
-            dropped.sort();
-            self.named = busiest;
-            self.counts.clear();
+            self.tenants.turn();
+            self.adapters.turn();
+            let (tenants, adapters) = (&self.tenants, &self.adapters);
+            dropped = self
+                .live
+                .iter()
+                .filter(|l| !(tenants.keeps(&l.tenant) && adapters.keeps(&l.adapter)))
+                .cloned()
+                .collect();
+            dropped.sort_by(|a: &TenantLabel, b| {
+                (&a.tenant, &a.adapter).cmp(&(&b.tenant, &b.adapter))
+            });
+            for l in &dropped {
+                self.live.remove(l);
+            }
             self.since = now;
         }
-        if tenant.is_empty() {
-            return (TenantLabel { tenant: "~none".into() }, dropped);
-        }
-        *self.counts.entry(tenant.to_owned()).or_insert(0) += 1;
-        if !self.named.contains(tenant) && self.named.len() < self.capacity {
-            self.named.insert(tenant.to_owned());
-        }
-        let name = if self.named.contains(tenant) { tenant } else { "~other" };
-        (TenantLabel { tenant: name.to_owned() }, dropped)
+        let tenant =
+            if tenant.is_empty() { "~none".to_owned() } else { self.tenants.label(tenant) };
+        let adapter = match adapter {
+            None => "~base".to_owned(),
+            Some(a) => self.adapters.label(a),
+        };
+        let label = TenantLabel { tenant, adapter };
+        self.live.insert(label.clone());
+        (label, dropped)
     }
 }
 
 impl Default for TenantLabels {
     fn default() -> Self {
-        TenantLabels::new(TENANT_LABELS, TENANT_WINDOW, Instant::now())
+        TenantLabels::new(TENANT_LABELS, ADAPTER_LABELS, TENANT_WINDOW, Instant::now())
     }
 }
 
@@ -426,18 +495,25 @@ impl EngineMetrics {
     }
 
     /// Adds a finished request to its tenant's series; ends the series of `dropped` tenants.
-    pub fn record_tenant(&self, label: &TenantLabel, sample: &TenantSample, dropped: &[String]) {
-        for tenant in dropped {
-            let gone = TenantLabel { tenant: tenant.clone() };
-            self.tenant_queue.remove(&gone);
-            self.tenant_ttft.remove(&gone);
-            self.tenant_tpot.remove(&gone);
-            self.tenant_prompt_tokens.remove(&gone);
-            self.tenant_generation_tokens.remove(&gone);
-            self.tenant_preemptions.remove(&gone);
+    pub fn record_tenant(
+        &self,
+        label: &TenantLabel,
+        sample: &TenantSample,
+        dropped: &[TenantLabel],
+    ) {
+        for gone in dropped {
+            self.tenant_queue.remove(gone);
+            self.tenant_ttft.remove(gone);
+            self.tenant_tpot.remove(gone);
+            self.tenant_prompt_tokens.remove(gone);
+            self.tenant_generation_tokens.remove(gone);
+            self.tenant_preemptions.remove(gone);
             for reason in WaitReason::ALL {
-                let tenant = tenant.clone();
-                self.tenant_wait.remove(&TenantWaitLabel { tenant, reason: reason.as_str() });
+                self.tenant_wait.remove(&TenantWaitLabel {
+                    tenant: gone.tenant.clone(),
+                    adapter: gone.adapter.clone(),
+                    reason: reason.as_str(),
+                });
             }
         }
         if let Some(q) = sample.queue {
@@ -453,7 +529,11 @@ impl EngineMetrics {
         self.tenant_generation_tokens.get_or_create(label).inc_by(sample.generation_tokens);
         self.tenant_preemptions.get_or_create(label).inc_by(sample.preemptions);
         for (reason, seconds) in sample.waited.iter() {
-            let key = TenantWaitLabel { tenant: label.tenant.clone(), reason: reason.as_str() };
+            let key = TenantWaitLabel {
+                tenant: label.tenant.clone(),
+                adapter: label.adapter.clone(),
+                reason: reason.as_str(),
+            };
             self.tenant_wait.get_or_create(&key).inc_by(seconds);
         }
     }
@@ -481,9 +561,9 @@ mod tests {
     #[test]
     fn tenant_labels_stay_bounded_and_follow_the_busiest() {
         let t0 = Instant::now();
-        let mut l = TenantLabels::new(2, Duration::from_secs(60), t0);
+        let mut l = TenantLabels::new(2, 2, Duration::from_secs(60), t0);
         let name = |l: &mut TenantLabels, t: &str, at: u64| {
-            l.label(t, t0 + Duration::from_secs(at)).0.tenant
+            l.label(t, None, t0 + Duration::from_secs(at)).0.tenant
         };
         assert_eq!(name(&mut l, "a", 0), "a");
         assert_eq!(name(&mut l, "b", 1), "b");
@@ -494,9 +574,42 @@ mod tests {
         }
         // The next window names the busiest of the last one: c (6) and a (1, before b by
         // name at equal counts); b's series end.
-        let (label, dropped) = l.label("b", t0 + Duration::from_secs(61));
-        assert_eq!((label.tenant.as_str(), dropped), ("~other", vec!["b".to_string()]));
+        let (label, dropped) = l.label("b", None, t0 + Duration::from_secs(61));
+        let b = TenantLabel { tenant: "b".into(), adapter: "~base".into() };
+        assert_eq!((label.tenant.as_str(), dropped), ("~other", vec![b]));
         assert_eq!(name(&mut l, "c", 62), "c");
+    }
+
+    /// Adapters get names as tenants do, `~base` without one; a flood of distinct adapters
+    /// stays within the bound, and a window that names others ends the old pairs' series.
+    #[test]
+    fn adapter_labels_stay_bounded_too() {
+        let t0 = Instant::now();
+        let mut l = TenantLabels::new(2, 2, Duration::from_secs(60), t0);
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let pair = |l: TenantLabel| (l.tenant, l.adapter);
+        assert_eq!(pair(l.label("acme", None, at(0)).0), ("acme".into(), "~base".into()));
+        assert_eq!(
+            pair(l.label("acme", Some("acme/support"), at(1)).0),
+            ("acme".into(), "acme/support".into())
+        );
+        let mut seen = HashSet::new();
+        for i in 0..100 {
+            let (label, _) = l.label("acme", Some(&format!("acme/flood-{i}")), at(2));
+            seen.insert(label.adapter);
+        }
+        // acme/support and the first of the flood have names, everything after is ~other.
+        assert_eq!(seen.len(), 2, "{seen:?}");
+        assert!(seen.contains("~other") && seen.contains("acme/flood-0"), "{seen:?}");
+        for _ in 0..3 {
+            l.label("acme", Some("acme/busy"), at(3));
+        }
+        let (label, dropped) = l.label("acme", Some("acme/support"), at(70));
+        // The last window's busiest: acme/busy (3), then acme/flood-0... by count: support 1,
+        // flood-* 1 each; ties go by name, so acme/flood-0 comes before acme/support.
+        assert_eq!(label.adapter, "~other");
+        let dropped: Vec<String> = dropped.into_iter().map(|d| d.adapter).collect();
+        assert_eq!(dropped, vec!["acme/support".to_string()]);
     }
 
     #[test]
@@ -513,25 +626,29 @@ mod tests {
         };
         sample.waited.add(WaitReason::Arrival, 0.05);
         sample.waited.add(WaitReason::TpotLimit, 0.15);
-        m.record_tenant(&TenantLabel { tenant: "acme".into() }, &sample, &[]);
+        let acme = TenantLabel { tenant: "acme".into(), adapter: "acme/support".into() };
+        m.record_tenant(&acme, &sample, &[]);
         let text = m.encode();
         for (reason, seconds) in [("arrival", "0.05"), ("tpot_limit", "0.15")] {
             let line = format!(
-                "sluice_engine_tenant_queue_wait_seconds_total{{tenant=\"acme\",reason=\"{reason}\"}} {seconds}"
+                "sluice_engine_tenant_queue_wait_seconds_total{{tenant=\"acme\",adapter=\"acme/support\",reason=\"{reason}\"}} {seconds}"
             );
             assert!(text.contains(&line), "{line} in {text}");
         }
         assert!(!text.contains("reason=\"kv_cache\""), "reasons never waited for have no series");
         assert!(
-            text.contains("sluice_engine_tenant_prompt_tokens_total{tenant=\"acme\"} 12"),
+            text.contains(
+                "sluice_engine_tenant_prompt_tokens_total{tenant=\"acme\",adapter=\"acme/support\"} 12"
+            ),
             "{text}"
         );
         assert!(
             text.contains(
-                "sluice_engine_tenant_time_to_first_token_seconds_count{tenant=\"acme\"} 1"
+                "sluice_engine_tenant_time_to_first_token_seconds_count{tenant=\"acme\",adapter=\"acme/support\"} 1"
             )
         );
-        m.record_tenant(&TenantLabel { tenant: "~other".into() }, &sample, &["acme".into()]);
+        let other = TenantLabel { tenant: "~other".into(), adapter: "~base".into() };
+        m.record_tenant(&other, &sample, &[acme]);
         assert!(!m.encode().contains("tenant=\"acme\""));
     }
 }

@@ -81,7 +81,16 @@ pub struct ValidRequest {
     /// The grammar its output must follow (`response_format`), if any.
     pub grammar: Option<Arc<Grammar>>,
     /// The tenant adapter it runs under, if any; its revision joins its prefix-cache keys.
-    pub adapter: Option<Arc<LoraAdapter>>,
+    pub adapter: Option<RequestAdapter>,
+}
+
+/// A request's tenant adapter: its name, for the per-tenant metrics, and its weights.
+#[derive(Clone, Debug)]
+pub struct RequestAdapter {
+    /// `tenant/name`, as the request named it (the revision is the adapter's own).
+    pub name: String,
+    /// The loaded adapter.
+    pub adapter: Arc<LoraAdapter>,
 }
 
 /// Why a request ended.

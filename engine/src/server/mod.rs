@@ -37,6 +37,7 @@ use sluice_text::model::ModelText;
 use sluice_text::tokenizer::PROMPT_FIELD;
 
 use crate::defaults::SamplingDefaults;
+use crate::serve::RequestAdapter;
 use crate::serve::core::EngineStats;
 use crate::serve::handle::EngineHandle;
 use crate::server::adapters::AdapterSet;
@@ -350,7 +351,10 @@ async fn generate(
     // every other request go on meanwhile.
     let adapter = match (&ctx.adapter, &app.adapters) {
         (None, _) => None,
-        (Some(r), Some(set)) => Some(set.get(r).await?),
+        (Some(r), Some(set)) => Some(RequestAdapter {
+            name: format!("{}/{}", r.tenant, r.name),
+            adapter: set.get(r).await?,
+        }),
         (Some(r), None) => {
             return Err(ApiError::model_not_found(&format!("{}/{}", r.tenant, r.name)));
         }

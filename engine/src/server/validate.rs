@@ -9,9 +9,8 @@ use serde_json::Value;
 
 use crate::defaults::SamplingDefaults;
 use crate::loader::LoadedModel;
-use crate::lora::LoraAdapter;
 use crate::sampler::SamplingParams;
-use crate::serve::{CacheScope, ValidRequest};
+use crate::serve::{CacheScope, RequestAdapter, ValidRequest};
 use crate::server::context::RequestContext;
 use crate::server::error::ApiError;
 use crate::server::openai::{ChatFields, CompletionFields, GenerationParams, SamplingFields};
@@ -77,7 +76,7 @@ impl Plan {
     pub fn requests(
         &self,
         ctx: &RequestContext,
-        adapter: Option<&Arc<LoraAdapter>>,
+        adapter: Option<&RequestAdapter>,
     ) -> Vec<ValidRequest> {
         let scope = match &ctx.tenant {
             Some(t) => CacheScope::Tenant(t.clone()),
