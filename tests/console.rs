@@ -5,17 +5,28 @@
 //! ops creates tenants, issues and revokes keys, sets a quota and reads the audit log; an
 //! auditor filters records and downloads CSV and JSON Lines equal to `sluice audit records`;
 //! a tenant-admin cannot see another tenant; a billing token is refused the ops pages with a
-//! message. Screenshots of each view are written under the target's test directory and their
-//! paths printed.
+//! message; an adapter registered through the API (its two revisions checked and put in the
+//! engine's store here, as `sluice admin adapters register` does) is listed for ops and its
+//! tenant's admin, unseen by another tenant's until shared in the console, runs requests,
+//! is found by the records explorer's `adapter` filter and is retired in the console.
+//! Screenshots of each view are written under the target's test directory and their paths
+//! printed.
 
 #[path = "../engine/tests/common/mod.rs"]
 mod common;
 mod support;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{Context, ensure};
+use serde_json::{Value, json};
+use sluice_engine::fetch::sha256_files;
+use sluice_engine::model::gguf_config;
+use sluice_engine::quant::GgmlType;
+use sluice_engine::server::adapters::put_in_store;
+use sluice_engine::synth::SynthLora;
+use sluice_text::gguf::GgufFile;
 use support::{Proc, ScratchDatabase, random_hex, spawn_engine, spawn_sluice, wait_healthy};
 
 const INTERNAL_TOKEN: &str = "console-test-internal-token";
@@ -33,6 +44,31 @@ fn chromium() -> anyhow::Result<String> {
         .context("headless Chromium is needed (scripts/deps installs it)")
 }
 
+/// Two revisions of one synthetic adapter of `model`, checked against it and put in `store`
+/// as `sluice admin adapters register` does: the registration bodies (less the name) the
+/// browser steps send to the API, oldest first.
+fn stored_adapter_revisions(model: &Path, store: &Path, work: &Path) -> anyhow::Result<Value> {
+    let base = gguf_config(&GgufFile::open(model)?)?;
+    let base_revision = format!("sha256:{}", sha256_files(&[model.to_path_buf()], &|_| ())?);
+    let mut bodies = Vec::new();
+    for seed in [41u64, 42] {
+        let src = work.join(format!("lora-{seed}"));
+        SynthLora::new(seed).write_peft(&base, GgmlType::F32, &src)?;
+        let a = put_in_store(&src, &base, store)?;
+        let targets: Vec<&str> = a.targets().iter().map(|t| t.peft_name()).collect();
+        bodies.push(json!({
+            "revision": a.revision,
+            "base_model": MODEL_ID,
+            "base_revision": base_revision,
+            "rank": a.rank,
+            "targets": targets,
+            "bytes": a.memory_bytes(),
+        }));
+    }
+    ensure!(bodies[0]["revision"] != bodies[1]["revision"], "two seeds gave one revision");
+    Ok(Value::Array(bodies))
+}
+
 /// Billing, an engine and a gateway on `database_url`, then the browser steps.
 async fn console_flow(database_url: &str, backend: &str) -> anyhow::Result<()> {
     // Playwright for Python; the system Chromium is used, so no browser is downloaded.
@@ -45,8 +81,13 @@ async fn console_flow(database_url: &str, backend: &str) -> anyhow::Result<()> {
         &jwt,
     )?;
     let model = common::default_model()?;
+    let work = tempfile::tempdir()?;
+    let store = work.path().join("adapters");
+    let adapters = stored_adapter_revisions(&model, &store, work.path())?;
+    let store = store.to_str().context("utf-8 store path")?;
     let model = model.to_str().context("utf-8 model path")?;
-    let (_engine, engine) = spawn_engine(model, INTERNAL_TOKEN, "64", &[], None)?;
+    let (_engine, engine) =
+        spawn_engine(model, INTERNAL_TOKEN, "64", &[("SLUICE_ADAPTER_STORE", store)], None)?;
     let listen = format!("127.0.0.1:{}", support::free_port()?);
     let (_gateway, gateway): (Proc, String) = spawn_sluice(
         &["gateway", "--plain-http", "--listen", &listen, "--engine", &engine]
@@ -74,6 +115,7 @@ async fn console_flow(database_url: &str, backend: &str) -> anyhow::Result<()> {
             .env("SHOTS", &shots)
             .env("TAG", random_hex(3)?)
             .env("MODEL_ID", MODEL_ID)
+            .env("ADAPTER_REVISIONS", adapters.to_string())
             .output()
             .context("running python3")
     })?;
@@ -89,6 +131,8 @@ async fn console_flow(database_url: &str, backend: &str) -> anyhow::Result<()> {
     for view in ["ops-tenants", "ops-quota", "ops-audit-log", "auditor-records", "tenant-admin"]
         .into_iter()
         .chain(["billing-denied-ops", "billing-dashboard", "ops-tenants-dark"])
+        .chain(["ops-adapters", "tenant-admin-shared-adapter", "auditor-records-adapter"])
+        .chain(["ops-adapters-retired"])
     {
         let png = shots.join(format!("{view}.png"));
         let len = std::fs::metadata(&png).with_context(|| png.display().to_string())?.len();

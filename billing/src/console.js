@@ -16,11 +16,15 @@
   ];
   const RECORD_FILTERS = [
     ['tenant', 'Tenant'], ['key', 'Key id'], ['model', 'Model'], ['model_revision', 'Model revision'],
-    ['finish_reason', 'Finish reason'], ['status', 'HTTP status'], ['since', 'Since'], ['until', 'Until'],
+    ['finish_reason', 'Finish reason'], ['status', 'HTTP status'], ['adapter', 'Adapter'], ['since', 'Since'], ['until', 'Until'],
   ];
+  const RECORD_PLACEHOLDERS = {
+    since: '24h, 2026-12-01 or RFC 3339', until: '24h, 2026-12-01 or RFC 3339',
+    adapter: 'tenant/name or tenant/name@sha256:…',
+  };
   const RECORD_COLUMNS = [
     ['arrival_at', 'Arrival (UTC)'], ['request_id', 'Request'], ['tenant_id', 'Tenant'], ['model_id', 'Model'],
-    ['finish_reason', 'Finish'], ['http_status', 'Status'], ['prompt_tokens', 'Prompt', 'num'],
+    ['adapter', 'Adapter'], ['finish_reason', 'Finish'], ['http_status', 'Status'], ['prompt_tokens', 'Prompt', 'num'],
     ['completion_tokens', 'Output', 'num'], ['cost_micros', 'Cost (µ$)', 'num'], ['ttft_ms', 'TTFT ms', 'num'],
   ];
 
@@ -41,6 +45,13 @@
     return node;
   }
   const shown = (v) => (v === null || v === undefined || v === '' ? '–' : String(v));
+  /** `sha256:` and its first 12 hex digits: enough to tell revisions apart in a table. */
+  const shortRevision = (r) => (/^sha256:[0-9a-f]{13,}$/.test(r) ? `${r.slice(0, 19)}…` : r);
+  /** `tenant/name@sha256:…` with its revision shortened. */
+  const shortAdapter = (id) => {
+    const at = id.indexOf('@');
+    return at < 0 ? id : `${id.slice(0, at + 1)}${shortRevision(id.slice(at + 1))}`;
+  };
   const card = (title, ...children) => el('section', { class: 'card' }, el('h2', { text: title }), ...children);
   function table(testid, heads, rows) {
     return el('div', { class: 'table-scroll' }, el('table', { 'data-testid': testid },
@@ -76,10 +87,12 @@
     };
     showError(titles[e.status] || `The billing service answered ${e.status}`, e.message);
     if (form && e.param) {
-      const slot = form.querySelector(`[data-error-for="${CSS.escape(e.param)}"]`);
+      // An item of a list (`shared_with[1]`) is shown beside the list's field.
+      const slot = [...new Set([e.param, e.param.replace(/\[\d+\].*$/, '')])]
+        .map((p) => form.querySelector(`[data-error-for="${CSS.escape(p)}"]`)).find(Boolean);
       if (slot) {
         slot.textContent = e.message;
-        const input = form.querySelector(`[name="${CSS.escape(e.param)}"]`);
+        const input = form.querySelector(`[name="${CSS.escape(slot.dataset.errorFor)}"]`);
         if (input) { input.setAttribute('aria-invalid', 'true'); input.focus(); }
       }
     }
@@ -268,12 +281,13 @@
   async function tenantView(id) {
     if (!id) throw new ApiError(404, 'no tenant named');
     const ops = me.role === 'ops';
-    const [tenant, keys, quota] = await Promise.all([
+    const [tenant, keys, quota, adapters] = await Promise.all([
       api('GET', `/v1/tenants/${encodeURIComponent(id)}`),
       api('GET', `/v1/tenants/${encodeURIComponent(id)}/keys`),
       api('GET', `/v1/tenants/${encodeURIComponent(id)}/quota`),
+      api('GET', `/v1/tenants/${encodeURIComponent(id)}/adapters`),
     ]);
-    const out = [summaryCard(tenant, ops), keysCard(tenant, keys.data), quotaCard(tenant, quota, ops)];
+    const out = [summaryCard(tenant, ops), keysCard(tenant, keys.data), quotaCard(tenant, quota, ops), adaptersCard(tenant, adapters.data)];
     if (me.role === 'tenant-admin') out.push(await usageCard(tenant.id));
     return out;
   }
@@ -443,6 +457,68 @@
     return card('Quota', ...body);
   }
 
+  /**
+   * The tenant's adapters (every revision, newest first within a name) and those other tenants
+   * share with it; its own can be shared and retired here. Registration is the CLI's: it checks
+   * the files against the base model and stores them where the engines read them.
+   */
+  function adaptersCard(t, adapters) {
+    const tid = encodeURIComponent(t.id);
+    const rows = adapters.map((a) => {
+      const own = a.tenant_id === t.id;
+      const ref = `${a.tenant_id}/${a.name}`;
+      const retire = own && a.status === 'active' ? el('button', {
+        type: 'button', text: 'Retire', 'data-testid': 'retire-revision', 'aria-label': `Retire revision ${shortRevision(a.revision)} of ${ref}`,
+        onclick: () => change(null, 'Retire adapter revision',
+          `Retire revision ${a.revision} of ${ref}? Running requests finish; new ones naming it are refused, and ${ref} alone runs the newest revision still active.`,
+          'POST', `/v1/tenants/${tid}/adapters/${encodeURIComponent(a.name)}/retire`, { revision: a.revision },
+          `Revision ${shortRevision(a.revision)} of ${ref} retired.`),
+      }) : null;
+      return el('tr', { 'data-adapter': ref, 'data-revision': a.revision, 'data-status': a.status, 'data-shared-by': own ? null : a.tenant_id },
+        el('td', { class: 'mono', text: ref }),
+        el('td', { class: 'mono', title: a.revision, text: shortRevision(a.revision) }),
+        el('td', { 'data-field': 'base-model', text: a.base_model }), el('td', { class: 'num', 'data-field': 'rank', text: a.rank }),
+        el('td', { class: `status-${a.status}`, 'data-field': 'status', text: a.status }),
+        el('td', { text: a.created_at }),
+        el('td', { 'data-field': 'shared-with', text: own ? shown(a.shared_with.join(', ')) : '–' }),
+        el('td', { 'data-field': 'source', text: own ? 'own' : `shared by ${a.tenant_id}` }),
+        el('td', {}, retire));
+    });
+    const names = [...new Set(adapters.filter((a) => a.tenant_id === t.id).map((a) => a.name))];
+    const forms = names.map((name) => {
+      const revisions = adapters.filter((a) => a.tenant_id === t.id && a.name === name);
+      const ref = `${t.id}/${name}`;
+      const path = `/v1/tenants/${tid}/adapters/${encodeURIComponent(name)}`;
+      const form = el('form', { class: 'row', 'data-testid': 'adapter-sharing', 'data-adapter': ref, novalidate: true },
+        field(`Tenants that may use ${ref} (comma separated; empty: only ${t.id})`,
+          el('input', { name: 'shared_with', value: revisions[0].shared_with.join(', '), autocomplete: 'off' }), 'shared_with'),
+        el('button', { type: 'submit', text: 'Save sharing' }),
+        revisions.some((a) => a.status === 'active') ? el('button', {
+          type: 'button', text: 'Retire every revision', 'data-testid': 'retire-adapter', 'aria-label': `Retire every revision of ${ref}`,
+          onclick: () => change(form, 'Retire adapter', `Retire every active revision of ${ref}? Running requests finish; new ones naming it are refused.`,
+            'POST', `${path}/retire`, {}, `Every revision of ${ref} retired.`),
+        }) : null);
+      form.addEventListener('submit', (ev) => {
+        ev.preventDefault();
+        const others = form.elements.shared_with.value.split(',').map((s) => s.trim()).filter(Boolean);
+        change(form, `Share ${ref}`,
+          others.length ? `Let ${others.join(', ')} use ${ref} (every revision), and no other tenant?` : `Stop sharing ${ref}: only ${t.id} may use it?`,
+          'PUT', `${path}/sharing`, { shared_with: others },
+          others.length ? `${ref} is shared with ${others.join(', ')}.` : `${ref} is no longer shared.`);
+      });
+      return form;
+    });
+    return card(`Adapters (${adapters.length})`,
+      el('p', { class: 'note', 'data-testid': 'adapter-register-note' },
+        'Registering a revision checks its files against the base model and puts them in the engines\' store, so it is done with ',
+        el('code', { text: `sluice admin adapters register ${t.id} NAME --path DIR --model MODEL` }),
+        '. Requests name an adapter as tenant/name (its newest active revision) or tenant/name@revision.'),
+      adapters.length
+        ? table('adapters', [['Adapter'], ['Revision'], ['Base model'], ['Rank', 'num'], ['Status'], ['Registered (UTC)'], ['Shared with'], ['Source'], ['']], rows)
+        : el('p', { class: 'note', 'data-testid': 'no-adapters', text: 'No adapters of this tenant or shared with it.' }),
+      forms.length ? el('h3', { text: 'Sharing and retirement' }) : null, forms);
+  }
+
   async function usageCard(tenant) {
     const u = await api('GET', '/v1/usage', { query: { tenant, period: 'day', since: '30d' } });
     const rows = u.data.map((r) => el('tr', {},
@@ -471,7 +547,7 @@
     form.append(reasons, el('div', { class: 'row' },
       RECORD_FILTERS.map(([f, label]) => field(label, el('input', {
         name: f, value: params.get(f) || '', autocomplete: 'off', list: f === 'finish_reason' ? 'finish-reasons' : null,
-        placeholder: f === 'since' || f === 'until' ? '24h, 2026-12-01 or RFC 3339' : null,
+        placeholder: RECORD_PLACEHOLDERS[f] || null,
       }), f)),
       field('Per page', el('select', { name: 'limit' }, sizes.map((n) => el('option', { value: n, text: n, selected: n === size })))),
       el('button', { class: 'primary', type: 'submit', text: 'Apply filters' }),
@@ -496,7 +572,9 @@
       el('p', { class: 'note', text: 'Choose a record to see its whole row.' }));
     const rows = page.records.map((r) => {
       const tr = el('tr', { class: 'pick', tabindex: 0, 'data-request': r.request_id },
-        RECORD_COLUMNS.map(([f, , cls]) => el('td', { class: cls || (f === 'request_id' ? 'mono' : null), text: shown(r[f]) })));
+        RECORD_COLUMNS.map(([f, , cls]) => (f === 'adapter' && r[f]
+          ? el('td', { class: 'mono', title: r[f], 'data-adapter': r[f], text: shortAdapter(r[f]) })
+          : el('td', { class: cls || (f === 'request_id' ? 'mono' : null), text: shown(r[f]) }))));
       const pick = () => {
         for (const o of rows) o.removeAttribute('aria-selected');
         tr.setAttribute('aria-selected', 'true');
@@ -618,7 +696,7 @@
     };
     try { await add(''); } catch (e) { report(e, form); return [card('Filters', form)]; }
     return [card('Filters', form), card('Admin audit log',
-      el('p', { class: 'note', text: 'Every change to tenants, keys and quotas, oldest first, with what it changed.' }),
+      el('p', { class: 'note', text: 'Every change to tenants, keys, quotas and adapters, oldest first, with what it changed.' }),
       el('div', { class: 'table-scroll' }, el('table', { 'data-testid': 'audit-log' },
         el('thead', {}, el('tr', {}, ['When (UTC)', 'Actor', 'Role', 'Action', 'Target', 'Changes'].map((h) => el('th', { scope: 'col', text: h })))),
         tbody)), el('p', {}, more))];

@@ -6,6 +6,8 @@ tests/console.rs starts the processes and runs this with:
   GATEWAY_URL  a gateway reading the same database
   SLUICE_BIN   the sluice binary (tokens, links and `sluice audit records`)
   SLUICE_JWT_SECRET, CHROMIUM, SHOTS (where screenshots go), TAG (unique ids), MODEL_ID
+  ADAPTER_REVISIONS  registration bodies (less the name) of two revisions of one adapter,
+                     oldest first, already checked and put in the engine's store
 Each step asserts what a user would see; a failure exits non-zero naming the step.
 """
 
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from playwright.sync_api import expect, sync_playwright
@@ -27,6 +30,7 @@ TAG = os.environ["TAG"]
 MODEL = os.environ["MODEL_ID"]
 ACME = f"acme-{TAG}"
 GLOBEX = f"globex-{TAG}"
+ADAPTER_REVISIONS = json.loads(os.environ["ADAPTER_REVISIONS"])
 ARGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
         "--disable-component-update", "--disable-sync"]
 
@@ -346,6 +350,163 @@ def billing_flow(browser):
     ctx.close()
 
 
+def adapter_rows(page, ref):
+    return page.locator(f'[data-testid=adapters] tbody tr[data-adapter="{ref}"]')
+
+
+def hash_query(page):
+    """The console's filters as its URL's fragment holds them."""
+    fragment = urllib.parse.urlsplit(page.url).fragment
+    return urllib.parse.parse_qs(fragment.partition("?")[2])
+
+
+def adapter_flow(browser):
+    """Globex's adapter `support`, two revisions registered through the API as `sluice admin
+    adapters register` does: listed for ops and Globex's admin, unseen by Acme's until Globex's
+    admin shares it in the console, run through the gateway, found by the records explorer's
+    adapter filter, and retired in the console, one revision and then the name."""
+    ops = token("ops")
+    ref = f"{GLOBEX}/support"
+    old, new = (r["revision"] for r in ADAPTER_REVISIONS)
+    for body in ADAPTER_REVISIONS:
+        status, got = http("POST", f"{URL}/v1/tenants/{GLOBEX}/adapters", ops, {"name": "support", **body})
+        assert status == 201 and got["status"] == "active", (status, got)
+
+    # Requests on it: the name alone runs the newest revision, a pinned one its own; and one
+    # on the bare model, which the adapter filter must leave out.
+    status, key = http("POST", f"{URL}/v1/tenants/{GLOBEX}/keys", ops, {})
+    assert status == 201, (status, key)
+    for model in [ref, ref, f"{ref}@{old}", MODEL]:
+        status, body = http("POST", f"{GATEWAY}/v1/completions", key["secret"],
+                            {"model": model, "prompt": "Say hi.", "max_tokens": 2})
+        assert status == 200, f"{model}: {status} {body}"
+
+    # Ops: both revisions, the revision shortened with the whole one in its title.
+    ctx = context(browser)
+    page = ctx.new_page()
+    page.goto(link("ops"))
+    expect(page.get_by_test_id("who")).to_contain_text("ops")
+    page.goto(f"{URL}/console#/tenant/{GLOBEX}")
+    rows = adapter_rows(page, ref)
+    expect(rows).to_have_count(2)
+    for spec in ADAPTER_REVISIONS:
+        rev = spec["revision"]
+        row = page.locator(f'[data-testid=adapters] tbody tr[data-revision="{rev}"]')
+        expect(row.locator(f'td[title="{rev}"]')).to_have_text(rev[:19] + "…")
+        expect(row.locator("[data-field=status]")).to_have_text("active")
+        expect(row.locator("[data-field=source]")).to_have_text("own")
+        expect(row.locator("[data-field=shared-with]")).to_have_text("–")
+        expect(row.locator("[data-field=base-model]")).to_have_text(spec["base_model"])
+        expect(row.locator("[data-field=rank]")).to_have_text(str(spec["rank"]))
+    expect(page.get_by_test_id("adapter-register-note")).to_contain_text(
+        f"sluice admin adapters register {GLOBEX}")
+    shot(page, "ops-adapters")
+
+    # Acme's admin sees none of Globex's, in the console or from the API.
+    actx = context(browser)
+    acme = actx.new_page()
+    acme.goto(link("tenant-admin", ACME))
+    expect(acme.get_by_test_id("who")).to_contain_text(ACME)
+    expect(acme.get_by_test_id("no-adapters")).to_be_visible()
+    expect(acme.locator(f'[data-adapter="{ref}"]')).to_have_count(0)
+    acme_admin = token("tenant-admin", ACME)
+    status, body = http("GET", f"{URL}/v1/tenants/{ACME}/adapters", acme_admin)
+    assert status == 200 and body["data"] == [], (status, body)
+    status, body = http("GET", f"{URL}/v1/tenants/{GLOBEX}/adapters", acme_admin)
+    assert status == 403, (status, body)
+
+    # Globex's admin sees its own and shares it; naming itself is refused beside the field.
+    gctx = context(browser)
+    globex = gctx.new_page()
+    globex.goto(link("tenant-admin", GLOBEX))
+    expect(globex.get_by_test_id("who")).to_contain_text(GLOBEX)
+    expect(adapter_rows(globex, ref)).to_have_count(2)
+    form = globex.locator(f'[data-testid=adapter-sharing][data-adapter="{ref}"]')
+    form.locator("input[name=shared_with]").fill(GLOBEX)
+    form.get_by_role("button", name="Save sharing").click()
+    confirm(globex)
+    expect(globex.get_by_test_id("error")).to_contain_text("400")
+    expect(form.locator('[data-error-for="shared_with"]')).to_contain_text("its own tenant's already")
+    form.locator("input[name=shared_with]").fill(f" {ACME} ")
+    form.get_by_role("button", name="Save sharing").click()
+    confirm(globex)
+    expect(globex.get_by_test_id("notice")).to_contain_text(f"{ref} is shared with {ACME}")
+    expect(adapter_rows(globex, ref).locator("[data-field=shared-with]")).to_have_text([ACME, ACME])
+    gctx.close()
+
+    # Now Acme's admin sees it, as shared by Globex, with nothing to change.
+    acme.reload()
+    shared = adapter_rows(acme, ref)
+    expect(shared).to_have_count(2)
+    expect(shared.locator("[data-field=source]")).to_have_text([f"shared by {GLOBEX}"] * 2)
+    expect(shared.first).to_have_attribute("data-shared-by", GLOBEX)
+    expect(shared.get_by_role("button")).to_have_count(0)
+    expect(acme.get_by_test_id("adapter-sharing")).to_have_count(0)
+    shot(acme, "tenant-admin-shared-adapter")
+
+    # The records explorer's adapter filter, kept in the URL: one revision exactly, or every
+    # revision of the name; never the bare request, nor a name's prefix.
+    auditor = token("auditor")
+    records = wait_records(auditor, GLOBEX, 4)
+    assert sorted(str(r["adapter"]) for r in records) == sorted(
+        [f"{ref}@{new}", f"{ref}@{new}", f"{ref}@{old}", "None"]), [r["adapter"] for r in records]
+    rctx = context(browser)
+    rec = rctx.new_page()
+    rec.goto(link("auditor"))
+    expect(rec.get_by_test_id("who")).to_contain_text("auditor")
+    filters = rec.get_by_test_id("record-filters")
+    rows = rec.locator("[data-testid=records] tbody tr")
+    for adapter, want in [(f"{ref}@{old}", [old]), (ref, [new, new, old]), ("", [])]:
+        filters.get_by_label("Tenant").fill(GLOBEX)
+        filters.get_by_label("Adapter", exact=True).fill(adapter)
+        filters.get_by_role("button", name="Apply filters").click()
+        expect(rows).to_have_count(len(want) or 4)
+        assert hash_query(rec).get("adapter") == ([adapter] if adapter else None), rec.url
+        cells = rec.locator("[data-testid=records] tbody td[data-adapter]")
+        expect(cells).to_have_count(len(want) if adapter else 3)
+        if adapter:
+            got = sorted(c.split("@")[1] for c in cells.evaluate_all("cs => cs.map((c) => c.dataset.adapter)"))
+            assert got == sorted(want), (adapter, got)
+        if adapter == f"{ref}@{old}":
+            shot(rec, "auditor-records-adapter")
+    rec.goto(f"{URL}/console#/records?" + urllib.parse.urlencode({"adapter": ref[:-1]}))
+    expect(filters.get_by_label("Adapter", exact=True)).to_have_value(ref[:-1])
+    expect(rows).to_have_count(0)
+    rctx.close()
+
+    # Retired in the console: the newest revision (the name rolls back to the older), then
+    # the name; Acme's admin sees it retired too.
+    page.reload()
+    newest = page.locator(f'[data-testid=adapters] tbody tr[data-revision="{new}"]')
+    newest.get_by_role("button", name="Retire").click()
+    page.get_by_test_id("confirm").get_by_role("button", name="Cancel").click()
+    expect(newest.locator("[data-field=status]")).to_have_text("active")
+    newest.get_by_role("button", name="Retire").click()
+    confirm(page)
+    expect(page.get_by_test_id("notice")).to_contain_text("retired")
+    expect(newest.locator("[data-field=status]")).to_have_text("retired")
+    expect(newest.get_by_role("button")).to_have_count(0)
+    older = page.locator(f'[data-testid=adapters] tbody tr[data-revision="{old}"]')
+    expect(older.locator("[data-field=status]")).to_have_text("active")
+    page.get_by_test_id("retire-adapter").click()
+    confirm(page)
+    expect(page.get_by_test_id("notice")).to_contain_text(f"Every revision of {ref} retired")
+    expect(adapter_rows(page, ref).locator("[data-field=status]")).to_have_text(["retired", "retired"])
+    expect(page.get_by_test_id("retire-adapter")).to_have_count(0)
+    shot(page, "ops-adapters-retired")
+    acme.reload()
+    expect(adapter_rows(acme, ref).locator("[data-field=status]")).to_have_text(["retired", "retired"])
+    actx.close()
+    status, log = http("GET", f"{URL}/v1/audit-log?limit=1000", ops)
+    assert status == 200, (status, log)
+    actions = [(e["action"], e["target"]) for e in log["data"] if e["target"].startswith(f"adapter:{ref}")]
+    for want in [("adapter.register", f"adapter:{ref}@{old}"), ("adapter.register", f"adapter:{ref}@{new}"),
+                 ("adapter.share", f"adapter:{ref}"), ("adapter.retire", f"adapter:{ref}@{new}"),
+                 ("adapter.retire", f"adapter:{ref}@{old}")]:
+        assert want in actions, (want, actions)
+    ctx.close()
+
+
 def sign_in_and_themes(browser):
     for scheme in ["light", "dark"]:
         ctx = context(browser, color_scheme=scheme)
@@ -378,6 +539,7 @@ def main():
             auditor_flow(browser)
             tenant_admin_flow(browser, secret)
             billing_flow(browser)
+            adapter_flow(browser)
             sign_in_and_themes(browser)
         finally:
             browser.close()
