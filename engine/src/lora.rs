@@ -415,12 +415,8 @@ impl LoraAdapter {
                 "scale {scale} (alpha over rank) is outside (0, {MAX_SCALE}]"
             )));
         }
-        let mut hasher = Sha256::new();
-        hasher.update(b"sluice-lora-v1\n");
-        hasher.update(scale.to_le_bytes());
-        let mut layers = Vec::with_capacity(raw.len());
-        for (li, layer) in raw.into_iter().enumerate() {
-            let mut pairs: [Option<LoraPair>; 7] = Default::default();
+        // Every check first, so nothing is hashed or converted for a file that fails one.
+        for layer in &raw {
             for (target, p) in Target::ALL.into_iter().zip(layer) {
                 let Some(p) = p else { continue };
                 let (input, output) = target.dims(base);
@@ -455,27 +451,59 @@ impl LoraAdapter {
                         return Err(fail(format!("tensor {name}: element {i} is {}", v[i])));
                     }
                 }
-                hasher.update(format!("{li} {} {r} {input} {output}\n", target.peft_name()));
-                hash_f32(&mut hasher, &p.a);
-                hash_f32(&mut hasher, &p.b);
-                // The base's own row order for Q and K.
-                let b = match (base.rope_style, target.rope_heads(base)) {
-                    (RopeStyle::Interleaved, Some(heads)) => {
-                        permute_for_interleaved_rope(&p.b, heads, r)
-                    }
-                    _ => p.b,
-                };
-                let mut bt = vec![0f32; r * output];
-                for (o, row) in b.chunks_exact(r).enumerate() {
-                    for (k, &x) in row.iter().enumerate() {
-                        bt[k * output + o] = x;
-                    }
-                }
-                pairs[target.index()] = Some(LoraPair::new(&p.a, &bt, r, scale));
             }
-            layers.push(pairs);
         }
-        let digest: [u8; 32] = hasher.finalize().into();
+        // The revision is hashed on a thread of its own while the updates are converted
+        // (half of a cold load each).
+        let hash = |raw: &[[Option<RawPair>; 7]]| -> [u8; 32] {
+            let mut hasher = Sha256::new();
+            hasher.update(b"sluice-lora-v1\n");
+            hasher.update(scale.to_le_bytes());
+            for (li, layer) in raw.iter().enumerate() {
+                for (target, p) in Target::ALL.into_iter().zip(layer) {
+                    let Some(p) = p else { continue };
+                    let (input, output) = target.dims(base);
+                    hasher.update(format!("{li} {} {rank} {input} {output}\n", target.peft_name()));
+                    hash_f32(&mut hasher, &p.a);
+                    hash_f32(&mut hasher, &p.b);
+                }
+            }
+            hasher.finalize().into()
+        };
+        let convert = |raw: &[[Option<RawPair>; 7]]| -> Vec<[Option<LoraPair>; 7]> {
+            let mut layers = Vec::with_capacity(raw.len());
+            for layer in raw {
+                let mut pairs: [Option<LoraPair>; 7] = Default::default();
+                for (target, p) in Target::ALL.into_iter().zip(layer) {
+                    let Some(p) = p else { continue };
+                    let output = target.dims(base).1;
+                    // The base's own row order for Q and K.
+                    let permuted = match (base.rope_style, target.rope_heads(base)) {
+                        (RopeStyle::Interleaved, Some(heads)) => {
+                            Some(permute_for_interleaved_rope(&p.b, heads, rank))
+                        }
+                        _ => None,
+                    };
+                    let b = permuted.as_deref().unwrap_or(&p.b);
+                    let mut bt = vec![0f32; rank * output];
+                    for (o, row) in b.chunks_exact(rank).enumerate() {
+                        for (k, &x) in row.iter().enumerate() {
+                            bt[k * output + o] = x;
+                        }
+                    }
+                    pairs[target.index()] = Some(LoraPair::new(&p.a, &bt, rank, scale));
+                }
+                layers.push(pairs);
+            }
+            layers
+        };
+        let (digest, layers) = std::thread::scope(|s| {
+            let hashing = s.spawn(|| hash(&raw));
+            let layers = convert(&raw);
+            // A panic in the hash (there is none to expect) is the caller's, as it was inline.
+            let digest = hashing.join().unwrap_or_else(|e| std::panic::resume_unwind(e));
+            (digest, layers)
+        });
         let revision =
             format!("sha256:{}", digest.iter().map(|b| format!("{b:02x}")).collect::<String>());
         let dims = Target::ALL.map(|t| t.dims(base));
