@@ -648,9 +648,10 @@ pub fn bench_engine(
                 let grammar = grammar.clone();
                 // Streams spread over the adapters and the bare base in turn: stream 0 on the
                 // first adapter, stream `adapters.len()` on the base.
-                let adapter = adapters.get(c % (adapters.len() + 1)).map(|a| {
-                    let name = format!("bench/adapter-{}", c % (adapters.len() + 1));
-                    crate::serve::RequestAdapter { name, adapter: std::sync::Arc::clone(a) }
+                let slot = c % (adapters.len() + 1);
+                let adapter = adapters.get(slot).map(|a| crate::serve::RequestAdapter {
+                    name: format!("bench/adapter-{slot}"),
+                    adapter: std::sync::Arc::clone(a),
                 });
                 s.spawn(move || -> Result<Vec<(f64, f64, usize)>> {
                     let mut out = Vec::new();

@@ -13,7 +13,7 @@ use half::f16;
 use crate::cpu::adapter::AdapterRows;
 use crate::cpu::attention::{Kernels, KvElem, LayerKv, Row, Shape, attention};
 use crate::cpu::matmul::{
-    Isa, MatmulScratch, PackedWeight, detect_isa, dot_f32, matmul, matmul_many, matmul_many_with,
+    Isa, MatmulScratch, PackedWeight, RegionWork, detect_isa, dot_f32, matmul, matmul_many_with,
 };
 use crate::cpu::pool::{SharedOut, ThreadPool, split_range};
 use crate::cpu::vmath::{Gate, gated};
@@ -449,13 +449,7 @@ impl Runner {
         x: &[f32],
         outs: [&mut Vec<f32>; N],
     ) {
-        let t = x.len() / ws[0].cols;
-        let mut slices: Vec<&mut [f32]> = Vec::with_capacity(N);
-        for (w, o) in ws.iter().zip(outs) {
-            o.resize(t * w.rows, 0.0);
-            slices.push(o.as_mut_slice());
-        }
-        matmul_many(&self.pool, self.isa, ws, x, &mut slices, &mut self.scratch);
+        self.mm_with(ws, x, outs, None);
     }
 
     /// [`Runner::mm_many`] of the projections `targets` of `layer`, each adapted row then
@@ -474,19 +468,31 @@ impl Runner {
         let Some(plan) = lora.plan(c, layer, &targets, self.pool.threads()) else {
             return self.mm_many(ws, x, outs);
         };
+        // Every element the plan reads is written first, in the same region: no zeroing.
+        self.lora_u.resize(plan.u_len(), 0.0);
+        // SAFETY: `x` holds the rows the plan was made for, `lora_u` its u_len floats and is
+        // not touched until the region is over, and `matmul_many_with` runs both halves on
+        // every thread of the pool the plan was made for, at once.
+        let work = unsafe { plan.work(self.isa, x, SharedOut(self.lora_u.as_mut_ptr())) };
+        self.mm_with(ws, x, outs, Some(&work));
+    }
+
+    /// The products of `ws` into `outs` (each sized to its rows first), with `extra` in their
+    /// region.
+    fn mm_with<const N: usize>(
+        &mut self,
+        ws: &[&PackedWeight; N],
+        x: &[f32],
+        outs: [&mut Vec<f32>; N],
+        extra: Option<&dyn RegionWork>,
+    ) {
         let t = x.len() / ws[0].cols;
         let mut slices: Vec<&mut [f32]> = Vec::with_capacity(N);
         for (w, o) in ws.iter().zip(outs) {
             o.resize(t * w.rows, 0.0);
             slices.push(o.as_mut_slice());
         }
-        // Every element the plan reads is written first, in the same region: no zeroing.
-        self.lora_u.resize(plan.u_len(), 0.0);
-        // SAFETY: `x` holds the t rows the plan was made for, `lora_u` its u_len floats and
-        // is not touched until the region is over, and `matmul_many_with` runs both halves
-        // on every thread of the pool the plan was made for, at once.
-        let work = unsafe { plan.work(self.isa, x, SharedOut(self.lora_u.as_mut_ptr())) };
-        matmul_many_with(&self.pool, self.isa, ws, x, &mut slices, &mut self.scratch, Some(&work));
+        matmul_many_with(&self.pool, self.isa, ws, x, &mut slices, &mut self.scratch, extra);
     }
 
     /// Runs the batch and returns the wanted logits, `vocab` floats per wanted token, in

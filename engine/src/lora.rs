@@ -96,7 +96,8 @@ impl Target {
         }
     }
 
-    fn index(self) -> usize {
+    /// Its place in [`Target::ALL`].
+    pub(crate) fn index(self) -> usize {
         self as usize
     }
 

@@ -103,7 +103,7 @@ impl<'a> AdapterRows<'a> {
             let pair = adapter.pair(layer, targets[slot])?;
             updates.push(Update { pair, slot, rows, input, output, u_at });
         }
-        Some(UpdatePlan { updates, cut, threads, shrunk: AtomicUsize::new(0) })
+        Some(UpdatePlan { updates, cut, shrunk: AtomicUsize::new(0) })
     }
 
     /// Cuts the shrinking half of the updates `present` says (group-major over `targets`)
@@ -196,7 +196,6 @@ struct Update<'a> {
 pub struct UpdatePlan<'a> {
     updates: Vec<Update<'a>>,
     cut: Arc<Cut>,
-    threads: usize,
     /// Threads done with the shrinking half.
     shrunk: AtomicUsize,
 }
@@ -271,7 +270,8 @@ impl RegionWork for PlanWork<'_> {
     fn after(&self, i: usize, outs: &[SharedOut]) {
         let plan = self.plan;
         let mut spins = 0u32;
-        while plan.shrunk.load(Ordering::Acquire) < plan.threads {
+        let threads = plan.cut.starts.len() - 1;
+        while plan.shrunk.load(Ordering::Acquire) < threads {
             // Another thread's `u` is late (rare: its share of the products came between).
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(256) {
@@ -281,7 +281,7 @@ impl RegionWork for PlanWork<'_> {
             }
         }
         for up in &plan.updates {
-            let cols = product_rows(up.output, plan.threads, i);
+            let cols = product_rows(up.output, threads, i);
             if cols.is_empty() {
                 continue;
             }

@@ -1801,10 +1801,10 @@ impl CudaRunner {
                 )));
             }
             for layer in 0..c.layers {
-                for (t, &target) in Target::ALL.iter().enumerate() {
+                for target in Target::ALL {
                     let Some(p) = a.pair(layer, target) else { continue };
                     let (input, output) = target.dims(c);
-                    let at = s * pairs + layer * Target::ALL.len() + t;
+                    let at = s * pairs + layer * Target::ALL.len() + target.index();
                     a_off[at] = arena.len() as i64;
                     for k in 0..p.rank {
                         arena.extend((0..input).map(|i| f(p.a[a_index(input, k, i)])));
@@ -1856,8 +1856,7 @@ impl CudaRunner {
             if col + output > width {
                 return Err(run_err("an adapter update outside its output rows"));
             }
-            let t = Target::ALL.iter().position(|&x| x == target).unwrap_or(0);
-            let pair = dim(layer * Target::ALL.len() + t)?;
+            let pair = dim(layer * Target::ALL.len() + target.index())?;
             let (in_i, out_i, w_i, col_i) = (dim(input)?, dim(output)?, dim(width)?, dim(col)?);
             let mut b = self.stream.launch_builder(&self.k.lora_shrink);
             b.arg(x).arg(&in_i).arg(&lo.arena).arg(&lo.row_slot).arg(&lo.a_off).arg(&lo.rank);

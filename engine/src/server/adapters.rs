@@ -109,48 +109,49 @@ impl AdapterStats {
     /// The figures as OpenMetrics text (`sluice_engine_adapter_*`).
     pub fn exposition(&self) -> String {
         let mut out = String::new();
-        let mut family = |name: &str, kind: &str, help: &str, value: String| {
+        for (name, kind, help, value) in [
+            (
+                "sluice_engine_adapter_loads",
+                "counter",
+                "Tenant adapters loaded from the store",
+                self.loads.to_string(),
+            ),
+            (
+                "sluice_engine_adapter_load_seconds",
+                "counter",
+                "Seconds spent loading tenant adapters",
+                self.load_seconds.to_string(),
+            ),
+            (
+                "sluice_engine_adapter_evictions",
+                "counter",
+                "Tenant adapters evicted to make room",
+                self.evictions.to_string(),
+            ),
+            (
+                "sluice_engine_adapter_memory_waits",
+                "counter",
+                "Requests that waited for adapter memory held by running requests",
+                self.memory_waits.to_string(),
+            ),
+            (
+                "sluice_engine_adapters_resident",
+                "gauge",
+                "Tenant adapters resident",
+                self.resident.to_string(),
+            ),
+            (
+                "sluice_engine_adapter_resident_bytes",
+                "gauge",
+                "Bytes the resident tenant adapters take",
+                self.resident_bytes.to_string(),
+            ),
+        ] {
             let sample = if kind == "counter" { format!("{name}_total") } else { name.to_owned() };
             out.push_str(&format!(
                 "# HELP {name} {help}.\n# TYPE {name} {kind}\n{sample} {value}\n"
             ));
-        };
-        family(
-            "sluice_engine_adapter_loads",
-            "counter",
-            "Tenant adapters loaded from the store",
-            self.loads.to_string(),
-        );
-        family(
-            "sluice_engine_adapter_load_seconds",
-            "counter",
-            "Seconds spent loading tenant adapters",
-            self.load_seconds.to_string(),
-        );
-        family(
-            "sluice_engine_adapter_evictions",
-            "counter",
-            "Tenant adapters evicted to make room",
-            self.evictions.to_string(),
-        );
-        family(
-            "sluice_engine_adapter_memory_waits",
-            "counter",
-            "Requests that waited for adapter memory held by running requests",
-            self.memory_waits.to_string(),
-        );
-        family(
-            "sluice_engine_adapters_resident",
-            "gauge",
-            "Tenant adapters resident",
-            self.resident.to_string(),
-        );
-        family(
-            "sluice_engine_adapter_resident_bytes",
-            "gauge",
-            "Bytes the resident tenant adapters take",
-            self.resident_bytes.to_string(),
-        );
+        }
         out
     }
 }
