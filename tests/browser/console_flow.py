@@ -285,6 +285,8 @@ def auditor_flow(browser):
     expect(rows).to_have_count(2)
     first_page = rows.evaluate_all("rs => rs.map((r) => r.dataset.request)")
     page.get_by_test_id("next-page").click()
+    # The old page's rows stay until the next one is drawn: wait for it before reading.
+    expect(rows.first).not_to_have_attribute("data-request", first_page[0])
     expect(rows).to_have_count(2)
     second_page = rows.evaluate_all("rs => rs.map((r) => r.dataset.request)")
     assert not set(first_page) & set(second_page), (first_page, second_page)
