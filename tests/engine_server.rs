@@ -766,6 +766,50 @@ async fn a_quiet_tenant_goes_ahead_of_a_floods_backlog() -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A flood's long prompt does not hold the step: while its prefill goes on in chunks (a budget
+/// of 64 tokens a step, some 1,500 tokens), a quiet tenant's prompt, longer than a step's
+/// budget and so chunked too, is prefilled first and its first token comes before the
+/// flood's; under `--scheduling fcfs` it waits for the long prefill to finish. An ordering
+/// property, not a timing threshold.
+#[tokio::test]
+async fn a_quiet_first_token_comes_before_a_floods_long_prefill_ends() -> anyhow::Result<()> {
+    for (policy, fair) in [("fair", true), ("fcfs", false)] {
+        let server = Server::start(&["--max-num-batched-tokens", "64", "--scheduling", policy])?;
+        let c = client()?;
+        let firsts = Arc::new(Mutex::new(Vec::<String>::new()));
+        let send = |name: &'static str, words: usize| {
+            let (c, url, firsts) = (c.clone(), server.at("/v1/completions"), firsts.clone());
+            tokio::spawn(async move {
+                let prompt = vec!["river"; words].join(" ");
+                let body =
+                    json!({"prompt": prompt, "max_tokens": 2, "ignore_eos": true, "stream": true});
+                let resp = c.post(url).header("x-sluice-tenant", name).json(&body).send().await?;
+                ensure!(resp.status() == 200, "{name}: {}", resp.status());
+                let mut bytes = resp.bytes_stream();
+                let mut seen = String::new();
+                while !seen.contains("\"text\"") {
+                    let chunk = bytes.next().await.context("the stream ended early")??;
+                    seen.push_str(&String::from_utf8_lossy(&chunk));
+                }
+                firsts.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.push(name.to_owned());
+                while let Some(chunk) = bytes.next().await {
+                    chunk?;
+                }
+                anyhow::Ok(())
+            })
+        };
+        let flood = send("flood", 1500);
+        wait_running_n(&c, &server, 1).await?;
+        let quiet = send("quiet", 100);
+        flood.await??;
+        quiet.await??;
+        let order = firsts.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.clone();
+        let expected = if fair { ["quiet", "flood"] } else { ["flood", "quiet"] };
+        ensure!(order == expected, "{policy}: first tokens in the order {order:?}");
+    }
+    Ok(())
+}
+
 /// One cap on `n`, agreed: the engine runs every `n` the billing service lets a tier or an
 /// override allow (once the enterprise tier allowed 16 and the engine refused past 8).
 #[test]

@@ -741,16 +741,18 @@ impl Scheduler {
 
     /// Whether `tenant` has a prefill under way that is not light (begun, not finished).
     fn prefilling(&self, tenant: &str) -> bool {
-        self.running.iter().filter_map(|id| self.seqs.get(id)).any(|s| {
-            s.scope.tenant() == tenant && !s.light && s.tokens.len() - s.computed > 1
-        })
+        self.running
+            .iter()
+            .filter_map(|id| self.seqs.get(id))
+            .any(|s| s.scope.tenant() == tenant && !s.light && s.tokens.len() - s.computed > 1)
     }
 
     /// Whether `tenant` has a prefill under way that is not light and that the step `plan`
     /// does not finish.
     fn prefill_left_after(&self, tenant: &str, plan: &StepPlan) -> bool {
         self.running.iter().filter_map(|id| self.seqs.get(id).map(|s| (id, s))).any(|(id, s)| {
-            let done = plan.scheduled.iter().any(|w| &w.id == id && w.start + w.len == s.tokens.len());
+            let done =
+                plan.scheduled.iter().any(|w| &w.id == id && w.start + w.len == s.tokens.len());
             s.scope.tenant() == tenant && !s.light && s.tokens.len() - s.computed > 1 && !done
         })
     }
@@ -2248,10 +2250,24 @@ mod sim {
 
     #[test]
     fn two_floods_share_by_weight() {
-        let gold =
-            Tenant { name: "gold", every: 0.15, cap: 32, weight: 2, priority: 0, tpot: Some(0.1), prompt: 128 };
-        let plain =
-            Tenant { name: "plain", every: 0.15, cap: 32, weight: 1, priority: 0, tpot: Some(0.2), prompt: 128 };
+        let gold = Tenant {
+            name: "gold",
+            every: 0.15,
+            cap: 32,
+            weight: 2,
+            priority: 0,
+            tpot: Some(0.1),
+            prompt: 128,
+        };
+        let plain = Tenant {
+            name: "plain",
+            every: 0.15,
+            cap: 32,
+            weight: 1,
+            priority: 0,
+            tpot: Some(0.2),
+            prompt: 128,
+        };
         let r = run(&[gold, plain], 300.0, true);
         let (g, p) = (r[0].2 as f64, r[1].2 as f64);
         let report = [summary("gold", &r[0]), summary("plain", &r[1])].join("\n");
