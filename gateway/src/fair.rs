@@ -187,7 +187,8 @@ impl FairShare {
         s.samples += 1;
     }
 
-    /// A request of `tenant` was served `tokens` tokens (prompt and completion).
+    /// `tokens` of `tenant`'s were served: a request's prompt once it is admitted, its
+    /// completion as it ends.
     pub fn used(&self, tenant: &str, tokens: u64) {
         let Ok(mut s) = self.state.lock() else { return };
         let now = Instant::now();

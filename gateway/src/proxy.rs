@@ -739,6 +739,10 @@ impl Gateway {
             .map_err(|retry_after| Refusal::OverShare { retry_after })?;
         self.admit_tokens(ctx, &grant).await?;
         ctx.fair_slot = Some(slot);
+        // The prompt counts as served once admitted (its prefill is the engines' to do), so
+        // a flood of long prompts weighs at once in the tokens-served shares, not only as
+        // its requests end, seconds later; the completion counts as the request ends.
+        self.fair.used(&grant.tenant_id, ctx.prompt_tokens);
         Ok(false)
     }
 
@@ -1969,8 +1973,8 @@ impl Gateway {
         // counts it).
         let used = if is_refused(ctx.status) { 0 } else { ctx.prompt_tokens + completion };
         self.settle(ctx, used).await;
-        if let Some(grant) = ctx.grant.as_ref().filter(|_| used > 0) {
-            self.fair.used(&grant.tenant_id, used);
+        if let Some(grant) = ctx.grant.as_ref().filter(|_| used > 0 && completion > 0) {
+            self.fair.used(&grant.tenant_id, completion);
         }
         // Only a whole answer small enough to keep is replayed to retries; anything else lets a
         // retry run anew.

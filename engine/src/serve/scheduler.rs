@@ -40,6 +40,14 @@ use crate::serve::step_model::{StepModel, StepShape};
 /// steps around the model's mean.
 const TPOT_HEADROOM: f64 = 0.9;
 
+/// Weight of a tenant's recent service at each step planned (a window of some 50 steps,
+/// seconds at a batch's TPOT target).
+const RECENT_DECAY: f64 = 0.98;
+
+/// A tenant served less than this share of the most served other tenant of late (per unit
+/// of weight) is under its share of the steps, whatever its share of the places.
+const UNDER_SERVED: f64 = 0.8;
+
 /// Weight of each step in the running mean of the light prefills' overrun of the step cap.
 const LIGHT_ALPHA: f64 = 1.0 / 32.0;
 
@@ -322,6 +330,10 @@ pub struct Scheduler {
     stopped: Option<WaitReason>,
     /// Decodes of lower priorities sat the step last planned out for a higher one's prefill.
     sat_out: bool,
+    /// Per tenant, its recent service per unit of weight (a prefill token counts 1, a decode
+    /// token 2, as in the fair order), decayed by [`RECENT_DECAY`] a step: who has had the
+    /// steps of late, whatever its places (see [`Scheduler::light_among`]).
+    recent: HashMap<String, f64>,
 }
 
 /// What is left of a step being planned.
@@ -402,6 +414,7 @@ impl Scheduler {
             yielded_for: None,
             stopped: None,
             sat_out: false,
+            recent: HashMap::new(),
         }
     }
 
@@ -479,6 +492,8 @@ impl Scheduler {
             let decode = len == 1 && s.computed >= s.prompt_len;
             let (prefill, decode) = if decode { (0, 1) } else { (len, 0) };
             self.waiting.served(s.scope.tenant(), s.weight, prefill, decode);
+            let cost = (prefill + 2 * decode) as f64 / f64::from(s.weight.max(1));
+            *self.recent.entry(s.scope.tenant().to_owned()).or_insert(0.0) += cost;
             s.computed += len;
         }
     }
@@ -529,6 +544,10 @@ impl Scheduler {
     /// Plans one step.
     pub fn schedule(&mut self) -> StepPlan {
         self.waiting.tick();
+        for v in self.recent.values_mut() {
+            *v *= RECENT_DECAY;
+        }
+        self.recent.retain(|_, v| *v > 0.01);
         let mut plan = StepPlan::default();
         let mut room = self.room();
         // A light request about to start has the step to itself beside the decodes: chunked
@@ -1002,7 +1021,18 @@ impl Scheduler {
         let mine_weight = u64::from(candidate.weight.max(1));
         let others: u64 = per.iter().filter(|(t, _)| **t != mine).map(|(_, e)| e.1).sum();
         let own = per.get(mine).map_or(1, |e| e.1).max(mine_weight);
-        asks * (others + own) <= (self.running.len() as u64 + 1) * mine_weight
+        let (asked, share) = (asks * (others + own), (self.running.len() as u64 + 1) * mine_weight);
+        // Under its share of the steps (a quiet tenant whose requests live long at the
+        // batch's TPOT target, beside a flood whose prompts take the steps), it is light up
+        // to twice its share of the places.
+        let most = per
+            .keys()
+            .filter(|t| **t != mine)
+            .filter_map(|t| self.recent.get(*t).copied())
+            .fold(0.0, f64::max);
+        let mine_recent = self.recent.get(mine).copied().unwrap_or(0.0);
+        let under_served = mine_recent < UNDER_SERVED * most;
+        (asked <= share || under_served && asked <= 2 * share)
             && self.prefills_within_a_step(candidate)
     }
 
@@ -1745,6 +1775,33 @@ mod tests {
         // its share) begins, in a chunk cut to the cap.
         let expected = vec![("d-0", 1), ("d-1", 1), ("d-2", 1), ("f", 3), ("q", 1), ("g", 1)];
         assert_eq!(ids(&p), expected, "never two steps running");
+    }
+
+    #[test]
+    fn an_under_served_tenant_is_light_past_its_share_of_places() {
+        let target = SeqPolicy { tpot_target: Some(0.105), ..SeqPolicy::default() };
+        let light_with = |quiet_recent: f64| {
+            let mut s = trained(64);
+            // Three quiet requests decode beside the flood's long prompt, in chunks.
+            for i in 0..3 {
+                s.add_with(format!("q-{i}"), vec![1, 2, 3], tenant("quiet"), target);
+            }
+            s.add_with("f".into(), (0..400).collect(), tenant("flood"), target);
+            for _ in 0..2 {
+                let p = s.schedule();
+                run_step(&mut s, &p, 5);
+            }
+            // Of late the flood has had the steps; the quiet tenant `quiet_recent` of it.
+            s.recent.insert("flood".into(), 1000.0);
+            s.recent.insert("quiet".into(), quiet_recent);
+            // Its fourth request: 4 asked of 5 places, twice its share of them (2.5) is 5.
+            s.add_with("q-new".into(), (100..140).collect(), tenant("quiet"), target);
+            let p = s.schedule();
+            let light = s.seq("q-new").is_some_and(|q| q.light);
+            (light, ids(&p).iter().any(|(id, len)| *id == "q-new" && *len == 40))
+        };
+        assert_eq!(light_with(50.0), (true, true), "under-served: prefilled whole");
+        assert!(!light_with(1000.0).0, "served as much as the flood: judged by places");
     }
 
     #[test]
