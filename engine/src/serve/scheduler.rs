@@ -346,6 +346,10 @@ struct Room {
     /// The cap before the light prefills' overrun is taken off (what overruns are measured
     /// against).
     base: Option<f64>,
+    /// The cap of a long prompt's chunk (one longer than a step's token budget): the step
+    /// cap, else, while nothing decodes, the headroom of the tightest target waiting or
+    /// running.
+    long_cap: Option<f64>,
     /// Requests admitted this step (never preempted in the same step).
     fresh: Vec<String>,
     /// Whether the running mean of light overruns allows another light prefill.
@@ -619,6 +623,8 @@ impl Scheduler {
                 if yield_chunks {
                     len = 0;
                 }
+            } else if chunked {
+                len = len.min(self.long_chunk(s.prompt_len, s.computed, &room));
             }
             if chunked && head_first {
                 yielded.push(id);
@@ -785,6 +791,8 @@ impl Scheduler {
         if let Some(cap) = room.cap {
             let fit = self.step_model.fit_tokens(room.tokens, room.context, s.computed, cap);
             len = len.min(fit.unwrap_or(usize::MAX));
+        } else {
+            len = len.min(self.long_chunk(s.prompt_len, s.computed, room));
         }
         let start = s.computed;
         if len == 0 || !self.kv.allocate(id, &[], start + len) {
@@ -797,6 +805,19 @@ impl Scheduler {
         room.chunk_pending |= len < remaining;
     }
 
+    /// How many tokens of a prefill from `start` fit [`Room::long_cap`] beside the step so
+    /// far, when its prompt (`prompt_len`) is longer than a step's token budget (any number
+    /// otherwise, or without that cap).
+    fn long_chunk(&self, prompt_len: usize, start: usize, room: &Room) -> usize {
+        let long = prompt_len > self.config.max_num_batched_tokens;
+        let Some(cap) = room.long_cap.filter(|_| long) else {
+            return usize::MAX;
+        };
+        let fit = self.step_model.fit_tokens(room.tokens, room.context, start, cap);
+        // At least one token, so a step that holds nothing else still moves it on.
+        fit.unwrap_or(usize::MAX).max(usize::from(room.tokens == 0))
+    }
+
     /// The room of a new step: its budget, its cap (while requests are decoding) and the
     /// decodes reserved.
     fn room(&self) -> Room {
@@ -805,9 +826,23 @@ impl Scheduler {
         let (tokens, context) = decodes.fold((0, 0), |(t, c), s| (t + 1, c + s.tokens.len()));
         let decoding = running().any(|s| s.computed >= s.prompt_len);
         let limit = self.tightest_target().filter(|_| decoding && self.step_model.is_warm());
+        // With nothing decoding, a long prompt's chunk is still cut to the tightest target's
+        // headroom among every request, waiting ones included: an arrival then waits out a
+        // step of that length, not half a second of one tenant's prefill.
+        let long_cap = match limit {
+            Some(t) => Some(self.cap(t)),
+            None => self
+                .seqs
+                .values()
+                .filter_map(|s| s.tpot_target)
+                .min_by(f64::total_cmp)
+                .filter(|_| self.step_model.is_warm())
+                .map(|t| TPOT_HEADROOM * t),
+        };
         Room {
             budget: self.config.max_num_batched_tokens,
             cap: limit.map(|t| self.cap(t)),
+            long_cap,
             base: limit.map(|t| TPOT_HEADROOM * t),
             fresh: Vec::new(),
             light_ok: limit.is_none_or(|t| self.light_excess < TPOT_HEADROOM * t),
@@ -1246,7 +1281,7 @@ impl Scheduler {
             let n = s.tokens.len();
             // At least one token is always computed, so a fully cached prompt still yields
             // logits: hits cover at most n - 1 tokens.
-            let (scope, adapter) = (s.scope.clone(), s.adapter);
+            let (scope, adapter, prompt_len) = (s.scope.clone(), s.adapter, s.prompt_len);
             let tokens = s.tokens.clone();
             let hits =
                 self.kv.find_prefix(&id, &tokens, &scope, adapter.as_ref(), n.saturating_sub(1));
@@ -1257,6 +1292,9 @@ impl Scheduler {
             // A tenant has one chunked prefill under way at a time: its next waits for it.
             if !light && self.prefill_left_after(s.scope.tenant(), plan) {
                 len = 0;
+            }
+            if !light && room.cap.is_none() {
+                len = len.min(self.long_chunk(prompt_len, hit_tokens, room));
             }
             if !light && let Some(cap) = room.cap {
                 // One chunked prefill at a time, cut to the cap: the next waits its turn.
@@ -1775,6 +1813,23 @@ mod tests {
         // its share) begins, in a chunk cut to the cap.
         let expected = vec![("d-0", 1), ("d-1", 1), ("d-2", 1), ("f", 3), ("q", 1), ("g", 1)];
         assert_eq!(ids(&p), expected, "never two steps running");
+    }
+
+    #[test]
+    fn a_long_prompt_is_cut_to_the_cap_while_nothing_decodes() {
+        let target = SeqPolicy { tpot_target: Some(0.105), ..SeqPolicy::default() };
+        let first = |prompt: u32, policy: SeqPolicy| {
+            let mut s = trained(64);
+            s.add_with("r".into(), (0..prompt).collect(), tenant("t"), policy);
+            ids(&s.schedule()).first().map(|&(_, len)| len)
+        };
+        // Nothing decodes, so there is no step cap: a prompt within the budget of 100 goes
+        // whole, and a longer one without a target takes the budget; with its target, the
+        // longer one's chunk is cut to the target's headroom (0.0945 s at 0.01 s a token
+        // over 0.01 s a step: 8 tokens), so an arrival waits out no more than that.
+        assert_eq!(first(60, target), Some(60));
+        assert_eq!(first(300, SeqPolicy::default()), Some(100));
+        assert_eq!(first(300, target), Some(8));
     }
 
     #[test]
