@@ -710,6 +710,27 @@ async fn wait_running_n(c: &reqwest::Client, server: &Server, n: u64) -> anyhow:
     }
 }
 
+/// Reads the stream `resp` until `marker` has come, notes `name` in `log` then, and reads the
+/// rest of it.
+async fn note_when_seen(
+    resp: reqwest::Response,
+    marker: &str,
+    log: &Mutex<Vec<String>>,
+    name: String,
+) -> anyhow::Result<()> {
+    let mut bytes = resp.bytes_stream();
+    let mut seen = String::new();
+    while !seen.contains(marker) {
+        let chunk = bytes.next().await.context("the stream ended early")??;
+        seen.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    log.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.push(name);
+    while let Some(chunk) = bytes.next().await {
+        chunk?;
+    }
+    Ok(())
+}
+
 /// The fair order over HTTP: two running slots taken by a flood and six of its requests
 /// waiting, a quiet tenant's request is among the next to start; under `--scheduling fcfs` it
 /// starts after all six. An ordering property, not a timing threshold.
@@ -726,17 +747,7 @@ async fn a_quiet_tenant_goes_ahead_of_a_floods_backlog() -> anyhow::Result<()> {
                                   "ignore_eos": true, "stream": true});
                 let resp = c.post(url).header("x-sluice-tenant", tenant).json(&body).send().await?;
                 ensure!(resp.status() == 200, "{name}: {}", resp.status());
-                let mut bytes = resp.bytes_stream();
-                let mut seen = String::new();
-                while !seen.contains("data: ") {
-                    let chunk = bytes.next().await.context("the stream ended early")??;
-                    seen.push_str(&String::from_utf8_lossy(&chunk));
-                }
-                started.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.push(name);
-                while let Some(chunk) = bytes.next().await {
-                    chunk?;
-                }
-                anyhow::Ok(())
+                note_when_seen(resp, "data: ", &started, name).await
             })
         };
         let mut tasks: Vec<_> = (0..8).map(|i| send(format!("flood-{i}"), "flood")).collect();
@@ -785,17 +796,7 @@ async fn a_quiet_first_token_comes_before_a_floods_long_prefill_ends() -> anyhow
                     json!({"prompt": prompt, "max_tokens": 2, "ignore_eos": true, "stream": true});
                 let resp = c.post(url).header("x-sluice-tenant", name).json(&body).send().await?;
                 ensure!(resp.status() == 200, "{name}: {}", resp.status());
-                let mut bytes = resp.bytes_stream();
-                let mut seen = String::new();
-                while !seen.contains("\"text\"") {
-                    let chunk = bytes.next().await.context("the stream ended early")??;
-                    seen.push_str(&String::from_utf8_lossy(&chunk));
-                }
-                firsts.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.push(name.to_owned());
-                while let Some(chunk) = bytes.next().await {
-                    chunk?;
-                }
-                anyhow::Ok(())
+                note_when_seen(resp, "\"text\"", &firsts, name.to_owned()).await
             })
         };
         let flood = send("flood", 1500);

@@ -279,6 +279,13 @@ pub struct SeqState {
     pub waited: WaitTimes,
 }
 
+impl SeqState {
+    /// Whether it is part way through a prefill that goes in chunks (not a light one's).
+    fn chunking(&self) -> bool {
+        !self.light && self.tokens.len() - self.computed > 1
+    }
+}
+
 /// One request's share of a step.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Scheduled {
@@ -700,7 +707,7 @@ impl Scheduler {
         let mut chunked = Vec::new();
         for id in &self.running {
             let Some(s) = self.seqs.get(id) else { continue };
-            if s.tokens.len() - s.computed > 1 && !s.light {
+            if s.chunking() {
                 chunked.push((id.clone(), s));
             } else {
                 order.first.push(id.clone());
@@ -754,7 +761,7 @@ impl Scheduler {
             return false;
         };
         let tenant = head.scope.tenant();
-        if tenant == chunk.scope.tenant() || self.prefilling(tenant) {
+        if tenant == chunk.scope.tenant() || self.prefill_left_after(tenant, None) {
             return false;
         }
         let light = room.cap.is_some() && self.is_light(head);
@@ -764,21 +771,14 @@ impl Scheduler {
             && self.within_tpot(head, false)
     }
 
-    /// Whether `tenant` has a prefill under way that is not light (begun, not finished).
-    fn prefilling(&self, tenant: &str) -> bool {
-        self.running
-            .iter()
-            .filter_map(|id| self.seqs.get(id))
-            .any(|s| s.scope.tenant() == tenant && !s.light && s.tokens.len() - s.computed > 1)
-    }
-
-    /// Whether `tenant` has a prefill under way that is not light and that the step `plan`
-    /// does not finish.
-    fn prefill_left_after(&self, tenant: &str, plan: &StepPlan) -> bool {
+    /// Whether `tenant` has a chunked prefill under way ([`SeqState::chunking`]) that the
+    /// step `plan` (if any) does not finish.
+    fn prefill_left_after(&self, tenant: &str, plan: Option<&StepPlan>) -> bool {
         self.running.iter().filter_map(|id| self.seqs.get(id).map(|s| (id, s))).any(|(id, s)| {
-            let done =
-                plan.scheduled.iter().any(|w| &w.id == id && w.start + w.len == s.tokens.len());
-            s.scope.tenant() == tenant && !s.light && s.tokens.len() - s.computed > 1 && !done
+            let done = plan.is_some_and(|p| {
+                p.scheduled.iter().any(|w| &w.id == id && w.start + w.len == s.tokens.len())
+            });
+            s.scope.tenant() == tenant && s.chunking() && !done
         })
     }
 
@@ -1290,7 +1290,7 @@ impl Scheduler {
             let turn = light && !room.light_slot(s);
             let mut len = if turn { 0 } else { remaining.min(room.budget) };
             // A tenant has one chunked prefill under way at a time: its next waits for it.
-            if !light && self.prefill_left_after(s.scope.tenant(), plan) {
+            if !light && self.prefill_left_after(s.scope.tenant(), Some(plan)) {
                 len = 0;
             }
             if !light && room.cap.is_none() {
