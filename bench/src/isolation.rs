@@ -13,14 +13,40 @@ use clap::Args;
 use serde_json::{Value, json};
 
 use crate::metrics::Summary;
-use crate::serve::{BenchServeArgs, brief, brief_line, measure_tenants, tenant_names};
+use crate::scenario;
+use crate::serve::{BenchServeArgs, brief, brief_line, measure_tenants, parse_slo, tenant_names};
 
 /// `sluice bench isolation`.
-#[derive(Args, Debug)]
+#[derive(Args, Debug, Clone)]
 pub struct BenchIsolationArgs {
-    /// The load: `--mix` with at least two tenants, and the usual `bench serve` flags.
+    /// The load: `--mix` with at least two tenants (or `--scenario`), and the usual `bench
+    /// serve` flags.
     #[command(flatten)]
     serve: BenchServeArgs,
+    /// Named scenarios instead of a mix, each judged against its targets with PASS or FAIL:
+    /// decode-flood, prefill-flood, priority-flood, three-tenants, equal-floods, two-gateways
+    /// (its second gateway is --failover-url), or all (comma-separated, repeatable). Each
+    /// runs --duration seconds (60 when not given) per phase, with the SLO of --goodput
+    /// (ttft:1000,tpot:100, the standard tier's targets, when not given).
+    #[arg(long, value_name = "NAME")]
+    scenario: Vec<String>,
+    /// The admin API where the scenarios' tenants (`iso-ROLE`) are created and issued keys
+    /// for the run (revoked at its end); without it their keys are read from
+    /// `SLUICE_KEY_ROLE` (`SLUICE_KEY_PREFILL_FLOOD`).
+    #[arg(long, env = "SLUICE_ADMIN_URL", requires = "scenario")]
+    admin_url: Option<String>,
+    /// An ops token for --admin-url.
+    #[arg(long, env = "SLUICE_ADMIN_TOKEN", hide_env_values = true)]
+    admin_token: Option<String>,
+    /// With --scenario and --fcfs-url: the FCFS platform's admin API and ops token, where the
+    /// same tenants are created there.
+    #[arg(long, requires = "fcfs_url")]
+    fcfs_admin_url: Option<String>,
+    #[arg(long, requires = "fcfs_admin_url", hide_env_values = true)]
+    fcfs_admin_token: Option<String>,
+    /// The FCFS target's mix in memory (a scenario's).
+    #[arg(skip)]
+    fcfs_entries: Option<(String, Vec<Value>)>,
     /// A second target whose engines schedule FCFS: the mix runs there too, for the aggregate
     /// throughput of the first target's policy against FCFS in the same run.
     #[arg(long)]
@@ -114,36 +140,200 @@ impl Round {
 
 /// Runs `sluice bench isolation`.
 pub fn run_bench_isolation(args: BenchIsolationArgs) -> anyhow::Result<()> {
-    if args.serve.mix.is_none() {
-        bail!("--mix is required: isolation is measured between the tenants of a mix");
-    }
     if args.rounds == 0 {
         bail!("--rounds must be at least 1");
     }
-    let names = tenant_names(&args.serve)?;
-    if names.len() < 2 {
-        bail!("--mix lists {} tenant(s); isolation needs at least two", names.len());
-    }
-    let mut rounds = Vec::new();
-    for r in 0..args.rounds {
-        if args.rounds > 1 {
-            println!("round {} of {} ...", r + 1, args.rounds);
+    let result = if args.scenario.is_empty() {
+        if args.serve.mix.is_none() {
+            bail!("--mix (or --scenario) is required: isolation is measured between tenants");
         }
-        rounds.push(round(&args, &names, r % 2 == 1)?);
-    }
-    let mut result = match rounds.as_slice() {
-        [one] => one.result.clone(),
-        all => json!({"rounds": all.iter().map(|r| r.result.clone()).collect::<Vec<_>>()}),
+        let (rounds, names) = rounds(&args)?;
+        let mut result = match rounds.as_slice() {
+            [one] => one.result.clone(),
+            all => json!({"rounds": all.iter().map(|r| r.result.clone()).collect::<Vec<_>>()}),
+        };
+        if rounds.len() > 1 {
+            result["median"] = report_medians(&names, &rounds);
+        }
+        result
+    } else {
+        run_scenarios(&args)?
     };
-    if rounds.len() > 1 {
-        result["median"] = report_medians(&names, &rounds);
-    }
     if let Some(path) = &args.serve.save_result {
         std::fs::write(path, serde_json::to_string_pretty(&result)?)
             .with_context(|| format!("writing {}", path.display()))?;
         println!("result written to {}", path.display());
     }
     Ok(())
+}
+
+/// Every round of the comparison, and the tenants' names.
+fn rounds(args: &BenchIsolationArgs) -> anyhow::Result<(Vec<Round>, Vec<String>)> {
+    let names = tenant_names(&args.serve)?;
+    if names.len() < 2 {
+        bail!("the mix lists {} tenant(s); isolation needs at least two", names.len());
+    }
+    let mut rounds = Vec::new();
+    for r in 0..args.rounds {
+        if args.rounds > 1 {
+            println!("round {} of {} ...", r + 1, args.rounds);
+        }
+        rounds.push(round(args, &names, r % 2 == 1)?);
+    }
+    Ok((rounds, names))
+}
+
+/// Runs the named scenarios, each judged against its targets; the keys issued for them are
+/// revoked at the end, whatever happened.
+fn run_scenarios(args: &BenchIsolationArgs) -> anyhow::Result<Value> {
+    let scenarios = scenario::chosen(&args.scenario)?;
+    if scenarios.is_empty() {
+        bail!("--scenario names no scenario");
+    }
+    if args.serve.mix.is_some() {
+        bail!("--scenario and --mix: a scenario brings its own mix");
+    }
+    if scenarios.iter().any(|s| s.two_gateways) && args.serve.failover_urls.is_empty() {
+        bail!("scenario two-gateways needs a second gateway of the platform: --failover-url");
+    }
+    let admin = |url: &Option<String>, token: &Option<String>, what: &str| match (url, token) {
+        (Some(url), Some(token)) => {
+            Ok(Some(scenario::Admin { url: url.clone(), token: token.clone() }))
+        }
+        (Some(_), None) => bail!("{what} needs its ops token"),
+        _ => Ok(None),
+    };
+    let ours = admin(&args.admin_url, &args.admin_token, "--admin-url (SLUICE_ADMIN_URL)")?;
+    let keys = scenario::Keys::for_scenarios(&scenarios, ours)?;
+    let fcfs_keys = match &args.fcfs_url {
+        Some(_) => {
+            let theirs = admin(&args.fcfs_admin_url, &args.fcfs_admin_token, "--fcfs-admin-url")?;
+            let Some(theirs) = theirs else {
+                keys.revoke();
+                bail!("--scenario with --fcfs-url needs --fcfs-admin-url and --fcfs-admin-token");
+            };
+            match scenario::Keys::for_scenarios(&scenarios, Some(theirs)) {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    keys.revoke();
+                    return Err(e);
+                }
+            }
+        }
+        None => None,
+    };
+    let result = scenarios_with(args, &scenarios, &keys, fcfs_keys.as_ref());
+    keys.revoke();
+    if let Some(k) = &fcfs_keys {
+        k.revoke();
+    }
+    result
+}
+
+/// Each scenario's rounds and checks, then every verdict together.
+fn scenarios_with(
+    args: &BenchIsolationArgs,
+    scenarios: &[scenario::Scenario],
+    keys: &scenario::Keys,
+    fcfs_keys: Option<&scenario::Keys>,
+) -> anyhow::Result<Value> {
+    let goodput = args.serve.goodput.clone().unwrap_or_else(|| "ttft:1000,tpot:100".into());
+    let slo = parse_slo(Some(&goodput))?;
+    let targets = scenario::Targets {
+        ttft_ms: slo.ttft_ms.unwrap_or(f64::INFINITY),
+        tpot_ms: slo.tpot_ms.unwrap_or(f64::INFINITY),
+    };
+    let mut done: Vec<(&scenario::Scenario, Vec<scenario::Check>, Value)> = Vec::new();
+    for s in scenarios {
+        println!("\n=== scenario {}: {} ===", s.name, s.about);
+        let mut a = args.clone();
+        a.serve.mix_entries = Some((format!("scenario {}", s.name), scenario::mix(s, keys)?));
+        a.serve.goodput = Some(goodput.clone());
+        a.serve.duration = Some(args.serve.duration.unwrap_or(60.0));
+        // Every tenant has its own rate; the command line's (`inf` unless given) is unused.
+        a.serve.request_rate = 1.0;
+        if !s.two_gateways {
+            a.serve.failover_urls.clear();
+        }
+        if let Some(k) = fcfs_keys {
+            a.fcfs_entries = Some((format!("scenario {} (FCFS)", s.name), scenario::mix(s, k)?));
+        }
+        let (rounds, _) = rounds(&a)?;
+        let per_round: Vec<Vec<scenario::Check>> = rounds
+            .iter()
+            .map(|r| scenario::checks(s, &measured(&r.figures), r.over_fcfs(), targets))
+            .collect();
+        let mut checks = median_checks(&per_round);
+        if s.two_gateways
+            && let Some((_, one, _)) = done.iter().find(|(d, _, _)| d.name == "prefill-flood")
+        {
+            checks.extend(scenario::against_one_gateway(&checks, one));
+        }
+        println!("\nscenario {}: {}", s.name, verdict(&checks));
+        for c in &checks {
+            println!("  {}", c.line());
+        }
+        let result = json!({
+            "scenario": scenario::describe(s),
+            "rounds": rounds.iter().map(|r| r.result.clone()).collect::<Vec<_>>(),
+            "checks": checks.iter().map(|c| json!({
+                "what": c.what, "value": num(c.value), "bound": c.bound,
+                "at_most": c.at_most, "pass": c.passes(),
+            })).collect::<Vec<_>>(),
+            "pass": checks.iter().all(scenario::Check::passes),
+        });
+        done.push((s, checks, result));
+    }
+    println!("\nscenarios (baselines: each tenant alone, measured in the same run)");
+    for (s, checks, _) in &done {
+        let failed = checks.iter().filter(|c| !c.passes()).count();
+        println!(
+            "  {:<15} {}  ({} of {} targets met)",
+            s.name,
+            verdict(checks),
+            checks.len() - failed,
+            checks.len()
+        );
+    }
+    Ok(json!({
+        "baseline": "each tenant alone, measured in the same run against the same target",
+        "goodput_slo": goodput,
+        "scenarios": done.into_iter().map(|(_, _, r)| r).collect::<Vec<_>>(),
+    }))
+}
+
+/// PASS when every check passes.
+fn verdict(checks: &[scenario::Check]) -> &'static str {
+    if checks.iter().all(scenario::Check::passes) { "PASS" } else { "FAIL" }
+}
+
+/// What the scenario checks read of each tenant of one round.
+fn measured(figures: &[TenantFigures]) -> Vec<scenario::Measured> {
+    figures
+        .iter()
+        .zip(shares(figures))
+        .map(|(f, (share, of_left))| scenario::Measured {
+            attainment: f.mixed.slo_attainment,
+            ttft_p99_ms: f.mixed.ttft_ms.p99,
+            ttft_p99_ratio: f.ratios().ttft_p99,
+            tpot_p99_ms: f.mixed.tpot_ms.p99,
+            share,
+            of_left,
+        })
+        .collect()
+}
+
+/// The checks of several rounds as one: each value the median of its rounds'.
+fn median_checks(rounds: &[Vec<scenario::Check>]) -> Vec<scenario::Check> {
+    let Some(first) = rounds.first() else { return Vec::new() };
+    first
+        .iter()
+        .enumerate()
+        .map(|(i, c)| scenario::Check {
+            value: median(rounds.iter().filter_map(|r| r.get(i)).map(|c| c.value).collect()),
+            ..c.clone()
+        })
+        .collect()
 }
 
 /// The median of the finite values (NaN when there are none).
@@ -244,6 +434,9 @@ fn round(args: &BenchIsolationArgs, names: &[String], mixed_first: bool) -> anyh
                 println!("all together against the FCFS target {url} ...");
                 let mut a = base.clone();
                 a.base_url = url.clone();
+                if let Some(entries) = &args.fcfs_entries {
+                    a.mix_entries = Some(entries.clone());
+                }
                 if let Some(m) = &args.fcfs_mix {
                     a.mix = Some(m.clone());
                     let theirs = tenant_names(&a)?;

@@ -4,11 +4,13 @@
 //! ([`metrics`], over `sluice_text::stream`'s definitions) and the report's charts ([`svg`]).
 //! On them: `sluice bench serve`, the open-loop driver against any OpenAI-compatible endpoint
 //! ([`serve`]), `sluice bench sweep`, the capacity search over it ([`sweep`]), and `sluice
-//! bench isolation`, each tenant of a mix alone and then together ([`isolation`]).
+//! bench isolation`, each tenant of a mix alone and then together ([`isolation`]), or the
+//! named floods with their targets ([`scenario`]).
 
 pub mod arrivals;
 pub mod isolation;
 pub mod metrics;
+pub mod scenario;
 pub mod serve;
 pub mod svg;
 pub mod sweep;

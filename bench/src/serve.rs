@@ -80,6 +80,10 @@ pub struct BenchServeArgs {
     /// (fields left out take the command line's values); each gets its own schedule.
     #[arg(long)]
     pub(crate) mix: Option<std::path::PathBuf>,
+    /// A mix given in memory (a named scenario's, its keys included): read as `--mix`'s file
+    /// is, under the label `scenario NAME`.
+    #[arg(skip)]
+    pub(crate) mix_entries: Option<(String, Vec<Value>)>,
     /// Requests sent one at a time before the window, and left out of every figure.
     #[arg(long, default_value_t = 0)]
     warmup: usize,
@@ -123,7 +127,7 @@ pub struct BenchServeArgs {
     /// More gateways of the same platform: requests are spread over --base-url and these in
     /// turn, and a retried request goes to the next one.
     #[arg(long = "failover-url", value_name = "URL")]
-    failover_urls: Vec<String>,
+    pub(crate) failover_urls: Vec<String>,
     /// Each request carries an `Idempotency-Key` and is retried with it, the same body, up to
     /// N times (on the next gateway, after 0.25 s doubling to 2 s) when it failed in a way a
     /// client should retry: no connection, 409 (the first try still running), 502, 503, 504,
@@ -235,13 +239,25 @@ fn tenants(args: &BenchServeArgs) -> anyhow::Result<Vec<Tenant>> {
         input_spec: args.input_len.clone(),
         output_spec: args.output_len.clone(),
     };
-    let Some(path) = &args.mix else { return Ok(vec![base]) };
-    let what = || format!("--mix {}", path.display());
-    let v: Value = serde_json::from_str(
-        &std::fs::read_to_string(path).with_context(|| format!("{}: reading", what()))?,
-    )
-    .with_context(|| format!("{}: not JSON", what()))?;
-    let entries = v.as_array().with_context(|| format!("{}: must be a JSON array", what()))?;
+    let label: String;
+    let read: Value;
+    let entries = match (&args.mix_entries, &args.mix) {
+        (Some((name, entries)), _) => {
+            label = name.clone();
+            entries
+        }
+        (None, Some(path)) => {
+            label = format!("--mix {}", path.display());
+            let text =
+                std::fs::read_to_string(path).with_context(|| format!("{label}: reading"))?;
+            let v: Value =
+                serde_json::from_str(&text).with_context(|| format!("{label}: not JSON"))?;
+            read = v;
+            read.as_array().with_context(|| format!("{label}: must be a JSON array"))?
+        }
+        (None, None) => return Ok(vec![base]),
+    };
+    let what = || label.clone();
     let mut out = Vec::new();
     for (i, e) in entries.iter().enumerate() {
         let field = |k: &str| format!("{} entry {i}: {k}", what());
