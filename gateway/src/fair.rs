@@ -9,8 +9,11 @@
 //! below its weighted share is admitted up to twice its share of the places.
 //!
 //! The engines' VTC order and batch control serve each tenant its share of the places; this
-//! keeps a tenant's excess out of their queues, where it would only wait. Per gateway replica:
-//! each replica judges by the requests it has in flight itself.
+//! keeps a tenant's excess out of their queues, where it would only wait. With Redis the
+//! replicas judge together: each publishes what it has in flight and has served, per tenant,
+//! and reads the others' ([`crate::fair_peers`]), so a tenant whose load is split over several
+//! gateways is judged by all of it; without Redis (or with a view older than [`PEERS_STALE`])
+//! each replica judges by its own requests alone.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -23,9 +26,57 @@ struct Tenant {
     weight: u64,
 }
 
+/// One tenant as a replica publishes it: its sequences in flight there, its weight and the
+/// tokens served to it there (decayed to when it was published).
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct Published {
+    pub in_flight: u64,
+    pub weight: u64,
+    pub tokens: f64,
+}
+
+/// What the other gateway replicas have in flight and have served, summed over them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Peers {
+    /// Per tenant, over every other replica.
+    pub tenants: HashMap<String, Published>,
+    /// The replicas read, this one not counted.
+    pub replicas: usize,
+}
+
+impl Peers {
+    /// Adds one replica's published tenants.
+    pub fn add(&mut self, replica: &HashMap<String, Published>) {
+        for (tenant, p) in replica {
+            let e = self.tenants.entry(tenant.clone()).or_default();
+            e.in_flight += p.in_flight;
+            e.weight = e.weight.max(p.weight);
+            e.tokens += if p.tokens.is_finite() { p.tokens.max(0.0) } else { 0.0 };
+        }
+        self.replicas += 1;
+    }
+}
+
+/// How long the other replicas' view is used after it was read: past it (Redis unreachable
+/// or slow) each replica judges by its own requests.
+pub const PEERS_STALE: Duration = Duration::from_secs(1);
+
+/// A tenant's standing as admission judges it: this replica's figures plus the others'.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Standing {
+    in_flight: u64,
+    all_in_flight: u64,
+    /// The weights of the other tenants with sequences in flight.
+    others_weight: u64,
+    served: f64,
+    all_served: f64,
+}
+
 #[derive(Debug, Default)]
 struct State {
     tenants: HashMap<String, Tenant>,
+    /// The other replicas' figures and when they were read.
+    peers: Option<(Peers, Instant)>,
     /// How long a request holds its place once it runs (first token to the end), seconds:
     /// an exponentially weighted mean over completed requests, and how many it has seen.
     service_s: f64,
@@ -42,6 +93,40 @@ const LIGHT_SHARE: f64 = 0.8;
 
 fn decayed(count: f64, since: Instant, now: Instant) -> f64 {
     count * (-now.saturating_duration_since(since).as_secs_f64() / RATE_TAU).exp()
+}
+
+impl State {
+    /// `tenant`'s standing at `now`, over every replica whose figures are fresh.
+    fn standing(&self, tenant: &str, now: Instant) -> Standing {
+        let peers = self
+            .peers
+            .as_ref()
+            .filter(|(_, at)| now.saturating_duration_since(*at) < PEERS_STALE)
+            .map(|(p, _)| p);
+        let peer = |t: &str| peers.and_then(|p| p.tenants.get(t)).copied().unwrap_or_default();
+        let mut weights: HashMap<&str, u64> = HashMap::new();
+        for (t, v) in &self.tenants {
+            weights.insert(t, v.weight);
+        }
+        for (t, p) in peers.iter().flat_map(|p| &p.tenants).filter(|(_, p)| p.in_flight > 0) {
+            let w = weights.entry(t).or_insert(p.weight);
+            *w = (*w).max(p.weight);
+        }
+        let own_tokens = |t: &str| self.tokens.get(t).map_or(0.0, |&(c, at)| decayed(c, at, now));
+        let peers_in_flight: u64 =
+            peers.iter().flat_map(|p| p.tenants.values()).map(|p| p.in_flight).sum();
+        let peers_tokens: f64 =
+            peers.iter().flat_map(|p| p.tenants.values()).map(|p| p.tokens).sum();
+        Standing {
+            in_flight: self.tenants.get(tenant).map_or(0, |t| t.in_flight) + peer(tenant).in_flight,
+            all_in_flight: self.tenants.values().map(|t| t.in_flight).sum::<u64>()
+                + peers_in_flight,
+            others_weight: weights.iter().filter(|(t, _)| **t != tenant).map(|(_, w)| w).sum(),
+            served: own_tokens(tenant) + peer(tenant).tokens,
+            all_served: self.tokens.values().map(|&(c, at)| decayed(c, at, now)).sum::<f64>()
+                + peers_tokens,
+        }
+    }
 }
 
 /// Requests seen before the service time is trusted.
@@ -146,24 +231,19 @@ impl FairShare {
             return Ok(slot());
         };
         let weight = u64::from(weight.max(1));
-        let in_flight = s.tenants.get(tenant).map_or(0, |t| t.in_flight);
         if let (Some(places), Some(target), true) = (places, ttft_target, s.samples >= WARM_UP) {
-            let others: u64 =
-                s.tenants.iter().filter(|(t, _)| t.as_str() != tenant).map(|(_, t)| t.weight).sum();
-            let now = Instant::now();
-            let served = s.tokens.get(tenant).map_or(0.0, |&(c, at)| decayed(c, at, now));
-            let all_served = s.tokens.values().map(|&(c, at)| decayed(c, at, now)).sum();
+            let st = s.standing(tenant, Instant::now());
             let j = Judged {
-                in_flight,
+                in_flight: st.in_flight,
                 wanted: n,
-                all_in_flight: s.tenants.values().map(|t| t.in_flight).sum(),
+                all_in_flight: st.all_in_flight,
                 weight,
-                active_weight: others + weight,
+                active_weight: st.others_weight + weight,
                 places,
                 service_s: s.service_s,
                 ttft_target_s: target.as_secs_f64(),
-                served,
-                all_served,
+                served: st.served,
+                all_served: st.all_served,
             };
             if let Some(retry) = judge(j) {
                 tracing::debug!(tenant, ?j, ?retry, "fair admission refused");
@@ -207,19 +287,54 @@ impl FairShare {
         let Ok(s) = self.state.lock() else { return true };
         let weight = u64::from(weight.max(1));
         let n = n.max(1);
-        let mine = s.tenants.get(tenant).map_or(0, |t| t.in_flight) + n;
-        let all: u64 = s.tenants.values().map(|t| t.in_flight).sum::<u64>() + n;
-        let others: u64 =
-            s.tenants.iter().filter(|(t, _)| t.as_str() != tenant).map(|(_, t)| t.weight).sum();
-        if others == 0 {
+        let st = s.standing(tenant, Instant::now());
+        let (mine, all) = (st.in_flight + n, st.all_in_flight + n);
+        if st.others_weight == 0 {
             return true;
         }
-        (mine as f64) > all as f64 * weight as f64 / (others + weight) as f64
+        (mine as f64) > all as f64 * weight as f64 / (st.others_weight + weight) as f64
     }
 
-    /// Sequences in flight of `tenant`.
+    /// Sequences in flight of `tenant` at this replica.
     pub fn in_flight(&self, tenant: &str) -> u64 {
         self.state.lock().map_or(0, |s| s.tenants.get(tenant).map_or(0, |t| t.in_flight))
+    }
+
+    /// Sequences in flight of `tenant` at every replica whose figures are fresh.
+    pub fn in_flight_everywhere(&self, tenant: &str) -> u64 {
+        self.state.lock().map_or(0, |s| s.standing(tenant, Instant::now()).in_flight)
+    }
+
+    /// What this replica publishes to the others: per tenant with work in flight or tokens
+    /// served of late, its figures now.
+    pub fn published(&self) -> HashMap<String, Published> {
+        let Ok(s) = self.state.lock() else { return HashMap::new() };
+        let now = Instant::now();
+        let mut out: HashMap<String, Published> = s
+            .tenants
+            .iter()
+            .map(|(t, v)| {
+                (t.clone(), Published { in_flight: v.in_flight, weight: v.weight, tokens: 0.0 })
+            })
+            .collect();
+        for (t, &(c, at)) in &s.tokens {
+            out.entry(t.clone()).or_default().tokens = decayed(c, at, now);
+        }
+        out
+    }
+
+    /// The other replicas' figures as just read (`None`: they could not be, and this replica
+    /// judges alone).
+    pub fn set_peers(&self, peers: Option<Peers>) {
+        if let Ok(mut s) = self.state.lock() {
+            s.peers = peers.map(|p| (p, Instant::now()));
+        }
+    }
+
+    /// The other replicas whose figures are used now.
+    pub fn peer_replicas(&self) -> usize {
+        let Ok(s) = self.state.lock() else { return 0 };
+        s.peers.as_ref().filter(|(_, at)| at.elapsed() < PEERS_STALE).map_or(0, |(p, _)| p.replicas)
     }
 }
 
@@ -310,6 +425,73 @@ mod tests {
         drop((held, untargeted));
         assert_eq!(fair.in_flight("noisy"), 0);
         assert_eq!(fair.in_flight("quiet"), 1);
+    }
+
+    /// What `from` publishes, as the other replica reads it.
+    fn peers_of(from: &FairShare) -> Peers {
+        let mut p = Peers::default();
+        p.add(&from.published());
+        p
+    }
+
+    /// Admits `tenant`'s requests alternately at `a` and `b` until both refuse; with
+    /// `exchange`, each reads the other's figures after every admission.
+    fn split_flood(a: &Arc<FairShare>, b: &Arc<FairShare>, exchange: bool) -> Vec<Slot> {
+        let target = Some(Duration::from_secs(1));
+        let mut held = Vec::new();
+        let mut refused = [false, false];
+        while !refused.iter().all(|r| *r) {
+            for (i, f) in [a, b].into_iter().enumerate() {
+                match f.admit("flood", 1, 1, target, Some(12)) {
+                    Ok(slot) => held.push(slot),
+                    Err(_) => refused[i] = true,
+                }
+                if exchange {
+                    a.set_peers(Some(peers_of(b)));
+                    b.set_peers(Some(peers_of(a)));
+                }
+            }
+        }
+        held
+    }
+
+    #[test]
+    fn replicas_sharing_their_figures_judge_a_split_load_as_one() -> Result<(), Duration> {
+        let target = Some(Duration::from_secs(1));
+        let pair = || -> Result<_, Duration> {
+            let (a, b) = (Arc::new(FairShare::default()), Arc::new(FairShare::default()));
+            for f in [&a, &b] {
+                for _ in 0..WARM_UP {
+                    f.served(6.0);
+                }
+            }
+            // A quiet tenant (weight 1, as the flood) has one request in flight at a.
+            let quiet = a.admit("quiet", 1, 1, target, Some(12))?;
+            Ok((a, b, quiet))
+        };
+        // 12 places, 6 each; the flood's queue past its 6 starts within 1 s up to the 7th.
+        let (a, b, _quiet) = pair()?;
+        let shared = split_flood(&a, &b, true);
+        assert_eq!(shared.len(), 7, "split over two replicas, judged as one");
+        assert_eq!(a.in_flight_everywhere("flood"), 7);
+        assert_eq!(b.in_flight_everywhere("quiet"), 1);
+        assert_eq!(b.peer_replicas(), 1);
+        // Each judging alone: a admits 7 beside the quiet tenant, b (which has never seen it)
+        // the flood's whole 12 places and its queue, 14.
+        let (a, b, _quiet) = pair()?;
+        let alone = split_flood(&a, &b, false);
+        assert_eq!(alone.len(), 21);
+        // The others' figures gone (Redis down), a replica judges by its own again.
+        b.set_peers(None);
+        assert_eq!((b.in_flight_everywhere("flood"), b.peer_replicas()), (14, 0));
+        // Tokens served elsewhere count: the quiet tenant served a tenth of the tokens at a
+        // is under its share at b too.
+        a.used("quiet", 100);
+        a.used("flood", 900);
+        let published = a.published();
+        assert_eq!(published["quiet"].in_flight, 1);
+        assert!((published["flood"].tokens - 900.0).abs() < 1.0, "{published:?}");
+        Ok(())
     }
 
     #[test]

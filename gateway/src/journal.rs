@@ -158,7 +158,7 @@ fn since(ms: i64) -> Duration {
     Duration::from_millis(u64::try_from(Utc::now().timestamp_millis() - ms).unwrap_or(0))
 }
 
-async fn timed<T>(
+pub(crate) async fn timed<T>(
     f: impl std::future::Future<Output = redis::RedisResult<T>>,
 ) -> redis::RedisResult<T> {
     tokio::time::timeout(REDIS_TIMEOUT, f).await.unwrap_or_else(|_| {

@@ -4,13 +4,16 @@
 //! Redis ([`limits`]), the local fallback when Redis is unreachable ([`local`]), the observer
 //! of the engine's event stream that times what the client receives ([`observe`]), and the
 //! usage-event sink ([`sink`]), `Idempotency-Key` claims with response replay
-//! ([`idempotency`]), and the guard on request heads under pingora's parser ([`door`]).
+//! ([`idempotency`]), the guard on request heads under pingora's parser ([`door`]), and fair
+//! admission by each tenant's share of the engines ([`fair`]), judged with the other replicas
+//! through Redis ([`fair_peers`]).
 
 pub mod admission;
 pub mod catalog;
 pub mod door;
 pub mod drain;
 pub mod fair;
+pub mod fair_peers;
 pub mod idempotency;
 pub mod journal;
 pub mod limits;

@@ -38,6 +38,7 @@ use crate::admission::{
 use crate::catalog::Catalog;
 use crate::drain::Drain;
 use crate::fair::{FairShare, Slot};
+use crate::fair_peers::FairPeers;
 use crate::idempotency::{self, Claim, Idempotency, RUNNING_TTL, Stored};
 use crate::journal::{Entry, Journal, Recovery};
 use crate::limits::{
@@ -176,6 +177,12 @@ impl Gateway {
         let served = Arc::new(Served { catalog, default_max_tokens: cfg.default_max_tokens });
         let http = reqwest::Client::new();
         let metrics = Arc::new(GatewayMetrics::default());
+        let fair = Arc::new(FairShare::default());
+        // With Redis, fair admission judges with every replica's figures.
+        if let Some(l) = &limiter {
+            let (conn, prefix) = l.shared();
+            FairPeers::new(conn, &prefix).spawn(Arc::clone(&fair), &io);
+        }
         let journal = match (&usage, &limiter) {
             (UsageSink::Redis { stream, .. }, Some(l)) => {
                 let (conn, prefix) = l.shared();
@@ -211,7 +218,7 @@ impl Gateway {
             drain: Arc::default(),
             per_client: InFlight::default(),
             per_tenant: InFlight::default(),
-            fair: Arc::new(FairShare::default()),
+            fair,
             usage_reads: Mutex::new(HashMap::new()),
             usage_generation: std::sync::atomic::AtomicU64::new(0),
             io,

@@ -2,8 +2,57 @@
 
 #![allow(dead_code, reason = "each test binary uses a different subset")]
 
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, ensure};
 use chrono::Utc;
+use sluice_billing::redis_conn::{RedisConn, RedisTarget};
 use sluice_billing::{FinishReason, UsageEvent};
+
+/// A private `redis-server` (the test may stop it), killed when dropped.
+pub struct RedisServer(Child);
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl RedisServer {
+    /// Starts one on `port`, keeping nothing on disk.
+    pub fn start(port: u16) -> anyhow::Result<RedisServer> {
+        Ok(RedisServer(
+            Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", ""])
+                .args(["--appendonly", "no"])
+                .stdout(Stdio::null())
+                .spawn()
+                .context("redis-server is needed for this test")?,
+        ))
+    }
+}
+
+/// A free port on the loopback.
+pub fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// A connection to the server on `port`, once it answers (10 s at most).
+pub async fn connect(port: u16) -> anyhow::Result<RedisConn> {
+    let client = RedisTarget::open(&format!("redis://127.0.0.1:{port}"))?;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match client.connect().await {
+            Ok(c) => return Ok(c),
+            Err(e) => {
+                ensure!(Instant::now() < deadline, "redis-server did not start: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
 
 /// A usage event of request `id`: 3 prompt and 2 generated tokens, ended by a stop.
 pub fn event(id: &str) -> UsageEvent {
