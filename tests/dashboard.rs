@@ -269,6 +269,14 @@ struct Expected {
     good: u64,
     ttft: Vec<f64>,
     tpot: Vec<f64>,
+    /// Records the engine timed, those good by its figures, and its figures.
+    engine_records: u64,
+    engine_good: u64,
+    engine_ttft: Vec<f64>,
+    engine_tpot: Vec<f64>,
+    engine_queue: Vec<f64>,
+    /// The misses by why, under the API's names.
+    misses: BTreeMap<String, u64>,
 }
 
 /// Nearest rank: the value at index `ceil(p/100 * n) - 1` of the sorted sample.
@@ -543,22 +551,57 @@ async fn dashboard_renders_usage_ingested_through_the_pipeline() -> anyhow::Resu
             e.cost += spec.cost;
         }
         *e.finish.entry(spec.finish.to_owned()).or_default() += 1;
+        // The engine's own timing, as `usage_event` writes it: a 2 ms queue, half the TTFT
+        // in prefill, the TPOT times the tokens in decode (over the tokens after the first).
+        let reached = spec.finish != "rejected";
+        let engine_ttft = spec.ttft.filter(|_| reached).map(|t| 2.0 + t / 2.0);
+        let engine_tpot = (reached && spec.completion > 1)
+            .then(|| spec.tpot.map(|t| t * f64::from(spec.completion)))
+            .flatten()
+            .map(|d| d / f64::from(spec.completion - 1));
         // Good: ended normally within the tier's targets (a missing figure is not judged).
         if let Some(tier) = tiers[spec.tenant] {
             let ttft_target = sluice_billing::control::tier_ttft_ms(tier).map(f64::from);
             let tpot_target = sluice_billing::control::tier_tpot_ms(tier).map(f64::from);
             let within = |v: Option<f64>, t: Option<f64>| v.zip(t).is_none_or(|(v, t)| v <= t);
             let normal = ["stop", "length", "tool_calls", "content_filter"].contains(&spec.finish);
-            e.good += u64::from(
-                normal && within(spec.ttft, ttft_target) && within(spec.tpot, tpot_target),
-            );
+            let good = normal && within(spec.ttft, ttft_target) && within(spec.tpot, tpot_target);
+            e.good += u64::from(good);
+            if engine_ttft.is_some() {
+                let by_engine =
+                    normal && within(engine_ttft, ttft_target) && within(engine_tpot, tpot_target);
+                e.engine_good += u64::from(by_engine);
+            }
+            // Why a miss missed: refused, failed, then the largest part of its TTFT (the 2 ms
+            // queue never is: prefill is half of it), then its TPOT.
+            let why = if good {
+                None
+            } else if !reached {
+                Some("refused")
+            } else if !normal {
+                Some("failed")
+            } else if !within(spec.ttft, ttft_target) {
+                Some("prefill")
+            } else {
+                Some("tpot")
+            };
+            if let Some(why) = why {
+                *e.misses.entry(why.to_owned()).or_default() += 1;
+            }
         }
         e.ttft.extend(spec.ttft);
         e.tpot.extend(spec.tpot);
+        if engine_ttft.is_some() {
+            e.engine_records += 1;
+            e.engine_queue.push(2.0);
+        }
+        e.engine_ttft.extend(engine_ttft);
+        e.engine_tpot.extend(engine_tpot);
     }
     for e in &mut expected {
-        e.ttft.sort_by(f64::total_cmp);
-        e.tpot.sort_by(f64::total_cmp);
+        for v in [&mut e.ttft, &mut e.tpot, &mut e.engine_ttft, &mut e.engine_tpot] {
+            v.sort_by(f64::total_cmp);
+        }
     }
 
     let since = rfc3339_s(now_ms / 1000 - 7 * 86_400);
@@ -601,12 +644,39 @@ async fn dashboard_renders_usage_ingested_through_the_pipeline() -> anyhow::Resu
         let attainment = latency["attainment"].as_f64();
         let want = tier.map(|_| e.good as f64 / e.records as f64);
         ensure!(attainment == want, "{tenant}: attainment {attainment:?} != {want:?}: {latency}");
-        for (metric, samples) in [("ttft_ms", &e.ttft), ("tpot_ms", &e.tpot)] {
+        let samples = [
+            ("ttft_ms", &e.ttft),
+            ("tpot_ms", &e.tpot),
+            ("engine_ttft_ms", &e.engine_ttft),
+            ("engine_tpot_ms", &e.engine_tpot),
+            ("engine_queue_ms", &e.engine_queue),
+        ];
+        for (metric, samples) in samples {
             for p in [50, 90, 99] {
                 let want = percentile(samples, p);
                 let got = latency[metric][format!("p{p}")].as_f64();
                 ensure!(got == want, "{tenant} {metric} p{p}: {got:?} != {want:?}: {latency}");
             }
+        }
+        // The engine's side: its attainment over the requests it timed, and why each miss
+        // missed.
+        ensure!(latency["engine_requests"] == e.engine_records, "{tenant}: {latency}");
+        let got = latency["engine_attainment"].as_f64();
+        let want = tier
+            .filter(|_| e.engine_records > 0)
+            .map(|_| e.engine_good as f64 / e.engine_records as f64);
+        ensure!(got == want, "{tenant}: engine attainment {got:?} != {want:?}: {latency}");
+        if tier.is_some() {
+            let names = ["refused", "failed", "engine_queue", "prefill", "outside_engine", "tpot"];
+            for name in names {
+                let want = e.misses.get(name).copied().unwrap_or(0);
+                let got = uint(&latency["misses"][name])?;
+                ensure!(got == want, "{tenant}: misses {name} {got} != {want}: {latency}");
+            }
+            let counted: u64 = e.misses.values().sum();
+            ensure!(counted == e.records - e.good, "{tenant}: {counted} misses counted");
+        } else {
+            ensure!(latency["misses"].is_null(), "{tenant}: misses without a tier: {latency}");
         }
         let mut finish = BTreeMap::new();
         for r in data["finish_reasons"].as_array().context("finish_reasons")? {
@@ -704,6 +774,38 @@ async fn dashboard_renders_usage_ingested_through_the_pipeline() -> anyhow::Resu
         let want_raw = want.map(|v| v.to_string()).unwrap_or_default();
         let want_shown = want.map_or("-".to_owned(), |v| format!("{:.1}%", 100.0 * v));
         ensure!(raw == want_raw && shown == want_shown, "{tenant} attainment {raw:?} {shown:?}");
+        // The engine's side beside it.
+        let (raw, shown) = cell(row, "engine-attainment")?;
+        let want = tier
+            .filter(|_| e.engine_records > 0)
+            .map(|_| e.engine_good as f64 / e.engine_records as f64);
+        let want_raw = want.map(|v| v.to_string()).unwrap_or_default();
+        let want_shown = want.map_or("-".to_owned(), |v| format!("{:.1}%", 100.0 * v));
+        ensure!(
+            raw == want_raw && shown == want_shown,
+            "{tenant} engine attainment {raw:?} {shown:?}"
+        );
+        let (_, shown) = cell(row, "engine-ttft-p99")?;
+        ensure!(shown == ms(percentile(&e.engine_ttft, 99)), "{tenant} engine TTFT p99 {shown:?}");
+        let (_, shown) = cell(row, "misses")?;
+        let named = [
+            ("refused", "refused"),
+            ("failed", "failed"),
+            ("prefill", "prefill"),
+            ("tpot", "TPOT"),
+        ];
+        let parts: Vec<String> = named
+            .iter()
+            .filter_map(|(k, n)| {
+                e.misses.get(*k).filter(|c| **c > 0).map(|c| format!("{n} {}", int(*c)))
+            })
+            .collect();
+        let want_shown = match (tier, parts.is_empty()) {
+            (None, _) => "-".to_owned(),
+            (Some(_), true) => "none".to_owned(),
+            (Some(_), false) => parts.join(", "),
+        };
+        ensure!(shown == want_shown, "{tenant} misses shows {shown:?}, want {want_shown:?}");
         for (metric, samples) in [("ttft", &e.ttft), ("tpot", &e.tpot)] {
             for p in [50, 90, 99] {
                 let want = percentile(samples, p);

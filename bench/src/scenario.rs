@@ -411,11 +411,15 @@ pub(crate) fn checks(s: &Scenario, m: &[Measured], over_fcfs: f64, slo: Targets)
     out
 }
 
-/// Two-gateway checks against the same scenario through one gateway: no figure more than 10%
-/// worse (a bound from above at most 1.1 times one gateway's, one from below at least 0.9
-/// times it).
+/// Two-gateway checks against the same scenario through one gateway: the quiet tenant's
+/// attainment and TTFT p99 over its value alone no more than 10% worse (at most 1.1 times one
+/// gateway's, at least 0.9 times it). Its TTFT in milliseconds is left out (each run has its
+/// own alone, against which the ratio is the figure), and so is the flood's share of the
+/// capacity left (a ratio whose scale past 1 says nothing; it has its own bound in both).
 pub(crate) fn against_one_gateway(two: &[Check], one: &[Check]) -> Vec<Check> {
+    let compared = ["quiet attainment", "quiet TTFT p99 / alone"];
     two.iter()
+        .filter(|c| compared.contains(&c.what.as_str()))
         .filter_map(|c| {
             let base = one.iter().find(|o| o.what == c.what)?;
             let what = format!("{}: two gateways' / one gateway's", c.what);
@@ -495,9 +499,8 @@ mod tests {
         let joint = against_one_gateway(&two, &one);
         let verdicts: Vec<(bool, &str)> =
             joint.iter().map(|c| (c.passes(), c.what.as_str())).collect();
-        // Attainment 0.05 lower and TTFT 6.7% higher pass; the ratio to alone, 13% higher,
-        // does not.
-        assert_eq!(joint.len(), 4, "{verdicts:?}");
+        // Attainment 0.05 lower passes; the ratio to alone, 13% higher, does not.
+        assert_eq!(joint.len(), 2, "{verdicts:?}");
         assert_eq!(joint.iter().filter(|c| !c.passes()).count(), 1, "{verdicts:?}");
         assert!(joint.iter().any(|c| !c.passes() && c.what.contains("/ alone")), "{verdicts:?}");
         Ok(())

@@ -333,7 +333,8 @@ impl Ledger {
                 });
             }
             let rows = sqlx::query(
-                "SELECT r.tenant_id, r.ttft_ms, r.tpot_ms, r.finish_reason, t.tier \
+                "SELECT r.tenant_id, r.ttft_ms, r.tpot_ms, r.finish_reason, t.tier, \
+                 r.engine_queue_ms, r.engine_prefill_ms, r.engine_decode_ms, r.completion_tokens \
                  FROM request_records r LEFT JOIN tenants t ON t.id = r.tenant_id \
                  WHERE r.arrival_at >= $1 AND r.arrival_at < $2 \
                  ORDER BY r.arrival_at DESC LIMIT 200000",
@@ -354,10 +355,13 @@ impl Ledger {
                     let tier = tier.unwrap_or_default();
                     e.targets = (tier_ttft_ms(&tier), tier_tpot_ms(&tier));
                 }
-                e.requests += 1;
-                e.good += u64::from(good(&finish, ttft, tpot, e.targets));
-                e.ttft.extend(ttft);
-                e.tpot.extend(tpot);
+                let engine = EngineTimes {
+                    queue_ms: row.try_get("engine_queue_ms")?,
+                    prefill_ms: row.try_get("engine_prefill_ms")?,
+                    decode_ms: row.try_get("engine_decode_ms")?,
+                    completion_tokens: row.try_get("completion_tokens")?,
+                };
+                e.add(&finish, ttft, tpot, engine);
             }
             (finish, samples)
         });
@@ -373,6 +377,13 @@ impl Ledger {
                     ttft_target_ms: s.targets.0,
                     tpot_target_ms: s.targets.1,
                     attainment: judged.then(|| s.good as f64 / s.requests.max(1) as f64),
+                    engine_requests: s.engine_requests,
+                    engine_ttft_ms: Percentiles::of(s.engine_ttft),
+                    engine_tpot_ms: Percentiles::of(s.engine_tpot),
+                    engine_queue_ms: Percentiles::of(s.engine_queue),
+                    engine_attainment: (judged && s.engine_requests > 0)
+                        .then(|| s.engine_good as f64 / s.engine_requests as f64),
+                    misses: judged.then_some(s.misses),
                 }
             })
             .collect();
@@ -732,6 +743,93 @@ struct Samples {
     tpot: Vec<f64>,
     /// The tier's TTFT and TPOT targets, ms.
     targets: (Option<u32>, Option<u32>),
+    /// Requests the engine timed, and those good by its own figures.
+    engine_requests: u64,
+    engine_good: u64,
+    engine_ttft: Vec<f64>,
+    engine_tpot: Vec<f64>,
+    engine_queue: Vec<f64>,
+    misses: Misses,
+}
+
+/// What the engine recorded of one request.
+#[derive(Clone, Copy, Debug, Default)]
+struct EngineTimes {
+    queue_ms: Option<f64>,
+    prefill_ms: Option<f64>,
+    decode_ms: Option<f64>,
+    completion_tokens: i64,
+}
+
+impl EngineTimes {
+    /// Arrival at the engine to its first token: queue and prefill.
+    fn ttft(&self) -> Option<f64> {
+        Some(self.queue_ms? + self.prefill_ms?)
+    }
+
+    /// The engine's decode time per token after the first.
+    fn tpot(&self) -> Option<f64> {
+        (self.completion_tokens > 1)
+            .then(|| self.decode_ms.map(|d| d / (self.completion_tokens - 1) as f64))?
+    }
+}
+
+/// A tenant's requests that missed its SLO, by why: refused at the gateway (quota, rate
+/// limit, fair share), failed (an error, a timeout, the client gone), or too slow, put down
+/// to what took the most of its time to first token (the engine's queue, its prefill, or
+/// everything outside the engine: the gateway, the network, the client) or to a TPOT over
+/// its target.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Misses {
+    pub refused: u64,
+    pub failed: u64,
+    pub engine_queue: u64,
+    pub prefill: u64,
+    pub outside_engine: u64,
+    pub tpot: u64,
+}
+
+impl Samples {
+    /// Adds one request: judged by the gateway's figures (what the client saw) and, where the
+    /// engine timed it, by the engine's own.
+    fn add(&mut self, finish: &str, ttft: Option<f64>, tpot: Option<f64>, engine: EngineTimes) {
+        self.requests += 1;
+        let is_good = good(finish, ttft, tpot, self.targets);
+        self.good += u64::from(is_good);
+        self.ttft.extend(ttft);
+        self.tpot.extend(tpot);
+        let (e_ttft, e_tpot) = (engine.ttft(), engine.tpot());
+        if e_ttft.is_some() {
+            self.engine_requests += 1;
+            self.engine_good += u64::from(good(finish, e_ttft, e_tpot, self.targets));
+            self.engine_ttft.extend(e_ttft);
+            self.engine_tpot.extend(e_tpot);
+            self.engine_queue.extend(engine.queue_ms);
+        }
+        if is_good {
+            return;
+        }
+        let over = |v: Option<f64>, t: Option<u32>| v.zip(t).is_some_and(|(v, t)| v > f64::from(t));
+        let m = &mut self.misses;
+        if finish == "rejected" {
+            m.refused += 1;
+        } else if !matches!(finish, "stop" | "length" | "tool_calls" | "content_filter") {
+            m.failed += 1;
+        } else if over(ttft, self.targets.0) {
+            let queue = engine.queue_ms.unwrap_or(0.0);
+            let prefill = engine.prefill_ms.unwrap_or(0.0);
+            let outside = ttft.unwrap_or(0.0) - queue - prefill;
+            if queue >= prefill && queue >= outside {
+                m.engine_queue += 1;
+            } else if prefill >= outside {
+                m.prefill += 1;
+            } else {
+                m.outside_engine += 1;
+            }
+        } else {
+            m.tpot += 1;
+        }
+    }
 }
 
 /// Whether a request was good (MISSION.md's SLO attainment): it ended normally and within its
@@ -796,6 +894,18 @@ pub struct LatencyRow {
     /// Good requests over all of the window's requests (refused and failed ones included), by
     /// the tier's targets; `None` when the tier has none.
     pub attainment: Option<f64>,
+    /// Requests the engine timed (those that reached one).
+    pub engine_requests: u64,
+    /// The engine's own time to first token (its queue and prefill) and time per output token.
+    pub engine_ttft_ms: Option<Percentiles>,
+    pub engine_tpot_ms: Option<Percentiles>,
+    /// The wait in the engine's queue.
+    pub engine_queue_ms: Option<Percentiles>,
+    /// Of the requests the engine timed, those good by its own figures and the tier's targets:
+    /// beside `attainment`, what the engine did against what the client saw.
+    pub engine_attainment: Option<f64>,
+    /// The requests that missed the targets, by why (`None` when the tier has none).
+    pub misses: Option<Misses>,
 }
 
 /// Totals of one tenant over the window.
@@ -834,4 +944,50 @@ pub struct Dashboard {
     pub latency: Vec<LatencyRow>,
     /// Tenants by cost, then tokens.
     pub top_tenants: Vec<TenantTotal>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn engine(queue: f64, prefill: f64, decode: f64, tokens: i64) -> EngineTimes {
+        EngineTimes {
+            queue_ms: Some(queue),
+            prefill_ms: Some(prefill),
+            decode_ms: Some(decode),
+            completion_tokens: tokens,
+        }
+    }
+
+    #[test]
+    fn misses_are_put_down_to_the_largest_part_of_a_late_first_token() {
+        let mut s = Samples { targets: (Some(1000), Some(100)), ..Samples::default() };
+        // Good: within both targets, by the gateway's figures and the engine's.
+        s.add("stop", Some(300.0), Some(50.0), engine(100.0, 150.0, 500.0, 11));
+        // Late, most of it in the engine's queue; in its prefill; outside the engine.
+        s.add("stop", Some(1500.0), Some(50.0), engine(1200.0, 200.0, 500.0, 11));
+        s.add("length", Some(1500.0), Some(50.0), engine(100.0, 1300.0, 500.0, 11));
+        s.add("stop", Some(1500.0), Some(50.0), engine(10.0, 90.0, 500.0, 11));
+        // In time, but a TPOT over its target; refused; failed.
+        s.add("stop", Some(300.0), Some(150.0), engine(10.0, 90.0, 1500.0, 11));
+        s.add("rejected", None, None, EngineTimes::default());
+        s.add("error", Some(300.0), None, engine(10.0, 90.0, 0.0, 1));
+        let want = Misses {
+            refused: 1,
+            failed: 1,
+            engine_queue: 1,
+            prefill: 1,
+            outside_engine: 1,
+            tpot: 1,
+        };
+        assert_eq!((s.requests, s.good, s.misses), (7, 1, want));
+        // The engine timed six; by its own figures the one late outside it was good (100 ms
+        // to its first token, 50 ms a token).
+        assert_eq!((s.engine_requests, s.engine_good), (6, 2));
+        assert_eq!(s.engine_queue, [100.0, 1200.0, 100.0, 10.0, 10.0, 10.0]);
+        // The engine's TPOT is over the tokens after the first; one token has none.
+        assert_eq!(s.engine_tpot, [50.0, 50.0, 50.0, 50.0, 150.0]);
+        assert_eq!(engine(1.0, 2.0, 3.0, 1).tpot(), None);
+        assert_eq!(EngineTimes { prefill_ms: None, ..engine(1.0, 2.0, 3.0, 4) }.ttft(), None);
+    }
 }
