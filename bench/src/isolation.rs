@@ -24,7 +24,8 @@ pub struct BenchIsolationArgs {
     #[command(flatten)]
     serve: BenchServeArgs,
     /// Named scenarios instead of a mix, each judged against its targets with PASS or FAIL:
-    /// decode-flood, prefill-flood, priority-flood, three-tenants, equal-floods, two-gateways
+    /// decode-flood, prefill-flood, priority-flood, three-tenants, shared-prefix (the prefix
+    /// cache's hit rate under contention), equal-floods, two-gateways
     /// (its second gateway is --failover-url), or all (comma-separated, repeatable). Each
     /// runs --duration seconds (60 when not given) per phase, with the SLO of --goodput
     /// (ttft:1000,tpot:100, the standard tier's targets, when not given).
@@ -319,6 +320,8 @@ fn measured(figures: &[TenantFigures]) -> Vec<scenario::Measured> {
             tpot_p99_ms: f.mixed.tpot_ms.p99,
             share,
             of_left,
+            hit_rate: f.mixed.prefix_hit_rate,
+            hit_rate_alone: f.alone.prefix_hit_rate,
         })
         .collect()
 }

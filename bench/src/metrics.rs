@@ -20,6 +20,8 @@ pub struct Outcome {
     pub error: Option<String>,
     /// Prompt tokens.
     pub input_len: u64,
+    /// Of them, those the server's prefix cache served (its `cached_tokens`).
+    pub cached_len: u64,
     /// Output tokens (the server's usage when given, else the events' counts).
     pub output_len: u64,
     /// Each token-carrying event: seconds since the scheduled send, and tokens it carried.
@@ -218,6 +220,9 @@ pub struct Summary {
     pub mean_in_flight: f64,
     /// ...and offered rate x mean latency; far apart means a measurement problem.
     pub littles_law_estimate: f64,
+    /// Prompt tokens the server's prefix cache served over all prompt tokens of the completed
+    /// requests (NaN without any).
+    pub prefix_hit_rate: f64,
 }
 
 /// Aggregates `outcomes` of a run offered at `offered_rate` requests per second.
@@ -228,6 +233,7 @@ pub fn summarize(outcomes: &[Outcome], offered_rate: f64, slo: Slo) -> Summary {
     let done: Vec<&Outcome> = outcomes.iter().filter(|o| o.ok).collect();
     let per_s = |x: f64| if duration > 0.0 { x / duration } else { 0.0 };
     let input: u64 = done.iter().map(|o| o.input_len).sum();
+    let cached: u64 = done.iter().map(|o| o.cached_len.min(o.input_len)).sum();
     let output: u64 = done.iter().map(|o| o.output_len).sum();
     let good = outcomes.iter().filter(|o| slo.good(o)).count();
     let good_tokens: u64 = outcomes.iter().filter(|o| slo.good(o)).map(|o| o.output_len).sum();
@@ -258,6 +264,7 @@ pub fn summarize(outcomes: &[Outcome], offered_rate: f64, slo: Slo) -> Summary {
         slo,
         mean_in_flight: per_s(busy),
         littles_law_estimate: offered_rate * mean_e2e,
+        prefix_hit_rate: if input > 0 { cached as f64 / input as f64 } else { f64::NAN },
     }
 }
 

@@ -17,19 +17,23 @@ pub(crate) struct Load {
     pub tier: &'static str,
     /// Requests per second (Poisson).
     pub rate: f64,
-    /// Prompt and output tokens.
+    /// Prompt and output tokens (with `shared-prefix`, after one of the prefixes).
     pub input: u32,
     pub output: u32,
+    /// `random` prompts, or `shared-prefix` (one of `bench serve`'s 8 prefixes of 256 tokens
+    /// before each).
+    pub workload: &'static str,
 }
 
 /// A standard tenant at a tenth of the machine's decode capacity (2-core CPU, default model).
-const QUIET: Load = Load { role: "quiet", tier: "standard", rate: 0.5, input: 128, output: 64 };
+const QUIET: Load =
+    Load { role: "quiet", tier: "standard", rate: 0.5, input: 128, output: 64, workload: "random" };
+/// The quiet tenant's load after shared prefixes, which its prefix cache should serve.
+const QUIET_SHARING: Load = Load { workload: "shared-prefix", ..QUIET };
 /// Ten times the quiet tenant's rate, of the same shape.
-const DECODE_FLOOD: Load =
-    Load { role: "decode-flood", tier: "standard", rate: 5.0, input: 128, output: 64 };
+const DECODE_FLOOD: Load = Load { role: "decode-flood", rate: 5.0, ..QUIET };
 /// Long prompts at about twice the machine's prefill capacity.
-const PREFILL_FLOOD: Load =
-    Load { role: "prefill-flood", tier: "standard", rate: 2.0, input: 1024, output: 64 };
+const PREFILL_FLOOD: Load = Load { role: "prefill-flood", rate: 2.0, input: 1024, ..QUIET };
 /// The quiet tenant's load in the enterprise tier (priority 1).
 const VIP: Load = Load { role: "vip", tier: "enterprise", ..QUIET };
 
@@ -75,6 +79,13 @@ pub(crate) fn catalog() -> Vec<Scenario> {
             "three-tenants",
             "a quiet tenant beside a decode flood and a prefill flood at once",
             &[QUIET, DECODE_FLOOD, PREFILL_FLOOD],
+            false,
+        ),
+        s(
+            "shared-prefix",
+            "a quiet tenant whose prompts share prefixes beside the prefill flood: its prefix \
+             cache keeps its hit rate",
+            &[QUIET_SHARING, PREFILL_FLOOD],
             false,
         ),
         s(
@@ -138,6 +149,7 @@ pub(crate) fn mix(s: &Scenario, keys: &Keys) -> anyhow::Result<Vec<Value>> {
                 "request_rate": t.rate,
                 "input_len": t.input.to_string(),
                 "output_len": t.output.to_string(),
+                "workload": t.workload,
             }))
         })
         .collect()
@@ -152,6 +164,7 @@ pub(crate) fn describe(s: &Scenario) -> Value {
         "tenants": s.tenants.iter().map(|t| json!({
             "role": t.role, "tenant": tenant_id(t.role), "tier": t.tier,
             "request_rate": t.rate, "input_len": t.input, "output_len": t.output,
+            "workload": t.workload,
         })).collect::<Vec<_>>(),
     })
 }
@@ -348,6 +361,9 @@ pub(crate) struct Measured {
     /// (NaN where its demand, not the capacity, bounds it).
     pub share: f64,
     pub of_left: f64,
+    /// Prompt tokens its prefix cache served, together and alone (NaN without any prompt).
+    pub hit_rate: f64,
+    pub hit_rate_alone: f64,
 }
 
 /// The SLO the attainment is judged by (milliseconds).
@@ -389,6 +405,13 @@ pub(crate) fn checks(s: &Scenario, m: &[Measured], over_fcfs: f64, slo: Targets)
         "priority-flood" => {
             if let Some(v) = by_role(VIP.role) {
                 out.push(at_most("vip TTFT p99 / alone".into(), v.ttft_p99_ratio, 1.2));
+            }
+        }
+        "shared-prefix" => {
+            if let Some(q) = quiet {
+                out.push(at_least("quiet attainment".into(), q.attainment, 0.95));
+                let what = "quiet prefix-cache hit rate together / alone";
+                out.push(at_least(what.into(), q.hit_rate / q.hit_rate_alone, 0.9));
             }
         }
         "three-tenants" => {
@@ -441,6 +464,8 @@ mod tests {
             tpot_p99_ms: 40.0,
             share: 0.5,
             of_left: f64::NAN,
+            hit_rate: 0.8,
+            hit_rate_alone: 0.8,
         }
     }
 

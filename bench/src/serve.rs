@@ -339,6 +339,12 @@ fn ramp(times: &mut [f64], ramp: f64) {
     }
 }
 
+/// The prompt tokens a server's prefix cache served, from its `usage`
+/// (`prompt_tokens_details.cached_tokens`; 0 when it does not say).
+fn cached_tokens(usage: &Value) -> u64 {
+    usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0)
+}
+
 /// One request's body: its turns as chat messages, or concatenated into one prompt.
 fn body(req: &Request, chat: bool, stream: bool, model: &str) -> Value {
     let mut b = if chat {
@@ -518,6 +524,7 @@ async fn one(
                 match serde_json::from_slice::<Value>(&b) {
                     Ok(v) => {
                         o.input_len = v["usage"]["prompt_tokens"].as_u64().unwrap_or(0);
+                        o.cached_len = cached_tokens(&v["usage"]);
                         o.output_len = v["usage"]["completion_tokens"].as_u64().unwrap_or(0);
                         extra.usage_tokens = v["usage"]["completion_tokens"].as_u64();
                         o.ok = true;
@@ -544,6 +551,7 @@ async fn one(
                     let Ok(v) = serde_json::from_str::<Value>(&data) else { continue };
                     if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
                         o.input_len = u["prompt_tokens"].as_u64().unwrap_or(0);
+                        o.cached_len = cached_tokens(u);
                         o.output_len = u["completion_tokens"].as_u64().unwrap_or(0);
                         extra.usage_tokens = u["completion_tokens"].as_u64();
                     }
@@ -1141,6 +1149,7 @@ pub(crate) fn brief(s: &Summary) -> Value {
         "median_tpot_ms": s.tpot_ms.median, "p99_tpot_ms": s.tpot_ms.p99,
         "median_e2el_ms": s.e2el_ms.median, "p99_e2el_ms": s.e2el_ms.p99,
         "slo_attainment": s.slo_attainment,
+        "prefix_hit_rate": s.prefix_hit_rate,
     })
 }
 
@@ -1148,7 +1157,7 @@ pub(crate) fn brief_line(s: &Summary) -> String {
     // An empty group's percentiles print as 0, as they did from the JSON result.
     let f = |x: f64| if x.is_finite() { x } else { 0.0 };
     format!(
-        "ok {} failed {} rejected {}  TTFT p50/p99 {:.1}/{:.1} ms  TPOT p50/p99 {:.1}/{:.1} ms  attainment {:.3}",
+        "ok {} failed {} rejected {}  TTFT p50/p99 {:.1}/{:.1} ms  TPOT p50/p99 {:.1}/{:.1} ms  attainment {:.3}  prefix hits {:.1}%",
         s.completed,
         s.failed,
         s.rejected,
@@ -1156,7 +1165,8 @@ pub(crate) fn brief_line(s: &Summary) -> String {
         f(s.ttft_ms.p99),
         f(s.tpot_ms.median),
         f(s.tpot_ms.p99),
-        f(s.slo_attainment)
+        f(s.slo_attainment),
+        100.0 * f(s.prefix_hit_rate)
     )
 }
 

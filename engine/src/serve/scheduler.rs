@@ -6,7 +6,8 @@
 //! SLO-aware batch control, with the step-time model ([`StepModel`], fitted from the engine's
 //! own steps):
 //! - **The step cap.** While requests are decoding, a step lasts at most 90% of the tightest
-//!   TPOT target in the batch (less the recent overrun of light prefills, below): prefill
+//!   TPOT target in the batch (less the recent overrun of light prefills, below, and of
+//!   the other steps past the model's plan): prefill
 //!   chunks are cut to what fits beside the decodes, in the manner of Sarathi-Serve, and a
 //!   new request is only started once the previous chunked prefill is done, so requests not
 //!   yet begun wait in the policy's fair order, not half-prefilled in the batch.
@@ -329,6 +330,10 @@ pub struct Scheduler {
     /// Recent mean, per step with requests decoding, of how far light prefills ran the step
     /// past its cap (seconds); the cap is lowered by it.
     light_excess: f64,
+    /// The same for the other steps with requests decoding: how far past the cap the model's
+    /// plan ran on this machine (its error, spikes of the device or the host); the cap is
+    /// lowered by it too, so the batch's TPOT holds whatever the model misses.
+    step_excess: f64,
     /// The cap of the step last planned, and whether it carried a light prefill.
     last_cap: Option<(f64, bool)>,
     /// The light request the last step's chunked prefills stood aside for (once each).
@@ -421,6 +426,7 @@ impl Scheduler {
             next_seq: 0,
             step_model: StepModel::default(),
             light_excess: 0.0,
+            step_excess: 0.0,
             last_cap: None,
             yielded_for: None,
             stopped: None,
@@ -863,7 +869,9 @@ impl Scheduler {
 
     /// The step cap for a TPOT target: its share within the headroom, less twice the light
     /// prefills' recent mean overrun (a request that lives through more of them than the
-    /// mean still keeps its target), and never under a quarter of the share: a cap lowered
+    /// mean still keeps its target) and twice the other steps' (a request whose steps run
+    /// over the model's plan more than the mean still keeps it), and never under a quarter
+    /// of the share: a cap lowered
     /// far below the batch's decode step would hold every admission while the batch drains,
     /// until the quiet tenant, its share counted in running places, is no longer light
     /// either. Light prefills stop while the overrun is above the whole share (every step
@@ -871,7 +879,7 @@ impl Scheduler {
     /// comes back.
     fn cap(&self, target: f64) -> f64 {
         let base = TPOT_HEADROOM * target;
-        (base - 2.0 * self.light_excess).max(base / 4.0)
+        (base - 2.0 * (self.light_excess + self.step_excess)).max(base / 4.0)
     }
 
     /// The running request to preempt: the lowest priority, then the tenant furthest above
@@ -918,8 +926,10 @@ impl Scheduler {
         if let Some((base, light)) = self.last_cap.take()
             && seconds.is_finite()
         {
-            let over = if light { (seconds - base).max(0.0) } else { 0.0 };
-            self.light_excess += LIGHT_ALPHA * (over - self.light_excess);
+            let over = (seconds - base).max(0.0);
+            let (light_over, step_over) = if light { (over, 0.0) } else { (0.0, over) };
+            self.light_excess += LIGHT_ALPHA * (light_over - self.light_excess);
+            self.step_excess += LIGHT_ALPHA * (step_over - self.step_excess);
         }
     }
 
@@ -1870,6 +1880,37 @@ mod tests {
             })
             .collect();
         assert_eq!(caps, vec![0.09, 0.07, 0.0225, 0.0225]);
+    }
+
+    #[test]
+    fn steps_running_past_the_plan_lower_the_cap_until_they_stop() {
+        let target = SeqPolicy { tpot_target: Some(0.1), ..SeqPolicy::default() };
+        let mut s = trained(64);
+        for i in 0..4 {
+            s.add_with(format!("r-{i}"), vec![1, 2, 3], tenant("t"), target);
+        }
+        let step = |s: &mut Scheduler, seconds: f64| {
+            let p = s.schedule();
+            let tokens = p.scheduled.iter().map(|w| w.len).sum();
+            s.observe_step(StepShape { tokens, context: 0 }, seconds);
+            run_step(s, &p, 5);
+        };
+        // The prefill: nothing decodes yet, so no cap judges it.
+        step(&mut s, 0.5);
+        assert_eq!((s.light_excess, s.step_excess), (0.0, 0.0));
+        // Decode steps of 0.11 s against their cap of 0.09 s, then two that keep to it: the
+        // cap comes down by twice the mean overrun, and back up as it decays.
+        let mut caps = Vec::new();
+        let mut excess = 0.0;
+        let base = TPOT_HEADROOM * 0.1;
+        for seconds in [0.11, 0.11, 0.11, 0.05, 0.05] {
+            step(&mut s, seconds);
+            excess += LIGHT_ALPHA * (f64::max(seconds - base, 0.0) - excess);
+            caps.push(s.cap(0.1));
+            assert!((s.cap(0.1) - (base - 2.0 * excess)).abs() < 1e-12, "{caps:?}");
+        }
+        assert_eq!(s.light_excess, 0.0, "no light prefill ran past a cap");
+        assert!(caps[2] < caps[1] && caps[1] < caps[0] && caps[4] > caps[3], "{caps:?}");
     }
 
     #[test]
