@@ -34,7 +34,7 @@ pub struct BenchIsolationArgs {
     /// The admin API where the scenarios' tenants (`iso-ROLE`) are created and issued keys
     /// for the run (revoked at its end); without it their keys are read from
     /// `SLUICE_KEY_ROLE` (`SLUICE_KEY_PREFILL_FLOOD`).
-    #[arg(long, env = "SLUICE_ADMIN_URL", requires = "scenario")]
+    #[arg(long, env = "SLUICE_ADMIN_URL")]
     admin_url: Option<String>,
     /// An ops token for --admin-url.
     #[arg(long, env = "SLUICE_ADMIN_TOKEN", hide_env_values = true)]
@@ -48,6 +48,9 @@ pub struct BenchIsolationArgs {
     /// The FCFS target's mix in memory (a scenario's).
     #[arg(skip)]
     fcfs_entries: Option<(String, Vec<Value>)>,
+    /// Where this comparison's prompt salts start (each phase of each round has its own).
+    #[arg(skip)]
+    salt_base: u64,
     /// A second target whose engines schedule FCFS: the mix runs there too, for the aggregate
     /// throughput of the first target's policy against FCFS in the same run.
     #[arg(long)]
@@ -144,6 +147,14 @@ pub fn run_bench_isolation(args: BenchIsolationArgs) -> anyhow::Result<()> {
     if args.rounds == 0 {
         bail!("--rounds must be at least 1");
     }
+    // Each phase's prompts get a first token of their own: the same requests alone and
+    // together, but never a prefix-cache hit on another phase's (or an earlier run's).
+    let mut args = args;
+    args.salt_base = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() % 1_000_000)
+        * 7_919;
+    let args = args;
     let result = if args.scenario.is_empty() {
         if args.serve.mix.is_none() {
             bail!("--mix (or --scenario) is required: isolation is measured between tenants");
@@ -179,7 +190,9 @@ fn rounds(args: &BenchIsolationArgs) -> anyhow::Result<(Vec<Round>, Vec<String>)
         if args.rounds > 1 {
             println!("round {} of {} ...", r + 1, args.rounds);
         }
-        rounds.push(round(args, &names, r % 2 == 1)?);
+        let mut a = args.clone();
+        a.salt_base = args.salt_base + 100 * r as u64;
+        rounds.push(round(&a, &names, r % 2 == 1)?);
     }
     Ok((rounds, names))
 }
@@ -245,9 +258,10 @@ fn scenarios_with(
         tpot_ms: slo.tpot_ms.unwrap_or(f64::INFINITY),
     };
     let mut done: Vec<(&scenario::Scenario, Vec<scenario::Check>, Value)> = Vec::new();
-    for s in scenarios {
+    for (k, s) in scenarios.iter().enumerate() {
         println!("\n=== scenario {}: {} ===", s.name, s.about);
         let mut a = args.clone();
+        a.salt_base = args.salt_base + 1000 * k as u64;
         a.serve.mix_entries = Some((format!("scenario {}", s.name), scenario::mix(s, keys)?));
         a.serve.goodput = Some(goodput.clone());
         a.serve.duration = Some(args.serve.duration.unwrap_or(60.0));
@@ -265,10 +279,14 @@ fn scenarios_with(
             .map(|r| scenario::checks(s, &measured(&r.figures), r.over_fcfs(), targets))
             .collect();
         let mut checks = median_checks(&per_round);
-        if s.two_gateways
-            && let Some((_, one, _)) = done.iter().find(|(d, _, _)| d.name == "prefill-flood")
-        {
-            checks.extend(scenario::against_one_gateway(&checks, one));
+        if s.two_gateways {
+            match done.iter().find(|(d, _, _)| d.name == "prefill-flood") {
+                Some((_, one, _)) => checks.extend(scenario::against_one_gateway(&checks, one)),
+                None => println!(
+                    "\n(two-gateways is set against one gateway only when prefill-flood runs \
+                     before it in the same command)"
+                ),
+            }
         }
         println!("\nscenario {}: {}", s.name, verdict(&checks));
         for c in &checks {
@@ -422,7 +440,9 @@ fn round(args: &BenchIsolationArgs, names: &[String], mixed_first: bool) -> anyh
         let mut alone = Vec::new();
         for (i, name) in names.iter().enumerate() {
             println!("{name} alone ...");
-            let run = measure_tenants(&base, Some(i), true)
+            let mut alone_args = base.clone();
+            alone_args.prompt_salt = Some(args.salt_base + 2 + i as u64);
+            let run = measure_tenants(&alone_args, Some(i), true)
                 .with_context(|| format!("running {name} alone"))?;
             println!("  {}", brief_line(&run.summary));
             alone.push(run.summary);
@@ -431,12 +451,15 @@ fn round(args: &BenchIsolationArgs, names: &[String], mixed_first: bool) -> anyh
     };
     let run_mixed = || -> anyhow::Result<_> {
         println!("all together ...");
-        let mixed = measure_tenants(&base, None, true).context("running the mix")?;
+        let mut mixed_args = base.clone();
+        mixed_args.prompt_salt = Some(args.salt_base);
+        let mixed = measure_tenants(&mixed_args, None, true).context("running the mix")?;
         let fcfs = match &args.fcfs_url {
             Some(url) => {
                 println!("all together against the FCFS target {url} ...");
                 let mut a = base.clone();
                 a.base_url = url.clone();
+                a.prompt_salt = Some(args.salt_base + 1);
                 if let Some(entries) = &args.fcfs_entries {
                     a.mix_entries = Some(entries.clone());
                 }

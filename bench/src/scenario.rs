@@ -233,9 +233,17 @@ impl Keys {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
         let client = reqwest::Client::new();
         for r in &roles {
-            let (id, secret) = rt
+            let provisioned = rt
                 .block_on(provision(&client, &admin, &tenant_id(r.role), r.tier))
-                .with_context(|| format!("creating the scenario tenant {}", tenant_id(r.role)))?;
+                .with_context(|| format!("creating the scenario tenant {}", tenant_id(r.role)));
+            let (id, secret) = match provisioned {
+                Ok(issued) => issued,
+                Err(e) => {
+                    // The keys issued so far are not left behind.
+                    keys.revoke();
+                    return Err(e);
+                }
+            };
             let revoke = Some((tenant_id(r.role), id));
             keys.keys.push(Issued { role: r.role.to_owned(), secret, revoke });
         }
@@ -252,7 +260,8 @@ impl Keys {
         let client = reqwest::Client::new();
         for k in &self.keys {
             let Some((tenant, id)) = &k.revoke else { continue };
-            let url = format!("{}/v1/tenants/{tenant}/keys/{id}/revoke", admin.url);
+            let base = admin.url.trim_end_matches('/');
+            let url = format!("{base}/v1/tenants/{tenant}/keys/{id}/revoke");
             let sent = rt.block_on(client.post(&url).bearer_auth(&admin.token).send());
             match sent {
                 Ok(r) if r.status().is_success() => {}

@@ -84,6 +84,10 @@ pub struct BenchServeArgs {
     /// is, under the label `scenario NAME`.
     #[arg(skip)]
     pub(crate) mix_entries: Option<(String, Vec<Value>)>,
+    /// Makes the prompts' first tokens this run's own ([`crate::workload::salt`]): the phases
+    /// of an isolation run offer the same requests without hitting each other's prefix cache.
+    #[arg(skip)]
+    pub(crate) prompt_salt: Option<u64>,
     /// Requests sent one at a time before the window, and left out of every figure.
     #[arg(long, default_value_t = 0)]
     warmup: usize,
@@ -833,7 +837,10 @@ pub fn measure_tenants(
         let seed = args.seed ^ (*index as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         let mut times = schedule(Arrival::Gamma { burstiness: t.burstiness }, t.rate, t.num, seed);
         ramp(&mut times, args.ramp_up);
-        let reqs = generate(&t.workload, t.num, &t.input, &t.output, chat, seed ^ 0x5eed);
+        let mut reqs = generate(&t.workload, t.num, &t.input, &t.output, chat, seed ^ 0x5eed);
+        if let Some(s) = args.prompt_salt {
+            crate::workload::salt(&mut reqs, s);
+        }
         schedules.push(times.clone());
         plan.extend(times.into_iter().zip(reqs).map(|(at, req)| Planned { tenant: i, at, req }));
     }
@@ -1157,7 +1164,7 @@ pub(crate) fn brief_line(s: &Summary) -> String {
     // An empty group's percentiles print as 0, as they did from the JSON result.
     let f = |x: f64| if x.is_finite() { x } else { 0.0 };
     format!(
-        "ok {} failed {} rejected {}  TTFT p50/p99 {:.1}/{:.1} ms  TPOT p50/p99 {:.1}/{:.1} ms  attainment {:.3}  prefix hits {:.1}%",
+        "ok {} failed {} rejected {}  TTFT p50/p99 {:.1}/{:.1} ms  TPOT p50/p99 {:.1}/{:.1} ms  attainment {:.3}  prefix hits {}",
         s.completed,
         s.failed,
         s.rejected,
@@ -1166,7 +1173,11 @@ pub(crate) fn brief_line(s: &Summary) -> String {
         f(s.tpot_ms.median),
         f(s.tpot_ms.p99),
         f(s.slo_attainment),
-        100.0 * f(s.prefix_hit_rate)
+        if s.prefix_hit_rate.is_finite() {
+            format!("{:.1}%", 100.0 * s.prefix_hit_rate)
+        } else {
+            "-".to_owned()
+        }
     )
 }
 

@@ -167,6 +167,26 @@ fn random_content(rng: &mut Rng, n: usize, text: bool) -> Content {
     }
 }
 
+/// Gives `reqs` a first token (a first word) of their own for `salt`: the same first token
+/// stays the same within one salt (prompts that share a prefix still share it) and differs
+/// between salts, so runs with different salts never hit each other's prefix cache.
+pub fn salt(reqs: &mut [Request], salt: u64) {
+    for r in reqs {
+        match r.turns.first_mut() {
+            Some(Content::Tokens(t)) => {
+                if let Some(first) = t.first_mut() {
+                    *first = 1000 + (first.saturating_sub(1000) + salt) % 20_000;
+                }
+            }
+            Some(Content::Text(x)) => {
+                let word = WORDS[(salt % WORDS.len() as u64) as usize];
+                *x = format!("{word}{} {x}", salt / WORDS.len() as u64);
+            }
+            None => {}
+        }
+    }
+}
+
 fn concat(a: &Content, b: &Content) -> Content {
     match (a, b) {
         (Content::Tokens(x), Content::Tokens(y)) => {
@@ -261,6 +281,36 @@ pub fn generate(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn salts_keep_shared_prefixes_within_a_run_and_part_runs() {
+        let w = Workload::SharedPrefix { prefixes: 2, prefix_len: 8 };
+        let lens = |n| Lengths::Fixed(n);
+        let base = generate(&w, 6, &lens(4), &lens(2), false, 7);
+        let first = |r: &Request| match r.turns.first() {
+            Some(Content::Tokens(t)) => t.first().copied(),
+            _ => None,
+        };
+        let mut a = base.clone();
+        salt(&mut a, 1);
+        let mut b = base.clone();
+        salt(&mut b, 2);
+        for ((x, y), z) in base.iter().zip(&a).zip(&b) {
+            // Only the first token moves, to one of the salt's own.
+            assert_ne!(first(x), first(y));
+            assert_ne!(first(y), first(z));
+            assert!(first(y).is_some_and(|t| (1000..21_000).contains(&t)));
+            if let (Some(Content::Tokens(p)), Some(Content::Tokens(q))) =
+                (x.turns.first(), y.turns.first())
+            {
+                assert_eq!((p.len(), &p[1..]), (q.len(), &q[1..]));
+            }
+        }
+        // Two requests of one prefix still share their first token after salting.
+        for (i, j) in [(0, 1), (0, 2), (1, 2), (2, 3)] {
+            assert_eq!(first(&base[i]) == first(&base[j]), first(&a[i]) == first(&a[j]));
+        }
+    }
+
     use super::*;
 
     #[test]

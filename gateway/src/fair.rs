@@ -279,7 +279,8 @@ impl FairShare {
     }
 
     /// Whether `n` more sequences of `tenant` (`weight`) would hold more than its weighted
-    /// share of every sequence this gateway has in flight, theirs included. A tenant alone
+    /// share of every sequence in flight (at every replica whose figures are fresh), theirs
+    /// included. A tenant alone
     /// holds all of it; beside others, one that floods the engines' queues is past its share
     /// and one that sends a request now and then is not, so a full queue turns away the
     /// flood, not everyone.
@@ -484,13 +485,16 @@ mod tests {
         // The others' figures gone (Redis down), a replica judges by its own again.
         b.set_peers(None);
         assert_eq!((b.in_flight_everywhere("flood"), b.peer_replicas()), (14, 0));
-        // Tokens served elsewhere count: the quiet tenant served a tenth of the tokens at a
-        // is under its share at b too.
+        // Tokens served at a are published with its requests in flight, and counted at b.
         a.used("quiet", 100);
         a.used("flood", 900);
         let published = a.published();
         assert_eq!(published["quiet"].in_flight, 1);
         assert!((published["flood"].tokens - 900.0).abs() < 1.0, "{published:?}");
+        b.set_peers(Some(peers_of(&a)));
+        let at_b = b.state.lock().map(|s| s.standing("quiet", Instant::now())).ok();
+        let (served, all) = at_b.map_or((0.0, 0.0), |st| (st.served, st.all_served));
+        assert!((served - 100.0).abs() < 1.0 && (all - 1000.0).abs() < 2.0, "{served} {all}");
         Ok(())
     }
 

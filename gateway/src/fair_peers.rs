@@ -23,6 +23,9 @@ pub const SYNC_EVERY: Duration = Duration::from_millis(100);
 /// How long a replica's figures stand without being rewritten.
 const PUBLISHED_FOR: Duration = Duration::from_millis(1500);
 
+/// How long the set of replicas stands once none of them writes (every exchange renews it).
+const MEMBERS_FOR: Duration = Duration::from_secs(60);
+
 /// One replica's part in the exchange.
 #[derive(Clone, Debug)]
 pub struct FairPeers {
@@ -62,6 +65,10 @@ impl FairPeers {
             .arg(self.members_key())
             .arg(&self.id)
             .ignore()
+            .cmd("PEXPIRE")
+            .arg(self.members_key())
+            .arg(MEMBERS_FOR.as_millis() as u64)
+            .ignore()
             .cmd("SMEMBERS")
             .arg(self.members_key());
         let (members,): (Vec<String>,) = timed(publish.query_async(&mut conn)).await?;
@@ -78,10 +85,12 @@ impl FairPeers {
             let parsed = value.as_deref().map(serde_json::from_str::<HashMap<String, Published>>);
             match parsed {
                 Some(Ok(replica)) => peers.add(&replica),
-                // Expired: the replica stopped. Unreadable: not one of ours; skipped.
+                // Expired: the replica stopped.
                 None => gone.push(id.as_str()),
+                // Unreadable: not one of ours (another version's); skipped and forgotten.
                 Some(Err(e)) => {
-                    tracing::warn!(replica = %id, error = %e, "unreadable fair-share figures")
+                    tracing::warn!(replica = %id, error = %e, "unreadable fair-share figures");
+                    gone.push(id.as_str());
                 }
             }
         }

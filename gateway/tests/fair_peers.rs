@@ -120,6 +120,11 @@ async fn two_replicas_judge_a_split_flood_as_one_and_alone_without_redis() -> an
     ensure!(
         b.fair.in_flight_everywhere("flood") == 21 && b.fair.in_flight_everywhere("quiet") == 1
     );
+    // b's own flood requests end: alone it would admit the flood again, but a still holds
+    // the flood's 7 beside the quiet tenant's request, and b sees them.
+    alone.truncate(at_a);
+    ensure!(a.exchange().await && b.exchange().await);
+    ensure!(b.fair.in_flight("flood") == 0 && b.fair.in_flight_everywhere("flood") == 7);
     ensure!(b.admit("flood").is_none(), "b admits past the flood's share of both");
     drop(quiet);
     Ok(())

@@ -7,7 +7,7 @@
 //! own steps):
 //! - **The step cap.** While requests are decoding, a step lasts at most 90% of the tightest
 //!   TPOT target in the batch (less the recent overrun of light prefills, below, and of
-//!   the other steps past the model's plan): prefill
+//!   the other steps past it): prefill
 //!   chunks are cut to what fits beside the decodes, in the manner of Sarathi-Serve, and a
 //!   new request is only started once the previous chunked prefill is done, so requests not
 //!   yet begun wait in the policy's fair order, not half-prefilled in the batch.
@@ -330,9 +330,10 @@ pub struct Scheduler {
     /// Recent mean, per step with requests decoding, of how far light prefills ran the step
     /// past its cap (seconds); the cap is lowered by it.
     light_excess: f64,
-    /// The same for the other steps with requests decoding: how far past the cap the model's
-    /// plan ran on this machine (its error, spikes of the device or the host); the cap is
-    /// lowered by it too, so the batch's TPOT holds whatever the model misses.
+    /// The same for the other steps with requests decoding: how far they ran past the cap
+    /// they were planned to (the model's error, spikes of the device or the host, a batch
+    /// admitted under a looser target); the cap is lowered by it too, so the batch's TPOT
+    /// holds whatever the plan misses.
     step_excess: f64,
     /// The cap of the step last planned, and whether it carried a light prefill.
     last_cap: Option<(f64, bool)>,
@@ -870,7 +871,7 @@ impl Scheduler {
     /// The step cap for a TPOT target: its share within the headroom, less twice the light
     /// prefills' recent mean overrun (a request that lives through more of them than the
     /// mean still keeps its target) and twice the other steps' (a request whose steps run
-    /// over the model's plan more than the mean still keeps it), and never under a quarter
+    /// past the cap more than the mean still keeps it), and never under a quarter
     /// of the share: a cap lowered
     /// far below the batch's decode step would hold every admission while the batch drains,
     /// until the quiet tenant, its share counted in running places, is no longer light
