@@ -769,8 +769,8 @@ impl EngineTimes {
 
     /// The engine's decode time per token after the first.
     fn tpot(&self) -> Option<f64> {
-        (self.completion_tokens > 1)
-            .then(|| self.decode_ms.map(|d| d / (self.completion_tokens - 1) as f64))?
+        let after_first = self.completion_tokens.checked_sub(1).filter(|n| *n > 0)?;
+        Some(self.decode_ms? / after_first as f64)
     }
 }
 

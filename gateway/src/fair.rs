@@ -42,16 +42,23 @@ pub struct Peers {
     pub tenants: HashMap<String, Published>,
     /// The replicas read, this one not counted.
     pub replicas: usize,
+    /// Sequences in flight and tokens served over every tenant, summed as they are added
+    /// (each admission reads them; the peers change ten times a second).
+    in_flight: u64,
+    tokens: f64,
 }
 
 impl Peers {
     /// Adds one replica's published tenants.
     pub fn add(&mut self, replica: &HashMap<String, Published>) {
         for (tenant, p) in replica {
+            let tokens = if p.tokens.is_finite() { p.tokens.max(0.0) } else { 0.0 };
             let e = self.tenants.entry(tenant.clone()).or_default();
             e.in_flight += p.in_flight;
             e.weight = e.weight.max(p.weight);
-            e.tokens += if p.tokens.is_finite() { p.tokens.max(0.0) } else { 0.0 };
+            e.tokens += tokens;
+            self.in_flight += p.in_flight;
+            self.tokens += tokens;
         }
         self.replicas += 1;
     }
@@ -113,10 +120,7 @@ impl State {
             *w = (*w).max(p.weight);
         }
         let own_tokens = |t: &str| self.tokens.get(t).map_or(0.0, |&(c, at)| decayed(c, at, now));
-        let peers_in_flight: u64 =
-            peers.iter().flat_map(|p| p.tenants.values()).map(|p| p.in_flight).sum();
-        let peers_tokens: f64 =
-            peers.iter().flat_map(|p| p.tenants.values()).map(|p| p.tokens).sum();
+        let (peers_in_flight, peers_tokens) = peers.map_or((0, 0.0), |p| (p.in_flight, p.tokens));
         Standing {
             in_flight: self.tenants.get(tenant).map_or(0, |t| t.in_flight) + peer(tenant).in_flight,
             all_in_flight: self.tenants.values().map(|t| t.in_flight).sum::<u64>()
