@@ -499,7 +499,9 @@ pub fn load_weights(
     config.tied_embeddings = output.is_none();
     let c = &config;
     let norm = require_vector(src, &names.norm, c.hidden)?;
-    let mut layers = Vec::with_capacity(c.layers);
+    // The layer count is the file's word until each layer's tensors are found: a damaged
+    // count must fail on a missing tensor, not reserve memory for it.
+    let mut layers = Vec::new();
     let gemma = c.gemma.is_some();
     let gemma_norm = |name: String, n: usize| -> Result<Option<Vec<f32>>> {
         if gemma { require_vector(src, &name, n).map(Some) } else { Ok(None) }
