@@ -79,9 +79,11 @@ fn ratio(mixed: f64, alone: f64) -> f64 {
     if mixed.is_finite() && alone.is_finite() && alone != 0.0 { mixed / alone } else { f64::NAN }
 }
 
-/// Output tokens per second the tenant was served.
+/// Tokens per second the tenant was served, prompt and output alike: a flood of long
+/// prompts is served its prompts (counting output alone, its capacity would look like a
+/// trickle beside a quiet tenant's answers).
 fn served(s: &Summary) -> f64 {
-    s.output_throughput
+    s.total_token_throughput
 }
 
 /// A tenant's figures together over alone (NaN, written as null, where undefined).
@@ -107,7 +109,7 @@ impl TenantFigures {
     }
 }
 
-/// Each tenant's share of the output tokens served together, and for the tenant that was
+/// Each tenant's share of the tokens served together, and for the tenant that was
 /// served the most alone (the one that shows the target's capacity, as far as this load can)
 /// what it got of the capacity the others left it: that capacity less what the others were
 /// served together. NaN for the other tenants: their demand, not the capacity, bounds them.
@@ -543,8 +545,8 @@ fn round(args: &BenchIsolationArgs, names: &[String], mixed_first: bool) -> anyh
 mod tests {
     use super::*;
 
-    fn summary(output_tps: f64) -> Summary {
-        Summary { output_throughput: output_tps, ..Summary::default() }
+    fn summary(tps: f64) -> Summary {
+        Summary { total_token_throughput: tps, ..Summary::default() }
     }
 
     #[test]

@@ -366,7 +366,7 @@ pub(crate) struct Measured {
     pub ttft_p99_ratio: f64,
     /// TPOT p99 together, milliseconds.
     pub tpot_p99_ms: f64,
-    /// Share of the output tokens served together, and of the capacity the others left
+    /// Share of the tokens (prompt and output) served together, and of the capacity the others left
     /// (NaN where its demand, not the capacity, bounds it).
     pub share: f64,
     pub of_left: f64,

@@ -6,7 +6,11 @@
 //!
 //! Places alone misjudge a quiet tenant whose requests live long (the batch runs at its TPOT
 //! target): beside other tenants, one whose share of the tokens served recently is well
-//! below its weighted share is admitted up to twice its share of the places.
+//! below its weighted share is admitted up to twice its share of the places. And one with no
+//! request of its own still waiting for a first token, not past its weighted share of the
+//! tokens served, is always admitted: its request waits behind nobody of its own, and the
+//! engines' fair order runs it before a tenant past its share (a flood of long prompts holds
+//! few places but most of the tokens, so places alone would turn the quiet tenant away).
 //!
 //! The engines' VTC order and batch control serve each tenant its share of the places; this
 //! keeps a tenant's excess out of their queues, where it would only wait. With Redis the
@@ -23,6 +27,9 @@ use std::time::{Duration, Instant};
 #[derive(Debug, Default)]
 struct Tenant {
     in_flight: u64,
+    /// Of those, admitted and not yet streaming a token (not counted: answers that are not
+    /// streamed, whose first token the gateway does not see).
+    waiting: u64,
     weight: u64,
 }
 
@@ -31,6 +38,9 @@ struct Tenant {
 #[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Published {
     pub in_flight: u64,
+    /// Of those, waiting for their first token (absent from an older replica: none).
+    #[serde(default)]
+    pub waiting: u64,
     pub weight: u64,
     pub tokens: f64,
 }
@@ -55,6 +65,7 @@ impl Peers {
             let tokens = if p.tokens.is_finite() { p.tokens.max(0.0) } else { 0.0 };
             let e = self.tenants.entry(tenant.clone()).or_default();
             e.in_flight += p.in_flight;
+            e.waiting += p.waiting;
             e.weight = e.weight.max(p.weight);
             e.tokens += tokens;
             self.in_flight += p.in_flight;
@@ -72,6 +83,7 @@ pub const PEERS_STALE: Duration = Duration::from_secs(1);
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 struct Standing {
     in_flight: u64,
+    waiting: u64,
     all_in_flight: u64,
     /// The weights of the other tenants with sequences in flight.
     others_weight: u64,
@@ -123,6 +135,7 @@ impl State {
         let (peers_in_flight, peers_tokens) = peers.map_or((0, 0.0), |p| (p.in_flight, p.tokens));
         Standing {
             in_flight: self.tenants.get(tenant).map_or(0, |t| t.in_flight) + peer(tenant).in_flight,
+            waiting: self.tenants.get(tenant).map_or(0, |t| t.waiting) + peer(tenant).waiting,
             all_in_flight: self.tenants.values().map(|t| t.in_flight).sum::<u64>()
                 + peers_in_flight,
             others_weight: weights.iter().filter(|(t, _)| **t != tenant).map(|(_, w)| w).sum(),
@@ -151,6 +164,21 @@ pub struct Slot {
     fair: Arc<FairShare>,
     tenant: String,
     places: u64,
+    /// Whether its first token went out (it no longer waits).
+    started: bool,
+}
+
+impl Slot {
+    /// The request's first token went out: it no longer waits in its tenant's queue.
+    pub fn start(&mut self) {
+        if std::mem::replace(&mut self.started, true) {
+            return;
+        }
+        let Ok(mut s) = self.fair.state.lock() else { return };
+        if let Some(t) = s.tenants.get_mut(&self.tenant) {
+            t.waiting = t.waiting.saturating_sub(self.places);
+        }
+    }
 }
 
 impl Drop for Slot {
@@ -158,6 +186,9 @@ impl Drop for Slot {
         let Ok(mut s) = self.fair.state.lock() else { return };
         if let Some(t) = s.tenants.get_mut(&self.tenant) {
             t.in_flight = t.in_flight.saturating_sub(self.places);
+            if !self.started {
+                t.waiting = t.waiting.saturating_sub(self.places);
+            }
             if t.in_flight == 0 {
                 s.tenants.remove(&self.tenant);
             }
@@ -170,6 +201,8 @@ impl Drop for Slot {
 pub struct Judged {
     /// The tenant's sequences in flight, before this request's.
     pub in_flight: u64,
+    /// Of those, the ones still waiting for a first token.
+    pub waiting: u64,
     /// This request's sequences (its `n`).
     pub wanted: u64,
     /// Every tenant's sequences in flight, before this request's.
@@ -193,16 +226,21 @@ pub struct Judged {
 /// The rule, pure: admitted (`None`) within the tenant's share of the places; beside other
 /// tenants, within its share of all the sequences in flight too (one holding no more than its
 /// share of the queue is never the one to turn away, however the places the engines report
-/// move); or, beside others, up to twice its share of the places while its share of the
-/// tokens served recently is well below its weighted share; or past those while the requests
-/// ahead of this one in the tenant's own queue can start within the target; else the time
-/// after which trying again can succeed.
+/// move); or, beside others, with none of its own waiting for a first token while its share
+/// of the tokens served recently is within its weighted share; or, beside others, up to twice
+/// its share of the places while its share of the tokens served is well below its weighted
+/// share; or past those while the requests ahead of this one in the tenant's own queue can
+/// start within the target; else the time after which trying again can succeed.
 pub fn judge(j: Judged) -> Option<Duration> {
     let of = |total: u64| total as f64 * j.weight as f64 / j.active_weight.max(1) as f64;
     let share = of(j.places).max(1.0);
     let position = (j.in_flight + j.wanted.max(1)) as f64;
     let others = j.active_weight > j.weight;
     if position <= share || (others && position <= of(j.all_in_flight + j.wanted.max(1))) {
+        return None;
+    }
+    let within_tokens = j.served * (j.active_weight as f64) <= j.all_served * j.weight as f64;
+    if others && j.waiting == 0 && within_tokens {
         return None;
     }
     let served_little = j.all_served > 0.0
@@ -229,7 +267,8 @@ impl FairShare {
         places: Option<u64>,
     ) -> Result<Slot, Duration> {
         let n = n.max(1);
-        let slot = || Slot { fair: Arc::clone(self), tenant: tenant.to_owned(), places: n };
+        let slot =
+            || Slot { fair: Arc::clone(self), tenant: tenant.to_owned(), places: n, started: false };
         let Ok(mut s) = self.state.lock() else {
             // A poisoned count refuses nobody.
             return Ok(slot());
@@ -239,6 +278,7 @@ impl FairShare {
             let st = s.standing(tenant, Instant::now());
             let j = Judged {
                 in_flight: st.in_flight,
+                waiting: st.waiting,
                 wanted: n,
                 all_in_flight: st.all_in_flight,
                 weight,
@@ -256,6 +296,7 @@ impl FairShare {
         }
         let t = s.tenants.entry(tenant.to_owned()).or_default();
         t.in_flight += n;
+        t.waiting += n;
         t.weight = weight;
         Ok(slot())
     }
@@ -319,7 +360,13 @@ impl FairShare {
             .tenants
             .iter()
             .map(|(t, v)| {
-                (t.clone(), Published { in_flight: v.in_flight, weight: v.weight, tokens: 0.0 })
+                let p = Published {
+                    in_flight: v.in_flight,
+                    waiting: v.waiting,
+                    weight: v.weight,
+                    tokens: 0.0,
+                };
+                (t.clone(), p)
             })
             .collect();
         for (t, &(c, at)) in &s.tokens {
@@ -350,6 +397,7 @@ mod tests {
     fn j(in_flight: u64, weight: u64, active_weight: u64) -> Judged {
         Judged {
             in_flight,
+            waiting: in_flight,
             wanted: 1,
             all_in_flight: in_flight,
             weight,
@@ -398,6 +446,47 @@ mod tests {
         assert!(judge(little(9, 400.0)).is_some(), "not well below its share");
         // Alone, the tokens served say nothing.
         assert!(judge(Judged { served: 0.0, all_served: 1000.0, ..j(15, 1, 1) }).is_some());
+    }
+
+    #[test]
+    fn a_tenant_with_nothing_waiting_within_its_tokens_is_admitted() {
+        // As measured beside a flood of 1,024-token prompts: the engines run 2 places, the
+        // quiet tenant (weight 2 of 4) has 2 requests decoding, the flood 2 prefilling, and
+        // the quiet tenant was served 16% of the tokens of late.
+        let quiet = Judged {
+            in_flight: 2,
+            waiting: 0,
+            all_in_flight: 4,
+            places: 2,
+            served: 730.0,
+            all_served: 4489.0,
+            ..j(2, 2, 4)
+        };
+        assert_eq!(judge(quiet), None);
+        // With one of its own still waiting for a first token, the places judge it.
+        assert!(judge(Judged { waiting: 1, ..quiet }).is_some());
+        // Past its share of the tokens (60% against 50%), nothing waiting does not help.
+        assert!(judge(Judged { served: 2700.0, ..quiet }).is_some());
+        // Alone, a tenant is judged by the places.
+        assert!(judge(Judged { active_weight: 2, ..quiet }).is_some());
+    }
+
+    #[test]
+    fn a_request_waits_until_its_first_token() -> Result<(), Duration> {
+        let fair = Arc::new(FairShare::default());
+        let target = Some(Duration::from_secs(1));
+        let waiting = |f: &FairShare| f.published().get("t").map_or(0, |p| p.waiting);
+        let mut a = fair.admit("t", 1, 2, target, None)?;
+        let b = fair.admit("t", 1, 1, target, None)?;
+        assert_eq!(waiting(&fair), 3);
+        a.start();
+        a.start();
+        assert_eq!(waiting(&fair), 1, "two choices started, once");
+        drop(b);
+        assert_eq!(waiting(&fair), 0, "an answer that ends unstarted waits no more");
+        drop(a);
+        assert_eq!(fair.in_flight("t"), 0);
+        Ok(())
     }
 
     #[test]

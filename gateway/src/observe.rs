@@ -95,6 +95,11 @@ impl StreamObserver {
         self.events.push(ms(now.saturating_duration_since(self.arrival)), carried);
     }
 
+    /// Whether a token went by already.
+    pub fn started(&self) -> bool {
+        !self.events.0.is_empty()
+    }
+
     /// Whether `[DONE]` went by already.
     pub fn done(&self) -> bool {
         self.out.done

@@ -1849,7 +1849,15 @@ impl Gateway {
             }
             let now = Instant::now();
             match &mut ctx.observer {
-                Some(o) => o.on_bytes(b, now),
+                Some(o) => {
+                    o.on_bytes(b, now);
+                    // Its first token is out: it no longer waits in its tenant's queue.
+                    if o.started()
+                        && let Some(slot) = &mut ctx.fair_slot
+                    {
+                        slot.start();
+                    }
+                }
                 None if ctx.response_body.len() < 16 << 20 => {
                     ctx.response_body.extend_from_slice(b)
                 }
