@@ -6,11 +6,12 @@
 //!
 //! Places alone misjudge a quiet tenant whose requests live long (the batch runs at its TPOT
 //! target): beside other tenants, one whose share of the tokens served recently is well
-//! below its weighted share is admitted up to twice its share of the places. And one with no
-//! request of its own still waiting for a first token, not past its weighted share of the
-//! tokens served, is always admitted: its request waits behind nobody of its own, and the
-//! engines' fair order runs it before a tenant past its share (a flood of long prompts holds
-//! few places but most of the tokens, so places alone would turn the quiet tenant away).
+//! below its weighted share is admitted up to twice its share of the places, in flight or
+//! waiting for a first token: the engines' fair order runs its requests before a tenant past
+//! its share, so those that already stream hold places but keep nobody waiting (a flood of
+//! long prompts holds few places but most of the tokens, so places alone would turn the
+//! quiet tenant away). One within its weighted share of the tokens is admitted while its own
+//! requests waiting for a first token are within its share of the places.
 //!
 //! The engines' VTC order and batch control serve each tenant its share of the places; this
 //! keeps a tenant's excess out of their queues, where it would only wait. With Redis the
@@ -226,10 +227,11 @@ pub struct Judged {
 /// The rule, pure: admitted (`None`) within the tenant's share of the places; beside other
 /// tenants, within its share of all the sequences in flight too (one holding no more than its
 /// share of the queue is never the one to turn away, however the places the engines report
-/// move); or, beside others, with none of its own waiting for a first token while its share
-/// of the tokens served recently is within its weighted share; or, beside others, up to twice
-/// its share of the places while its share of the tokens served is well below its weighted
-/// share; or past those while the requests ahead of this one in the tenant's own queue can
+/// move); or, beside others, while its share of the tokens served recently is within its
+/// weighted share and its requests waiting for a first token, this one's included, are within
+/// its share of the places; or, beside others, while its share of the tokens served is well
+/// below its weighted share and either its requests in flight or those waiting for a first
+/// token are within twice its share of the places; or past those while the requests ahead of this one in the tenant's own queue can
 /// start within the target; else the time after which trying again can succeed.
 pub fn judge(j: Judged) -> Option<Duration> {
     let of = |total: u64| total as f64 * j.weight as f64 / j.active_weight.max(1) as f64;
@@ -239,13 +241,14 @@ pub fn judge(j: Judged) -> Option<Duration> {
     if position <= share || (others && position <= of(j.all_in_flight + j.wanted.max(1))) {
         return None;
     }
-    let within_tokens = j.served * (j.active_weight as f64) <= j.all_served * j.weight as f64;
-    if others && j.waiting == 0 && within_tokens {
-        return None;
-    }
+    let within_tokens =
+        j.all_served > 0.0 && j.served * (j.active_weight as f64) <= j.all_served * j.weight as f64;
     let served_little = j.all_served > 0.0
         && j.served * (j.active_weight as f64) < LIGHT_SHARE * j.all_served * j.weight as f64;
-    if others && served_little && position <= 2.0 * share {
+    // Its own requests waiting for a first token, this one's included.
+    let queue = (j.waiting + j.wanted.max(1)) as f64;
+    let bound = if served_little { 2.0 * share } else { share };
+    if others && within_tokens && (queue <= bound || served_little && position <= bound) {
         return None;
     }
     // Its places turn over once per service time: the queue past the share starts at that rate.
@@ -267,8 +270,12 @@ impl FairShare {
         places: Option<u64>,
     ) -> Result<Slot, Duration> {
         let n = n.max(1);
-        let slot =
-            || Slot { fair: Arc::clone(self), tenant: tenant.to_owned(), places: n, started: false };
+        let slot = || Slot {
+            fair: Arc::clone(self),
+            tenant: tenant.to_owned(),
+            places: n,
+            started: false,
+        };
         let Ok(mut s) = self.state.lock() else {
             // A poisoned count refuses nobody.
             return Ok(slot());
@@ -449,10 +456,10 @@ mod tests {
     }
 
     #[test]
-    fn a_tenant_with_nothing_waiting_within_its_tokens_is_admitted() {
-        // As measured beside a flood of 1,024-token prompts: the engines run 2 places, the
-        // quiet tenant (weight 2 of 4) has 2 requests decoding, the flood 2 prefilling, and
-        // the quiet tenant was served 16% of the tokens of late.
+    fn a_tenant_within_its_tokens_is_judged_by_its_own_queue() {
+        // As measured beside a flood of 1,024-token prompts: the engines run 2 places (a
+        // share of 1), the quiet tenant (weight 2 of 4) has 2 requests decoding, the flood 2
+        // prefilling, and the quiet tenant was served 16% of the tokens of late.
         let quiet = Judged {
             in_flight: 2,
             waiting: 0,
@@ -463,8 +470,16 @@ mod tests {
             ..j(2, 2, 4)
         };
         assert_eq!(judge(quiet), None);
-        // With one of its own still waiting for a first token, the places judge it.
-        assert!(judge(Judged { waiting: 1, ..quiet }).is_some());
+        // One of its own waiting and this one: twice its share, still admitted (it is served
+        // well below its share).
+        assert_eq!(judge(Judged { waiting: 1, ..quiet }), None);
+        // Two waiting and this one: past twice its share, the places judge it.
+        assert!(judge(Judged { waiting: 2, ..quiet }).is_some());
+        // Served 40% against a 50% share (within it, not well below): its queue may be its
+        // share of the places, 1, and no more.
+        let near = Judged { served: 1800.0, ..quiet };
+        assert_eq!(judge(near), None);
+        assert!(judge(Judged { waiting: 1, ..near }).is_some());
         // Past its share of the tokens (60% against 50%), nothing waiting does not help.
         assert!(judge(Judged { served: 2700.0, ..quiet }).is_some());
         // Alone, a tenant is judged by the places.

@@ -1,10 +1,16 @@
-//! The KV cache's blocks: reference counts, a free list in LRU order, and the prefix-cache
+//! The KV cache's blocks: reference counts, free lists in LRU order, and the prefix-cache
 //! map from block hash to block.
 //!
 //! A freed block whose contents are cached keeps its hash and stays findable until it is
-//! reused; allocation takes from the head of the free list (least recently freed first),
-//! evicting the hash of the block it takes. Removing a cached free block that gets hit
-//! again is O(1): the free list is doubly linked through arrays.
+//! reused. The free blocks are in two lists (a segmented LRU): blocks whose contents were
+//! found again by a prefix hit since they were written are *protected*, the rest are on
+//! *probation*. Allocation takes from the head of the probation list (least recently freed
+//! first), and from the protected list only once probation is empty, evicting the hash of
+//! the block it takes. So a flood of prompts that are never reused (a tenant sending long
+//! unique prompts) cycles through probation and leaves the prefixes that others do reuse in
+//! the cache; the protected list holds at most [`PROTECTED_SHARE`] of the blocks, its least
+//! recent going back to probation past that. Removing a cached free block that gets hit
+//! again is O(1): the lists are doubly linked through arrays.
 
 use std::collections::HashMap;
 
@@ -63,16 +69,30 @@ impl BlockHash {
 
 const NIL: u32 = u32::MAX;
 
-/// Blocks, reference counts, the LRU free list and the hash map.
+/// The most of the blocks the protected free list holds (its least recent go back on
+/// probation past it), so blocks once reused cannot keep the whole cache for ever.
+pub const PROTECTED_SHARE: f64 = 0.75;
+
+/// The free lists: blocks not reused since they were written, and blocks that were.
+const PROBATION: usize = 0;
+const PROTECTED: usize = 1;
+/// `list` of a block on no free list (in use).
+const IN_USE: u8 = u8::MAX;
+
+/// Blocks, reference counts, the two LRU free lists and the hash map.
 #[derive(Debug)]
 pub struct BlockPool {
     ref_count: Vec<u32>,
     hash: Vec<Option<BlockHash>>,
+    /// Whether the block was found by a prefix hit since it was allocated.
+    reused: Vec<bool>,
+    /// Which free list the block is on ([`PROBATION`], [`PROTECTED`] or [`IN_USE`]).
+    list: Vec<u8>,
     prev: Vec<u32>,
     next: Vec<u32>,
-    head: u32,
-    tail: u32,
-    free: usize,
+    head: [u32; 2],
+    tail: [u32; 2],
+    len: [usize; 2],
     cached: HashMap<BlockHash, BlockId>,
 }
 
@@ -83,11 +103,13 @@ impl BlockPool {
         let mut p = BlockPool {
             ref_count: vec![0; n],
             hash: vec![None; n],
+            reused: vec![false; n],
+            list: vec![PROBATION as u8; n],
             prev: (0..n32).map(|i| if i == 0 { NIL } else { i - 1 }).collect(),
             next: (0..n32).map(|i| if i + 1 == n32 { NIL } else { i + 1 }).collect(),
-            head: if n == 0 { NIL } else { 0 },
-            tail: if n == 0 { NIL } else { n32 - 1 },
-            free: n,
+            head: [if n == 0 { NIL } else { 0 }, NIL],
+            tail: [if n == 0 { NIL } else { n32 - 1 }, NIL],
+            len: [n, 0],
             cached: HashMap::new(),
         };
         if n == 0 {
@@ -103,53 +125,64 @@ impl BlockPool {
 
     /// Blocks with no user (including cached ones that may be evicted).
     pub fn free(&self) -> usize {
-        self.free
+        self.len[PROBATION] + self.len[PROTECTED]
+    }
+
+    /// Free blocks on the protected list (found again by a prefix hit since written).
+    pub fn protected(&self) -> usize {
+        self.len[PROTECTED]
     }
 
     /// Fraction of blocks in use.
     pub fn usage(&self) -> f64 {
-        if self.total() == 0 { 0.0 } else { 1.0 - self.free as f64 / self.total() as f64 }
+        if self.total() == 0 { 0.0 } else { 1.0 - self.free() as f64 / self.total() as f64 }
     }
 
+    /// Takes block `b` off the free list it is on.
     fn unlink(&mut self, b: BlockId) {
+        let l = usize::from(self.list[b as usize]);
         let (p, n) = (self.prev[b as usize], self.next[b as usize]);
         if p == NIL {
-            self.head = n
+            self.head[l] = n
         } else {
             self.next[p as usize] = n
         }
         if n == NIL {
-            self.tail = p
+            self.tail[l] = p
         } else {
             self.prev[n as usize] = p
         }
         self.prev[b as usize] = NIL;
         self.next[b as usize] = NIL;
-        self.free -= 1;
+        self.list[b as usize] = IN_USE;
+        self.len[l] -= 1;
     }
 
-    fn push_tail(&mut self, b: BlockId) {
-        self.prev[b as usize] = self.tail;
+    fn push_tail(&mut self, b: BlockId, l: usize) {
+        self.prev[b as usize] = self.tail[l];
         self.next[b as usize] = NIL;
-        if self.tail == NIL {
-            self.head = b
+        if self.tail[l] == NIL {
+            self.head[l] = b
         } else {
-            self.next[self.tail as usize] = b
+            self.next[self.tail[l] as usize] = b
         }
-        self.tail = b;
-        self.free += 1;
+        self.tail[l] = b;
+        self.list[b as usize] = l as u8;
+        self.len[l] += 1;
     }
 
-    /// Takes `n` blocks from the head of the free list (evicting their cached hashes), or
-    /// none when fewer than `n` are free.
+    /// Takes `n` blocks from the head of the probation list, then of the protected one
+    /// (evicting their cached hashes), or none when fewer than `n` are free.
     pub fn allocate(&mut self, n: usize) -> Option<Vec<BlockId>> {
-        if n > self.free {
+        if n > self.free() {
             return None;
         }
         let mut out = Vec::with_capacity(n);
         for _ in 0..n {
-            let b = self.head;
+            let l = if self.len[PROBATION] > 0 { PROBATION } else { PROTECTED };
+            let b = self.head[l];
             self.unlink(b);
+            self.reused[b as usize] = false;
             if let Some(h) = self.hash[b as usize].take()
                 && self.cached.get(&h) == Some(&b)
             {
@@ -171,12 +204,14 @@ impl BlockPool {
         self.cached.get(h).copied()
     }
 
-    /// Adds a user to a cached block found by [`lookup`](Self::lookup).
+    /// Adds a user to a cached block found by [`lookup`](Self::lookup): it was reused, so
+    /// once free again it is protected.
     pub fn touch(&mut self, b: BlockId) {
         if self.ref_count[b as usize] == 0 {
             self.unlink(b);
         }
         self.ref_count[b as usize] += 1;
+        self.reused[b as usize] = true;
     }
 
     /// Records that block `b` (full, in use) holds content with hash `h`. If another block
@@ -192,17 +227,28 @@ impl BlockPool {
     }
 
     /// Drops one user of each block, in the given order: blocks reaching zero users join the
-    /// tail of the free list (callers pass a request's blocks last-first, so its tail blocks
-    /// are evicted before its prefix).
+    /// tail of their free list (callers pass a request's blocks last-first, so its tail
+    /// blocks are evicted before its prefix).
     pub fn release(&mut self, blocks: impl IntoIterator<Item = BlockId>) {
+        let cap = (self.total() as f64 * PROTECTED_SHARE) as usize;
         for b in blocks {
             let rc = &mut self.ref_count[b as usize];
             if *rc == 0 {
                 continue;
             }
             *rc -= 1;
-            if *rc == 0 {
-                self.push_tail(b);
+            if *rc != 0 {
+                continue;
+            }
+            if !self.reused[b as usize] {
+                self.push_tail(b, PROBATION);
+                continue;
+            }
+            self.push_tail(b, PROTECTED);
+            if self.len[PROTECTED] > cap {
+                let oldest = self.head[PROTECTED];
+                self.unlink(oldest);
+                self.push_tail(oldest, PROBATION);
             }
         }
     }
@@ -253,6 +299,58 @@ mod tests {
         assert_eq!(p.lookup(&h(1)), Some(a[1]));
         p.release([a[0], b[0]]);
         assert_eq!(p.free(), 3);
+    }
+
+    #[test]
+    fn reused_prefixes_outlive_a_flood_of_blocks_never_reused() {
+        let mut p = BlockPool::new(8);
+        // A prefix of two blocks, written, freed, then found again and freed: protected.
+        let prefix = p.allocate(2).unwrap_or_default();
+        p.cache(prefix[0], h(0));
+        p.cache(prefix[1], h(1));
+        p.release(prefix.iter().rev().copied());
+        assert_eq!(p.protected(), 0, "not reused yet");
+        for &b in &prefix {
+            p.touch(b);
+        }
+        p.release(prefix.iter().rev().copied());
+        assert_eq!(p.protected(), 2);
+        // A flood of unique prompts cycles through the other six blocks many times over.
+        for round in 0..50u32 {
+            let flood = p.allocate(6).unwrap_or_default();
+            assert!(flood.iter().all(|b| !prefix.contains(b)), "round {round} evicted it");
+            for (i, &b) in flood.iter().enumerate() {
+                p.cache(b, h(100 + 6 * round + i as u32));
+            }
+            p.release(flood.iter().rev().copied());
+        }
+        assert_eq!(p.lookup(&h(0)), Some(prefix[0]));
+        assert_eq!(p.lookup(&h(1)), Some(prefix[1]));
+        // Every block can still be taken: probation first, then the protected ones.
+        let all = p.allocate(8).unwrap_or_default();
+        assert_eq!(all.len(), 8);
+        // The protected blocks go last, in the order they were freed (the tail first).
+        assert_eq!(&all[6..], &[prefix[1], prefix[0]]);
+        assert_eq!(p.lookup(&h(0)), None);
+        p.release(all);
+        assert_eq!((p.free(), p.protected()), (8, 0), "allocation forgets the reuse");
+    }
+
+    #[test]
+    fn the_protected_list_keeps_at_most_its_share() {
+        let mut p = BlockPool::new(8);
+        let cap = (8.0 * PROTECTED_SHARE) as usize;
+        let all = p.allocate(8).unwrap_or_default();
+        for (i, &b) in all.iter().enumerate() {
+            p.cache(b, h(i as u32));
+            p.touch(b);
+        }
+        // Two users each; the last release of each block frees it, reused.
+        p.release(all.iter().copied());
+        p.release(all.iter().copied());
+        assert_eq!((p.free(), p.protected()), (8, cap));
+        // The oldest protected went back on probation, and is taken first.
+        assert_eq!(p.allocate(1).unwrap_or_default(), vec![all[0]]);
     }
 
     #[test]
