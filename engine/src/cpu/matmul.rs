@@ -1081,17 +1081,24 @@ mod tests {
         }
     }
 
+    /// Every type with a kernel, as 24 x 768 weights of random values.
+    fn weights_of_every_type() -> impl Iterator<Item = (GgmlType, PackedWeight)> {
+        let (rows, cols) = (24, 768);
+        [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4K, GgmlType::Q5K]
+            .into_iter()
+            .chain([GgmlType::Q6K, GgmlType::F32, GgmlType::F16, GgmlType::BF16])
+            .map(move |ty| {
+                let wf = data(rows * cols, 5);
+                let bytes: Vec<u8> = wf.chunks(cols).flat_map(|r| quantize_row(ty, r)).collect();
+                (ty, PackedWeight::new(ty, rows, cols, &bytes))
+            })
+    }
+
     #[test]
     fn simd_kernels_agree_with_the_portable_one() {
         let pool = ThreadPool::new(2);
-        let (rows, cols) = (24, 768);
-        for ty in [GgmlType::Q4_1, GgmlType::Q8_0, GgmlType::Q4_0, GgmlType::Q4K, GgmlType::Q5K]
-            .into_iter()
-            .chain([GgmlType::Q6K, GgmlType::F32, GgmlType::F16, GgmlType::BF16])
-        {
-            let wf = data(rows * cols, 5);
-            let bytes: Vec<u8> = wf.chunks(cols).flat_map(|r| quantize_row(ty, r)).collect();
-            let w = PackedWeight::new(ty, rows, cols, &bytes);
+        for (ty, w) in weights_of_every_type() {
+            let (rows, cols) = (w.rows, w.cols);
             let x = data(3 * cols, 6);
             let mut want = vec![0f32; 3 * rows];
             matmul(&pool, Isa::Scalar, &w, &x, &mut want, &mut MatmulScratch::default());
@@ -1105,6 +1112,21 @@ mod tests {
                         ty.name()
                     );
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn a_product_of_no_tokens_reads_and_writes_nothing() {
+        // A pass may want no logits at all (a chunk of a long prompt): the LM head's product
+        // then has no token rows. The AVX2 decode tiles once read token 0 of it regardless
+        // (out of bounds: caught here by the engine's debug assertions).
+        let pool = ThreadPool::new(2);
+        for (ty, w) in weights_of_every_type() {
+            for isa in [Isa::Scalar].into_iter().chain(available_isas()) {
+                let mut out: Vec<f32> = Vec::new();
+                matmul(&pool, isa, &w, &[], &mut out, &mut MatmulScratch::default());
+                assert!(out.is_empty(), "{} {isa:?}", ty.name());
             }
         }
     }

@@ -243,6 +243,11 @@ unsafe fn rows256<const OFF: u8>(
     out: *mut f32,
 ) {
     debug_assert_eq!(v.offset, Offset::from_id(OFF));
+    if acts.rows == 0 {
+        // No tokens (a pass that wants no logits): nothing to read, nothing to write. The
+        // decode tiles below assume at least one.
+        return;
+    }
     for g in range.start / GROUP..range.end.div_ceil(GROUP) {
         if acts.rows <= 2 {
             // One or two tokens (decode): both halves in one pass over the group, so each
