@@ -323,11 +323,6 @@ unsafe fn tile256<const C: usize, const OFF: u8, const BOTH: bool>(
 
 /// Adds block `b` of half `half` (8 rows) of group `g` to tokens `t0..t0 + C`'s sums.
 ///
-/// The quads go in the outer loop and the tokens in the inner one, so only one quad's
-/// weights and each token's integer sums are live: with AVX2's 16 registers, a whole
-/// block's weights beside the tokens' sums would spill to the stack. Integer sums are
-/// exact, so their order leaves the bits as they were.
-///
 /// # Safety
 /// As [`block_rows_avx2`]; group g, block b and tokens t0..t0+C exist.
 #[inline(always)]
@@ -349,10 +344,11 @@ unsafe fn half_block<const C: usize, const OFF: u8>(
     let halves = offset == Offset::Minus32Halves;
     let gb = g * nb + b;
     // SAFETY: as in `tile512`; this half's 32 bytes of each 64-byte chunk, and its 8
-    // scales, lie inside the group-block; tokens t0..t0+C exist.
+    // scales, lie inside the group-block.
     unsafe {
         let zero = _mm256_setzero_si256();
         let ones = _mm256_set1_epi16(1);
+        let nibble = _mm256_set1_epi8(0x0F);
         let base = v.qs.as_ptr().add(gb * gbb + 32 * half);
         // The first pass over the group streams in the next group's block while this
         // one is computed (as in `tile512`).
@@ -362,8 +358,49 @@ unsafe fn half_block<const C: usize, const OFF: u8>(
                 _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(line).cast());
             }
         }
+        let mut w = [zero; 8];
+        if signed8 {
+            // Stored as q ^ 0x80: recover the signed value and use |q| * sign(a, q),
+            // which `maddubs` cannot overflow (unlike the unsigned form).
+            for (k, wk) in w.iter_mut().enumerate() {
+                let x = _mm256_loadu_si256(base.add(64 * k).cast());
+                *wk = _mm256_xor_si256(x, _mm256_set1_epi8(-128));
+            }
+        } else if unsigned8 {
+            for (k, wk) in w.iter_mut().enumerate() {
+                *wk = _mm256_loadu_si256(base.add(64 * k).cast());
+            }
+        } else {
+            for c in 0..4 {
+                let x = _mm256_loadu_si256(base.add(64 * c).cast());
+                w[c] = _mm256_and_si256(x, nibble);
+                w[c + 4] = _mm256_and_si256(_mm256_srli_epi16::<4>(x), nibble);
+            }
+        }
+        if halves {
+            // Q6_K's top two bits, as in `tile512`.
+            let top = _mm256_set1_epi8(0x30);
+            for (h, quads) in w.chunks_exact_mut(4).enumerate() {
+                let x = _mm256_loadu_si256(base.add(GROUP * QK / 2 + 64 * h).cast());
+                let bits = [
+                    _mm256_slli_epi16::<4>(x),
+                    _mm256_slli_epi16::<2>(x),
+                    x,
+                    _mm256_srli_epi16::<2>(x),
+                ];
+                for (q, b) in quads.iter_mut().zip(bits) {
+                    *q = _mm256_or_si256(*q, _mm256_and_si256(b, top));
+                }
+            }
+        }
         let sp = v.d.as_ptr().add(gb * offset.scales() * GROUP + 8 * half);
         let dw = _mm256_cvtph_ps(_mm_loadu_si128(sp.cast()));
+        // The second half's scale (Q6_K only).
+        let dw1 = if halves {
+            _mm256_cvtph_ps(_mm_loadu_si128(sp.add(GROUP).cast()))
+        } else {
+            _mm256_setzero_ps()
+        };
         let cw = match offset {
             Offset::Min | Offset::Min8 => {
                 let mp = v.m.as_ptr().add(gb * GROUP + 8 * half);
@@ -374,138 +411,66 @@ unsafe fn half_block<const C: usize, const OFF: u8>(
             Offset::Minus128 => _mm256_setzero_ps(),
             Offset::Minus32Halves => _mm256_mul_ps(dw, _mm256_set1_ps(-32.0)),
         };
-        let da = |j: usize| _mm256_set1_ps(*acts.d.get_unchecked((t0 + j) * nb + b));
-        if halves {
-            // The second half's scale.
-            let dw1 = _mm256_cvtph_ps(_mm_loadu_si128(sp.add(GROUP).cast()));
-            let cw1 = _mm256_mul_ps(dw1, _mm256_set1_ps(-32.0));
-            let s0 = wide::<C, OFF>(base, acts, t0, b, 0..4);
-            for (j, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s0[j]), _mm256_mul_ps(dw, da(j)), *a);
-            }
-            let s1 = wide::<C, OFF>(base, acts, t0, b, 4..8);
-            for (j, a) in acc.iter_mut().enumerate() {
-                let sh = acts.sh.as_ptr().add(((t0 + j) * nb + b) * 2);
-                *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s1[j]), _mm256_mul_ps(dw1, da(j)), *a);
-                *a = _mm256_fmadd_ps(cw, _mm256_set1_ps(*sh), *a);
-                *a = _mm256_fmadd_ps(cw1, _mm256_set1_ps(*sh.add(1)), *a);
-            }
-            return;
-        }
-        let isum = if unsigned8 {
-            wide::<C, OFF>(base, acts, t0, b, 0..8)
-        } else if signed8 {
-            // |q| * sign(a, q), which `maddubs` cannot overflow (unlike the unsigned form).
-            let mut sums = [zero; C];
-            for k in 0..8 {
-                let w = quad_weights::<OFF>(base, k);
-                let aw = _mm256_abs_epi8(w);
-                for (j, s) in sums.iter_mut().enumerate() {
-                    let p =
-                        _mm256_maddubs_epi16(aw, _mm256_sign_epi8(bcast(acts, t0 + j, b, k), w));
-                    *s = _mm256_add_epi32(*s, _mm256_madd_epi16(p, ones));
-                }
-            }
-            sums
-        } else {
-            // 4-bit weights (0..15) times activations in -127..=127: a pair of products
-            // is at most 3,810, so the eight quads' 16-bit sums (at most 30,480) cannot
-            // overflow, and one widening per block does.
-            let mut s16 = [zero; C];
-            for k in 0..8 {
-                let w = quad_weights::<OFF>(base, k);
-                for (j, s) in s16.iter_mut().enumerate() {
-                    *s = _mm256_add_epi16(*s, _mm256_maddubs_epi16(w, bcast(acts, t0 + j, b, k)));
-                }
-            }
-            s16.map(|s| _mm256_madd_epi16(s, ones))
-        };
+        let cw1 = _mm256_mul_ps(dw1, _mm256_set1_ps(-32.0));
         for (j, a) in acc.iter_mut().enumerate() {
-            *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j]), _mm256_mul_ps(dw, da(j)), *a);
+            let t = t0 + j;
+            if unsigned8 || halves {
+                // Values up to 63 times activations in -127..=127: a pair of products is
+                // at most 16,002, so two quads' 16-bit sums (at most 32,004) cannot
+                // overflow and widen together; quads 0-3 are the first 16 elements, 4-7
+                // the second.
+                let mut sums = [zero; 2];
+                for k in (0..8).step_by(2) {
+                    let x0 = _mm256_set1_epi32(quad(acts, t, b, k));
+                    let x1 = _mm256_set1_epi32(quad(acts, t, b, k + 1));
+                    let p = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(w[k], x0),
+                        _mm256_maddubs_epi16(w[k + 1], x1),
+                    );
+                    sums[k / 4] = _mm256_add_epi32(sums[k / 4], _mm256_madd_epi16(p, ones));
+                }
+                let da = _mm256_set1_ps(*acts.d.get_unchecked(t * nb + b));
+                if halves {
+                    let sh = acts.sh.as_ptr().add((t * nb + b) * 2);
+                    let (s0, s1) = (_mm256_cvtepi32_ps(sums[0]), _mm256_cvtepi32_ps(sums[1]));
+                    *a = _mm256_fmadd_ps(s0, _mm256_mul_ps(dw, da), *a);
+                    *a = _mm256_fmadd_ps(s1, _mm256_mul_ps(dw1, da), *a);
+                    *a = _mm256_fmadd_ps(cw, _mm256_set1_ps(*sh), *a);
+                    *a = _mm256_fmadd_ps(cw1, _mm256_set1_ps(*sh.add(1)), *a);
+                } else {
+                    let isum = _mm256_cvtepi32_ps(_mm256_add_epi32(sums[0], sums[1]));
+                    *a = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, da), *a);
+                    let sa = _mm256_set1_ps(*acts.sa.get_unchecked(t * nb + b));
+                    *a = _mm256_fmadd_ps(cw, sa, *a);
+                }
+                continue;
+            }
+            let isum = if signed8 {
+                let mut isum = zero;
+                for (k, wk) in w.iter().enumerate() {
+                    let x = _mm256_set1_epi32(quad(acts, t, b, k));
+                    let p = _mm256_maddubs_epi16(_mm256_abs_epi8(*wk), _mm256_sign_epi8(x, *wk));
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, ones));
+                }
+                isum
+            } else {
+                // 4-bit weights (0..15) times activations in -127..=127: a pair of
+                // products is at most 3,810, so the eight quads' 16-bit sums (at most
+                // 30,480) cannot overflow, and one widening per block does.
+                let mut s16 = zero;
+                for (k, wk) in w.iter().enumerate() {
+                    let x = _mm256_set1_epi32(quad(acts, t, b, k));
+                    s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(*wk, x));
+                }
+                _mm256_madd_epi16(s16, ones)
+            };
+            let s = _mm256_mul_ps(dw, _mm256_set1_ps(*acts.d.get_unchecked(t * nb + b)));
+            *a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), s, *a);
             if !signed8 {
-                let sa = _mm256_set1_ps(*acts.sa.get_unchecked((t0 + j) * nb + b));
+                let sa = _mm256_set1_ps(*acts.sa.get_unchecked(t * nb + b));
                 *a = _mm256_fmadd_ps(cw, sa, *a);
             }
         }
-    }
-}
-
-/// Quad `k`'s weights of the 8 rows of a half-block at `base` (see [`half_block`]).
-///
-/// # Safety
-/// AVX2 is available (the caller is compiled for it); the half-block lies at `base`.
-#[inline(always)]
-unsafe fn quad_weights<const OFF: u8>(base: *const u8, k: usize) -> __m256i {
-    let offset = Offset::from_id(OFF);
-    // SAFETY: the caller's contract: chunk k % 4 (or k) and the top bits are in the block.
-    unsafe {
-        if offset == Offset::Minus128 {
-            // Stored as q ^ 0x80: the signed value.
-            let x = _mm256_loadu_si256(base.add(64 * k).cast());
-            return _mm256_xor_si256(x, _mm256_set1_epi8(-128));
-        }
-        if offset == Offset::Min8 {
-            return _mm256_loadu_si256(base.add(64 * k).cast());
-        }
-        // Nibbles: quads 0-3 low, 4-7 high, of chunks 0-3.
-        let x = _mm256_loadu_si256(base.add(64 * (k % 4)).cast());
-        let x = if k < 4 { x } else { _mm256_srli_epi16::<4>(x) };
-        let w = _mm256_and_si256(x, _mm256_set1_epi8(0x0F));
-        if offset != Offset::Minus32Halves {
-            return w;
-        }
-        // Q6_K's top two bits, as in `tile512`.
-        let x = _mm256_loadu_si256(base.add(GROUP * QK / 2 + 64 * (k / 4)).cast());
-        let bits = match k % 4 {
-            0 => _mm256_slli_epi16::<4>(x),
-            1 => _mm256_slli_epi16::<2>(x),
-            2 => x,
-            _ => _mm256_srli_epi16::<2>(x),
-        };
-        _mm256_or_si256(w, _mm256_and_si256(bits, _mm256_set1_epi8(0x30)))
-    }
-}
-
-/// Quad `k` of token `t`'s block `b`, in every 32-bit lane.
-///
-/// # Safety
-/// As [`quad`]; AVX2 is available.
-#[inline(always)]
-unsafe fn bcast(acts: &QuantizedActs, t: usize, b: usize, k: usize) -> __m256i {
-    // SAFETY: the caller's contract.
-    unsafe { _mm256_set1_epi32(quad(acts, t, b, k)) }
-}
-
-/// Tokens `t0..t0 + C`'s integer sums over quads `ks` (an even count) of Q5_K's or Q6_K's
-/// weights: values up to 31 or 63 times activations in -127..=127 make a pair of products
-/// at most 16,002, so two quads' 16-bit sums (at most 32,004) cannot overflow and widen
-/// together.
-///
-/// # Safety
-/// As [`quad_weights`] and [`quad`].
-#[inline(always)]
-unsafe fn wide<const C: usize, const OFF: u8>(
-    base: *const u8,
-    acts: &QuantizedActs,
-    t0: usize,
-    b: usize,
-    ks: Range<usize>,
-) -> [__m256i; C] {
-    // SAFETY: the caller's contract.
-    unsafe {
-        let ones = _mm256_set1_epi16(1);
-        let mut sums = [_mm256_setzero_si256(); C];
-        for k in ks.step_by(2) {
-            let (w0, w1) = (quad_weights::<OFF>(base, k), quad_weights::<OFF>(base, k + 1));
-            for (j, s) in sums.iter_mut().enumerate() {
-                let p = _mm256_add_epi16(
-                    _mm256_maddubs_epi16(w0, bcast(acts, t0 + j, b, k)),
-                    _mm256_maddubs_epi16(w1, bcast(acts, t0 + j, b, k + 1)),
-                );
-                *s = _mm256_add_epi32(*s, _mm256_madd_epi16(p, ones));
-            }
-        }
-        sums
     }
 }
 
