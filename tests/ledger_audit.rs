@@ -630,7 +630,8 @@ fn long_query(addr: &str, key: &str) -> anyhow::Result<()> {
 }
 
 /// Two long answers hold this address's two slots (`--max-per-client 2`): a third request is
-/// refused at once.
+/// refused at once, and a client quietly waiting longer than `--body-timeout` for a long
+/// answer gets it.
 fn address_cap(addr: &str, key: &str) -> anyhow::Result<()> {
     // The previous request's slot frees just after its answer is out; a held request sent in
     // that moment is refused, and the pair is sent again.
@@ -638,7 +639,7 @@ fn address_cap(addr: &str, key: &str) -> anyhow::Result<()> {
     for _ in 0..3 {
         std::thread::sleep(Duration::from_secs(1));
         match hold_two_and_probe(addr, key)? {
-            Ok(()) => return Ok(()),
+            Ok(()) => return quiet_wait(addr, key),
             Err(got) => last = got,
         }
     }
@@ -646,7 +647,11 @@ fn address_cap(addr: &str, key: &str) -> anyhow::Result<()> {
 }
 
 /// One try of [`address_cap`]: `Err` with what was seen when a held request was itself refused
-/// (a slot was still taken) or no probe was.
+/// (a slot was still taken).
+///
+/// The held requests stream, so their answers' heads say they were admitted before the probe
+/// is sent: a probe sent earlier would race them for the slots (its own slot frees just after
+/// its answer is out, and a held request judged in that moment was refused).
 fn hold_two_and_probe(addr: &str, key: &str) -> anyhow::Result<Result<(), String>> {
     use std::io::{Read, Write};
     // Both at once within the engine's KV capacity (32 MiB: 711 positions), so neither waits
@@ -654,81 +659,89 @@ fn hold_two_and_probe(addr: &str, key: &str) -> anyhow::Result<Result<(), String
     // flight while we probe (two of 400 tokens did not fit, and under load the second was
     // refused at once, leaving one slot held).
     let long = json!({"model": MODEL_ID, "prompt": "Tell a long story.", "max_tokens": 250,
-        "ignore_eos": true})
+        "ignore_eos": true, "stream": true})
     .to_string();
     let mut held = Vec::new();
     for _ in 0..2 {
         let mut s = std::net::TcpStream::connect(addr)?;
         let head = format!(
             "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\
-             Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{long}",
+             Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n\
+             {long}",
             long.len()
         );
         s.write_all(head.as_bytes())?;
         held.push(s);
     }
-    // A held request's refusal, as it came.
-    let refused = |s: &std::net::TcpStream| -> std::io::Result<Option<String>> {
-        s.set_nonblocking(true)?;
+    let mut heads = Vec::new();
+    for s in &mut held {
+        s.set_read_timeout(Some(Duration::from_secs(60)))?;
         let mut b = [0u8; 600];
-        let got = s.peek(&mut b);
-        s.set_nonblocking(false)?;
-        Ok(match got {
-            Ok(n) if b[..n].starts_with(b"HTTP/1.1 429") => {
-                Some(String::from_utf8_lossy(&b[..n]).into_owned())
-            }
-            _ => None,
-        })
-    };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut last = String::new();
-    while Instant::now() < deadline {
-        let mut s = std::net::TcpStream::connect(addr)?;
-        s.set_read_timeout(Some(Duration::from_secs(5)))?;
-        s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")?;
-        let mut buf = [0u8; 2048];
-        let n = s.read(&mut buf).unwrap_or(0);
-        last = String::from_utf8_lossy(&buf[..n]).into_owned();
-        if last.starts_with("HTTP/1.1 429") {
-            ensure!(last.contains("too_many_connections"), "{last}");
-            // A client quietly waiting longer than --body-timeout for its answer gets it.
-            let mut s = held.swap_remove(0);
-            s.set_read_timeout(Some(Duration::from_secs(60)))?;
-            let n = s.read(&mut buf)?;
-            let answer = String::from_utf8_lossy(&buf[..n]);
-            ensure!(answer.starts_with("HTTP/1.1 200"), "a long answer: {answer}");
-            return Ok(Ok(()));
-        }
-        for s in &held {
-            if let Some(why) = refused(s)? {
-                // The other one keeps its slot until its answer is out (the gateway does not
-                // see a dropped client while it waits for the engine): wait for it, so the
-                // next try starts with both slots free.
-                await_answers(&mut held);
-                return Ok(Err(format!(
-                    "a held request was refused ({why:?}); the probe got {last:?}"
-                )));
-            }
-        }
-        std::thread::sleep(Duration::from_millis(50));
+        let n = s.read(&mut b).unwrap_or(0);
+        heads.push(String::from_utf8_lossy(&b[..n]).into_owned());
     }
-    // What the held requests got instead, for the message.
-    let answers = await_answers(&mut held);
-    Ok(Err(format!("the last probe got: {last:?}; the held got {answers:?}")))
+    if let Some(refused) = heads.iter().find(|h| !h.starts_with("HTTP/1.1 200")) {
+        let refused = refused.clone();
+        // The other one keeps its slot until its answer is out: wait for it, so the next try
+        // starts with both slots free.
+        drain(&mut held);
+        return Ok(Err(format!("a held request got {refused:?}")));
+    }
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    s.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")?;
+    let mut buf = [0u8; 2048];
+    let n = s.read(&mut buf).unwrap_or(0);
+    let probe = String::from_utf8_lossy(&buf[..n]).into_owned();
+    let answers = drain(&mut held);
+    ensure!(
+        probe.starts_with("HTTP/1.1 429") && probe.contains("too_many_connections"),
+        "no per-address cap: with two answers streaming the probe got {probe:?}"
+    );
+    for a in answers {
+        ensure!(a.contains("data: [DONE]"), "a held answer was cut short: {a:?}");
+    }
+    Ok(Ok(()))
 }
 
-/// The start of each held request's answer, waiting up to a minute for each: once it is out,
-/// the request's slot is free (just after).
-fn await_answers(held: &mut [std::net::TcpStream]) -> Vec<String> {
+/// Each held request's answer to its end (waiting up to a minute for each read): once it is
+/// out, the request's slot is free (just after).
+fn drain(held: &mut [std::net::TcpStream]) -> Vec<String> {
     use std::io::Read;
     held.iter_mut()
         .map(|s| {
             let _ = s.set_read_timeout(Some(Duration::from_secs(60)));
-            let mut buf = [0u8; 600];
-            let n = s.read(&mut buf).unwrap_or(0);
-            String::from_utf8_lossy(&buf[..n]).into_owned()
+            let mut got = Vec::new();
+            let _ = s.read_to_end(&mut got);
+            String::from_utf8_lossy(&got).into_owned()
         })
         .collect()
+}
+
+/// A client that sends a long request and then waits, quietly, longer than `--body-timeout`
+/// (2 s) for its answer gets it: the body's deadline is over the body's arrival only.
+fn quiet_wait(addr: &str, key: &str) -> anyhow::Result<()> {
+    use std::io::{Read, Write};
+    let long = json!({"model": MODEL_ID, "prompt": "Tell a long story.", "max_tokens": 250,
+        "ignore_eos": true})
+    .to_string();
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.write_all(
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\n\
+             Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n\
+             {long}",
+            long.len()
+        )
+        .as_bytes(),
+    )?;
+    std::thread::sleep(Duration::from_secs(3));
+    s.set_read_timeout(Some(Duration::from_secs(60)))?;
+    let mut got = Vec::new();
+    s.read_to_end(&mut got)?;
+    let answer = String::from_utf8_lossy(&got);
+    ensure!(answer.starts_with("HTTP/1.1 200"), "a long answer: {answer}");
+    Ok(())
 }
 
 /// Two requests written at once on one connection: both answered, in order.

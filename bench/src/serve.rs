@@ -134,8 +134,9 @@ pub struct BenchServeArgs {
     pub(crate) failover_urls: Vec<String>,
     /// Each request carries an `Idempotency-Key` and is retried with it, the same body, up to
     /// N times (on the next gateway, after 0.25 s doubling to 2 s) when it failed in a way a
-    /// client should retry: no connection, 409 (the first try still running), 502, 503, 504,
-    /// or a stream broken off or ended by an error event. Figures are the last try's, timed
+    /// client should retry: no connection, 409 (the first try still running), 429 with a
+    /// Retry-After (after what it says, at most 10 s), 502, 503, 504, or a stream broken off or
+    /// ended by an error event. Figures are the last try's, timed
     /// from the schedule.
     #[arg(long, default_value_t = 0, value_name = "N")]
     idempotent_retries: u32,
@@ -411,6 +412,8 @@ struct Extra {
     status: Option<u16>,
     /// The OpenAI error `code` of an error answer or of a stream's error event.
     error_code: Option<String>,
+    /// The answer's `Retry-After`, in seconds (a 429 or 503 that says when to come back).
+    retry_after: Option<u64>,
     /// The server's `usage.completion_tokens`, when it sent one.
     usage_tokens: Option<u64>,
     /// Every try, as `--requests-log` writes them (the last one is this).
@@ -427,16 +430,23 @@ impl Extra {
         })
     }
 
-    /// Whether a client should retry this try with the same Idempotency-Key.
+    /// Whether a client should retry this try with the same Idempotency-Key: as the OpenAI
+    /// SDKs do, a 429 is retried when it says when (`Retry-After`: a share or a rate that
+    /// frees), and not otherwise.
     fn retryable(&self, o: &Outcome) -> bool {
         match self.status {
             None => !o.timed_out,
             Some(409 | 502 | 503 | 504) => true,
+            Some(429) => self.retry_after.is_some(),
             Some(200) => !o.ok && !o.timed_out,
             Some(_) => false,
         }
     }
 }
+
+/// The longest `Retry-After` a retrying client waits: a longer one (a quota's window) is
+/// capped, so a run ends.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(10);
 
 /// Sends one planned request, with retries under one Idempotency-Key when `retries` > 0:
 /// try `k` goes to `urls[(first + k) % len]`.
@@ -464,7 +474,10 @@ async fn send_with_retries(
             extra.idempotency_key = idempotency_key;
             return (o, extra);
         }
-        tokio::time::sleep(delay).await;
+        // The server's Retry-After where it gave one (at most MAX_RETRY_AFTER), else the
+        // backoff.
+        let asked = extra.retry_after.map(|s| Duration::from_secs(s).min(MAX_RETRY_AFTER));
+        tokio::time::sleep(asked.unwrap_or(delay).max(delay)).await;
         delay = (delay * 2).min(Duration::from_secs(2));
         k += 1;
     }
@@ -508,6 +521,7 @@ async fn one(
     extra.request_id = header("x-sluice-request-id");
     extra.model_revision = header("x-sluice-model-revision");
     extra.identity = header("x-sluice-execution-identity");
+    extra.retry_after = header("retry-after").and_then(|v| v.trim().parse().ok());
     let status = resp.status().as_u16();
     extra.status = Some(status);
     if status == 429 || status == 503 {
