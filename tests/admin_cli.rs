@@ -271,3 +271,89 @@ fn audit_commands_refuse_a_multibyte_since_and_export_csv_without_formulas() -> 
     ensure!(at("request_id") == Some(&"formula-1"), "{csv}");
     Ok(())
 }
+
+/// The keys of tenant `tenant`, as `sluice admin keys list` gives them (`None` while the
+/// tenant does not exist).
+fn keys_of(tenant: &str, url: &str, ops: &str) -> anyhow::Result<Option<Vec<Value>>> {
+    let out = sluice(&["admin", "keys", "list", tenant], url, ops)?;
+    if !out.status.success() {
+        return Ok(None);
+    }
+    let listed: Value = serde_json::from_slice(&out.stdout)?;
+    Ok(Some(listed["data"].as_array().context("keys listing")?.clone()))
+}
+
+/// `sluice bench isolation --scenario` creates its tenants and issues them keys through the
+/// admin API; interrupted mid-run (Ctrl-C), it revokes those keys before it exits, so a run
+/// cut short leaves no live key behind.
+#[test]
+fn an_interrupted_isolation_run_revokes_the_keys_it_issued() -> anyhow::Result<()> {
+    use std::time::{Duration, Instant};
+    let dir = tempfile::tempdir()?;
+    let db = format!("sqlite://{}", dir.path().join("ledger.db").to_str().context("utf-8")?);
+    let billing = start(&db)?;
+    let url = billing.url.as_str();
+    let ops = mint("ops")?;
+    // A gateway that takes connections and never answers: the run's requests stay in flight
+    // until it is interrupted.
+    let hold = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let gateway = format!("http://{}", hold.local_addr()?);
+    std::thread::spawn(move || {
+        let held: Vec<_> = hold.incoming().map_while(Result::ok).collect();
+        drop(held);
+    });
+    let log = std::fs::File::create(dir.path().join("bench.log"))?;
+    let mut run = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["bench", "isolation", "--base-url", &gateway, "--model", "smollm2-135m-instruct"])
+        .args(["--scenario", "decode-flood", "--duration", "60", "--admin-url", url])
+        .env("SLUICE_ADMIN_TOKEN", &ops)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .spawn()?;
+    let tenants = ["iso-quiet", "iso-decode-flood"];
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let issued = loop {
+        let mut all = Vec::new();
+        for t in tenants {
+            all.extend(keys_of(t, url, &ops)?.unwrap_or_default());
+        }
+        if all.len() == tenants.len() {
+            break all;
+        }
+        if Instant::now() > deadline || run.try_wait()?.is_some() {
+            let _ = run.kill();
+            let log = std::fs::read_to_string(dir.path().join("bench.log")).unwrap_or_default();
+            anyhow::bail!("the run issued {} keys, not one per tenant:\n{log}", all.len());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    ensure!(issued.iter().all(|k| k["revoked_at"].is_null()), "live while it runs: {issued:?}");
+    // Its requests are in flight when it is interrupted.
+    std::thread::sleep(Duration::from_secs(2));
+    ensure!(run.try_wait()?.is_none(), "the run ended before the interrupt");
+    let sent = Command::new("kill").arg("-INT").arg(run.id().to_string()).status()?;
+    ensure!(sent.success(), "kill -INT failed");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = run.try_wait()? {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = run.kill();
+            anyhow::bail!("the interrupted run did not exit");
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let log = std::fs::read_to_string(dir.path().join("bench.log")).unwrap_or_default();
+    ensure!(status.code() == Some(130), "exit {status}:\n{log}");
+    ensure!(log.contains("revoking the keys this run issued"), "{log}");
+    for t in tenants {
+        let keys = keys_of(t, url, &ops)?.context("the tenant is gone")?;
+        ensure!(
+            !keys.is_empty() && keys.iter().all(|k| !k["revoked_at"].is_null()),
+            "{t}'s keys after the interrupt: {keys:?}"
+        );
+    }
+    Ok(())
+}

@@ -32,8 +32,8 @@ pub struct BenchIsolationArgs {
     #[arg(long, value_name = "NAME")]
     scenario: Vec<String>,
     /// The admin API where the scenarios' tenants (`iso-ROLE`) are created and issued keys
-    /// for the run (revoked at its end); without it their keys are read from
-    /// `SLUICE_KEY_ROLE` (`SLUICE_KEY_PREFILL_FLOOD`).
+    /// for the run (revoked at its end, or on Ctrl-C or SIGTERM); without it their keys are
+    /// read from `SLUICE_KEY_ROLE` (`SLUICE_KEY_PREFILL_FLOOD`).
     #[arg(long, env = "SLUICE_ADMIN_URL")]
     admin_url: Option<String>,
     /// An ops token for --admin-url.
@@ -238,6 +238,9 @@ fn run_scenarios(args: &BenchIsolationArgs) -> anyhow::Result<Value> {
         }
         None => None,
     };
+    scenario::Keys::revoke_on_interrupt(
+        std::iter::once(keys.clone()).chain(fcfs_keys.clone()).collect(),
+    );
     let result = scenarios_with(args, &scenarios, &keys, fcfs_keys.as_ref());
     keys.revoke();
     if let Some(k) = &fcfs_keys {

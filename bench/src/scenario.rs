@@ -171,14 +171,14 @@ pub(crate) fn describe(s: &Scenario) -> Value {
 
 /// The keys the scenarios' tenants send with: issued for this run through the admin API (and
 /// revoked by [`Keys::revoke`]), or read from the environment.
-#[derive(Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct Keys {
     keys: Vec<Issued>,
     admin: Option<Admin>,
 }
 
 /// A role's key for the run.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Issued {
     role: String,
     secret: String,
@@ -248,6 +248,44 @@ impl Keys {
             keys.keys.push(Issued { role: r.role.to_owned(), secret, revoke });
         }
         Ok(keys)
+    }
+
+    /// Revokes these keys if the process is interrupted (Ctrl-C or SIGTERM) before it ends,
+    /// then ends it (status 130): a run cut short leaves no live key behind. The watch lasts
+    /// until the process ends; a normal end revokes the keys itself.
+    pub(crate) fn revoke_on_interrupt(sets: Vec<Keys>) {
+        if sets.iter().all(|k| k.admin.is_none()) {
+            return;
+        }
+        let watch = move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else {
+                return;
+            };
+            let signal = rt.block_on(async {
+                #[cfg(unix)]
+                {
+                    use tokio::signal::unix::{SignalKind, signal};
+                    let mut term = signal(SignalKind::terminate()).ok()?;
+                    tokio::select! {
+                        r = tokio::signal::ctrl_c() => r.ok().map(|()| "interrupt"),
+                        _ = term.recv() => Some("terminate"),
+                    }
+                }
+                #[cfg(not(unix))]
+                tokio::signal::ctrl_c().await.ok().map(|()| "interrupt")
+            });
+            drop(rt);
+            let Some(signal) = signal else { return };
+            eprintln!("{signal}: revoking the keys this run issued");
+            for k in &sets {
+                k.revoke();
+            }
+            std::process::exit(130);
+        };
+        if let Err(e) = std::thread::Builder::new().name("revoke-on-interrupt".into()).spawn(watch)
+        {
+            eprintln!("warning: no interrupt watch ({e}): a run cut short leaves its keys live");
+        }
     }
 
     /// Revokes the keys this run issued (a failure is reported, not fatal: the run's figures
