@@ -502,26 +502,33 @@ mod avx2 {
         scores.resize(H * len, 0.0);
         let (k, v) = (job.kv.k.as_ptr(), job.kv.v.as_ptr());
         let q = &job.q[h0 * hd..(h0 + H) * hd];
-        // Scores: 8 slots of H heads at a time, each summed over the dimensions in order,
+        // Scores: 16 (or 8) slots of H heads at a time, each summed over the dimensions in order,
         // a product then a sum, as the portable kernels do (the same bits).
         for (i, bi) in job.blocks.clone().enumerate() {
             // SAFETY: block bi's keys of this KV head, hd * bs elements, lie inside `k`.
             let kb = unsafe { k.add(job.base(bi)) };
-            for slot in (0..bs).step_by(8) {
-                let mut acc = [_mm256_setzero_ps(); H];
-                for d in 0..hd {
-                    // SAFETY: row d of the block, 8 slots from `slot`.
-                    let kd = unsafe { T::load8(kb.add(d * bs + slot)) };
-                    for (hh, a) in acc.iter_mut().enumerate() {
-                        let p = _mm256_mul_ps(_mm256_set1_ps(q[hh * hd + d]), kd);
-                        *a = _mm256_add_ps(*a, p);
+            // Sixteen slots a pass where the block has them: each score is still one chain
+            // of sums over the dimensions in order, but twice as many chains run side by side
+            // (with few heads a group, one add's latency, not the adds' rate, set the pace).
+            let mut slot = 0;
+            while slot < bs {
+                let w = if slot + 16 <= bs { 2 } else { 1 };
+                // SAFETY: slots slot..slot + 8w of block bi (forwarded contract).
+                let acc = unsafe {
+                    if w == 2 {
+                        slot_scores::<T, H, 2>(kb.add(slot), bs, hd, q)
+                    } else {
+                        slot_scores::<T, H, 1>(kb.add(slot), bs, hd, q)
+                    }
+                };
+                for (hh, a) in acc.iter().enumerate() {
+                    let dst = &mut scores[hh * len + i * bs + slot..][..8 * w];
+                    for (c, v) in a[..w].iter().enumerate() {
+                        // SAFETY: `dst` holds 8 * w floats.
+                        unsafe { _mm256_storeu_ps(dst.as_mut_ptr().add(8 * c), *v) };
                     }
                 }
-                for (hh, a) in acc.iter().enumerate() {
-                    let dst = &mut scores[hh * len + i * bs + slot..][..8];
-                    // SAFETY: `dst` holds 8 floats.
-                    unsafe { _mm256_storeu_ps(dst.as_mut_ptr(), *a) };
-                }
+                slot += 8 * w;
             }
         }
         for hh in 0..H {
@@ -556,6 +563,37 @@ mod avx2 {
                 }
             }
         }
+    }
+
+    /// The scores of heads `q` (H heads of `hd` dimensions) against `8 * W` slots of a
+    /// block's keys from `kb` (dimension-major, `bs` slots a row): each score one chain of
+    /// sums over the dimensions in order, a product then a sum.
+    ///
+    /// # Safety
+    /// AVX2, F16C; `hd` rows of `bs` elements from `kb`, `8 * W` of each readable.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn slot_scores<T: KvElem, const H: usize, const W: usize>(
+        kb: *const T,
+        bs: usize,
+        hd: usize,
+        q: &[f32],
+    ) -> [[__m256; 2]; H] {
+        let mut acc = [[_mm256_setzero_ps(); 2]; H];
+        for d in 0..hd {
+            let mut kd = [_mm256_setzero_ps(); 2];
+            for (c, k) in kd[..W].iter_mut().enumerate() {
+                // SAFETY: row d, 8 slots from 8c (caller's contract).
+                *k = unsafe { T::load8(kb.add(d * bs + 8 * c)) };
+            }
+            for (hh, a) in acc.iter_mut().enumerate() {
+                let qd = _mm256_set1_ps(q[hh * hd + d]);
+                for (x, k) in a[..W].iter_mut().zip(&kd) {
+                    *x = _mm256_add_ps(*x, _mm256_mul_ps(qd, *k));
+                }
+            }
+        }
+        acc
     }
 }
 
