@@ -8,6 +8,8 @@ use anyhow::{Context, ensure};
 use serde_json::{Value, json};
 use sluice_billing::{Ledger, UsageEvent};
 
+mod support;
+
 const SECRET: &str = "cli-test-secret-cli-test-secret-0123";
 
 struct Billing {
@@ -332,19 +334,11 @@ fn an_interrupted_isolation_run_revokes_the_keys_it_issued() -> anyhow::Result<(
     // Its requests are in flight when it is interrupted.
     std::thread::sleep(Duration::from_secs(2));
     ensure!(run.try_wait()?.is_none(), "the run ended before the interrupt");
-    let sent = Command::new("kill").arg("-INT").arg(run.id().to_string()).status()?;
-    ensure!(sent.success(), "kill -INT failed");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(s) = run.try_wait()? {
-            break s;
-        }
-        if Instant::now() > deadline {
-            let _ = run.kill();
-            anyhow::bail!("the interrupted run did not exit");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let status = support::signal_and_wait(&mut run, "INT", Duration::from_secs(30));
+    if status.is_err() {
+        let _ = run.kill();
+    }
+    let status = status?;
     let log = std::fs::read_to_string(dir.path().join("bench.log")).unwrap_or_default();
     ensure!(status.code() == Some(130), "exit {status}:\n{log}");
     ensure!(log.contains("revoking the keys this run issued"), "{log}");

@@ -10,7 +10,8 @@
 //!    the client received; new requests go elsewhere; it is started again.
 //! 3. Restarts a gateway (SIGTERM, drained, down 4 s, started again on its port): clients retry
 //!    on the other one with the same Idempotency-Key and are billed once.
-//! 4. Stops Postgres, SIGKILLs the billing consumer that holds a batch it could not commit
+//! 4. Stops Postgres while a long request of its own runs (its usage is published during the
+//!    outage), SIGKILLs the billing consumer that holds a batch it could not commit
 //!    (read, unacknowledged), starts Postgres and the consumer again.
 //! 5. Restarts Redis (its append-only file keeps the stream, the windows and the claims).
 //!
@@ -318,6 +319,19 @@ async fn a_fleet_loses_nothing_through_restarts_kills_and_outages() -> anyhow::R
     // 4. Postgres stops; a consumer dies holding a batch it could not commit.
     at(36).await;
     let began = Instant::now();
+    // A long request of the test's own is running when Postgres stops, so a usage entry is
+    // published while it is down whatever the load has in flight then (its requests are short,
+    // and at times none was running: no consumer held anything).
+    let long = c
+        .post(format!("http://{}/v1/completions", fleet.gateways[1].1))
+        .bearer_auth(&key)
+        .timeout(Duration::from_secs(120))
+        .json(&serde_json::json!({"model": MODEL_ID, "prompt": "Tell a long story.",
+            "max_tokens": 300, "ignore_eos": true, "stream": true}))
+        .send()
+        .await?;
+    ensure!(long.status() == 200, "a long request across the outage: {}", long.status());
+    let long = tokio::spawn(long.text());
     let mut stopped = billing_common::PostgresStopped::stop()?;
     // Whichever consumer first holds entries it cannot commit (the requests running when
     // Postgres stopped still end and publish their usage).
@@ -346,6 +360,8 @@ async fn a_fleet_loses_nothing_through_restarts_kills_and_outages() -> anyhow::R
         format!("billing-{} held {held} unacknowledged entries", victim + 1),
     );
     ensure!(held > 0, "no consumer held a batch while Postgres was down");
+    let long = long.await??;
+    ensure!(long.contains("data: [DONE]"), "the long request was cut short: {long}");
 
     // 5. Redis restarts.
     at(48).await;
