@@ -430,9 +430,9 @@ impl Extra {
         })
     }
 
-    /// Whether a client should retry this try with the same Idempotency-Key: as the OpenAI
-    /// SDKs do, a 429 is retried when it says when (`Retry-After`: a share or a rate that
-    /// frees), and not otherwise.
+    /// Whether a client should retry this try with the same Idempotency-Key. A 429 is retried
+    /// when it says when to come back (`Retry-After`: a share or a rate that frees); one that
+    /// does not is final.
     fn retryable(&self, o: &Outcome) -> bool {
         match self.status {
             None => !o.timed_out,
@@ -1438,5 +1438,21 @@ fn print_summary(s: &Summary) {
         println!(
             "warning: these disagree by more than 20%: the server did not keep up with the offered rate, or the window is too short"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_429_is_retried_only_when_it_says_when() {
+        let refused = Outcome { rejected: true, ..Outcome::default() };
+        let with =
+            |status, retry_after| Extra { status: Some(status), retry_after, ..Extra::default() };
+        assert!(with(429, Some(1)).retryable(&refused));
+        assert!(!with(429, None).retryable(&refused));
+        assert!(with(503, None).retryable(&refused));
+        assert!(!with(400, Some(1)).retryable(&refused));
     }
 }
