@@ -445,6 +445,24 @@ pub enum TenantCommand {
         /// Quota tier (policies/tiers.json).
         #[arg(long)]
         tier: Option<String>,
+        /// The tenant's own fair-order weight (1 to 1000), in place of its tier's
+        /// (policies/scheduling.json).
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000))]
+        weight: Option<u32>,
+    },
+    /// Change a tenant's name, tier or fair-order weight (the others are kept).
+    Update {
+        /// Tenant id.
+        id: String,
+        /// New display name.
+        #[arg(long)]
+        name: Option<String>,
+        /// New quota tier (policies/tiers.json).
+        #[arg(long)]
+        tier: Option<String>,
+        /// The tenant's own fair-order weight (1 to 1000), or `tier` for its tier's again.
+        #[arg(long, value_name = "N|tier", value_parser = parse_weight)]
+        weight: Option<Weight>,
     },
     /// List tenants.
     List,
@@ -458,6 +476,25 @@ pub enum TenantCommand {
         /// Tenant id.
         id: String,
     },
+}
+
+/// A tenant's fair-order weight as `tenants update --weight` takes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Weight {
+    /// Its own, 1 to 1000.
+    Own(u32),
+    /// Its tier's (the override removed).
+    Tier,
+}
+
+fn parse_weight(s: &str) -> Result<Weight, String> {
+    if s == "tier" {
+        return Ok(Weight::Tier);
+    }
+    match s.parse::<u32>() {
+        Ok(w) if (1..=1000).contains(&w) => Ok(Weight::Own(w)),
+        _ => Err(format!("{s:?} is neither a weight from 1 to 1000 nor `tier`")),
+    }
 }
 
 /// `sluice admin keys`.
@@ -759,9 +796,29 @@ pub fn run_admin(cmd: AdminCommand, client: &ClientArgs) -> anyhow::Result<()> {
     block_on(async move {
         let v = match cmd {
             AdminCommand::Token { .. } | AdminCommand::Console { .. } => return Ok(()),
-            AdminCommand::Tenants(TenantCommand::Create { id, name, tier }) => {
-                let body = json!({"id": id, "name": name, "tier": tier});
+            AdminCommand::Tenants(TenantCommand::Create { id, name, tier, weight }) => {
+                let mut body = json!({"id": id, "name": name, "tier": tier});
+                if let Some(w) = weight {
+                    body["overrides"] = json!({"weight": w});
+                }
                 c.json(Method::POST, "/v1/tenants", &[], Some(body)).await?
+            }
+            AdminCommand::Tenants(TenantCommand::Update { id, name, tier, weight }) => {
+                let mut body = json!({});
+                if let Some(n) = name {
+                    body["name"] = json!(n);
+                }
+                if let Some(t) = tier {
+                    body["tier"] = json!(t);
+                }
+                if let Some(w) = weight {
+                    let w = match w {
+                        Weight::Own(w) => json!(w),
+                        Weight::Tier => Value::Null,
+                    };
+                    body["overrides"] = json!({"weight": w});
+                }
+                c.json(Method::PATCH, &format!("/v1/tenants/{id}"), &[], Some(body)).await?
             }
             AdminCommand::Tenants(TenantCommand::List) => {
                 let v = c.json(Method::GET, "/v1/tenants", &[], None).await?;

@@ -25,8 +25,8 @@ pub struct BenchIsolationArgs {
     serve: BenchServeArgs,
     /// Named scenarios instead of a mix, each judged against its targets with PASS or FAIL:
     /// decode-flood, prefill-flood, priority-flood, three-tenants, shared-prefix (the prefix
-    /// cache's hit rate under contention), equal-floods, two-gateways
-    /// (its second gateway is --failover-url), or all (comma-separated, repeatable). Each
+    /// cache's hit rate under contention), equal-floods, weighted-floods (2:1 by the
+    /// tenants' own weights), two-gateways (its second gateway is --failover-url), or all (comma-separated, repeatable). Each
     /// runs --duration seconds (60 when not given) per phase, with the SLO of --goodput
     /// (ttft:1000,tpot:100, the standard tier's targets, when not given).
     #[arg(long, value_name = "NAME")]

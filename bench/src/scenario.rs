@@ -23,17 +23,29 @@ pub(crate) struct Load {
     /// `random` prompts, or `shared-prefix` (one of `bench serve`'s 8 prefixes of 256 tokens
     /// before each).
     pub workload: &'static str,
+    /// The tenant's own fair-order weight (`overrides.weight`), or `None` for its tier's.
+    pub weight: Option<u32>,
 }
 
 /// A standard tenant at a tenth of the machine's decode capacity (2-core CPU, default model).
-const QUIET: Load =
-    Load { role: "quiet", tier: "standard", rate: 0.5, input: 128, output: 64, workload: "random" };
+const QUIET: Load = Load {
+    role: "quiet",
+    tier: "standard",
+    rate: 0.5,
+    input: 128,
+    output: 64,
+    workload: "random",
+    weight: None,
+};
 /// The quiet tenant's load after shared prefixes, which its prefix cache should serve.
 const QUIET_SHARING: Load = Load { workload: "shared-prefix", ..QUIET };
 /// Ten times the quiet tenant's rate, of the same shape.
 const DECODE_FLOOD: Load = Load { role: "decode-flood", rate: 5.0, ..QUIET };
 /// Long prompts at about twice the machine's prefill capacity.
 const PREFILL_FLOOD: Load = Load { role: "prefill-flood", rate: 2.0, input: 1024, ..QUIET };
+/// The standard tier's weight (`policies/scheduling.json`), which the weighted floods' lighter
+/// tenant keeps and the heavier one doubles.
+const STANDARD_WEIGHT: u32 = 2;
 /// The quiet tenant's load in the enterprise tier (priority 1).
 const VIP: Load = Load { role: "vip", tier: "enterprise", ..QUIET };
 
@@ -92,6 +104,15 @@ pub(crate) fn catalog() -> Vec<Scenario> {
             "equal-floods",
             "two floods of equal weight: each keeps half",
             &[flood("flood-a"), flood("flood-b")],
+            false,
+        ),
+        s(
+            "weighted-floods",
+            "two floods, one with twice the other's weight: each keeps its weighted share",
+            &[
+                Load { weight: Some(2 * STANDARD_WEIGHT), ..flood("flood-double") },
+                Load { weight: Some(STANDARD_WEIGHT), ..flood("flood-single") },
+            ],
             false,
         ),
         s(
@@ -162,7 +183,7 @@ pub(crate) fn describe(s: &Scenario) -> Value {
         "about": s.about,
         "two_gateways": s.two_gateways,
         "tenants": s.tenants.iter().map(|t| json!({
-            "role": t.role, "tenant": tenant_id(t.role), "tier": t.tier,
+            "role": t.role, "tenant": tenant_id(t.role), "tier": t.tier, "weight": t.weight,
             "request_rate": t.rate, "input_len": t.input, "output_len": t.output,
             "workload": t.workload,
         })).collect::<Vec<_>>(),
@@ -219,6 +240,9 @@ impl Keys {
             if let Some(other) = roles.iter().find(|r| r.role == t.role && r.tier != t.tier) {
                 bail!("scenario role {} is in two tiers ({} and {})", t.role, other.tier, t.tier);
             }
+            if roles.iter().any(|r| r.role == t.role && r.weight != t.weight) {
+                bail!("scenario role {} has two weights", t.role);
+            }
             if !roles.iter().any(|r| r.role == t.role) {
                 roles.push(*t);
             }
@@ -234,7 +258,7 @@ impl Keys {
         let client = reqwest::Client::new();
         for r in &roles {
             let provisioned = rt
-                .block_on(provision(&client, &admin, &tenant_id(r.role), r.tier))
+                .block_on(provision(&client, &admin, &tenant_id(r.role), r.tier, r.weight))
                 .with_context(|| format!("creating the scenario tenant {}", tenant_id(r.role)));
             let (id, secret) = match provisioned {
                 Ok(issued) => issued,
@@ -310,13 +334,14 @@ impl Keys {
     }
 }
 
-/// Creates `tenant` in `tier` (or moves it there, when it exists in another) and issues it a
-/// key: its id and secret.
+/// Creates `tenant` in `tier` with its own `weight` or its tier's (or moves it there and sets
+/// that weight, when it exists) and issues it a key: its id and secret.
 async fn provision(
     c: &reqwest::Client,
     admin: &Admin,
     tenant: &str,
     tier: &str,
+    weight: Option<u32>,
 ) -> anyhow::Result<(String, String)> {
     let base = admin.url.trim_end_matches('/');
     let answer = |r: reqwest::Response| async move {
@@ -324,10 +349,14 @@ async fn provision(
         let body: Value = r.json().await.unwrap_or(Value::Null);
         (status, body)
     };
+    let own = match weight {
+        Some(w) => json!({"weight": w}),
+        None => json!({}),
+    };
     let created = c
         .post(format!("{base}/v1/tenants"))
         .bearer_auth(&admin.token)
-        .json(&json!({"id": tenant, "tier": tier}))
+        .json(&json!({"id": tenant, "tier": tier, "overrides": own}))
         .send()
         .await
         .context("POST /v1/tenants")?;
@@ -338,14 +367,16 @@ async fn provision(
         if !status.is_success() {
             bail!("GET /v1/tenants/{tenant}: {status}: {body}");
         }
-        if body["tier"].as_str() != Some(tier) {
+        let has = body["overrides"]["weight"].as_u64();
+        if body["tier"].as_str() != Some(tier) || has != weight.map(u64::from) {
+            // The role's weight, or its tier's (`null` removes the tenant's own).
             let change = c
                 .patch(format!("{base}/v1/tenants/{tenant}"))
                 .bearer_auth(&admin.token)
-                .json(&json!({"tier": tier}));
+                .json(&json!({"tier": tier, "overrides": {"weight": weight}}));
             let (status, body) = answer(change.send().await.context("PATCH the tenant")?).await;
             if !status.is_success() {
-                bail!("moving {tenant} to the {tier} tier: {status}: {body}");
+                bail!("moving {tenant} to the {tier} tier, weight {weight:?}: {status}: {body}");
             }
         }
         if body["status"].as_str().is_some_and(|s| s != "active") {
@@ -466,11 +497,12 @@ pub(crate) fn checks(s: &Scenario, m: &[Measured], over_fcfs: f64, slo: Targets)
                 out.push(at_least("quiet attainment".into(), q.attainment, 0.95));
             }
         }
-        "equal-floods" => {
-            let fair = 1.0 / s.tenants.len().max(1) as f64;
+        "equal-floods" | "weighted-floods" => {
+            let weight = |t: &Load| f64::from(t.weight.unwrap_or(STANDARD_WEIGHT));
+            let total: f64 = s.tenants.iter().map(weight).sum();
             for (t, f) in s.tenants.iter().zip(m) {
                 let what = format!("{}'s share of the tokens served / its weight's", t.role);
-                out.push(at_least(what, f.share / fair, 0.9));
+                out.push(at_least(what, f.share / (weight(t) / total), 0.9));
             }
         }
         _ => {}
@@ -559,6 +591,22 @@ mod tests {
         // An unmeasured figure never passes.
         let none = checks(&s, &[measured(f64::NAN, 400.0, 2.5), flood], f64::NAN, SLO);
         assert!(!none[0].passes() && none[0].line().starts_with("FAIL"), "{none:?}");
+        Ok(())
+    }
+
+    #[test]
+    fn weighted_floods_are_judged_by_their_own_weights() -> anyhow::Result<()> {
+        let s = chosen(&["weighted-floods".into()])?.remove(0);
+        let share = |share| Measured { share, ..measured(1.0, 100.0, 1.0) };
+        // Served 2:1, both keep their shares.
+        let good = checks(&s, &[share(0.64), share(0.36)], f64::NAN, SLO);
+        assert!(good.iter().all(Check::passes), "{good:?}");
+        // Served evenly, the heavier tenant has 0.75 of its share and fails; the lighter,
+        // 1.5 of its own, passes.
+        let even = checks(&s, &[share(0.5), share(0.5)], f64::NAN, SLO);
+        let failed: Vec<&str> =
+            even.iter().filter(|c| !c.passes()).map(|c| c.what.as_str()).collect();
+        assert_eq!(failed, ["flood-double's share of the tokens served / its weight's"]);
         Ok(())
     }
 

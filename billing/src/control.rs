@@ -634,6 +634,63 @@ fn known_tier(tier: &str) -> Result<(), AdminError> {
     Err(AdminError::invalid("tier", format!("unknown tier (one of {})", known.join(", "))))
 }
 
+/// `overrides` with a merge `patch` applied: each field of the patch replaces the one of
+/// `overrides`, a `null` removes it.
+fn merged(overrides: &Value, patch: &Value) -> Value {
+    let mut out = overrides.as_object().cloned().unwrap_or_default();
+    for (key, value) in patch.as_object().into_iter().flatten() {
+        if value.is_null() {
+            out.remove(key);
+        } else {
+            out.insert(key.clone(), value.clone());
+        }
+    }
+    Value::Object(out)
+}
+
+/// The per-tenant policy overrides a tenant's `overrides` object may hold, each checked:
+/// `on_limiter_down` (`refuse` or `local`: what the gateway does with the tenant's requests
+/// while the shared limiter is unreachable) and `weight` (its share of service in the
+/// engines' fair order and the gateways' fair admission, 1 to 1000, in place of its tier's
+/// `scheduling.json` weight). Anything else is refused by name, never stored and ignored.
+pub const TENANT_OVERRIDES: [&str; 2] = ["on_limiter_down", "weight"];
+
+/// Checks a tenant's `overrides` object: an error names the field (`overrides.weight`).
+pub fn valid_overrides(overrides: &Value) -> Result<(), AdminError> {
+    let Some(fields) = overrides.as_object() else {
+        return Err(AdminError::invalid("overrides", "overrides must be a JSON object"));
+    };
+    for (key, value) in fields {
+        let param = format!("overrides.{key}");
+        match key.as_str() {
+            "on_limiter_down" => {
+                if !matches!(value.as_str(), Some("refuse" | "local")) {
+                    return Err(AdminError::invalid(&param, "must be \"refuse\" or \"local\""));
+                }
+            }
+            "weight" => {
+                if !value.as_u64().is_some_and(|w| (1..=1000).contains(&w)) {
+                    return Err(AdminError::invalid(&param, "must be an integer from 1 to 1000"));
+                }
+            }
+            _ => {
+                let known = TENANT_OVERRIDES.join(", ");
+                return Err(AdminError::invalid(
+                    &param,
+                    format!("unknown override (known: {known})"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A tenant's fair-order weight: its `overrides.weight`, else its tier's.
+pub fn tenant_weight(tier: &str, overrides: &Value) -> u32 {
+    let own = overrides["weight"].as_u64().and_then(|w| u32::try_from(w).ok());
+    own.map_or_else(|| tier_weight(tier), |w| w.clamp(1, 1000))
+}
+
 /// A change to a tenant: the fields given are set, the others kept.
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -644,6 +701,10 @@ pub struct TenantChange {
     /// New quota tier.
     #[serde(default)]
     pub tier: Option<String>,
+    /// Overrides to merge into the tenant's (a JSON merge patch: a field given replaces the
+    /// tenant's, a `null` removes it, the others are kept).
+    #[serde(default)]
+    pub overrides: Option<Value>,
     /// New status (`active` or `suspended`); only through suspend and activate.
     #[serde(default)]
     pub status: Option<String>,
@@ -661,7 +722,7 @@ pub struct NewTenant {
     /// Tier (defaults to `standard`).
     #[serde(default)]
     pub tier: Option<String>,
-    /// Per-tenant policy overrides (a JSON object).
+    /// Per-tenant policy overrides (a JSON object of [`TENANT_OVERRIDES`]).
     #[serde(default)]
     pub overrides: Option<Value>,
 }
@@ -679,9 +740,7 @@ impl Ledger {
         let tier = new.tier.clone().unwrap_or_else(|| "standard".into());
         known_tier(&tier)?;
         let overrides = new.overrides.clone().unwrap_or_else(|| json!({}));
-        if !overrides.is_object() {
-            return Err(AdminError::invalid("overrides", "overrides must be a JSON object"));
-        }
+        valid_overrides(&overrides)?;
         let tenant = Tenant {
             id: new.id.clone(),
             name,
@@ -772,8 +831,8 @@ impl Ledger {
                 "status changes through /suspend and /activate",
             ));
         }
-        if change.name.is_none() && change.tier.is_none() {
-            return Err(AdminError::invalid("body", "give a name or a tier to change"));
+        if change.name.is_none() && change.tier.is_none() && change.overrides.is_none() {
+            return Err(AdminError::invalid("body", "give a name, a tier or overrides to change"));
         }
         self.change_tenant(who, id, change, "tenant.update").await
     }
@@ -793,6 +852,11 @@ impl Ledger {
         if let Some(tier) = &change.tier {
             known_tier(tier)?;
         }
+        if let Some(patch) = &change.overrides
+            && !patch.is_object()
+        {
+            return Err(AdminError::invalid("overrides", "overrides must be a JSON object"));
+        }
         on_pool!(self, pool => {
             let mut tx = begin_write!(pool).await?;
             let row = sqlx::query(&format!("SELECT {TENANT_COLUMNS} FROM tenants WHERE id = $1"))
@@ -805,12 +869,23 @@ impl Ledger {
                 name: change.name.clone().unwrap_or_else(|| before.name.clone()),
                 tier: change.tier.clone().unwrap_or_else(|| before.tier.clone()),
                 status: change.status.clone().unwrap_or_else(|| before.status.clone()),
+                overrides: match &change.overrides {
+                    Some(patch) => merged(&before.overrides, patch),
+                    None => before.overrides.clone(),
+                },
                 ..before.clone()
             };
-            sqlx::query("UPDATE tenants SET name = $1, tier = $2, status = $3 WHERE id = $4")
+            // Only a change of them is checked: a suspension never fails on what is stored.
+            if change.overrides.is_some() {
+                valid_overrides(&after.overrides)?;
+            }
+            sqlx::query(
+                "UPDATE tenants SET name = $1, tier = $2, status = $3, overrides = $4 WHERE id = $5",
+            )
                 .bind(&after.name)
                 .bind(&after.tier)
                 .bind(&after.status)
+                .bind(Json(&after.overrides))
                 .bind(id)
                 .execute(&mut *tx)
                 .await?;
@@ -1050,8 +1125,15 @@ pub struct KeyGrant {
     /// The key's own limits, enforced beside the tenant's.
     #[serde(default)]
     pub key_limits: Limits,
-    /// The tenant's per-tenant policy overrides (e.g. `on_limiter_down`).
+    /// The tenant's per-tenant policy overrides ([`TENANT_OVERRIDES`]).
     pub overrides: Value,
+}
+
+impl KeyGrant {
+    /// The tenant's fair-order weight ([`tenant_weight`]).
+    pub fn weight(&self) -> u32 {
+        tenant_weight(&self.tier, &self.overrides)
+    }
 }
 
 /// Byte strings equal, in time independent of where they differ.
@@ -1152,6 +1234,10 @@ mod tests {
         assert_eq!(tier_weight("no-such-tier"), 1);
         assert_eq!(tier_tpot_ms("standard"), Some(100));
         assert_eq!(tier_tpot_ms("no-such-tier"), None);
+        // A tenant's own weight goes before its tier's.
+        assert_eq!(tenant_weight("standard", &json!({})), 2);
+        assert_eq!(tenant_weight("standard", &json!({"weight": 5})), 5);
+        assert_eq!(tenant_weight("enterprise", &json!({"on_limiter_down": "local"})), 4);
     }
 
     #[test]

@@ -535,6 +535,33 @@ async fn validation(url: &str) -> anyhow::Result<()> {
     api.err(Method::PATCH, "/v1/tenants/nobody", Some(&ops), body.clone(), missing, None).await?;
     let t = api.ok(Method::PATCH, "/v1/tenants/acme", &ops, body).await?;
     ensure!(t["tier"] == "enterprise" && t["status"] == "active", "{t}");
+    // Overrides are checked field by field, at creation and by PATCH; none is stored and
+    // ignored.
+    for (overrides, param) in [
+        (json!({"weight": 0}), "overrides.weight"),
+        (json!({"weight": 1001}), "overrides.weight"),
+        (json!({"weight": "2"}), "overrides.weight"),
+        (json!({"weight": 1.5}), "overrides.weight"),
+        (json!({"on_limiter_down": "refsue"}), "overrides.on_limiter_down"),
+        (json!({"priority": 3}), "overrides.priority"),
+        (json!([1]), "overrides"),
+    ] {
+        let new = json!({"id": "initech", "overrides": overrides});
+        api.err(Method::POST, "/v1/tenants", Some(&ops), Some(new), bad, Some(param)).await?;
+        let change = Some(json!({"overrides": overrides}));
+        api.err(Method::PATCH, "/v1/tenants/acme", Some(&ops), change, bad, Some(param)).await?;
+    }
+    // A merge patch: a field set, another kept, then removed by null.
+    let limiter = json!({"overrides": {"on_limiter_down": "refuse"}});
+    api.ok(Method::PATCH, "/v1/tenants/acme", &ops, Some(limiter)).await?;
+    let weighted = json!({"overrides": {"weight": 7}});
+    let t = api.ok(Method::PATCH, "/v1/tenants/acme", &ops, Some(weighted)).await?;
+    ensure!(t["overrides"] == json!({"on_limiter_down": "refuse", "weight": 7}), "{t}");
+    let t = api.ok(Method::GET, "/v1/tenants/acme", &ops, None).await?;
+    ensure!(t["overrides"]["weight"] == 7 && t["tier"] == "enterprise", "{t}");
+    let cleared = json!({"overrides": {"weight": null}});
+    let t = api.ok(Method::PATCH, "/v1/tenants/acme", &ops, Some(cleared)).await?;
+    ensure!(t["overrides"] == json!({"on_limiter_down": "refuse"}), "{t}");
     api.err(
         Method::PUT,
         "/v1/tenants/acme/quota",

@@ -26,7 +26,7 @@ use pingora::{Error, ErrorSource, ErrorType, Result};
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use sluice_billing::adapters::Adapter;
-use sluice_billing::control::{KeyGrant, tier_weight};
+use sluice_billing::control::KeyGrant;
 use sluice_billing::event::is_refused;
 use sluice_billing::prices::PriceList;
 use sluice_billing::{FinishReason, Ledger, UsageEvent};
@@ -732,7 +732,7 @@ impl Gateway {
         // than its tenant's share of what is in flight (its `n` counted), so one tenant's
         // burst is refused and the others' requests still queue.
         if self.workers.overloaded(&checked.model, self.cfg.max_waiting)
-            && self.fair.past_queue_share(&grant.tenant_id, tier_weight(&grant.tier), choices)
+            && self.fair.past_queue_share(&grant.tenant_id, grant.weight(), choices)
         {
             return Err(Refusal::Overloaded);
         }
@@ -742,7 +742,7 @@ impl Gateway {
         let backlog = self.workers.backlog(&checked.model).filter(|_| self.cfg.fair_admission);
         let slot = self
             .fair
-            .admit(&grant.tenant_id, tier_weight(&grant.tier), choices, ttft_target, backlog)
+            .admit(&grant.tenant_id, grant.weight(), choices, ttft_target, backlog)
             .map_err(|retry_after| Refusal::OverShare { retry_after })?;
         self.admit_tokens(ctx, &grant).await?;
         ctx.fair_slot = Some(slot);
@@ -1579,7 +1579,7 @@ impl ProxyHttp for Gateway {
             req.insert_header("x-sluice-tenant", g.tenant_id.as_str())?;
             let priority = g.quota.priority.unwrap_or(0);
             req.insert_header("x-sluice-priority", priority.to_string())?;
-            let weight = tier_weight(&g.tier);
+            let weight = g.weight();
             req.insert_header("x-sluice-weight", weight.to_string())?;
             if let Some(ms) = ctx.slo.tpot_ms {
                 req.insert_header("x-sluice-tpot-ms", ms.to_string())?;
