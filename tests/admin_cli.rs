@@ -98,6 +98,21 @@ fn admin_and_audit_commands_over_the_billing_api() -> anyhow::Result<()> {
     ensure!(t["id"] == "acme" && t["status"] == "active", "{t}");
     let list = ok(&["admin", "tenants", "list"], url, &ops)?;
     ensure!(list.lines().any(|l| l == "acme\tactive\tfree\tacme"), "{list}");
+    // A fair-order weight of its own, then its tier's again; out of range is refused here.
+    let weighted: Value = serde_json::from_str(&ok(
+        &["admin", "tenants", "update", "acme", "--weight", "6"],
+        url,
+        &ops,
+    )?)?;
+    ensure!(weighted["overrides"]["weight"] == 6 && weighted["tier"] == "free", "{weighted}");
+    let back: Value = serde_json::from_str(&ok(
+        &["admin", "tenants", "update", "acme", "--weight", "tier"],
+        url,
+        &ops,
+    )?)?;
+    ensure!(back["overrides"] == serde_json::json!({}), "{back}");
+    let err = fails(&["admin", "tenants", "update", "acme", "--weight", "0"], url, &ops)?;
+    ensure!(err.contains("--weight") && err.contains("1 to 1000"), "{err}");
     let key: Value = serde_json::from_str(&ok(
         &["admin", "keys", "issue", "acme", "--scope", "chat"],
         url,
@@ -177,7 +192,16 @@ fn admin_and_audit_commands_over_the_billing_api() -> anyhow::Result<()> {
         })
         .collect::<Result<_, _>>()?;
     ensure!(
-        actions == ["tenant.create", "key.issue", "key.limits.set", "quota.set", "tenant.suspend"],
+        actions
+            == [
+                "tenant.create",
+                "tenant.update",
+                "tenant.update",
+                "key.issue",
+                "key.limits.set",
+                "quota.set",
+                "tenant.suspend"
+            ],
         "{actions:?}"
     );
 
