@@ -50,13 +50,13 @@ fn run_interrupted(
     // written there), then the pass again.
     let mut forward = |batch: &[SeqInput<'_>]| -> anyhow::Result<Vec<f32>> {
         if let Some(i) = &interrupt {
-            i.begin(0, 1.0, std::collections::HashMap::new());
+            i.begin(0, 1.0, std::collections::HashMap::new(), Vec::new());
             i.arrive(1, "ent", 1);
             let cut = runner.forward(w, &mut cache, batch);
             ensure!(matches!(cut, Err(EngineError::Interrupted)), "not interrupted: {cut:?}");
             // As the engine's core would: the pass again, whole; the next may be cut.
             i.end(true);
-            i.begin(0, 1.0, std::collections::HashMap::new());
+            i.begin(0, 1.0, std::collections::HashMap::new(), Vec::new());
             i.end(false);
         }
         Ok(runner.forward(w, &mut cache, batch)?)

@@ -590,7 +590,13 @@ impl EngineCore {
         if self.interrupts {
             let (lowest, band_load, loads) =
                 self.sched.step_loads(work.iter().map(|w| w.id.as_str()));
-            self.interrupt.begin(lowest.unwrap_or(i32::MAX), band_load, loads);
+            let prefills = work
+                .iter()
+                .filter(|w| w.tokens.len() > 1)
+                .filter_map(|w| self.sched.seq(&w.id))
+                .map(|s| (s.priority, s.scope.tenant().to_owned()))
+                .collect();
+            self.interrupt.begin(lowest.unwrap_or(i32::MAX), band_load, loads, prefills);
         }
         let profile = self.backend.profile();
         let began = Instant::now();
