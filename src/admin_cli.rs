@@ -9,6 +9,7 @@ use clap::{Args, Subcommand};
 use serde_json::{Value, json};
 use sluice_billing::api::{ApiState, ServiceStatus, router};
 use sluice_billing::auth::{Principal, Role, Verifier, mint_hs256};
+use sluice_billing::control::MAX_WEIGHT;
 use sluice_billing::ingest::{IngestConfig, UsageConsumer};
 use sluice_billing::redis_conn::RedisTarget;
 use sluice_billing::{Ledger, LedgerOptions};
@@ -447,7 +448,7 @@ pub enum TenantCommand {
         tier: Option<String>,
         /// The tenant's own fair-order weight (1 to 1000), in place of its tier's
         /// (policies/scheduling.json).
-        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=1000))]
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..=i64::from(MAX_WEIGHT)))]
         weight: Option<u32>,
     },
     /// Change a tenant's name, tier or fair-order weight (the others are kept).
@@ -492,8 +493,8 @@ fn parse_weight(s: &str) -> Result<Weight, String> {
         return Ok(Weight::Tier);
     }
     match s.parse::<u32>() {
-        Ok(w) if (1..=1000).contains(&w) => Ok(Weight::Own(w)),
-        _ => Err(format!("{s:?} is neither a weight from 1 to 1000 nor `tier`")),
+        Ok(w) if (1..=MAX_WEIGHT).contains(&w) => Ok(Weight::Own(w)),
+        _ => Err(format!("{s:?} is neither a weight from 1 to {MAX_WEIGHT} nor `tier`")),
     }
 }
 

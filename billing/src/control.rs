@@ -393,9 +393,12 @@ pub struct TierScheduling {
 pub static TIER_SCHEDULING: LazyLock<BTreeMap<String, TierScheduling>> =
     LazyLock::new(|| policy_entries("scheduling.json"));
 
+/// The largest fair-order weight, a tier's or a tenant's own (the smallest is 1).
+pub const MAX_WEIGHT: u32 = 1000;
+
 /// The fair-order weight of `tier` (1 for a tier the policy does not name), 1 to 1000.
 pub fn tier_weight(tier: &str) -> u32 {
-    TIER_SCHEDULING.get(tier).map_or(1, |s| s.weight.clamp(1, 1000))
+    TIER_SCHEDULING.get(tier).map_or(1, |s| s.weight.clamp(1, MAX_WEIGHT))
 }
 
 /// The TPOT target of `tier`, in milliseconds (1 to 60,000), if it has one.
@@ -669,8 +672,9 @@ pub fn valid_overrides(overrides: &Value) -> Result<(), AdminError> {
                 }
             }
             "weight" => {
-                if !value.as_u64().is_some_and(|w| (1..=1000).contains(&w)) {
-                    return Err(AdminError::invalid(&param, "must be an integer from 1 to 1000"));
+                if !value.as_u64().is_some_and(|w| (1..=u64::from(MAX_WEIGHT)).contains(&w)) {
+                    let message = format!("must be an integer from 1 to {MAX_WEIGHT}");
+                    return Err(AdminError::invalid(&param, message));
                 }
             }
             _ => {
@@ -688,7 +692,7 @@ pub fn valid_overrides(overrides: &Value) -> Result<(), AdminError> {
 /// A tenant's fair-order weight: its `overrides.weight`, else its tier's.
 pub fn tenant_weight(tier: &str, overrides: &Value) -> u32 {
     let own = overrides["weight"].as_u64().and_then(|w| u32::try_from(w).ok());
-    own.map_or_else(|| tier_weight(tier), |w| w.clamp(1, 1000))
+    own.map_or_else(|| tier_weight(tier), |w| w.clamp(1, MAX_WEIGHT))
 }
 
 /// A change to a tenant: the fields given are set, the others kept.
