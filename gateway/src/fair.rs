@@ -31,6 +31,8 @@ struct Tenant {
     /// Of those, admitted and not yet streaming a token (not counted: answers that are not
     /// streamed, whose first token the gateway does not see).
     waiting: u64,
+    /// The prompt tokens of those waiting.
+    waiting_tokens: u64,
     weight: u64,
 }
 
@@ -42,6 +44,9 @@ pub struct Published {
     /// Of those, waiting for their first token (absent from an older replica: none).
     #[serde(default)]
     pub waiting: u64,
+    /// The prompt tokens of those waiting (absent from an older replica: none).
+    #[serde(default)]
+    pub waiting_tokens: u64,
     pub weight: u64,
     pub tokens: f64,
 }
@@ -67,6 +72,7 @@ impl Peers {
             let e = self.tenants.entry(tenant.clone()).or_default();
             e.in_flight += p.in_flight;
             e.waiting += p.waiting;
+            e.waiting_tokens += p.waiting_tokens;
             e.weight = e.weight.max(p.weight);
             e.tokens += tokens;
             self.in_flight += p.in_flight;
@@ -85,6 +91,7 @@ pub const PEERS_STALE: Duration = Duration::from_secs(1);
 struct Standing {
     in_flight: u64,
     waiting: u64,
+    waiting_tokens: u64,
     all_in_flight: u64,
     /// The weights of the other tenants with sequences in flight.
     others_weight: u64,
@@ -104,6 +111,12 @@ struct State {
     /// Tokens served per tenant, decayed with `RATE_TAU` (kept while the tenant is idle, so a
     /// quiet tenant between requests keeps its history), and when last updated.
     tokens: HashMap<String, (f64, Instant)>,
+    /// Per tenant with tokens served of late, how fast its queue of prompts drains: at each
+    /// first token, the prompt tokens that waited ahead of the request when it was admitted
+    /// plus its own, over the time from admission to that token (beside other tenants, its
+    /// share of the engines' prefill; with its prefix-cache hits); an exponentially weighted
+    /// mean, known from the first request that streams.
+    prefill_tps: HashMap<String, f64>,
 }
 
 /// The time constant of the tokens-served counts, seconds.
@@ -137,6 +150,8 @@ impl State {
         Standing {
             in_flight: self.tenants.get(tenant).map_or(0, |t| t.in_flight) + peer(tenant).in_flight,
             waiting: self.tenants.get(tenant).map_or(0, |t| t.waiting) + peer(tenant).waiting,
+            waiting_tokens: self.tenants.get(tenant).map_or(0, |t| t.waiting_tokens)
+                + peer(tenant).waiting_tokens,
             all_in_flight: self.tenants.values().map(|t| t.in_flight).sum::<u64>()
                 + peers_in_flight,
             others_weight: weights.iter().filter(|(t, _)| **t != tenant).map(|(_, w)| w).sum(),
@@ -165,19 +180,39 @@ pub struct Slot {
     fair: Arc<FairShare>,
     tenant: String,
     places: u64,
+    /// Its prompt's tokens, in its tenant's queue until it starts.
+    tokens: u64,
+    /// The tenant's prompt tokens waiting when it was admitted, and when.
+    ahead: u64,
+    admitted: Instant,
     /// Whether its first token went out (it no longer waits).
     started: bool,
 }
 
 impl Slot {
-    /// The request's first token went out: it no longer waits in its tenant's queue.
+    /// The request's first token went out: it no longer waits in its tenant's queue, and
+    /// how fast that queue drained is learned.
     pub fn start(&mut self) {
+        self.start_at(Instant::now());
+    }
+
+    fn start_at(&mut self, now: Instant) {
         if std::mem::replace(&mut self.started, true) {
             return;
         }
         let Ok(mut s) = self.fair.state.lock() else { return };
         if let Some(t) = s.tenants.get_mut(&self.tenant) {
             t.waiting = t.waiting.saturating_sub(self.places);
+            t.waiting_tokens = t.waiting_tokens.saturating_sub(self.tokens);
+        }
+        let seconds = now.saturating_duration_since(self.admitted).as_secs_f64();
+        let drained = self.ahead + self.tokens;
+        if drained > 0 && seconds > 0.0 {
+            let tps = drained as f64 / seconds;
+            s.prefill_tps
+                .entry(self.tenant.clone())
+                .and_modify(|r| *r = ALPHA * tps + (1.0 - ALPHA) * *r)
+                .or_insert(tps);
         }
     }
 }
@@ -189,6 +224,7 @@ impl Drop for Slot {
             t.in_flight = t.in_flight.saturating_sub(self.places);
             if !self.started {
                 t.waiting = t.waiting.saturating_sub(self.places);
+                t.waiting_tokens = t.waiting_tokens.saturating_sub(self.tokens);
             }
             if t.in_flight == 0 {
                 s.tenants.remove(&self.tenant);
@@ -204,6 +240,11 @@ pub struct Judged {
     pub in_flight: u64,
     /// Of those, the ones still waiting for a first token.
     pub waiting: u64,
+    /// The prompt tokens of those waiting, then of this request.
+    pub waiting_tokens: u64,
+    pub prompt_tokens: u64,
+    /// How fast the tenant's queue of prompts drained of late, tokens a second (0: not known).
+    pub prefill_tps: f64,
     /// This request's sequences (its `n`).
     pub wanted: u64,
     /// Every tenant's sequences in flight, before this request's.
@@ -231,8 +272,12 @@ pub struct Judged {
 /// weighted share and its requests waiting for a first token, this one's included, are within
 /// its share of the places; or, beside others, while its share of the tokens served is well
 /// below its weighted share and either its requests in flight or those waiting for a first
-/// token are within twice its share of the places; or past those while the requests ahead of this one in the tenant's own queue can
-/// start within the target; else the time after which trying again can succeed.
+/// token are within twice its share of the places; or past those while the requests ahead of
+/// this one in the tenant's own queue can start within the target: its places turn over fast
+/// enough (`service_s` 0: not known yet), and the prompts waiting ahead of it, its own
+/// included, are prefilled within the target at the rate the tenant's queue drained of late
+/// (a queue of long prompts waits on prefill, not on places); else the time after which
+/// trying again can succeed.
 pub fn judge(j: Judged) -> Option<Duration> {
     let of = |total: u64| total as f64 * j.weight as f64 / j.active_weight.max(1) as f64;
     let share = of(j.places).max(1.0);
@@ -252,13 +297,19 @@ pub fn judge(j: Judged) -> Option<Duration> {
         return None;
     }
     // Its places turn over once per service time: the queue past the share starts at that rate.
-    let wait = (position - share) / share * j.service_s;
+    let turnover = (position - share) / share * j.service_s;
+    let prefill = if j.prefill_tps > 0.0 {
+        (j.waiting_tokens + j.prompt_tokens) as f64 / j.prefill_tps
+    } else {
+        0.0
+    };
+    let wait = turnover.max(prefill);
     (wait > j.ttft_target_s).then(|| Duration::from_secs_f64(wait - j.ttft_target_s))
 }
 
 impl FairShare {
     /// Admits a request of `tenant` (`weight`, TTFT target `ttft_target`) running `n`
-    /// sequences, or says when to retry. `places` is what the engines run while all of them
+    /// sequences on a prompt of `prompt_tokens`, or says when to retry. `places` is what the engines run while all of them
     /// have a backlog (`None`: some engine has room, so everything is admitted); without a
     /// target nothing is refused.
     pub fn admit(
@@ -266,32 +317,43 @@ impl FairShare {
         tenant: &str,
         weight: u32,
         n: u64,
+        prompt_tokens: u64,
         ttft_target: Option<Duration>,
         places: Option<u64>,
     ) -> Result<Slot, Duration> {
         let n = n.max(1);
-        let slot = || Slot {
+        let now = Instant::now();
+        let slot = |ahead: u64| Slot {
             fair: Arc::clone(self),
             tenant: tenant.to_owned(),
             places: n,
+            tokens: prompt_tokens,
+            ahead,
+            admitted: now,
             started: false,
         };
         let Ok(mut s) = self.state.lock() else {
             // A poisoned count refuses nobody.
-            return Ok(slot());
+            return Ok(slot(0));
         };
         let weight = u64::from(weight.max(1));
-        if let (Some(places), Some(target), true) = (places, ttft_target, s.samples >= WARM_UP) {
-            let st = s.standing(tenant, Instant::now());
+        let st = s.standing(tenant, now);
+        let prefill_tps = s.prefill_tps.get(tenant).copied().unwrap_or(0.0);
+        // Judged once the places' service time or the tenant's queue's drain rate is known.
+        let known = s.samples >= WARM_UP || prefill_tps > 0.0;
+        if let (Some(places), Some(target), true) = (places, ttft_target, known) {
             let j = Judged {
                 in_flight: st.in_flight,
                 waiting: st.waiting,
+                waiting_tokens: st.waiting_tokens,
+                prompt_tokens,
+                prefill_tps,
                 wanted: n,
                 all_in_flight: st.all_in_flight,
                 weight,
                 active_weight: st.others_weight + weight,
                 places,
-                service_s: s.service_s,
+                service_s: if s.samples >= WARM_UP { s.service_s } else { 0.0 },
                 ttft_target_s: target.as_secs_f64(),
                 served: st.served,
                 all_served: st.all_served,
@@ -304,8 +366,9 @@ impl FairShare {
         let t = s.tenants.entry(tenant.to_owned()).or_default();
         t.in_flight += n;
         t.waiting += n;
+        t.waiting_tokens += prompt_tokens;
         t.weight = weight;
-        Ok(slot())
+        Ok(slot(st.waiting_tokens))
     }
 
     /// A request held its place for `seconds` (the engine's prefill and decode).
@@ -328,6 +391,8 @@ impl FairShare {
         s.tokens.retain(|_, &mut (c, at)| decayed(c, at, now) >= 1.0);
         let e = s.tokens.entry(tenant.to_owned()).or_insert((0.0, now));
         *e = (decayed(e.0, e.1, now) + tokens as f64, now);
+        let State { tokens, prefill_tps, .. } = &mut *s;
+        prefill_tps.retain(|t, _| tokens.contains_key(t));
     }
 
     /// Whether `n` more sequences of `tenant` (`weight`) would hold more than its weighted
@@ -370,6 +435,7 @@ impl FairShare {
                 let p = Published {
                     in_flight: v.in_flight,
                     waiting: v.waiting,
+                    waiting_tokens: v.waiting_tokens,
                     weight: v.weight,
                     tokens: 0.0,
                 };
@@ -401,10 +467,16 @@ impl FairShare {
 mod tests {
     use super::*;
 
+    /// A prompt's tokens, where they do not matter (no prefill rate is known).
+    const PROMPT: u64 = 128;
+
     fn j(in_flight: u64, weight: u64, active_weight: u64) -> Judged {
         Judged {
             in_flight,
             waiting: in_flight,
+            waiting_tokens: 0,
+            prompt_tokens: PROMPT,
+            prefill_tps: 0.0,
             wanted: 1,
             all_in_flight: in_flight,
             weight,
@@ -491,8 +563,8 @@ mod tests {
         let fair = Arc::new(FairShare::default());
         let target = Some(Duration::from_secs(1));
         let waiting = |f: &FairShare| f.published().get("t").map_or(0, |p| p.waiting);
-        let mut a = fair.admit("t", 1, 2, target, None)?;
-        let b = fair.admit("t", 1, 1, target, None)?;
+        let mut a = fair.admit("t", 1, 2, PROMPT, target, None)?;
+        let b = fair.admit("t", 1, 1, PROMPT, target, None)?;
         assert_eq!(waiting(&fair), 3);
         a.start();
         a.start();
@@ -513,23 +585,23 @@ mod tests {
         }
         // No backlog: everything is admitted.
         let free: Vec<Slot> =
-            (0..20).filter_map(|_| fair.admit("noisy", 1, 1, target, None).ok()).collect();
+            (0..20).filter_map(|_| fair.admit("noisy", 1, 1, PROMPT, target, None).ok()).collect();
         assert_eq!((free.len(), fair.in_flight("noisy")), (20, 20));
         drop(free);
         assert_eq!(fair.in_flight("noisy"), 0);
         // A backlog of 4 places: the noisy tenant, alone, gets 4 and the queue that starts
         // within its target (4 x (1 + 1 s / 6 s) = 4.67); a quiet tenant still gets in.
         let mut held = Vec::new();
-        while let Ok(s) = fair.admit("noisy", 1, 1, target, Some(4)) {
+        while let Ok(s) = fair.admit("noisy", 1, 1, PROMPT, target, Some(4)) {
             held.push(s);
         }
         assert_eq!(held.len(), 4);
-        let retry = fair.admit("noisy", 1, 1, target, Some(4)).err();
+        let retry = fair.admit("noisy", 1, 1, PROMPT, target, Some(4)).err();
         assert!(retry.is_some_and(|r| r > Duration::ZERO));
-        let quiet = fair.admit("quiet", 1, 1, target, Some(4));
+        let quiet = fair.admit("quiet", 1, 1, PROMPT, target, Some(4));
         assert!(quiet.is_ok(), "the quiet tenant is within its share");
         // Without a TTFT target nobody is refused.
-        let untargeted = fair.admit("noisy", 1, 3, None, Some(4));
+        let untargeted = fair.admit("noisy", 1, 3, PROMPT, None, Some(4));
         assert_eq!(fair.in_flight("noisy"), 7, "three more places");
         drop((held, untargeted));
         assert_eq!(fair.in_flight("noisy"), 0);
@@ -551,7 +623,7 @@ mod tests {
         let mut refused = [false, false];
         while !refused.iter().all(|r| *r) {
             for (i, f) in [a, b].into_iter().enumerate() {
-                match f.admit("flood", 1, 1, target, Some(12)) {
+                match f.admit("flood", 1, 1, PROMPT, target, Some(12)) {
                     Ok(slot) => held.push(slot),
                     Err(_) => refused[i] = true,
                 }
@@ -575,7 +647,7 @@ mod tests {
                 }
             }
             // A quiet tenant (weight 1, as the flood) has one request in flight at a.
-            let quiet = a.admit("quiet", 1, 1, target, Some(12))?;
+            let quiet = a.admit("quiet", 1, 1, PROMPT, target, Some(12))?;
             Ok((a, b, quiet))
         };
         // 12 places, 6 each; the flood's queue past its 6 starts within 1 s up to the 7th.
@@ -607,11 +679,11 @@ mod tests {
     }
 
     #[test]
-    fn nobody_is_refused_before_the_service_time_is_known() {
+    fn nobody_is_refused_before_the_service_time_or_a_drain_rate_is_known() {
         let fair = Arc::new(FairShare::default());
         let target = Some(Duration::from_millis(1));
         let held: Vec<Slot> =
-            (0..10).filter_map(|_| fair.admit("t", 1, 1, target, Some(1)).ok()).collect();
+            (0..10).filter_map(|_| fair.admit("t", 1, 1, PROMPT, target, Some(1)).ok()).collect();
         assert_eq!(held.len(), 10);
         fair.served(f64::NAN);
         fair.served(-1.0);
@@ -624,14 +696,14 @@ mod tests {
         // The flood: 40 requests of n = 8 from one tenant.
         let mut held = Vec::new();
         for _ in 0..40 {
-            held.push(fair.admit("flood", 1, 8, None, None)?);
+            held.push(fair.admit("flood", 1, 8, PROMPT, None, None)?);
         }
         // Alone, the tenant holding the queue is past its share.
         assert!(fair.past_queue_share("flood", 1, 1));
         // A quiet tenant's request (and one of n = 8) is within its share of what is in flight.
         assert!(!fair.past_queue_share("quiet", 1, 1));
         assert!(!fair.past_queue_share("quiet", 1, 8));
-        held.push(fair.admit("quiet", 1, 8, None, None)?);
+        held.push(fair.admit("quiet", 1, 8, PROMPT, None, None)?);
         // The flood's next, beside the quiet one, is still past its share; n counts.
         assert!(fair.past_queue_share("flood", 1, 1));
         assert!(!fair.past_queue_share("quiet", 1, 8));
@@ -640,6 +712,98 @@ mod tests {
         assert!(!fair.past_queue_share("big", 100, 300));
         drop(held);
         assert_eq!(fair.in_flight("flood"), 0);
+        Ok(())
+    }
+
+    #[test]
+    fn a_queue_of_long_prompts_is_bounded_by_its_prefill_not_its_places() {
+        // Alone on 4 places turning over every 6 s, the 5th request would wait 1.5 s by
+        // turnover: refused after 0.5 s. The 4th is within the share whatever it waits.
+        let alone = |in_flight: u64, waiting_tokens: u64, prefill_tps: f64| Judged {
+            waiting: in_flight,
+            waiting_tokens,
+            prompt_tokens: 1024,
+            prefill_tps,
+            places: 4,
+            ..j(in_flight, 1, 1)
+        };
+        assert_eq!(judge(alone(3, 8 * 1024, 1000.0)), None);
+        // The 5th, with no prefill rate known yet: by turnover alone, (5 - 4) / 4 x 6 s.
+        let by_places = judge(alone(4, 0, 0.0));
+        assert_eq!(by_places, Some(Duration::from_secs_f64(0.5)));
+        // Four 1,024-token prompts waiting at 2,000 tokens a second, and its own: 2.56 s.
+        let by_prefill = judge(alone(4, 4 * 1024, 2000.0));
+        assert_eq!(by_prefill, Some(Duration::from_secs_f64(5.0 * 1024.0 / 2000.0 - 1.0)));
+        // The same queue prefilled fast enough waits by its places only.
+        assert_eq!(judge(alone(4, 4 * 1024, 100_000.0)), by_places);
+        // A short queue behind places that turn over fast: admitted.
+        let quick = Judged { service_s: 1.0, ..alone(4, 1024, 4096.0) };
+        assert_eq!(judge(quick), None);
+        // The same places, a queue of 8 long prompts ahead: refused.
+        assert!(judge(Judged { service_s: 1.0, ..alone(4, 8 * 1024, 4096.0) }).is_some());
+    }
+
+    #[test]
+    fn prompts_wait_in_their_tenants_queue_until_their_first_token() -> Result<(), Duration> {
+        let fair = Arc::new(FairShare::default());
+        let target = Some(Duration::from_secs(1));
+        let queued = |f: &FairShare| f.published().get("t").map_or(0, |p| p.waiting_tokens);
+        let mut a = fair.admit("t", 1, 1, 1000, target, None)?;
+        let b = fair.admit("t", 1, 2, 300, target, None)?;
+        assert_eq!(queued(&fair), 1300, "one prompt a request, whatever its n");
+        a.start();
+        assert_eq!(queued(&fair), 300);
+        drop(b);
+        assert_eq!(queued(&fair), 0, "an answer that ends unstarted waits no more");
+        drop(a);
+        // Another replica's queue counts at this one.
+        let other = Arc::new(FairShare::default());
+        let _c = other.admit("t", 1, 1, 700, target, None)?;
+        fair.set_peers(Some(peers_of(&other)));
+        let st = fair.state.lock().map(|s| s.standing("t", Instant::now())).ok();
+        assert_eq!(st.map(|s| s.waiting_tokens), Some(700));
+        Ok(())
+    }
+
+    #[test]
+    fn a_tenants_queue_drain_rate_is_learned_at_first_tokens_and_bounds_its_queue()
+    -> Result<(), Duration> {
+        let fair = Arc::new(FairShare::default());
+        let target = Some(Duration::from_secs(1));
+        let rate =
+            |f: &FairShare| f.state.lock().ok().and_then(|s| s.prefill_tps.get("t").copied());
+        let at = |slot: &Slot, seconds: f64| slot.admitted + Duration::from_secs_f64(seconds);
+        // Nothing known yet (no service time, no drain rate): a backlog refuses nobody.
+        let mut first = fair.admit("t", 1, 1, 1024, target, Some(4))?;
+        assert_eq!(rate(&fair), None);
+        // Its first token 0.5 s after admission: 2,048 prompt tokens a second.
+        first.start_at(at(&first, 0.5));
+        assert_eq!(rate(&fair), Some(2048.0));
+        first.start_at(at(&first, 0.1));
+        assert_eq!(rate(&fair), Some(2048.0), "a request starts once");
+        // The service time still unknown, its queue is judged by its prefill: the 4 places
+        // hold the first and three more; a fifth would wait (3 x 1,024 + 1,024) / 2,048 = 2 s.
+        let mut held = Vec::new();
+        while let Ok(slot) = fair.admit("t", 1, 1, 1024, target, Some(4)) {
+            held.push(slot);
+        }
+        assert_eq!(held.len(), 3);
+        // Two start, each behind those admitted before it, at the same rate.
+        for (k, slot) in held.iter_mut().enumerate().take(2) {
+            let t = at(slot, 0.5 * (k + 1) as f64);
+            slot.start_at(t);
+        }
+        assert_eq!(rate(&fair), Some(2048.0));
+        // One prompt waits now: (1,024 + 1,024) / 2,048 = 1 s, within the target.
+        let fifth = fair.admit("t", 1, 1, 1024, target, Some(4))?;
+        // Behind two, even 16 tokens wait 2,064 / 2,048 s: refused for the 1/128 s past it.
+        let short = fair.admit("t", 1, 1, 16, target, Some(4)).err();
+        assert_eq!(short, Some(Duration::from_secs_f64(0.0078125)));
+        // Without a target, or without a backlog, nobody is refused.
+        let untargeted = fair.admit("t", 1, 1, 4096, None, Some(4))?;
+        let free = fair.admit("t", 1, 1, 4096, target, None)?;
+        drop((first, held, fifth, untargeted, free));
+        assert_eq!(fair.in_flight("t"), 0);
         Ok(())
     }
 }

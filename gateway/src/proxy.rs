@@ -742,7 +742,14 @@ impl Gateway {
         let backlog = self.workers.backlog(&checked.model).filter(|_| self.cfg.fair_admission);
         let slot = self
             .fair
-            .admit(&grant.tenant_id, grant.weight(), choices, ttft_target, backlog)
+            .admit(
+                &grant.tenant_id,
+                grant.weight(),
+                choices,
+                ctx.prompt_tokens,
+                ttft_target,
+                backlog,
+            )
             .map_err(|retry_after| Refusal::OverShare { retry_after })?;
         self.admit_tokens(ctx, &grant).await?;
         ctx.fair_slot = Some(slot);

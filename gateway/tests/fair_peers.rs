@@ -38,7 +38,8 @@ impl Replica {
     }
 
     fn admit(&self, tenant: &str) -> Option<Slot> {
-        self.fair.admit(tenant, 1, 1, Some(Duration::from_secs(1)), Some(12)).ok()
+        // A prompt of 128 tokens; no prefill rate is known, so places alone judge.
+        self.fair.admit(tenant, 1, 1, 128, Some(Duration::from_secs(1)), Some(12)).ok()
     }
 }
 
