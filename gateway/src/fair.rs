@@ -240,8 +240,9 @@ pub struct Judged {
     pub in_flight: u64,
     /// Of those, the ones still waiting for a first token.
     pub waiting: u64,
-    /// The prompt tokens of those waiting, then of this request.
+    /// The prompt tokens of those waiting.
     pub waiting_tokens: u64,
+    /// This request's prompt tokens (once, whatever its `n`).
     pub prompt_tokens: u64,
     /// How fast the tenant's queue of prompts drained of late, tokens a second (0: not known).
     pub prefill_tps: f64,
@@ -309,9 +310,9 @@ pub fn judge(j: Judged) -> Option<Duration> {
 
 impl FairShare {
     /// Admits a request of `tenant` (`weight`, TTFT target `ttft_target`) running `n`
-    /// sequences on a prompt of `prompt_tokens`, or says when to retry. `places` is what the engines run while all of them
-    /// have a backlog (`None`: some engine has room, so everything is admitted); without a
-    /// target nothing is refused.
+    /// sequences on a prompt of `prompt_tokens`, or says when to retry. `places` is what the
+    /// engines run while all of them have a backlog (`None`: some engine has room, so
+    /// everything is admitted); without a target nothing is refused.
     pub fn admit(
         self: &Arc<Self>,
         tenant: &str,
