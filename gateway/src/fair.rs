@@ -91,7 +91,6 @@ pub const PEERS_STALE: Duration = Duration::from_secs(1);
 struct Standing {
     in_flight: u64,
     waiting: u64,
-    waiting_tokens: u64,
     all_in_flight: u64,
     /// The weights of the other tenants with sequences in flight.
     others_weight: u64,
@@ -130,12 +129,24 @@ fn decayed(count: f64, since: Instant, now: Instant) -> f64 {
 
 impl State {
     /// `tenant`'s standing at `now`, over every replica whose figures are fresh.
-    fn standing(&self, tenant: &str, now: Instant) -> Standing {
-        let peers = self
-            .peers
+    /// The other replicas' figures, while they are fresh at `now`.
+    fn fresh_peers(&self, now: Instant) -> Option<&Peers> {
+        self.peers
             .as_ref()
             .filter(|(_, at)| now.saturating_duration_since(*at) < PEERS_STALE)
-            .map(|(p, _)| p);
+            .map(|(p, _)| p)
+    }
+
+    /// `tenant`'s prompt tokens waiting for a first token, at every replica whose figures are
+    /// fresh (what every admission reads, judged or not: only its own entries).
+    fn waiting_tokens(&self, tenant: &str, now: Instant) -> u64 {
+        let peer = self.fresh_peers(now).and_then(|p| p.tenants.get(tenant));
+        self.tenants.get(tenant).map_or(0, |t| t.waiting_tokens)
+            + peer.map_or(0, |p| p.waiting_tokens)
+    }
+
+    fn standing(&self, tenant: &str, now: Instant) -> Standing {
+        let peers = self.fresh_peers(now);
         let peer = |t: &str| peers.and_then(|p| p.tenants.get(t)).copied().unwrap_or_default();
         let mut weights: HashMap<&str, u64> = HashMap::new();
         for (t, v) in &self.tenants {
@@ -150,8 +161,6 @@ impl State {
         Standing {
             in_flight: self.tenants.get(tenant).map_or(0, |t| t.in_flight) + peer(tenant).in_flight,
             waiting: self.tenants.get(tenant).map_or(0, |t| t.waiting) + peer(tenant).waiting,
-            waiting_tokens: self.tenants.get(tenant).map_or(0, |t| t.waiting_tokens)
-                + peer(tenant).waiting_tokens,
             all_in_flight: self.tenants.values().map(|t| t.in_flight).sum::<u64>()
                 + peers_in_flight,
             others_weight: weights.iter().filter(|(t, _)| **t != tenant).map(|(_, w)| w).sum(),
@@ -338,15 +347,16 @@ impl FairShare {
             return Ok(slot(0));
         };
         let weight = u64::from(weight.max(1));
-        let st = s.standing(tenant, now);
+        let ahead = s.waiting_tokens(tenant, now);
         let prefill_tps = s.prefill_tps.get(tenant).copied().unwrap_or(0.0);
         // Judged once the places' service time or the tenant's queue's drain rate is known.
         let known = s.samples >= WARM_UP || prefill_tps > 0.0;
         if let (Some(places), Some(target), true) = (places, ttft_target, known) {
+            let st = s.standing(tenant, now);
             let j = Judged {
                 in_flight: st.in_flight,
                 waiting: st.waiting,
-                waiting_tokens: st.waiting_tokens,
+                waiting_tokens: ahead,
                 prompt_tokens,
                 prefill_tps,
                 wanted: n,
@@ -369,7 +379,7 @@ impl FairShare {
         t.waiting += n;
         t.waiting_tokens += prompt_tokens;
         t.weight = weight;
-        Ok(slot(st.waiting_tokens))
+        Ok(slot(ahead))
     }
 
     /// A request held its place for `seconds` (the engine's prefill and decode).
@@ -761,8 +771,8 @@ mod tests {
         let other = Arc::new(FairShare::default());
         let _c = other.admit("t", 1, 1, 700, target, None)?;
         fair.set_peers(Some(peers_of(&other)));
-        let st = fair.state.lock().map(|s| s.standing("t", Instant::now())).ok();
-        assert_eq!(st.map(|s| s.waiting_tokens), Some(700));
+        let waiting = fair.state.lock().map(|s| s.waiting_tokens("t", Instant::now())).ok();
+        assert_eq!(waiting, Some(700));
         Ok(())
     }
 
