@@ -275,44 +275,58 @@ pub struct Judged {
     pub all_served: f64,
 }
 
-/// The rule, pure: admitted (`None`) within the tenant's share of the places; beside other
-/// tenants, within its share of all the sequences in flight too (one holding no more than its
-/// share of the queue is never the one to turn away, however the places the engines report
-/// move); or, beside others, while its share of the tokens served recently is within its
-/// weighted share and its requests waiting for a first token, this one's included, are within
-/// its share of the places; or, beside others, while its share of the tokens served is well
-/// below its weighted share and either its requests in flight or those waiting for a first
-/// token are within twice its share of the places; or past those while the requests ahead of
-/// this one in the tenant's own queue can start within the target: its places turn over fast
-/// enough (`service_s` 0: not known yet), and the prompts waiting ahead of it, its own
-/// included, are prefilled within the target at the rate the tenant's queue drained of late
-/// (a queue of long prompts waits on prefill, not on places); else the time after which
-/// trying again can succeed.
+/// The rule, pure: admitted (`None`)
+/// - within the tenant's share of the places (work-conserving: alone, that is all of them);
+/// - beside other tenants, while its queue of prompts drains in time (the prompts waiting
+///   ahead of it, its own included, are prefilled within the target at the rate the tenant's
+///   queue drained of late, or nothing of its own waits, so it always has one queued, or it is
+///   served well below its weighted share of the tokens), and
+///   - it holds no more than its share of all the sequences in flight (one holding no more
+///     than its share of the queue is never the one to turn away, however the places the
+///     engines report move), or
+///   - its share of the tokens served recently is within its weighted share and its requests
+///     waiting for a first token, this one's included, are within its share of the places, or
+///   - its share of the tokens served is well below its weighted share and either its requests
+///     in flight or those waiting for a first token are within twice its share of the places;
+/// - past those, while the requests ahead of this one in the tenant's own queue can start
+///   within the target: its places turn over fast enough (`service_s` 0: not known yet), and
+///   its prompts are prefilled in time as above (a queue of long prompts waits on prefill, not
+///   on places).
+///
+/// Else the time after which trying again can succeed.
 pub fn judge(j: Judged) -> Option<Duration> {
     let of = |total: u64| total as f64 * j.weight as f64 / j.active_weight.max(1) as f64;
     let share = of(j.places).max(1.0);
     let position = (j.in_flight + j.wanted.max(1)) as f64;
     let others = j.active_weight > j.weight;
-    if position <= share || (others && position <= of(j.all_in_flight + j.wanted.max(1))) {
+    if position <= share {
         return None;
     }
     let within_tokens =
         j.all_served > 0.0 && j.served * (j.active_weight as f64) <= j.all_served * j.weight as f64;
     let served_little = j.all_served > 0.0
         && j.served * (j.active_weight as f64) < LIGHT_SHARE * j.all_served * j.weight as f64;
-    // Its own requests waiting for a first token, this one's included.
-    let queue = (j.waiting + j.wanted.max(1)) as f64;
-    let bound = if served_little { 2.0 * share } else { share };
-    if others && within_tokens && (queue <= bound || served_little && position <= bound) {
-        return None;
-    }
-    // Its places turn over once per service time: the queue past the share starts at that rate.
-    let turnover = (position - share) / share * j.service_s;
+    // The prompts waiting ahead of it, its own included, at the rate its queue drained of late.
     let prefill = if j.prefill_tps > 0.0 {
         (j.waiting_tokens + j.prompt_tokens) as f64 / j.prefill_tps
     } else {
         0.0
     };
+    // Beside others, the shares below admit a tenant only while its queue of prompts drains
+    // within the target, or nothing of its own waits (so it always has one queued), or it is
+    // served well below its share (a light tenant is never the one its queue turns away).
+    let drains = served_little || j.waiting == 0 || prefill <= j.ttft_target_s;
+    if others && drains && position <= of(j.all_in_flight + j.wanted.max(1)) {
+        return None;
+    }
+    // Its own requests waiting for a first token, this one's included.
+    let queue = (j.waiting + j.wanted.max(1)) as f64;
+    let bound = if served_little { 2.0 * share } else { share };
+    if others && drains && within_tokens && (queue <= bound || served_little && position <= bound) {
+        return None;
+    }
+    // Its places turn over once per service time: the queue past the share starts at that rate.
+    let turnover = (position - share) / share * j.service_s;
     let wait = turnover.max(prefill);
     (wait > j.ttft_target_s).then(|| Duration::from_secs_f64(wait - j.ttft_target_s))
 }
@@ -752,6 +766,48 @@ mod tests {
         assert_eq!(judge(quick), None);
         // The same places, a queue of 8 long prompts ahead: refused.
         assert!(judge(Judged { service_s: 1.0, ..alone(4, 8 * 1024, 4096.0) }).is_some());
+    }
+
+    #[test]
+    fn beside_others_a_queue_of_long_prompts_is_bounded_by_its_prefill_too() {
+        // As measured beside a decode flood and a vip tenant: 8 places, 40 sequences in
+        // flight, the prefill flood (weight 2 of 6) holding 6 of them, 4 of its 1,024-token
+        // prompts waiting, its queue draining at 800 tokens a second and its places turning
+        // over every 0.5 s. Its share of everything in flight is 41 / 3 = 13.7, so that alone
+        // admitted it; its queue would wait (4 + 1) x 1,024 / 800 = 6.4 s.
+        let flood = Judged {
+            waiting: 4,
+            waiting_tokens: 4 * 1024,
+            prompt_tokens: 1024,
+            prefill_tps: 800.0,
+            all_in_flight: 40,
+            places: 8,
+            service_s: 0.5,
+            ..j(6, 2, 6)
+        };
+        let past = 5.0 * 1024.0 / 800.0 - 1.0;
+        assert_eq!(judge(flood), Some(Duration::from_secs_f64(past)));
+        // Nothing of its own waiting: admitted, so the engines always have one of its prompts.
+        assert_eq!(judge(Judged { waiting: 0, waiting_tokens: 0, ..flood }), None);
+        // One waiting, drained in 2,048 / 2,048 = 1 s: within the target.
+        let one = Judged { waiting: 1, waiting_tokens: 1024, prefill_tps: 2048.0, ..flood };
+        assert_eq!(judge(one), None);
+        // No drain rate known yet: judged by its share of what is in flight, as before.
+        assert_eq!(judge(Judged { prefill_tps: 0.0, ..flood }), None);
+        // Served well below its share of the tokens (2.5% against 33%), it is a light tenant
+        // whatever its queue's rate: admitted. Near its share (30%), its queue judges it.
+        assert_eq!(judge(Judged { served: 100.0, all_served: 4000.0, ..flood }), None);
+        let near = Judged { served: 1200.0, all_served: 4000.0, ..flood };
+        assert_eq!(judge(near), Some(Duration::from_secs_f64(past)));
+        // A quiet tenant with one short prompt waiting, drained fast, is admitted as before.
+        let quiet = Judged {
+            waiting: 1,
+            waiting_tokens: 128,
+            prompt_tokens: 128,
+            prefill_tps: 1000.0,
+            ..j(2, 2, 6)
+        };
+        assert_eq!(judge(Judged { all_in_flight: 40, places: 8, ..quiet }), None);
     }
 
     #[test]
