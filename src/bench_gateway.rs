@@ -239,7 +239,12 @@ async fn offer(
             }
             let r = req.send().await;
             let overhead = r.as_ref().ok().and_then(|r| {
-                r.headers().get("x-sluice-gateway-overhead-ms")?.to_str().ok()?.parse::<f64>().ok()
+                r.headers()
+                    .get(sluice_wire::header::GATEWAY_OVERHEAD_MS)?
+                    .to_str()
+                    .ok()?
+                    .parse::<f64>()
+                    .ok()
             });
             let ok = match r {
                 Ok(r) => r.status().is_success() && r.bytes().await.is_ok(),

@@ -18,6 +18,7 @@ use serde_json::Value;
 
 use sluice_billing::prices::Rates;
 use sluice_billing::query::RollupReconciliation;
+use sluice_wire::Outcomes;
 
 use crate::admin_cli::Client;
 
@@ -56,28 +57,6 @@ struct LedgerRow {
     price_output_micros: u64,
 }
 
-/// What an engine's `/v1/internal/outcomes` answers.
-#[derive(Debug, Deserialize)]
-struct EngineOutcomes {
-    model: String,
-    /// When the engine started, in milliseconds (engines before it sent only `started`).
-    #[serde(default)]
-    started_ms: Option<i64>,
-    /// When the engine started, in seconds.
-    #[serde(default)]
-    started: Option<i64>,
-    data: Vec<EngineOutcome>,
-}
-
-/// One request an engine ran (or still runs).
-#[derive(Debug, Deserialize)]
-struct EngineOutcome {
-    request_id: String,
-    state: String,
-    prompt_tokens: u64,
-    completion_tokens: u64,
-}
-
 /// `/v1/audit/reconcile`'s answer, every field required.
 fn read_rollups(v: Value) -> anyhow::Result<RollupReconciliation> {
     serde_json::from_value(v)
@@ -103,19 +82,17 @@ fn read_records(content_type: Option<&str>, text: &str) -> anyhow::Result<Vec<Le
         .collect()
 }
 
-/// An engine's outcomes, every field required; when it started (milliseconds, else seconds).
-fn read_outcomes(engine: &str, v: Value) -> anyhow::Result<(EngineOutcomes, DateTime<Utc>)> {
-    let outcomes: EngineOutcomes = serde_json::from_value(v).with_context(|| {
+/// An engine's outcomes, every field required, and when it started.
+fn read_outcomes(engine: &str, v: Value) -> anyhow::Result<(Outcomes, DateTime<Utc>)> {
+    let outcomes: Outcomes = serde_json::from_value(v).with_context(|| {
         format!("the engine {engine}'s outcomes are not ones this tool understands")
     })?;
-    // To the millisecond where the engine says it: a row from within its first second may
-    // belong to the process before it on the same address (a restart).
-    let started = match (outcomes.started_ms, outcomes.started) {
-        (Some(ms), _) => DateTime::from_timestamp_millis(ms),
-        (None, Some(s)) => DateTime::from_timestamp(s, 0),
-        (None, None) => bail!("the engine {engine} did not say when it started"),
-    }
-    .with_context(|| format!("the engine {engine}'s start time is out of range"))?;
+    // To the millisecond: a row from within its first second may belong to the process
+    // before it on the same address (a restart).
+    let started = i64::try_from(outcomes.started_ms)
+        .ok()
+        .and_then(DateTime::from_timestamp_millis)
+        .with_context(|| format!("the engine {engine}'s start time is out of range"))?;
     Ok((outcomes, started))
 }
 
@@ -255,7 +232,7 @@ async fn against_engines(
     };
     for engine in engines {
         let mut req = http
-            .get(format!("http://{engine}/v1/internal/outcomes"))
+            .get(format!("http://{engine}{}", sluice_wire::route::OUTCOMES))
             .query(&[("since", since.timestamp().max(0).to_string())]);
         if let Some(t) = token {
             req = req.bearer_auth(t);
@@ -265,13 +242,13 @@ async fn against_engines(
             bail!("the engine {engine} answered {} (is --internal-token right?)", resp.status());
         }
         let v: Value = resp.json().await.context("the engine sent invalid JSON")?;
-        let (EngineOutcomes { model, data: outcomes, .. }, started) = read_outcomes(engine, v)?;
+        let (Outcomes { model, data: outcomes, .. }, started) = read_outcomes(engine, v)?;
         let (mut running, mut matched) = (0, 0);
         let mut known = HashSet::new();
         for o in &outcomes {
             let id = o.request_id.as_str();
             known.insert(id.to_owned());
-            if o.state != "finished" {
+            if !o.finished() {
                 running += 1;
                 continue;
             }
@@ -412,8 +389,9 @@ mod tests {
 
     #[test]
     fn engine_outcomes_it_does_not_understand_are_an_error() {
-        let outcome = json!({"request_id": "r1", "state": "finished", "prompt_tokens": 10,
-            "completion_tokens": 5});
+        let outcome = json!({"request_id": "r1", "tenant": "t", "state": "finished",
+            "choices": 1, "ended": 1, "prompt_tokens": 10, "cached_tokens": 0,
+            "completion_tokens": 5, "finish_reason": "stop", "created": 1, "ended_ms": 1600});
         let good = json!({"model": "m", "started": 1, "started_ms": 1500, "data": [outcome]});
         let read = read_outcomes("e:1", good.clone()).map(|(o, at)| (o.data.len(), at));
         assert_eq!(read.ok(), Some((1, DateTime::UNIX_EPOCH + TimeDelta::milliseconds(1500))));

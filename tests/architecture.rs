@@ -1,6 +1,7 @@
 //! The crate graph's rules (ARCHITECTURE.md), read from the manifests: the gateway, billing,
 //! the load generator and the text crate never depend on the engine, the engine never on the
-//! gateway or billing, and the text crate on no other Sluice crate.
+//! gateway or billing, and the text and wire crates on no other Sluice crate. And the wire's
+//! names are written once: no internal header or internal route outside `sluice-wire`.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -34,6 +35,10 @@ fn the_crate_graph_keeps_its_rules() -> anyhow::Result<()> {
     assert!(deps("engine")?.contains("sluice-text"), "engine: {:?}", deps("engine")?);
     assert!(deps(".")?.contains("sluice-engine"));
     assert_eq!(deps("text")?, BTreeSet::new(), "the text crate is the bottom");
+    assert_eq!(deps("wire")?, BTreeSet::new(), "the wire crate is the bottom");
+    for dir in ["engine", "gateway", "billing", "bench", "."] {
+        assert!(deps(dir)?.contains("sluice-wire"), "{dir} speaks the wire another way");
+    }
     for dir in ["gateway", "billing", "bench"] {
         let d = deps(dir)?;
         assert!(!d.contains("sluice-engine"), "{dir} depends on the engine: {d:?}");
@@ -47,5 +52,52 @@ fn the_crate_graph_keeps_its_rules() -> anyhow::Result<()> {
     for other in ["sluice-gateway", "sluice-billing", "sluice-bench"] {
         assert!(!engine.contains(other), "the engine depends on {other}");
     }
+    Ok(())
+}
+
+/// The lines of the Rust files under `dir` (recursively) before their `#[cfg(test)]` module,
+/// comments left out: `(file, line number, line)`.
+fn code_lines(dir: &Path, out: &mut Vec<(String, usize, String)>) -> anyhow::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.is_dir() {
+            code_lines(&path, out)?;
+            continue;
+        }
+        if path.extension().is_none_or(|e| e != "rs") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path)?;
+        for (i, line) in text.lines().enumerate() {
+            if line.trim() == "#[cfg(test)]" {
+                break;
+            }
+            if !line.trim_start().starts_with("//") {
+                out.push((path.display().to_string(), i + 1, line.to_owned()));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn internal_headers_and_routes_are_written_only_in_the_wire_crate() -> anyhow::Result<()> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut lines = Vec::new();
+    for dir in ["engine/src", "gateway/src", "billing/src", "bench/src", "text/src", "src"] {
+        code_lines(&root.join(dir), &mut lines)?;
+    }
+    // The scan sees the code it judges (a check that cannot fail is no check).
+    assert!(lines.iter().any(|(_, _, l)| l.contains("route::LOAD")), "the engine's router");
+    assert!(lines.iter().any(|(_, _, l)| l.contains("internal::TENANT")), "the gateway's headers");
+    let written: Vec<String> = lines
+        .iter()
+        .filter(|(_, _, l)| l.contains("\"x-sluice-") || l.contains("\"/v1/internal/"))
+        .map(|(f, n, l)| format!("{f}:{n}: {}", l.trim()))
+        .collect();
+    assert!(written.is_empty(), "write these through sluice_wire:\n{}", written.join("\n"));
+    let mut wire = Vec::new();
+    code_lines(&root.join("wire/src"), &mut wire)?;
+    assert!(wire.iter().any(|(_, _, l)| l.contains("\"x-sluice-tenant\"")));
     Ok(())
 }

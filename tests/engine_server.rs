@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail, ensure};
 use futures_util::StreamExt;
 use serde_json::{Value, json};
+use sluice_wire::{EngineLoad, route};
 
 const GOLDEN_PROMPT: &str = "The capital of France is";
 
@@ -444,6 +445,11 @@ async fn internal_token_is_required_when_configured() -> anyhow::Result<()> {
     // Probes and scrapers need no token; the per-tenant series (who uses the engine, how
     // much) do.
     ensure!(c.get(server.at("/health")).send().await?.status() == 200);
+    // The load gateways poll is theirs alone, and typed.
+    ensure!(c.get(server.at(route::LOAD)).send().await?.status() == 401);
+    let load = c.get(server.at(route::LOAD)).bearer_auth("s3cret-token").send().await?;
+    let load: EngineLoad = load.json().await?;
+    ensure!(load.requests() == 0 && !load.batch_full && load.pending_prompt_tokens == 0);
     let tenant = [("authorization", "Bearer s3cret-token"), ("x-sluice-tenant", "acme-private")];
     let (status, _, _) = post(&c, &server.at("/v1/completions"), &body, &tenant).await?;
     ensure!(status == 200);
@@ -572,6 +578,9 @@ async fn client_disconnect_aborts_the_request_and_frees_blocks() -> anyhow::Resu
         tokio::spawn(async move { c.post(url).json(&body).send().await })
     };
     wait_running(&c, &server).await?;
+    // The typed load says so too, with the request's blocks in use.
+    let load: EngineLoad = c.get(server.at(route::LOAD)).send().await?.json().await?;
+    ensure!(load.running == 1 && load.waiting == 0 && load.kv_usage > 0.0, "{load:?}");
     pending.abort();
     wait_idle(&c, &server).await?;
 

@@ -15,6 +15,7 @@ use anyhow::{Context, bail};
 use clap::Args;
 use serde_json::{Value, json};
 use sluice_text::stream::{SseParser, tokens_carried};
+use sluice_wire::header as internal;
 
 /// `sluice bench serve`.
 #[derive(Args, Debug, Clone)]
@@ -518,9 +519,9 @@ async fn one(
     };
     let header =
         |name: &str| resp.headers().get(name).and_then(|v| v.to_str().ok()).map(str::to_owned);
-    extra.request_id = header("x-sluice-request-id");
-    extra.model_revision = header("x-sluice-model-revision");
-    extra.identity = header("x-sluice-execution-identity");
+    extra.request_id = header(internal::REQUEST_ID);
+    extra.model_revision = header(internal::MODEL_REVISION);
+    extra.identity = header(internal::EXECUTION_IDENTITY);
     extra.retry_after = header("retry-after").and_then(|v| v.trim().parse().ok());
     let status = resp.status().as_u16();
     extra.status = Some(status);

@@ -393,8 +393,9 @@ pub struct TierScheduling {
 pub static TIER_SCHEDULING: LazyLock<BTreeMap<String, TierScheduling>> =
     LazyLock::new(|| policy_entries("scheduling.json"));
 
-/// The largest fair-order weight, a tier's or a tenant's own (the smallest is 1).
-pub const MAX_WEIGHT: u32 = 1000;
+/// The largest fair-order weight, a tier's or a tenant's own (the smallest is 1): the one the
+/// engines accept in the weight header.
+pub use sluice_wire::MAX_WEIGHT;
 
 /// The fair-order weight of `tier` (1 for a tier the policy does not name), 1 to 1000.
 pub fn tier_weight(tier: &str) -> u32 {

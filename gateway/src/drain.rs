@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use pingora::server::{ShutdownSignal, ShutdownSignalWatch};
+use sluice_wire::route;
 
 /// After the cancellation, how long the cancelled requests have to end and be billed.
 const AFTER_CANCEL: Duration = Duration::from_secs(10);
@@ -117,7 +118,7 @@ impl DrainOnSignal {
         let aborts = left.into_iter().filter_map(|(id, worker)| {
             // Not routed yet: upstream_peer refuses it.
             let worker = worker?;
-            let mut req = http.post(format!("http://{worker}/v1/internal/requests/{id}/abort"));
+            let mut req = http.post(format!("http://{worker}{}", route::abort(&id)));
             if let Some(t) = &self.internal_token {
                 req = req.bearer_auth(t);
             }

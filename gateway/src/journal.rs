@@ -29,6 +29,7 @@ use serde::{Deserialize, Serialize};
 use sluice_billing::prices::Rates;
 use sluice_billing::redis_conn::RedisConn;
 use sluice_billing::{FinishReason, UsageEvent};
+use sluice_wire::{FinishReason as Ended, Outcome, route};
 
 use crate::idempotency::Idempotency;
 use crate::limits::{Limiter, REDIS_TIMEOUT};
@@ -140,17 +141,6 @@ enum Settled {
     Dropped,
     /// Tried again at a later sweep.
     Later,
-}
-
-/// What an engine says of a request.
-#[derive(Debug, Deserialize)]
-struct EngineOutcome {
-    state: String,
-    completion_tokens: u64,
-    cached_tokens: u64,
-    finish_reason: Option<String>,
-    /// When it ended, ms since the Unix epoch (absent from older engines).
-    ended_ms: Option<i64>,
 }
 
 /// Time since `ms` (since the Unix epoch); zero for a time ahead of this clock.
@@ -421,21 +411,23 @@ async fn settle(mut entry: Entry, recovery: &Recovery) -> Settled {
         None => Ok(None),
     };
     let (completion, cached, finish, status) = match outcome {
-        Ok(Some(o)) if o.state == "finished" || age >= GIVE_UP => {
+        Ok(Some(o)) if o.finished() || age >= GIVE_UP => {
             // A gateway taken for dead may still be delivering its own event.
-            if age < GIVE_UP && since(o.ended_ms.unwrap_or(entry.routed_ms)) < LIVE_GRACE {
+            let ended =
+                o.ended_ms.map_or(entry.routed_ms, |ms| i64::try_from(ms).unwrap_or(i64::MAX));
+            if age < GIVE_UP && since(ended) < LIVE_GRACE {
                 return Settled::Later;
             }
             let billed = |finish| (o.completion_tokens, o.cached_tokens, finish, 200);
-            match o.finish_reason.as_deref() {
-                Some("stop") => billed(FinishReason::Stop),
-                Some("length") => billed(FinishReason::Length),
+            match o.finish_reason {
+                Some(Ended::Stop) => billed(FinishReason::Stop),
+                Some(Ended::Length) => billed(FinishReason::Length),
                 // Never ran (refused at submission), or failed before its first token: free,
                 // as the live path bills an engine's error answer.
                 None => (0, 0, FinishReason::Error, 502),
-                Some("error") if o.completion_tokens == 0 => (0, 0, FinishReason::Error, 502),
+                Some(Ended::Error) if o.completion_tokens == 0 => (0, 0, FinishReason::Error, 502),
                 // Ended when the dead gateway's connection closed, or failed.
-                Some(_) => billed(FinishReason::Error),
+                Some(Ended::Abort | Ended::Error) => billed(FinishReason::Error),
             }
         }
         Ok(Some(_)) => return Settled::Later,
@@ -490,9 +482,8 @@ async fn ask(
     recovery: &Recovery,
     worker: &str,
     id: &str,
-) -> Result<Option<EngineOutcome>, reqwest::Error> {
-    let url =
-        format!("http://{worker}/v1/internal/requests/{id}?wait_ms={}", OUTCOME_WAIT.as_millis());
+) -> Result<Option<Outcome>, reqwest::Error> {
+    let url = format!("http://{worker}{}?wait_ms={}", route::outcome(id), OUTCOME_WAIT.as_millis());
     let mut req = recovery.http.get(url).timeout(OUTCOME_WAIT + Duration::from_secs(5));
     if let Some(t) = &recovery.token {
         req = req.bearer_auth(t);

@@ -30,6 +30,8 @@ use sluice_billing::control::KeyGrant;
 use sluice_billing::event::is_refused;
 use sluice_billing::prices::PriceList;
 use sluice_billing::{FinishReason, Ledger, UsageEvent};
+use sluice_wire::header as internal;
+use sluice_wire::{Outcome as EngineOutcome, route};
 
 use crate::admission::{
     self, Checked, Endpoint, MAX_BODY_BYTES, Refusal, Route, Served, Slo, TokenCounter, error_json,
@@ -596,7 +598,7 @@ impl Gateway {
         ctx: &mut Ctx,
     ) -> std::result::Result<bool, Refusal> {
         let req = session.req_header();
-        ctx.trace_id = header(req, "traceparent")
+        ctx.trace_id = header(req, internal::TRACEPARENT)
             .and_then(|t| t.split('-').nth(1))
             .filter(|id| id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()))
             .map(str::to_owned);
@@ -813,7 +815,7 @@ impl Gateway {
             ctx.outcome = Outcome::Refused(r.finish_reason());
         }
         let mut headers = r.headers();
-        headers.push(("x-sluice-request-id".into(), ctx.request_id.clone()));
+        headers.push((internal::REQUEST_ID.into(), ctx.request_id.clone()));
         respond(session, r.status(), r.body(), &headers).await?;
         Ok(true)
     }
@@ -1040,7 +1042,7 @@ impl Gateway {
                 let headers = [
                     ("content-type".to_owned(), response.content_type.clone()),
                     ("idempotent-replayed".to_owned(), "true".to_owned()),
-                    ("x-sluice-request-id".to_owned(), first_request_id),
+                    (internal::REQUEST_ID.to_owned(), first_request_id),
                 ];
                 respond(session, response.status, response.body, &headers)
                     .await
@@ -1297,14 +1299,6 @@ impl Gateway {
     }
 }
 
-/// What an engine says it did for a request (`GET /v1/internal/requests/{id}`).
-#[derive(Debug, serde::Deserialize)]
-struct EngineOutcome {
-    state: String,
-    completion_tokens: u64,
-    cached_tokens: u64,
-}
-
 /// How long a failed settlement of a Redis reservation is retried before it is left to expire.
 const SETTLE_RETRY_FOR: Duration = Duration::from_secs(120);
 
@@ -1317,11 +1311,11 @@ impl Gateway {
     async fn engine_outcome(&self, ctx: &Ctx) -> Option<EngineOutcome> {
         let worker = ctx.worker.clone()?;
         let url = format!(
-            "http://{worker}/v1/internal/requests/{}?wait_ms={}",
-            ctx.request_id,
+            "http://{worker}{}?wait_ms={}",
+            route::outcome(&ctx.request_id),
             OUTCOME_WAIT.as_millis()
         );
-        let abort = format!("http://{worker}/v1/internal/requests/{}/abort", ctx.request_id);
+        let abort = format!("http://{worker}{}", route::abort(&ctx.request_id));
         let (http, token) = (self.http.clone(), self.cfg.internal_token.clone());
         let ask = async move {
             let auth = |r: reqwest::RequestBuilder| match &token {
@@ -1337,9 +1331,9 @@ impl Gateway {
         };
         let o = self.on_io(ask).await.ok().flatten();
         match o {
-            Some(o) if o.state == "finished" => Some(o),
+            Some(o) if o.finished() => Some(o),
             Some(o) => {
-                tracing::warn!(request_id = %ctx.request_id, state = %o.state,
+                tracing::warn!(request_id = %ctx.request_id, state = ?o.state,
                     "the engine did not end the request in time; billing its count so far");
                 Some(o)
             }
@@ -1501,7 +1495,7 @@ impl ProxyHttp for Gateway {
                 _ => ("server_error", "the gateway failed to proxy the request"),
             };
             let body = error_json(message, kind, None, Some("upstream_error"));
-            let headers = [("x-sluice-request-id".to_owned(), ctx.request_id.clone())];
+            let headers = [(internal::REQUEST_ID.to_owned(), ctx.request_id.clone())];
             if respond(session, code, body, &headers).await.is_ok() {
                 ctx.status = code;
             }
@@ -1583,19 +1577,19 @@ impl ProxyHttp for Gateway {
             req.remove_header(&n);
         }
         if let Some(g) = &ctx.grant {
-            req.insert_header("x-sluice-tenant", g.tenant_id.as_str())?;
+            req.insert_header(internal::TENANT, g.tenant_id.as_str())?;
             let priority = g.quota.priority.unwrap_or(0);
-            req.insert_header("x-sluice-priority", priority.to_string())?;
+            req.insert_header(internal::PRIORITY, priority.to_string())?;
             let weight = g.weight();
-            req.insert_header("x-sluice-weight", weight.to_string())?;
+            req.insert_header(internal::WEIGHT, weight.to_string())?;
             if let Some(ms) = ctx.slo.tpot_ms {
-                req.insert_header("x-sluice-tpot-ms", ms.to_string())?;
+                req.insert_header(internal::TPOT_MS, ms.to_string())?;
             }
         }
         if let Some(a) = &ctx.adapter {
-            req.insert_header("x-sluice-adapter", a.as_str())?;
+            req.insert_header(internal::ADAPTER, a.as_str())?;
         }
-        req.insert_header("x-sluice-request-id", ctx.request_id.as_str())?;
+        req.insert_header(internal::REQUEST_ID, ctx.request_id.as_str())?;
         // The gateway span's context when traces are exported; otherwise the client's trace
         // id (or a new one) under a fresh span id.
         let mut injected = http::HeaderMap::new();
@@ -1604,7 +1598,7 @@ impl ProxyHttp for Gateway {
             p.inject_context(&cx, &mut opentelemetry_http::HeaderInjector(&mut injected))
         });
         let propagated =
-            injected.get("traceparent").and_then(|v| v.to_str().ok()).map(str::to_owned);
+            injected.get(internal::TRACEPARENT).and_then(|v| v.to_str().ok()).map(str::to_owned);
         let traceparent = match propagated {
             Some(tp) => tp,
             None => {
@@ -1617,7 +1611,7 @@ impl ProxyHttp for Gateway {
             }
         };
         ctx.trace_id = traceparent.split('-').nth(1).map(str::to_owned);
-        req.insert_header("traceparent", traceparent)?;
+        req.insert_header(internal::TRACEPARENT, traceparent)?;
         if let Some(t) = &self.cfg.internal_token {
             req.insert_header("authorization", format!("Bearer {t}"))?;
         }
@@ -1670,15 +1664,15 @@ impl ProxyHttp for Gateway {
             .to_owned();
         ctx.model_revision = resp
             .headers
-            .get("x-sluice-model-revision")
+            .get(internal::MODEL_REVISION)
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
         for (k, v) in rate_headers(&ctx.rate) {
             resp.insert_header(k, v)?;
         }
-        resp.insert_header("x-sluice-request-id", ctx.request_id.as_str())?;
+        resp.insert_header(internal::REQUEST_ID, ctx.request_id.as_str())?;
         resp.insert_header(
-            "x-sluice-gateway-overhead-ms",
+            internal::GATEWAY_OVERHEAD_MS,
             format!("{:.3}", ctx.overhead.as_secs_f64() * 1000.0),
         )?;
         if ctx.stream && ctx.status == 200 {

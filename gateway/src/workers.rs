@@ -1,9 +1,10 @@
-//! The engine workers behind a gateway: health and load from their `/health` and `/metrics`
-//! (polled), the models each serves (its `/v1/models`, learned into the [`Catalog`] when it
-//! first answers and whenever its `/health` names another), and the choice of a worker for a
-//! request: among those serving its model, prefix affinity (rendezvous hashing on the tenant
-//! and the prompt's start, so one tenant's shared prefixes meet the same prefix cache) unless
-//! that worker is unhealthy or much busier than the least loaded one.
+//! The engine workers behind a gateway: health and load from their `/health` and
+//! `/v1/internal/load` (polled, the load an [`EngineLoad`]), the models each serves (its
+//! `/v1/models`, learned into the [`Catalog`] when it first answers and whenever its `/health`
+//! names another), and the choice of a worker for a request: among those serving its model,
+//! prefix affinity (rendezvous hashing on the tenant and the prompt's start, so one tenant's
+//! shared prefixes meet the same prefix cache) unless that worker is unhealthy or much busier
+//! than the least loaded one.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -11,6 +12,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 use sha2::{Digest, Sha256};
+use sluice_wire::{EngineLoad, route};
 
 use crate::admission::TokenCounter;
 use crate::catalog::Catalog;
@@ -32,6 +34,12 @@ impl WorkerState {
     /// Requests running plus waiting at the last poll.
     pub fn load(&self) -> u64 {
         self.running.load(Ordering::Relaxed) + self.waiting.load(Ordering::Relaxed)
+    }
+
+    fn set_load(&self, load: &EngineLoad) {
+        self.running.store(load.running, Ordering::Relaxed);
+        self.waiting.store(load.waiting, Ordering::Relaxed);
+        self.batch_full.store(load.batch_full, Ordering::Relaxed);
     }
 
     /// Whether the last health check passed.
@@ -88,14 +96,6 @@ where
     }
 }
 
-fn gauge(metrics: &str, name: &str) -> Option<u64> {
-    metrics.lines().find_map(|l| {
-        let rest = l.strip_prefix(name)?;
-        let v = rest.trim_start_matches(|c: char| c != ' ').trim();
-        v.parse::<f64>().ok().map(|x| x.max(0.0) as u64)
-    })
-}
-
 impl Workers {
     /// Workers at these addresses, assumed healthy until checked; `token` is the bearer
     /// token their `/v1` routes require.
@@ -116,6 +116,15 @@ impl Workers {
                 .collect(),
             token,
         })
+    }
+
+    /// A GET of `path` at worker `w`, with the internal token its `/v1` routes require.
+    fn get(&self, http: &reqwest::Client, w: &WorkerState, path: &str) -> reqwest::RequestBuilder {
+        let req = http.get(format!("http://{}{path}", w.addr));
+        match &self.token {
+            Some(t) => req.bearer_auth(t),
+            None => req,
+        }
     }
 
     /// How many workers there are.
@@ -148,7 +157,8 @@ impl Workers {
     /// names a model it was not known to serve) its models, learned into `catalog`.
     pub async fn poll(&self, http: &reqwest::Client, catalog: &Catalog) {
         for w in &self.list {
-            let health = match http.get(format!("http://{}/health", w.addr)).send().await {
+            let health = match http.get(format!("http://{}{}", w.addr, route::HEALTH)).send().await
+            {
                 Ok(r) if r.status().is_success() => {
                     Some(r.json::<Value>().await.unwrap_or_default())
                 }
@@ -173,18 +183,13 @@ impl Workers {
                     }
                 }
             }
-            if let Ok(r) = http.get(format!("http://{}/metrics", w.addr)).send().await
-                && let Ok(text) = r.text().await
-            {
-                if let Some(n) = gauge(&text, "sluice_engine_num_requests_running") {
-                    w.running.store(n, Ordering::Relaxed);
+            match fetch(self.get(http, w, route::LOAD), "GET load", |r| r.json()).await {
+                Ok(load) => w.set_load(&load),
+                Err(e) => {
+                    tracing::debug!(worker = %w.addr, error = %e, "an engine's load");
+                    // An engine that does not say is never taken for full.
+                    w.batch_full.store(false, Ordering::Relaxed);
                 }
-                if let Some(n) = gauge(&text, "sluice_engine_num_requests_waiting") {
-                    w.waiting.store(n, Ordering::Relaxed);
-                }
-                // An engine that does not say is never taken for full.
-                let full = gauge(&text, "sluice_engine_batch_full").is_some_and(|n| n > 0);
-                w.batch_full.store(full, Ordering::Relaxed);
             }
         }
     }
@@ -197,14 +202,8 @@ impl Workers {
         http: &reqwest::Client,
         catalog: &Catalog,
     ) -> Result<Vec<String>, String> {
-        let get = |path: &str| {
-            let req = http.get(format!("http://{}{path}", w.addr));
-            match &self.token {
-                Some(t) => req.bearer_auth(t),
-                None => req,
-            }
-        };
-        let list: Value = fetch(get("/v1/models"), "GET /v1/models", |r| r.json()).await?;
+        let get = |path: &str| self.get(http, w, path);
+        let list: Value = fetch(get(route::MODELS), "GET /v1/models", |r| r.json()).await?;
         let mut models = Vec::new();
         for card in list["data"].as_array().map(Vec::as_slice).unwrap_or_default() {
             let identity = &card["sluice"]["execution_identity"];
@@ -213,7 +212,7 @@ impl Workers {
             let text = match catalog.text(tokenizer, template) {
                 Some(t) => t,
                 None => {
-                    let req = get("/v1/internal/text").timeout(Duration::from_secs(30));
+                    let req = get(route::TEXT).timeout(Duration::from_secs(30));
                     let bytes = fetch(req, "GET /v1/internal/text", |r| r.bytes()).await?;
                     let text =
                         tokio::task::spawn_blocking(move || TokenCounter::from_bundle(&bytes))
@@ -313,9 +312,7 @@ mod tests {
     fn set(w: &WorkerState, healthy: bool, running: u64, waiting: u64) {
         w.set_models(vec!["m".into()]);
         w.healthy.store(healthy, Ordering::Relaxed);
-        w.running.store(running, Ordering::Relaxed);
-        w.waiting.store(waiting, Ordering::Relaxed);
-        w.batch_full.store(waiting > 0, Ordering::Relaxed);
+        w.set_load(&EngineLoad { running, waiting, batch_full: waiting > 0, ..Default::default() });
     }
 
     #[test]
@@ -386,13 +383,6 @@ mod tests {
         assert!(!ws.overloaded("m", 4));
         set(&ws.list[1], false, 0, 0);
         assert!(ws.overloaded("m", 4));
-        assert_eq!(
-            gauge(
-                "# HELP x\nsluice_engine_num_requests_waiting 3\n",
-                "sluice_engine_num_requests_waiting"
-            ),
-            Some(3)
-        );
     }
 
     #[test]

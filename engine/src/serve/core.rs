@@ -446,6 +446,7 @@ impl EngineCore {
     fn update_gauges(&self) {
         self.metrics.running.set(self.sched.num_running() as i64);
         self.metrics.waiting.set(self.sched.num_waiting() as i64);
+        self.metrics.pending_prompt_tokens.set(self.sched.pending_prompt_tokens() as i64);
         if self.sched.num_waiting() == 0 {
             self.metrics.batch_full.set(0);
         }

@@ -260,6 +260,8 @@ pub struct EngineMetrics {
     pub running: Gauge,
     /// Requests waiting to be scheduled.
     pub waiting: Gauge,
+    /// Prompt tokens admitted and not yet prefilled, over every request held.
+    pub pending_prompt_tokens: Gauge,
     /// 1 while requests wait because the running batch is as large as it may grow (its TPOT
     /// limit, `max_num_seqs` or the KV cache): the engine is at capacity, not between steps.
     pub batch_full: Gauge,
@@ -343,6 +345,7 @@ impl EngineMetrics {
             decode: h(),
             running: Gauge::default(),
             waiting: Gauge::default(),
+            pending_prompt_tokens: Gauge::default(),
             batch_full: Gauge::default(),
             kv_usage: Gauge::default(),
             prefix_queries: Counter::default(),
@@ -393,6 +396,11 @@ impl EngineMetrics {
         r.register("request_decode_time_seconds", "First token to last token", m.decode.clone());
         r.register("num_requests_running", "Requests in the running batch", m.running.clone());
         r.register("num_requests_waiting", "Requests waiting to be scheduled", m.waiting.clone());
+        r.register(
+            "num_pending_prompt_tokens",
+            "Prompt tokens admitted and not yet prefilled",
+            m.pending_prompt_tokens.clone(),
+        );
         r.register(
             "batch_full",
             "1 while requests wait because the running batch is as large as it may grow",
@@ -535,6 +543,18 @@ impl EngineMetrics {
                 reason: reason.as_str(),
             };
             self.tenant_wait.get_or_create(&key).inc_by(seconds);
+        }
+    }
+
+    /// The load an engine reports to gateways, from the gauges the last step set.
+    pub fn load(&self) -> sluice_wire::EngineLoad {
+        let count = |g: &Gauge| u64::try_from(g.get()).unwrap_or(0);
+        sluice_wire::EngineLoad {
+            running: count(&self.running),
+            waiting: count(&self.waiting),
+            batch_full: self.batch_full.get() > 0,
+            pending_prompt_tokens: count(&self.pending_prompt_tokens),
+            kv_usage: self.kv_usage.get(),
         }
     }
 

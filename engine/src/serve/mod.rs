@@ -93,31 +93,8 @@ pub struct RequestAdapter {
     pub adapter: Arc<LoraAdapter>,
 }
 
-/// Why a request ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FinishReason {
-    /// End-of-sequence, a stop token or a stop string.
-    Stop,
-    /// `max_tokens` or the context length.
-    Length,
-    /// The client went away (or the request was cancelled); tokens so far still count.
-    Abort,
-    /// The engine failed while running it.
-    Error,
-}
-
-impl FinishReason {
-    /// The OpenAI `finish_reason` string.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-            FinishReason::Abort => "abort",
-            FinishReason::Error => "error",
-        }
-    }
-}
+/// Why a request ended (the wire's: the gateway and billing read it as the engine writes it).
+pub use sluice_wire::FinishReason;
 
 /// One generated token.
 #[derive(Clone, Debug, PartialEq, Serialize)]

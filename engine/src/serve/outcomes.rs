@@ -12,39 +12,12 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use serde::Serialize;
-
 use crate::serve::{FinishReason, Usage};
 
 /// Requests remembered at most (the oldest are forgotten first).
 const CAPACITY: usize = 100_000;
 
-/// One HTTP request as the engine ran it.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Outcome {
-    /// The request id (the gateway's `x-sluice-request-id`).
-    pub request_id: String,
-    /// The tenant the gateway named, if any.
-    pub tenant: Option<String>,
-    /// `running` until every submitted choice has ended, then `finished`.
-    pub state: &'static str,
-    /// Choices submitted.
-    pub choices: usize,
-    /// Choices ended.
-    pub ended: usize,
-    /// Prompt tokens (of one choice: the choices share the prompt).
-    pub prompt_tokens: usize,
-    /// Prompt tokens served from the prefix cache (the largest over the choices).
-    pub cached_tokens: usize,
-    /// Tokens generated, over all choices.
-    pub completion_tokens: usize,
-    /// How the last choice to end ended (`abort` when the client went away).
-    pub finish_reason: Option<FinishReason>,
-    /// When it was registered, seconds since the Unix epoch.
-    pub created: u64,
-    /// When it became `finished`, milliseconds since the Unix epoch.
-    pub ended_ms: Option<u64>,
-}
+pub use sluice_wire::{Outcome, OutcomeState};
 
 fn now_ms() -> u64 {
     SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
@@ -110,7 +83,7 @@ impl OutcomeLog {
                 Outcome {
                     request_id: request_id.to_owned(),
                     tenant: tenant.map(str::to_owned),
-                    state: "running",
+                    state: OutcomeState::Running,
                     choices: 0,
                     ended: 0,
                     prompt_tokens: 0,
@@ -125,7 +98,7 @@ impl OutcomeLog {
         }
         if let Some(o) = g.by_id.get_mut(request_id) {
             o.choices += 1;
-            o.state = "running";
+            o.state = OutcomeState::Running;
             o.ended_ms = None;
         }
         g.choices.insert(choice_id.to_owned(), request_id.to_owned());
@@ -140,7 +113,7 @@ impl OutcomeLog {
         {
             o.choices = o.choices.saturating_sub(1);
             if o.ended >= o.choices {
-                o.state = "finished";
+                o.state = OutcomeState::Finished;
                 o.ended_ms = Some(now_ms());
             }
         }
@@ -153,18 +126,15 @@ impl OutcomeLog {
         let Some(id) = g.choices.remove(choice_id) else { return };
         if let Some(o) = g.by_id.get_mut(&id) {
             o.ended += 1;
-            o.prompt_tokens = usage.prompt_tokens;
+            o.prompt_tokens = usage.prompt_tokens as u64;
             // One rule with the response's usage: the prompt is billed once, its cached part
             // that of the choice that reused least (the others reused the first one's work).
-            o.cached_tokens = if o.ended == 1 {
-                usage.cached_tokens
-            } else {
-                o.cached_tokens.min(usage.cached_tokens)
-            };
-            o.completion_tokens += usage.completion_tokens;
+            let cached = usage.cached_tokens as u64;
+            o.cached_tokens = if o.ended == 1 { cached } else { o.cached_tokens.min(cached) };
+            o.completion_tokens += usage.completion_tokens as u64;
             o.finish_reason = Some(reason);
             if o.ended >= o.choices {
-                o.state = "finished";
+                o.state = OutcomeState::Finished;
                 o.ended_ms = Some(now_ms());
             }
         }
@@ -179,7 +149,7 @@ impl OutcomeLog {
         loop {
             let o = g.by_id.get(request_id)?;
             let now = Instant::now();
-            if o.state == "finished" || now >= deadline {
+            if o.finished() || now >= deadline {
                 return Some(o.clone());
             }
             g = self.ended.wait_timeout(g, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
@@ -220,13 +190,13 @@ mod tests {
         assert!(!log.register("r", "r-1", Some("t")), "a duplicate of a running choice");
         log.ended("r-0", &usage(5, 0, 3), FinishReason::Stop);
         let o = log.get("r", Duration::ZERO).ok_or("registered")?;
-        assert_eq!((o.state, o.ended, o.completion_tokens), ("running", 1, 3));
+        assert_eq!((o.state, o.ended, o.completion_tokens), (OutcomeState::Running, 1, 3));
         assert_eq!(o.ended_ms, None);
         log.ended("r-1", &usage(5, 4, 2), FinishReason::Abort);
         let o = log.get("r", Duration::ZERO).ok_or("registered")?;
         // Cached: the least of the choices', as the response's usage says (once the most,
         // so a client that hung up paid less for the prompt than one that waited).
-        assert_eq!((o.state, o.completion_tokens, o.cached_tokens), ("finished", 5, 0));
+        assert_eq!((o.state, o.completion_tokens, o.cached_tokens), (OutcomeState::Finished, 5, 0));
         assert!(o.ended_ms.is_some_and(|ms| ms >= o.created * 1000), "{:?}", o.ended_ms);
         assert_eq!(o.finish_reason, Some(FinishReason::Abort));
         assert_eq!(o.tenant.as_deref(), Some("t"));
@@ -235,7 +205,7 @@ mod tests {
         log.register("q", "q-1", None);
         log.ended("q-0", &usage(1, 0, 1), FinishReason::Length);
         log.unregister("q-1");
-        assert_eq!(log.get("q", Duration::ZERO).map(|o| o.state), Some("finished"));
+        assert_eq!(log.get("q", Duration::ZERO).map(|o| o.state), Some(OutcomeState::Finished));
         assert!(log.get("unknown", Duration::ZERO).is_none());
         log.ended("never-registered", &usage(1, 0, 1), FinishReason::Stop);
         assert_eq!(log.since(0).len(), 2);
@@ -252,7 +222,7 @@ mod tests {
             writer.ended("r", &usage(2, 0, 7), FinishReason::Abort);
         });
         let o = log.get("r", Duration::from_secs(10)).ok_or("registered")?;
-        assert_eq!((o.state, o.completion_tokens), ("finished", 7));
+        assert_eq!((o.state, o.completion_tokens), (OutcomeState::Finished, 7));
         t.join().map_err(|_| "writer")?;
         Ok(())
     }

@@ -554,6 +554,11 @@ impl Scheduler {
         self.waiting.len()
     }
 
+    /// Prompt tokens not yet prefilled, over every request held (waiting or running).
+    pub fn pending_prompt_tokens(&self) -> usize {
+        self.seqs.values().map(|s| s.prompt_len.saturating_sub(s.computed)).sum()
+    }
+
     /// Whether anything is left to do.
     pub fn has_work(&self) -> bool {
         !self.running.is_empty() || !self.waiting.is_empty()
@@ -1395,9 +1400,11 @@ mod tests {
         let mut s = sched(64, 8, 4);
         s.add("a".into(), (0..20).collect(), tenant("t"), 0);
         s.add("b".into(), (100..103).collect(), tenant("t"), 0);
+        assert_eq!(s.pending_prompt_tokens(), 23, "every prompt token waits");
         let p = s.schedule();
         assert_eq!(p.scheduled, vec![Scheduled { id: "a".into(), start: 0, len: 8 }]);
         run_step(&mut s, &p, 1);
+        assert_eq!(s.pending_prompt_tokens(), 15, "a's first chunk is in");
         let p = s.schedule();
         assert_eq!(p.scheduled, vec![Scheduled { id: "a".into(), start: 8, len: 8 }]);
         run_step(&mut s, &p, 1);
@@ -1411,6 +1418,7 @@ mod tests {
             ]
         );
         run_step(&mut s, &p, 1);
+        assert_eq!(s.pending_prompt_tokens(), 0, "both prompts are in; decoding adds none");
         // Both decode one token each.
         let p = s.schedule();
         assert_eq!(p.scheduled.iter().map(|w| w.len).collect::<Vec<_>>(), vec![1, 1]);

@@ -17,13 +17,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::http::StatusCode;
+use sluice_wire::header::ADAPTER as ADAPTER_HEADER;
 
 use crate::lora::LoraAdapter;
 use crate::model::LlamaConfig;
 use crate::server::error::ApiError;
 
-/// The header naming a request's adapter (set by the gateway).
-pub const ADAPTER_HEADER: &str = "x-sluice-adapter";
 /// How long a request waits for room in a set full of adapters in use.
 pub const MEMORY_WAIT: Duration = Duration::from_secs(30);
 /// The longest tenant or adapter name.

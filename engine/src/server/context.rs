@@ -8,27 +8,15 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use axum::http::HeaderMap;
 use sha2::{Digest, Sha256};
 
-use crate::server::adapters::{ADAPTER_HEADER, AdapterRef};
-use crate::server::error::ApiError;
+use sluice_wire::MAX_WEIGHT;
+use sluice_wire::header::{
+    ADAPTER as ADAPTER_HEADER, PRIORITY as PRIORITY_HEADER, REQUEST_ID as REQUEST_ID_HEADER,
+    TENANT as TENANT_HEADER, TPOT_MS as TPOT_HEADER, TRACEPARENT as TRACEPARENT_HEADER,
+    WEIGHT as WEIGHT_HEADER,
+};
 
-/// Tenant whose prefix-cache scope the request uses.
-pub const TENANT_HEADER: &str = "x-sluice-tenant";
-/// Request id, chosen by the gateway (generated here when absent).
-pub const REQUEST_ID_HEADER: &str = "x-sluice-request-id";
-/// Scheduling priority (i32, larger first).
-pub const PRIORITY_HEADER: &str = "x-sluice-priority";
-/// The tenant's weight in the fair order (1 to [`MAX_WEIGHT`]).
-pub const WEIGHT_HEADER: &str = "x-sluice-weight";
-/// The largest weight a tenant can have.
-pub const MAX_WEIGHT: u32 = 1000;
-/// The time per output token to keep the request within, in milliseconds (1 to 60,000).
-pub const TPOT_HEADER: &str = "x-sluice-tpot-ms";
-/// W3C trace context.
-pub const TRACEPARENT_HEADER: &str = "traceparent";
-/// The execution identity, compact form.
-pub const IDENTITY_HEADER: &str = "x-sluice-execution-identity";
-/// The model revision (content hash of the weights).
-pub const MODEL_REVISION_HEADER: &str = "x-sluice-model-revision";
+use crate::server::adapters::AdapterRef;
+use crate::server::error::ApiError;
 
 const MAX_ID_LEN: usize = 128;
 

@@ -2,11 +2,13 @@
 //!
 //! Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models[/{id}]`,
 //! `GET /health`, `GET /metrics`, and for gateways `GET /v1/internal/text` (the model's
-//! tokenizer and chat template, [`ModelText::bundle`]) and the requests' outcomes. Every `/v1` request passes one middleware that checks the
-//! internal token, reads the trusted internal headers into a [`RequestContext`] and stamps
-//! the execution identity and request id on the response. Handlers turn the body into a
-//! checked [`validate::Plan`], submit one engine request per choice and answer with one body
-//! or an SSE stream that owns the engine streams (dropping it aborts the work).
+//! tokenizer and chat template, [`ModelText::bundle`]), `GET /v1/internal/load` (an
+//! [`EngineLoad`]) and the requests' outcomes; every path is a [`sluice_wire::route`].
+//! Every `/v1` request passes one middleware that checks the internal token, reads the
+//! trusted internal headers into a [`RequestContext`] and stamps the execution identity and
+//! request id on the response. Handlers turn the body into a checked [`validate::Plan`],
+//! submit one engine request per choice and answer with one body or an SSE stream that owns
+//! the engine streams (dropping it aborts the work).
 //!
 //! The server knows nothing about tenants' keys or billing: the gateway authenticates and
 //! sends the tenant as a header; without `x-sluice-tenant` a request shares cache with nobody.
@@ -35,15 +37,18 @@ use serde::Serialize;
 use serde_json::Value;
 use sluice_text::model::ModelText;
 use sluice_text::tokenizer::PROMPT_FIELD;
+use sluice_wire::header::{
+    EXECUTION_IDENTITY as IDENTITY_HEADER, MODEL_REVISION as MODEL_REVISION_HEADER,
+    REQUEST_ID as REQUEST_ID_HEADER,
+};
+use sluice_wire::{EngineLoad, Outcomes, route};
 
 use crate::defaults::SamplingDefaults;
 use crate::serve::RequestAdapter;
 use crate::serve::core::EngineStats;
 use crate::serve::handle::EngineHandle;
 use crate::server::adapters::AdapterSet;
-use crate::server::context::{
-    IDENTITY_HEADER, InternalToken, MODEL_REVISION_HEADER, REQUEST_ID_HEADER, RequestContext,
-};
+use crate::server::context::{InternalToken, RequestContext};
 use crate::server::error::ApiError;
 use crate::server::openai::{ModelCard, ModelCardExt};
 use crate::server::respond::{Endpoint, Shaper};
@@ -162,22 +167,23 @@ pub fn router(handle: EngineHandle, cfg: ServerConfig) -> Router {
         handle,
     });
     let v1 = Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(models))
-        .route("/v1/models/{id}", get(model_card))
-        .route("/v1/internal/requests/{id}", get(outcome))
-        .route("/v1/internal/requests/{id}/abort", post(abort))
-        .route("/v1/internal/outcomes", get(outcomes))
-        .route("/v1/internal/text", get(text_bundle))
+        .route(route::COMPLETIONS, post(completions))
+        .route(route::CHAT_COMPLETIONS, post(chat_completions))
+        .route(route::MODELS, get(models))
+        .route(route::MODEL, get(model_card))
+        .route(route::OUTCOME, get(outcome))
+        .route(route::ABORT, post(abort))
+        .route(route::OUTCOMES, get(outcomes))
+        .route(route::TEXT, get(text_bundle))
+        .route(route::LOAD, get(load))
         // Long-context prompts: above the gateway's 2 MiB cap, so the gateway's is the one hit.
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(Arc::clone(&app), api_layer));
     Router::new()
-        .route("/health", get(health))
-        .route("/livez", get(livez))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
+        .route(route::HEALTH, get(health))
+        .route(route::LIVEZ, get(livez))
+        .route(route::READYZ, get(readyz))
+        .route(route::METRICS, get(metrics))
         .merge(v1)
         .fallback(no_route)
         .method_not_allowed_fallback(wrong_method)
@@ -420,7 +426,7 @@ async fn outcome(
     loop {
         match app.handle.outcomes().get(&id, Duration::ZERO) {
             None => return ApiError::unknown_request(&id).into_response(),
-            Some(o) if o.state == "finished" || Instant::now() >= deadline => {
+            Some(o) if o.finished() || Instant::now() >= deadline => {
                 return Json(o).into_response();
             }
             Some(_) => tokio::time::sleep(Duration::from_millis(10)).await,
@@ -441,9 +447,12 @@ async fn outcomes(
     State(app): State<Arc<App>>,
     axum::extract::Query(q): axum::extract::Query<OutcomesQuery>,
 ) -> Response {
-    let data = app.handle.outcomes().since(q.since.unwrap_or(0));
-    Json(serde_json::json!({"model": app.served_name, "started": app.started,
-        "started_ms": app.started_ms, "data": data}))
+    Json(Outcomes {
+        model: app.served_name.clone(),
+        started: app.started,
+        started_ms: app.started_ms,
+        data: app.handle.outcomes().since(q.since.unwrap_or(0)),
+    })
     .into_response()
 }
 
@@ -528,6 +537,12 @@ async fn health(State(app): State<Arc<App>>) -> Response {
         }
         _ => ApiError::unavailable().into_response(),
     }
+}
+
+/// The engine's load, read from its gauges (set at the end of every step) without waiting for
+/// the step in progress.
+async fn load(State(app): State<Arc<App>>) -> Json<EngineLoad> {
+    Json(app.handle.metrics().load())
 }
 
 /// Liveness: the process answers and its engine thread runs. A restart is the cure for neither
