@@ -280,10 +280,10 @@ pub struct Judged {
 /// - beside other tenants, while its queue of prompts drains in time (the prompts waiting
 ///   ahead of it, its own included, are prefilled within the target at the rate the tenant's
 ///   queue drained of late, or nothing of its own waits, so it always has one queued, or it is
-///   served well below its weighted share of the tokens), and
+///   served well below its weighted share of the tokens, or nothing was served of late), and
 ///   - it holds no more than its share of all the sequences in flight (one holding no more
-///     than its share of the queue is never the one to turn away, however the places the
-///     engines report move), or
+///     than its share of the queue, its prompts draining, is not the one to turn away,
+///     however the places the engines report move), or
 ///   - its share of the tokens served recently is within its weighted share and its requests
 ///     waiting for a first token, this one's included, are within its share of the places, or
 ///   - its share of the tokens served is well below its weighted share and either its requests
@@ -314,8 +314,10 @@ pub fn judge(j: Judged) -> Option<Duration> {
     };
     // Beside others, the shares below admit a tenant only while its queue of prompts drains
     // within the target, or nothing of its own waits (so it always has one queued), or it is
-    // served well below its share (a light tenant is never the one its queue turns away).
-    let drains = served_little || j.waiting == 0 || prefill <= j.ttft_target_s;
+    // served well below its share (a light tenant is never the one its queue turns away), or
+    // nothing was served of late (no flood to tell it from).
+    let drains =
+        j.all_served <= 0.0 || served_little || j.waiting == 0 || prefill <= j.ttft_target_s;
     if others && drains && position <= of(j.all_in_flight + j.wanted.max(1)) {
         return None;
     }
@@ -774,7 +776,8 @@ mod tests {
         // flight, the prefill flood (weight 2 of 6) holding 6 of them, 4 of its 1,024-token
         // prompts waiting, its queue draining at 800 tokens a second and its places turning
         // over every 0.5 s. Its share of everything in flight is 41 / 3 = 13.7, so that alone
-        // admitted it; its queue would wait (4 + 1) x 1,024 / 800 = 6.4 s.
+        // admitted it; its queue would wait (4 + 1) x 1,024 / 800 = 6.4 s. It was served half
+        // the tokens of late.
         let flood = Judged {
             waiting: 4,
             waiting_tokens: 4 * 1024,
@@ -783,6 +786,8 @@ mod tests {
             all_in_flight: 40,
             places: 8,
             service_s: 0.5,
+            served: 2000.0,
+            all_served: 4000.0,
             ..j(6, 2, 6)
         };
         let past = 5.0 * 1024.0 / 800.0 - 1.0;
@@ -794,17 +799,22 @@ mod tests {
         assert_eq!(judge(one), None);
         // No drain rate known yet: judged by its share of what is in flight, as before.
         assert_eq!(judge(Judged { prefill_tps: 0.0, ..flood }), None);
+        // Nothing served of late by anyone: no flood to tell it from.
+        assert_eq!(judge(Judged { all_served: 0.0, ..flood }), None);
         // Served well below its share of the tokens (2.5% against 33%), it is a light tenant
         // whatever its queue's rate: admitted. Near its share (30%), its queue judges it.
         assert_eq!(judge(Judged { served: 100.0, all_served: 4000.0, ..flood }), None);
         let near = Judged { served: 1200.0, all_served: 4000.0, ..flood };
         assert_eq!(judge(near), Some(Duration::from_secs_f64(past)));
-        // A quiet tenant with one short prompt waiting, drained fast, is admitted as before.
+        // A tenant near its share with one short prompt waiting, drained fast, is admitted as
+        // before.
         let quiet = Judged {
             waiting: 1,
             waiting_tokens: 128,
             prompt_tokens: 128,
             prefill_tps: 1000.0,
+            served: 1200.0,
+            all_served: 4000.0,
             ..j(2, 2, 6)
         };
         assert_eq!(judge(Judged { all_in_flight: 40, places: 8, ..quiet }), None);

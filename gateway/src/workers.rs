@@ -26,6 +26,8 @@ pub struct WorkerState {
     running: AtomicU64,
     waiting: AtomicU64,
     batch_full: AtomicBool,
+    /// Whether its last load report was read (a failure is logged once, when it starts).
+    load_read: AtomicBool,
     /// The model ids it serves, from its last `/v1/models` (empty until it answers).
     models: Mutex<Vec<String>>,
 }
@@ -40,6 +42,25 @@ impl WorkerState {
         self.running.store(load.running, Ordering::Relaxed);
         self.waiting.store(load.waiting, Ordering::Relaxed);
         self.batch_full.store(load.batch_full, Ordering::Relaxed);
+    }
+
+    /// A poll's load report, or why it could not be read: then the engine is taken for idle,
+    /// never busy or full (no figure of an earlier report is kept to steer routing or
+    /// admission), and the failure is logged when it starts.
+    fn take_load(&self, report: Result<EngineLoad, String>) {
+        match report {
+            Ok(load) => {
+                self.set_load(&load);
+                self.load_read.store(true, Ordering::Relaxed);
+            }
+            Err(e) => {
+                if self.load_read.swap(false, Ordering::Relaxed) {
+                    tracing::warn!(worker = %self.addr, error = %e,
+                        "an engine's load is unknown (older than this gateway?): taken for idle");
+                }
+                self.set_load(&EngineLoad::default());
+            }
+        }
     }
 
     /// Whether the last health check passed.
@@ -110,6 +131,7 @@ impl Workers {
                         running: AtomicU64::new(0),
                         waiting: AtomicU64::new(0),
                         batch_full: AtomicBool::new(false),
+                        load_read: AtomicBool::new(true),
                         models: Mutex::new(Vec::new()),
                     })
                 })
@@ -183,14 +205,7 @@ impl Workers {
                     }
                 }
             }
-            match fetch(self.get(http, w, route::LOAD), "GET load", |r| r.json()).await {
-                Ok(load) => w.set_load(&load),
-                Err(e) => {
-                    tracing::debug!(worker = %w.addr, error = %e, "an engine's load");
-                    // An engine that does not say is never taken for full.
-                    w.batch_full.store(false, Ordering::Relaxed);
-                }
-            }
+            w.take_load(fetch(self.get(http, w, route::LOAD), route::LOAD, |r| r.json()).await);
         }
     }
 
@@ -203,7 +218,7 @@ impl Workers {
         catalog: &Catalog,
     ) -> Result<Vec<String>, String> {
         let get = |path: &str| self.get(http, w, path);
-        let list: Value = fetch(get(route::MODELS), "GET /v1/models", |r| r.json()).await?;
+        let list: Value = fetch(get(route::MODELS), route::MODELS, |r| r.json()).await?;
         let mut models = Vec::new();
         for card in list["data"].as_array().map(Vec::as_slice).unwrap_or_default() {
             let identity = &card["sluice"]["execution_identity"];
@@ -213,7 +228,7 @@ impl Workers {
                 Some(t) => t,
                 None => {
                     let req = get(route::TEXT).timeout(Duration::from_secs(30));
-                    let bytes = fetch(req, "GET /v1/internal/text", |r| r.bytes()).await?;
+                    let bytes = fetch(req, route::TEXT, |r| r.bytes()).await?;
                     let text =
                         tokio::task::spawn_blocking(move || TokenCounter::from_bundle(&bytes))
                             .await
@@ -293,8 +308,8 @@ impl Workers {
     }
 
     /// The places the engines serving `model` are running, when every healthy one has
-    /// requests waiting because its batch is as large as it may grow
-    /// (`sluice_engine_batch_full`); `None` while some engine has room.
+    /// requests waiting because its batch is as large as it may grow (its load's
+    /// `batch_full`); `None` while some engine has room.
     pub fn backlog(&self, model: &str) -> Option<u64> {
         let healthy: Vec<&Arc<WorkerState>> = self.healthy_for(model).collect();
         let backlogged = !healthy.is_empty()
@@ -313,6 +328,19 @@ mod tests {
         w.set_models(vec!["m".into()]);
         w.healthy.store(healthy, Ordering::Relaxed);
         w.set_load(&EngineLoad { running, waiting, batch_full: waiting > 0, ..Default::default() });
+    }
+
+    #[test]
+    fn an_unread_load_leaves_no_stale_figure() {
+        let ws = Workers::new(&["a:1".into()], None);
+        set(&ws.list[0], true, 8, 4);
+        assert!(ws.overloaded("m", 4) && ws.backlog("m") == Some(8));
+        ws.list[0].take_load(Err("404 Not Found".into()));
+        assert!(!ws.overloaded("m", 4), "a queue it no longer reports is not full");
+        assert_eq!((ws.backlog("m"), ws.list[0].load()), (None, 0));
+        let busy = EngineLoad { running: 6, waiting: 2, batch_full: true, ..Default::default() };
+        ws.list[0].take_load(Ok(busy));
+        assert_eq!((ws.backlog("m"), ws.list[0].load()), (Some(6), 8));
     }
 
     #[test]

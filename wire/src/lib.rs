@@ -25,7 +25,8 @@ pub struct EngineLoad {
     /// Whether requests wait because the running batch is as large as it may grow (its TPOT
     /// limit, `max_num_seqs` or the KV cache): the engine is at capacity, not between steps.
     pub batch_full: bool,
-    /// Prompt tokens admitted but not yet prefilled, over every request it holds.
+    /// Tokens still to prefill, over every request it holds: prompts not yet computed, and
+    /// preempted requests' prompt and output to compute again (before prefix-cache hits).
     pub pending_prompt_tokens: u64,
     /// Fraction of KV-cache blocks in use (0 to 1).
     pub kv_usage: f64,

@@ -260,7 +260,8 @@ pub struct EngineMetrics {
     pub running: Gauge,
     /// Requests waiting to be scheduled.
     pub waiting: Gauge,
-    /// Prompt tokens admitted and not yet prefilled, over every request held.
+    /// Tokens still to prefill, over every request held
+    /// ([`crate::serve::scheduler::Scheduler::pending_prompt_tokens`]).
     pub pending_prompt_tokens: Gauge,
     /// 1 while requests wait because the running batch is as large as it may grow (its TPOT
     /// limit, `max_num_seqs` or the KV cache): the engine is at capacity, not between steps.
@@ -398,7 +399,7 @@ impl EngineMetrics {
         r.register("num_requests_waiting", "Requests waiting to be scheduled", m.waiting.clone());
         r.register(
             "num_pending_prompt_tokens",
-            "Prompt tokens admitted and not yet prefilled",
+            "Tokens still to prefill over the requests held (before prefix-cache hits)",
             m.pending_prompt_tokens.clone(),
         );
         r.register(

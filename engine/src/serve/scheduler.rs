@@ -554,9 +554,15 @@ impl Scheduler {
         self.waiting.len()
     }
 
-    /// Prompt tokens not yet prefilled, over every request held (waiting or running).
+    /// Tokens still to prefill, over every request held (waiting or running): a prompt's not
+    /// yet computed, and a preempted request's prompt and output to compute again. Counted
+    /// before prefix-cache hits, which are known only when a request is admitted.
     pub fn pending_prompt_tokens(&self) -> usize {
-        self.seqs.values().map(|s| s.prompt_len.saturating_sub(s.computed)).sum()
+        let pending = |s: &SeqState| {
+            let left = s.tokens.len().saturating_sub(s.computed);
+            if s.computed < s.prompt_len || left > 1 { left } else { 0 }
+        };
+        self.seqs.values().map(pending).sum()
     }
 
     /// Whether anything is left to do.
@@ -1527,6 +1533,10 @@ mod tests {
         assert_eq!(preempted, vec!["new".to_string()]);
         assert_eq!(s.seq("new").map(|q| (q.computed, q.preemptions)), Some((0, 1)));
         assert_eq!(s.num_waiting(), 1);
+        // Its prompt and its output are to be computed again; old, decoding, adds none.
+        let again = s.seq("new").map(|q| q.tokens.len());
+        assert_eq!(Some(s.pending_prompt_tokens()), again);
+        assert!(again.is_some_and(|n| n > 6), "{again:?}");
         s.remove("old");
         s.remove("new");
         assert_eq!(s.blocks(), (4, 4), "every block is free again");
