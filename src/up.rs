@@ -498,7 +498,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         io.handle.clone(),
     );
     for model in &models {
-        gateway.seed_identity(serde_json::to_value(&model.identity)?);
+        gateway.seed_identity(model.identity.clone());
     }
     let served = gateway.models();
     if served.len() < models.len() {

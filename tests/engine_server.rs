@@ -13,8 +13,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail, ensure};
 use futures_util::StreamExt;
+use serde::Deserialize;
 use serde_json::{Value, json};
-use sluice_wire::{EngineLoad, route};
+use sluice_wire::{EngineLoad, EngineTimings, ExecutionIdentity, ModelList, route};
 
 const GOLDEN_PROMPT: &str = "The capital of France is";
 
@@ -225,6 +226,11 @@ async fn completions_chat_streaming_and_identity() -> anyhow::Result<()> {
     ensure!(ext["execution_identity"] == run["execution_identity"], "{ext}");
     let t = &ext["timings"];
     ensure!(t["ttft"].as_f64() <= t["e2e"].as_f64() && t["e2e"].as_f64() > Some(0.0), "{t}");
+    // What a gateway reads of a body is the wire's types, whole.
+    let typed = EngineTimings::deserialize(t)?;
+    ensure!(typed.e2e > 0.0 && typed.in_batch() <= typed.e2e, "{t}");
+    let identity = ExecutionIdentity::deserialize(&ext["execution_identity"])?;
+    ensure!(serde_json::to_value(&identity)? == run["execution_identity"], "{ext}");
     ensure!(ext["parameters"]["max_tokens"] == 16 && ext["parameters"]["temperature"] == 0.0);
     let header = |k: &str| h.get(k).and_then(|v| v.to_str().ok()).unwrap_or("").to_string();
     ensure!(header("x-sluice-request-id") == "req-golden-1");
@@ -302,6 +308,12 @@ async fn completions_chat_streaming_and_identity() -> anyhow::Result<()> {
     // policies/sampling.json know it by, whose defaults apply (the file recommends nothing).
     ensure!(m["object"] == "list" && m["data"][0]["id"] == "smollm2-135m-instruct", "{m}");
     ensure!(m["data"][0]["sluice"]["execution_identity"]["model_revision"] == revision);
+    // The cards read as the wire's model list, as a gateway reads them.
+    let cards = ModelList::deserialize(&m)?;
+    ensure!(
+        cards.data.len() == 1 && cards.data[0].sluice.execution_identity.model_revision == revision
+    );
+    ensure!(cards.data[0].max_model_len > 0, "{m}");
     let d = &m["data"][0]["sluice"]["sampling_defaults"];
     ensure!(d["temperature"] == 0.2 && d["top_p"] == 0.9, "{m}");
     ensure!(d["from"]["temperature"] == "policies/sampling.json", "{m}");

@@ -148,7 +148,7 @@ pub async fn catch_panic(request: Request, next: Next) -> Response {
 /// An OpenAI-style error: `{"error": {"message", "type", "param", "code"}}`.
 fn error_response(status: StatusCode, kind: &str, message: &str, param: Option<&str>) -> Response {
     let code = status.as_u16().to_string();
-    let body = json!({"error": {"message": message, "type": kind, "param": param, "code": code}});
+    let body = sluice_wire::ErrorBody::new(message, kind, param, Some(&code));
     (status, axum::Json(body)).into_response()
 }
 

@@ -511,10 +511,8 @@ fn seconds_up(d: Duration) -> u64 {
 
 /// An OpenAI error body.
 pub fn error_json(message: &str, kind: &str, param: Option<&str>, code: Option<&str>) -> Bytes {
-    Bytes::from(
-        json!({"error": {"message": message, "type": kind, "param": param, "code": code}})
-            .to_string(),
-    )
+    let body = sluice_wire::ErrorBody::new(message, kind, param, code);
+    Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
 }
 
 /// The `x-ratelimit-*` headers for `r`.
@@ -918,7 +916,20 @@ mod tests {
         let aliases = [("default".to_owned(), "m".to_owned())].into_iter().collect();
         let catalog = Catalog::with_aliases(Vec::new(), aliases);
         let text = catalog.add_text(counter()?);
-        let card = json!({"id": "m", "max_model_len": 2048, "sluice": {"execution_identity": {}}});
+        let identity = sluice_wire::ExecutionIdentity {
+            model_id: "m".into(),
+            model_revision: "sha256:m".into(),
+            tokenizer_revision: text.revision().to_owned(),
+            chat_template_version: text.template_version().map(str::to_owned),
+            adapter: None,
+            engine_version: "test".into(),
+        };
+        let execution_identity = sluice_wire::ModelCardExt { execution_identity: identity };
+        let card = sluice_wire::ModelCard {
+            id: "m".into(),
+            max_model_len: 2048,
+            sluice: execution_identity,
+        };
         catalog.learn(&card, text);
         Ok(Served { catalog: Arc::new(catalog), default_max_tokens: 512 })
     }

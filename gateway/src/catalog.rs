@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, LazyLock, Mutex, RwLock};
 
 use serde_json::{Value, json};
+use sluice_wire::{ExecutionIdentity, ModelCard};
 
 use crate::admission::TokenCounter;
 
@@ -22,14 +23,14 @@ pub struct ModelEntry {
     pub tokens: Arc<TokenCounter>,
     /// Its context length, from the engine's card (`max_model_len`).
     pub context_length: u64,
-    /// The execution identity its engine reported.
-    pub identity: Value,
+    /// The execution identity its engine reported (none before an engine has).
+    pub identity: Option<ExecutionIdentity>,
 }
 
 impl ModelEntry {
     /// Its card in `/v1/models`, with the engines serving it now.
     pub fn card(&self, engines: usize) -> Value {
-        let id = &self.identity;
+        let id = self.identity.as_ref();
         json!({
             "id": self.id,
             "object": "model",
@@ -37,9 +38,9 @@ impl ModelEntry {
             "owned_by": "sluice",
             "max_model_len": self.context_length,
             "sluice": {
-                "model_revision": id["model_revision"],
-                "tokenizer_revision": id["tokenizer_revision"],
-                "chat_template_version": id["chat_template_version"],
+                "model_revision": id.map(|i| &i.model_revision),
+                "tokenizer_revision": id.map(|i| &i.tokenizer_revision),
+                "chat_template_version": id.and_then(|i| i.chat_template_version.as_ref()),
                 "engines": engines,
             },
         })
@@ -103,8 +104,7 @@ impl Catalog {
         let catalog = Self { models: RwLock::default(), texts: Mutex::default(), aliases };
         for (id, text) in texts {
             let tokens = catalog.add_text(text);
-            let entry =
-                ModelEntry { id: id.clone(), tokens, context_length: 0, identity: Value::Null };
+            let entry = ModelEntry { id: id.clone(), tokens, context_length: 0, identity: None };
             catalog.models.write().unwrap_or_else(|e| e.into_inner()).insert(id, Arc::new(entry));
         }
         catalog
@@ -128,22 +128,23 @@ impl Catalog {
     }
 
     /// Records the model an engine's card describes, counted with `tokens`.
-    pub fn learn(&self, card: &Value, tokens: Arc<TokenCounter>) -> Option<String> {
-        let id = card["id"].as_str().filter(|s| !s.is_empty())?.to_owned();
+    pub fn learn(&self, card: &ModelCard, tokens: Arc<TokenCounter>) -> Option<String> {
+        let id = Some(card.id.clone()).filter(|s| !s.is_empty())?;
+        let identity = &card.sluice.execution_identity;
         let entry = ModelEntry {
             id: id.clone(),
             tokens,
-            context_length: card["max_model_len"].as_u64().unwrap_or(0),
-            identity: card["sluice"]["execution_identity"].clone(),
+            context_length: card.max_model_len,
+            identity: Some(identity.clone()),
         };
         let mut models = self.models.write().unwrap_or_else(|e| e.into_inner());
-        if let Some(old) = models.get(&id)
-            && old.identity["model_revision"] != entry.identity["model_revision"]
+        if let Some(old) = models.get(&id).and_then(|old| old.identity.as_ref())
+            && old.model_revision != identity.model_revision
         {
             tracing::warn!(
                 model = %id,
-                was = %old.identity["model_revision"],
-                now = %entry.identity["model_revision"],
+                was = %old.model_revision,
+                now = %identity.model_revision,
                 "engines serve one model id at two revisions"
             );
         }

@@ -15,7 +15,11 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use pingora::server::{ShutdownSignal, ShutdownSignalWatch};
-use sluice_wire::route;
+
+use crate::engine_client::EngineClient;
+
+/// How long cancelling one request at its engine may take.
+const ABORT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// After the cancellation, how long the cancelled requests have to end and be billed.
 const AFTER_CANCEL: Duration = Duration::from_secs(10);
@@ -112,18 +116,15 @@ impl DrainOnSignal {
     async fn cancel_left(&self) {
         let left = self.drain.cancel_all();
         tracing::warn!(requests = left.len(), "drain timeout reached; cancelling what is left");
-        let http = reqwest::Client::builder().timeout(Duration::from_secs(2)).build();
-        let Ok(http) = http else { return };
+        let Ok(http) = reqwest::Client::builder().build() else { return };
+        let engines = EngineClient::new(http, self.internal_token.clone());
         // All at once, under one deadline: an unreachable engine costs 2 s, not 2 s each.
         let aborts = left.into_iter().filter_map(|(id, worker)| {
             // Not routed yet: upstream_peer refuses it.
             let worker = worker?;
-            let mut req = http.post(format!("http://{worker}{}", route::abort(&id)));
-            if let Some(t) = &self.internal_token {
-                req = req.bearer_auth(t);
-            }
+            let engines = &engines;
             Some(async move {
-                if let Err(e) = req.send().await {
+                if let Err(e) = engines.abort(&worker, &id, ABORT_TIMEOUT).await {
                     tracing::warn!(error = %e, request_id = %id, "could not cancel at the engine");
                 }
             })

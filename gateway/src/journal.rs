@@ -29,8 +29,9 @@ use serde::{Deserialize, Serialize};
 use sluice_billing::prices::Rates;
 use sluice_billing::redis_conn::RedisConn;
 use sluice_billing::{FinishReason, UsageEvent};
-use sluice_wire::{FinishReason as Ended, Outcome, route};
+use sluice_wire::FinishReason as Ended;
 
+use crate::engine_client::EngineClient;
 use crate::idempotency::Idempotency;
 use crate::limits::{Limiter, REDIS_TIMEOUT};
 use crate::sink::{Delivered, UsageSink};
@@ -114,10 +115,8 @@ pub struct Recovery {
     pub sink: UsageSink,
     /// The shared limits whose reservations are settled.
     pub limiter: Option<Limiter>,
-    /// HTTP client for the engines.
-    pub http: reqwest::Client,
-    /// Bearer token the engines require.
-    pub token: Option<String>,
+    /// The engines' API.
+    pub engines: EngineClient,
     /// The idempotency claims released.
     pub idempotency: Arc<Idempotency>,
     /// Counts the requests billed.
@@ -407,7 +406,7 @@ async fn settle(mut entry: Entry, recovery: &Recovery) -> Settled {
         return Settled::Later;
     }
     let outcome = match &ev.engine_worker {
-        Some(worker) => ask(recovery, worker, &ev.request_id).await,
+        Some(worker) => recovery.engines.outcome(worker, &ev.request_id, OUTCOME_WAIT).await,
         None => Ok(None),
     };
     let (completion, cached, finish, status) = match outcome {
@@ -475,22 +474,4 @@ async fn settle(mut entry: Entry, recovery: &Recovery) -> Settled {
         recovery.idempotency.release_abandoned(&tenant, key, &id).await;
     }
     Settled::Billed
-}
-
-/// The engine's outcome of `id`: `None` when it has no record of it.
-async fn ask(
-    recovery: &Recovery,
-    worker: &str,
-    id: &str,
-) -> Result<Option<Outcome>, reqwest::Error> {
-    let url = format!("http://{worker}{}?wait_ms={}", route::outcome(id), OUTCOME_WAIT.as_millis());
-    let mut req = recovery.http.get(url).timeout(OUTCOME_WAIT + Duration::from_secs(5));
-    if let Some(t) = &recovery.token {
-        req = req.bearer_auth(t);
-    }
-    let resp = req.send().await?;
-    if resp.status() == reqwest::StatusCode::NOT_FOUND {
-        return Ok(None);
-    }
-    resp.error_for_status()?.json().await.map(Some)
 }

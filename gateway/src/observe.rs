@@ -8,8 +8,10 @@
 
 use std::time::{Duration, Instant};
 
+use serde::Deserialize;
 use serde_json::Value;
 use sluice_text::stream::{SseParser, TokenEvents, tokens_carried};
+use sluice_wire::{EngineTimings, ExecutionIdentity};
 
 /// What the gateway measured for one request.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -29,11 +31,11 @@ pub struct Timings {
     /// The final usage object, when the stream carried one.
     pub usage: Option<Value>,
     /// The engine's own timings from its final chunk.
-    pub engine_timings: Option<Value>,
+    pub engine_timings: Option<EngineTimings>,
     /// The last finish reason seen.
     pub finish_reason: Option<String>,
     /// The engine's execution identity.
-    pub execution_identity: Option<Value>,
+    pub execution_identity: Option<ExecutionIdentity>,
     /// Whether `[DONE]` arrived (a complete stream).
     pub done: bool,
     /// Every gap between token-carrying events, with the tokens the later event carried.
@@ -86,11 +88,11 @@ impl StreamObserver {
         if v["usage"].is_object() {
             self.out.usage = Some(v["usage"].clone());
         }
-        if v["sluice"]["timings"].is_object() {
-            self.out.engine_timings = Some(v["sluice"]["timings"].clone());
+        if let Ok(t) = EngineTimings::deserialize(&v["sluice"]["timings"]) {
+            self.out.engine_timings = Some(t);
         }
-        if v["sluice"]["execution_identity"].is_object() {
-            self.out.execution_identity = Some(v["sluice"]["execution_identity"].clone());
+        if let Ok(id) = ExecutionIdentity::deserialize(&v["sluice"]["execution_identity"]) {
+            self.out.execution_identity = Some(id);
         }
         self.events.push(ms(now.saturating_duration_since(self.arrival)), carried);
     }
@@ -168,7 +170,8 @@ mod tests {
         o.on_bytes(chunk("cde", Some(3)).as_bytes(), at(180));
         let fin = serde_json::json!({"choices": [{"delta": {}, "finish_reason": "length"}],
             "usage": {"prompt_tokens": 7, "completion_tokens": 5},
-            "sluice": {"tokens": 0, "timings": {"ttft": 0.09}}});
+            "sluice": {"tokens": 0, "timings": {"queue": 0.01, "prefill": 0.08, "decode": 0.09,
+                "ttft": 0.09, "e2e": 0.18, "preemptions": 0}}});
         o.on_bytes(format!("data: {fin}\n\ndata: [DONE]\n\n").as_bytes(), at(181));
         let t = o.finish(at(200));
         assert_eq!(t.ttft_ms, Some(100.0));
@@ -181,6 +184,7 @@ mod tests {
         assert_eq!(t.finish_reason.as_deref(), Some("length"));
         assert_eq!(t.usage.as_ref().map(|u| u["completion_tokens"].clone()), Some(5.into()));
         assert!(t.done && t.engine_timings.is_some());
+        assert_eq!(t.engine_timings.map(|e| e.in_batch()), Some(0.08 + 0.09));
     }
 
     #[test]

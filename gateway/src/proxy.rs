@@ -23,6 +23,7 @@ use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::{HttpPeer, Session};
 use pingora::proxy::ProxyHttp;
 use pingora::{Error, ErrorSource, ErrorType, Result};
+use serde::Deserialize;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use sluice_billing::adapters::Adapter;
@@ -31,14 +32,16 @@ use sluice_billing::event::is_refused;
 use sluice_billing::prices::PriceList;
 use sluice_billing::{FinishReason, Ledger, UsageEvent};
 use sluice_wire::header as internal;
-use sluice_wire::{Outcome as EngineOutcome, route};
+use sluice_wire::{EngineTimings, ExecutionIdentity, Outcome as EngineOutcome};
 
 use crate::admission::{
     self, Checked, Endpoint, MAX_BODY_BYTES, Refusal, Route, Served, Slo, TokenCounter, error_json,
     hex_digest, rate_headers,
 };
 use crate::catalog::Catalog;
+use crate::conclude::{Conclusion, Counts, Facts, Failure, Side, conclude};
 use crate::drain::Drain;
+use crate::engine_client::EngineClient;
 use crate::fair::{FairShare, Slot};
 use crate::fair_peers::FairPeers;
 use crate::idempotency::{self, Claim, Idempotency, RUNNING_TTL, Stored};
@@ -129,7 +132,7 @@ pub struct Gateway {
     adapters: Mutex<AdapterCache>,
     /// Full execution identities by model revision, from complete responses (a stream cut
     /// short never carries its own).
-    identities: Mutex<HashMap<String, Value>>,
+    identities: Mutex<HashMap<String, ExecutionIdentity>>,
     metrics: Arc<GatewayMetrics>,
     workers: Arc<Workers>,
     /// The ledger's usage by scope: when read, for which UTC day, the figures.
@@ -145,7 +148,7 @@ pub struct Gateway {
     /// Requests in flight per tenant, for fair admission.
     fair: Arc<FairShare>,
     /// Asks engines what they did for requests whose final count never arrived.
-    http: reqwest::Client,
+    engines: EngineClient,
     /// Requests sent to engines and not yet billed, in Redis (with the usage stream), for
     /// another gateway to bill if this one dies.
     journal: Option<Arc<Journal>>,
@@ -177,7 +180,7 @@ impl Gateway {
             RUNNING_TTL,
         ));
         let served = Arc::new(Served { catalog, default_max_tokens: cfg.default_max_tokens });
-        let http = reqwest::Client::new();
+        let engines = EngineClient::new(reqwest::Client::new(), cfg.internal_token.clone());
         let metrics = Arc::new(GatewayMetrics::default());
         let fair = Arc::new(FairShare::default());
         // With Redis, fair admission judges with every replica's figures.
@@ -192,8 +195,7 @@ impl Gateway {
                 let recovery = Recovery {
                     sink: usage.clone(),
                     limiter: limiter.clone(),
-                    http: http.clone(),
-                    token: cfg.internal_token.clone(),
+                    engines: engines.clone(),
                     idempotency: Arc::clone(&idempotency),
                     recovered: metrics.journal_recovered.clone(),
                 };
@@ -215,7 +217,7 @@ impl Gateway {
             adapters: Mutex::new(HashMap::new()),
             identities: Mutex::new(HashMap::new()),
             metrics,
-            http,
+            engines,
             journal,
             drain: Arc::default(),
             per_client: InFlight::default(),
@@ -254,32 +256,29 @@ impl Gateway {
 
     /// Records an engine's execution identity (the `sluice` object's `execution_identity`),
     /// so requests cut short are billed with it too.
-    pub fn seed_identity(&self, identity: Value) {
-        if let Some(rev) = identity["model_revision"].as_str() {
-            let mut ids = self.identities.lock().unwrap_or_else(|e| e.into_inner());
-            ids.insert(rev.to_owned(), identity);
-        }
+    pub fn seed_identity(&self, identity: ExecutionIdentity) {
+        let mut ids = self.identities.lock().unwrap_or_else(|e| e.into_inner());
+        ids.insert(identity.model_revision.clone(), identity);
     }
 
-    fn identity_for(&self, revision: Option<&str>, seen: Option<&Value>) -> Value {
+    /// The identity a request ran under: the one its response named, else the one known for
+    /// the revision its engine's header named (`None` when neither is known).
+    fn identity_for(
+        &self,
+        revision: Option<&str>,
+        seen: Option<&ExecutionIdentity>,
+    ) -> Option<ExecutionIdentity> {
         if let Some(v) = seen {
             self.seed_identity(v.clone());
-            return v.clone();
+            return Some(v.clone());
         }
+        let r = revision?;
         let ids = self.identities.lock().unwrap_or_else(|e| e.into_inner());
-        match revision {
-            Some(r) => ids.get(r).cloned().unwrap_or_else(|| {
-                // Else as the engine's card gave it, when the catalog has that revision.
-                let learned = self
-                    .served
-                    .catalog
-                    .entries()
-                    .into_iter()
-                    .find(|e| e.identity["model_revision"] == r);
-                learned.map_or_else(|| json!({"model_revision": r}), |e| e.identity.clone())
-            }),
-            None => Value::Null,
-        }
+        ids.get(r).cloned().or_else(|| {
+            // Else as the engine's card gave it, when the catalog has that revision.
+            let entries = self.served.catalog.entries();
+            entries.iter().find_map(|e| e.identity.clone().filter(|i| i.model_revision == r))
+        })
     }
 
     /// Runs `f` on the I/O runtime and waits for it.
@@ -1109,9 +1108,9 @@ impl Gateway {
         let t = timings.cloned().unwrap_or_default();
         let identity =
             self.identity_for(ctx.model_revision.as_deref(), t.execution_identity.as_ref());
-        let s = |k: &str| identity[k].as_str().map(str::to_owned);
-        let engine = t.engine_timings.clone().unwrap_or(Value::Null);
-        let ems = |k: &str| engine[k].as_f64().map(|x| x * 1000.0);
+        let id = identity.as_ref();
+        let unknown = || "unknown".to_owned();
+        let ems = |k: fn(&EngineTimings) -> f64| t.engine_timings.as_ref().map(|e| k(e) * 1000.0);
         let since =
             |ms: f64| ctx.arrival_at + chrono::TimeDelta::microseconds((ms * 1000.0) as i64);
         let prompt = u32::try_from(ctx.prompt_tokens).unwrap_or(u32::MAX);
@@ -1128,11 +1127,16 @@ impl Gateway {
             tenant_id: grant.tenant_id.clone(),
             key_id: grant.key_id.clone(),
             model_id: model,
-            model_revision: s("model_revision").unwrap_or_else(|| "unknown".into()),
-            tokenizer_revision: s("tokenizer_revision").unwrap_or_else(|| "unknown".into()),
-            chat_template_version: s("chat_template_version").unwrap_or_else(|| "unknown".into()),
-            adapter: s("adapter"),
-            engine_version: s("engine_version"),
+            model_revision: id
+                .map(|i| i.model_revision.clone())
+                .or_else(|| ctx.model_revision.clone())
+                .unwrap_or_else(unknown),
+            tokenizer_revision: id.map_or_else(unknown, |i| i.tokenizer_revision.clone()),
+            chat_template_version: id
+                .and_then(|i| i.chat_template_version.clone())
+                .unwrap_or_else(unknown),
+            adapter: id.and_then(|i| i.adapter.clone()),
+            engine_version: id.map(|i| i.engine_version.clone()),
             engine_worker: ctx.worker.clone(),
             prompt_tokens: prompt,
             cached_prompt_tokens: u32::try_from(cached.min(ctx.prompt_tokens)).unwrap_or(0),
@@ -1149,9 +1153,9 @@ impl Gateway {
             itl_max_ms: t.itl_max_ms,
             itl_p99_ms: t.itl_p99_ms,
             e2e_ms: Some(t.e2e_ms),
-            engine_queue_ms: ems("queue"),
-            engine_prefill_ms: ems("prefill"),
-            engine_decode_ms: ems("decode"),
+            engine_queue_ms: ems(|e| e.queue),
+            engine_prefill_ms: ems(|e| e.prefill),
+            engine_decode_ms: ems(|e| e.decode),
             trace_id: ctx.trace_id.clone(),
             prompt_sha256: if ctx.prompt_sha256.is_empty() {
                 hex_digest(b"")
@@ -1205,7 +1209,7 @@ impl Gateway {
                 .served
                 .catalog
                 .resolve(model)
-                .and_then(|e| e.identity["model_revision"].as_str().map(str::to_owned));
+                .and_then(|e| e.identity.as_ref().map(|i| i.model_revision.clone()));
         }
         let event = self.event(ctx, None, 0, 0, FinishReason::Error, None);
         ctx.model_revision = seen;
@@ -1310,24 +1314,12 @@ impl Gateway {
     /// worker cannot say: unreachable, or it never ran the request).
     async fn engine_outcome(&self, ctx: &Ctx) -> Option<EngineOutcome> {
         let worker = ctx.worker.clone()?;
-        let url = format!(
-            "http://{worker}{}?wait_ms={}",
-            route::outcome(&ctx.request_id),
-            OUTCOME_WAIT.as_millis()
-        );
-        let abort = format!("http://{worker}{}", route::abort(&ctx.request_id));
-        let (http, token) = (self.http.clone(), self.cfg.internal_token.clone());
+        let (engines, id) = (self.engines.clone(), ctx.request_id.clone());
         let ask = async move {
-            let auth = |r: reqwest::RequestBuilder| match &token {
-                Some(t) => r.bearer_auth(t),
-                None => r,
-            };
             // Whatever still runs for it is stopped first (nothing reads it any more), so the
             // count below is final.
-            let _ = auth(http.post(abort).timeout(Duration::from_secs(5))).send().await;
-            let req = auth(http.get(url).timeout(OUTCOME_WAIT + Duration::from_secs(5)));
-            let resp = req.send().await.ok()?.error_for_status().ok()?;
-            resp.json::<EngineOutcome>().await.ok()
+            let _ = engines.abort(&worker, &id, Duration::from_secs(5)).await;
+            engines.outcome(&worker, &id, OUTCOME_WAIT).await.ok().flatten()
         };
         let o = self.on_io(ask).await.ok().flatten();
         match o {
@@ -1867,6 +1859,25 @@ impl Gateway {
         }
     }
 
+    /// Records what the client received in the latency histograms, and how long the request
+    /// held its place in the batch (the engine's own prefill and decode) for fair admission.
+    fn observe_timings(&self, timings: &Timings) {
+        let secs = |ms: f64| ms / 1000.0;
+        if let Some(t) = timings.ttft_ms {
+            self.metrics.ttft.observe(secs(t));
+        }
+        if let Some(t) = timings.tpot_ms {
+            self.metrics.tpot.observe(secs(t));
+        }
+        for (gap, _) in &timings.gaps_ms {
+            self.metrics.itl.observe(secs(*gap));
+        }
+        self.metrics.e2e.observe(secs(timings.e2e_ms));
+        if let Some(t) = &timings.engine_timings {
+            self.fair.served(t.in_batch());
+        }
+    }
+
     /// Settles the request and emits its one usage event.
     async fn log_request(&self, _session: &mut Session, e: Option<&Error>, ctx: &mut Ctx) {
         let end = Instant::now();
@@ -1905,86 +1916,21 @@ impl Gateway {
             }
             return;
         }
-        let timings = match ctx.observer.take() {
-            Some(o) => o.finish(end),
-            None => {
-                // Non-streamed: no observable first token (recorded as absent, not as E2E).
-                let body: Value = serde_json::from_slice(&ctx.response_body).unwrap_or(Value::Null);
-                let mut t = Timings {
-                    e2e_ms: end.saturating_duration_since(ctx.arrival).as_secs_f64() * 1000.0,
-                    usage: body.get("usage").cloned(),
-                    engine_timings: body["sluice"].get("timings").cloned(),
-                    execution_identity: body["sluice"].get("execution_identity").cloned(),
-                    done: true,
-                    ..Timings::default()
-                };
-                t.finish_reason = body["choices"][0]["finish_reason"].as_str().map(str::to_owned);
-                t
-            }
-        };
-        let secs = |ms: f64| ms / 1000.0;
-        if let Some(t) = timings.ttft_ms {
-            self.metrics.ttft.observe(secs(t));
-        }
-        if let Some(t) = timings.tpot_ms {
-            self.metrics.tpot.observe(secs(t));
-        }
-        for (gap, _) in &timings.gaps_ms {
-            self.metrics.itl.observe(secs(*gap));
-        }
-        self.metrics.e2e.observe(secs(timings.e2e_ms));
-        // How long the request held its place in the batch (the engine's own prefill and
-        // decode), for fair admission.
-        if let Some(t) = &timings.engine_timings
-            && let (Some(prefill), Some(decode)) = (t["prefill"].as_f64(), t["decode"].as_f64())
-        {
-            self.fair.served(prefill + decode);
-        }
+        let timings = observed(ctx, end);
+        self.observe_timings(&timings);
         ctx.fair_slot = None;
-        let usage = timings.usage.clone().unwrap_or(Value::Null);
-        // A stream cut short without [DONE] is the client's leaving, unless the engine broke
-        // it off (then it is an error, billed for what the client received).
-        let upstream_failed = e.is_some_and(|e| matches!(e.esource(), ErrorSource::Upstream));
-        let downstream_gone = e.is_some_and(|e| matches!(e.esource(), ErrorSource::Downstream))
-            || (ctx.stream && !timings.done && ctx.status == 200 && !upstream_failed);
-        let mut completion = usage["completion_tokens"].as_u64().unwrap_or(timings.streamed_tokens);
-        let mut cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0);
-        if usage.is_null() && (ctx.status == 200 || ctx.status == 0) {
-            // The engine's final count never reached us (the client went away, or the
-            // connection broke): the engine says what it did. A stream the engine broke off
-            // is billed for what the client received, never more (a live engine may have
-            // generated tokens that never left it).
-            if let Some(o) = self.engine_outcome(ctx).await {
-                completion = o.completion_tokens;
-                cached = o.cached_tokens;
-            }
-            if upstream_failed && ctx.stream {
-                completion = completion.min(timings.streamed_tokens);
-            }
-        }
-        let (finish, error) = if ctx.cancelled {
-            (FinishReason::Error, Some("cancelled_at_shutdown".to_owned()))
-        } else if downstream_gone {
-            (FinishReason::ClientDisconnected, None)
-        } else if let Some(e) = e {
-            (FinishReason::Error, Some(format!("{:?}", e.etype())))
-        } else if (400..500).contains(&ctx.status) {
-            // The engine refused it (validation) before any work.
-            (FinishReason::Rejected, Some(format!("http_{}", ctx.status)))
-        } else if ctx.status >= 400 {
-            (FinishReason::Error, Some(format!("http_{}", ctx.status)))
+        let facts = facts(ctx, e, &timings);
+        // The engine's final count never reached us: the engine says what it did.
+        let engine = if facts.needs_engine_count() {
+            self.engine_outcome(ctx).await.map(|o| Counts {
+                completion: Some(o.completion_tokens),
+                cached: Some(o.cached_tokens),
+            })
         } else {
-            match timings.finish_reason.as_deref() {
-                Some("length") => (FinishReason::Length, None),
-                Some("stop") | None => (FinishReason::Stop, None),
-                Some("tool_calls") => (FinishReason::ToolCalls, None),
-                Some("abort") => (FinishReason::ClientDisconnected, None),
-                Some(_) => (FinishReason::Error, None),
-            }
+            None
         };
-        if ctx.status == 0 {
-            ctx.status = 499;
-        }
+        let Conclusion { finish, error, status, completion, cached } = conclude(&facts, engine);
+        ctx.status = status;
         // A refused request used nothing of the quota (as the ledger, which seeds the windows,
         // counts it).
         let used = if is_refused(ctx.status) { 0 } else { ctx.prompt_tokens + completion };
@@ -2005,6 +1951,51 @@ impl Gateway {
         if let Some(ev) = self.event(ctx, Some(&timings), completion, cached, finish, error) {
             self.emit_final(ctx, ev).await;
         }
+    }
+}
+
+/// What the client received of an admitted request that ended at `end`, timed: the stream
+/// observer's figures, or a whole body's (no observable first token: recorded as absent, not
+/// as E2E).
+fn observed(ctx: &mut Ctx, end: Instant) -> Timings {
+    if let Some(o) = ctx.observer.take() {
+        return o.finish(end);
+    }
+    let body: Value = serde_json::from_slice(&ctx.response_body).unwrap_or(Value::Null);
+    Timings {
+        e2e_ms: end.saturating_duration_since(ctx.arrival).as_secs_f64() * 1000.0,
+        usage: body.get("usage").cloned(),
+        engine_timings: EngineTimings::deserialize(&body["sluice"]["timings"]).ok(),
+        execution_identity: ExecutionIdentity::deserialize(&body["sluice"]["execution_identity"])
+            .ok(),
+        finish_reason: body["choices"][0]["finish_reason"].as_str().map(str::to_owned),
+        done: true,
+        ..Timings::default()
+    }
+}
+
+/// What the gateway saw of an admitted request by its end, for [`conclude`].
+fn facts<'t>(ctx: &Ctx, e: Option<&Error>, timings: &'t Timings) -> Facts<'t> {
+    let usage = timings.usage.as_ref().filter(|u| !u.is_null());
+    Facts {
+        cancelled: ctx.cancelled,
+        failure: e.map(|e| Failure {
+            side: match e.esource() {
+                ErrorSource::Upstream => Side::Upstream,
+                ErrorSource::Downstream => Side::Downstream,
+                _ => Side::Internal,
+            },
+            kind: format!("{:?}", e.etype()),
+        }),
+        stream: ctx.stream,
+        done: timings.done,
+        status: ctx.status,
+        finish_reason: timings.finish_reason.as_deref(),
+        usage: usage.map(|u| Counts {
+            completion: u["completion_tokens"].as_u64(),
+            cached: u["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        }),
+        streamed_tokens: timings.streamed_tokens,
     }
 }
 

@@ -10,12 +10,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use serde_json::Value;
 use sha2::{Digest, Sha256};
-use sluice_wire::{EngineLoad, route};
+use sluice_wire::EngineLoad;
 
 use crate::admission::TokenCounter;
 use crate::catalog::Catalog;
+use crate::engine_client::{EngineClient, POLL_TIMEOUT};
 
 /// One worker's last known state.
 #[derive(Debug)]
@@ -100,23 +100,6 @@ fn score(addr: &str, key: &str) -> u64 {
 /// A worker is "much busier" when its load exceeds twice the least loaded one's plus this.
 const BUSY_SLACK: u64 = 8;
 
-/// The body of `req`'s answer (`what`, for errors), read by `read`, when it has a success
-/// status.
-async fn fetch<T, F>(
-    req: reqwest::RequestBuilder,
-    what: &str,
-    read: impl FnOnce(reqwest::Response) -> F,
-) -> Result<T, String>
-where
-    F: std::future::Future<Output = reqwest::Result<T>>,
-{
-    let resp = req.send().await.and_then(reqwest::Response::error_for_status);
-    match resp {
-        Ok(r) => read(r).await.map_err(|e| format!("{what}: {e}")),
-        Err(e) => Err(format!("{what}: {e}")),
-    }
-}
-
 impl Workers {
     /// Workers at these addresses, assumed healthy until checked; `token` is the bearer
     /// token their `/v1` routes require.
@@ -138,15 +121,6 @@ impl Workers {
                 .collect(),
             token,
         })
-    }
-
-    /// A GET of `path` at worker `w`, with the internal token its `/v1` routes require.
-    fn get(&self, http: &reqwest::Client, w: &WorkerState, path: &str) -> reqwest::RequestBuilder {
-        let req = http.get(format!("http://{}{path}", w.addr));
-        match &self.token {
-            Some(t) => req.bearer_auth(t),
-            None => req,
-        }
     }
 
     /// How many workers there are.
@@ -177,25 +151,19 @@ impl Workers {
 
     /// Polls every worker once: health, load, and (when it has not said, or its health
     /// names a model it was not known to serve) its models, learned into `catalog`.
-    pub async fn poll(&self, http: &reqwest::Client, catalog: &Catalog) {
+    pub async fn poll(&self, engines: &EngineClient, catalog: &Catalog) {
         for w in &self.list {
-            let health = match http.get(format!("http://{}{}", w.addr, route::HEALTH)).send().await
-            {
-                Ok(r) if r.status().is_success() => {
-                    Some(r.json::<Value>().await.unwrap_or_default())
-                }
-                _ => None,
-            };
+            let health = engines.health(&w.addr).await;
             let ok = health.is_some();
             if ok != w.healthy() {
                 tracing::warn!(worker = %w.addr, healthy = ok, "engine worker health changed");
             }
             w.healthy.store(ok, Ordering::Relaxed);
-            let Some(health) = health else { continue };
-            let named = health["model"].as_str();
+            let Some(named) = health else { continue };
+            let named = named.as_deref();
             let known = !w.models.lock().unwrap_or_else(|e| e.into_inner()).is_empty();
             if !known || named.is_some_and(|m| !w.serves(m)) {
-                match self.learn(w, http, catalog).await {
+                match self.learn(w, engines, catalog).await {
                     Ok(models) => {
                         tracing::info!(worker = %w.addr, models = ?models, "engine worker serves");
                         w.set_models(models);
@@ -205,7 +173,7 @@ impl Workers {
                     }
                 }
             }
-            w.take_load(fetch(self.get(http, w, route::LOAD), route::LOAD, |r| r.json()).await);
+            w.take_load(engines.load(&w.addr).await);
         }
     }
 
@@ -214,21 +182,19 @@ impl Workers {
     async fn learn(
         &self,
         w: &WorkerState,
-        http: &reqwest::Client,
+        engines: &EngineClient,
         catalog: &Catalog,
     ) -> Result<Vec<String>, String> {
-        let get = |path: &str| self.get(http, w, path);
-        let list: Value = fetch(get(route::MODELS), route::MODELS, |r| r.json()).await?;
+        let list = engines.models(&w.addr).await?;
         let mut models = Vec::new();
-        for card in list["data"].as_array().map(Vec::as_slice).unwrap_or_default() {
-            let identity = &card["sluice"]["execution_identity"];
-            let tokenizer = identity["tokenizer_revision"].as_str().unwrap_or_default();
-            let template = identity["chat_template_version"].as_str();
+        for card in &list.data {
+            let identity = &card.sluice.execution_identity;
+            let tokenizer = identity.tokenizer_revision.as_str();
+            let template = identity.chat_template_version.as_deref();
             let text = match catalog.text(tokenizer, template) {
                 Some(t) => t,
                 None => {
-                    let req = get(route::TEXT).timeout(Duration::from_secs(30));
-                    let bytes = fetch(req, route::TEXT, |r| r.bytes()).await?;
+                    let bytes = engines.text(&w.addr).await?;
                     let text =
                         tokio::task::spawn_blocking(move || TokenCounter::from_bundle(&bytes))
                             .await
@@ -264,12 +230,12 @@ impl Workers {
         let (me, catalog) = (Arc::clone(self), Arc::clone(catalog));
         let (polled, first_poll) = std::sync::mpsc::channel();
         io.spawn(async move {
-            let Ok(http) = reqwest::Client::builder().timeout(Duration::from_secs(1)).build()
-            else {
+            let Ok(http) = reqwest::Client::builder().timeout(POLL_TIMEOUT).build() else {
                 return;
             };
+            let engines = EngineClient::new(http, me.token.clone());
             loop {
-                me.poll(&http, &catalog).await;
+                me.poll(&engines, &catalog).await;
                 let _ = polled.send(());
                 tokio::time::sleep(interval).await;
             }

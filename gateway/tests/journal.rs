@@ -11,6 +11,7 @@ use anyhow::ensure;
 use chrono::Utc;
 use sluice_billing::redis_conn::RedisTarget;
 use sluice_billing::{FinishReason, Ledger, UsageEvent};
+use sluice_gateway::engine_client::EngineClient;
 use sluice_gateway::idempotency::{Idempotency, RUNNING_TTL, WINDOW};
 use sluice_gateway::journal::{Entry, GATEWAY_LOST, GIVE_UP, Journal, Recovery};
 use sluice_gateway::sink::UsageSink;
@@ -57,8 +58,7 @@ async fn a_dead_gateways_journal_is_billed_and_a_live_ones_is_not() -> anyhow::R
             retrying: Default::default(),
         },
         limiter: None,
-        http: reqwest::Client::new(),
-        token: None,
+        engines: EngineClient::new(reqwest::Client::new(), None),
         idempotency: Arc::new(Idempotency::new(None, WINDOW, RUNNING_TTL)),
         recovered: Default::default(),
     };

@@ -126,6 +126,129 @@ pub struct Outcomes {
     pub data: Vec<Outcome>,
 }
 
+/// Immutable description of what computed a response: the `sluice` object's
+/// `execution_identity` in an engine's model card and in each response's final chunk or body,
+/// and what the ledger records every request under (never a bare model alias).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExecutionIdentity {
+    /// The model's id, from its file.
+    pub model_id: String,
+    /// `sha256:` of the weight file(s).
+    pub model_revision: String,
+    /// `sha256:` of the tokenizer's canonical serialization.
+    pub tokenizer_revision: String,
+    /// `sha256:` of the chat template text, when the model has one.
+    pub chat_template_version: Option<String>,
+    /// Adapter `tenant/name@revision`, when one is applied.
+    pub adapter: Option<String>,
+    /// Engine build.
+    pub engine_version: String,
+}
+
+impl ExecutionIdentity {
+    /// A compact one-line form for headers: `model@rev;tok=..;tmpl=..;adapter=..;engine=..`.
+    pub fn header_value(&self) -> String {
+        let short = |s: &str| s.trim_start_matches("sha256:").chars().take(16).collect::<String>();
+        format!(
+            "{}@{};tok={};tmpl={};adapter={};engine={}",
+            self.model_id,
+            short(&self.model_revision),
+            short(&self.tokenizer_revision),
+            self.chat_template_version.as_deref().map_or_else(|| "none".into(), short),
+            self.adapter.as_deref().unwrap_or("none"),
+            self.engine_version
+        )
+    }
+}
+
+/// Engine-side intervals of one request, in seconds from the engine's arrival: the `sluice`
+/// object's `timings` in a response's final chunk or body.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct EngineTimings {
+    /// Arrival to first scheduled.
+    pub queue: f64,
+    /// First scheduled to first token.
+    pub prefill: f64,
+    /// First token to last token.
+    pub decode: f64,
+    /// Arrival to first token.
+    pub ttft: f64,
+    /// Arrival to the end.
+    pub e2e: f64,
+    /// Times the request was preempted and recomputed.
+    pub preemptions: u32,
+}
+
+impl EngineTimings {
+    /// How long the request held its place in the batch: its prefill and its decode.
+    pub fn in_batch(&self) -> f64 {
+        self.prefill + self.decode
+    }
+}
+
+/// What a gateway reads of an engine's [`route::MODELS`] answer (the engine's cards carry more
+/// for OpenAI clients; what is not named here is ignored).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelList {
+    /// One card per model the engine serves.
+    pub data: Vec<ModelCard>,
+}
+
+/// What a gateway reads of one model card.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelCard {
+    /// The model's id.
+    pub id: String,
+    /// Context length in tokens.
+    pub max_model_len: u64,
+    /// The card's `sluice` object.
+    pub sluice: ModelCardExt,
+}
+
+/// What a gateway reads of a model card's `sluice` object.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelCardExt {
+    /// What requests to this model run under.
+    pub execution_identity: ExecutionIdentity,
+}
+
+/// OpenAI's error JSON, as every Sluice process answers an error:
+/// `{"error": {"message", "type", "param", "code"}}`, `param` and `code` null when absent.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    /// The error.
+    pub error: ErrorDetail,
+}
+
+/// The `error` object of an [`ErrorBody`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    /// Human-readable message (never prompt text).
+    pub message: String,
+    /// OpenAI's error `type` (`invalid_request_error`, `server_error`...).
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The request parameter at fault, as a path (`messages[1].role`).
+    pub param: Option<String>,
+    /// Machine-readable code.
+    pub code: Option<String>,
+}
+
+impl ErrorBody {
+    /// An error of `kind` saying `message`, naming `param` and `code` when some.
+    pub fn new(message: &str, kind: &str, param: Option<&str>, code: Option<&str>) -> Self {
+        let owned = |s: Option<&str>| s.map(str::to_owned);
+        ErrorBody {
+            error: ErrorDetail {
+                message: message.to_owned(),
+                kind: kind.to_owned(),
+                param: owned(param),
+                code: owned(code),
+            },
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -175,6 +298,57 @@ mod tests {
         {
             assert_eq!(serde_json::to_value(r)?, serde_json::Value::from(r.as_str()));
         }
+        Ok(())
+    }
+
+    #[test]
+    fn identities_timings_and_cards_read_back_and_refuse_what_is_missing() -> serde_json::Result<()>
+    {
+        let identity = ExecutionIdentity {
+            model_id: "m".into(),
+            model_revision: "sha256:0123456789abcdef0123".into(),
+            tokenizer_revision: "sha256:fedcba9876543210fedc".into(),
+            chat_template_version: None,
+            adapter: Some("acme/support@sha256:aa".into()),
+            engine_version: "sluice-engine/0".into(),
+        };
+        assert_eq!(
+            identity.header_value(),
+            "m@0123456789abcdef;tok=fedcba9876543210;tmpl=none;adapter=acme/support@sha256:aa;\
+             engine=sluice-engine/0"
+        );
+        // An engine's card carries more than the gateway reads: the rest is ignored.
+        let card = serde_json::json!({"id": "m", "object": "model", "max_model_len": 2048,
+            "sluice": {"execution_identity": identity, "capacity_tokens": 9}});
+        let list: ModelList = serde_json::from_value(serde_json::json!({"data": [card]}))?;
+        assert_eq!(list.data[0].sluice.execution_identity, identity);
+        assert_eq!(list.data[0].max_model_len, 2048);
+        // An identity without its revision is an error, never an empty one.
+        assert!(serde_json::from_str::<ExecutionIdentity>(r#"{"model_id": "m"}"#).is_err());
+        let t = EngineTimings {
+            queue: 0.5,
+            prefill: 0.25,
+            decode: 1.0,
+            ttft: 0.75,
+            e2e: 1.75,
+            preemptions: 1,
+        };
+        let back: EngineTimings = serde_json::from_str(&serde_json::to_string(&t)?)?;
+        assert_eq!((back, back.in_batch()), (t, 1.25));
+        assert!(serde_json::from_str::<EngineTimings>(r#"{"queue": 1}"#).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn errors_are_openais_shape_with_nulls_for_what_is_absent() -> serde_json::Result<()> {
+        let e = ErrorBody::new("bad", "invalid_request_error", Some("messages[0].role"), None);
+        assert_eq!(
+            serde_json::to_value(&e)?,
+            serde_json::json!({"error": {"message": "bad", "type": "invalid_request_error",
+                "param": "messages[0].role", "code": null}})
+        );
+        let back: ErrorBody = serde_json::from_str(&serde_json::to_string(&e)?)?;
+        assert_eq!(back, e);
         Ok(())
     }
 }

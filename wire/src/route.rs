@@ -1,6 +1,7 @@
 //! The engines' routes: the OpenAI-compatible ones the gateway forwards to and the internal
-//! ones it (and `sluice reconcile`) calls. Paths with a parameter come as a pattern (axum's
-//! `{id}` syntax, for the engine's router) and a function that fills it in (for callers).
+//! ones it (and `sluice audit reconcile`) calls. Paths with a parameter come as a pattern
+//! (axum's `{id}` syntax, for the engine's router) and a function that fills it in (for
+//! callers).
 
 /// Text completions (OpenAI).
 pub const COMPLETIONS: &str = "/v1/completions";

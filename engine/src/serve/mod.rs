@@ -129,22 +129,7 @@ pub struct Usage {
     pub completion_tokens: usize,
 }
 
-/// Engine-side intervals of one request, in seconds, measured from the engine's arrival.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
-pub struct EngineTimings {
-    /// Arrival to first scheduled.
-    pub queue: f64,
-    /// First scheduled to first token.
-    pub prefill: f64,
-    /// First token to last token.
-    pub decode: f64,
-    /// Arrival to first token.
-    pub ttft: f64,
-    /// Arrival to the end.
-    pub e2e: f64,
-    /// Times the request was preempted and recomputed.
-    pub preemptions: u32,
-}
+pub use sluice_wire::EngineTimings;
 
 /// What the engine sends back for a request, in order.
 #[derive(Clone, Debug, PartialEq)]

@@ -4,7 +4,7 @@ use axum::Json;
 use axum::extract::rejection::BytesRejection;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use serde::Serialize;
+use sluice_wire::ErrorBody;
 
 use crate::error::EngineError;
 
@@ -22,20 +22,6 @@ pub struct ApiError {
     pub param: Option<String>,
     /// Machine-readable code.
     pub code: Option<&'static str>,
-}
-
-#[derive(Serialize)]
-struct Body<'a> {
-    error: Inner<'a>,
-}
-
-#[derive(Serialize)]
-struct Inner<'a> {
-    message: &'a str,
-    #[serde(rename = "type")]
-    kind: &'a str,
-    param: Option<&'a str>,
-    code: Option<&'a str>,
 }
 
 impl ApiError {
@@ -183,14 +169,7 @@ impl ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = Body {
-            error: Inner {
-                message: &self.message,
-                kind: self.kind,
-                param: self.param.as_deref(),
-                code: self.code,
-            },
-        };
+        let body = ErrorBody::new(&self.message, self.kind, self.param.as_deref(), self.code);
         (self.status, Json(body)).into_response()
     }
 }

@@ -12,6 +12,7 @@ use axum::Json;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{BoxStream, StreamExt, select_all, unfold};
+use sluice_wire::ErrorBody;
 
 use crate::identity::ExecutionIdentity;
 use crate::loader::LoadedModel;
@@ -419,11 +420,15 @@ impl StreamState {
     fn event<T: serde::Serialize>(chunk: &T) -> Event {
         match serde_json::to_string(chunk) {
             Ok(s) => Event::default().data(s),
-            Err(e) => Event::default().data(
-                serde_json::json!({"error": {"message": format!("serializing a chunk: {e}"),
-                    "type": "server_error", "param": null, "code": null}})
-                .to_string(),
-            ),
+            Err(e) => {
+                let body = ErrorBody::new(
+                    &format!("serializing a chunk: {e}"),
+                    "server_error",
+                    None,
+                    None,
+                );
+                Event::default().data(serde_json::to_string(&body).unwrap_or_default())
+            }
         }
     }
 

@@ -1,0 +1,127 @@
+//! Every call the gateway makes to an engine worker, except the proxied request itself (which
+//! pingora forwards in [`crate::proxy`]): health, models, text side and load for
+//! [`crate::workers`], a request's outcome for billing ([`crate::proxy`], [`crate::journal`]),
+//! and aborts ([`crate::proxy`], [`crate::drain`]). Each route is `sluice_wire::route`'s and
+//! each answer is read as the wire's type, so nothing here reads an engine's JSON by key; the
+//! internal token goes on every `/v1` route.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+use sluice_wire::{EngineLoad, ModelList, Outcome, route};
+
+/// How long a poll (health, models, load) may take: a worker slower than this is unhealthy.
+pub const POLL_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// How long fetching a text side (tokenizer and template, a few MB) may take.
+const TEXT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How much longer than the wait it asked for an outcome may take to arrive.
+const OUTCOME_SLACK: Duration = Duration::from_secs(5);
+
+/// What the gateway reads of an engine's [`route::HEALTH`] answer.
+#[derive(Deserialize)]
+struct Health {
+    /// The model the engine serves.
+    model: Option<String>,
+}
+
+/// The gateway's client of its engines: one HTTP client (pooled connections) and the bearer
+/// token the engines' `/v1` routes require.
+#[derive(Clone, Debug)]
+pub struct EngineClient {
+    http: reqwest::Client,
+    token: Option<String>,
+}
+
+impl EngineClient {
+    /// A client sending `token` (when some) to the engines' `/v1` routes.
+    pub fn new(http: reqwest::Client, token: Option<String>) -> Self {
+        Self { http, token }
+    }
+
+    /// A request to `worker`'s `path`, with the internal token.
+    fn request(
+        &self,
+        method: reqwest::Method,
+        worker: &str,
+        path: &str,
+    ) -> reqwest::RequestBuilder {
+        let req = self.http.request(method, format!("http://{worker}{path}"));
+        match &self.token {
+            Some(t) => req.bearer_auth(t),
+            None => req,
+        }
+    }
+
+    /// The body of a GET of `path` at `worker`, read by `read`, when it answers with success
+    /// within `timeout`; an error names the route.
+    async fn get<T, F>(
+        &self,
+        worker: &str,
+        path: &str,
+        timeout: Duration,
+        read: impl FnOnce(reqwest::Response) -> F,
+    ) -> Result<T, String>
+    where
+        F: std::future::Future<Output = reqwest::Result<T>>,
+    {
+        let req = self.request(reqwest::Method::GET, worker, path).timeout(timeout);
+        match req.send().await.and_then(reqwest::Response::error_for_status) {
+            Ok(r) => read(r).await.map_err(|e| format!("{path}: {e}")),
+            Err(e) => Err(format!("{path}: {e}")),
+        }
+    }
+
+    /// Whether `worker` is healthy ([`route::HEALTH`] answers with success within
+    /// [`POLL_TIMEOUT`]), and then the model it names (`None` when its answer names none).
+    pub async fn health(&self, worker: &str) -> Option<Option<String>> {
+        let req = self.http.get(format!("http://{worker}{}", route::HEALTH)).timeout(POLL_TIMEOUT);
+        match req.send().await {
+            Ok(r) if r.status().is_success() => {
+                Some(r.json::<Health>().await.ok().and_then(|h| h.model))
+            }
+            _ => None,
+        }
+    }
+
+    /// The cards of the models `worker` serves ([`route::MODELS`]).
+    pub async fn models(&self, worker: &str) -> Result<ModelList, String> {
+        self.get(worker, route::MODELS, POLL_TIMEOUT, |r| r.json()).await
+    }
+
+    /// `worker`'s text side ([`route::TEXT`]): the bundle a
+    /// [`crate::admission::TokenCounter`] is read from.
+    pub async fn text(&self, worker: &str) -> Result<bytes::Bytes, String> {
+        self.get(worker, route::TEXT, TEXT_TIMEOUT, |r| r.bytes()).await
+    }
+
+    /// What `worker` is doing now ([`route::LOAD`]).
+    pub async fn load(&self, worker: &str) -> Result<EngineLoad, String> {
+        self.get(worker, route::LOAD, POLL_TIMEOUT, |r| r.json()).await
+    }
+
+    /// `worker`'s outcome of request `id`, waiting up to `wait` for it to end there; `None`
+    /// when the worker has no record of it.
+    pub async fn outcome(
+        &self,
+        worker: &str,
+        id: &str,
+        wait: Duration,
+    ) -> Result<Option<Outcome>, String> {
+        let path = format!("{}?wait_ms={}", route::outcome(id), wait.as_millis());
+        let req = self.request(reqwest::Method::GET, worker, &path).timeout(wait + OUTCOME_SLACK);
+        let err = |e: reqwest::Error| format!("{}: {e}", route::outcome(id));
+        let resp = req.send().await.map_err(err)?;
+        if resp.status() == reqwest::StatusCode::NOT_FOUND {
+            return Ok(None);
+        }
+        resp.error_for_status().map_err(err)?.json().await.map(Some).map_err(err)
+    }
+
+    /// Asks `worker` to stop request `id` ([`route::abort`]), waiting at most `timeout`.
+    pub async fn abort(&self, worker: &str, id: &str, timeout: Duration) -> Result<(), String> {
+        let req = self.request(reqwest::Method::POST, worker, &route::abort(id)).timeout(timeout);
+        req.send().await.map(drop).map_err(|e| format!("{}: {e}", route::abort(id)))
+    }
+}
