@@ -51,15 +51,18 @@ async fn ask(
     headers: &[(&str, &str)],
     stream: bool,
 ) -> anyhow::Result<(String, Value, Value)> {
-    let body = json!({
+    let mut body = json!({
         "model": "smollm2-135m-instruct",
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": 24,
         "temperature": 0,
         "ignore_eos": true,
         "stream": stream,
-        "stream_options": {"include_usage": true},
     });
+    if stream {
+        // Only a stream has options (a body's are refused, as OpenAI refuses them).
+        body["stream_options"] = json!({"include_usage": true});
+    }
     let mut req = c.post(format!("http://{url}/v1/chat/completions")).json(&body);
     for (k, v) in headers {
         req = req.header(*k, *v);

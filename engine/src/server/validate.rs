@@ -771,8 +771,15 @@ fn sampling_plan(
         None => uuid::Uuid::new_v4().as_u64_pair().0,
     };
     let stream = s.stream.unwrap_or(false);
-    let include_usage =
-        stream && s.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+    if !stream && s.stream_options.is_some() {
+        // As OpenAI and vLLM answer it: options of a stream that is not asked for are a
+        // mistake, not something to ignore.
+        return Err(ApiError::invalid(
+            "stream_options",
+            "stream_options is only allowed when stream is true",
+        ));
+    }
+    let include_usage = s.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
     Ok(Plan {
         prompt,
         echo: None,
@@ -994,6 +1001,8 @@ mod tests {
             (json!({"max_tokens": 71}), "max_tokens"),
             (json!({"stream": "yes"}), "stream"),
             (json!({"stream_options": {"include_usage": 1}}), "stream_options.include_usage"),
+            (json!({"stream_options": {"include_usage": true}}), "stream_options"),
+            (json!({"stream": false, "stream_options": {}}), "stream_options"),
             (json!({"stop_token_ids": [5000]}), "stop_token_ids[0]"),
         ];
         for (body, param) in cases {
