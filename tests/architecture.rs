@@ -138,3 +138,34 @@ fn the_gateway_calls_its_engines_only_through_its_engine_client() -> anyhow::Res
     );
     Ok(())
 }
+
+#[test]
+fn the_gateway_links_billing_without_its_server() -> anyhow::Result<()> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let read = |f: &str| std::fs::read_to_string(root.join(f));
+    let dep = |manifest: &str, name: &str| -> anyhow::Result<Option<String>> {
+        let text = read(manifest)?;
+        Ok(text.lines().map(str::trim).find(|l| l.starts_with(name)).map(str::to_owned))
+    };
+    // The workspace declares billing without its default features; only the binary, which
+    // runs the billing service, asks for the server.
+    let declared = dep("Cargo.toml", "sluice-billing = {")?.unwrap_or_default();
+    assert!(declared.contains("default-features = false"), "workspace: {declared:?}");
+    let gateway = dep("gateway/Cargo.toml", "sluice-billing")?.unwrap_or_default();
+    assert_eq!(gateway, "sluice-billing.workspace = true", "the gateway asks for more of billing");
+    let binary = read("Cargo.toml")?;
+    assert!(binary.contains(r#"sluice-billing = { workspace = true, features = ["server"] }"#));
+    // The server's parts are behind the feature, and so are the crates only they need.
+    let lib = read("billing/src/lib.rs")?;
+    for module in ["api", "auth", "bench", "retention"] {
+        let gated = format!("#[cfg(feature = \"server\")]\npub mod {module};");
+        assert!(lib.contains(&gated), "billing's {module} is not behind the server feature");
+    }
+    let manifest = read("billing/Cargo.toml")?;
+    for server_only in ["axum", "jsonwebtoken"] {
+        let optional = format!("{server_only} = {{ workspace = true, optional = true }}");
+        assert!(manifest.contains(&optional), "billing needs {server_only} without its server");
+    }
+    assert!(manifest.contains(r#"server = ["dep:axum", "dep:jsonwebtoken"]"#), "{manifest}");
+    Ok(())
+}

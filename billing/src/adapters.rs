@@ -14,10 +14,10 @@ use serde_json::Value;
 use sqlx::Row;
 use sqlx::types::Json;
 
-use crate::auth::Principal;
 use crate::control::{
     AdminError, audit, begin_write, is_unique_violation, on_pool, to_value, valid_id,
 };
+use crate::principal::Principal;
 use crate::store::{Ledger, Pool};
 
 /// The projections an adapter may update, as PEFT names them.

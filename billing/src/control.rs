@@ -18,7 +18,7 @@ use sha2::{Digest, Sha256};
 use sqlx::Row;
 use sqlx::types::Json;
 
-use crate::auth::Principal;
+use crate::principal::Principal;
 use crate::store::Pool;
 use crate::{BillingError, Ledger};
 

@@ -5,10 +5,17 @@
 //! acknowledges them only after the database commit. Delivery is at-least-once; inserts are
 //! idempotent on request id and per-tenant idempotency key, so the ledger counts each request
 //! exactly once.
+//!
+//! The service's server (the admin, audit and usage HTTP API with the console, JWT
+//! authentication, retention and the ledger benchmark) is the default feature `server`; a
+//! gateway links the ledger, the usage stream and the price list without it.
 
 pub mod adapters;
+#[cfg(feature = "server")]
 pub mod api;
+#[cfg(feature = "server")]
 pub mod auth;
+#[cfg(feature = "server")]
 pub mod bench;
 pub mod control;
 mod error;
@@ -16,8 +23,10 @@ pub mod event;
 pub mod ingest;
 pub mod local;
 pub mod prices;
+pub mod principal;
 pub mod query;
 pub mod redis_conn;
+#[cfg(feature = "server")]
 pub mod retention;
 pub mod store;
 

@@ -435,6 +435,7 @@ impl Ledger {
     /// A SQLite ledger file in rollback-journal mode over one connection, schema applied: a
     /// retention archive, whose committed rows are in the file itself (no write-ahead log
     /// beside it, whenever the connection happens to close).
+    #[cfg(feature = "server")]
     pub(crate) async fn open_archive(path: &std::path::Path) -> Result<Self, BillingError> {
         let connect = SqliteConnectOptions::new()
             .filename(path)
