@@ -1,7 +1,9 @@
 //! The crate graph's rules (ARCHITECTURE.md), read from the manifests: the gateway, billing,
 //! the load generator and the text crate never depend on the engine, the engine never on the
-//! gateway or billing, and the text and wire crates on no other Sluice crate. And the wire's
-//! names are written once: no internal header or internal route outside `sluice-wire`.
+//! gateway or billing, and the text and wire crates on no other Sluice crate; the gateway
+//! links billing without its server. And from the code: the wire's names are written once (no
+//! internal header or internal route outside `sluice-wire`), and the gateway calls its
+//! engines only through its engine client.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -59,10 +61,19 @@ fn the_crate_graph_keeps_its_rules() -> anyhow::Result<()> {
 /// trailing ` // ` comments left out, and a file's test module (`#[cfg(test)]` before a `mod`)
 /// and what follows it. `(file, line number, line)`.
 fn code_lines(dir: &Path, out: &mut Vec<(String, usize, String)>) -> anyhow::Result<()> {
+    code_lines_cased(dir, out, true)
+}
+
+/// [`code_lines`], lowercased only when `lower` is set.
+fn code_lines_cased(
+    dir: &Path,
+    out: &mut Vec<(String, usize, String)>,
+    lower: bool,
+) -> anyhow::Result<()> {
     for entry in std::fs::read_dir(dir)? {
         let path = entry?.path();
         if path.is_dir() {
-            code_lines(&path, out)?;
+            code_lines_cased(&path, out, lower)?;
             continue;
         }
         if path.extension().is_none_or(|e| e != "rs") {
@@ -79,7 +90,8 @@ fn code_lines(dir: &Path, out: &mut Vec<(String, usize, String)>) -> anyhow::Res
                 continue;
             }
             let code = line.split(" // ").next().unwrap_or_default();
-            out.push((path.display().to_string(), i + 1, code.to_lowercase()));
+            let code = if lower { code.to_lowercase() } else { code.to_owned() };
+            out.push((path.display().to_string(), i + 1, code));
         }
     }
     Ok(())
@@ -110,11 +122,22 @@ fn internal_headers_and_routes_are_written_only_in_the_wire_crate() -> anyhow::R
     Ok(())
 }
 
+/// The engine routes a gateway calls, as `sluice_wire::route` names them.
+const ENGINE_ROUTES: [&str; 6] = [
+    "route::HEALTH",
+    "route::MODELS",
+    "route::TEXT",
+    "route::LOAD",
+    "route::outcome",
+    "route::abort",
+];
+
 #[test]
 fn the_gateway_calls_its_engines_only_through_its_engine_client() -> anyhow::Result<()> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut lines = Vec::new();
-    code_lines(&root.join("gateway/src"), &mut lines)?;
+    // As written: `route::MODELS` is a call, admission's `Route::Models` is not.
+    code_lines_cased(&root.join("gateway/src"), &mut lines, false)?;
     let client = |f: &str| f.ends_with("engine_client.rs");
     // The scan sees the client it exempts (a check that cannot fail is no check).
     assert!(lines.iter().any(|(f, _, l)| client(f) && l.contains("route::outcome")));
@@ -123,10 +146,15 @@ fn the_gateway_calls_its_engines_only_through_its_engine_client() -> anyhow::Res
     let elsewhere: Vec<String> = lines
         .iter()
         .filter(|(f, _, l)| {
-            let route = l.contains("sluice_wire") && l.contains("route");
-            let request = l.contains("reqwest::")
-                && !l.contains("reqwest::client::new()")
-                && !l.contains("reqwest::client::builder()");
+            // A use of the module (in any import form), or a call of an engine route.
+            let route = (l.contains("sluice_wire") && l.contains("route"))
+                || l.trim() == "route,"
+                || l.trim_start().starts_with("route}")
+                || ENGINE_ROUTES.iter().any(|r| l.contains(r));
+            let makes = ["reqwest::Client::new()", "reqwest::Client::builder()"];
+            let makes = makes.iter().any(|m| l.contains(m));
+            let calls = [".get(", ".post(", ".request(", ".send("].iter().any(|c| l.contains(c));
+            let request = l.contains("reqwest::") && (!makes || calls);
             !client(f) && (route || request || l.contains("http://"))
         })
         .map(|(f, n, l)| format!("{f}:{n}: {}", l.trim()))
@@ -149,10 +177,18 @@ fn the_gateway_links_billing_without_its_server() -> anyhow::Result<()> {
     };
     // The workspace declares billing without its default features; only the binary, which
     // runs the billing service, asks for the server.
-    let declared = dep("Cargo.toml", "sluice-billing = {")?.unwrap_or_default();
+    let declared = dep("Cargo.toml", "sluice-billing = { path")?.unwrap_or_default();
     assert!(declared.contains("default-features = false"), "workspace: {declared:?}");
-    let gateway = dep("gateway/Cargo.toml", "sluice-billing")?.unwrap_or_default();
-    assert_eq!(gateway, "sluice-billing.workspace = true", "the gateway asks for more of billing");
+    assert!(!declared.contains("server"), "the workspace gives everyone billing's server");
+    // Every mention in the gateway's manifest, in any dependency table.
+    let gateway = read("gateway/Cargo.toml")?;
+    let mentions: Vec<&str> =
+        gateway.lines().map(str::trim).filter(|l| l.contains("sluice-billing")).collect();
+    assert_eq!(
+        mentions,
+        ["sluice-billing.workspace = true"],
+        "the gateway asks for more of billing"
+    );
     let binary = read("Cargo.toml")?;
     assert!(binary.contains(r#"sluice-billing = { workspace = true, features = ["server"] }"#));
     // The server's parts are behind the feature, and so are the crates only they need.

@@ -10,10 +10,10 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use serde::{Deserialize, Serialize};
 
+pub use crate::principal::{Principal, Role};
+
 /// Smallest accepted HS256 secret (RFC 7518 section 3.2: at least the hash size).
 pub const MIN_SECRET_BYTES: usize = 32;
-
-pub use crate::principal::{Principal, Role};
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Claims {

@@ -1,6 +1,6 @@
 //! Who acts on the control plane: a role and, for a tenant's admin, its tenant. The ledger's
 //! control operations take a [`Principal`] and record it in the audit log; how one is proven
-//! (JWT bearer tokens) is [`crate::auth`]'s, part of the billing service's server.
+//! (JWT bearer tokens) is `auth`'s, part of the billing service's server (feature `server`).
 
 use serde::{Deserialize, Serialize};
 

@@ -924,12 +924,8 @@ mod tests {
             adapter: None,
             engine_version: "test".into(),
         };
-        let execution_identity = sluice_wire::ModelCardExt { execution_identity: identity };
-        let card = sluice_wire::ModelCard {
-            id: "m".into(),
-            max_model_len: 2048,
-            sluice: execution_identity,
-        };
+        let ext = sluice_wire::ModelCardExt { execution_identity: identity };
+        let card = sluice_wire::ModelCard { id: "m".into(), max_model_len: 2048, sluice: ext };
         catalog.learn(&card, text);
         Ok(Served { catalog: Arc::new(catalog), default_max_tokens: 512 })
     }

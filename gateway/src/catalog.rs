@@ -129,7 +129,10 @@ impl Catalog {
 
     /// Records the model an engine's card describes, counted with `tokens`.
     pub fn learn(&self, card: &ModelCard, tokens: Arc<TokenCounter>) -> Option<String> {
-        let id = Some(card.id.clone()).filter(|s| !s.is_empty())?;
+        if card.id.is_empty() {
+            return None;
+        }
+        let id = card.id.clone();
         let identity = &card.sluice.execution_identity;
         let entry = ModelEntry {
             id: id.clone(),

@@ -2,13 +2,13 @@
 //! pingora forwards in [`crate::proxy`]): health, models, text side and load for
 //! [`crate::workers`], a request's outcome for billing ([`crate::proxy`], [`crate::journal`]),
 //! and aborts ([`crate::proxy`], [`crate::drain`]). Each route is `sluice_wire::route`'s and
-//! each answer is read as the wire's type, so nothing here reads an engine's JSON by key; the
-//! internal token goes on every `/v1` route.
+//! each answer is read as a type (the wire's, and the one field of `/health` read here), so
+//! nothing reads an engine's JSON by key; the internal token goes on every `/v1` route.
 
 use std::time::Duration;
 
 use serde::Deserialize;
-use sluice_wire::{EngineLoad, ModelList, Outcome, route};
+use sluice_wire::{EngineLoad, ModelCard, Outcome, route};
 
 /// How long a poll (health, models, load) may take: a worker slower than this is unhealthy.
 pub const POLL_TIMEOUT: Duration = Duration::from_secs(1);
@@ -19,6 +19,12 @@ const TEXT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How much longer than the wait it asked for an outcome may take to arrive.
 const OUTCOME_SLACK: Duration = Duration::from_secs(5);
 
+/// An engine's [`route::MODELS`] answer, each card read on its own.
+#[derive(Deserialize)]
+struct Listed {
+    data: Vec<serde_json::Value>,
+}
+
 /// What the gateway reads of an engine's [`route::HEALTH`] answer.
 #[derive(Deserialize)]
 struct Health {
@@ -27,11 +33,18 @@ struct Health {
 }
 
 /// The gateway's client of its engines: one HTTP client (pooled connections) and the bearer
-/// token the engines' `/v1` routes require.
-#[derive(Clone, Debug)]
+/// token the engines' `/v1` routes require (never shown by `Debug`).
+#[derive(Clone)]
 pub struct EngineClient {
     http: reqwest::Client,
     token: Option<String>,
+}
+
+impl std::fmt::Debug for EngineClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let token = self.token.as_ref().map(|_| "<redacted>");
+        f.debug_struct("EngineClient").field("token", &token).finish_non_exhaustive()
+    }
 }
 
 impl EngineClient {
@@ -73,8 +86,9 @@ impl EngineClient {
         }
     }
 
-    /// Whether `worker` is healthy ([`route::HEALTH`] answers with success within
-    /// [`POLL_TIMEOUT`]), and then the model it names (`None` when its answer names none).
+    /// `None` when `worker` is not healthy ([`route::HEALTH`] does not answer with success
+    /// within [`POLL_TIMEOUT`]); else `Some` of the model it names (`None` when it names none).
+    /// Sent without the token: the probe is outside `/v1`.
     pub async fn health(&self, worker: &str) -> Option<Option<String>> {
         let req = self.http.get(format!("http://{worker}{}", route::HEALTH)).timeout(POLL_TIMEOUT);
         match req.send().await {
@@ -85,9 +99,19 @@ impl EngineClient {
         }
     }
 
-    /// The cards of the models `worker` serves ([`route::MODELS`]).
-    pub async fn models(&self, worker: &str) -> Result<ModelList, String> {
-        self.get(worker, route::MODELS, POLL_TIMEOUT, |r| r.json()).await
+    /// The cards of the models `worker` serves ([`route::MODELS`]). A card that is not the
+    /// wire's [`ModelCard`] is left out with a warning naming it; the others still count.
+    pub async fn models(&self, worker: &str) -> Result<Vec<ModelCard>, String> {
+        let list: Listed = self.get(worker, route::MODELS, POLL_TIMEOUT, |r| r.json()).await?;
+        let cards = list.data.iter().filter_map(|card| match ModelCard::deserialize(card) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                tracing::warn!(worker, card = %card["id"], error = %e,
+                    "an engine's model card is not what the wire says; left out");
+                None
+            }
+        });
+        Ok(cards.collect())
     }
 
     /// `worker`'s text side ([`route::TEXT`]): the bundle a

@@ -277,7 +277,10 @@ impl Gateway {
         ids.get(r).cloned().or_else(|| {
             // Else as the engine's card gave it, when the catalog has that revision.
             let entries = self.served.catalog.entries();
-            entries.iter().find_map(|e| e.identity.clone().filter(|i| i.model_revision == r))
+            entries
+                .iter()
+                .find_map(|e| e.identity.as_ref().filter(|i| i.model_revision == r))
+                .cloned()
         })
     }
 
@@ -1309,6 +1312,9 @@ const SETTLE_RETRY_FOR: Duration = Duration::from_secs(120);
 /// How long the gateway waits for an engine to finish aborting a request it asks about.
 const OUTCOME_WAIT: Duration = Duration::from_secs(10);
 
+/// How long asking an engine to abort a request may take.
+const ABORT_WAIT: Duration = Duration::from_secs(5);
+
 impl Gateway {
     /// The engine's own count for this request, once it has ended there (`None` when the
     /// worker cannot say: unreachable, or it never ran the request).
@@ -1318,7 +1324,7 @@ impl Gateway {
         let ask = async move {
             // Whatever still runs for it is stopped first (nothing reads it any more), so the
             // count below is final.
-            let _ = engines.abort(&worker, &id, Duration::from_secs(5)).await;
+            let _ = engines.abort(&worker, &id, ABORT_WAIT).await;
             engines.outcome(&worker, &id, OUTCOME_WAIT).await.ok().flatten()
         };
         let o = self.on_io(ask).await.ok().flatten();
@@ -1337,7 +1343,6 @@ impl Gateway {
     }
 }
 
-/// The OpenAI model object for `id`.
 #[async_trait]
 impl ProxyHttp for Gateway {
     type CTX = Ctx;

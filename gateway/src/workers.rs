@@ -85,11 +85,17 @@ impl WorkerState {
 }
 
 /// The gateway's workers.
-#[derive(Debug)]
 pub struct Workers {
     list: Vec<Arc<WorkerState>>,
-    /// The internal token the engines require (their `/v1` routes).
+    /// The internal token the engines require (their `/v1` routes); never shown by `Debug`.
     token: Option<String>,
+}
+
+impl std::fmt::Debug for Workers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let token = self.token.as_ref().map(|_| "<redacted>");
+        f.debug_struct("Workers").field("list", &self.list).field("token", &token).finish()
+    }
 }
 
 fn score(addr: &str, key: &str) -> u64 {
@@ -185,9 +191,9 @@ impl Workers {
         engines: &EngineClient,
         catalog: &Catalog,
     ) -> Result<Vec<String>, String> {
-        let list = engines.models(&w.addr).await?;
+        let cards = engines.models(&w.addr).await?;
         let mut models = Vec::new();
-        for card in &list.data {
+        for card in &cards {
             let identity = &card.sluice.execution_identity;
             let tokenizer = identity.tokenizer_revision.as_str();
             let template = identity.chat_template_version.as_deref();

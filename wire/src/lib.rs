@@ -1,8 +1,10 @@
 //! The contract between Sluice's processes: what the gateway sends an engine (the trusted
 //! internal headers), where it sends it (the engines' internal routes), and what an engine
-//! reports back in typed form (its load). Each name is written here once; the engine serves
-//! these types and the gateway, billing and the tools read them, so a renamed header or route
-//! is a compile error on both sides instead of a silent mismatch.
+//! reports back in typed form (its load, what it did for a request, the identity and timings a
+//! response ran under, its model cards, and errors as OpenAI's JSON). Each name is written
+//! here once; the engine serves these types and the gateway, billing and the tools read them,
+//! so a renamed header, route or field is a compile error on both sides instead of a silent
+//! mismatch.
 //!
 //! This crate depends on serde alone: it is the bottom of the graph, below every process.
 
