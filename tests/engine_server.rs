@@ -15,7 +15,7 @@ use anyhow::{Context, bail, ensure};
 use futures_util::StreamExt;
 use serde::Deserialize;
 use serde_json::{Value, json};
-use sluice_wire::{EngineLoad, EngineTimings, ExecutionIdentity, ModelList, route};
+use sluice_wire::{EngineLoad, EngineTimings, ExecutionIdentity, ModelList, Usage, route};
 
 const GOLDEN_PROMPT: &str = "The capital of France is";
 
@@ -219,6 +219,9 @@ async fn completions_chat_streaming_and_identity() -> anyhow::Result<()> {
     ensure!(v["choices"][0]["finish_reason"] == "length");
     ensure!(v["usage"]["completion_tokens"] == 16 && v["usage"]["prompt_tokens"] == 5, "{v}");
     ensure!(v["usage"]["total_tokens"] == 21, "{v}");
+    // A gateway bills by the wire's usage, read whole.
+    let usage = Usage::deserialize(&v["usage"])?;
+    ensure!(usage == Usage::new(5, 16, usage.prompt_tokens_details.cached_tokens), "{v}");
     ensure!(v["usage"]["prompt_tokens_details"]["cached_tokens"].is_u64());
     let ext = &v["sluice"];
     ensure!(ext["request_id"] == "req-golden-1", "{ext}");

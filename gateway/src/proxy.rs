@@ -32,7 +32,7 @@ use sluice_billing::event::is_refused;
 use sluice_billing::prices::PriceList;
 use sluice_billing::{FinishReason, Ledger, UsageEvent};
 use sluice_wire::header as internal;
-use sluice_wire::{EngineTimings, ExecutionIdentity, Outcome as EngineOutcome};
+use sluice_wire::{EngineTimings, ExecutionIdentity, Outcome as EngineOutcome, Usage};
 
 use crate::admission::{
     self, Checked, Endpoint, MAX_BODY_BYTES, Refusal, Route, Served, Slo, TokenCounter, error_json,
@@ -1996,9 +1996,14 @@ fn facts<'t>(ctx: &Ctx, e: Option<&Error>, timings: &'t Timings) -> Facts<'t> {
         done: timings.done,
         status: ctx.status,
         finish_reason: timings.finish_reason.as_deref(),
-        usage: usage.map(|u| Counts {
-            completion: u["completion_tokens"].as_u64(),
-            cached: u["prompt_tokens_details"]["cached_tokens"].as_u64(),
+        // The wire's usage, whole; one the engine did not write whole counts for nothing, and
+        // the stream's own count stands in.
+        usage: usage.map(|u| match Usage::deserialize(u) {
+            Ok(u) => Counts {
+                completion: Some(u.completion_tokens),
+                cached: Some(u.prompt_tokens_details.cached_tokens),
+            },
+            Err(_) => Counts::default(),
         }),
         streamed_tokens: timings.streamed_tokens,
     }

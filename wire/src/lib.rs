@@ -214,6 +214,39 @@ pub struct ModelCardExt {
     pub execution_identity: ExecutionIdentity,
 }
 
+/// OpenAI's `usage` object, as an engine writes it (in a body, and in a stream's last chunk
+/// when asked) and a gateway bills by.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Prompt tokens (of one choice: the choices share the prompt).
+    pub prompt_tokens: u64,
+    /// Tokens generated, over all choices.
+    pub completion_tokens: u64,
+    /// Both.
+    pub total_tokens: u64,
+    /// The prompt's detail.
+    pub prompt_tokens_details: PromptTokensDetails,
+}
+
+/// `usage.prompt_tokens_details`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PromptTokensDetails {
+    /// Prompt tokens served from the prefix cache.
+    pub cached_tokens: u64,
+}
+
+impl Usage {
+    /// The usage of `prompt` tokens (`cached` of them from the prefix cache) and `completion`.
+    pub fn new(prompt: u64, completion: u64, cached: u64) -> Self {
+        Usage {
+            prompt_tokens: prompt,
+            completion_tokens: completion,
+            total_tokens: prompt.saturating_add(completion),
+            prompt_tokens_details: PromptTokensDetails { cached_tokens: cached },
+        }
+    }
+}
+
 /// OpenAI's error JSON, as every Sluice process answers an error:
 /// `{"error": {"message", "type", "param", "code"}}`, `param` and `code` null when absent.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -338,6 +371,20 @@ mod tests {
         let back: EngineTimings = serde_json::from_str(&serde_json::to_string(&t)?)?;
         assert_eq!((back, back.in_batch()), (t, 1.25));
         assert!(serde_json::from_str::<EngineTimings>(r#"{"queue": 1}"#).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn usage_is_openais_shape_and_whole() -> serde_json::Result<()> {
+        let u = Usage::new(12, 30, 8);
+        assert_eq!(
+            serde_json::to_value(u)?,
+            serde_json::json!({"prompt_tokens": 12, "completion_tokens": 30, "total_tokens": 42,
+                "prompt_tokens_details": {"cached_tokens": 8}})
+        );
+        assert_eq!(serde_json::from_value::<Usage>(serde_json::to_value(u)?)?, u);
+        // A count the engine left out is an error, never a zero that bills nothing.
+        assert!(serde_json::from_str::<Usage>(r#"{"prompt_tokens": 1}"#).is_err());
         Ok(())
     }
 

@@ -80,36 +80,13 @@ pub struct ChatFields {
     pub max_completion_tokens: Option<i64>,
 }
 
-/// `usage.prompt_tokens_details`.
-#[derive(Clone, Debug, Serialize)]
-pub struct PromptTokensDetails {
-    /// Prompt tokens served from the prefix cache.
-    pub cached_tokens: usize,
-}
+/// OpenAI `usage`: the wire's, which gateways bill by.
+pub use sluice_wire::Usage as UsageBody;
 
-/// OpenAI `usage`.
-#[derive(Clone, Debug, Serialize)]
-pub struct UsageBody {
-    /// Prompt tokens.
-    pub prompt_tokens: usize,
-    /// Generated tokens.
-    pub completion_tokens: usize,
-    /// Both.
-    pub total_tokens: usize,
-    /// Cache detail.
-    pub prompt_tokens_details: PromptTokensDetails,
-}
-
-impl UsageBody {
-    /// From the engine's counts.
-    pub fn new(u: Usage) -> UsageBody {
-        UsageBody {
-            prompt_tokens: u.prompt_tokens,
-            completion_tokens: u.completion_tokens,
-            total_tokens: u.prompt_tokens + u.completion_tokens,
-            prompt_tokens_details: PromptTokensDetails { cached_tokens: u.cached_tokens },
-        }
-    }
+/// The `usage` object of the engine's counts.
+pub fn usage_body(u: Usage) -> UsageBody {
+    let n = |x: usize| u64::try_from(x).unwrap_or(u64::MAX);
+    UsageBody::new(n(u.prompt_tokens), n(u.completion_tokens), n(u.cached_tokens))
 }
 
 /// The generation parameters a request ran with (part of its execution contract), after

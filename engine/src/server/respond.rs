@@ -22,7 +22,7 @@ use crate::server::error::ApiError;
 use crate::server::openai::{
     AssistantMessage, ChatBody, ChatChoice, ChatChunk, ChatChunkChoice, ChatDelta, ChatLogprobs,
     ChatTokenLogprob, ChatTopLogprob, ChoiceDetail, CompletionBody, CompletionChoice,
-    CompletionLogprobs, RankedMap, SluiceExt, ToolCallBody, UsageBody,
+    CompletionLogprobs, RankedMap, SluiceExt, ToolCallBody, usage_body,
 };
 use crate::server::validate::{Plan, choice_id};
 use sluice_text::tools::{OutputParser, ToolCall};
@@ -291,7 +291,7 @@ pub async fn collect(shaper: Shaper, mut events: Events) -> Result<Response, Api
                 .map(|(i, f)| ChoiceDetail {
                     index: i,
                     request_id: choice_id(&shaper.request_id, i, n),
-                    usage: UsageBody::new(f.usage),
+                    usage: usage_body(f.usage),
                     timings: f.timings,
                 })
                 .collect(),
@@ -324,7 +324,7 @@ pub async fn collect(shaper: Shaper, mut events: Events) -> Result<Response, Api
                 created: shaper.created,
                 model: shaper.model_name.clone(),
                 choices,
-                usage: Some(UsageBody::new(usage)),
+                usage: Some(usage_body(usage)),
                 sluice: ext,
             })
             .into_response()
@@ -361,7 +361,7 @@ pub async fn collect(shaper: Shaper, mut events: Events) -> Result<Response, Api
                 created: shaper.created,
                 model: shaper.model_name.clone(),
                 choices,
-                usage: UsageBody::new(usage),
+                usage: usage_body(usage),
                 sluice: ext,
             })
             .into_response()
@@ -611,7 +611,7 @@ impl StreamState {
                     created: sh.created,
                     model: sh.model_name.clone(),
                     choices: Vec::new(),
-                    usage: Some(UsageBody::new(usage)),
+                    usage: Some(usage_body(usage)),
                     sluice: ext,
                 }),
                 Endpoint::Chat => Self::event(&ChatChunk {
@@ -620,7 +620,7 @@ impl StreamState {
                     created: sh.created,
                     model: sh.model_name.clone(),
                     choices: Vec::new(),
-                    usage: Some(UsageBody::new(usage)),
+                    usage: Some(usage_body(usage)),
                     sluice: ext,
                 }),
             };
