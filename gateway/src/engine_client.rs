@@ -11,7 +11,7 @@ use serde::Deserialize;
 use sluice_wire::{EngineLoad, ModelCard, Outcome, route};
 
 /// How long a poll (health, models, load) may take: a worker slower than this is unhealthy.
-pub const POLL_TIMEOUT: Duration = Duration::from_secs(1);
+const POLL_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// How long fetching a text side (tokenizer and template, a few MB) may take.
 const TEXT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -32,24 +32,39 @@ struct Health {
     model: Option<String>,
 }
 
-/// The gateway's client of its engines: one HTTP client (pooled connections) and the bearer
-/// token the engines' `/v1` routes require (never shown by `Debug`).
+/// The bearer token the engines' `/v1` routes require: `Debug` never shows it.
 #[derive(Clone)]
-pub struct EngineClient {
-    http: reqwest::Client,
-    token: Option<String>,
+pub struct InternalToken(String);
+
+impl InternalToken {
+    /// `token`, when there is one.
+    pub fn new(token: Option<String>) -> Option<Self> {
+        token.map(InternalToken)
+    }
 }
 
-impl std::fmt::Debug for EngineClient {
+impl std::fmt::Debug for InternalToken {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let token = self.token.as_ref().map(|_| "<redacted>");
-        f.debug_struct("EngineClient").field("token", &token).finish_non_exhaustive()
+        f.write_str("<redacted>")
     }
+}
+
+/// The gateway's client of its engines: one HTTP client (pooled connections) and the
+/// internal token.
+#[derive(Clone, Debug)]
+pub struct EngineClient {
+    http: reqwest::Client,
+    token: Option<InternalToken>,
 }
 
 impl EngineClient {
     /// A client sending `token` (when some) to the engines' `/v1` routes.
     pub fn new(http: reqwest::Client, token: Option<String>) -> Self {
+        Self::with_token(http, InternalToken::new(token))
+    }
+
+    /// A client sending `token` (when some) to the engines' `/v1` routes.
+    pub fn with_token(http: reqwest::Client, token: Option<InternalToken>) -> Self {
         Self { http, token }
     }
 
@@ -62,7 +77,7 @@ impl EngineClient {
     ) -> reqwest::RequestBuilder {
         let req = self.http.request(method, format!("http://{worker}{path}"));
         match &self.token {
-            Some(t) => req.bearer_auth(t),
+            Some(InternalToken(t)) => req.bearer_auth(t),
             None => req,
         }
     }
@@ -147,5 +162,20 @@ impl EngineClient {
     pub async fn abort(&self, worker: &str, id: &str, timeout: Duration) -> Result<(), String> {
         let req = self.request(reqwest::Method::POST, worker, &route::abort(id)).timeout(timeout);
         req.send().await.map(drop).map_err(|e| format!("{}: {e}", route::abort(id)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_internal_token_never_shows_in_debug() {
+        let client = EngineClient::new(reqwest::Client::new(), Some("s3cret-token".into()));
+        let shown = format!("{client:?}");
+        assert!(!shown.contains("s3cret") && shown.contains("<redacted>"), "{shown}");
+        let workers = crate::workers::Workers::new(&["a:1".into()], Some("s3cret-token".into()));
+        let shown = format!("{workers:?}");
+        assert!(!shown.contains("s3cret") && shown.contains("<redacted>"), "{shown}");
     }
 }

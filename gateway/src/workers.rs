@@ -15,7 +15,7 @@ use sluice_wire::EngineLoad;
 
 use crate::admission::TokenCounter;
 use crate::catalog::Catalog;
-use crate::engine_client::{EngineClient, POLL_TIMEOUT};
+use crate::engine_client::{EngineClient, InternalToken};
 
 /// One worker's last known state.
 #[derive(Debug)]
@@ -85,17 +85,11 @@ impl WorkerState {
 }
 
 /// The gateway's workers.
+#[derive(Debug)]
 pub struct Workers {
     list: Vec<Arc<WorkerState>>,
-    /// The internal token the engines require (their `/v1` routes); never shown by `Debug`.
-    token: Option<String>,
-}
-
-impl std::fmt::Debug for Workers {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let token = self.token.as_ref().map(|_| "<redacted>");
-        f.debug_struct("Workers").field("list", &self.list).field("token", &token).finish()
-    }
+    /// The internal token the engines require (their `/v1` routes).
+    token: Option<InternalToken>,
 }
 
 fn score(addr: &str, key: &str) -> u64 {
@@ -125,7 +119,7 @@ impl Workers {
                     })
                 })
                 .collect(),
-            token,
+            token: InternalToken::new(token),
         })
     }
 
@@ -236,10 +230,9 @@ impl Workers {
         let (me, catalog) = (Arc::clone(self), Arc::clone(catalog));
         let (polled, first_poll) = std::sync::mpsc::channel();
         io.spawn(async move {
-            let Ok(http) = reqwest::Client::builder().timeout(POLL_TIMEOUT).build() else {
-                return;
-            };
-            let engines = EngineClient::new(http, me.token.clone());
+            // Each call sets its own timeout.
+            let Ok(http) = reqwest::Client::builder().build() else { return };
+            let engines = EngineClient::with_token(http, me.token.clone());
             loop {
                 me.poll(&engines, &catalog).await;
                 let _ = polled.send(());
