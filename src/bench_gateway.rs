@@ -35,6 +35,7 @@ use sluice_engine::serve::handle::EngineHandle;
 use sluice_engine::server::{ServerConfig, router as engine_router};
 use sluice_engine::synth::{SynthSpec, write_gguf};
 use sluice_gateway::admission::TokenCounter;
+use sluice_gateway::door::SERVICE_NAME;
 use sluice_gateway::local::RedisDownPolicy;
 use sluice_gateway::proxy::{Gateway, GatewayConfig};
 
@@ -88,16 +89,24 @@ fn allowed_cpus() -> Vec<usize> {
     (0..libc::CPU_SETSIZE as usize).filter(|&c| unsafe { libc::CPU_ISSET(c, &set) }).collect()
 }
 
-/// Threads of the gateway by name: pingora's workers, its I/O runtime, the usage writer and
-/// SQLite's worker threads (the ledger's and the writer's connections; the engine has none).
+/// Threads of the gateway by name: pingora's workers and blocking pool (named after its
+/// service), its I/O runtime, the usage writer and SQLite's worker threads (the ledger's and
+/// the writer's connections; the engine has none).
 fn is_gateway_thread(comm: &str) -> bool {
-    ["Pingora", "sluice-gw-io", "sluice-usage", "sqlx-sqlite"].iter().any(|p| comm.starts_with(p))
+    [SERVICE_NAME, "sluice-gw-io", "sluice-usage", "sqlx-sqlite"]
+        .iter()
+        .any(|p| comm.starts_with(p))
+}
+
+/// Whether `comm` is one of pingora's own threads (the proxy's runtime).
+fn is_proxy_thread(comm: &str) -> bool {
+    comm.starts_with(SERVICE_NAME)
 }
 
 /// Pins every thread of this process: the gateway's to the last allowed CPU, the rest to the
-/// others. Threads made later inherit their creator's set. Returns how many were pinned to the
-/// gateway's CPU.
-fn pin_threads(cpus: &[usize]) -> anyhow::Result<usize> {
+/// others. Threads made later inherit their creator's set. Fails when none of pingora's own
+/// threads was found (a renamed service would leave the proxy beside the client unnoticed).
+fn pin_threads(cpus: &[usize]) -> anyhow::Result<()> {
     let (Some((&gw, rest)), true) = (cpus.split_last(), cpus.len() >= 2) else {
         anyhow::bail!("an isolated layout needs two CPUs");
     };
@@ -111,7 +120,7 @@ fn pin_threads(cpus: &[usize]) -> anyhow::Result<usize> {
         set
     };
     let (gw_set, rest_set) = (set_of(&[gw]), set_of(rest));
-    let mut on_gateway = 0;
+    let mut proxy_pinned = 0;
     for task in std::fs::read_dir("/proc/self/task")? {
         let task = task?;
         let Ok(tid) = task.file_name().to_string_lossy().parse::<libc::pid_t>() else { continue };
@@ -121,9 +130,13 @@ fn pin_threads(cpus: &[usize]) -> anyhow::Result<usize> {
         // SAFETY: tid is a thread of this process (it may have exited: then ESRCH, ignored).
         let rc =
             unsafe { libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), set) };
-        on_gateway += usize::from(gateway && rc == 0);
+        proxy_pinned += usize::from(is_proxy_thread(comm.trim()) && rc == 0);
     }
-    Ok(on_gateway)
+    anyhow::ensure!(
+        proxy_pinned > 0,
+        "found none of the proxy's threads (named {SERVICE_NAME:?}) to pin to the gateway's CPU"
+    );
+    Ok(())
 }
 
 struct ChannelShutdown(tokio::sync::watch::Receiver<bool>);
@@ -149,6 +162,8 @@ struct Point {
     rounds: usize,
     ok: usize,
     errors: usize,
+    /// Failed requests by what went wrong (an HTTP status, `timeout`, `connect`, ...).
+    failures: std::collections::BTreeMap<String, usize>,
     e2e_p50_ms: f64,
     e2e_p99_ms: f64,
     overhead_p50_ms: Option<f64>,
@@ -156,6 +171,9 @@ struct Point {
     send_lateness_p99_ms: f64,
     /// CPU time of this whole process (client, gateway and engine) per request, µs.
     cpu_us_per_request: Option<f64>,
+    /// CPU time of the gateway's own threads ([`is_gateway_thread`]) per request, µs (in the
+    /// straight phase: what they spend idle, health checks and the like).
+    gateway_cpu_us_per_request: f64,
     /// Each round's e2e p99 alone, ms.
     round_e2e_p99_ms: Vec<f64>,
 }
@@ -169,6 +187,9 @@ struct Round {
     overhead: Vec<f64>,
     late: Vec<f64>,
     cpu_s: Option<f64>,
+    gateway_cpu_s: f64,
+    /// Failed requests by what went wrong (an HTTP status, `timeout`, `connect`, ...).
+    failures: std::collections::BTreeMap<String, usize>,
     sent: usize,
     busy_s: f64,
 }
@@ -177,14 +198,18 @@ struct Round {
 fn pool(target: &'static str, rate: f64, rounds: &[Round]) -> Point {
     let mut p = Point { target, offered_rps: rate, rounds: rounds.len(), ..Point::default() };
     let (mut e2e, mut over, mut late) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut cpu, mut sent, mut busy) = (Some(0.0), 0usize, 0.0);
+    let (mut cpu, mut gateway_cpu, mut sent, mut busy) = (Some(0.0), 0.0, 0usize, 0.0);
     for r in rounds {
         p.ok += r.ok;
         p.errors += r.errors;
+        for (why, n) in &r.failures {
+            *p.failures.entry(why.clone()).or_default() += n;
+        }
         e2e.extend_from_slice(&r.e2e);
         over.extend_from_slice(&r.overhead);
         late.extend_from_slice(&r.late);
         cpu = cpu.zip(r.cpu_s).map(|(a, b)| a + b);
+        gateway_cpu += r.gateway_cpu_s;
         sent += r.sent;
         busy += r.busy_s;
         p.round_e2e_p99_ms.push(Dist::of_seconds(r.e2e.clone()).p99);
@@ -199,6 +224,7 @@ fn pool(target: &'static str, rate: f64, rounds: &[Round]) -> Point {
     p.send_lateness_p99_ms = Dist::of_seconds(late).p99;
     if sent > 0 {
         p.cpu_us_per_request = cpu.map(|c| c / sent as f64 * 1e6);
+        p.gateway_cpu_us_per_request = gateway_cpu / sent as f64 * 1e6;
     }
     p
 }
@@ -214,6 +240,23 @@ fn process_cpu_s() -> Option<f64> {
     Some((utime + stime) / 100.0)
 }
 
+/// CPU time the gateway's threads have used, seconds: the sum of their scheduler run times
+/// (`/proc/self/task/*/schedstat`, nanoseconds). A thread that exits takes its time with it;
+/// the gateway's threads live for the whole run.
+fn gateway_threads_cpu_s() -> f64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return 0.0 };
+    let mut ns = 0u64;
+    for task in tasks.flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if !is_gateway_thread(comm.trim()) {
+            continue;
+        }
+        let stat = std::fs::read_to_string(task.path().join("schedstat")).unwrap_or_default();
+        ns += stat.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    }
+    ns as f64 / 1e9
+}
+
 async fn offer(
     c: &reqwest::Client,
     url: &str,
@@ -223,6 +266,7 @@ async fn offer(
 ) -> Round {
     let n = (rate * seconds).round() as usize;
     let cpu_before = process_cpu_s();
+    let gateway_before = gateway_threads_cpu_s();
     let body = serde_json::json!({"model": "bench", "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0});
     let start = tokio::time::Instant::now() + Duration::from_millis(50);
     let mut tasks = Vec::with_capacity(n);
@@ -246,25 +290,33 @@ async fn offer(
                     .parse::<f64>()
                     .ok()
             });
-            let ok = match r {
-                Ok(r) => r.status().is_success() && r.bytes().await.is_ok(),
-                Err(_) => false,
+            // `None` when it succeeded, else what went wrong (a status, or how it failed).
+            let failed = match r {
+                Ok(r) if !r.status().is_success() => Some(r.status().as_u16().to_string()),
+                Ok(r) => r.bytes().await.err().map(|_| "body".to_owned()),
+                Err(e) if e.is_timeout() => Some("timeout".into()),
+                Err(e) if e.is_connect() => Some("connect".into()),
+                Err(_) => Some("transport".into()),
             };
             // From the scheduled send, so a client that fell behind shows as latency.
             let e2e = tokio::time::Instant::now().saturating_duration_since(at);
-            (ok, e2e, overhead, late)
+            (failed, e2e, overhead, late)
         }));
     }
     let mut r = Round { sent: n, ..Round::default() };
     let mut last = start;
     for t in tasks {
-        if let Ok((ok, d, o, l)) = t.await {
-            if ok {
-                r.ok += 1;
-                r.e2e.push(d.as_secs_f64());
-                r.overhead.extend(o.map(|ms| ms / 1000.0));
-            } else {
-                r.errors += 1;
+        if let Ok((failed, d, o, l)) = t.await {
+            match failed {
+                None => {
+                    r.ok += 1;
+                    r.e2e.push(d.as_secs_f64());
+                    r.overhead.extend(o.map(|ms| ms / 1000.0));
+                }
+                Some(why) => {
+                    r.errors += 1;
+                    *r.failures.entry(why).or_default() += 1;
+                }
             }
             r.late.push(l.as_secs_f64());
         }
@@ -272,6 +324,7 @@ async fn offer(
     }
     r.busy_s = last.saturating_duration_since(start).as_secs_f64();
     r.cpu_s = cpu_before.zip(process_cpu_s()).map(|(a, b)| b - a);
+    r.gateway_cpu_s = gateway_threads_cpu_s() - gateway_before;
     r
 }
 
@@ -497,6 +550,11 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
                 ratio,
                 p.send_lateness_p99_ms
             );
+            if !p.failures.is_empty() {
+                let why: Vec<String> =
+                    p.failures.iter().map(|(w, n)| format!("{w} x{n}")).collect();
+                println!("         {} errors: {}", p.target, why.join(", "));
+            }
         }
         let mut per_round: Vec<f64> =
             g.round_e2e_p99_ms.iter().zip(&d.round_e2e_p99_ms).map(|(a, b)| a - b).collect();
@@ -520,6 +578,12 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
                 (gc - dc) * g.offered_rps / 1e4
             );
         }
+        // The gateway's threads alone: what it costs, without the client's and the engine's
+        // share of the extra hop's sockets.
+        println!(
+            "         gateway threads' CPU per request: {:.0} us (idle in the straight phase: {:.0} us)",
+            g.gateway_cpu_us_per_request, d.gateway_cpu_us_per_request
+        );
     }
     Ok(())
 }

@@ -35,6 +35,13 @@ fn check(lines: &[Value], layout: &str) -> anyhow::Result<()> {
     let own = lines[2]["overhead_p99_ms"].as_f64().context("no gateway overhead")?;
     let e2e = lines[2]["e2e_p99_ms"].as_f64().unwrap_or(0.0);
     ensure!(own > 0.0 && own < e2e, "gateway's own p99 {own} ms vs e2e {e2e} ms");
+    // The gateway's threads are found by name (its CPU is theirs; an isolated layout pins
+    // them or fails): they work through the gateway, and no failure goes unnamed.
+    let cpu = lines[2]["gateway_cpu_us_per_request"].as_f64().unwrap_or(0.0);
+    ensure!(cpu > 0.0, "no CPU of the gateway's threads: {}", lines[2]);
+    for p in &lines[1..] {
+        ensure!(p["failures"].as_object().is_some_and(|f| f.is_empty()), "{p}");
+    }
     Ok(())
 }
 

@@ -51,11 +51,15 @@ const MAX_FIELDS: usize = 256;
 const LINGER: Duration = Duration::from_secs(1);
 const LINGER_BYTES: usize = 1 << 20;
 
+/// The pingora service's name, which its threads carry (what a profile or `sluice bench
+/// gateway`'s layout finds them by; at most 15 bytes, the kernel's limit on a thread's name).
+pub const SERVICE_NAME: &str = "sluice gateway";
+
 /// The gateway as a pingora service whose client connections pass through [`HeadGuard`].
 pub fn service(conf: &Arc<ServerConf>, gateway: Gateway) -> Service<FrontDoor> {
     let header_timeout = gateway.header_timeout();
     let proxy = Arc::new(pingora::proxy::http_proxy(conf, gateway));
-    Service::new("sluice gateway".into(), FrontDoor { proxy, header_timeout })
+    Service::new(SERVICE_NAME.into(), FrontDoor { proxy, header_timeout })
 }
 
 /// The gateway's HTTP proxy behind the head guard.

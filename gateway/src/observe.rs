@@ -42,6 +42,64 @@ pub struct Timings {
     pub gaps_ms: Vec<(f64, u64)>,
 }
 
+/// What a whole (not streamed) engine response tells the gateway: its usage, the engine's
+/// timings and execution identity, the first choice's finish reason. Read without building
+/// the answer's text or logprobs into a document (they are skipped as they are parsed); a body
+/// of another shape is read as a document, for the same fields.
+pub fn whole_response(body: &[u8], e2e_ms: f64) -> Timings {
+    /// The first choice's finish reason, nothing else of it.
+    #[derive(Deserialize)]
+    struct Choice {
+        #[serde(default)]
+        finish_reason: Value,
+    }
+    /// The engine's extension, read straight into its types.
+    #[derive(Default, Deserialize)]
+    struct Ext {
+        #[serde(default)]
+        timings: Option<EngineTimings>,
+        #[serde(default)]
+        execution_identity: Option<ExecutionIdentity>,
+    }
+    #[derive(Deserialize)]
+    struct Reply {
+        #[serde(default)]
+        usage: Value,
+        #[serde(default)]
+        sluice: Option<Ext>,
+        #[serde(default)]
+        choices: Vec<Choice>,
+    }
+    let (usage, ext, finish) = match serde_json::from_slice::<Reply>(body) {
+        Ok(r) => (r.usage, r.sluice.unwrap_or_default(), r.choices.into_iter().next()),
+        Err(_) => {
+            // Each field on its own: one the engine did not write whole is absent, the others
+            // are still read.
+            let mut v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+            let ext = Ext {
+                timings: EngineTimings::deserialize(&v["sluice"]["timings"]).ok(),
+                execution_identity: ExecutionIdentity::deserialize(
+                    &v["sluice"]["execution_identity"],
+                )
+                .ok(),
+            };
+            // `pointer_mut`, not `IndexMut`, which panics on a document of another shape.
+            let mut take = |at: &str| v.pointer_mut(at).map(Value::take).unwrap_or_default();
+            let finish_reason = take("/choices/0/finish_reason");
+            (take("/usage"), ext, Some(Choice { finish_reason }))
+        }
+    };
+    Timings {
+        e2e_ms,
+        usage: Some(usage).filter(|u| !u.is_null()),
+        engine_timings: ext.timings,
+        execution_identity: ext.execution_identity,
+        finish_reason: finish.and_then(|c| c.finish_reason.as_str().map(str::to_owned)),
+        done: true,
+        ..Timings::default()
+    }
+}
+
 /// Observes one response stream.
 #[derive(Debug)]
 pub struct StreamObserver {
@@ -185,6 +243,33 @@ mod tests {
         assert_eq!(t.usage.as_ref().map(|u| u["completion_tokens"].clone()), Some(5.into()));
         assert!(t.done && t.engine_timings.is_some());
         assert_eq!(t.engine_timings.map(|e| e.in_batch()), Some(0.08 + 0.09));
+    }
+
+    #[test]
+    fn a_whole_response_is_read_for_its_usage_timings_identity_and_finish() {
+        let body = serde_json::json!({"id": "cmpl-1", "object": "text_completion",
+            "choices": [{"index": 0, "text": "a \"quoted\" answer", "logprobs": {"tokens": ["a"]},
+                "finish_reason": "length"}, {"index": 1, "text": "b", "finish_reason": "stop"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+            "sluice": {"timings": {"queue": 0.01, "prefill": 0.02, "decode": 0.03, "ttft": 0.03,
+                "e2e": 0.06, "preemptions": 0}}})
+        .to_string();
+        let t = whole_response(body.as_bytes(), 12.5);
+        assert_eq!(t.finish_reason.as_deref(), Some("length"));
+        assert_eq!(t.usage.as_ref().map(|u| u["completion_tokens"].clone()), Some(2.into()));
+        assert_eq!(t.engine_timings.map(|e| e.in_batch()), Some(0.02 + 0.03));
+        assert!(t.done && t.e2e_ms == 12.5 && t.execution_identity.is_none());
+        // Another shape (a choice that is no object) is read as a document, for the same
+        // fields; nothing readable gives nothing, and a null usage is none.
+        let odd = br#"{"choices": ["x"], "usage": {"completion_tokens": 4},
+            "sluice": {"timings": "late"}}"#;
+        let t = whole_response(odd, 1.0);
+        assert_eq!(t.usage.as_ref().map(|u| u["completion_tokens"].clone()), Some(4.into()));
+        assert_eq!(t.finish_reason, None);
+        for junk in [&b"not json"[..], b"[]", b"7", br#"{"usage": null, "choices": {"0": 1}}"#] {
+            let t = whole_response(junk, 1.0);
+            assert!(t.usage.is_none() && t.finish_reason.is_none() && t.engine_timings.is_none());
+        }
     }
 
     #[test]
