@@ -172,7 +172,8 @@ struct Point {
     /// CPU time of this whole process (client, gateway and engine) per request, µs.
     cpu_us_per_request: Option<f64>,
     /// CPU time of the gateway's own threads ([`is_gateway_thread`]) per request, µs (in the
-    /// straight phase: what they spend idle, health checks and the like).
+    /// straight phase, with no request of its own: health checks, the last round's usage
+    /// batch still being written, and the like).
     gateway_cpu_us_per_request: f64,
     /// Each round's e2e p99 alone, ms.
     round_e2e_p99_ms: Vec<f64>,
@@ -240,20 +241,36 @@ fn process_cpu_s() -> Option<f64> {
     Some((utime + stime) / 100.0)
 }
 
-/// CPU time the gateway's threads have used, seconds: the sum of their scheduler run times
-/// (`/proc/self/task/*/schedstat`, nanoseconds). A thread that exits takes its time with it;
-/// the gateway's threads live for the whole run.
-fn gateway_threads_cpu_s() -> f64 {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return 0.0 };
-    let mut ns = 0u64;
+/// The scheduler run time (`/proc/self/task/*/schedstat`, nanoseconds) of each gateway thread
+/// alive now, by thread id.
+fn gateway_threads_ns() -> std::collections::HashMap<String, u64> {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else { return Default::default() };
+    let mut by_thread = std::collections::HashMap::new();
     for task in tasks.flatten() {
         let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
         if !is_gateway_thread(comm.trim()) {
             continue;
         }
         let stat = std::fs::read_to_string(task.path().join("schedstat")).unwrap_or_default();
-        ns += stat.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        if let Some(ns) = stat.split_whitespace().next().and_then(|v| v.parse::<u64>().ok()) {
+            by_thread.insert(task.file_name().to_string_lossy().into_owned(), ns);
+        }
     }
+    by_thread
+}
+
+/// CPU time the gateway's threads used between two [`gateway_threads_ns`] readings, seconds:
+/// what each thread alive at the end used since the start (all of it, for one started since).
+/// A thread that exited between them (an idle blocking-pool thread, a closed SQLite
+/// connection) takes its share with it.
+fn gateway_cpu_between(
+    before: &std::collections::HashMap<String, u64>,
+    after: &std::collections::HashMap<String, u64>,
+) -> f64 {
+    let ns: u64 = after
+        .iter()
+        .map(|(tid, ns)| ns.saturating_sub(before.get(tid).copied().unwrap_or(0)))
+        .sum();
     ns as f64 / 1e9
 }
 
@@ -266,7 +283,7 @@ async fn offer(
 ) -> Round {
     let n = (rate * seconds).round() as usize;
     let cpu_before = process_cpu_s();
-    let gateway_before = gateway_threads_cpu_s();
+    let gateway_before = gateway_threads_ns();
     let body = serde_json::json!({"model": "bench", "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0});
     let start = tokio::time::Instant::now() + Duration::from_millis(50);
     let mut tasks = Vec::with_capacity(n);
@@ -293,7 +310,11 @@ async fn offer(
             // `None` when it succeeded, else what went wrong (a status, or how it failed).
             let failed = match r {
                 Ok(r) if !r.status().is_success() => Some(r.status().as_u16().to_string()),
-                Ok(r) => r.bytes().await.err().map(|_| "body".to_owned()),
+                Ok(r) => r
+                    .bytes()
+                    .await
+                    .err()
+                    .map(|e| if e.is_timeout() { "timeout" } else { "body" }.to_owned()),
                 Err(e) if e.is_timeout() => Some("timeout".into()),
                 Err(e) if e.is_connect() => Some("connect".into()),
                 Err(_) => Some("transport".into()),
@@ -324,7 +345,7 @@ async fn offer(
     }
     r.busy_s = last.saturating_duration_since(start).as_secs_f64();
     r.cpu_s = cpu_before.zip(process_cpu_s()).map(|(a, b)| b - a);
-    r.gateway_cpu_s = gateway_threads_cpu_s() - gateway_before;
+    r.gateway_cpu_s = gateway_cpu_between(&gateway_before, &gateway_threads_ns());
     r
 }
 
@@ -581,7 +602,7 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
         // The gateway's threads alone: what it costs, without the client's and the engine's
         // share of the extra hop's sockets.
         println!(
-            "         gateway threads' CPU per request: {:.0} us (idle in the straight phase: {:.0} us)",
+            "         gateway threads' CPU per request: {:.0} us (in the straight phase, serving nothing: {:.0} us)",
             g.gateway_cpu_us_per_request, d.gateway_cpu_us_per_request
         );
     }

@@ -36,7 +36,7 @@ impl Default for LocalIngestConfig {
         Self {
             queue: 10_000,
             batch_size: 500,
-            linger: Duration::from_millis(100),
+            linger: Duration::from_millis(20),
             retry_initial: Duration::from_millis(50),
             retry_max: Duration::from_secs(5),
         }

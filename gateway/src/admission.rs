@@ -706,7 +706,7 @@ impl Slo {
 }
 
 /// Validates and rewrites a generation request against the tenant's caps, and counts its
-/// prompt tokens: the pure part of admission (it tokenizes, so run it off the I/O thread).
+/// prompt tokens: the pure part of admission (it tokenizes: run a long body off the I/O thread).
 /// The prompt limit is [`within_prompt_limit`]'s.
 pub fn check(
     endpoint: Endpoint,

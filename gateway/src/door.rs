@@ -54,6 +54,7 @@ const LINGER_BYTES: usize = 1 << 20;
 /// The pingora service's name, which its threads carry (what a profile or `sluice bench
 /// gateway`'s layout finds them by; at most 15 bytes, the kernel's limit on a thread's name).
 pub const SERVICE_NAME: &str = "sluice gateway";
+const _: () = assert!(SERVICE_NAME.len() <= 15, "a thread's name is cut at 15 bytes");
 
 /// The gateway as a pingora service whose client connections pass through [`HeadGuard`].
 pub fn service(conf: &Arc<ServerConf>, gateway: Gateway) -> Service<FrontDoor> {

@@ -44,8 +44,9 @@ pub struct Timings {
 
 /// What a whole (not streamed) engine response tells the gateway: its usage, the engine's
 /// timings and execution identity, the first choice's finish reason. Read without building
-/// the answer's text or logprobs into a document (they are skipped as they are parsed); a body
-/// of another shape is read as a document, for the same fields.
+/// the answer's text or logprobs into a document (they are skipped as they are parsed, and so
+/// not checked for lone surrogates); a body of another shape is read as a document, for the
+/// same fields, each on its own.
 pub fn whole_response(body: &[u8], e2e_ms: f64) -> Timings {
     /// The first choice's finish reason, nothing else of it.
     #[derive(Deserialize)]
@@ -66,16 +67,17 @@ pub fn whole_response(body: &[u8], e2e_ms: f64) -> Timings {
         #[serde(default)]
         usage: Value,
         #[serde(default)]
-        sluice: Option<Ext>,
+        sluice: Option<Object<Ext>>,
         #[serde(default)]
-        choices: Vec<Choice>,
+        choices: Vec<Object<Choice>>,
     }
-    let (usage, ext, finish) = match serde_json::from_slice::<Reply>(body) {
-        Ok(r) => (r.usage, r.sluice.unwrap_or_default(), r.choices.into_iter().next()),
+    let (usage, ext, finish) = match serde_json::from_slice::<Object<Reply>>(body) {
+        Ok(Object(r)) => {
+            let first = r.choices.into_iter().next().map(|c| c.0.finish_reason);
+            (r.usage, r.sluice.map(|e| e.0).unwrap_or_default(), first)
+        }
         Err(_) => {
-            // Each field on its own: one the engine did not write whole is absent, the others
-            // are still read.
-            let mut v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+            let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
             let ext = Ext {
                 timings: EngineTimings::deserialize(&v["sluice"]["timings"]).ok(),
                 execution_identity: ExecutionIdentity::deserialize(
@@ -83,10 +85,8 @@ pub fn whole_response(body: &[u8], e2e_ms: f64) -> Timings {
                 )
                 .ok(),
             };
-            // `pointer_mut`, not `IndexMut`, which panics on a document of another shape.
-            let mut take = |at: &str| v.pointer_mut(at).map(Value::take).unwrap_or_default();
-            let finish_reason = take("/choices/0/finish_reason");
-            (take("/usage"), ext, Some(Choice { finish_reason }))
+            let usage = v.get("usage").cloned().unwrap_or_default();
+            (usage, ext, Some(v["choices"][0]["finish_reason"].clone()))
         }
     };
     Timings {
@@ -94,9 +94,29 @@ pub fn whole_response(body: &[u8], e2e_ms: f64) -> Timings {
         usage: Some(usage).filter(|u| !u.is_null()),
         engine_timings: ext.timings,
         execution_identity: ext.execution_identity,
-        finish_reason: finish.and_then(|c| c.finish_reason.as_str().map(str::to_owned)),
+        finish_reason: finish.and_then(|f| f.as_str().map(str::to_owned)),
         done: true,
         ..Timings::default()
+    }
+}
+
+/// `T` read from a JSON object only: serde reads a struct from an array too, which a
+/// document's `get` and index never do.
+struct Object<T>(T);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Object<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for Fields<T> {
+            type Value = T;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+                T::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+            }
+        }
+        d.deserialize_map(Fields(std::marker::PhantomData)).map(Object)
     }
 }
 
@@ -266,7 +286,16 @@ mod tests {
         let t = whole_response(odd, 1.0);
         assert_eq!(t.usage.as_ref().map(|u| u["completion_tokens"].clone()), Some(4.into()));
         assert_eq!(t.finish_reason, None);
-        for junk in [&b"not json"[..], b"[]", b"7", br#"{"usage": null, "choices": {"0": 1}}"#] {
+        // Read as a document's `get` and index read it: an array is no object, an object's
+        // key "0" no first element.
+        for junk in [
+            &b"not json"[..],
+            b"[]",
+            b"7",
+            br#"[{"completion_tokens": 5}]"#,
+            br#"{"usage": null, "choices": {"0": {"finish_reason": "stop"}}}"#,
+            br#"{"choices": [["stop"]], "sluice": [{"queue": 0.01}]}"#,
+        ] {
             let t = whole_response(junk, 1.0);
             assert!(t.usage.is_none() && t.finish_reason.is_none() && t.engine_timings.is_none());
         }
