@@ -76,7 +76,39 @@ pub fn spawn_engine(
 }
 
 /// A port that was free a moment ago.
+///
+/// Taken below the kernel's ephemeral range: a port from `:0` is one of that range, which the
+/// process's own outbound connections (to Redis, the ledger, an engine, made before it binds
+/// its listener) draw from too, so one of them could hold it by then (a gateway's `/health`
+/// once never answered that way, its bind having failed).
 pub fn free_port() -> anyhow::Result<u16> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static CALLS: AtomicU64 = AtomicU64::new(0);
+    const LOW: u16 = 10_000;
+    let ephemeral = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32_768);
+    if ephemeral > LOW + 1_000 {
+        let span = u64::from(ephemeral - LOW);
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        // Apart for every call, in this process and beside other test processes.
+        let mut x = (u64::from(nanos) ^ (u64::from(std::process::id()) << 32))
+            ^ CALLS.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            | 1;
+        for _ in 0..64 {
+            // xorshift64: only a spread of tries, not randomness anyone relies on.
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let port = LOW + u16::try_from(x % span).unwrap_or(0);
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
     Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
