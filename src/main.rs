@@ -1,12 +1,5 @@
 //! The `sluice` command: parses arguments and wires the library crates together.
 
-mod admin_cli;
-mod bench_gateway;
-mod bench_http;
-mod reconcile;
-mod telemetry;
-mod up;
-
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -29,6 +22,7 @@ use sluice_engine::serve::core::EngineConfig;
 use sluice_engine::serve::handle::EngineHandle;
 use sluice_engine::server::{ServerConfig, router, serve};
 use sluice_engine::structured::Grammar;
+use sluice_platform::{admin, gateway_bench, up};
 use sluice_text::template::ChatMessage;
 
 /// mimalloc for every allocation of the process: per-thread free lists instead of glibc's
@@ -78,20 +72,20 @@ enum Command {
     /// Run the gateway (pingora): auth, quotas and limits, routing to engine workers.
     Gateway(up::GatewayArgs),
     /// Run the billing service: admin, audit and usage API, dashboard, usage ingestion.
-    Billing(admin_cli::BillingArgs),
+    Billing(admin::BillingArgs),
     /// Administer tenants, keys and quotas through the billing service.
     Admin {
         #[command(flatten)]
-        client: admin_cli::ClientArgs,
+        client: admin::ClientArgs,
         #[command(subcommand)]
-        command: admin_cli::AdminCommand,
+        command: admin::AdminCommand,
     },
     /// Query request records, the admin audit log and usage through the billing service.
     Audit {
         #[command(flatten)]
-        client: admin_cli::ClientArgs,
+        client: admin::ClientArgs,
         #[command(subcommand)]
-        command: admin_cli::AuditCommand,
+        command: admin::AuditCommand,
     },
     /// Print the token ids of TEXT as a JSON array.
     Tokenize {
@@ -241,7 +235,7 @@ enum BenchCommand {
     /// Ledger insert rate into Postgres and Redis-to-ledger ingestion lag, in a scratch database.
     Billing(BenchBillingArgs),
     /// The gateway's own added time and its end-to-end cost, at several request rates.
-    Gateway(bench_gateway::BenchGatewayArgs),
+    Gateway(gateway_bench::BenchGatewayArgs),
     /// Open-loop load against any OpenAI-compatible endpoint, with the serving metrics.
     Serve(Box<sluice_bench::serve::BenchServeArgs>),
     /// The highest arrival rate meeting an SLO-attainment target (DistServe's capacity):
@@ -576,7 +570,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Bench(BenchCommand::Engine(args)) => run_bench_engine(args)?,
         Command::Bench(BenchCommand::Forward(args)) => run_bench_forward(args)?,
         Command::Bench(BenchCommand::Billing(args)) => run_bench_billing(args)?,
-        Command::Bench(BenchCommand::Gateway(args)) => bench_gateway::run_bench_gateway(args)?,
+        Command::Bench(BenchCommand::Gateway(args)) => gateway_bench::run_bench_gateway(args)?,
         Command::Bench(BenchCommand::Serve(args)) => sluice_bench::serve::run_bench_serve(*args)?,
         Command::Bench(BenchCommand::Sweep(args)) => sluice_bench::sweep::run_bench_sweep(*args)?,
         Command::Bench(BenchCommand::Isolation(args)) => {
@@ -585,11 +579,11 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Engine(args) => run_engine(args)?,
         #[cfg(feature = "cuda")]
         Command::Cuda { archs, device } => run_cuda_info(archs, device)?,
-        Command::Billing(args) => admin_cli::run_billing(args)?,
+        Command::Billing(args) => admin::run_billing(args)?,
         Command::Up(args) => up::run_up(args)?,
         Command::Gateway(args) => up::run_gateway(args)?,
-        Command::Admin { client, command } => admin_cli::run_admin(command, &client)?,
-        Command::Audit { client, command } => admin_cli::run_audit(command, &client)?,
+        Command::Admin { client, command } => admin::run_admin(command, &client)?,
+        Command::Audit { client, command } => admin::run_audit(command, &client)?,
     }
     Ok(())
 }
@@ -666,7 +660,7 @@ fn run_generate(args: RunArgs) -> anyhow::Result<()> {
 }
 
 fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
-    let _telemetry = telemetry::init("sluice-engine")?;
+    let _telemetry = sluice_platform::telemetry::init("sluice-engine")?;
     let model = Arc::new(args.model.load()?);
     let (kv_cache_bytes, gpu_memory_utilization) = sluice_engine::backend::kv_cache_size(
         args.device,
@@ -712,34 +706,12 @@ fn run_engine(args: EngineArgs) -> anyhow::Result<()> {
         println!("listening on http://{addr}");
         std::io::stdout().flush()?;
         let drain = std::time::Duration::from_secs(args.drain_timeout);
-        serve(listener, app, handle, shutdown_signal(), drain).await.context("serving")?;
+        serve(listener, app, handle, sluice_platform::shutdown_signal(), drain)
+            .await
+            .context("serving")?;
         eprintln!("shut down");
         anyhow::Ok(())
     })
-}
-
-/// Resolves on Ctrl-C or SIGTERM.
-pub(crate) async fn shutdown_signal() {
-    let ctrl_c = async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
-    }
 }
 
 fn run_bench_model(args: BenchModelArgs) -> anyhow::Result<()> {
@@ -970,6 +942,54 @@ fn bench_adapters(
     Ok(())
 }
 
+/// The grammar `--response-format` names: `json_object`, or a file holding a JSON schema.
+fn response_grammar(arg: Option<&str>) -> anyhow::Result<Option<Grammar>> {
+    Ok(match arg {
+        None => None,
+        Some("json_object") => Some(Grammar::any_object()),
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("--response-format: reading {path}"))?;
+            let schema: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("--response-format: {path} is not JSON"))?;
+            let g = Grammar::from_schema(&schema)
+                .map_err(|e| anyhow::anyhow!("--response-format: {path} at {e}"))?;
+            Some(g)
+        }
+    })
+}
+
+/// Each level of `points` again with every output constrained by `grammar`, beside the
+/// unconstrained run.
+fn bench_structured(
+    args: &BenchEngineArgs,
+    handle: &EngineHandle,
+    points: &[sluice_engine::bench::EngineBenchPoint],
+    grammar: Arc<Grammar>,
+) -> anyhow::Result<()> {
+    if !args.json {
+        println!(
+            "structured outputs ({}): each level again, every output constrained; \
+             baseline: the unconstrained run above",
+            args.response_format.as_deref().unwrap_or_default()
+        );
+        println!("{}", StructuredComparison::HEADER);
+    }
+    for free in points.iter().cloned() {
+        let (c, rounds) = (free.concurrency, args.rounds);
+        let g = Some(Arc::clone(&grammar));
+        let constrained =
+            bench_engine(handle, c, args.prompt_tokens, args.output_tokens, rounds, g, &[])?;
+        let row = StructuredComparison { free, constrained };
+        if args.json {
+            println!("{}", serde_json::to_string(&row)?);
+        } else {
+            println!("{row}");
+        }
+    }
+    Ok(())
+}
+
 fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
     let m = Arc::new(args.model.load()?);
     let max_streams = args.concurrency.iter().copied().max().unwrap_or(1).max(1);
@@ -999,19 +1019,7 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
         );
         println!("{}", EngineComparison::HEADER);
     }
-    let grammar = match args.response_format.as_deref() {
-        None => None,
-        Some("json_object") => Some(Grammar::any_object()),
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("--response-format: reading {path}"))?;
-            let schema: serde_json::Value = serde_json::from_str(&text)
-                .with_context(|| format!("--response-format: {path} is not JSON"))?;
-            let g = Grammar::from_schema(&schema)
-                .map_err(|e| anyhow::anyhow!("--response-format: {path} at {e}"))?;
-            Some(g)
-        }
-    };
+    let grammar = response_grammar(args.response_format.as_deref())?;
     let mut points = Vec::new();
     for &c in &args.concurrency {
         let point = bench_engine(
@@ -1058,27 +1066,8 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
             println!("{}", StepSplit(p));
         }
     }
-    if let Some(grammar) = grammar.map(Arc::new) {
-        if !args.json {
-            println!(
-                "structured outputs ({}): each level again, every output constrained; \
-                 baseline: the unconstrained run above",
-                args.response_format.as_deref().unwrap_or_default()
-            );
-            println!("{}", StructuredComparison::HEADER);
-        }
-        for free in points.iter().cloned() {
-            let (c, rounds) = (free.concurrency, args.rounds);
-            let g = Some(Arc::clone(&grammar));
-            let constrained =
-                bench_engine(&handle, c, args.prompt_tokens, args.output_tokens, rounds, g, &[])?;
-            let row = StructuredComparison { free, constrained };
-            if args.json {
-                println!("{}", serde_json::to_string(&row)?);
-            } else {
-                println!("{row}");
-            }
-        }
+    if let Some(grammar) = grammar {
+        bench_structured(&args, &handle, &points, Arc::new(grammar))?;
     }
     if args.adapters > 0 {
         bench_adapters(&args, &m, &handle, &points)?;
@@ -1088,6 +1077,16 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
     }
     // The in-process engine's threads give the cores back to the servers.
     drop(handle);
+    bench_engine_http(&args, &m.path, max_streams)
+}
+
+/// The levels again through HTTP: `sluice engine`, and llama.cpp's server beside it when
+/// `--llama-server` names one.
+fn bench_engine_http(
+    args: &BenchEngineArgs,
+    model: &Path,
+    max_streams: usize,
+) -> anyhow::Result<()> {
     let threads = match args.threads {
         0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
         t => t,
@@ -1098,8 +1097,10 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
         levels.push((1, args.long_prompt_tokens, args.long_output_tokens));
     }
     let longest = levels.iter().map(|l| l.1 + l.2).max().unwrap_or(0) + 64;
-    let spec = bench_http::ServerSpec {
-        model: &m.path,
+    let sluice = std::env::current_exe().context("finding this executable")?;
+    let spec = sluice_bench::http::ServerSpec {
+        sluice: &sluice,
+        model,
         threads,
         streams: max_streams,
         max_request_tokens: longest,
@@ -1115,9 +1116,9 @@ fn run_bench_engine(args: BenchEngineArgs) -> anyhow::Result<()> {
             ),
             None => println!("through HTTP, closed loop, streamed: sluice engine"),
         }
-        println!("{}", bench_http::HttpRow::HEADER);
+        println!("{}", sluice_bench::http::HttpRow::HEADER);
     }
-    for row in bench_http::run(&spec, args.llama_server.as_ref(), &levels, args.rounds)? {
+    for row in sluice_bench::http::run(&spec, args.llama_server.as_ref(), &levels, args.rounds)? {
         if args.json {
             println!("{}", row.json());
         } else {

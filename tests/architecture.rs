@@ -1,9 +1,10 @@
 //! The crate graph's rules (ARCHITECTURE.md), read from the manifests: the gateway, billing,
 //! the load generator and the text crate never depend on the engine, the engine never on the
 //! gateway or billing, and the text and wire crates on no other Sluice crate; the gateway
-//! links billing without its server. And from the code: the wire's names are written once (no
-//! internal header or internal route outside `sluice-wire`), and the gateway calls its
-//! engines only through its engine client.
+//! links billing without its server; only the binary uses the platform crate. And from the
+//! code: the wire's names are written once (no internal header or internal route outside
+//! `sluice-wire`), the gateway calls its engines only through its engine client, and no
+//! function of the gateway, the platform or the binary is over 120 lines.
 
 use std::collections::BTreeSet;
 use std::path::Path;
@@ -54,6 +55,15 @@ fn the_crate_graph_keeps_its_rules() -> anyhow::Result<()> {
     for other in ["sluice-gateway", "sluice-billing", "sluice-bench"] {
         assert!(!engine.contains(other), "the engine depends on {other}");
     }
+    // The platform crate assembles the others for the binary, and only the binary uses it.
+    assert!(deps(".")?.contains("sluice-platform"));
+    for part in ["sluice-engine", "sluice-gateway", "sluice-billing", "sluice-bench"] {
+        assert!(deps("platform")?.contains(part), "the platform assembles no {part}");
+    }
+    for dir in ["wire", "policies", "text", "engine", "billing", "gateway", "bench"] {
+        let d = deps(dir)?;
+        assert!(!d.contains("sluice-platform"), "{dir} depends on the platform: {d:?}");
+    }
     Ok(())
 }
 
@@ -101,9 +111,8 @@ fn code_lines_cased(
 fn internal_headers_and_routes_are_written_only_in_the_wire_crate() -> anyhow::Result<()> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let mut lines = Vec::new();
-    let dirs =
-        ["engine/src", "gateway/src", "billing/src", "bench/src", "text/src", "policies/src"];
-    for dir in dirs.into_iter().chain(["src"]) {
+    let dirs = ["engine/src", "gateway/src", "billing/src", "bench/src", "text/src"];
+    for dir in dirs.into_iter().chain(["policies/src", "platform/src", "src"]) {
         code_lines(&root.join(dir), &mut lines)?;
     }
     // The scan sees the code it judges (a check that cannot fail is no check).
@@ -203,5 +212,88 @@ fn the_gateway_links_billing_without_its_server() -> anyhow::Result<()> {
         assert!(manifest.contains(&optional), "billing needs {server_only} without its server");
     }
     assert!(manifest.contains(r#"server = ["dep:axum", "dep:jsonwebtoken"]"#), "{manifest}");
+    Ok(())
+}
+
+/// The name of the function `line` (trimmed) declares, if it declares one.
+fn declared_fn(line: &str) -> Option<&str> {
+    let mut rest = line;
+    loop {
+        let before = rest;
+        for prefix in ["pub(crate) ", "pub(super) ", "pub ", "const ", "async ", "unsafe "] {
+            rest = rest.strip_prefix(prefix).unwrap_or(rest);
+        }
+        if rest == before {
+            break;
+        }
+    }
+    let rest = rest.strip_prefix("fn ")?;
+    rest.split(|c: char| !(c.is_alphanumeric() || c == '_')).next().filter(|n| !n.is_empty())
+}
+
+/// The functions in `lines` ([`code_lines_cased`]) longer than `max` lines, from the `fn` line
+/// to the `}` at its indent, comments counted: `(file, line, name, length)`. A declaration
+/// without a body (a trait's) has none.
+fn long_functions(
+    lines: &[(String, usize, String)],
+    max: usize,
+) -> Vec<(String, usize, String, usize)> {
+    let mut long = Vec::new();
+    for (i, (file, at, line)) in lines.iter().enumerate() {
+        let trimmed = line.trim_start();
+        let Some(name) = declared_fn(trimmed) else { continue };
+        let indent = &line[..line.len() - trimmed.len()];
+        let rest = || lines[i..].iter().take_while(|(f, ..)| f == file);
+        let opens = rest().find(|(.., l)| l.contains('{') || l.trim_end().ends_with(';'));
+        if opens.is_none_or(|(.., l)| !l.contains('{')) {
+            continue;
+        }
+        let close = rest().skip(1).find(|(.., l)| l.strip_prefix(indent) == Some("}"));
+        if let Some((_, end, _)) = close
+            && end - at + 1 > max
+        {
+            long.push((file.clone(), *at, name.to_owned(), end - at + 1));
+        }
+    }
+    long
+}
+
+#[test]
+fn no_function_of_the_gateway_the_platform_or_the_binary_is_over_120_lines() -> anyhow::Result<()> {
+    // The measure itself: a 130-line function is long, a 10-line one and a trait's
+    // declaration are not.
+    let mut sample = vec![(1, "trait T {".to_owned()), (2, "    fn declared(&self);".to_owned())];
+    sample.push((3, "}".to_owned()));
+    sample.push((4, "pub async fn long(".to_owned()));
+    sample.extend((5..133).map(|n| (n, format!("    let _x{n} = {n};"))));
+    sample.push((133, "}".to_owned()));
+    sample.push((134, "    fn short() {".to_owned()));
+    sample.extend((135..143).map(|n| (n, "        ();".to_owned())));
+    sample.push((143, "    }".to_owned()));
+    let sample: Vec<_> = sample.into_iter().map(|(n, l)| ("s.rs".to_owned(), n, l)).collect();
+    assert_eq!(long_functions(&sample, 120), [("s.rs".to_owned(), 4, "long".to_owned(), 130)]);
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut lines = Vec::new();
+    for dir in ["gateway/src", "platform/src", "src"] {
+        code_lines_cased(&root.join(dir), &mut lines, false)?;
+    }
+    let measured = lines.iter().filter(|(.., l)| declared_fn(l.trim_start()).is_some()).count();
+    assert!(measured > 200, "only {measured} functions found");
+    let long = long_functions(&lines, 120);
+    assert!(long.is_empty(), "functions over 120 lines (split them): {long:#?}");
+    Ok(())
+}
+
+#[test]
+fn the_binary_only_parses_flags_and_calls_libraries() -> anyhow::Result<()> {
+    // Its size is the measure: 1,500 lines hold the commands' flags and their wiring.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut lines = 0;
+    for entry in std::fs::read_dir(root.join("src"))? {
+        let path = entry?.path();
+        lines += std::fs::read_to_string(&path)?.lines().count();
+    }
+    assert!(lines > 500, "src/ read as {lines} lines");
+    assert!(lines <= 1_500, "src/ is {lines} lines: move what is not flags into a library");
     Ok(())
 }

@@ -19,7 +19,7 @@ use sluice_text::template::{ChatMessage, ChatTemplate, encode_chat_tools};
 use sluice_text::tokenizer::{MAX_PROMPT_IDS, PROMPT_FIELD, Tokenizer};
 use sluice_text::tools::Tools;
 
-use crate::catalog::Catalog;
+use crate::catalog::{Catalog, ModelEntry};
 use crate::limits::{Limit, RateState, Scope};
 
 /// Largest request body accepted (long-context prompts; the engine takes up to 4 MiB, room for
@@ -738,93 +738,13 @@ pub fn check_as(
     if model.is_empty() {
         return Err(Refusal::MissingModel);
     }
-    let (entry, adapter_id) = match adapter {
-        Some(a) => {
-            // An adapter of a model no engine serves is as unknown as any other model.
-            let Some(entry) = served.catalog.resolve(&a.base_model) else {
-                return Err(Refusal::ModelNotFound { model });
-            };
-            let name = format!("{}/{}", a.tenant_id, a.name);
-            if !model_allowed(grant, &name) && !model_allowed(grant, &entry.id) {
-                return Err(Refusal::ModelNotAllowed { model });
-            }
-            (entry, Some(a.id()))
-        }
-        None => {
-            let Some(entry) = served.catalog.resolve(&model) else {
-                return Err(Refusal::ModelNotFound { model });
-            };
-            if !model_allowed(grant, &entry.id) && !model_allowed(grant, &model) {
-                return Err(Refusal::ModelNotAllowed { model });
-            }
-            (entry, None)
-        }
-    };
+    let (entry, adapter_id) = resolve_model(grant, served, model, adapter)?;
     let counter = &entry.tokens;
     obj.insert("model".into(), Value::from(entry.id.as_str()));
     // The engine learns the targets from the gateway's headers, not from the body.
     let slo = Slo::asked(obj.remove("slo").as_ref(), &grant.tier)?;
-    let q = &grant.quota;
-    let n = match obj.get("n") {
-        None | Some(Value::Null) => 1,
-        Some(x) => x.as_u64().filter(|n| *n >= 1).ok_or(Refusal::InvalidN)?,
-    };
-    if let Some(cap) = q.max_n.and_then(|m| u64::try_from(m).ok())
-        && n > cap
-    {
-        return Err(Refusal::NOverCap { cap });
-    }
-    let field = if endpoint == Endpoint::Chat && obj.contains_key("max_completion_tokens") {
-        "max_completion_tokens"
-    } else {
-        "max_tokens"
-    };
-    let cap = q.max_output_tokens.and_then(|m| u64::try_from(m).ok());
-    let max_tokens = match obj.get(field) {
-        None | Some(Value::Null) => {
-            cap.unwrap_or(served.default_max_tokens).min(served.default_max_tokens)
-        }
-        Some(x) => x.as_u64().ok_or(Refusal::InvalidMaxTokens { field })?,
-    };
-    if let Some(cap) = cap
-        && max_tokens > cap
-    {
-        return Err(Refusal::MaxTokensOverCap { field, cap });
-    }
-    obj.insert(field.into(), Value::from(max_tokens));
-    let (ids, prompt_text, param) = match endpoint {
-        Endpoint::Chat => {
-            let messages: Vec<ChatMessage> =
-                serde_json::from_value(obj.get("messages").cloned().unwrap_or(Value::Null))
-                    .map_err(|e| Refusal::InvalidMessages(e.to_string()))?;
-            if messages.is_empty() {
-                return Err(Refusal::EmptyMessages);
-            }
-            let tools = Tools::from_object(obj)
-                .map_err(|e| Refusal::InvalidTools { param: e.param, message: e.message })?;
-            let param = "messages";
-            let (ids, text) = counter
-                .chat(&messages, tools.as_ref())
-                .map_err(|reason| Refusal::Untokenizable { param, reason })?;
-            (Some(ids), text, param)
-        }
-        Endpoint::Completions => {
-            let param = "prompt";
-            match obj.get("prompt") {
-                Some(Value::String(s)) => {
-                    let ids = counter
-                        .encode(s)
-                        .map_err(|reason| Refusal::Untokenizable { param, reason })?;
-                    (Some(ids), s.clone(), param)
-                }
-                // Token ids are the client's own: the engine checks them against its vocabulary.
-                Some(Value::Array(a)) if a.iter().all(Value::is_u64) && !a.is_empty() => {
-                    (None, Value::Array(a.clone()).to_string(), param)
-                }
-                _ => return Err(Refusal::InvalidPrompt),
-            }
-        }
-    };
+    let (n, max_tokens) = output_asked(endpoint, obj, grant, served)?;
+    let (ids, prompt_text, param) = prompt_of(endpoint, obj, counter)?;
     let prompt_tokens = match &ids {
         Some(ids) => ids.len(),
         None => obj.get("prompt").and_then(Value::as_array).map_or(0, Vec::len),
@@ -863,6 +783,118 @@ pub fn check_as(
         slo,
         adapter: adapter_id,
     })
+}
+
+/// The catalog entry a request runs on, with the adapter revision it runs under: the model it
+/// names, or the base model of the tenant adapter it names. Refused when no engine serves it or
+/// the key may not use it.
+fn resolve_model(
+    grant: &KeyGrant,
+    served: &Served,
+    model: String,
+    adapter: Option<&Adapter>,
+) -> Result<(Arc<ModelEntry>, Option<String>), Refusal> {
+    let Some(a) = adapter else {
+        let Some(entry) = served.catalog.resolve(&model) else {
+            return Err(Refusal::ModelNotFound { model });
+        };
+        if !model_allowed(grant, &entry.id) && !model_allowed(grant, &model) {
+            return Err(Refusal::ModelNotAllowed { model });
+        }
+        return Ok((entry, None));
+    };
+    // An adapter of a model no engine serves is as unknown as any other model.
+    let Some(entry) = served.catalog.resolve(&a.base_model) else {
+        return Err(Refusal::ModelNotFound { model });
+    };
+    let name = format!("{}/{}", a.tenant_id, a.name);
+    if !model_allowed(grant, &name) && !model_allowed(grant, &entry.id) {
+        return Err(Refusal::ModelNotAllowed { model });
+    }
+    Ok((entry, Some(a.id())))
+}
+
+/// The output a request asks for, `(n, max_tokens)`, within the tenant's caps: `max_tokens`
+/// (or a chat's `max_completion_tokens`) is written back into the body, filled in from the
+/// cap and the served default when absent.
+fn output_asked(
+    endpoint: Endpoint,
+    obj: &mut serde_json::Map<String, Value>,
+    grant: &KeyGrant,
+    served: &Served,
+) -> Result<(u64, u64), Refusal> {
+    let q = &grant.quota;
+    let n = match obj.get("n") {
+        None | Some(Value::Null) => 1,
+        Some(x) => x.as_u64().filter(|n| *n >= 1).ok_or(Refusal::InvalidN)?,
+    };
+    if let Some(cap) = q.max_n.and_then(|m| u64::try_from(m).ok())
+        && n > cap
+    {
+        return Err(Refusal::NOverCap { cap });
+    }
+    let field = if endpoint == Endpoint::Chat && obj.contains_key("max_completion_tokens") {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
+    let cap = q.max_output_tokens.and_then(|m| u64::try_from(m).ok());
+    let max_tokens = match obj.get(field) {
+        None | Some(Value::Null) => {
+            cap.unwrap_or(served.default_max_tokens).min(served.default_max_tokens)
+        }
+        Some(x) => x.as_u64().ok_or(Refusal::InvalidMaxTokens { field })?,
+    };
+    if let Some(cap) = cap
+        && max_tokens > cap
+    {
+        return Err(Refusal::MaxTokensOverCap { field, cap });
+    }
+    obj.insert(field.into(), Value::from(max_tokens));
+    Ok((n, max_tokens))
+}
+
+/// The request's prompt: its token ids when the gateway tokenized it (`None` for a prompt of
+/// the client's own token ids), its text as hashed and measured, and the parameter that holds
+/// it.
+fn prompt_of(
+    endpoint: Endpoint,
+    obj: &serde_json::Map<String, Value>,
+    counter: &TokenCounter,
+) -> Result<(Option<Vec<u32>>, String, &'static str), Refusal> {
+    match endpoint {
+        Endpoint::Chat => {
+            let messages: Vec<ChatMessage> =
+                serde_json::from_value(obj.get("messages").cloned().unwrap_or(Value::Null))
+                    .map_err(|e| Refusal::InvalidMessages(e.to_string()))?;
+            if messages.is_empty() {
+                return Err(Refusal::EmptyMessages);
+            }
+            let tools = Tools::from_object(obj)
+                .map_err(|e| Refusal::InvalidTools { param: e.param, message: e.message })?;
+            let param = "messages";
+            let (ids, text) = counter
+                .chat(&messages, tools.as_ref())
+                .map_err(|reason| Refusal::Untokenizable { param, reason })?;
+            Ok((Some(ids), text, param))
+        }
+        Endpoint::Completions => {
+            let param = "prompt";
+            match obj.get("prompt") {
+                Some(Value::String(s)) => {
+                    let ids = counter
+                        .encode(s)
+                        .map_err(|reason| Refusal::Untokenizable { param, reason })?;
+                    Ok((Some(ids), s.clone(), param))
+                }
+                // Token ids are the client's own: the engine checks them against its vocabulary.
+                Some(Value::Array(a)) if a.iter().all(Value::is_u64) && !a.is_empty() => {
+                    Ok((None, Value::Array(a.clone()).to_string(), param))
+                }
+                _ => Err(Refusal::InvalidPrompt),
+            }
+        }
+    }
 }
 
 /// Whether the checked prompt is within the tenant's prompt limit (a separate step, so that

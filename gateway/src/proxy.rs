@@ -623,72 +623,107 @@ impl Gateway {
             }
             return Err(Refusal::ShuttingDown);
         }
-        let endpoint = match route {
-            Route::Model(id) => {
-                let entry = self.served.catalog.resolve(&id).filter(|e| {
-                    self.workers.may_serve(&e.id)
-                        && (admission::model_allowed(&grant, &e.id)
-                            || admission::model_allowed(&grant, &id))
-                });
-                let card = match entry {
-                    Some(entry) => entry.card(self.workers.serving(&entry.id)),
-                    // A tenant adapter (`tenant/name`, or pinned `@sha256:...`) this key's
-                    // tenant may use; any other name is as unknown as a missing model.
-                    None => match self.adapter(&grant.tenant_id, &id).await {
-                        Ok(Some(a)) => match self.adapter_card(&grant, &a) {
-                            Some(card) => card,
-                            None => return Err(Refusal::ModelNotFound { model: id }),
-                        },
-                        Ok(None) => return Err(Refusal::ModelNotFound { model: id }),
-                        Err(e) => {
-                            tracing::warn!(error = %e, "resolving an adapter");
-                            return Err(Refusal::ModelNotFound { model: id });
-                        }
-                    },
-                };
-                self.answer(session, ctx, 200, Bytes::from(card.to_string())).await?;
+        let listing = match route {
+            Route::Generate(endpoint) => Err(endpoint),
+            Route::Model(id) => Ok(self.model_card(&grant, id).await?),
+            Route::Models => Ok(self.model_list(&grant).await),
+        };
+        let endpoint = match listing {
+            Err(endpoint) => endpoint,
+            Ok(body) => {
+                self.answer(session, ctx, 200, Bytes::from(body.to_string())).await?;
                 return Ok(true);
             }
-            Route::Models => {
-                let mut data: Vec<Value> = self
-                    .served
-                    .catalog
-                    .entries()
-                    .into_iter()
-                    .filter(|e| {
-                        self.workers.may_serve(&e.id) && admission::model_allowed(&grant, &e.id)
-                    })
-                    .map(|e| e.card(self.workers.serving(&e.id)))
-                    .collect();
-                data.extend(self.adapter_cards(&grant).await);
-                let body = Bytes::from(json!({"object": "list", "data": data}).to_string());
-                self.answer(session, ctx, 200, body).await?;
-                return Ok(true);
-            }
-            Route::Generate(endpoint) => endpoint,
         };
         ctx.grant = Some(Arc::clone(&grant));
-        // The tenant's concurrency limit, judged before its body is read: one key trickling
-        // bodies cannot hold the address's (behind a load balancer, every tenant's) slots
-        // past its own limit. The shared limiter judges it again, across gateways, below.
-        if let Some(limit) = grant.quota.limits.concurrency.and_then(|c| u64::try_from(c).ok()) {
-            if !self.per_tenant.enter(&grant.tenant_id, limit) {
-                return Err(Refusal::Limited {
-                    limit: Limit::Concurrency,
-                    scope: Scope::Tenant,
-                    reserved: 0,
-                    retry_after: Some(Duration::from_secs(1)),
-                    rate: RateState::default(),
-                });
-            }
-            ctx.tenant_slot = Some(grant.tenant_id.clone());
-        }
+        self.enter_tenant(ctx, &grant)?;
         if ctx.idempotency_key.as_deref().is_some_and(|k| !idempotency::valid_key(k)) {
             ctx.idempotency_key = None;
             return Err(Refusal::InvalidIdempotencyKey);
         }
         let body = self.read_body(session).await?;
-        let checked = match self.check(endpoint, &grant, &body).await {
+        let checked = self.check_kept(endpoint, &grant, &body, ctx).await?;
+        // A replay needs no engine: resolved before the overload check (a refusal after a
+        // claim releases it in `logging`).
+        if let Some(key) = ctx.idempotency_key.clone()
+            && self.idempotent(session, ctx, &key, &method, &path, &body).await?
+        {
+            return Ok(true);
+        }
+        self.enqueue(ctx, &grant, &checked.model, checked.choices).await?;
+        Ok(false)
+    }
+
+    /// The card of model (or tenant adapter) `id`, when the key may see it.
+    async fn model_card(
+        &self,
+        grant: &Arc<KeyGrant>,
+        id: String,
+    ) -> std::result::Result<Value, Refusal> {
+        let entry = self.served.catalog.resolve(&id).filter(|e| {
+            self.workers.may_serve(&e.id)
+                && (admission::model_allowed(grant, &e.id) || admission::model_allowed(grant, &id))
+        });
+        if let Some(entry) = entry {
+            return Ok(entry.card(self.workers.serving(&entry.id)));
+        }
+        // A tenant adapter (`tenant/name`, or pinned `@sha256:...`) this key's tenant may use;
+        // any other name is as unknown as a missing model.
+        match self.adapter(&grant.tenant_id, &id).await {
+            Ok(Some(a)) => self.adapter_card(grant, &a).ok_or(Refusal::ModelNotFound { model: id }),
+            Ok(None) => Err(Refusal::ModelNotFound { model: id }),
+            Err(e) => {
+                tracing::warn!(error = %e, "resolving an adapter");
+                Err(Refusal::ModelNotFound { model: id })
+            }
+        }
+    }
+
+    /// The list of every model and tenant adapter the key may use.
+    async fn model_list(&self, grant: &Arc<KeyGrant>) -> Value {
+        let mut data: Vec<Value> = self
+            .served
+            .catalog
+            .entries()
+            .into_iter()
+            .filter(|e| self.workers.may_serve(&e.id) && admission::model_allowed(grant, &e.id))
+            .map(|e| e.card(self.workers.serving(&e.id)))
+            .collect();
+        data.extend(self.adapter_cards(grant).await);
+        json!({"object": "list", "data": data})
+    }
+
+    /// Takes one of the tenant's concurrency places, judged before its body is read: one key
+    /// trickling bodies cannot hold the address's (behind a load balancer, every tenant's)
+    /// slots past its own limit. The shared limiter judges it again, across gateways, later.
+    fn enter_tenant(&self, ctx: &mut Ctx, grant: &KeyGrant) -> std::result::Result<(), Refusal> {
+        let Some(limit) = grant.quota.limits.concurrency.and_then(|c| u64::try_from(c).ok()) else {
+            return Ok(());
+        };
+        if !self.per_tenant.enter(&grant.tenant_id, limit) {
+            return Err(Refusal::Limited {
+                limit: Limit::Concurrency,
+                scope: Scope::Tenant,
+                reserved: 0,
+                retry_after: Some(Duration::from_secs(1)),
+                rate: RateState::default(),
+            });
+        }
+        ctx.tenant_slot = Some(grant.tenant_id.clone());
+        Ok(())
+    }
+
+    /// Checks the body ([`Gateway::check`]) and keeps the request's facts in `ctx`, refused or
+    /// not, so a refused row still records them; then refuses a model without a price (never
+    /// billed at a guess) and a prompt past the key's limit.
+    async fn check_kept(
+        &self,
+        endpoint: Endpoint,
+        grant: &Arc<KeyGrant>,
+        body: &Bytes,
+        ctx: &mut Ctx,
+    ) -> std::result::Result<Checked, Refusal> {
+        let mut checked = match self.check(endpoint, grant, body).await {
             Ok(c) => c,
             Err(r) => {
                 // The row of a refused request names the model it asked for (a body refused
@@ -697,7 +732,7 @@ impl Gateway {
                     Refusal::ModelNotFound { model } | Refusal::ModelNotAllowed { model } => {
                         Some(model.clone())
                     }
-                    _ => serde_json::from_slice::<Value>(&body)
+                    _ => serde_json::from_slice::<Value>(body)
                         .ok()
                         .and_then(|v| v.get("model")?.as_str().map(str::to_owned)),
                 };
@@ -706,36 +741,40 @@ impl Gateway {
             }
         };
         // Judged after the prompt's facts are kept: a refused row still records them.
-        let within_limit = admission::within_prompt_limit(&grant, &checked);
+        let within_limit = admission::within_prompt_limit(grant, &checked);
         ctx.prompt_tokens = checked.prompt_tokens;
         ctx.reserved = checked.reserved;
         ctx.model = Some(checked.model.clone());
         ctx.adapter = checked.adapter.clone();
-        let choices = checked.choices;
-        ctx.prompt_sha256 = checked.prompt_sha256;
-        ctx.user_sha256 = checked.user_sha256;
+        ctx.prompt_sha256 = std::mem::take(&mut checked.prompt_sha256);
+        ctx.user_sha256 = checked.user_sha256.take();
         ctx.prompt_chars = checked.prompt_chars;
-        ctx.affinity = checked.affinity;
+        ctx.affinity = std::mem::take(&mut checked.affinity);
         ctx.stream = checked.stream;
         ctx.strip_usage = checked.strip_usage;
         ctx.slo = checked.slo;
-        // Never billed at a guess: a model the price list does not name is not served.
         if !self.cfg.prices.priced(&checked.model) {
             return Err(Refusal::ModelNotPriced { model: checked.model.clone() });
         }
         within_limit?;
-        ctx.body = Some(checked.body);
-        // A replay needs no engine: resolved before the overload check (a refusal after a
-        // claim releases it in `logging`).
-        if let Some(key) = ctx.idempotency_key.clone()
-            && self.idempotent(session, ctx, &key, &method, &path, &body).await?
-        {
-            return Ok(true);
-        }
+        ctx.body = Some(std::mem::take(&mut checked.body));
+        Ok(checked)
+    }
+
+    /// Queues the admitted request: refused when every engine's queue is full and it would
+    /// hold more than its tenant's share, or when fair admission finds its wait past its
+    /// TTFT target; then its tokens are reserved and its prompt counts as served.
+    async fn enqueue(
+        &self,
+        ctx: &mut Ctx,
+        grant: &Arc<KeyGrant>,
+        model: &str,
+        choices: u64,
+    ) -> std::result::Result<(), Refusal> {
         // Every engine's queue is full: turned away only when this request would hold more
         // than its tenant's share of what is in flight (its `n` counted), so one tenant's
         // burst is refused and the others' requests still queue.
-        if self.workers.overloaded(&checked.model, self.cfg.max_waiting)
+        if self.workers.overloaded(model, self.cfg.max_waiting)
             && self.fair.past_queue_share(&grant.tenant_id, grant.weight(), choices)
         {
             return Err(Refusal::Overloaded);
@@ -743,7 +782,7 @@ impl Gateway {
         // Past its share of backlogged engines, a tenant queues only as far as its TTFT target
         // allows; the place is held until the request's context is dropped.
         let ttft_target = ctx.slo.ttft_ms.map(|ms| Duration::from_millis(ms.into()));
-        let backlog = self.workers.backlog(&checked.model).filter(|_| self.cfg.fair_admission);
+        let backlog = self.workers.backlog(model).filter(|_| self.cfg.fair_admission);
         let slot = self
             .fair
             .admit(
@@ -755,13 +794,13 @@ impl Gateway {
                 backlog,
             )
             .map_err(|retry_after| Refusal::OverShare { retry_after })?;
-        self.admit_tokens(ctx, &grant).await?;
+        self.admit_tokens(ctx, grant).await?;
         ctx.fair_slot = Some(slot);
         // The prompt counts as served once admitted (its prefill is the engines' to do), so
         // a flood of long prompts weighs at once in the tokens-served shares, not only as
         // its requests end, seconds later; the completion counts as the request ends.
         self.fair.used(&grant.tenant_id, ctx.prompt_tokens);
-        Ok(false)
+        Ok(())
     }
 
     /// The key's grant, from the cache or the ledger.

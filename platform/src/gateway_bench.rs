@@ -370,30 +370,9 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
     let model_path = dir.join("bench-tiny.gguf");
     write_gguf(&SynthSpec::tiny(), GgmlType::Q8_0, &model_path)
         .context("writing the synthetic model")?;
-    let model = Arc::new(LoadedModel::load(&model_path)?);
-    let tokens = TokenCounter::open(&model_path)?;
     let io = IoRuntime::start()?;
-    let handle = EngineHandle::start(
-        Arc::clone(&model),
-        EngineConfig { kv_cache_bytes: 64 << 20, threads: 1, ..EngineConfig::default() },
-    )?;
-    let app = engine_router(
-        handle,
-        ServerConfig {
-            served_model_name: Some("bench".into()),
-            internal_token: Some("bench-token".into()),
-            ..ServerConfig::default()
-        },
-    );
+    let (engine_addr, tokens) = start_engine(&model_path, &io)?;
     let db = format!("sqlite://{}", dir.join("ledger.db").display());
-    let engine_addr = io.handle.block_on(async {
-        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-        let addr = l.local_addr()?;
-        tokio::spawn(async move {
-            let _ = axum::serve(l, app).await;
-        });
-        anyhow::Ok(addr)
-    })?;
     // The gateway's own I/O runtime (ledger, usage writer, health checks), apart from the
     // engine's HTTP server, so the layout can place each.
     let gw_io = IoRuntime::named("sluice-gw-io")?;
@@ -453,44 +432,7 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
     });
     let client_rt =
         tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
-    let points = client_rt.block_on(async {
-        let c = reqwest::Client::builder()
-            .timeout(Duration::from_secs(30))
-            .pool_max_idle_per_host(256)
-            .build()?;
-        let health = format!("http://{gw_addr}/health");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while c.get(&health).send().await.is_err() {
-            anyhow::ensure!(Instant::now() < deadline, "the gateway did not start");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        let direct = format!("http://{engine_addr}/v1/completions");
-        let via = format!("http://{gw_addr}/v1/completions");
-        if layout == Layout::Isolated {
-            pin_threads(&cpus)?;
-        }
-        let mut points = Vec::new();
-        for &rate in &args.rates {
-            // Warm-up at this rate, both ways, left out (after pinning, so threads have
-            // settled on their CPUs): connections, key cache, allocator, the SQLite
-            // connection, the engine's KV pages at this concurrency. Without it the first
-            // round's p99 carried tens of milliseconds of start-up.
-            offer(&c, &via, Some(&key), rate, 1.0).await;
-            offer(&c, &direct, Some("bench-token"), rate, 1.0).await;
-            let (mut d, mut g) = (Vec::new(), Vec::new());
-            for _ in 0..args.rounds {
-                if layout == Layout::Isolated {
-                    // Again each round: threads made since then (tokio's blocking pool, new
-                    // SQLite connections) inherit a set that may be the other side's.
-                    pin_threads(&cpus)?;
-                }
-                d.push(offer(&c, &direct, Some("bench-token"), rate, args.seconds).await);
-                g.push(offer(&c, &via, Some(&key), rate, args.seconds).await);
-            }
-            points.push((pool("engine", rate, &d), pool("gateway", rate, &g)));
-        }
-        anyhow::Ok(points)
-    })?;
+    let points = client_rt.block_on(measure(&args, layout, &cpus, &gw_addr, engine_addr, &key))?;
     let _ = stop_tx.send(true);
     let stopped = proxy.join();
     finish(&gw_io, usage.ingest.as_deref(), &usage.sink, journal.as_deref(), &ledger)?;
@@ -520,6 +462,97 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
         }
         return Ok(());
     }
+    print_points(&args, layout, &cpus, redis_url.is_some(), &points);
+    Ok(())
+}
+
+/// Starts the engine on the synthetic model at `model_path`, its HTTP server on `io`: its
+/// address and the gateway's token counter for the model.
+fn start_engine(
+    model_path: &std::path::Path,
+    io: &IoRuntime,
+) -> anyhow::Result<(std::net::SocketAddr, TokenCounter)> {
+    let model = Arc::new(LoadedModel::load(model_path)?);
+    let tokens = TokenCounter::open(model_path)?;
+    let handle = EngineHandle::start(
+        Arc::clone(&model),
+        EngineConfig { kv_cache_bytes: 64 << 20, threads: 1, ..EngineConfig::default() },
+    )?;
+    let app = engine_router(
+        handle,
+        ServerConfig {
+            served_model_name: Some("bench".into()),
+            internal_token: Some("bench-token".into()),
+            ..ServerConfig::default()
+        },
+    );
+    let engine_addr = io.handle.block_on(async {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = l.local_addr()?;
+        tokio::spawn(async move {
+            let _ = axum::serve(l, app).await;
+        });
+        anyhow::Ok(addr)
+    })?;
+    Ok((engine_addr, tokens))
+}
+
+/// Offers each rate, after a warm-up, in alternating rounds straight to the engine and through
+/// the gateway: the pooled points, `(engine, gateway)`, per rate.
+async fn measure(
+    args: &BenchGatewayArgs,
+    layout: Layout,
+    cpus: &[usize],
+    gw_addr: &str,
+    engine_addr: std::net::SocketAddr,
+    key: &str,
+) -> anyhow::Result<Vec<(Point, Point)>> {
+    let c = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .pool_max_idle_per_host(256)
+        .build()?;
+    let health = format!("http://{gw_addr}/health");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while c.get(&health).send().await.is_err() {
+        anyhow::ensure!(Instant::now() < deadline, "the gateway did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let direct = format!("http://{engine_addr}/v1/completions");
+    let via = format!("http://{gw_addr}/v1/completions");
+    if layout == Layout::Isolated {
+        pin_threads(cpus)?;
+    }
+    let mut points = Vec::new();
+    for &rate in &args.rates {
+        // Warm-up at this rate, both ways, left out (after pinning, so threads have
+        // settled on their CPUs): connections, key cache, allocator, the SQLite
+        // connection, the engine's KV pages at this concurrency. Without it the first
+        // round's p99 carried tens of milliseconds of start-up.
+        offer(&c, &via, Some(key), rate, 1.0).await;
+        offer(&c, &direct, Some("bench-token"), rate, 1.0).await;
+        let (mut d, mut g) = (Vec::new(), Vec::new());
+        for _ in 0..args.rounds {
+            if layout == Layout::Isolated {
+                // Again each round: threads made since then (tokio's blocking pool, new
+                // SQLite connections) inherit a set that may be the other side's.
+                pin_threads(cpus)?;
+            }
+            d.push(offer(&c, &direct, Some("bench-token"), rate, args.seconds).await);
+            g.push(offer(&c, &via, Some(key), rate, args.seconds).await);
+        }
+        points.push((pool("engine", rate, &d), pool("gateway", rate, &g)));
+    }
+    Ok(points)
+}
+
+/// The table of `points`, with the run's layout and what the gateway used.
+fn print_points(
+    args: &BenchGatewayArgs,
+    layout: Layout,
+    cpus: &[usize],
+    redis: bool,
+    points: &[(Point, Point)],
+) {
     println!(
         "gateway overhead: tiny synthetic model, completions of 3 prompt + 1 output token, open loop, {} rounds of {} s per point, alternating",
         args.rounds, args.seconds
@@ -537,7 +570,7 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
     );
     println!(
         "usage and limits: {}",
-        if redis_url.is_some() {
+        if redis {
             "Redis (shared limits, the usage stream, the in-flight journal)"
         } else {
             "in-process limits, the embedded ledger's writer"
@@ -549,7 +582,7 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
     println!(
         "offered  target    req/s   ok     err  e2e p50   e2e p99   overhead p50  overhead p99  (vs 1 ms)  send late p99"
     );
-    for (d, g) in &points {
+    for (d, g) in points {
         for p in [d, g] {
             let (o50, o99, ratio) = match (p.overhead_p50_ms, p.overhead_p99_ms) {
                 (Some(a), Some(b)) => {
@@ -606,7 +639,6 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
             g.gateway_cpu_us_per_request, d.gateway_cpu_us_per_request
         );
     }
-    Ok(())
 }
 
 fn tempfile_dir() -> anyhow::Result<std::path::PathBuf> {

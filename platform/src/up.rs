@@ -338,16 +338,15 @@ fn random_secret() -> String {
     format!("{}{}", uuid::Uuid::new_v4().simple(), uuid::Uuid::new_v4().simple())
 }
 
-/// Runs `sluice up`.
-pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
-    let _telemetry = crate::telemetry::init("sluice")?;
-    std::fs::create_dir_all(&args.dir)
-        .with_context(|| format!("creating {}", args.dir.display()))?;
-    let dir = std::fs::canonicalize(&args.dir)?;
-    private_state_dir(&dir)?;
+/// Each model's id with the gateway's token counter for it.
+type ModelTexts = Vec<(String, TokenCounter)>;
+
+/// Loads every model `sluice up` serves, with the gateway's token counter for each; two files
+/// under one model id are refused.
+fn load_models(paths: Vec<PathBuf>) -> anyhow::Result<(Vec<Arc<LoadedModel>>, ModelTexts)> {
     let mut models: Vec<Arc<LoadedModel>> = Vec::new();
     let mut texts = Vec::new();
-    for path in model_paths(args.models)? {
+    for path in model_paths(paths)? {
         let model = LoadedModel::load(&path)
             .with_context(|| format!("loading the model {}", path.display()))?;
         if let Some(same) = models.iter().find(|m| m.identity.model_id == model.identity.model_id) {
@@ -361,17 +360,29 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         texts.push((model.identity.model_id.clone(), TokenCounter::open(&path)?));
         models.push(Arc::new(model));
     }
+    Ok((models, texts))
+}
+
+/// The JWT secret kept in `dir` (made on the first start).
+fn jwt_secret(dir: &Path) -> anyhow::Result<String> {
     let secret_path = dir.join("jwt-secret");
-    let jwt_secret = match std::fs::read_to_string(&secret_path) {
+    Ok(match std::fs::read_to_string(&secret_path) {
         Ok(s) if s.trim().len() >= 32 => s.trim().to_owned(),
         _ => {
             let s = random_secret();
             write_private(&secret_path, &s)?;
             s
         }
-    };
-    let internal_token = random_secret();
-    let io = IoRuntime::start()?;
+    })
+}
+
+/// Starts an engine for each model: the routers of their HTTP servers, not yet listening.
+fn start_engines(
+    args: &UpArgs,
+    models: &[Arc<LoadedModel>],
+    dir: &Path,
+    internal_token: &str,
+) -> anyhow::Result<Vec<axum::Router>> {
     let (kv_cache_bytes, gpu_memory_utilization) = sluice_engine::backend::kv_cache_size(
         args.device,
         args.kv_cache_mb,
@@ -380,7 +391,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     // Several models on one GPU share what the engines may take of it.
     let gpu_memory_utilization = gpu_memory_utilization.map(|u| u / models.len() as f64);
     let mut engine_apps = Vec::new();
-    for model in &models {
+    for model in models {
         let handle = EngineHandle::start(
             Arc::clone(model),
             EngineConfig {
@@ -397,13 +408,106 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         engine_apps.push(engine_router(
             handle,
             ServerConfig {
-                internal_token: Some(internal_token.clone()),
+                internal_token: Some(internal_token.to_owned()),
                 // `sluice admin adapters register` writes here (admin.env names it).
                 adapter_store: Some(dir.join("adapters")),
                 ..ServerConfig::default()
             },
         ));
     }
+    Ok(engine_apps)
+}
+
+/// The demo tenant's key: the one `demo.env` holds while the ledger knows it, else a new
+/// one (the tenant created when missing); `true` when it was issued now.
+async fn demo_key(ledger: &Ledger, existing: Option<String>) -> anyhow::Result<(String, bool)> {
+    let system = Principal { actor: "sluice-up".into(), role: Role::Ops, tenant: None };
+    if let Some(k) = existing
+        && ledger.key_grant(&k).await?.is_some()
+    {
+        return Ok((k, false));
+    }
+    if ledger.tenant("demo").await.is_err() {
+        let new = NewTenant {
+            id: "demo".into(),
+            name: Some("Demo tenant".into()),
+            tier: Some("standard".into()),
+            overrides: None,
+        };
+        ledger.create_tenant(&system, &new).await?;
+    }
+    let (_, secret) = ledger.issue_key(&system, "demo", None, None, Default::default()).await?;
+    Ok((secret, true))
+}
+
+/// Writes `admin.env`: the admin API's address, a day's tokens for ops, the auditor and
+/// billing, and the adapter store. Its path.
+fn write_admin_env(dir: &Path, admin_listen: &str, jwt_secret: &str) -> anyhow::Result<PathBuf> {
+    let ops = Principal { actor: "sluice-up-ops".into(), role: Role::Ops, tenant: None };
+    let auditor =
+        Principal { actor: "sluice-up-auditor".into(), role: Role::Auditor, tenant: None };
+    let billing =
+        Principal { actor: "sluice-up-billing".into(), role: Role::Billing, tenant: None };
+    let day = 24 * 3600;
+    let admin_env = [
+        env_line("SLUICE_ADMIN_URL", &format!("http://{}", admin_listen)),
+        env_line("SLUICE_ADMIN_TOKEN", &mint_hs256(jwt_secret.as_bytes(), &ops, day, None, None)?),
+        env_line(
+            "SLUICE_AUDITOR_TOKEN",
+            &mint_hs256(jwt_secret.as_bytes(), &auditor, day, None, None)?,
+        ),
+        env_line(
+            "SLUICE_BILLING_TOKEN",
+            &mint_hs256(jwt_secret.as_bytes(), &billing, day, None, None)?,
+        ),
+        env_line("SLUICE_ADAPTER_STORE", &dir.join("adapters").display().to_string()),
+    ];
+    let admin_path = dir.join("admin.env");
+    write_private(&admin_path, &(admin_env.join("\n") + "\n"))?;
+    Ok(admin_path)
+}
+
+/// What `sluice up` prints once it is ready.
+fn print_banner(
+    args: &UpArgs,
+    scheme: &str,
+    served: &[String],
+    metrics_url: &str,
+    fresh_key: Option<&str>,
+    demo_env: &Path,
+    admin_path: &Path,
+) -> anyhow::Result<()> {
+    println!("sluice is up");
+    let plural = if served.len() == 1 { "model" } else { "models" };
+    println!("  gateway    {scheme}://{}/v1  ({plural} {})", args.listen, served.join(", "));
+    println!(
+        "  admin API  http://{}  (console: /console, dashboard: /dashboard)",
+        args.admin_listen
+    );
+    println!("  metrics    {metrics_url}");
+    if let Some(key) = fresh_key {
+        println!("  demo key   {key}  (shown once)");
+    }
+    println!("  env files  {} and {}", demo_env.display(), admin_path.display());
+    println!("  SDK        source {} && python3 your_openai_app.py", shell_quote(demo_env));
+    println!("  admin      source {} && sluice admin tenants list", shell_quote(admin_path));
+    println!("ready");
+    std::io::stdout().flush()?;
+    Ok(())
+}
+
+/// Runs `sluice up`.
+pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
+    let _telemetry = crate::telemetry::init("sluice")?;
+    std::fs::create_dir_all(&args.dir)
+        .with_context(|| format!("creating {}", args.dir.display()))?;
+    let dir = std::fs::canonicalize(&args.dir)?;
+    private_state_dir(&dir)?;
+    let (models, texts) = load_models(args.models.clone())?;
+    let jwt_secret = jwt_secret(&dir)?;
+    let internal_token = random_secret();
+    let io = IoRuntime::start()?;
+    let engine_apps = start_engines(&args, &models, &dir, &internal_token)?;
     let db_url = format!("sqlite://{}", dir.join("ledger.db").display());
     let (engine_addrs, ledger, usage) = io.handle.block_on(async {
         let mut engine_addrs = Vec::new();
@@ -430,7 +534,6 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
         anyhow::Ok((engine_addrs, ledger, Usage::local(&db_url).await?))
     })?;
     // The demo tenant and key: created once; the key is shown only when issued.
-    let system = Principal { actor: "sluice-up".into(), role: Role::Ops, tenant: None };
     let demo_env = dir.join("demo.env");
     let scheme = if args.plain_http { "http" } else { "https" };
     let mut lines = vec![env_line("OPENAI_BASE_URL", &format!("{scheme}://{}/v1", args.listen))];
@@ -440,48 +543,10 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     }
     let existing_key =
         std::fs::read_to_string(&demo_env).ok().and_then(|s| env_value(&s, "OPENAI_API_KEY"));
-    let key = io.handle.block_on(async {
-        if let Some(k) = existing_key
-            && ledger.key_grant(&k).await?.is_some()
-        {
-            return anyhow::Ok((k, false));
-        }
-        if ledger.tenant("demo").await.is_err() {
-            let new = NewTenant {
-                id: "demo".into(),
-                name: Some("Demo tenant".into()),
-                tier: Some("standard".into()),
-                overrides: None,
-            };
-            ledger.create_tenant(&system, &new).await?;
-        }
-        let (_, secret) = ledger.issue_key(&system, "demo", None, None, Default::default()).await?;
-        anyhow::Ok((secret, true))
-    })?;
-    let (key, fresh) = key;
+    let (key, fresh) = io.handle.block_on(demo_key(&ledger, existing_key))?;
     lines.push(env_line("OPENAI_API_KEY", &key));
     write_private(&demo_env, &(lines.join("\n") + "\n"))?;
-    let ops = Principal { actor: "sluice-up-ops".into(), role: Role::Ops, tenant: None };
-    let auditor =
-        Principal { actor: "sluice-up-auditor".into(), role: Role::Auditor, tenant: None };
-    let billing =
-        Principal { actor: "sluice-up-billing".into(), role: Role::Billing, tenant: None };
-    let day = 24 * 3600;
-    let admin_env = [
-        env_line("SLUICE_ADMIN_URL", &format!("http://{}", args.admin_listen)),
-        env_line("SLUICE_ADMIN_TOKEN", &mint_hs256(jwt_secret.as_bytes(), &ops, day, None, None)?),
-        env_line(
-            "SLUICE_AUDITOR_TOKEN",
-            &mint_hs256(jwt_secret.as_bytes(), &auditor, day, None, None)?,
-        ),
-        env_line(
-            "SLUICE_BILLING_TOKEN",
-            &mint_hs256(jwt_secret.as_bytes(), &billing, day, None, None)?,
-        ),
-        env_line("SLUICE_ADAPTER_STORE", &dir.join("adapters").display().to_string()),
-    ];
-    let admin_path = dir.join("admin.env");
-    write_private(&admin_path, &(admin_env.join("\n") + "\n"))?;
+    let admin_path = write_admin_env(&dir, &args.admin_listen, &jwt_secret)?;
     let mut cfg = args.front.apply(GatewayConfig::platform(
         &engine_addrs,
         Some(internal_token.clone()),
@@ -519,22 +584,15 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
     let mut admin_env = std::fs::read_to_string(&admin_path)?;
     admin_env.push_str(&(env_line("SLUICE_METRICS_URL", &metrics_url) + "\n"));
     write_private(&admin_path, &admin_env)?;
-    println!("sluice is up");
-    let plural = if served.len() == 1 { "model" } else { "models" };
-    println!("  gateway    {scheme}://{}/v1  ({plural} {})", args.listen, served.join(", "));
-    println!(
-        "  admin API  http://{}  (console: /console, dashboard: /dashboard)",
-        args.admin_listen
-    );
-    println!("  metrics    {metrics_url}");
-    if fresh {
-        println!("  demo key   {key}  (shown once)");
-    }
-    println!("  env files  {} and {}", demo_env.display(), admin_path.display());
-    println!("  SDK        source {} && python3 your_openai_app.py", shell_quote(&demo_env));
-    println!("  admin      source {} && sluice admin tenants list", shell_quote(&admin_path));
-    println!("ready");
-    std::io::stdout().flush()?;
+    print_banner(
+        &args,
+        scheme,
+        &served,
+        &metrics_url,
+        fresh.then_some(key.as_str()),
+        &demo_env,
+        &admin_path,
+    )?;
     let tls_ref = tls.as_ref().map(|(_, c, k)| (c.as_path(), k.as_path()));
     let journal = gateway.journal();
     run_proxy(gateway, &args.listen, tls_ref, args.front.drain(), Some(internal_token))?;

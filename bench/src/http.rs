@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::metrics::Summary;
+use crate::serve::BenchServeArgs;
 use anyhow::{Context, bail};
 use clap::Parser;
-use sluice_bench::metrics::Summary;
-use sluice_bench::serve::BenchServeArgs;
 
 /// A server started for the benchmark, killed when dropped.
 pub struct Server {
@@ -32,6 +32,8 @@ impl Drop for Server {
 
 /// What the servers are started with.
 pub struct ServerSpec<'a> {
+    /// The `sluice` executable that serves `sluice engine`.
+    pub sluice: &'a Path,
     /// The model file both load.
     pub model: &'a Path,
     /// Compute threads.
@@ -46,10 +48,9 @@ pub struct ServerSpec<'a> {
     pub kv_cache_dtype: String,
 }
 
-/// `sluice engine` on a free port (this executable).
+/// `sluice engine` on a free port.
 pub fn start_sluice(spec: &ServerSpec<'_>) -> anyhow::Result<Server> {
-    let exe = std::env::current_exe().context("finding this executable")?;
-    let mut cmd = Command::new(exe);
+    let mut cmd = Command::new(spec.sluice);
     cmd.arg("engine")
         .arg("--model")
         .arg(spec.model)
@@ -173,7 +174,7 @@ pub fn measure(
     .map(|s| (*s).to_owned())
     .collect();
     let args = Wrap::try_parse_from(argv).context("the closed-loop client's arguments")?.args;
-    let run = sluice_bench::serve::measure(&args, true)
+    let run = crate::serve::measure(&args, true)
         .with_context(|| format!("measuring {} at {streams} streams", server.name))?;
     if run.summary.failed > 0 || run.summary.completed == 0 {
         bail!(

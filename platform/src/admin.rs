@@ -663,7 +663,7 @@ pub enum AuditCommand {
     },
 }
 
-pub(crate) struct Client {
+pub struct Client {
     base: String,
     token: String,
     http: reqwest::Client,
@@ -777,7 +777,6 @@ fn mint(
 
 /// Runs `sluice admin ...`.
 pub fn run_admin(cmd: AdminCommand, client: &ClientArgs) -> anyhow::Result<()> {
-    use reqwest::Method;
     match &cmd {
         AdminCommand::Token { role, sub, tenant, ttl, jwt } => {
             println!("{}", mint(role, sub, tenant, *ttl, jwt)?);
@@ -797,118 +796,152 @@ pub fn run_admin(cmd: AdminCommand, client: &ClientArgs) -> anyhow::Result<()> {
     block_on(async move {
         let v = match cmd {
             AdminCommand::Token { .. } | AdminCommand::Console { .. } => return Ok(()),
-            AdminCommand::Tenants(TenantCommand::Create { id, name, tier, weight }) => {
-                let mut body = json!({"id": id, "name": name, "tier": tier});
-                if let Some(w) = weight {
-                    body["overrides"] = json!({"weight": w});
-                }
-                c.json(Method::POST, "/v1/tenants", &[], Some(body)).await?
-            }
-            AdminCommand::Tenants(TenantCommand::Update { id, name, tier, weight }) => {
-                let mut body = json!({});
-                if let Some(n) = name {
-                    body["name"] = json!(n);
-                }
-                if let Some(t) = tier {
-                    body["tier"] = json!(t);
-                }
-                if let Some(w) = weight {
-                    let w = match w {
-                        Weight::Own(w) => json!(w),
-                        Weight::Tier => Value::Null,
-                    };
-                    body["overrides"] = json!({"weight": w});
-                }
-                c.json(Method::PATCH, &format!("/v1/tenants/{id}"), &[], Some(body)).await?
-            }
-            AdminCommand::Tenants(TenantCommand::List) => {
-                let v = c.json(Method::GET, "/v1/tenants", &[], None).await?;
-                for line in tenant_lines(&v)? {
-                    println!("{line}");
-                }
-                return Ok(());
-            }
-            AdminCommand::Tenants(TenantCommand::Suspend { id }) => {
-                c.json(Method::POST, &format!("/v1/tenants/{id}/suspend"), &[], None).await?
-            }
-            AdminCommand::Tenants(TenantCommand::Activate { id }) => {
-                c.json(Method::POST, &format!("/v1/tenants/{id}/activate"), &[], None).await?
-            }
-            AdminCommand::Keys(KeyCommand::Issue { tenant, scopes, expires_at }) => {
-                let mut body = json!({});
-                if !scopes.is_empty() {
-                    body["scopes"] = json!(scopes);
-                }
-                if let Some(e) = expires_at {
-                    body["expires_at"] = json!(e);
-                }
-                c.json(Method::POST, &format!("/v1/tenants/{tenant}/keys"), &[], Some(body)).await?
-            }
-            AdminCommand::Keys(KeyCommand::List { tenant }) => {
-                c.json(Method::GET, &format!("/v1/tenants/{tenant}/keys"), &[], None).await?
-            }
-            AdminCommand::Keys(KeyCommand::Revoke { tenant, key }) => {
-                let path = format!("/v1/tenants/{tenant}/keys/{key}/revoke");
-                c.json(Method::POST, &path, &[], None).await?
-            }
-            AdminCommand::Keys(KeyCommand::Limits { tenant, key, limits }) => {
-                let body = limits.json();
-                let path = format!("/v1/tenants/{tenant}/keys/{key}/limits");
-                c.json(Method::PUT, &path, &[], Some(body)).await?
-            }
-            AdminCommand::Adapters(AdapterCommand::Register {
-                tenant,
-                name,
-                path,
-                model,
-                served_model_name,
-                store,
-                share_with,
-            }) => {
-                let mut body = tokio::task::spawn_blocking(move || {
-                    stored_adapter(&name, &path, &model, served_model_name.as_deref(), &store)
-                })
-                .await??;
-                if !share_with.is_empty() {
-                    body["shared_with"] = json!(share_with);
-                }
-                c.json(Method::POST, &format!("/v1/tenants/{tenant}/adapters"), &[], Some(body))
-                    .await?
-            }
-            AdminCommand::Adapters(AdapterCommand::List { tenant }) => {
-                c.json(Method::GET, &format!("/v1/tenants/{tenant}/adapters"), &[], None).await?
-            }
-            AdminCommand::Adapters(AdapterCommand::Retire { tenant, name, revision }) => {
-                let path = format!("/v1/tenants/{tenant}/adapters/{name}/retire");
-                let body = revision.map(|r| json!({"revision": r}));
-                c.json(Method::POST, &path, &[], body).await?
-            }
-            AdminCommand::Adapters(AdapterCommand::Share { tenant, name, with }) => {
-                let path = format!("/v1/tenants/{tenant}/adapters/{name}/sharing");
-                c.json(Method::PUT, &path, &[], Some(json!({"shared_with": with}))).await?
-            }
-            AdminCommand::Quotas(QuotaCommand::Get { tenant }) => {
-                c.json(Method::GET, &format!("/v1/tenants/{tenant}/quota"), &[], None).await?
-            }
-            AdminCommand::Quotas(QuotaCommand::Set {
-                tenant,
-                limits,
-                max_prompt_tokens,
-                max_output_tokens,
-                max_n,
-                allowed_models,
-                priority,
-            }) => {
-                let mut body = limits.json();
-                body["max_prompt_tokens"] = json!(max_prompt_tokens);
-                body["max_output_tokens"] = json!(max_output_tokens);
-                body["max_n"] = json!(max_n);
-                body["allowed_models"] = json!(allowed_models);
-                body["priority"] = json!(priority);
-                c.json(Method::PUT, &format!("/v1/tenants/{tenant}/quota"), &[], Some(body)).await?
-            }
+            AdminCommand::Tenants(cmd) => match tenant_command(&c, cmd).await? {
+                Some(v) => v,
+                None => return Ok(()),
+            },
+            AdminCommand::Keys(cmd) => key_command(&c, cmd).await?,
+            AdminCommand::Adapters(cmd) => adapter_command(&c, cmd).await?,
+            AdminCommand::Quotas(cmd) => quota_command(&c, cmd).await?,
         };
         print_json(&v)
+    })
+}
+
+/// `sluice admin tenants ...`: the admin API's answer to print, `None` when it printed itself.
+async fn tenant_command(c: &Client, cmd: TenantCommand) -> anyhow::Result<Option<Value>> {
+    use reqwest::Method;
+    Ok(Some(match cmd {
+        TenantCommand::Create { id, name, tier, weight } => {
+            let mut body = json!({"id": id, "name": name, "tier": tier});
+            if let Some(w) = weight {
+                body["overrides"] = json!({"weight": w});
+            }
+            c.json(Method::POST, "/v1/tenants", &[], Some(body)).await?
+        }
+        TenantCommand::Update { id, name, tier, weight } => {
+            let mut body = json!({});
+            if let Some(n) = name {
+                body["name"] = json!(n);
+            }
+            if let Some(t) = tier {
+                body["tier"] = json!(t);
+            }
+            if let Some(w) = weight {
+                let w = match w {
+                    Weight::Own(w) => json!(w),
+                    Weight::Tier => Value::Null,
+                };
+                body["overrides"] = json!({"weight": w});
+            }
+            c.json(Method::PATCH, &format!("/v1/tenants/{id}"), &[], Some(body)).await?
+        }
+        TenantCommand::List => {
+            let v = c.json(Method::GET, "/v1/tenants", &[], None).await?;
+            for line in tenant_lines(&v)? {
+                println!("{line}");
+            }
+            return Ok(None);
+        }
+        TenantCommand::Suspend { id } => {
+            c.json(Method::POST, &format!("/v1/tenants/{id}/suspend"), &[], None).await?
+        }
+        TenantCommand::Activate { id } => {
+            c.json(Method::POST, &format!("/v1/tenants/{id}/activate"), &[], None).await?
+        }
+    }))
+}
+
+/// `sluice admin keys ...`: the admin API's answer.
+async fn key_command(c: &Client, cmd: KeyCommand) -> anyhow::Result<Value> {
+    use reqwest::Method;
+    Ok(match cmd {
+        KeyCommand::Issue { tenant, scopes, expires_at } => {
+            let mut body = json!({});
+            if !scopes.is_empty() {
+                body["scopes"] = json!(scopes);
+            }
+            if let Some(e) = expires_at {
+                body["expires_at"] = json!(e);
+            }
+            c.json(Method::POST, &format!("/v1/tenants/{tenant}/keys"), &[], Some(body)).await?
+        }
+        KeyCommand::List { tenant } => {
+            c.json(Method::GET, &format!("/v1/tenants/{tenant}/keys"), &[], None).await?
+        }
+        KeyCommand::Revoke { tenant, key } => {
+            let path = format!("/v1/tenants/{tenant}/keys/{key}/revoke");
+            c.json(Method::POST, &path, &[], None).await?
+        }
+        KeyCommand::Limits { tenant, key, limits } => {
+            let body = limits.json();
+            let path = format!("/v1/tenants/{tenant}/keys/{key}/limits");
+            c.json(Method::PUT, &path, &[], Some(body)).await?
+        }
+    })
+}
+
+/// `sluice admin adapters ...`: the admin API's answer.
+async fn adapter_command(c: &Client, cmd: AdapterCommand) -> anyhow::Result<Value> {
+    use reqwest::Method;
+    Ok(match cmd {
+        AdapterCommand::Register {
+            tenant,
+            name,
+            path,
+            model,
+            served_model_name,
+            store,
+            share_with,
+        } => {
+            let mut body = tokio::task::spawn_blocking(move || {
+                stored_adapter(&name, &path, &model, served_model_name.as_deref(), &store)
+            })
+            .await??;
+            if !share_with.is_empty() {
+                body["shared_with"] = json!(share_with);
+            }
+            c.json(Method::POST, &format!("/v1/tenants/{tenant}/adapters"), &[], Some(body)).await?
+        }
+        AdapterCommand::List { tenant } => {
+            c.json(Method::GET, &format!("/v1/tenants/{tenant}/adapters"), &[], None).await?
+        }
+        AdapterCommand::Retire { tenant, name, revision } => {
+            let path = format!("/v1/tenants/{tenant}/adapters/{name}/retire");
+            let body = revision.map(|r| json!({"revision": r}));
+            c.json(Method::POST, &path, &[], body).await?
+        }
+        AdapterCommand::Share { tenant, name, with } => {
+            let path = format!("/v1/tenants/{tenant}/adapters/{name}/sharing");
+            c.json(Method::PUT, &path, &[], Some(json!({"shared_with": with}))).await?
+        }
+    })
+}
+
+/// `sluice admin quotas ...`: the admin API's answer.
+async fn quota_command(c: &Client, cmd: QuotaCommand) -> anyhow::Result<Value> {
+    use reqwest::Method;
+    Ok(match cmd {
+        QuotaCommand::Get { tenant } => {
+            c.json(Method::GET, &format!("/v1/tenants/{tenant}/quota"), &[], None).await?
+        }
+        QuotaCommand::Set {
+            tenant,
+            limits,
+            max_prompt_tokens,
+            max_output_tokens,
+            max_n,
+            allowed_models,
+            priority,
+        } => {
+            let mut body = limits.json();
+            body["max_prompt_tokens"] = json!(max_prompt_tokens);
+            body["max_output_tokens"] = json!(max_output_tokens);
+            body["max_n"] = json!(max_n);
+            body["allowed_models"] = json!(allowed_models);
+            body["priority"] = json!(priority);
+            c.json(Method::PUT, &format!("/v1/tenants/{tenant}/quota"), &[], Some(body)).await?
+        }
     })
 }
 

@@ -20,7 +20,7 @@ use sluice_billing::prices::Rates;
 use sluice_billing::query::RollupReconciliation;
 use sluice_wire::Outcomes;
 
-use crate::admin_cli::Client;
+use crate::admin::Client;
 
 /// Rows are read from this much before `since`: an engine registers a request a moment after
 /// the gateway stamped its arrival.
