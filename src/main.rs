@@ -51,7 +51,7 @@ fn load_policies(dir: Option<&std::path::Path>) -> anyhow::Result<()> {
         sluice_policies::use_dir(dir).map_err(|e| anyhow::anyhow!("--policies: {e}"))?;
     }
     let checks: [fn() -> Result<(), String>; 4] = [
-        sluice_billing::prices::check_policy,
+        sluice_policies::prices::check_policy,
         sluice_billing::control::check_policies,
         sluice_gateway::catalog::check_policy,
         sluice_engine::defaults::check_policy,

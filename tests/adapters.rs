@@ -415,7 +415,7 @@ async fn the_gateway_authorizes_adapters_per_tenant_and_the_ledger_names_them() 
     ensure!(rows[&bare][0]["adapter"].is_null(), "{:?}", rows[&bare][0]);
     // Priced by the list in force: the model's rates, plus its adapter surcharge under one
     // (the row carries the sums, so its cost is recomputed from the row alone).
-    let prices = &*sluice_billing::prices::PRICES;
+    let prices = &*sluice_policies::prices::PRICES;
     for (id, adapter) in ran.iter().map(|r| (r, true)).chain([(&bare, false)]) {
         let row = &rows[id][0];
         let want = prices.rates_under("smollm2-135m-instruct", "standard", adapter);

@@ -212,6 +212,19 @@ fn the_gateway_links_billing_without_its_server() -> anyhow::Result<()> {
         assert!(manifest.contains(&optional), "billing needs {server_only} without its server");
     }
     assert!(manifest.contains(r#"server = ["dep:axum", "dep:jsonwebtoken"]"#), "{manifest}");
+    // Prices and the Redis connection are the policies crate's: the gateway does not reach
+    // for them through billing.
+    let mut lines = Vec::new();
+    code_lines_cased(&root.join("gateway/src"), &mut lines, false)?;
+    assert!(lines.iter().any(|(.., l)| l.contains("sluice_policies::redis_conn")));
+    let through: Vec<String> = lines
+        .iter()
+        .filter(|(.., l)| {
+            ["prices", "redis_conn"].iter().any(|m| l.contains(&format!("sluice_billing::{m}")))
+        })
+        .map(|(f, n, l)| format!("{f}:{n}: {}", l.trim()))
+        .collect();
+    assert!(through.is_empty(), "read these from sluice_policies:\n{}", through.join("\n"));
     Ok(())
 }
 

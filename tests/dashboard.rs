@@ -541,7 +541,7 @@ async fn dashboard_renders_usage_ingested_through_the_pipeline() -> anyhow::Resu
         let _id = sluice_billing::ingest::publish_to(&mut conn, &stream, &event).await?;
         let e = &mut expected[spec.tenant];
         e.records += 1;
-        if sluice_billing::event::is_refused(event.http_status) {
+        if sluice_policies::prices::is_refused(event.http_status) {
             e.refused += 1;
         } else {
             e.requests += 1;

@@ -17,7 +17,7 @@ use anyhow::{Context, ensure};
 use chrono::{Datelike, DurationRound};
 use serde_json::{Value, json};
 use sluice_billing::Ledger;
-use sluice_billing::prices::Rates;
+use sluice_policies::prices::Rates;
 use support::{
     ScratchDatabase, free_port, private_redis, reconcile, redis_cmd, rows_for, spawn_engine,
     spawn_sluice_logged, tenants_with_keys, wait_healthy,

@@ -21,8 +21,8 @@ use serde_json::{Value, json};
 use sluice_billing::Ledger;
 use sluice_billing::auth::{Principal, Role};
 use sluice_billing::control::{Limits, NewTenant, QuotaSettings};
-use sluice_billing::prices::PRICES;
 use sluice_billing::query::RecordFilter;
+use sluice_policies::prices::PRICES;
 use support::{Proc, free_port, spawn_sluice, wait_healthy};
 
 const MODEL_ID: &str = "smollm2-135m-instruct";

@@ -55,14 +55,7 @@ impl FinishReason {
     }
 }
 
-/// Whether a request answered with `http_status` was refused: an error status the client got
-/// (a gateway refusal, an engine's validation error, an unreachable engine). A refused request
-/// costs nothing and counts apart from billed usage; its row still records it. 499 (the client
-/// went away before the response began) is not a refusal: the engine may have worked for it,
-/// and it is billed for what it did.
-pub fn is_refused(http_status: u16) -> bool {
-    http_status >= 400 && http_status != 499
-}
+pub use sluice_policies::prices::is_refused;
 
 /// One request's billable usage, timings and execution identity.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -22,14 +22,14 @@ mod error;
 pub mod event;
 pub mod ingest;
 pub mod local;
-pub mod prices;
 pub mod principal;
 pub mod query;
-pub mod redis_conn;
 #[cfg(feature = "server")]
 pub mod retention;
 pub mod store;
 
 pub use error::BillingError;
 pub use event::{FinishReason, UsageEvent};
+/// The price list and the Redis connection, shared with the gateway through `sluice-policies`.
+pub use sluice_policies::{prices, redis_conn};
 pub use store::{Backend, Ledger, LedgerOptions};

@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice_billing::redis_conn::RedisConn;
+use sluice_policies::redis_conn::RedisConn;
 
 use crate::fair::{FairShare, Peers, Published};
 use crate::journal::timed;

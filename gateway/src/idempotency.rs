@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
-use sluice_billing::redis_conn::RedisConn;
+use sluice_policies::redis_conn::RedisConn;
 
 use crate::limits::REDIS_TIMEOUT;
 

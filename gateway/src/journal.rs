@@ -26,9 +26,9 @@ use std::time::Duration;
 use chrono::Utc;
 use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
-use sluice_billing::prices::Rates;
-use sluice_billing::redis_conn::RedisConn;
 use sluice_billing::{FinishReason, UsageEvent};
+use sluice_policies::prices::Rates;
+use sluice_policies::redis_conn::RedisConn;
 use sluice_wire::FinishReason as Ended;
 
 use crate::engine_client::EngineClient;

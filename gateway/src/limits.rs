@@ -12,7 +12,7 @@
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use sluice_billing::redis_conn::RedisConn;
+use sluice_policies::redis_conn::RedisConn;
 
 pub use sluice_billing::control::Limits;
 

@@ -12,9 +12,9 @@ use std::time::Duration;
 use pingora::server::ShutdownSignalWatch;
 use pingora::server::configuration::ServerConf;
 use sluice_billing::local::{LocalIngest, LocalIngestConfig};
-use sluice_billing::prices::PRICES;
-use sluice_billing::redis_conn::RedisTarget;
 use sluice_billing::{BillingError, Ledger};
+use sluice_policies::prices::PRICES;
+use sluice_policies::redis_conn::RedisTarget;
 
 use crate::drain::DrainOnSignal;
 use crate::journal::Journal;

@@ -28,9 +28,9 @@ use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
 use sluice_billing::adapters::Adapter;
 use sluice_billing::control::KeyGrant;
-use sluice_billing::event::is_refused;
-use sluice_billing::prices::PriceList;
 use sluice_billing::{FinishReason, Ledger, UsageEvent};
+use sluice_policies::prices::PriceList;
+use sluice_policies::prices::is_refused;
 use sluice_wire::header as internal;
 use sluice_wire::{EngineTimings, ExecutionIdentity, Outcome as EngineOutcome, Usage};
 

@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sluice_billing::local::LocalIngest;
-use sluice_billing::redis_conn::RedisConn;
 use sluice_billing::{BillingError, Ledger, UsageEvent};
+use sluice_policies::redis_conn::RedisConn;
 
 /// A usage event destination. Cheap to clone.
 #[derive(Clone)]

@@ -20,7 +20,7 @@ struct Replica {
 }
 
 impl Replica {
-    fn new(conn: sluice_billing::redis_conn::RedisConn, prefix: &str) -> Self {
+    fn new(conn: sluice_policies::redis_conn::RedisConn, prefix: &str) -> Self {
         let fair = Arc::new(FairShare::default());
         // The service time known (6 s a request), so a backlog is judged.
         for _ in 0..8 {

@@ -13,7 +13,7 @@ const WINDOW: Duration = Duration::from_millis(600);
 const RUNNING: Duration = Duration::from_millis(300);
 
 async fn shared(prefix: &str) -> anyhow::Result<Idempotency> {
-    let conn = sluice_billing::redis_conn::RedisTarget::open(REDIS_URL)?.connect().await?;
+    let conn = sluice_policies::redis_conn::RedisTarget::open(REDIS_URL)?.connect().await?;
     Ok(Idempotency::new(Some((conn, prefix.to_owned())), WINDOW, RUNNING))
 }
 

@@ -9,12 +9,12 @@ use std::sync::Arc;
 
 use anyhow::ensure;
 use chrono::Utc;
-use sluice_billing::redis_conn::RedisTarget;
 use sluice_billing::{FinishReason, Ledger, UsageEvent};
 use sluice_gateway::engine_client::EngineClient;
 use sluice_gateway::idempotency::{Idempotency, RUNNING_TTL, WINDOW};
 use sluice_gateway::journal::{Entry, GATEWAY_LOST, GIVE_UP, Journal, Recovery};
 use sluice_gateway::sink::UsageSink;
+use sluice_policies::redis_conn::RedisTarget;
 
 const REDIS_URL: &str = "redis://127.0.0.1:6379";
 

@@ -10,7 +10,7 @@ use sluice_gateway::limits::{Decision, LedgerUsage, Limit, Limiter, Limits, Scop
 const REDIS_URL: &str = "redis://127.0.0.1:6379";
 
 async fn limiter(prefix: &str, ttl: Duration) -> anyhow::Result<Limiter> {
-    let conn = sluice_billing::redis_conn::RedisTarget::open(REDIS_URL)?.connect().await?;
+    let conn = sluice_policies::redis_conn::RedisTarget::open(REDIS_URL)?.connect().await?;
     Ok(Limiter::new(conn, prefix, ttl))
 }
 

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::ensure;
 use common::{RedisServer, connect, free_port};
-use sluice_billing::redis_conn::RedisConn;
+use sluice_policies::redis_conn::RedisConn;
 
 async fn ping(conn: &mut RedisConn) -> bool {
     let cmd = redis::cmd("PING");

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, ensure};
 use common::event;
 use sluice_billing::Ledger;
-use sluice_billing::redis_conn::RedisTarget;
 use sluice_gateway::sink::{Delivered, UsageSink};
+use sluice_policies::redis_conn::RedisTarget;
 
 struct RedisServer(Child);
 

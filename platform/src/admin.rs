@@ -11,8 +11,8 @@ use sluice_billing::api::{ApiState, ServiceStatus, router};
 use sluice_billing::auth::{Principal, Role, Verifier, mint_hs256};
 use sluice_billing::control::MAX_WEIGHT;
 use sluice_billing::ingest::{IngestConfig, UsageConsumer};
-use sluice_billing::redis_conn::RedisTarget;
 use sluice_billing::{Ledger, LedgerOptions};
+use sluice_policies::redis_conn::RedisTarget;
 
 /// JWT settings shared by the service and `sluice admin token`.
 #[derive(Args, Debug)]

@@ -401,7 +401,7 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
     let gw_addr = format!("127.0.0.1:{gw_port}");
     // The synthetic model is priced (as the shipped default rates), as every served model
     // must be.
-    let prices = sluice_billing::prices::PriceList::parse(
+    let prices = sluice_policies::prices::PriceList::parse(
         r#"{"version": "bench-1", "default": {"input": 0.1, "cached_input": 0.05, "output": 0.2},
             "models": {"bench": {"default": {"input": 0.1, "cached_input": 0.05, "output": 0.2}}}}"#,
     )

@@ -16,8 +16,8 @@ use chrono::{DateTime, TimeDelta, Utc};
 use serde::Deserialize;
 use serde_json::Value;
 
-use sluice_billing::prices::Rates;
 use sluice_billing::query::RollupReconciliation;
+use sluice_policies::prices::Rates;
 use sluice_wire::Outcomes;
 
 use crate::admin::Client;

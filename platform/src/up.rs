@@ -572,7 +572,7 @@ pub fn run_up(args: UpArgs) -> anyhow::Result<()> {
             sluice_gateway::proxy::FIRST_POLL
         );
     }
-    for model in served.iter().filter(|m| !sluice_billing::prices::PRICES.priced(m)) {
+    for model in served.iter().filter(|m| !sluice_policies::prices::PRICES.priced(m)) {
         eprintln!(
             "warning: {model} has no price in {}: its requests get 503 model_not_priced until \
              the price list names it (--policies DIR with a prices.json that does)",

@@ -4,6 +4,12 @@
 //! else the copy in this folder, compiled into the binary. Each is read once, at its first use
 //! after start: a change takes effect on restart (no reload on a signal), and a service
 //! refuses to start on a file that does not parse (its checker names the file and the field).
+//!
+//! Beside them, what the gateway and billing both need and neither owns: the price list in
+//! force and its one charging rule ([`prices`]), and the Redis connection ([`redis_conn`]).
+
+pub mod prices;
+pub mod redis_conn;
 
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};

@@ -7,8 +7,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, ensure};
 use chrono::Utc;
-use sluice_billing::redis_conn::{RedisConn, RedisTarget};
 use sluice_billing::{FinishReason, UsageEvent};
+use sluice_policies::redis_conn::{RedisConn, RedisTarget};
 
 /// A private `redis-server` (the test may stop it), killed when dropped.
 pub struct RedisServer(Child);

@@ -13,7 +13,14 @@ use std::sync::LazyLock;
 
 use serde::Deserialize;
 
-use crate::event::is_refused;
+/// Whether a request answered with `http_status` was refused: an error status the client got
+/// (a gateway refusal, an engine's validation error, an unreachable engine). A refused request
+/// costs nothing and counts apart from billed usage; its row still records it. 499 (the client
+/// went away before the response began) is not a refusal: the engine may have worked for it,
+/// and it is billed for what it did.
+pub fn is_refused(http_status: u16) -> bool {
+    http_status >= 400 && http_status != 499
+}
 
 /// Prices in micro-dollars per million tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -200,12 +207,12 @@ impl PriceList {
     }
 }
 
-/// The price list in force (`prices.json`, see [`sluice_policies`]): the operator's, or the
+/// The price list in force (`prices.json`, see [`crate`]): the operator's, or the
 /// compiled-in one. Services check it at start ([`check_policy`]) and refuse to start on one
 /// that does not parse; should it still fail here, every request is priced at nothing rather
 /// than at a guess, under a version that says so.
 pub static PRICES: LazyLock<PriceList> = LazyLock::new(|| {
-    sluice_policies::text("prices.json").and_then(|t| PriceList::parse(&t)).unwrap_or_else(|e| {
+    crate::text("prices.json").and_then(|t| PriceList::parse(&t)).unwrap_or_else(|e| {
         tracing::error!(error = %e, "prices.json does not parse");
         PriceList {
             version: "unparsed".into(),
@@ -219,10 +226,10 @@ pub static PRICES: LazyLock<PriceList> = LazyLock::new(|| {
 
 /// Checks the price list in force: an error names the file and the field at fault.
 pub fn check_policy() -> Result<(), String> {
-    let text = sluice_policies::text("prices.json")?;
+    let text = crate::text("prices.json")?;
     PriceList::parse(&text)
         .map(|_| ())
-        .map_err(|e| format!("{}: {e}", sluice_policies::source("prices.json")))
+        .map_err(|e| format!("{}: {e}", crate::source("prices.json")))
 }
 
 #[cfg(test)]
@@ -231,8 +238,7 @@ mod tests {
 
     #[test]
     fn the_compiled_in_list_parses_and_prices_by_model_then_tier() -> Result<(), String> {
-        let shipped =
-            PriceList::parse(sluice_policies::compiled("prices.json").unwrap_or_default())?;
+        let shipped = PriceList::parse(crate::compiled("prices.json").unwrap_or_default())?;
         assert_eq!(shipped, *PRICES);
         // The shipped surcharge for a tenant adapter's requests.
         let m = "smollm2-135m-instruct";
