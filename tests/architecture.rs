@@ -277,7 +277,7 @@ fn no_function_of_the_gateway_the_platform_or_the_binary_is_over_120_lines() -> 
     // declaration are not.
     let mut sample = vec![(1, "trait T {".to_owned()), (2, "    fn declared(&self);".to_owned())];
     sample.push((3, "}".to_owned()));
-    sample.push((4, "pub async fn long(".to_owned()));
+    sample.push((4, "pub async fn long() {".to_owned()));
     sample.extend((5..133).map(|n| (n, format!("    let _x{n} = {n};"))));
     sample.push((133, "}".to_owned()));
     sample.push((134, "    fn short() {".to_owned()));

@@ -480,22 +480,13 @@ pub struct Ctx {
     /// The key id and its limits, when the key has limits of its own.
     key_scope: Option<(String, ScopeLimits)>,
     body: Option<Bytes>,
-    affinity: String,
-    /// The model's id (an alias resolved), once named; the name asked for, when the
-    /// request was refused for it.
-    model: Option<String>,
-    prompt_tokens: u64,
-    reserved: u64,
+    /// What it asks for, as admission read it.
+    asked: Asked,
     rate: RateState,
-    stream: bool,
     observer: Option<StreamObserver>,
     response_body: Vec<u8>,
     status: u16,
     overhead: Duration,
-    prompt_sha256: String,
-    prompt_chars: u64,
-    /// The request's `user`, hashed with the tenant's id.
-    user_sha256: Option<String>,
     /// The client's `Idempotency-Key`.
     idempotency_key: Option<String>,
     /// The claim this request made with it.
@@ -515,18 +506,57 @@ pub struct Ctx {
     client_ip: Option<std::net::IpAddr>,
     /// The tenant, while this request counts against its in-flight cap at this gateway.
     tenant_slot: Option<String>,
-    /// The stream's usage-only chunk is the gateway's, not the client's: held back.
-    strip_usage: bool,
     /// The part of the stream after its last complete event (while `strip_usage`).
     sse_tail: Vec<u8>,
     /// The request's span: child of the client's trace context, parent of the engine's.
     span: tracing::Span,
     /// Its place in its tenant's count of requests in flight (fair admission).
     fair_slot: Option<Slot>,
-    /// The latency targets it is held to.
-    slo: Slo,
+}
+
+/// What a request asks for, as admission read it: kept once, for the engine's headers, the
+/// stream's handling, the reservation and the usage event. A refused request keeps what was
+/// read before the refusal (the model it named, at least, when it named one).
+#[derive(Debug, Default)]
+struct Asked {
+    /// The model's id (an alias resolved), once named; the name asked for, when the request
+    /// was refused for it.
+    model: Option<String>,
     /// The tenant adapter it runs under (`tenant/name@revision`).
     adapter: Option<String>,
+    prompt_tokens: u64,
+    /// Prompt and the largest output of every choice: what its admission reserves.
+    reserved: u64,
+    prompt_sha256: String,
+    prompt_chars: u64,
+    /// The request's `user`, hashed with the tenant's id.
+    user_sha256: Option<String>,
+    /// The prompt's start, for prefix affinity over the engines.
+    affinity: String,
+    stream: bool,
+    /// The stream's usage-only chunk is the gateway's, not the client's: held back.
+    strip_usage: bool,
+    /// The latency targets it is held to.
+    slo: Slo,
+}
+
+impl Asked {
+    /// What `checked` asks for (its body is forwarded apart).
+    fn of(checked: &mut Checked) -> Self {
+        Asked {
+            model: Some(checked.model.clone()),
+            adapter: checked.adapter.clone(),
+            prompt_tokens: checked.prompt_tokens,
+            reserved: checked.reserved,
+            prompt_sha256: std::mem::take(&mut checked.prompt_sha256),
+            prompt_chars: checked.prompt_chars,
+            user_sha256: checked.user_sha256.take(),
+            affinity: std::mem::take(&mut checked.affinity),
+            stream: checked.stream,
+            strip_usage: checked.strip_usage,
+            slo: checked.slo,
+        }
+    }
 }
 
 /// Where a request stands, as far as billing is concerned.
@@ -736,23 +766,13 @@ impl Gateway {
                         .ok()
                         .and_then(|v| v.get("model")?.as_str().map(str::to_owned)),
                 };
-                ctx.model = asked.map(|m| m.chars().take(MODEL_NAME_KEPT).collect());
+                ctx.asked.model = asked.map(|m| m.chars().take(MODEL_NAME_KEPT).collect());
                 return Err(r);
             }
         };
         // Judged after the prompt's facts are kept: a refused row still records them.
         let within_limit = admission::within_prompt_limit(grant, &checked);
-        ctx.prompt_tokens = checked.prompt_tokens;
-        ctx.reserved = checked.reserved;
-        ctx.model = Some(checked.model.clone());
-        ctx.adapter = checked.adapter.clone();
-        ctx.prompt_sha256 = std::mem::take(&mut checked.prompt_sha256);
-        ctx.user_sha256 = checked.user_sha256.take();
-        ctx.prompt_chars = checked.prompt_chars;
-        ctx.affinity = std::mem::take(&mut checked.affinity);
-        ctx.stream = checked.stream;
-        ctx.strip_usage = checked.strip_usage;
-        ctx.slo = checked.slo;
+        ctx.asked = Asked::of(&mut checked);
         if !self.cfg.prices.priced(&checked.model) {
             return Err(Refusal::ModelNotPriced { model: checked.model.clone() });
         }
@@ -781,7 +801,7 @@ impl Gateway {
         }
         // Past its share of backlogged engines, a tenant queues only as far as its TTFT target
         // allows; the place is held until the request's context is dropped.
-        let ttft_target = ctx.slo.ttft_ms.map(|ms| Duration::from_millis(ms.into()));
+        let ttft_target = ctx.asked.slo.ttft_ms.map(|ms| Duration::from_millis(ms.into()));
         let backlog = self.workers.backlog(model).filter(|_| self.cfg.fair_admission);
         let slot = self
             .fair
@@ -789,7 +809,7 @@ impl Gateway {
                 &grant.tenant_id,
                 grant.weight(),
                 choices,
-                ctx.prompt_tokens,
+                ctx.asked.prompt_tokens,
                 ttft_target,
                 backlog,
             )
@@ -799,7 +819,7 @@ impl Gateway {
         // The prompt counts as served once admitted (its prefill is the engines' to do), so
         // a flood of long prompts weighs at once in the tokens-served shares, not only as
         // its requests end, seconds later; the completion counts as the request ends.
-        self.fair.used(&grant.tenant_id, ctx.prompt_tokens);
+        self.fair.used(&grant.tenant_id, ctx.asked.prompt_tokens);
         Ok(())
     }
 
@@ -1006,7 +1026,7 @@ impl Gateway {
         let decision = match &self.limiter {
             Some(l) => {
                 let (l, id, t, reserve) =
-                    (l.clone(), ctx.request_id.clone(), tenant.clone(), ctx.reserved);
+                    (l.clone(), ctx.request_id.clone(), tenant.clone(), ctx.asked.reserved);
                 let k = ctx.key_scope.clone();
                 let admit = async move {
                     let key = k.as_ref().map(|(k, l)| (k.as_str(), l));
@@ -1024,7 +1044,9 @@ impl Gateway {
                     }
                 }
             }
-            None => Some((self.local.admit(&tenant, key, ctx.reserved, &limits), AdmitVia::Local)),
+            None => {
+                Some((self.local.admit(&tenant, key, ctx.asked.reserved, &limits), AdmitVia::Local))
+            }
         };
         // The tenant's policy (`overrides.on_limiter_down`), else the gateway's default.
         let policy = match grant.overrides["on_limiter_down"].as_str() {
@@ -1035,7 +1057,7 @@ impl Gateway {
         let (decision, via) = match decision {
             Some(d) => d,
             None if policy == RedisDownPolicy::Local => {
-                (self.local.admit(&tenant, key, ctx.reserved, &limits), AdmitVia::Local)
+                (self.local.admit(&tenant, key, ctx.asked.reserved, &limits), AdmitVia::Local)
             }
             None => {
                 self.release_claim(ctx).await;
@@ -1054,7 +1076,7 @@ impl Gateway {
                 Err(Refusal::Limited {
                     limit: reason,
                     scope,
-                    reserved: ctx.reserved,
+                    reserved: ctx.asked.reserved,
                     retry_after,
                     rate: state,
                 })
@@ -1173,10 +1195,11 @@ impl Gateway {
         let ems = |k: fn(&EngineTimings) -> f64| t.engine_timings.as_ref().map(|e| k(e) * 1000.0);
         let since =
             |ms: f64| ctx.arrival_at + chrono::TimeDelta::microseconds((ms * 1000.0) as i64);
-        let prompt = u32::try_from(ctx.prompt_tokens).unwrap_or(u32::MAX);
+        let prompt = u32::try_from(ctx.asked.prompt_tokens).unwrap_or(u32::MAX);
         // A request that named no model (or `""`) still gets its row.
-        let model = ctx.model.clone().filter(|m| !m.is_empty()).unwrap_or_else(|| "unknown".into());
-        let rates = self.cfg.prices.rates_under(&model, &grant.tier, ctx.adapter.is_some());
+        let model =
+            ctx.asked.model.clone().filter(|m| !m.is_empty()).unwrap_or_else(|| "unknown".into());
+        let rates = self.cfg.prices.rates_under(&model, &grant.tier, ctx.asked.adapter.is_some());
         let first = t.ttft_ms.map(since);
         let last = t.ttft_ms.map(|ttft| {
             since(ttft + t.tpot_ms.unwrap_or(0.0) * completion.saturating_sub(1) as f64)
@@ -1199,7 +1222,7 @@ impl Gateway {
             engine_version: id.map(|i| i.engine_version.clone()),
             engine_worker: ctx.worker.clone(),
             prompt_tokens: prompt,
-            cached_prompt_tokens: u32::try_from(cached.min(ctx.prompt_tokens)).unwrap_or(0),
+            cached_prompt_tokens: u32::try_from(cached.min(ctx.asked.prompt_tokens)).unwrap_or(0),
             completion_tokens: u32::try_from(completion).unwrap_or(u32::MAX),
             finish_reason: finish,
             http_status: ctx.status,
@@ -1217,15 +1240,15 @@ impl Gateway {
             engine_prefill_ms: ems(|e| e.prefill),
             engine_decode_ms: ems(|e| e.decode),
             trace_id: ctx.trace_id.clone(),
-            prompt_sha256: if ctx.prompt_sha256.is_empty() {
+            prompt_sha256: if ctx.asked.prompt_sha256.is_empty() {
                 hex_digest(b"")
             } else {
-                ctx.prompt_sha256.clone()
+                ctx.asked.prompt_sha256.clone()
             },
-            prompt_chars: u32::try_from(ctx.prompt_chars).unwrap_or(u32::MAX),
-            user_sha256: ctx.user_sha256.clone(),
+            prompt_chars: u32::try_from(ctx.asked.prompt_chars).unwrap_or(u32::MAX),
+            user_sha256: ctx.asked.user_sha256.clone(),
             // A tenant pays for work done: nothing for a request the client was refused.
-            cost_micros: rates.charge(ctx.status, ctx.prompt_tokens, cached, completion),
+            cost_micros: rates.charge(ctx.status, ctx.asked.prompt_tokens, cached, completion),
             price_list_version: self.cfg.prices.version.clone(),
             price_input_micros: rates.input,
             price_cached_input_micros: rates.cached_input,
@@ -1264,7 +1287,7 @@ impl Gateway {
         // The identity the catalog gives the model (the engine's response names its own).
         let seen = ctx.model_revision.clone();
         if seen.is_none() {
-            let model = ctx.model.as_deref().unwrap_or_default();
+            let model = ctx.asked.model.as_deref().unwrap_or_default();
             ctx.model_revision = self
                 .served
                 .catalog
@@ -1356,7 +1379,7 @@ impl Gateway {
             AdmitVia::Local => self.local.release(
                 &grant.tenant_id,
                 ctx.key_scope.as_ref().map(|(k, _)| k.as_str()),
-                ctx.reserved,
+                ctx.asked.reserved,
                 used,
             ),
         }
@@ -1423,19 +1446,12 @@ impl ProxyHttp for Gateway {
             grant: None,
             key_scope: None,
             body: None,
-            affinity: String::new(),
-            model: None,
-            prompt_tokens: 0,
-            reserved: 0,
+            asked: Asked::default(),
             rate: RateState::default(),
-            stream: false,
             observer: None,
             response_body: Vec::new(),
             status: 0,
             overhead: Duration::ZERO,
-            prompt_sha256: String::new(),
-            prompt_chars: 0,
-            user_sha256: None,
             idempotency_key: None,
             claim: None,
             replay_body: Some(Vec::new()),
@@ -1448,12 +1464,9 @@ impl ProxyHttp for Gateway {
             cancelled: false,
             client_ip: None,
             tenant_slot: None,
-            strip_usage: false,
             sse_tail: Vec::new(),
             span: tracing::Span::none(),
             fair_slot: None,
-            slo: Slo::default(),
-            adapter: None,
         }
     }
 
@@ -1517,8 +1530,8 @@ impl ProxyHttp for Gateway {
             return Err(Error::explain(ErrorType::HTTPStatus(503), "cancelled at shutdown"));
         }
         let tenant = ctx.grant.as_ref().map(|g| g.tenant_id.as_str()).unwrap_or("");
-        let key = format!("{tenant}\n{}", ctx.affinity);
-        let model = ctx.model.as_deref().unwrap_or_default();
+        let key = format!("{tenant}\n{}", ctx.asked.affinity);
+        let model = ctx.asked.model.as_deref().unwrap_or_default();
         let w = self.workers.choose(model, &key, &ctx.tried).ok_or_else(|| {
             Error::explain(ErrorType::ConnectNoRoute, "no engine worker left to try")
         })?;
@@ -1564,7 +1577,7 @@ impl ProxyHttp for Gateway {
                 ctx.status = code;
             }
         } else if code > 0
-            && ctx.stream
+            && ctx.asked.stream
             && ctx.status == 200
             && !ctx.cancelled
             && matches!(e.esource(), ErrorSource::Upstream)
@@ -1646,11 +1659,11 @@ impl ProxyHttp for Gateway {
             req.insert_header(internal::PRIORITY, priority.to_string())?;
             let weight = g.weight();
             req.insert_header(internal::WEIGHT, weight.to_string())?;
-            if let Some(ms) = ctx.slo.tpot_ms {
+            if let Some(ms) = ctx.asked.slo.tpot_ms {
                 req.insert_header(internal::TPOT_MS, ms.to_string())?;
             }
         }
-        if let Some(a) = &ctx.adapter {
+        if let Some(a) = &ctx.asked.adapter {
             req.insert_header(internal::ADAPTER, a.as_str())?;
         }
         req.insert_header(internal::REQUEST_ID, ctx.request_id.as_str())?;
@@ -1710,7 +1723,7 @@ impl ProxyHttp for Gateway {
         resp: &mut ResponseHeader,
         ctx: &mut Ctx,
     ) -> Result<()> {
-        if !ctx.stream && self.drain.draining() && self.drain.was_cancelled(&ctx.request_id) {
+        if !ctx.asked.stream && self.drain.draining() && self.drain.was_cancelled(&ctx.request_id) {
             // Cancelled at shutdown before its answer went out: the client gets a 503 (the
             // engine's partial answer is read for its usage only).
             ctx.cancelled = true;
@@ -1739,7 +1752,7 @@ impl ProxyHttp for Gateway {
             internal::GATEWAY_OVERHEAD_MS,
             format!("{:.3}", ctx.overhead.as_secs_f64() * 1000.0),
         )?;
-        if ctx.stream && ctx.status == 200 {
+        if ctx.asked.stream && ctx.status == 200 {
             ctx.observer = Some(StreamObserver::new(ctx.arrival));
         }
         Ok(())
@@ -1753,18 +1766,18 @@ impl ProxyHttp for Gateway {
         ctx: &mut Ctx,
     ) -> Result<Option<Duration>> {
         self.observe_body(body, ctx);
-        if ctx.cancelled && !ctx.stream {
+        if ctx.cancelled && !ctx.asked.stream {
             *body = end_of_stream.then(shutdown_body);
             return Ok(None);
         }
-        if ctx.stream && !ctx.cancelled && self.drain.draining() {
+        if ctx.asked.stream && !ctx.cancelled && self.drain.draining() {
             ctx.cancelled = self.drain.was_cancelled(&ctx.request_id);
         }
-        if ctx.stream && ctx.status == 200 && (ctx.strip_usage || ctx.cancelled) {
+        if ctx.asked.stream && ctx.status == 200 && (ctx.asked.strip_usage || ctx.cancelled) {
             // Whole events only: the usage-only chunk the client did not ask for, and once
             // cancelled at shutdown the engine's [DONE] (the client's last events are an error,
             // then [DONE]), are held back.
-            let (usage, done) = (ctx.strip_usage, ctx.cancelled);
+            let (usage, done) = (ctx.asked.strip_usage, ctx.cancelled);
             let chunk = body.take().unwrap_or_default();
             let mut out = whole_events(&mut ctx.sse_tail, &chunk, end_of_stream, |e| {
                 !(usage && is_usage_only(e) || done && e.starts_with(b"data: [DONE]"))
@@ -1792,7 +1805,7 @@ impl ProxyHttp for Gateway {
         tracing::trace!(
             request_id = %ctx.request_id,
             status = ctx.status,
-            prompt_tokens = ctx.prompt_tokens,
+            prompt_tokens = ctx.asked.prompt_tokens,
             "request ended"
         );
         self.log_request(session, e, ctx).await;
@@ -2005,7 +2018,7 @@ impl Gateway {
         ctx.status = status;
         // A refused request used nothing of the quota (as the ledger, which seeds the windows,
         // counts it).
-        let used = if is_refused(ctx.status) { 0 } else { ctx.prompt_tokens + completion };
+        let used = if is_refused(ctx.status) { 0 } else { ctx.asked.prompt_tokens + completion };
         self.settle(ctx, used).await;
         if let Some(grant) = ctx.grant.as_ref().filter(|_| used > 0 && completion > 0) {
             self.fair.used(&grant.tenant_id, completion);
@@ -2050,7 +2063,7 @@ fn facts<'t>(ctx: &Ctx, e: Option<&Error>, timings: &'t Timings) -> Facts<'t> {
             },
             kind: format!("{:?}", e.etype()),
         }),
-        stream: ctx.stream,
+        stream: ctx.asked.stream,
         done: timings.done,
         status: ctx.status,
         finish_reason: timings.finish_reason.as_deref(),
