@@ -7,6 +7,7 @@
 //! ending is tested as a table.
 
 use sluice_billing::FinishReason;
+use sluice_wire::{ChoiceFinish, FinishReason as Ended};
 
 /// Which side of the gateway a failure came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -128,12 +129,17 @@ pub fn conclude(facts: &Facts, engine: Option<Counts>) -> Conclusion {
     } else if status >= 400 {
         (FinishReason::Error, Some(format!("http_{status}")))
     } else {
-        let finish = match facts.finish_reason {
-            Some("length") => FinishReason::Length,
-            Some("stop") | None => FinishReason::Stop,
-            Some("tool_calls") => FinishReason::ToolCalls,
-            Some("abort") => FinishReason::ClientDisconnected,
-            Some(_) => FinishReason::Error,
+        let finish = match facts.finish_reason.map(ChoiceFinish::parse) {
+            None => FinishReason::Stop,
+            Some(Some(ChoiceFinish::ToolCalls)) => FinishReason::ToolCalls,
+            Some(Some(ChoiceFinish::Ended(ended))) => match ended {
+                Ended::Stop => FinishReason::Stop,
+                Ended::Length => FinishReason::Length,
+                Ended::Abort => FinishReason::ClientDisconnected,
+                Ended::Error => FinishReason::Error,
+            },
+            // A name no engine writes.
+            Some(None) => FinishReason::Error,
         };
         (finish, None)
     };

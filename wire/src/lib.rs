@@ -68,6 +68,48 @@ impl FinishReason {
     }
 }
 
+/// A choice's `finish_reason` in an engine's answer (OpenAI's, plus `abort` and `error`): what
+/// the engine writes and a gateway reads back, by these names only.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ChoiceFinish {
+    /// Ended by the engine's [`FinishReason`].
+    Ended(FinishReason),
+    /// Ended with tool calls (a [`FinishReason::Stop`] whose answer holds calls).
+    ToolCalls,
+}
+
+impl ChoiceFinish {
+    /// How a choice that ended for `reason` says so: an answer that stopped with calls ends
+    /// with `tool_calls`.
+    pub fn of(reason: FinishReason, calls: bool) -> Self {
+        if calls && reason == FinishReason::Stop {
+            ChoiceFinish::ToolCalls
+        } else {
+            ChoiceFinish::Ended(reason)
+        }
+    }
+
+    /// The answer's string.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ChoiceFinish::Ended(r) => r.as_str(),
+            ChoiceFinish::ToolCalls => "tool_calls",
+        }
+    }
+
+    /// The choice finish an answer's string names; `None` for a name no engine writes.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "tool_calls" => ChoiceFinish::ToolCalls,
+            "stop" => ChoiceFinish::Ended(FinishReason::Stop),
+            "length" => ChoiceFinish::Ended(FinishReason::Length),
+            "abort" => ChoiceFinish::Ended(FinishReason::Abort),
+            "error" => ChoiceFinish::Ended(FinishReason::Error),
+            _ => return None,
+        })
+    }
+}
+
 /// Where a request stands at its engine.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -287,6 +329,29 @@ impl ErrorBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_choice_finish_reads_back_by_its_name_and_no_other() {
+        let ended = [FinishReason::Stop, FinishReason::Length, FinishReason::Abort];
+        let all = ended
+            .into_iter()
+            .chain([FinishReason::Error])
+            .map(ChoiceFinish::Ended)
+            .chain([ChoiceFinish::ToolCalls]);
+        let mut names = Vec::new();
+        for finish in all {
+            assert_eq!(ChoiceFinish::parse(finish.as_str()), Some(finish));
+            names.push(finish.as_str());
+        }
+        assert_eq!(names, ["stop", "length", "abort", "error", "tool_calls"]);
+        for other in ["", "Stop", "content_filter", "function_call"] {
+            assert_eq!(ChoiceFinish::parse(other), None, "{other:?}");
+        }
+        // Calls turn a stop into `tool_calls`, and nothing else.
+        assert_eq!(ChoiceFinish::of(FinishReason::Stop, true), ChoiceFinish::ToolCalls);
+        let cut = ChoiceFinish::of(FinishReason::Length, true);
+        assert_eq!(cut, ChoiceFinish::Ended(FinishReason::Length));
+    }
 
     #[test]
     fn engine_load_travels_as_json_and_missing_fields_are_refused() -> serde_json::Result<()> {

@@ -12,7 +12,7 @@ use axum::Json;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream::{BoxStream, StreamExt, select_all, unfold};
-use sluice_wire::ErrorBody;
+use sluice_wire::{ChoiceFinish, ErrorBody};
 
 use crate::identity::ExecutionIdentity;
 use crate::loader::LoadedModel;
@@ -193,7 +193,7 @@ impl Shaper {
 
 /// OpenAI's finish reason: an answer that ended with calls ends with `tool_calls`.
 fn finish_reason(reason: FinishReason, calls: bool) -> &'static str {
-    if calls && reason == FinishReason::Stop { "tool_calls" } else { reason.as_str() }
+    ChoiceFinish::of(reason, calls).as_str()
 }
 
 /// Usage of a whole request: the prompt once, completions summed, cached tokens of the
