@@ -64,3 +64,62 @@ fn bench_gateway_measures_both_paths_in_alternating_rounds() -> anyhow::Result<(
     ensure!(!out.status.success() && err.contains("--rounds"), "{err}");
     Ok(())
 }
+
+/// The added e2e p99 of a pair's median round, ms, as the bench judges it.
+fn added_p99_median(d: &Value, g: &Value) -> Option<f64> {
+    let rounds = |p: &Value| -> Option<Vec<f64>> {
+        p["round_e2e_p99_ms"].as_array()?.iter().map(Value::as_f64).collect()
+    };
+    let mut added: Vec<f64> = rounds(g)?.iter().zip(rounds(d)?).map(|(a, b)| a - b).collect();
+    added.sort_by(f64::total_cmp);
+    added.get(added.len() / 2).copied()
+}
+
+#[test]
+fn bench_gateway_search_reports_rates_its_own_points_bear_out() -> anyhow::Result<()> {
+    let out = Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(["bench", "gateway", "--search", "--rates", "100", "--search-steps", "1"])
+        .args(["--seconds", "0.3", "--rounds", "1", "--layout", "shared", "--json"])
+        .output()?;
+    ensure!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let lines: Vec<Value> = String::from_utf8(out.stdout)?
+        .lines()
+        .map(|l| serde_json::from_str(l).with_context(|| format!("not JSON: {l}")))
+        .collect::<anyhow::Result<_>>()?;
+    let search = &lines.last().context("no output")?["search"];
+    ensure!(search["criterion"].as_str().is_some_and(|c| c.contains("1 ms")), "{search}");
+    let pairs: Vec<&[Value]> = lines[1..lines.len() - 1].chunks(2).collect();
+    ensure!(!pairs.is_empty() && pairs.iter().all(|p| p.len() == 2), "{lines:?}");
+    // Each rate tried, held or not, as its own figures say.
+    let mut verdicts = Vec::new();
+    for pair in &pairs {
+        let (d, g) = (&pair[0], &pair[1]);
+        ensure!(d["target"] == "engine" && g["target"] == "gateway", "{d} {g}");
+        let rate = g["offered_rps"].as_f64().context("no rate")?;
+        let added = added_p99_median(d, g).context("no rounds")?;
+        let held = d["errors"] == 0 && g["errors"] == 0 && added < 1.0;
+        verdicts.push((rate, held));
+    }
+    // The first rate is the one asked for; doubling goes on while rates hold.
+    ensure!(verdicts[0].0 == 100.0, "{verdicts:?}");
+    let held_rps = search["held_rps"].as_f64();
+    let failed_rps = search["failed_rps"].as_f64();
+    if let Some(h) = held_rps {
+        ensure!(verdicts.contains(&(h, true)), "held {h}: {verdicts:?}");
+    }
+    if let Some(f) = failed_rps {
+        ensure!(verdicts.contains(&(f, false)), "failed {f}: {verdicts:?}");
+        ensure!(held_rps.is_none_or(|h| h < f), "{search}");
+    }
+    // No rate above the one reported held held, and none below the one reported failed
+    // failed (the search's answer is the boundary of what it measured).
+    for (rate, held) in &verdicts {
+        if let (Some(h), true) = (held_rps, *held) {
+            ensure!(*rate <= h, "{rate} held above {h}: {verdicts:?}");
+        }
+        if let (Some(f), false) = (failed_rps, *held) {
+            ensure!(*rate >= f, "{rate} failed below {f}: {verdicts:?}");
+        }
+    }
+    Ok(())
+}

@@ -65,7 +65,21 @@ pub struct BenchGatewayArgs {
     /// and the embedded ledger's writer.
     #[arg(long)]
     redis_url: Option<String>,
+    /// Search for the highest rate the gateway holds (no failed request, added e2e p99 under
+    /// 1 ms in the median round): from the first of `--rates`, doubling until a rate fails,
+    /// then `--search-steps` bisections between the last rate held and the first failed.
+    #[arg(long)]
+    search: bool,
+    /// Bisections of `--search` once a rate has failed.
+    #[arg(long, default_value_t = 4)]
+    search_steps: usize,
 }
+
+/// The added e2e p99 under which a rate is held, ms.
+const HELD_P99_MS: f64 = 1.0;
+
+/// Most doublings of `--search` before it gives up looking for a rate that fails.
+const MAX_DOUBLINGS: usize = 8;
 
 /// Where the threads run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -432,7 +446,8 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
     });
     let client_rt =
         tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
-    let points = client_rt.block_on(measure(&args, layout, &cpus, &gw_addr, engine_addr, &key))?;
+    let (points, search) =
+        client_rt.block_on(measure(&args, layout, &cpus, &gw_addr, engine_addr, &key))?;
     let _ = stop_tx.send(true);
     let stopped = proxy.join();
     finish(&gw_io, usage.ingest.as_deref(), &usage.sink, journal.as_deref(), &ledger)?;
@@ -460,9 +475,22 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
             println!("{}", serde_json::to_string(d)?);
             println!("{}", serde_json::to_string(g)?);
         }
+        if let Some(search) = &search {
+            println!("{}", serde_json::json!({ "search": search }));
+        }
         return Ok(());
     }
     print_points(&args, layout, &cpus, redis_url.is_some(), &points);
+    if let Some(s) = &search {
+        let rate =
+            |r: Option<f64>| r.map_or_else(|| "none".to_owned(), |r| format!("{r:.0} req/s"));
+        println!(
+            "search ({}): highest rate held {}, lowest failed {}",
+            s.criterion,
+            rate(s.held_rps),
+            rate(s.failed_rps)
+        );
+    }
     Ok(())
 }
 
@@ -506,7 +534,7 @@ async fn measure(
     gw_addr: &str,
     engine_addr: std::net::SocketAddr,
     key: &str,
-) -> anyhow::Result<Vec<(Point, Point)>> {
+) -> anyhow::Result<(Vec<(Point, Point)>, Option<Search>)> {
     let c = reqwest::Client::builder()
         .timeout(Duration::from_secs(30))
         .pool_max_idle_per_host(256)
@@ -522,27 +550,116 @@ async fn measure(
     if layout == Layout::Isolated {
         pin_threads(cpus)?;
     }
+    let sides = Sides { c, direct, via, key, layout, cpus };
     let mut points = Vec::new();
-    for &rate in &args.rates {
-        // Warm-up at this rate, both ways, left out (after pinning, so threads have
-        // settled on their CPUs): connections, key cache, allocator, the SQLite
-        // connection, the engine's KV pages at this concurrency. Without it the first
-        // round's p99 carried tens of milliseconds of start-up.
-        offer(&c, &via, Some(key), rate, 1.0).await;
-        offer(&c, &direct, Some("bench-token"), rate, 1.0).await;
+    if !args.search {
+        for &rate in &args.rates {
+            points.push(sides.at(args, rate).await?);
+        }
+        return Ok((points, None));
+    }
+    let search = search(args, &sides, &mut points).await?;
+    Ok((points, Some(search)))
+}
+
+/// The two ways to the engine, and where the threads go.
+struct Sides<'a> {
+    c: reqwest::Client,
+    direct: String,
+    via: String,
+    key: &'a str,
+    layout: Layout,
+    cpus: &'a [usize],
+}
+
+impl Sides<'_> {
+    /// One rate: a warm-up both ways, then `--rounds` alternating rounds, pooled per side.
+    async fn at(&self, args: &BenchGatewayArgs, rate: f64) -> anyhow::Result<(Point, Point)> {
+        let (c, direct, via, key) = (&self.c, &self.direct, &self.via, Some(self.key));
+        // Warm-up at this rate, both ways, left out (after pinning, so threads have settled
+        // on their CPUs): connections, key cache, allocator, the SQLite connection, the
+        // engine's KV pages at this concurrency. Without it the first round's p99 carried
+        // tens of milliseconds of start-up.
+        offer(c, via, key, rate, 1.0).await;
+        offer(c, direct, Some("bench-token"), rate, 1.0).await;
         let (mut d, mut g) = (Vec::new(), Vec::new());
         for _ in 0..args.rounds {
-            if layout == Layout::Isolated {
+            if self.layout == Layout::Isolated {
                 // Again each round: threads made since then (tokio's blocking pool, new
                 // SQLite connections) inherit a set that may be the other side's.
-                pin_threads(cpus)?;
+                pin_threads(self.cpus)?;
             }
-            d.push(offer(&c, &direct, Some("bench-token"), rate, args.seconds).await);
-            g.push(offer(&c, &via, Some(key), rate, args.seconds).await);
+            d.push(offer(c, direct, Some("bench-token"), rate, args.seconds).await);
+            g.push(offer(c, via, key, rate, args.seconds).await);
         }
-        points.push((pool("engine", rate, &d), pool("gateway", rate, &g)));
+        Ok((pool("engine", rate, &d), pool("gateway", rate, &g)))
     }
-    Ok(points)
+}
+
+/// What `--search` found.
+#[derive(Debug, serde::Serialize)]
+struct Search {
+    /// The highest rate held, requests/s (`None`: not even the first).
+    held_rps: Option<f64>,
+    /// The lowest rate that failed (`None`: every rate tried held).
+    failed_rps: Option<f64>,
+    /// What a rate must keep to be held.
+    criterion: &'static str,
+}
+
+/// The added e2e p99 of the median round, ms: each round's p99 through the gateway less the
+/// same round's straight to the engine. The median is robust to one round caught in a stall
+/// of the machine, which moves a pooled p99 by tens of milliseconds either way.
+fn added_p99_median_ms(d: &Point, g: &Point) -> f64 {
+    let mut per_round: Vec<f64> =
+        g.round_e2e_p99_ms.iter().zip(&d.round_e2e_p99_ms).map(|(a, b)| a - b).collect();
+    per_round.sort_by(f64::total_cmp);
+    per_round.get(per_round.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// Whether the gateway held at this rate: no failed request either way, and an added e2e p99
+/// under [`HELD_P99_MS`] in the median round.
+fn held(d: &Point, g: &Point) -> bool {
+    d.errors == 0 && g.errors == 0 && added_p99_median_ms(d, g) < HELD_P99_MS
+}
+
+/// `--search`: doubling from the first rate until one fails, then bisecting.
+async fn search(
+    args: &BenchGatewayArgs,
+    sides: &Sides<'_>,
+    points: &mut Vec<(Point, Point)>,
+) -> anyhow::Result<Search> {
+    let criterion = "0 failed requests, added e2e p99 (median round) < 1 ms";
+    let mut rate = args.rates.first().copied().unwrap_or(250.0);
+    let (mut held_rps, mut failed_rps) = (None, None);
+    for _ in 0..MAX_DOUBLINGS {
+        let (d, g) = sides.at(args, rate).await?;
+        let ok = held(&d, &g);
+        eprintln!("search: {rate:.0} req/s {}", if ok { "held" } else { "failed" });
+        points.push((d, g));
+        if !ok {
+            failed_rps = Some(rate);
+            break;
+        }
+        held_rps = Some(rate);
+        rate *= 2.0;
+    }
+    let (Some(mut lo), Some(mut hi)) = (held_rps, failed_rps) else {
+        return Ok(Search { held_rps, failed_rps, criterion });
+    };
+    for _ in 0..args.search_steps {
+        // Rates to the nearest 50 requests/s: finer is below the run-to-run noise.
+        let mid = ((lo + hi) / 2.0 / 50.0).round() * 50.0;
+        if mid <= lo || mid >= hi {
+            break;
+        }
+        let (d, g) = sides.at(args, mid).await?;
+        let ok = held(&d, &g);
+        eprintln!("search: {mid:.0} req/s {}", if ok { "held" } else { "failed" });
+        points.push((d, g));
+        if ok { lo = mid } else { hi = mid }
+    }
+    Ok(Search { held_rps: Some(lo), failed_rps: Some(hi), criterion })
 }
 
 /// The table of `points`, with the run's layout and what the gateway used.
@@ -610,13 +727,9 @@ fn print_points(
                 println!("         {} errors: {}", p.target, why.join(", "));
             }
         }
-        let mut per_round: Vec<f64> =
-            g.round_e2e_p99_ms.iter().zip(&d.round_e2e_p99_ms).map(|(a, b)| a - b).collect();
-        let shown: Vec<String> = per_round.iter().map(|x| format!("{x:+.2}")).collect();
-        per_round.sort_by(f64::total_cmp);
-        // The median round is robust to one round caught in a stall of the machine, which
-        // moves a pooled p99 by tens of milliseconds either way.
-        let median = per_round.get(per_round.len() / 2).copied().unwrap_or(0.0);
+        let per_round = g.round_e2e_p99_ms.iter().zip(&d.round_e2e_p99_ms);
+        let shown: Vec<String> = per_round.map(|(a, b)| format!("{:+.2}", a - b)).collect();
+        let median = added_p99_median_ms(d, g);
         println!(
             "         added e2e: p50 {:+.2} ms, p99 {:+.2} ms pooled, {median:+.2} ms median round (rounds: {} ms)",
             g.e2e_p50_ms - d.e2e_p50_ms,
