@@ -97,15 +97,27 @@ fn bench_gateway_search_reports_rates_its_own_points_bear_out() -> anyhow::Resul
         ensure!(d["target"] == "engine" && g["target"] == "gateway", "{d} {g}");
         let rate = g["offered_rps"].as_f64().context("no rate")?;
         let added = added_p99_median(d, g).context("no rounds")?;
-        let held = d["errors"] == 0 && g["errors"] == 0 && added < 1.0;
+        let served = |p: &Value| p["ok"].as_u64().is_some_and(|n| n > 0) && p["errors"] == 0;
+        let held = served(d) && served(g) && added < 1.0;
         verdicts.push((rate, held));
     }
-    // The first rate is the one asked for; doubling goes on while rates hold.
-    ensure!(verdicts[0].0 == 100.0, "{verdicts:?}");
+    // From the rate asked for, doubling while rates hold (halving while they fail), up to 8
+    // rates; once the verdict turns, at most one bisection (`--search-steps 1`).
+    let first = verdicts[0].1;
+    let out =
+        verdicts.iter().position(|(_, held)| *held != first).map_or(verdicts.len(), |i| i + 1);
+    let step: f64 = if first { 2.0 } else { 0.5 };
+    for (i, (rate, _)) in verdicts[..out].iter().enumerate() {
+        ensure!(*rate == 100.0 * step.powi(i32::try_from(i)?), "{verdicts:?}");
+    }
+    ensure!(verdicts.len() - out <= 1, "{verdicts:?}");
     let held_rps = search["held_rps"].as_f64();
     let failed_rps = search["failed_rps"].as_f64();
     if let Some(h) = held_rps {
         ensure!(verdicts.contains(&(h, true)), "held {h}: {verdicts:?}");
+    }
+    if held_rps.is_none() || failed_rps.is_none() {
+        ensure!(verdicts.len() == 8 && verdicts.iter().all(|v| v.1 == first), "{verdicts:?}");
     }
     if let Some(f) = failed_rps {
         ensure!(verdicts.contains(&(f, false)), "failed {f}: {verdicts:?}");

@@ -8,7 +8,8 @@
 //!
 //! The service's server (the admin, audit and usage HTTP API with the console, JWT
 //! authentication, retention and the ledger benchmark) is the default feature `server`; a
-//! gateway links the ledger, the usage stream and the price list without it.
+//! gateway links the ledger and the usage stream without it (the price list and the Redis
+//! connection are `sluice-policies`', re-exported here).
 
 pub mod adapters;
 #[cfg(feature = "server")]

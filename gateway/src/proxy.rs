@@ -506,7 +506,7 @@ pub struct Ctx {
     client_ip: Option<std::net::IpAddr>,
     /// The tenant, while this request counts against its in-flight cap at this gateway.
     tenant_slot: Option<String>,
-    /// The part of the stream after its last complete event (while `strip_usage`).
+    /// The part of the stream after its last complete event (while `asked.strip_usage`).
     sse_tail: Vec<u8>,
     /// The request's span: child of the client's trace context, parent of the engine's.
     span: tracing::Span,

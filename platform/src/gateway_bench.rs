@@ -66,8 +66,9 @@ pub struct BenchGatewayArgs {
     #[arg(long)]
     redis_url: Option<String>,
     /// Search for the highest rate the gateway holds (no failed request, added e2e p99 under
-    /// 1 ms in the median round): from the first of `--rates`, doubling until a rate fails,
-    /// then `--search-steps` bisections between the last rate held and the first failed.
+    /// 1 ms in the median round): from the first of `--rates`, doubling while rates hold (or
+    /// halving while they fail), then `--search-steps` bisections between the highest rate
+    /// held and the lowest failed. Rates after the first are not used.
     #[arg(long)]
     search: bool,
     /// Bisections of `--search` once a rate has failed.
@@ -78,8 +79,9 @@ pub struct BenchGatewayArgs {
 /// The added e2e p99 under which a rate is held, ms.
 const HELD_P99_MS: f64 = 1.0;
 
-/// Most doublings of `--search` before it gives up looking for a rate that fails.
-const MAX_DOUBLINGS: usize = 8;
+/// Most rates `--search` tries while doubling (or halving), before it gives up looking for
+/// one that fails (or holds).
+const MAX_STEPS_OUT: usize = 8;
 
 /// Where the threads run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
@@ -466,32 +468,7 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
         Ok(r) => r.context("running the gateway")?,
         Err(_) => anyhow::bail!("the gateway's thread panicked"),
     }
-    if args.json {
-        println!(
-            "{}",
-            serde_json::json!({"layout": layout, "cpus": cpus, "redis": redis_url.is_some()})
-        );
-        for (d, g) in &points {
-            println!("{}", serde_json::to_string(d)?);
-            println!("{}", serde_json::to_string(g)?);
-        }
-        if let Some(search) = &search {
-            println!("{}", serde_json::json!({ "search": search }));
-        }
-        return Ok(());
-    }
-    print_points(&args, layout, &cpus, redis_url.is_some(), &points);
-    if let Some(s) = &search {
-        let rate =
-            |r: Option<f64>| r.map_or_else(|| "none".to_owned(), |r| format!("{r:.0} req/s"));
-        println!(
-            "search ({}): highest rate held {}, lowest failed {}",
-            s.criterion,
-            rate(s.held_rps),
-            rate(s.failed_rps)
-        );
-    }
-    Ok(())
+    report(&args, layout, &cpus, redis_url.is_some(), &points, search.as_ref())
 }
 
 /// Starts the engine on the synthetic model at `model_path`, its HTTP server on `io`: its
@@ -562,6 +539,40 @@ async fn measure(
     Ok((points, Some(search)))
 }
 
+/// Prints the run: `--json` lines (the layout, each point, the search), or the table.
+fn report(
+    args: &BenchGatewayArgs,
+    layout: Layout,
+    cpus: &[usize],
+    redis: bool,
+    points: &[(Point, Point)],
+    search: Option<&Search>,
+) -> anyhow::Result<()> {
+    if args.json {
+        println!("{}", serde_json::json!({"layout": layout, "cpus": cpus, "redis": redis}));
+        for (d, g) in points {
+            println!("{}", serde_json::to_string(d)?);
+            println!("{}", serde_json::to_string(g)?);
+        }
+        if let Some(search) = search {
+            println!("{}", serde_json::json!({ "search": search }));
+        }
+        return Ok(());
+    }
+    print_points(args, layout, cpus, redis, points);
+    if let Some(s) = search {
+        let rate =
+            |r: Option<f64>| r.map_or_else(|| "none".to_owned(), |r| format!("{r:.0} req/s"));
+        println!(
+            "search ({}): highest rate held {}, lowest failed {}",
+            s.criterion,
+            rate(s.held_rps),
+            rate(s.failed_rps)
+        );
+    }
+    Ok(())
+}
+
 /// The two ways to the engine, and where the threads go.
 struct Sides<'a> {
     c: reqwest::Client,
@@ -617,32 +628,45 @@ fn added_p99_median_ms(d: &Point, g: &Point) -> f64 {
     per_round.get(per_round.len() / 2).copied().unwrap_or(0.0)
 }
 
-/// Whether the gateway held at this rate: no failed request either way, and an added e2e p99
-/// under [`HELD_P99_MS`] in the median round.
+/// Whether the gateway held at this rate: requests served and none failed either way, and an
+/// added e2e p99 under [`HELD_P99_MS`] in the median round.
 fn held(d: &Point, g: &Point) -> bool {
-    d.errors == 0 && g.errors == 0 && added_p99_median_ms(d, g) < HELD_P99_MS
+    let served = |p: &Point| p.ok > 0 && p.errors == 0;
+    served(d) && served(g) && added_p99_median_ms(d, g) < HELD_P99_MS
 }
 
-/// `--search`: doubling from the first rate until one fails, then bisecting.
+/// `--search`: from the first rate, doubling while rates hold (or halving while they fail),
+/// then bisecting between the highest rate held and the lowest failed.
 async fn search(
     args: &BenchGatewayArgs,
     sides: &Sides<'_>,
     points: &mut Vec<(Point, Point)>,
 ) -> anyhow::Result<Search> {
     let criterion = "0 failed requests, added e2e p99 (median round) < 1 ms";
-    let mut rate = args.rates.first().copied().unwrap_or(250.0);
-    let (mut held_rps, mut failed_rps) = (None, None);
-    for _ in 0..MAX_DOUBLINGS {
+    let mut try_rate = async |rate: f64| -> anyhow::Result<bool> {
         let (d, g) = sides.at(args, rate).await?;
         let ok = held(&d, &g);
         eprintln!("search: {rate:.0} req/s {}", if ok { "held" } else { "failed" });
         points.push((d, g));
-        if !ok {
+        Ok(ok)
+    };
+    let first = args.rates.first().copied().unwrap_or(250.0);
+    let (mut held_rps, mut failed_rps) = (None, None);
+    let mut rate = first;
+    for _ in 0..MAX_STEPS_OUT {
+        if try_rate(rate).await? {
+            held_rps = Some(rate);
+            if failed_rps.is_some() {
+                break;
+            }
+            rate *= 2.0;
+        } else {
             failed_rps = Some(rate);
-            break;
+            if held_rps.is_some() {
+                break;
+            }
+            rate /= 2.0;
         }
-        held_rps = Some(rate);
-        rate *= 2.0;
     }
     let (Some(mut lo), Some(mut hi)) = (held_rps, failed_rps) else {
         return Ok(Search { held_rps, failed_rps, criterion });
@@ -653,11 +677,7 @@ async fn search(
         if mid <= lo || mid >= hi {
             break;
         }
-        let (d, g) = sides.at(args, mid).await?;
-        let ok = held(&d, &g);
-        eprintln!("search: {mid:.0} req/s {}", if ok { "held" } else { "failed" });
-        points.push((d, g));
-        if ok { lo = mid } else { hi = mid }
+        if try_rate(mid).await? { lo = mid } else { hi = mid }
     }
     Ok(Search { held_rps: Some(lo), failed_rps: Some(hi), criterion })
 }
