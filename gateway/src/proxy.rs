@@ -653,16 +653,15 @@ impl Gateway {
             }
             return Err(Refusal::ShuttingDown);
         }
-        let listing = match route {
-            Route::Generate(endpoint) => Err(endpoint),
-            Route::Model(id) => Ok(self.model_card(&grant, id).await?),
-            Route::Models => Ok(self.model_list(&grant).await),
-        };
-        let endpoint = match listing {
-            Err(endpoint) => endpoint,
-            Ok(body) => {
-                self.answer(session, ctx, 200, Bytes::from(body.to_string())).await?;
-                return Ok(true);
+        let endpoint = match route {
+            Route::Generate(endpoint) => endpoint,
+            Route::Model(id) => {
+                let card = self.model_card(&grant, id).await?;
+                return self.listed(session, ctx, card).await;
+            }
+            Route::Models => {
+                let list = self.model_list(&grant).await;
+                return self.listed(session, ctx, list).await;
             }
         };
         ctx.grant = Some(Arc::clone(&grant));
@@ -682,6 +681,18 @@ impl Gateway {
         }
         self.enqueue(ctx, &grant, &checked.model, checked.choices).await?;
         Ok(false)
+    }
+
+    /// Answers a model listing here (`Ok(true)`, as [`Gateway::admit`] says of a request it
+    /// answered).
+    async fn listed(
+        &self,
+        session: &mut Session,
+        ctx: &mut Ctx,
+        body: Value,
+    ) -> std::result::Result<bool, Refusal> {
+        self.answer(session, ctx, 200, Bytes::from(body.to_string())).await?;
+        Ok(true)
     }
 
     /// The card of model (or tenant adapter) `id`, when the key may see it.
