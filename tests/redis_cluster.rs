@@ -110,8 +110,8 @@ async fn the_platform_runs_unchanged_on_a_redis_cluster_and_through_a_failover()
         ensure!(keyslot(port0, k)? == tenant_slot, "{k} is not in the tenant's slot");
     }
     let stream_slot = keyslot(port0, sluice_billing::ingest::USAGE_STREAM)?;
-    for k in [sluice_billing::ingest::DEAD_LETTER_STREAM, sluice_billing::api::CONTROL_VERSION_KEY]
-    {
+    let control = sluice_billing::redis_conn::Namespace::default().control_version_key();
+    for k in [sluice_billing::ingest::DEAD_LETTER_STREAM, &control] {
         ensure!(keyslot(port0, k)? == stream_slot, "{k} is not in the usage stream's slot");
     }
     // Other tenants spread over the slots (the tag is per tenant, not one for all).

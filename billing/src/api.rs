@@ -29,11 +29,7 @@ use crate::auth::{AuthError, Principal, Role, Verifier};
 use crate::control::{AdminError, Limits, NewTenant, QuotaSettings, TIERS, TenantChange};
 use crate::ingest::ConsumerStats;
 use crate::query::{AuditFilter, RECORD_COLUMNS, RecordFilter, UsageFilter, decode_cursor};
-
-/// Redis pub/sub channel announcing control-plane changes to gateways.
-pub const CONTROL_CHANNEL: &str = "{sluice}:control";
-/// Redis counter bumped on every control-plane change (gateways may poll it).
-pub const CONTROL_VERSION_KEY: &str = "{sluice}:control:version";
+use crate::redis_conn::Namespace;
 
 /// Shared state of the API.
 pub struct ApiState {
@@ -41,8 +37,11 @@ pub struct ApiState {
     pub ledger: Ledger,
     /// Token verification.
     pub verifier: Verifier,
-    /// Where control-plane changes are announced, when configured.
-    pub redis: Option<crate::redis_conn::RedisConn>,
+    /// Where control-plane changes are announced, when configured: the connection, and
+    /// the deployment's namespace, whose channel ([`Namespace::control_channel`]) and
+    /// counter ([`Namespace::control_version_key`], bumped on every change: gateways may poll
+    /// it) they go to.
+    pub redis: Option<(crate::redis_conn::RedisConn, Namespace)>,
     /// Draining and ingestion, for `/readyz` and `/metrics`.
     pub service: Arc<ServiceStatus>,
 }
@@ -358,15 +357,15 @@ fn text_param(q: &HashMap<String, String>, name: &str) -> ApiResult<Option<Strin
 /// Announces a change to gateways: bump the version counter, then publish. A Redis failure
 /// is logged, not returned: the change is committed, and gateways also poll the counter.
 async fn announce(state: &ApiState, kind: &str, tenant: &str) {
-    let Some(redis) = &state.redis else { return };
+    let Some((redis, namespace)) = &state.redis else { return };
     let mut conn = redis.clone();
     let version: Result<i64, _> =
-        redis::cmd("INCR").arg(CONTROL_VERSION_KEY).query_async(&mut conn).await;
+        redis::cmd("INCR").arg(namespace.control_version_key()).query_async(&mut conn).await;
     let result = match version {
         Ok(v) => {
             let msg = json!({"version": v, "kind": kind, "tenant_id": tenant}).to_string();
             redis::cmd("PUBLISH")
-                .arg(CONTROL_CHANNEL)
+                .arg(namespace.control_channel())
                 .arg(msg)
                 .query_async::<i64>(&mut conn)
                 .await
@@ -1058,7 +1057,7 @@ async fn metrics(State(state): State<Arc<ApiState>>) -> Response {
         ] {
             family(name, "counter", help, v as f64);
         }
-        if let Some(redis) = &state.redis {
+        if let Some((redis, _)) = &state.redis {
             let mut conn = redis.clone();
             let pending = tokio::time::timeout(
                 std::time::Duration::from_secs(1),

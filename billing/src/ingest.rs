@@ -34,9 +34,11 @@ use tokio::sync::watch;
 use crate::redis_conn::{RedisConn, RedisTarget};
 use crate::{BillingError, Ledger, UsageEvent};
 
-/// Stream gateways publish usage events to.
+/// Stream gateways publish usage events to, in the default namespace
+/// ([`Namespace::usage_stream`](crate::redis_conn::Namespace::usage_stream) names another's).
 pub const USAGE_STREAM: &str = "{sluice}:usage";
-/// Stream that receives entries that can never be inserted.
+/// Stream that receives entries that can never be inserted: the usage stream's name and
+/// `:dead` (the same hash tag, so the same Cluster slot).
 pub const DEAD_LETTER_STREAM: &str = "{sluice}:usage:dead";
 /// Consumer group shared by billing replicas.
 pub const CONSUMER_GROUP: &str = "billing";
@@ -543,4 +545,16 @@ fn decode_entry(stream_id: &StreamId) -> Result<UsageEvent, Malformed> {
         return Err(Malformed { category, detail: err.to_string(), raw });
     }
     Ok(event)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{DEAD_LETTER_STREAM, USAGE_STREAM};
+    use crate::redis_conn::Namespace;
+
+    #[test]
+    fn the_default_streams_are_the_default_namespaces() {
+        assert_eq!(Namespace::default().usage_stream(), USAGE_STREAM);
+        assert_eq!(format!("{USAGE_STREAM}:dead"), DEAD_LETTER_STREAM);
+    }
 }

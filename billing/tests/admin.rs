@@ -15,10 +15,11 @@ use common::{
 };
 use reqwest::{Method, StatusCode};
 use serde_json::{Value, json};
-use sluice_billing::api::{ApiState, CONTROL_CHANNEL, CONTROL_VERSION_KEY, ServiceStatus, router};
+use sluice_billing::api::{ApiState, ServiceStatus, router};
 use sluice_billing::auth::{Principal, Role, Verifier, mint_hs256};
 use sluice_billing::ingest::{IngestConfig, UsageConsumer, publish_to};
 use sluice_billing::query::RECORD_COLUMNS;
+use sluice_billing::redis_conn::Namespace;
 use sluice_billing::{FinishReason, Ledger};
 
 const SECRET: &[u8] = b"test-secret-test-secret-test-secret!";
@@ -28,13 +29,18 @@ struct Api {
     http: reqwest::Client,
     ledger: Ledger,
     service: Arc<ServiceStatus>,
+    /// The Redis namespace announcements go under (the test's own).
+    namespace: Namespace,
     _server: tokio::task::JoinHandle<()>,
 }
 
 async fn start(url: &str, redis: bool) -> anyhow::Result<Api> {
     let ledger = Ledger::connect(url).await?;
+    let namespace = Namespace::new(&format!("admin-test-{}", uuid::Uuid::new_v4().simple()))
+        .map_err(anyhow::Error::msg)?;
     let redis = if redis {
-        Some(sluice_billing::redis_conn::RedisTarget::open(REDIS_URL)?.connect().await?)
+        let conn = sluice_billing::redis_conn::RedisTarget::open(REDIS_URL)?.connect().await?;
+        Some((conn, namespace.clone()))
     } else {
         None
     };
@@ -56,6 +62,7 @@ async fn start(url: &str, redis: bool) -> anyhow::Result<Api> {
         http: reqwest::Client::new(),
         ledger,
         service,
+        namespace,
         _server: server,
     })
 }
@@ -782,9 +789,11 @@ async fn quota_changes_are_announced_to_gateways() -> anyhow::Result<()> {
     api.ok(Method::POST, "/v1/tenants", &ops, Some(json!({"id": "acme"}))).await?;
     let client = redis::Client::open(REDIS_URL)?;
     let mut conn = client.get_multiplexed_async_connection().await?;
-    let before: i64 = redis::AsyncCommands::get(&mut conn, CONTROL_VERSION_KEY).await.unwrap_or(0);
+    // The API's own namespace: the announcement is named under it, not the default's.
+    let (channel, version) = (api.namespace.control_channel(), api.namespace.control_version_key());
+    let before: i64 = redis::AsyncCommands::get(&mut conn, &version).await.unwrap_or(0);
     let mut pubsub = client.get_async_pubsub().await?;
-    pubsub.subscribe(CONTROL_CHANNEL).await?;
+    pubsub.subscribe(&channel).await?;
     api.ok(Method::PUT, "/v1/tenants/acme/quota", &ops, Some(json!({"rpm": 3}))).await?;
     let mut messages = pubsub.on_message();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
@@ -795,13 +804,13 @@ async fn quota_changes_are_announced_to_gateways() -> anyhow::Result<()> {
             .context("pubsub closed")?;
         let payload: String = msg.get_payload()?;
         let v: Value = serde_json::from_str(&payload)?;
-        // Other tests may announce on the same channel; wait for ours.
+        // Only this API announces on its namespace's channel; still, wait for ours.
         if v["tenant_id"] == "acme" && v["kind"] == "quota" {
             ensure!(v["version"].as_i64().is_some_and(|n| n > before), "{v}");
             break;
         }
     }
-    let after: i64 = redis::AsyncCommands::get(&mut conn, CONTROL_VERSION_KEY).await?;
+    let after: i64 = redis::AsyncCommands::get(&mut conn, &version).await?;
     if after <= before {
         bail!("version counter did not move: {before} -> {after}");
     }

@@ -14,7 +14,7 @@ use pingora::server::configuration::ServerConf;
 use sluice_billing::local::{LocalIngest, LocalIngestConfig};
 use sluice_billing::{BillingError, Ledger};
 use sluice_policies::prices::PRICES;
-use sluice_policies::redis_conn::RedisTarget;
+use sluice_policies::redis_conn::{Namespace, RedisTarget};
 
 use crate::drain::DrainOnSignal;
 use crate::journal::Journal;
@@ -159,13 +159,15 @@ pub struct Usage {
 }
 
 impl Usage {
-    /// With Redis: shared limits and the usage stream `stream` to billing (the ledger is the
-    /// fallback). Without: per-process limits and the local writer on `database_url`, at
-    /// background priority on a thread of its own, so serving goes first.
+    /// With Redis: shared limits (under `namespace`, as the journal and the peers' keys are)
+    /// and the usage stream `stream` to billing (the ledger is the fallback). Without:
+    /// per-process limits and the local writer on `database_url`, at background priority on a
+    /// thread of its own, so serving goes first.
     pub async fn connect(
         ledger: &Ledger,
         database_url: &str,
         redis_url: Option<&str>,
+        namespace: &Namespace,
         stream: &str,
     ) -> Result<Usage, StartError> {
         let redis = |what| move |source| StartError::Redis { what, source };
@@ -173,7 +175,8 @@ impl Usage {
             Some(url) => {
                 let client = RedisTarget::open(url).map_err(redis("--redis-url"))?;
                 let conn = client.connect().await.map_err(redis("connecting to --redis-url"))?;
-                let limiter = Limiter::new(conn.clone(), "sluice", Duration::from_secs(600));
+                let limiter =
+                    Limiter::new(conn.clone(), namespace.as_str(), Duration::from_secs(600));
                 let sink = UsageSink::Redis {
                     conn,
                     stream: stream.to_owned(),

@@ -12,7 +12,7 @@ use sluice_billing::auth::{Principal, Role, Verifier, mint_hs256};
 use sluice_billing::control::MAX_WEIGHT;
 use sluice_billing::ingest::{IngestConfig, UsageConsumer};
 use sluice_billing::{Ledger, LedgerOptions};
-use sluice_policies::redis_conn::RedisTarget;
+use sluice_policies::redis_conn::{Namespace, RedisTarget};
 
 /// JWT settings shared by the service and `sluice admin token`.
 #[derive(Args, Debug)]
@@ -76,9 +76,14 @@ pub struct BillingArgs {
     /// This replica's consumer name in the usage stream's group.
     #[arg(long, default_value = "billing-1")]
     consumer: String,
-    /// Usage stream to consume (tests isolate themselves with their own).
-    #[arg(long, hide = true, default_value = sluice_billing::ingest::USAGE_STREAM)]
-    usage_stream: String,
+    /// The deployment's namespace in Redis: the usage stream consumed and the control
+    /// channel are named under it (the gateways of the deployment name the same one).
+    #[arg(long, env = "SLUICE_REDIS_NAMESPACE", value_name = "NAME", default_value = Namespace::DEFAULT)]
+    redis_namespace: Namespace,
+    /// Usage stream to consume (default: the namespace's; tests isolate themselves with their
+    /// own).
+    #[arg(long, hide = true)]
+    usage_stream: Option<String>,
     /// Consumer group on the usage stream.
     #[arg(long, hide = true, default_value = sluice_billing::ingest::CONSUMER_GROUP)]
     consumer_group: String,
@@ -209,11 +214,14 @@ pub fn run_billing(args: BillingArgs) -> anyhow::Result<()> {
         let mut redis = None;
         if let Some(url) = &args.redis_url {
             let client = RedisTarget::open(url).context("--redis-url")?;
-            redis = Some(client.connect().await.context("connecting to --redis-url")?);
+            let conn = client.connect().await.context("connecting to --redis-url")?;
+            redis = Some((conn, args.redis_namespace.clone()));
+            let stream =
+                args.usage_stream.clone().unwrap_or_else(|| args.redis_namespace.usage_stream());
             let mut config = IngestConfig::new(&args.consumer);
             // The dead-letter stream shares the usage stream's hash tag (same cluster slot).
-            config.dead_letter_stream = format!("{}:dead", args.usage_stream);
-            config.stream = args.usage_stream.clone();
+            config.dead_letter_stream = format!("{stream}:dead");
+            config.stream = stream.clone();
             config.group = args.consumer_group.clone();
             if let Some(idle) = args.claim_min_idle {
                 let idle = std::time::Duration::from_secs(idle);
@@ -223,7 +231,7 @@ pub fn run_billing(args: BillingArgs) -> anyhow::Result<()> {
             let consumer = UsageConsumer::new(client, ledger.clone(), config)
                 .await
                 .context("joining the usage stream's consumer group")?;
-            service.set_consumer(consumer.stats(), &args.usage_stream, &args.consumer_group);
+            service.set_consumer(consumer.stats(), &stream, &args.consumer_group);
             consumer_task = Some(tokio::spawn(consumer.run(stop_rx)));
         }
         let state = Arc::new(ApiState {

@@ -38,8 +38,13 @@ use sluice_gateway::admission::TokenCounter;
 use sluice_gateway::door::SERVICE_NAME;
 use sluice_gateway::local::RedisDownPolicy;
 use sluice_gateway::proxy::{Gateway, GatewayConfig};
+use sluice_policies::redis_conn::Namespace;
 
 use sluice_gateway::platform::{IoRuntime, Usage, finish, run_proxy_until};
+
+/// The Redis namespace of the bench's `--redis-url` runs: its tenant's counters and its
+/// gateway's journal never mix with those of a deployment that shares the Redis.
+const BENCH_NAMESPACE: &str = "sluice-bench";
 
 /// `sluice bench gateway`.
 #[derive(Args, Debug)]
@@ -406,7 +411,10 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
         ledger.create_tenant(&ops, &new).await?;
         let (_, key) = ledger.issue_key(&ops, "bench", None, None, Default::default()).await?;
         let usage = match &redis_url {
-            Some(url) => Usage::connect(&ledger, &db, Some(url), &stream).await?,
+            Some(url) => {
+                let ns = Namespace::new(BENCH_NAMESPACE).map_err(anyhow::Error::msg)?;
+                Usage::connect(&ledger, &db, Some(url), &ns, &stream).await?
+            }
             // As in `sluice up`: the usage writer at background priority on a thread of its
             // own.
             None => Usage::local(&db).await?,
@@ -460,7 +468,7 @@ pub fn run_bench_gateway(args: BenchGatewayArgs) -> anyhow::Result<()> {
             let mut conn =
                 redis::Client::open(url.as_str())?.get_multiplexed_async_connection().await?;
             // Its gateway's entry in the journal's list, which no other gateway would sweep.
-            let members = format!("sluice:gateways:{stream}");
+            let members = format!("{BENCH_NAMESPACE}:gateways:{stream}");
             redis::cmd("DEL").arg(&stream).arg(members).query_async::<()>(&mut conn).await
         })?;
     }

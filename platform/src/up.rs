@@ -22,6 +22,7 @@ use sluice_gateway::admission::TokenCounter;
 use sluice_gateway::local::RedisDownPolicy;
 use sluice_gateway::platform::{IoRuntime, Usage, finish, run_proxy, serve_metrics};
 use sluice_gateway::proxy::{Gateway, GatewayConfig};
+use sluice_policies::redis_conn::Namespace;
 use sluice_text::model::model_id_of;
 
 /// `sluice gateway`.
@@ -63,9 +64,14 @@ pub struct GatewayArgs {
     redis_down: String,
     #[command(flatten)]
     front: FrontDoorArgs,
-    /// Usage stream (tests isolate themselves with their own).
-    #[arg(long, hide = true, default_value = sluice_billing::ingest::USAGE_STREAM)]
-    usage_stream: String,
+    /// The deployment's namespace in Redis: every key, stream and channel the gateway uses
+    /// there is named under it, so deployments sharing one Redis share nothing (their
+    /// `sluice billing` names the same one).
+    #[arg(long, env = "SLUICE_REDIS_NAMESPACE", value_name = "NAME", default_value = Namespace::DEFAULT)]
+    redis_namespace: Namespace,
+    /// Usage stream (default: the namespace's; tests isolate themselves with their own).
+    #[arg(long, hide = true)]
+    usage_stream: Option<String>,
 }
 
 /// The models `sluice up` serves: those named (files, directories or catalog names, fetched
@@ -106,13 +112,11 @@ pub fn run_gateway(args: GatewayArgs) -> anyhow::Result<()> {
         let ledger = Ledger::connect_with(&args.database_url, &LedgerOptions::default())
             .await
             .context("connecting to --database-url")?;
-        let usage = Usage::connect(
-            &ledger,
-            &args.database_url,
-            args.redis_url.as_deref(),
-            &args.usage_stream,
-        )
-        .await?;
+        let ns = &args.redis_namespace;
+        let stream = args.usage_stream.clone().unwrap_or_else(|| ns.usage_stream());
+        let usage =
+            Usage::connect(&ledger, &args.database_url, args.redis_url.as_deref(), ns, &stream)
+                .await?;
         anyhow::Ok((ledger, usage))
     })?;
     let Usage { limiter, sink, ingest } = usage;

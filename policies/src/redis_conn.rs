@@ -274,3 +274,94 @@ impl ConnectionLike for RedisConn {
         }
     }
 }
+
+/// The names one deployment's state lives under in Redis (`--redis-namespace`), so that
+/// deployments sharing a Redis (staging beside production, two teams' platforms) share
+/// nothing: not a tenant's counters, reservations and journals, nor the usage stream one
+/// billing service consumes into its ledger, nor the control-plane announcements.
+///
+/// A namespace `ns` names the tenants' keys `{ns:t:<tenant>}:…` (one hash tag a tenant),
+/// the gateways' journals and peers `ns:…`, and the usage stream, its dead letters and the
+/// control channel `{ns}:…` (one hash tag for those): every script and pipeline still
+/// touches one Cluster slot.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Namespace(String);
+
+impl Namespace {
+    /// The namespace of a deployment that names none.
+    pub const DEFAULT: &'static str = "sluice";
+    /// The longest a namespace may be.
+    pub const MAX_LEN: usize = 64;
+
+    /// A namespace of 1 to [`Namespace::MAX_LEN`] ASCII letters, digits, `-`, `_` and `.`
+    /// (no `{`, `}` or `:`, which would move the hash tags or the separators); the error says
+    /// what is wrong.
+    pub fn new(name: &str) -> Result<Namespace, String> {
+        if name.is_empty() || name.len() > Self::MAX_LEN {
+            return Err(format!("must be 1 to {} characters (got {})", Self::MAX_LEN, name.len()));
+        }
+        match name.chars().find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'))) {
+            Some(c) => Err(format!("{c:?} is not allowed: only ASCII letters, digits, -, _ and .")),
+            None => Ok(Namespace(name.to_owned())),
+        }
+    }
+
+    /// The name itself: the prefix of the limits, journals and peers.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The usage stream gateways publish to and billing consumes.
+    pub fn usage_stream(&self) -> String {
+        format!("{{{}}}:usage", self.0)
+    }
+
+    /// The channel billing announces control-plane changes on.
+    pub fn control_channel(&self) -> String {
+        format!("{{{}}}:control", self.0)
+    }
+
+    /// The counter of those changes.
+    pub fn control_version_key(&self) -> String {
+        format!("{{{}}}:control:version", self.0)
+    }
+}
+
+impl Default for Namespace {
+    fn default() -> Self {
+        Namespace(Self::DEFAULT.to_owned())
+    }
+}
+
+impl std::str::FromStr for Namespace {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        Namespace::new(s)
+    }
+}
+
+impl std::fmt::Display for Namespace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Namespace;
+
+    #[test]
+    fn a_namespace_names_every_shared_key_and_refuses_what_would_move_a_hash_tag() {
+        let ns = Namespace::new("blue-prod.2").map_err(|e| e.to_string());
+        assert_eq!(ns.as_ref().map(Namespace::usage_stream), Ok("{blue-prod.2}:usage".into()));
+        assert_eq!(ns.as_ref().map(Namespace::control_channel), Ok("{blue-prod.2}:control".into()));
+        let default = Namespace::default();
+        assert_eq!(default.as_str(), "sluice");
+        assert_eq!(default.control_version_key(), "{sluice}:control:version");
+        for bad in ["", "a{b", "a}b", "a:b", "a b", "é", &"x".repeat(65)] {
+            assert!(Namespace::new(bad).is_err(), "{bad:?} was taken");
+        }
+        assert!(Namespace::new(&"x".repeat(64)).is_ok());
+    }
+}
