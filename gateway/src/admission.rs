@@ -592,19 +592,21 @@ pub struct Served {
     pub default_max_tokens: u64,
 }
 
-/// A generation request that passed [`check`].
-#[derive(Clone, Debug, PartialEq)]
-pub struct Checked {
-    /// The body to forward: defaults filled in, usage asked for in streams, the gateway's
-    /// own prompt token ids, the model named by its id (not an alias).
-    pub body: Bytes,
-    /// The model's id.
-    pub model: String,
+/// What a request asks for, as admission read it: kept once, for the engine's headers, the
+/// stream's handling, the reservation and the usage event. A refused request keeps what was
+/// read before the refusal (the model it named, at least, when it named one).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Asked {
+    /// The model's id (an alias resolved), once named; the name asked for, when the request
+    /// was refused for it.
+    pub model: Option<String>,
+    /// The tenant adapter it runs under (`tenant/name@revision`), for the engine's
+    /// `x-sluice-adapter` header.
+    pub adapter: Option<String>,
     /// Prompt tokens, as the engine will count them.
     pub prompt_tokens: u64,
-    /// Choices asked for (`n`): the sequences the engine will run.
-    pub choices: u64,
-    /// The most the request can use: its prompt and the largest output of every choice.
+    /// The most the request can use: its prompt and the largest output of every choice (what
+    /// its admission reserves).
     pub reserved: u64,
     /// SHA-256 of the prompt (the rendered chat, the raw prompt or its token ids), hex.
     pub prompt_sha256: String,
@@ -619,13 +621,29 @@ pub struct Checked {
     pub stream: bool,
     /// The stream's usage-only chunk is the gateway's, not the client's: held back.
     pub strip_usage: bool,
-    /// The parameter that holds the prompt (`messages` or `prompt`).
-    pub prompt_param: &'static str,
     /// The latency targets the request is held to.
     pub slo: Slo,
-    /// The tenant adapter it runs under (`tenant/name@revision`), for the engine's
-    /// `x-sluice-adapter` header.
-    pub adapter: Option<String>,
+}
+
+/// A generation request that passed [`check`]: the body to forward and what it asks for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Checked {
+    /// The body to forward: defaults filled in, usage asked for in streams, the gateway's
+    /// own prompt token ids, the model named by its id (not an alias).
+    pub body: Bytes,
+    /// Choices asked for (`n`): the sequences the engine will run.
+    pub choices: u64,
+    /// The parameter that holds the prompt (`messages` or `prompt`).
+    pub prompt_param: &'static str,
+    /// What it asks for (its model always named).
+    pub asked: Asked,
+}
+
+impl Checked {
+    /// The model's id.
+    pub fn model(&self) -> &str {
+        self.asked.model.as_deref().unwrap_or_default()
+    }
 }
 
 /// The latency targets a request is held to, in milliseconds: its tier's
@@ -769,19 +787,21 @@ pub fn check_as(
         .map(|u| sluice_billing::event::user_sha256(&grant.tenant_id, u));
     Ok(Checked {
         body: Bytes::from(v.to_string()),
-        model: entry.id.clone(),
-        prompt_tokens,
         choices: n,
-        reserved: prompt_tokens.saturating_add(max_tokens.saturating_mul(n)),
-        prompt_sha256: hex_digest(prompt_text.as_bytes()),
-        prompt_chars: prompt_text.chars().count() as u64,
-        user_sha256,
-        affinity: prompt_text.chars().take(512).collect(),
-        stream,
-        strip_usage,
         prompt_param: param,
-        slo,
-        adapter: adapter_id,
+        asked: Asked {
+            model: Some(entry.id.clone()),
+            adapter: adapter_id,
+            prompt_tokens,
+            reserved: prompt_tokens.saturating_add(max_tokens.saturating_mul(n)),
+            prompt_sha256: hex_digest(prompt_text.as_bytes()),
+            prompt_chars: prompt_text.chars().count() as u64,
+            user_sha256,
+            affinity: prompt_text.chars().take(512).collect(),
+            stream,
+            strip_usage,
+            slo,
+        },
     })
 }
 
@@ -901,8 +921,8 @@ fn prompt_of(
 /// the refused request's row still records the prompt it brought).
 pub fn within_prompt_limit(grant: &KeyGrant, checked: &Checked) -> Result<(), Refusal> {
     match grant.quota.max_prompt_tokens.and_then(|m| u64::try_from(m).ok()) {
-        Some(limit) if checked.prompt_tokens > limit => Err(Refusal::PromptTooLong {
-            tokens: checked.prompt_tokens,
+        Some(limit) if checked.asked.prompt_tokens > limit => Err(Refusal::PromptTooLong {
+            tokens: checked.asked.prompt_tokens,
             limit,
             param: checked.prompt_param,
         }),
@@ -1062,10 +1082,11 @@ mod tests {
             assert!(r.is_some_and(|r| r.status() == 400 && r.param() == Some(param)), "{extra}");
         }
         // Offered tools are part of the prompt the engine runs, and counted with it.
-        let plain = chat(json!({})).map(|c| c.prompt_tokens).map_err(|r| r.message())?;
+        let plain = chat(json!({})).map(|c| c.asked.prompt_tokens).map_err(|r| r.message())?;
         let offered =
-            chat(json!({"tools": f})).map(|c| c.prompt_tokens).map_err(|r| r.message())?;
-        let declined = chat(json!({"tools": f, "tool_choice": "none"})).map(|c| c.prompt_tokens);
+            chat(json!({"tools": f})).map(|c| c.asked.prompt_tokens).map_err(|r| r.message())?;
+        let declined =
+            chat(json!({"tools": f, "tool_choice": "none"})).map(|c| c.asked.prompt_tokens);
         assert!(offered > plain + 20, "{offered} vs {plain}");
         assert_eq!(declined.map_err(|r| r.message())?, plain);
         Ok(())
@@ -1078,16 +1099,16 @@ mod tests {
         // The grant's tier is standard: TTFT 1000 ms, TPOT 100 ms.
         let tier = Slo { ttft_ms: Some(1000), tpot_ms: Some(100) };
         assert_eq!(
-            completions(q(), json!({"model": "m", "prompt": "hi"})).map(|c| c.slo),
+            completions(q(), json!({"model": "m", "prompt": "hi"})).map(|c| c.asked.slo),
             Ok(tier)
         );
-        assert_eq!(completions(q(), body(Value::Null)).map(|c| c.slo), Ok(tier));
+        assert_eq!(completions(q(), body(Value::Null)).map(|c| c.asked.slo), Ok(tier));
         let looser = completions(q(), body(json!({"tpot_ms": 250}))).map_err(|r| r.message())?;
-        assert_eq!(looser.slo, Slo { ttft_ms: Some(1000), tpot_ms: Some(250) });
+        assert_eq!(looser.asked.slo, Slo { ttft_ms: Some(1000), tpot_ms: Some(250) });
         let sent: Value = serde_json::from_slice(&looser.body)?;
         assert!(sent.get("slo").is_none(), "the engine takes targets from the gateway only");
         let both = completions(q(), body(json!({"ttft_ms": 1000, "tpot_ms": 100})));
-        assert_eq!(both.map(|c| c.slo), Ok(tier));
+        assert_eq!(both.map(|c| c.asked.slo), Ok(tier));
         for (slo, param) in [
             (json!({"tpot_ms": 99}), "slo.tpot_ms"),
             (json!({"ttft_ms": 500}), "slo.ttft_ms"),
@@ -1127,19 +1148,19 @@ mod tests {
         let carried: sluice_text::tokenizer::PromptTokens =
             serde_json::from_value(sent[PROMPT_FIELD].clone())?;
         assert_eq!(carried.ids, c.encode("hello world")?);
-        assert_eq!(carried.ids.len() as u64, checked.prompt_tokens);
+        assert_eq!(carried.ids.len() as u64, checked.asked.prompt_tokens);
         assert_eq!(carried.tokenizer_revision, c.revision());
         assert_eq!(carried.chat_template_version, None, "a completion has no template");
         assert_eq!(sent["max_tokens"], 512);
         assert_eq!(sent["stream_options"]["include_usage"], true);
-        assert!(checked.stream && checked.strip_usage);
-        assert!(checked.prompt_tokens > 0);
-        assert_eq!(checked.reserved, checked.prompt_tokens + 2 * 512);
-        assert_eq!(checked.prompt_sha256, hex_digest(b"hello world"));
-        assert_eq!(checked.user_sha256, None, "no user, no hash");
+        assert!(checked.asked.stream && checked.asked.strip_usage);
+        assert!(checked.asked.prompt_tokens > 0);
+        assert_eq!(checked.asked.reserved, checked.asked.prompt_tokens + 2 * 512);
+        assert_eq!(checked.asked.prompt_sha256, hex_digest(b"hello world"));
+        assert_eq!(checked.asked.user_sha256, None, "no user, no hash");
         // The prompt limit is its own step, after the prompt was counted.
         let r = within_prompt_limit(&grant(quota), &checked);
-        if checked.prompt_tokens > 3 {
+        if checked.asked.prompt_tokens > 3 {
             let r = r.err().ok_or("over the prompt limit, yet passed")?;
             assert_eq!(
                 (r.status(), r.code(), r.param()),
@@ -1150,8 +1171,8 @@ mod tests {
         }
         let ids = completions(QuotaSettings::default(), json!({"model": "m", "prompt": [1, 2, 3]}))
             .map_err(|r| r.message())?;
-        assert_eq!(ids.prompt_tokens, 3);
-        assert!(!ids.strip_usage);
+        assert_eq!(ids.asked.prompt_tokens, 3);
+        assert!(!ids.asked.strip_usage);
         let sent: Value = serde_json::from_slice(&ids.body)?;
         assert!(sent.get(PROMPT_FIELD).is_none(), "client token ids are the engine's to check");
         // A chat's ids name the template that rendered it, too.
@@ -1162,7 +1183,7 @@ mod tests {
         let sent: Value = serde_json::from_slice(&checked.body)?;
         assert_eq!(
             sent[PROMPT_FIELD]["ids"].as_array().map(Vec::len),
-            Some(checked.prompt_tokens as usize)
+            Some(checked.asked.prompt_tokens as usize)
         );
         assert!(
             sent[PROMPT_FIELD]["chat_template_version"]
@@ -1174,7 +1195,7 @@ mod tests {
             completions(QuotaSettings::default(), json!({"model": "default", "prompt": "hi"}))
                 .map_err(|r| r.message())?;
         let sent: Value = serde_json::from_slice(&aliased.body)?;
-        assert_eq!((aliased.model.as_str(), &sent["model"]), ("m", &json!("m")));
+        assert_eq!((aliased.model(), &sent["model"]), ("m", &json!("m")));
         let only_m = QuotaSettings { allowed_models: vec!["m".into()], ..QuotaSettings::default() };
         assert!(completions(only_m, json!({"model": "default", "prompt": "hi"})).is_ok());
         Ok(())

@@ -35,8 +35,8 @@ use sluice_wire::header as internal;
 use sluice_wire::{EngineTimings, ExecutionIdentity, Outcome as EngineOutcome, Usage};
 
 use crate::admission::{
-    self, Checked, Endpoint, MAX_BODY_BYTES, Refusal, Route, Served, Slo, TokenCounter, error_json,
-    hex_digest, rate_headers,
+    self, Asked, Checked, Endpoint, MAX_BODY_BYTES, Refusal, Route, Served, TokenCounter,
+    error_json, hex_digest, rate_headers,
 };
 use crate::catalog::Catalog;
 use crate::conclude::{Conclusion, Counts, Facts, Failure, Side, conclude};
@@ -514,51 +514,6 @@ pub struct Ctx {
     fair_slot: Option<Slot>,
 }
 
-/// What a request asks for, as admission read it: kept once, for the engine's headers, the
-/// stream's handling, the reservation and the usage event. A refused request keeps what was
-/// read before the refusal (the model it named, at least, when it named one).
-#[derive(Debug, Default)]
-struct Asked {
-    /// The model's id (an alias resolved), once named; the name asked for, when the request
-    /// was refused for it.
-    model: Option<String>,
-    /// The tenant adapter it runs under (`tenant/name@revision`).
-    adapter: Option<String>,
-    prompt_tokens: u64,
-    /// Prompt and the largest output of every choice: what its admission reserves.
-    reserved: u64,
-    prompt_sha256: String,
-    prompt_chars: u64,
-    /// The request's `user`, hashed with the tenant's id.
-    user_sha256: Option<String>,
-    /// The prompt's start, for prefix affinity over the engines.
-    affinity: String,
-    stream: bool,
-    /// The stream's usage-only chunk is the gateway's, not the client's: held back.
-    strip_usage: bool,
-    /// The latency targets it is held to.
-    slo: Slo,
-}
-
-impl Asked {
-    /// What `checked` asks for (its body is forwarded apart).
-    fn of(checked: &mut Checked) -> Self {
-        Asked {
-            model: Some(checked.model.clone()),
-            adapter: checked.adapter.clone(),
-            prompt_tokens: checked.prompt_tokens,
-            reserved: checked.reserved,
-            prompt_sha256: std::mem::take(&mut checked.prompt_sha256),
-            prompt_chars: checked.prompt_chars,
-            user_sha256: checked.user_sha256.take(),
-            affinity: std::mem::take(&mut checked.affinity),
-            stream: checked.stream,
-            strip_usage: checked.strip_usage,
-            slo: checked.slo,
-        }
-    }
-}
-
 /// Where a request stands, as far as billing is concerned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Outcome {
@@ -671,7 +626,7 @@ impl Gateway {
             return Err(Refusal::InvalidIdempotencyKey);
         }
         let body = self.read_body(session).await?;
-        let checked = self.check_kept(endpoint, &grant, &body, ctx).await?;
+        let choices = self.check_kept(endpoint, &grant, &body, ctx).await?;
         // A replay needs no engine: resolved before the overload check (a refusal after a
         // claim releases it in `logging`).
         if let Some(key) = ctx.idempotency_key.clone()
@@ -679,7 +634,8 @@ impl Gateway {
         {
             return Ok(true);
         }
-        self.enqueue(ctx, &grant, &checked.model, checked.choices).await?;
+        let model = ctx.asked.model.clone().unwrap_or_default();
+        self.enqueue(ctx, &grant, &model, choices).await?;
         Ok(false)
     }
 
@@ -755,15 +711,16 @@ impl Gateway {
     }
 
     /// Checks the body ([`Gateway::check`]) and keeps the request's facts in `ctx`, refused or
-    /// not, so a refused row still records them; then refuses a model without a price (never
-    /// billed at a guess) and a prompt past the key's limit.
+    /// not, so a refused row still records them (and the body to forward); then refuses a
+    /// model without a price (never billed at a guess) and a prompt past the key's limit.
+    /// Returns the choices asked for.
     async fn check_kept(
         &self,
         endpoint: Endpoint,
         grant: &Arc<KeyGrant>,
         body: &Bytes,
         ctx: &mut Ctx,
-    ) -> std::result::Result<Checked, Refusal> {
+    ) -> std::result::Result<u64, Refusal> {
         let mut checked = match self.check(endpoint, grant, body).await {
             Ok(c) => c,
             Err(r) => {
@@ -783,13 +740,16 @@ impl Gateway {
         };
         // Judged after the prompt's facts are kept: a refused row still records them.
         let within_limit = admission::within_prompt_limit(grant, &checked);
-        ctx.asked = Asked::of(&mut checked);
-        if !self.cfg.prices.priced(&checked.model) {
-            return Err(Refusal::ModelNotPriced { model: checked.model.clone() });
+        let priced = self.cfg.prices.priced(checked.model());
+        ctx.asked = std::mem::take(&mut checked.asked);
+        if !priced {
+            return Err(Refusal::ModelNotPriced {
+                model: ctx.asked.model.clone().unwrap_or_default(),
+            });
         }
         within_limit?;
         ctx.body = Some(std::mem::take(&mut checked.body));
-        Ok(checked)
+        Ok(checked.choices)
     }
 
     /// Queues the admitted request: refused when every engine's queue is full and it would
@@ -1331,6 +1291,11 @@ impl Gateway {
     /// Emits the request's final event, then takes it out of the journal once delivered.
     async fn emit_final(&self, ctx: &mut Ctx, event: UsageEvent) {
         self.emit(event).await;
+        self.forget_delivered(ctx);
+    }
+
+    /// Takes a request whose final event went out of the journal, once it is delivered.
+    fn forget_delivered(&self, ctx: &mut Ctx) {
         let Some(journal) = self.journal.as_ref().filter(|_| std::mem::take(&mut ctx.journaled))
         else {
             return;
@@ -1349,52 +1314,98 @@ impl Gateway {
         }
     }
 
-    async fn settle(&self, ctx: &mut Ctx, used: u64) {
-        let Outcome::Admitted { via, settled: false } = ctx.outcome else { return };
-        ctx.outcome = Outcome::Admitted { via, settled: true };
-        let Some(grant) = &ctx.grant else { return };
-        match via {
-            AdmitVia::Redis => {
-                if let Some(l) = &self.limiter {
-                    let (l, t, id) = (l.clone(), grant.tenant_id.clone(), ctx.request_id.clone());
-                    let key = ctx.key_scope.as_ref().map(|(k, _)| k.clone());
-                    let first = {
-                        let (l, t, id, key) = (l.clone(), t.clone(), id.clone(), key.clone());
-                        self.on_io(async move { l.settle(&t, key.as_deref(), &id, used).await })
-                            .await
-                    };
-                    if let Ok(Err(e)) = first {
-                        // Settling twice settles once (the script drops the reservation), so
-                        // a failed settlement (Redis restarting, say) is retried in the
-                        // background for a while; only past that does the reservation expire
-                        // instead.
-                        tracing::warn!(error = %e, "settlement failed; retrying");
-                        drop(self.io.spawn(async move {
-                            let mut delay = Duration::from_millis(200);
-                            let give_up = Instant::now() + SETTLE_RETRY_FOR;
-                            loop {
-                                tokio::time::sleep(delay).await;
-                                match l.settle(&t, key.as_deref(), &id, used).await {
-                                    Ok(_) => return,
-                                    Err(e) if Instant::now() >= give_up => {
-                                        tracing::warn!(error = %e, "settlement failed; the reservation expires instead");
-                                        return;
-                                    }
-                                    Err(_) => delay = (delay * 2).min(Duration::from_secs(5)),
-                                }
-                            }
-                        }));
-                    }
+    /// Settles an admitted request's reservation with the `used` tokens and emits its final
+    /// `event`. A reservation in Redis is settled in the same hand-off to the I/O runtime as
+    /// the event is emitted, the two side by side: one wake-up each way for both, and both
+    /// commands in one write when the connection finds them queued together.
+    async fn settle_and_emit(&self, ctx: &mut Ctx, used: u64, event: Option<UsageEvent>) {
+        let Some(settlement) = self.settle_here(ctx, used) else {
+            if let Some(event) = event {
+                self.emit_final(ctx, event).await;
+            }
+            return;
+        };
+        let emitted = event.is_some();
+        let (sink, id) = (self.usage.clone(), ctx.request_id.clone());
+        let s = settlement.clone();
+        let both = async move {
+            let settle = s.limiter.settle(&s.tenant, s.key.as_deref(), &s.request_id, used);
+            let emit = async {
+                match event {
+                    Some(event) => Some(sink.emit(event).await),
+                    None => None,
+                }
+            };
+            tokio::join!(settle, emit)
+        };
+        match self.on_io(both).await {
+            Ok((settled, emit)) => {
+                if let Err(e) = settled {
+                    tracing::warn!(error = %e, "settlement failed; retrying");
+                    self.settle_later(settlement, used);
+                }
+                if let Some(Err(e)) = emit {
+                    tracing::error!(error = %e, request_id = %id, "usage event not delivered");
                 }
             }
-            AdmitVia::Local => self.local.release(
-                &grant.tenant_id,
-                ctx.key_scope.as_ref().map(|(k, _)| k.as_str()),
-                ctx.asked.reserved,
-                used,
-            ),
+            Err(e) => tracing::error!(error = %e, request_id = %id, "usage task failed"),
+        }
+        if emitted {
+            self.forget_delivered(ctx);
         }
     }
+
+    /// Marks an admitted request settled, and settles it at once when its reservation was
+    /// made here (local limits); one made in Redis is returned, to settle there.
+    fn settle_here(&self, ctx: &mut Ctx, used: u64) -> Option<Settlement> {
+        let Outcome::Admitted { via, settled: false } = ctx.outcome else { return None };
+        ctx.outcome = Outcome::Admitted { via, settled: true };
+        let grant = ctx.grant.as_ref()?;
+        let key = ctx.key_scope.as_ref().map(|(k, _)| k.clone());
+        match via {
+            AdmitVia::Redis => Some(Settlement {
+                limiter: self.limiter.clone()?,
+                tenant: grant.tenant_id.clone(),
+                key,
+                request_id: ctx.request_id.clone(),
+            }),
+            AdmitVia::Local => {
+                self.local.release(&grant.tenant_id, key.as_deref(), ctx.asked.reserved, used);
+                None
+            }
+        }
+    }
+
+    /// Settling twice settles once (the script drops the reservation), so a failed
+    /// settlement (Redis restarting, say) is retried in the background for a while; only past
+    /// that does the reservation expire instead.
+    fn settle_later(&self, s: Settlement, used: u64) {
+        drop(self.io.spawn(async move {
+            let mut delay = Duration::from_millis(200);
+            let give_up = Instant::now() + SETTLE_RETRY_FOR;
+            loop {
+                tokio::time::sleep(delay).await;
+                match s.limiter.settle(&s.tenant, s.key.as_deref(), &s.request_id, used).await {
+                    Ok(_) => return,
+                    Err(e) if Instant::now() >= give_up => {
+                        tracing::warn!(error = %e, "settlement failed; the reservation expires instead");
+                        return;
+                    }
+                    Err(_) => delay = (delay * 2).min(Duration::from_secs(5)),
+                }
+            }
+        }));
+    }
+}
+
+/// A reservation in Redis to settle: the limiter, the tenant, the API key whose own limits it
+/// was also made under, the request.
+#[derive(Clone)]
+struct Settlement {
+    limiter: Limiter,
+    tenant: String,
+    key: Option<String>,
+    request_id: String,
 }
 
 /// How long a failed settlement of a Redis reservation is retried before it is left to expire.
@@ -2030,7 +2041,6 @@ impl Gateway {
         // A refused request used nothing of the quota (as the ledger, which seeds the windows,
         // counts it).
         let used = if is_refused(ctx.status) { 0 } else { ctx.asked.prompt_tokens + completion };
-        self.settle(ctx, used).await;
         if let Some(grant) = ctx.grant.as_ref().filter(|_| used > 0 && completion > 0) {
             self.fair.used(&grant.tenant_id, completion);
         }
@@ -2044,9 +2054,8 @@ impl Gateway {
         } else {
             self.release_claim(ctx).await;
         }
-        if let Some(ev) = self.event(ctx, Some(&timings), completion, cached, finish, error) {
-            self.emit_final(ctx, ev).await;
-        }
+        let event = self.event(ctx, Some(&timings), completion, cached, finish, error);
+        self.settle_and_emit(ctx, used, event).await;
     }
 }
 
