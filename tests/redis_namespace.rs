@@ -3,7 +3,7 @@
 //! by each (not 5 in all, as one shared counter would); each deployment's billing consumes its
 //! own usage stream into its own ledger, request id for request id; every key either writes
 //! lies under its namespace (a private Redis: nothing else writes there); a namespace that
-//! would move a hash tag is refused at start, naming the flag.
+//! would move a hash tag is refused at start, by the gateway and by billing, naming the flag.
 
 #[path = "../engine/tests/common/mod.rs"]
 mod common;
@@ -154,16 +154,39 @@ async fn deployments_sharing_a_redis_share_nothing_under_their_namespaces() -> a
         .collect();
     ensure!(stray.is_empty(), "keys outside both namespaces: {stray:?}");
 
-    // A namespace with a brace would move the hash tags: refused before anything starts.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
-        .args(["gateway", "--plain-http", "--engine", &engine, "--database-url", &blue.db.url])
-        .args(["--redis-url", &redis, "--redis-namespace", "a{b"])
-        .output()?;
-    let stderr = String::from_utf8_lossy(&out.stderr);
+    // A namespace with a brace or a colon would move the hash tags or the separators:
+    // refused before anything starts, by the gateway and by billing.
+    let gateway = ["gateway", "--plain-http", "--listen", "127.0.0.1:0", "--engine", &engine];
+    refused(&gateway, &blue.db.url, &redis, "a{b")?;
+    refused(&["billing", "--listen", "127.0.0.1:0"], &blue.db.url, &redis, "a:b")?;
+    Ok(())
+}
+
+/// `sluice ARGS` with the namespace `ns` exits 2 within 30 s, naming the flag.
+fn refused(args: &[&str], db: &str, redis: &str, ns: &str) -> anyhow::Result<()> {
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_sluice"))
+        .args(args)
+        .args(["--database-url", db, "--redis-url", redis, "--redis-namespace", ns])
+        .env("SLUICE_JWT_SECRET", JWT_SECRET)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            child.kill()?;
+            bail!("sluice {args:?} started with --redis-namespace {ns:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().context("stderr")?, &mut stderr)?;
     ensure!(
-        out.status.code() == Some(2) && stderr.contains("--redis-namespace"),
-        "{:?}: {stderr}",
-        out.status
+        status.code() == Some(2) && stderr.contains("--redis-namespace"),
+        "sluice {args:?} with {ns:?}: {status:?}: {stderr}"
     );
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! Durable, at-least-once usage ingestion from a Redis Stream into the [`Ledger`].
 //!
-//! Gateways `XADD {sluice}:usage * event <json>` ([`publish`]). Billing replicas share the
+//! Gateways `XADD {ns}:usage * event <json>` ([`publish_to`]; `ns` is the deployment's
+//! `--redis-namespace`, `sluice` by default: [`USAGE_STREAM`]). Billing replicas share the
 //! consumer group `billing`; each runs a [`UsageConsumer`] that reads a batch, inserts it with
 //! [`Ledger::insert_batch`] and `XACK`s the entries only after the transaction committed. An
 //! entry is therefore never acknowledged before it is in the ledger, and an entry delivered twice
@@ -16,7 +17,7 @@
 //! validation, refused by a constraint) are copied to the dead-letter stream and acknowledged in
 //! one MULTI/EXEC; logs carry the entry id and a reason category, never the payload.
 //!
-//! Keys carry the `{sluice}` hash tag so the stream and its dead-letter stream live in one
+//! Keys carry the `{ns}` hash tag so the stream and its dead-letter stream live in one
 //! Redis Cluster slot (required by the MULTI/EXEC). The stream is never trimmed here: trimming
 //! could delete entries not yet consumed.
 
@@ -98,7 +99,8 @@ pub struct IngestConfig {
 }
 
 impl IngestConfig {
-    /// Defaults for the production stream and group, under the given consumer name.
+    /// Defaults for the default namespace's stream and the group, under the given consumer
+    /// name.
     pub fn new(consumer: impl Into<String>) -> Self {
         Self {
             stream: USAGE_STREAM.to_owned(),

@@ -194,8 +194,8 @@ fn unlim(v: i64) -> Option<u64> {
 }
 
 impl Limiter {
-    /// A limiter whose keys start with `prefix` (`sluice` in production; tests isolate
-    /// themselves with their own), reservations living `reservation_ttl`.
+    /// A limiter whose keys start with `prefix` (the deployment's `--redis-namespace`; tests
+    /// isolate themselves with their own), reservations living `reservation_ttl`.
     pub fn new(conn: impl Into<RedisConn>, prefix: &str, reservation_ttl: Duration) -> Self {
         Self {
             conn: conn.into(),

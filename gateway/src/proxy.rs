@@ -13,12 +13,14 @@
 //! - `logging`: settle the reservation to the tokens used and emit exactly one usage event.
 
 use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::Bytes;
 use chrono::{DateTime, Datelike, DurationRound, Utc};
+use futures_util::FutureExt;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::prelude::{HttpPeer, Session};
 use pingora::proxy::ProxyHttp;
@@ -711,9 +713,9 @@ impl Gateway {
     }
 
     /// Checks the body ([`Gateway::check`]) and keeps the request's facts in `ctx`, refused or
-    /// not, so a refused row still records them (and the body to forward); then refuses a
-    /// model without a price (never billed at a guess) and a prompt past the key's limit.
-    /// Returns the choices asked for.
+    /// not, so a refused row still records them; then refuses a model without a price (never
+    /// billed at a guess) and a prompt past the key's limit. An admitted request's body to
+    /// forward goes into `ctx` too; it returns the choices asked for.
     async fn check_kept(
         &self,
         endpoint: Endpoint,
@@ -1314,10 +1316,11 @@ impl Gateway {
         }
     }
 
-    /// Settles an admitted request's reservation with the `used` tokens and emits its final
-    /// `event`. A reservation in Redis is settled in the same hand-off to the I/O runtime as
-    /// the event is emitted, the two side by side: one wake-up each way for both, and both
-    /// commands in one write when the connection finds them queued together.
+    /// Settles an admitted request's reservation with the `used` tokens (once: a second call
+    /// does nothing) and emits its final `event`. A reservation in Redis is settled in the same
+    /// hand-off to the I/O runtime as the event is emitted, the two side by side: one wake-up
+    /// each way for both, and both commands in one write when the connection finds them queued
+    /// together. A panic in one still lets the other finish, as two tasks would.
     async fn settle_and_emit(&self, ctx: &mut Ctx, used: u64, event: Option<UsageEvent>) {
         let Some(settlement) = self.settle_here(ctx, used) else {
             if let Some(event) = event {
@@ -1336,19 +1339,31 @@ impl Gateway {
                     None => None,
                 }
             };
-            tokio::join!(settle, emit)
+            let (settle, emit) = (AssertUnwindSafe(settle), AssertUnwindSafe(emit));
+            tokio::join!(settle.catch_unwind(), emit.catch_unwind())
         };
-        match self.on_io(both).await {
-            Ok((settled, emit)) => {
-                if let Err(e) = settled {
-                    tracing::warn!(error = %e, "settlement failed; retrying");
-                    self.settle_later(settlement, used);
-                }
-                if let Some(Err(e)) = emit {
-                    tracing::error!(error = %e, request_id = %id, "usage event not delivered");
-                }
+        let (settled, emitted_as) = match self.on_io(both).await {
+            Ok(both) => both,
+            Err(e) => {
+                // The runtime is going down: the journal keeps the entry for the recovery.
+                tracing::error!(error = %e, request_id = %id, "usage task failed");
+                return;
             }
-            Err(e) => tracing::error!(error = %e, request_id = %id, "usage task failed"),
+        };
+        match settled {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "settlement failed; retrying");
+                self.settle_later(settlement, used);
+            }
+            Err(_) => tracing::error!(request_id = %id, "settlement task panicked"),
+        }
+        match emitted_as {
+            Ok(Some(Err(e))) => {
+                tracing::error!(error = %e, request_id = %id, "usage event not delivered")
+            }
+            Err(_) => tracing::error!(request_id = %id, "usage task failed"),
+            Ok(_) => {}
         }
         if emitted {
             self.forget_delivered(ctx);
@@ -2041,6 +2056,13 @@ impl Gateway {
         // A refused request used nothing of the quota (as the ledger, which seeds the windows,
         // counts it).
         let used = if is_refused(ctx.status) { 0 } else { ctx.asked.prompt_tokens + completion };
+        // An idempotency claim ends after the settlement (a retry it lets run finds the
+        // quota settled) and before the event (a gateway dying in between leaves the claim to
+        // its journal's recovery); without one, settlement and event go out together.
+        let claimed = ctx.claim.is_some();
+        if claimed {
+            self.settle_and_emit(ctx, used, None).await;
+        }
         if let Some(grant) = ctx.grant.as_ref().filter(|_| used > 0 && completion > 0) {
             self.fair.used(&grant.tenant_id, completion);
         }
@@ -2055,7 +2077,13 @@ impl Gateway {
             self.release_claim(ctx).await;
         }
         let event = self.event(ctx, Some(&timings), completion, cached, finish, error);
-        self.settle_and_emit(ctx, used, event).await;
+        if claimed {
+            if let Some(event) = event {
+                self.emit_final(ctx, event).await;
+            }
+        } else {
+            self.settle_and_emit(ctx, used, event).await;
+        }
     }
 }
 

@@ -76,8 +76,9 @@ pub struct BillingArgs {
     /// This replica's consumer name in the usage stream's group.
     #[arg(long, default_value = "billing-1")]
     consumer: String,
-    /// The deployment's namespace in Redis: the usage stream consumed and the control
-    /// channel are named under it (the gateways of the deployment name the same one).
+    /// The deployment's namespace in Redis (1-64 ASCII letters, digits, `-`, `_`, `.`): the
+    /// usage stream consumed and the control channel are named under it (the deployment's
+    /// gateways name the same one).
     #[arg(long, env = "SLUICE_REDIS_NAMESPACE", value_name = "NAME", default_value = Namespace::DEFAULT)]
     redis_namespace: Namespace,
     /// Usage stream to consume (default: the namespace's; tests isolate themselves with their

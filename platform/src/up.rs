@@ -64,9 +64,9 @@ pub struct GatewayArgs {
     redis_down: String,
     #[command(flatten)]
     front: FrontDoorArgs,
-    /// The deployment's namespace in Redis: every key, stream and channel the gateway uses
-    /// there is named under it, so deployments sharing one Redis share nothing (their
-    /// `sluice billing` names the same one).
+    /// The deployment's namespace in Redis (1-64 ASCII letters, digits, `-`, `_`, `.`): every
+    /// key and stream the gateway uses there is named under it, so deployments sharing one
+    /// Redis share nothing (their `sluice billing` names the same one).
     #[arg(long, env = "SLUICE_REDIS_NAMESPACE", value_name = "NAME", default_value = Namespace::DEFAULT)]
     redis_namespace: Namespace,
     /// Usage stream (default: the namespace's; tests isolate themselves with their own).
