@@ -9,6 +9,7 @@
 //! Redis's clock (UTC minutes, days and calendar months), so replicas agree. The tenant's
 //! keys share one hash tag, which keeps the scripts valid on Redis Cluster.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -169,8 +170,10 @@ pub(crate) const REDIS_TIMEOUT: Duration = Duration::from_millis(300);
 #[derive(Clone)]
 pub struct Limiter {
     conn: RedisConn,
-    admit: redis::Script,
-    settle: redis::Script,
+    /// The scripts (their source and hash), shared by every clone: a clone per request
+    /// copies no Lua.
+    admit: Arc<redis::Script>,
+    settle: Arc<redis::Script>,
     /// How long a reservation lives without being settled.
     pub reservation_ttl: Duration,
     prefix: String,
@@ -199,8 +202,8 @@ impl Limiter {
     pub fn new(conn: impl Into<RedisConn>, prefix: &str, reservation_ttl: Duration) -> Self {
         Self {
             conn: conn.into(),
-            admit: redis::Script::new(include_str!("admit.lua")),
-            settle: redis::Script::new(include_str!("settle.lua")),
+            admit: Arc::new(redis::Script::new(include_str!("admit.lua"))),
+            settle: Arc::new(redis::Script::new(include_str!("settle.lua"))),
             reservation_ttl,
             prefix: prefix.to_owned(),
         }

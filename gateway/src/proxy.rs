@@ -1330,8 +1330,8 @@ impl Gateway {
         };
         let emitted = event.is_some();
         let (sink, id) = (self.usage.clone(), ctx.request_id.clone());
-        let s = settlement.clone();
         let both = async move {
+            let s = &settlement;
             let settle = s.limiter.settle(&s.tenant, s.key.as_deref(), &s.request_id, used);
             let emit = async {
                 match event {
@@ -1340,9 +1340,10 @@ impl Gateway {
                 }
             };
             let (settle, emit) = (AssertUnwindSafe(settle), AssertUnwindSafe(emit));
-            tokio::join!(settle.catch_unwind(), emit.catch_unwind())
+            let (settled, emitted) = tokio::join!(settle.catch_unwind(), emit.catch_unwind());
+            (settled, emitted, settlement)
         };
-        let (settled, emitted_as) = match self.on_io(both).await {
+        let (settled, emitted_as, settlement) = match self.on_io(both).await {
             Ok(both) => both,
             Err(e) => {
                 // The runtime is going down: the journal keeps the entry for the recovery.
@@ -1415,7 +1416,6 @@ impl Gateway {
 
 /// A reservation in Redis to settle: the limiter, the tenant, the API key whose own limits it
 /// was also made under, the request.
-#[derive(Clone)]
 struct Settlement {
     limiter: Limiter,
     tenant: String,
